@@ -1,0 +1,112 @@
+//! `rally`: the rallypoint command line. `main` parses arguments, sets up logging and
+//! calls into the libraries.
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use rallypoint_store::protocol::Limits;
+use rallypoint_store::server::{Server, ServerConfig};
+
+#[derive(Parser)]
+#[command(
+    name = "rally",
+    version,
+    about = "A control plane for distributed jobs"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// The key-value store.
+    Store {
+        #[command(subcommand)]
+        command: StoreCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum StoreCommand {
+    /// Run a standalone store server speaking PyTorch's TCPStore protocol.
+    Serve(ServeArgs),
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// Address to listen on; `::` (the default) also accepts IPv4 (dual-stack).
+    #[arg(long, default_value = "::")]
+    host: IpAddr,
+    /// Port to listen on; 0 picks a free one. The bound address is printed.
+    #[arg(long, default_value_t = 29500)]
+    port: u16,
+    /// Longest key accepted, in bytes.
+    #[arg(long, default_value_t = Limits::default().max_key_len)]
+    max_key_len: u64,
+    /// Longest value accepted, in bytes.
+    #[arg(long, default_value_t = Limits::default().max_value_len)]
+    max_value_len: u64,
+    /// Worker threads (default: one per core).
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("RALLY_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Store {
+            command: StoreCommand::Serve(args),
+        } => serve(args),
+    }
+}
+
+fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = args.threads {
+        rt.worker_threads(n.max(1));
+    }
+    let rt = rt
+        .enable_all()
+        .build()
+        .context("failed to start the runtime")?;
+    rt.block_on(async move {
+        let config = ServerConfig {
+            limits: Limits {
+                max_key_len: args.max_key_len,
+                max_value_len: args.max_value_len,
+                ..Limits::default()
+            },
+            shutdown_grace: Duration::from_secs(5),
+        };
+        let addr = SocketAddr::new(args.host, args.port);
+        let server = Server::bind(addr, config)
+            .await
+            .with_context(|| format!("failed to listen on {addr}"))?;
+        // Scripts read this line to learn the port.
+        println!("rally store listening on {}", server.local_addr());
+        let handle = server.spawn();
+        handle.run_until(shutdown_signal()).await;
+        tracing::info!("store server stopped");
+        anyhow::Ok(())
+    })
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}
