@@ -319,8 +319,16 @@ impl Keyspace {
         world_size: i64,
         signal: &Arc<Signal>,
     ) -> Result<WaitStart, CounterError> {
-        let count = self.add(key, 1)?;
+        // Count without waking: only the arrival that fills the barrier releases.
+        let old = match self.data.get(key) {
+            Some(v) => parse_counter(v)?,
+            None => 0,
+        };
+        let count = old.checked_add(1).ok_or(CounterError::Overflow)?;
+        self.data
+            .insert(key.to_vec(), Bytes::from(count.to_string().into_bytes()));
         if count >= world_size {
+            self.wake_all(key);
             return Ok(WaitStart::Ready);
         }
         Ok(WaitStart::Pending(self.register(&[key], signal)))

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::{Result, Store};
+use crate::{Result, Store, StoreError};
 
 /// A prefixed view of another store.
 #[derive(Clone)]
@@ -51,6 +51,23 @@ impl PrefixStore {
         k
     }
 
+    /// Rewrites a timeout's keys back into this view's names.
+    fn local<T>(&self, r: Result<T>) -> Result<T> {
+        r.map_err(|mut e| {
+            if let StoreError::Timeout { keys, missing, .. } = &mut e {
+                for k in keys.iter_mut().chain(missing.iter_mut()) {
+                    if let Some(local) = k
+                        .strip_prefix(self.prefix.as_str())
+                        .and_then(|r| r.get(1..))
+                    {
+                        *k = local.to_owned();
+                    }
+                }
+            }
+            e
+        })
+    }
+
     fn join_all(&self, keys: &[&str]) -> Vec<String> {
         keys.iter().map(|k| self.join(k)).collect()
     }
@@ -67,7 +84,7 @@ impl Store for PrefixStore {
     }
 
     async fn get(&self, key: &str) -> Result<Vec<u8>> {
-        self.inner.get(&self.join(key)).await
+        self.local(self.inner.get(&self.join(key)).await)
     }
 
     async fn get_now(&self, key: &str) -> Result<Vec<u8>> {
@@ -86,7 +103,7 @@ impl Store for PrefixStore {
 
     async fn wait_timeout(&self, keys: &[&str], timeout: Duration) -> Result<()> {
         let joined = self.join_all(keys);
-        self.inner.wait_timeout(&refs(&joined), timeout).await
+        self.local(self.inner.wait_timeout(&refs(&joined), timeout).await)
     }
 
     async fn check(&self, keys: &[&str]) -> Result<bool> {
@@ -104,7 +121,7 @@ impl Store for PrefixStore {
 
     async fn multi_get(&self, keys: &[&str]) -> Result<Vec<Vec<u8>>> {
         let joined = self.join_all(keys);
-        self.inner.multi_get(&refs(&joined)).await
+        self.local(self.inner.multi_get(&refs(&joined)).await)
     }
 
     async fn multi_set(&self, pairs: &[(&str, &[u8])]) -> Result<()> {
@@ -138,7 +155,7 @@ impl Store for PrefixStore {
     }
 
     async fn queue_pop(&self, key: &str, block: bool) -> Result<Vec<u8>> {
-        self.inner.queue_pop(&self.join(key), block).await
+        self.local(self.inner.queue_pop(&self.join(key), block).await)
     }
 
     async fn queue_len(&self, key: &str) -> Result<i64> {

@@ -5,20 +5,22 @@
 //! timeout sends `CANCEL_WAIT` and reads up to the `WAIT_CANCELED` byte. Unlike
 //! PyTorch's client, every command is bounded by the store timeout (PyTorch's blocks
 //! forever on a server that never answers an `ADD`), a timeout reports which keys
-//! were still missing, and a connection left in an unknown state (an I/O error, or a
-//! caller that dropped an operation half-way) is replaced on the next call instead of
-//! desynchronising every later reply.
+//! were still missing, and one store can be shared by many tasks: each call borrows
+//! a connection from a small pool (opening another when all are busy), so a task
+//! blocked in `get` does not stall the others. A call that fails or is dropped
+//! half-way takes its connection with it, so no stale reply is ever read by the next
+//! call. With one caller at a time, a store uses exactly one connection, as PyTorch's.
 //!
 //! With [`TcpStoreBuilder::is_master`] the store also hosts a [`Server`] on the
 //! current runtime, as `TCPStore(is_master=True)` does.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::sync::Mutex;
 use tokio::time::Instant;
 
 use crate::protocol::{
@@ -31,6 +33,8 @@ use crate::{owned, Result, Store, StoreError, TimeoutCell};
 /// How long a `CANCEL_WAIT` may take to be acknowledged before the connection is
 /// considered broken.
 const CANCEL_GRACE: Duration = Duration::from_secs(10);
+/// Idle connections kept for reuse.
+const MAX_IDLE: usize = 4;
 /// Most missing keys a timeout error looks up and names.
 const MAX_NAMED_MISSING: usize = 16;
 
@@ -96,7 +100,7 @@ impl TcpStoreBuilder {
             addr: format!("{}:{}", self.host, port),
             host: self.host.clone(),
             port,
-            conn: Mutex::new(None),
+            pool: Mutex::new(Vec::new()),
             timeout: TimeoutCell::new(self.timeout),
             max_reply_len: self.max_reply_len,
             server,
@@ -121,14 +125,11 @@ async fn bind_master(port: u16, config: ServerConfig) -> Result<Server> {
     }
 }
 
-/// A connection with its buffers.
+/// A validated connection with its buffers.
 struct Conn {
     stream: TcpStream,
     rbuf: Vec<u8>,
     wbuf: Vec<u8>,
-    /// Set while a request is in flight; still set when a call is dropped half-way,
-    /// which marks the connection as unusable.
-    busy: bool,
 }
 
 /// A client of a TCPStore-protocol server.
@@ -136,7 +137,9 @@ pub struct TcpStore {
     addr: String,
     host: String,
     port: u16,
-    conn: Mutex<Option<Conn>>,
+    /// Idle connections. A call takes one (or opens one) and gives it back only if
+    /// it completed cleanly.
+    pool: Mutex<Vec<Conn>>,
     timeout: TimeoutCell,
     max_reply_len: u64,
     server: Option<ServerHandle>,
@@ -212,7 +215,7 @@ impl TcpStore {
             addr: self.addr.clone(),
             host: self.host.clone(),
             port: self.port,
-            conn: Mutex::new(None),
+            pool: Mutex::new(Vec::new()),
             timeout: TimeoutCell::new(self.timeout.get()),
             max_reply_len: self.max_reply_len,
             server: None,
@@ -250,6 +253,11 @@ impl TcpStore {
         };
         self.wait_request("barrier", &req, &[key], self.timeout.get())
             .await
+    }
+
+    /// The `init/` worker count: how many stores built with a world size have joined.
+    pub async fn worker_count(&self) -> Result<i64> {
+        self.add_raw(WORKER_COUNT_KEY.as_bytes(), 0).await
     }
 
     async fn wait_for_workers(&self, expected: i64, started: Instant) -> Result<()> {
@@ -296,11 +304,32 @@ impl TcpStore {
         }
     }
 
-    /// Replaces the connection with a new one, retrying until `deadline`.
+    /// Opens a connection into the pool, retrying until `deadline`.
     async fn reconnect(&self, deadline: Instant) -> Result<()> {
         let conn = self.open(deadline).await?;
-        *self.conn.lock().await = Some(conn);
+        self.put(conn);
         Ok(())
+    }
+
+    fn idle(&self) -> std::sync::MutexGuard<'_, Vec<Conn>> {
+        self.pool.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Takes an idle connection, or opens one.
+    async fn take(&self, deadline: Instant) -> Result<Conn> {
+        let idle = self.idle().pop();
+        match idle {
+            Some(conn) => Ok(conn),
+            None => self.open(deadline).await,
+        }
+    }
+
+    /// Returns a connection whose last exchange completed.
+    fn put(&self, conn: Conn) {
+        let mut idle = self.idle();
+        if idle.len() < MAX_IDLE {
+            idle.push(conn);
+        }
     }
 
     async fn open(&self, deadline: Instant) -> Result<Conn> {
@@ -347,7 +376,6 @@ impl TcpStore {
                         stream,
                         rbuf: Vec::new(),
                         wbuf: Vec::new(),
-                        busy: false,
                     };
                     return self.handshake(&mut conn, deadline).await.map(|_| conn);
                 }
@@ -399,15 +427,11 @@ impl TcpStore {
             addr: self.addr.clone(),
             source,
         };
-        conn.busy = true;
         conn.stream.write_all(&conn.wbuf).await.map_err(lost)?;
         let Some(kind) = kind else {
-            conn.busy = false;
             return Ok(None);
         };
-        let reply = self.read_reply(conn, op, kind, deadline).await?;
-        conn.busy = false;
-        Ok(Some(reply))
+        self.read_reply(conn, op, kind, deadline).await.map(Some)
     }
 
     async fn read_reply(
@@ -463,24 +487,21 @@ impl TcpStore {
         }
     }
 
-    /// Sends one request and reads its reply (if it has one), on a healthy
-    /// connection. Any failure drops the connection; the next call reconnects.
+    /// Sends one request and reads its reply (if it has one). A connection that
+    /// failed is dropped, not returned to the pool.
     async fn send(
         &self,
         op: &'static str,
         req: &Request<'_>,
         kind: Option<ReplyKind>,
     ) -> Result<Option<Reply>> {
-        let mut guard = self.conn.lock().await;
         let deadline = Instant::now() + self.timeout.get();
-        let conn = self.healthy(&mut guard, deadline).await?;
+        let mut conn = self.take(deadline).await?;
         conn.wbuf.clear();
         req.encode(&mut conn.wbuf);
-        let result = self.exchange(conn, op, kind, deadline).await;
-        if result.is_err() {
-            *guard = None;
-        }
-        result
+        let reply = self.exchange(&mut conn, op, kind, deadline).await?;
+        self.put(conn);
+        Ok(reply)
     }
 
     async fn call(&self, op: &'static str, req: &Request<'_>, kind: ReplyKind) -> Result<Reply> {
@@ -488,18 +509,6 @@ impl TcpStore {
             .send(op, req, Some(kind))
             .await?
             .expect("a reply was asked for"))
-    }
-
-    async fn healthy<'g>(
-        &self,
-        guard: &'g mut Option<Conn>,
-        deadline: Instant,
-    ) -> Result<&'g mut Conn> {
-        if guard.as_ref().is_none_or(|c| c.busy) {
-            *guard = None;
-            *guard = Some(self.open(deadline).await?);
-        }
-        Ok(guard.as_mut().expect("connection was just opened"))
     }
 
     /// Sends a WAIT-like request (WAIT or BARRIER) and waits for STOP_WAITING. On
@@ -511,32 +520,22 @@ impl TcpStore {
         keys: &[&str],
         timeout: Duration,
     ) -> Result<()> {
-        let mut guard = self.conn.lock().await;
         let started = Instant::now();
         let deadline = started + timeout;
-        let conn = self
-            .healthy(&mut guard, started + self.timeout.get().max(timeout))
-            .await?;
+        let mut conn = self.take(started + self.timeout.get().max(timeout)).await?;
         conn.wbuf.clear();
         req.encode(&mut conn.wbuf);
-        let outcome = match self
-            .exchange(conn, op, Some(ReplyKind::Byte), deadline)
+        let completed = match self
+            .exchange(&mut conn, op, Some(ReplyKind::Byte), deadline)
             .await
         {
-            Ok(Some(Reply::Byte(STOP_WAITING))) => Ok(true),
-            Ok(Some(other)) => Err(self.unexpected(op, other)),
+            Ok(Some(Reply::Byte(STOP_WAITING))) => true,
+            Ok(Some(other)) => return Err(self.unexpected(op, other)),
             Ok(None) => unreachable!("a reply was asked for"),
-            Err(StoreError::NoReply { .. }) => self.cancel_wait(conn, op).await,
-            Err(e) => Err(e),
+            Err(StoreError::NoReply { .. }) => self.cancel_wait(&mut conn, op).await?,
+            Err(e) => return Err(e),
         };
-        let completed = match outcome {
-            Ok(c) => c,
-            Err(e) => {
-                *guard = None;
-                return Err(e);
-            }
-        };
-        drop(guard);
+        self.put(conn);
         if completed {
             return Ok(());
         }
@@ -567,7 +566,6 @@ impl TcpStore {
                 None => unreachable!("a reply was asked for"),
             }
             next = Some(self.read_reply(conn, op, ReplyKind::Byte, deadline).await?);
-            conn.busy = false;
         }
     }
 

@@ -413,7 +413,9 @@ mod tests {
 
     impl Owned {
         fn borrow(&self) -> Request<'_> {
-            let ks = |v: &'_ Vec<Vec<u8>>| v.iter().map(|k| k.as_slice()).collect::<Vec<_>>();
+            fn ks(v: &[Vec<u8>]) -> Vec<&[u8]> {
+                v.iter().map(Vec::as_slice).collect()
+            }
             match self {
                 Owned::Validate(m) => Request::Validate { magic: *m },
                 Owned::Set(k, v) => Request::Set { key: k, value: v },

@@ -1,1 +1,8 @@
-//! Integration tests of the store crate.
+//! Integration tests of the store crate: one binary, one module per area.
+
+mod client;
+mod conformance;
+mod protocol;
+mod support;
+mod torch;
+mod utils;
