@@ -8,7 +8,7 @@ use rallypoint_store::{FileStore, MemoryStore, PrefixStore, Store, StoreError};
 use crate::support;
 
 /// Everything every store must do the same way.
-async fn conformance(store: Arc<dyn Store>, queues: bool) {
+pub async fn conformance(store: Arc<dyn Store>, queues: bool) {
     store.set_timeout(Duration::from_secs(5));
     // set / get / overwrite, binary values
     store.set("a", b"1").await.unwrap();
