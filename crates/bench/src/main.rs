@@ -1,1 +1,635 @@
-fn main() {}
+//! Benchmark programs for rallypoint. Not tests: they print figures, and
+//! `docs/benchmarks.md` records the command and the results.
+//!
+//! `rallypoint-bench store` drives TCPStore-protocol servers — ours (`rally store
+//! serve`) and PyTorch's (libuv, started by `crates/store/tests/py/torch_server.py`) —
+//! with one load generator, in the same run, each server in its own process:
+//!
+//! - throughput: K connections each looping SET, GET, ADD, WAIT (on a present key);
+//!   ops/s and per-request latency percentiles;
+//! - latency: one connection doing PING and GET round trips, beside a raw loopback
+//!   TCP ping-pong of the same sizes (a blocking echo thread);
+//! - connection storm: N clients connect, VALIDATE, PING, `ADD init/`, then pass a
+//!   store barrier (ADD a counter; the last sets a key; all WAIT on it);
+//! - memory: server RSS growth per idle connection, over M connections.
+
+use std::io::{Read, Write};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use rallypoint_store::protocol::{
+    decode_reply, Decoded, Reply, ReplyKind, Request, VALIDATE_MAGIC,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+#[derive(Parser)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Store server benchmarks: ours and PyTorch's in the same run.
+    Store(StoreArgs),
+}
+
+#[derive(clap::Args, Clone)]
+struct StoreArgs {
+    /// Concurrent connections for the throughput test.
+    #[arg(long, default_value_t = 64)]
+    connections: usize,
+    /// Seconds per throughput measurement.
+    #[arg(long, default_value_t = 5.0)]
+    seconds: f64,
+    /// Round trips for the latency test.
+    #[arg(long, default_value_t = 20000)]
+    round_trips: usize,
+    /// Clients in the connection storm.
+    #[arg(long, default_value_t = 16384)]
+    storm: usize,
+    /// Idle connections for the memory measurement.
+    #[arg(long, default_value_t = 8000)]
+    idle: usize,
+    /// Smaller storm and idle counts run against every server, for a like-for-like
+    /// ratio with servers too slow to accept the full counts (PyTorch's libuv server
+    /// accepts about ten connections a second here).
+    #[arg(long, default_value_t = 64)]
+    small: usize,
+    /// Which servers: any of rally, torch, torch-legacy.
+    #[arg(long, value_delimiter = ',', default_value = "rally,torch")]
+    servers: Vec<String>,
+    /// Which measurements: any of throughput, latency, storm, memory.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "throughput,latency,storm,memory"
+    )]
+    tests: Vec<String>,
+    /// Worker threads for our server (default: one per core).
+    #[arg(long)]
+    rally_threads: Option<usize>,
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    rallypoint_store::server::raise_fd_limit();
+    match cli.command {
+        Cmd::Store(args) => store(args),
+    }
+}
+
+/// A server under test, in its own process.
+struct Target {
+    name: String,
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        drop(self.child.stdin.take());
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn python() -> PathBuf {
+    std::env::var_os("RALLY_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo_root().join(".venv/bin/python"))
+}
+
+fn start(name: &str, args: &StoreArgs) -> Result<Target> {
+    let mut cmd = match name {
+        "rally" => {
+            let exe = std::env::current_exe()?.with_file_name("rally");
+            let mut c = Command::new(&exe);
+            c.args(["store", "serve", "--host", "127.0.0.1", "--port", "0"]);
+            if let Some(n) = args.rally_threads {
+                c.args(["--threads", &n.to_string()]);
+            }
+            c.env("RALLY_LOG", "warn");
+            c
+        }
+        "torch" | "torch-legacy" => {
+            let mut c = Command::new(python());
+            c.arg(repo_root().join("crates/store/tests/py/torch_server.py"));
+            c.arg(if name == "torch" { "libuv" } else { "legacy" });
+            c
+        }
+        other => bail!("unknown server {other}"),
+    };
+    let mut child = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .with_context(|| format!("starting {name} (build rally with --release first)"))?;
+    let mut out = child.stdout.take().context("stdout")?;
+    let mut line = Vec::new();
+    let mut b = [0u8; 1];
+    while out.read(&mut b)? == 1 && b[0] != b'\n' {
+        line.push(b[0]);
+    }
+    let line = String::from_utf8_lossy(&line).into_owned();
+    let port: u16 = if let Some(p) = line.strip_prefix("PORT ") {
+        p.trim().parse()?
+    } else if let Some(a) = line.strip_prefix("rally store listening on ") {
+        a.trim().parse::<SocketAddr>()?.port()
+    } else {
+        bail!("{name} printed {line:?}");
+    };
+    Ok(Target {
+        name: name.to_owned(),
+        child,
+        addr: SocketAddr::from(([127, 0, 0, 1], port)),
+    })
+}
+
+/// CPU time (user + system) the process has used.
+fn cpu_time(pid: u32) -> Result<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // Fields after the command name, which is in parentheses and may hold spaces.
+    let rest = &stat[stat.rfind(')').context("stat format")? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = f[11].parse::<u64>()? + f[12].parse::<u64>()?;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
+    Ok(Duration::from_micros(ticks * 1_000_000 / hz))
+}
+
+fn rss_kib(pid: u32) -> Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let line = status
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .context("no VmRSS")?;
+    Ok(line
+        .split_whitespace()
+        .nth(1)
+        .context("VmRSS value")?
+        .parse()?)
+}
+
+/// A raw protocol connection for the load generator.
+struct Conn {
+    stream: TcpStream,
+    wbuf: Vec<u8>,
+    rbuf: Vec<u8>,
+}
+
+impl Conn {
+    async fn open(addr: SocketAddr) -> Result<Conn> {
+        Self::open_from(addr, None).await
+    }
+
+    /// Connects from source address 127.0.0.`source` when given. Thousands of
+    /// connections from one address to one server make each `connect()` scan the
+    /// ephemeral port range; a real storm comes from many hosts, so the storm spreads
+    /// its clients over loopback addresses (for every server alike).
+    async fn open_from(addr: SocketAddr, source: Option<u8>) -> Result<Conn> {
+        let stream = match source {
+            None => TcpStream::connect(addr).await?,
+            Some(host) => {
+                let socket = tokio::net::TcpSocket::new_v4()?;
+                let one: libc::c_int = 1;
+                // SAFETY: setsockopt with a valid fd and an int option value.
+                unsafe {
+                    libc::setsockopt(
+                        std::os::fd::AsRawFd::as_raw_fd(&socket),
+                        libc::IPPROTO_IP,
+                        libc::IP_BIND_ADDRESS_NO_PORT,
+                        (&one as *const libc::c_int).cast(),
+                        std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                    );
+                }
+                socket.bind(SocketAddr::from(([127, 0, 0, host], 0)))?;
+                socket.connect(addr).await?
+            }
+        };
+        stream.set_nodelay(true)?;
+        let mut c = Conn {
+            stream,
+            wbuf: Vec::new(),
+            rbuf: Vec::with_capacity(256),
+        };
+        c.wbuf.clear();
+        Request::Validate {
+            magic: VALIDATE_MAGIC,
+        }
+        .encode(&mut c.wbuf);
+        c.stream.write_all(&c.wbuf).await?;
+        c.call(&Request::Ping { nonce: 7 }, ReplyKind::Nonce)
+            .await?;
+        Ok(c)
+    }
+
+    async fn send(&mut self, req: &Request<'_>) -> Result<()> {
+        self.wbuf.clear();
+        req.encode(&mut self.wbuf);
+        self.stream.write_all(&self.wbuf).await?;
+        Ok(())
+    }
+
+    async fn call(&mut self, req: &Request<'_>, kind: ReplyKind) -> Result<Reply> {
+        self.send(req).await?;
+        self.reply(kind).await
+    }
+
+    async fn reply(&mut self, kind: ReplyKind) -> Result<Reply> {
+        loop {
+            if let Decoded::Complete(r, n) = decode_reply(kind, &self.rbuf, 1 << 30)? {
+                self.rbuf.drain(..n);
+                return Ok(r);
+            }
+            if self.stream.read_buf(&mut self.rbuf).await? == 0 {
+                bail!("server closed the connection");
+            }
+        }
+    }
+}
+
+fn percentile(sorted: &[u32], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    f64::from(sorted[i]) / 1000.0
+}
+
+struct Throughput {
+    ops_per_s: f64,
+    p50_us: f64,
+    p99_us: f64,
+}
+
+/// K connections, each looping SET k, GET k, ADD c, WAIT [k] for `seconds`.
+async fn throughput(addr: SocketAddr, k: usize, seconds: f64) -> Result<Throughput> {
+    let mut conns = Vec::with_capacity(k);
+    for _ in 0..k {
+        conns.push(Conn::open(addr).await?);
+    }
+    let start = Arc::new(tokio::sync::Barrier::new(k + 1));
+    let deadline = Arc::new(std::sync::OnceLock::<Instant>::new());
+    let mut tasks = Vec::new();
+    for (i, mut c) in conns.into_iter().enumerate() {
+        let (start, deadline) = (start.clone(), deadline.clone());
+        tasks.push(tokio::spawn(async move {
+            let key = format!("/bench/{i}");
+            let value = vec![b'x'; 32];
+            let mut lat: Vec<u32> = Vec::with_capacity(1 << 16);
+            let mut ops = 0u64;
+            start.wait().await;
+            let end = *deadline.get().expect("deadline set before release");
+            while Instant::now() < end {
+                c.send(&Request::Set {
+                    key: key.as_bytes(),
+                    value: &value,
+                })
+                .await?;
+                let t = Instant::now();
+                c.call(
+                    &Request::Get {
+                        key: key.as_bytes(),
+                    },
+                    ReplyKind::Str,
+                )
+                .await?;
+                lat.push(t.elapsed().as_nanos() as u32);
+                let t = Instant::now();
+                c.call(
+                    &Request::Add {
+                        key: b"/bench/counter",
+                        delta: 1,
+                    },
+                    ReplyKind::Int,
+                )
+                .await?;
+                lat.push(t.elapsed().as_nanos() as u32);
+                let t = Instant::now();
+                c.call(
+                    &Request::Wait {
+                        keys: vec![key.as_bytes()],
+                    },
+                    ReplyKind::Byte,
+                )
+                .await?;
+                lat.push(t.elapsed().as_nanos() as u32);
+                ops += 4;
+            }
+            anyhow::Ok((ops, lat))
+        }));
+    }
+    let t0 = Instant::now();
+    deadline
+        .set(t0 + Duration::from_secs_f64(seconds))
+        .expect("set once");
+    start.wait().await;
+    let mut ops = 0;
+    let mut lat = Vec::new();
+    for t in tasks {
+        let (o, l) = t.await??;
+        ops += o;
+        lat.extend(l);
+    }
+    let elapsed = t0.elapsed().as_secs_f64();
+    lat.sort_unstable();
+    Ok(Throughput {
+        ops_per_s: ops as f64 / elapsed,
+        p50_us: percentile(&lat, 0.5),
+        p99_us: percentile(&lat, 0.99),
+    })
+}
+
+/// Blocking round trips on one connection: write `req`, read `reply_len` bytes.
+fn ping_pong(
+    addr: SocketAddr,
+    hello: &[u8],
+    req: &[u8],
+    reply_len: usize,
+    n: usize,
+) -> Result<(f64, f64, f64)> {
+    let mut s = std::net::TcpStream::connect(addr)?;
+    s.set_nodelay(true)?;
+    s.write_all(hello)?;
+    let mut buf = vec![0u8; reply_len];
+    let mut lat = Vec::with_capacity(n);
+    for i in 0..n + n / 10 {
+        let t = Instant::now();
+        s.write_all(req)?;
+        s.read_exact(&mut buf)?;
+        if i >= n / 10 {
+            lat.push(t.elapsed().as_nanos() as u32);
+        }
+    }
+    lat.sort_unstable();
+    let mean = lat.iter().map(|&l| f64::from(l)).sum::<f64>() / lat.len() as f64 / 1000.0;
+    Ok((mean, percentile(&lat, 0.5), percentile(&lat, 0.99)))
+}
+
+/// A raw TCP echo of fixed sizes: read `req_len` bytes, write `reply_len`.
+fn raw_echo(req_len: usize, reply_len: usize) -> Result<SocketAddr> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let addr = l.local_addr()?;
+    std::thread::spawn(move || {
+        let Ok((mut s, _)) = l.accept() else { return };
+        let _ = s.set_nodelay(true);
+        let mut req = vec![0u8; req_len];
+        let reply = vec![0u8; reply_len];
+        while s.read_exact(&mut req).is_ok() {
+            if s.write_all(&reply).is_err() {
+                return;
+            }
+        }
+    });
+    Ok(addr)
+}
+
+/// N clients: connect, VALIDATE, PING, ADD init/, then a store barrier.
+async fn storm(addr: SocketAddr, n: usize, prefix: &str) -> Result<Duration> {
+    // Bound connects in flight so the listen backlog never overflows into SYN
+    // retransmits (which would measure the kernel's 1 s retry timer, not the server).
+    let gate = Arc::new(tokio::sync::Semaphore::new(1024));
+    let t0 = Instant::now();
+    let mut tasks = Vec::with_capacity(n);
+    for i in 0..n {
+        let gate = gate.clone();
+        let prefix = prefix.to_owned();
+        let source = 2 + (i % 250) as u8;
+        tasks.push(tokio::spawn(async move {
+            let permit = gate.acquire_owned().await?;
+            let mut c = Conn::open_from(addr, Some(source)).await?;
+            c.call(
+                &Request::Add {
+                    key: b"init/",
+                    delta: 1,
+                },
+                ReplyKind::Int,
+            )
+            .await?;
+            drop(permit);
+            let members = format!("/{prefix}/num_members");
+            let last = format!("/{prefix}/last_member");
+            let Reply::Int(arrived) = c
+                .call(
+                    &Request::Add {
+                        key: members.as_bytes(),
+                        delta: 1,
+                    },
+                    ReplyKind::Int,
+                )
+                .await?
+            else {
+                bail!("bad ADD reply")
+            };
+            if arrived as usize == n {
+                c.send(&Request::Set {
+                    key: last.as_bytes(),
+                    value: b"1",
+                })
+                .await?;
+            }
+            c.call(
+                &Request::Wait {
+                    keys: vec![last.as_bytes()],
+                },
+                ReplyKind::Byte,
+            )
+            .await?;
+            anyhow::Ok(c)
+        }));
+    }
+    let mut conns = Vec::with_capacity(n);
+    for t in tasks {
+        conns.push(t.await??);
+    }
+    let took = t0.elapsed();
+    drop(conns);
+    Ok(took)
+}
+
+/// Server RSS growth per idle (validated, pinged) connection, in bytes.
+async fn memory_per_conn(target: &Target, m: usize) -> Result<f64> {
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before = rss_kib(target.child.id())?;
+    let mut conns = Vec::with_capacity(m);
+    for i in 0..m {
+        conns.push(Conn::open_from(target.addr, Some(2 + (i % 250) as u8)).await?);
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let after = rss_kib(target.child.id())?;
+    drop(conns);
+    Ok((after.saturating_sub(before) * 1024) as f64 / m as f64)
+}
+
+fn store(args: StoreArgs) -> Result<()> {
+    // The load generator gets one thread, so the server under test has the other core.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let want = |t: &str| args.tests.iter().any(|x| x == t);
+    println!(
+        "# store benchmark: {} cores, servers {:?}",
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        args.servers
+    );
+    let mut rows: Vec<(String, String, f64, String)> = Vec::new();
+    let mut record = |test: &str, server: &str, value: f64, unit: &str| {
+        println!("{test:<34} {server:<13} {value:>12.1} {unit}");
+        rows.push((test.to_owned(), server.to_owned(), value, unit.to_owned()));
+    };
+
+    if want("latency") {
+        // PING: 5 bytes out, 4 back. GET of a 32-byte value: 1+8+k out, 8+32 back.
+        let ping = [0x0d, 1, 2, 3, 4];
+        let mut get = Vec::new();
+        Request::Get { key: b"/lat" }.encode(&mut get);
+        let raw_ping = raw_echo(ping.len(), 4)?;
+        let (m, p50, p99) = ping_pong(raw_ping, &[], &ping, 4, args.round_trips)?;
+        record(
+            "latency ping-size mean (us)",
+            "raw-tcp",
+            m,
+            &format!("p50 {p50:.1} p99 {p99:.1}"),
+        );
+        let raw_get = raw_echo(get.len(), 40)?;
+        let (m, p50, p99) = ping_pong(raw_get, &[], &get, 40, args.round_trips)?;
+        record(
+            "latency get-size mean (us)",
+            "raw-tcp",
+            m,
+            &format!("p50 {p50:.1} p99 {p99:.1}"),
+        );
+        for name in &args.servers {
+            let t = start(name, &args)?;
+            let hello = [0x00, 0xce, 0xf7, 0x85, 0x3c];
+            let mut setup = hello.to_vec();
+            Request::Set {
+                key: b"/lat",
+                value: &[b'v'; 32],
+            }
+            .encode(&mut setup);
+            let (m, p50, p99) = ping_pong(t.addr, &hello, &ping, 4, args.round_trips)?;
+            record(
+                "latency ping-size mean (us)",
+                &t.name,
+                m,
+                &format!("p50 {p50:.1} p99 {p99:.1}"),
+            );
+            let (m, p50, p99) = ping_pong(t.addr, &setup, &get, 40, args.round_trips)?;
+            record(
+                "latency get-size mean (us)",
+                &t.name,
+                m,
+                &format!("p50 {p50:.1} p99 {p99:.1}"),
+            );
+        }
+    }
+    if want("throughput") {
+        for name in &args.servers {
+            let t = start(name, &args)?;
+            let cpu0 = cpu_time(t.child.id())?;
+            let r = rt.block_on(throughput(t.addr, args.connections, args.seconds))?;
+            let cpu = cpu_time(t.child.id())?.saturating_sub(cpu0);
+            let cpu_per_op = cpu.as_secs_f64() * 1e9 / (r.ops_per_s * args.seconds);
+            record(
+                &format!("throughput {} conns (ops/s)", args.connections),
+                &t.name,
+                r.ops_per_s,
+                &format!("p50 {:.1}us p99 {:.1}us", r.p50_us, r.p99_us),
+            );
+            record(
+                "server cpu per op (ns)",
+                &t.name,
+                cpu_per_op,
+                &format!(
+                    "server used {:.0}% of one core",
+                    cpu.as_secs_f64() * 100.0 / args.seconds
+                ),
+            );
+        }
+    }
+    if want("storm") {
+        for name in &args.servers {
+            let sizes = if name == "rally" {
+                vec![args.small, args.storm]
+            } else {
+                vec![args.small]
+            };
+            for n in sizes {
+                let t = start(name, &args)?;
+                let cpu0 = cpu_time(t.child.id())?;
+                let took = rt.block_on(storm(t.addr, n, "storm"))?;
+                let cpu = cpu_time(t.child.id())?.saturating_sub(cpu0);
+                record(
+                    &format!("storm {n} clients (ms)"),
+                    &t.name,
+                    took.as_secs_f64() * 1000.0,
+                    &format!("connect+validate+ping+init+barrier; server cpu {cpu:?}"),
+                );
+            }
+        }
+    }
+    if want("memory") {
+        for name in &args.servers {
+            let sizes = if name == "rally" {
+                vec![args.small, args.idle]
+            } else {
+                vec![args.small]
+            };
+            for m in sizes {
+                let t = start(name, &args)?;
+                let bytes = rt.block_on(memory_per_conn(&t, m))?;
+                record(
+                    &format!("memory per idle conn (bytes, {m})"),
+                    &t.name,
+                    bytes,
+                    "RSS growth / connections",
+                );
+            }
+        }
+    }
+
+    // Ratios, rally against each other server.
+    println!("\n# ratios (rally vs other; >1 means rally is better)");
+    let find = |test: &str, server: &str| {
+        rows.iter()
+            .find(|r| r.0 == test && r.1 == server)
+            .map(|r| r.2)
+    };
+    let tests: Vec<String> = rows
+        .iter()
+        .map(|r| r.0.clone())
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    for test in tests {
+        let Some(ours) = find(&test, "rally") else {
+            continue;
+        };
+        let higher_is_better = test.starts_with("throughput");
+        if test.starts_with("server cpu") {
+            // Reported as-is below.
+        }
+        for other in rows.iter().filter(|r| r.0 == test && r.1 != "rally") {
+            let ratio = if higher_is_better {
+                ours / other.2
+            } else {
+                other.2 / ours
+            };
+            println!("{test:<34} rally vs {:<13} {ratio:>6.2}x", other.1);
+        }
+    }
+    Ok(())
+}

@@ -11,7 +11,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use tokio::io::AsyncWriteExt;
+use std::os::fd::AsRawFd;
+
+use tokio::io::{AsyncWriteExt, Interest};
 use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 
@@ -99,7 +101,7 @@ impl Connection {
             tokio::select! {
                 biased;
                 _ = &mut cancelled => return Close::Normal,
-                _ = signal.notified() => self.report_fired(),
+                _ = signal.notified(), if self.outstanding > 0 => self.report_fired(),
                 ready = stream.readable() => {
                     if let Err(e) = ready {
                         return Close::Io(e);
@@ -125,7 +127,7 @@ impl Connection {
     fn read_and_handle(&mut self, stream: &TcpStream) -> Result<bool, Close> {
         SCRATCH.with(|scratch| {
             let mut scratch = scratch.borrow_mut();
-            let n = match stream.try_read(&mut scratch) {
+            let n = match read_clearing_readiness(stream, &mut scratch) {
                 Ok(0) => return Ok(false),
                 Ok(n) => n,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(true),
@@ -330,6 +332,34 @@ impl Connection {
             self.out.clear();
         }
         r
+    }
+}
+
+/// Reads once into `buf`. A read that does not fill the buffer drained the socket, so
+/// it also clears tokio's readiness flag: otherwise the next turn of the loop would
+/// spend a `recv` just to learn `EAGAIN` (tokio's `try_read` does not do this; its
+/// `poll_read` does). Tokio only clears the flag if no new readiness event arrived
+/// meanwhile, so data that lands after the read is never missed.
+fn read_clearing_readiness(stream: &TcpStream, buf: &mut [u8]) -> std::io::Result<usize> {
+    let fd = stream.as_raw_fd();
+    let mut short = 0;
+    let r = stream.try_io(Interest::READABLE, || {
+        // SAFETY: `buf` is valid for `buf.len()` writable bytes, and `fd` is the
+        // open socket `stream` owns for the duration of this call.
+        let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), 0) };
+        if n < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let n = n as usize;
+        if n > 0 && n < buf.len() {
+            short = n;
+            return Err(std::io::ErrorKind::WouldBlock.into());
+        }
+        Ok(n)
+    });
+    match r {
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && short > 0 => Ok(short),
+        other => other,
     }
 }
 
