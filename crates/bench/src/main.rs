@@ -115,6 +115,11 @@ fn python() -> PathBuf {
 }
 
 fn start(name: &str, args: &StoreArgs) -> Result<Target> {
+    start_pinned(name, args, None)
+}
+
+/// Starts a target, optionally with all its threads pinned to one CPU.
+fn start_pinned(name: &str, args: &StoreArgs, cpu: Option<usize>) -> Result<Target> {
     let mut cmd = match name {
         "rally" => {
             let exe = std::env::current_exe()?.with_file_name("rally");
@@ -144,6 +149,19 @@ fn start(name: &str, args: &StoreArgs) -> Result<Target> {
         }
         other => bail!("unknown server {other}"),
     };
+    if let Some(cpu) = cpu {
+        let program = cmd.get_program().to_owned();
+        let rest: Vec<_> = cmd.get_args().map(|a| a.to_owned()).collect();
+        let envs: Vec<_> = cmd
+            .get_envs()
+            .filter_map(|(k, v)| Some((k.to_owned(), v?.to_owned())))
+            .collect();
+        cmd = Command::new("taskset");
+        cmd.args(["-c", &cpu.to_string()])
+            .arg(program)
+            .args(rest)
+            .envs(envs);
+    }
     let mut child = cmd
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -169,6 +187,21 @@ fn start(name: &str, args: &StoreArgs) -> Result<Target> {
         child,
         addr: SocketAddr::from(([127, 0, 0, 1], port)),
     })
+}
+
+/// Pins the calling thread to `cpu`, or lets it run anywhere again.
+fn pin_current_thread(cpu: Option<usize>) {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; the calls only read it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        let n = std::thread::available_parallelism().map_or(1, |n| n.get());
+        for c in 0..n {
+            if cpu.is_none_or(|p| p == c) {
+                libc::CPU_SET(c, &mut set);
+            }
+        }
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+    }
 }
 
 /// CPU time (user + system) the process has used.
@@ -548,12 +581,14 @@ fn store(args: StoreArgs) -> Result<()> {
                 let _ = (req, reply);
             }
         }
-        let targets: Vec<Target> = runs
+        // Everything on CPU 0: a wake-up across vCPUs costs ~10x a local one on these
+        // VMs and which one a run gets is up to the scheduler, so pinning keeps the
+        // comparison about the software path.
+        pin_current_thread(Some(0));
+        let names: std::collections::BTreeSet<String> = runs.iter().map(|r| r.0.clone()).collect();
+        let targets: Vec<Target> = names
             .iter()
-            .map(|r| r.0.clone())
-            .collect::<std::collections::BTreeSet<_>>()
-            .into_iter()
-            .map(|n| start(&n, &args))
+            .map(|n| start_pinned(n, &args, Some(0)))
             .collect::<Result<_>>()?;
         for _round in 0..LATENCY_ROUNDS {
             for (name, kind, results) in runs.iter_mut() {
@@ -592,10 +627,11 @@ fn store(args: StoreArgs) -> Result<()> {
                 &format!("latency {kind}-size mean (us)"),
                 server,
                 m,
-                &format!("p50 {p50:.1} p99 {p99:.1} (median of {LATENCY_ROUNDS} rounds)"),
+                &format!("p50 {p50:.1} p99 {p99:.1} (median of {LATENCY_ROUNDS} rounds, same CPU)"),
             );
         }
     }
+    pin_current_thread(None);
     if want("throughput") {
         for name in &args.servers {
             let t = start(name, &args)?;

@@ -71,10 +71,17 @@ fn main() -> anyhow::Result<()> {
 }
 
 fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let mut rt = tokio::runtime::Builder::new_multi_thread();
-    if let Some(n) = args.threads {
-        rt.worker_threads(n.max(1));
-    }
+    // One thread means one thread: a current-thread runtime keeps the I/O driver
+    // and the connection tasks together, with no hand-off between threads.
+    let mut rt = match args.threads {
+        Some(0 | 1) => tokio::runtime::Builder::new_current_thread(),
+        Some(n) => {
+            let mut b = tokio::runtime::Builder::new_multi_thread();
+            b.worker_threads(n);
+            b
+        }
+        None => tokio::runtime::Builder::new_multi_thread(),
+    };
     let rt = rt
         .enable_all()
         .build()
