@@ -399,6 +399,21 @@ async fn throughput(addr: SocketAddr, k: usize, seconds: f64) -> Result<Throughp
     })
 }
 
+/// Round-trip times of one latency run, in microseconds.
+#[derive(Clone, Copy)]
+struct RoundTrips {
+    mean: f64,
+    p50: f64,
+    p99: f64,
+}
+
+/// One target and message size of the latency test, with its rounds.
+struct LatencyRun {
+    target: String,
+    kind: &'static str,
+    rounds: Vec<RoundTrips>,
+}
+
 /// Blocking round trips on one connection: write `req`, read `reply_len` bytes.
 fn ping_pong(
     addr: SocketAddr,
@@ -406,7 +421,7 @@ fn ping_pong(
     req: &[u8],
     reply_len: usize,
     n: usize,
-) -> Result<(f64, f64, f64)> {
+) -> Result<RoundTrips> {
     let mut s = std::net::TcpStream::connect(addr)?;
     s.set_nodelay(true)?;
     s.write_all(hello)?;
@@ -422,7 +437,11 @@ fn ping_pong(
     }
     lat.sort_unstable();
     let mean = lat.iter().map(|&l| f64::from(l)).sum::<f64>() / lat.len() as f64 / 1000.0;
-    Ok((mean, percentile(&lat, 0.5), percentile(&lat, 0.99)))
+    Ok(RoundTrips {
+        mean,
+        p50: percentile(&lat, 0.5),
+        p99: percentile(&lat, 0.99),
+    })
 }
 
 /// Interleaved rounds of the latency test; the median round is reported.
@@ -567,71 +586,75 @@ fn store(args: StoreArgs) -> Result<()> {
             value: &[b'v'; 32],
         }
         .encode(&mut setup);
-        let mut runs: Vec<(String, &str, Vec<(f64, f64, f64)>)> = Vec::new();
-        for name in ["raw-ping", "raw-get"]
-            .iter()
-            .map(|s| s.to_string())
-            .chain(args.servers.iter().cloned())
-        {
-            for (kind, req, reply) in [("ping", &ping[..], 4usize), ("get", &get[..], 40)] {
-                if (name == "raw-ping" && kind == "get") || (name == "raw-get" && kind == "ping") {
-                    continue;
-                }
-                runs.push((name.clone(), kind, Vec::new()));
-                let _ = (req, reply);
+        // The raw baseline has one echo process per message size.
+        let mut runs = vec![
+            LatencyRun {
+                target: "raw-ping".into(),
+                kind: "ping",
+                rounds: Vec::new(),
+            },
+            LatencyRun {
+                target: "raw-get".into(),
+                kind: "get",
+                rounds: Vec::new(),
+            },
+        ];
+        for server in &args.servers {
+            for kind in ["ping", "get"] {
+                runs.push(LatencyRun {
+                    target: server.clone(),
+                    kind,
+                    rounds: Vec::new(),
+                });
             }
         }
         // Everything on CPU 0: a wake-up across vCPUs costs ~10x a local one on these
         // VMs and which one a run gets is up to the scheduler, so pinning keeps the
         // comparison about the software path.
         pin_current_thread(Some(0));
-        let names: std::collections::BTreeSet<String> = runs.iter().map(|r| r.0.clone()).collect();
+        let names: std::collections::BTreeSet<&str> =
+            runs.iter().map(|r| r.target.as_str()).collect();
         let targets: Vec<Target> = names
             .iter()
             .map(|n| start_pinned(n, &args, Some(0)))
             .collect::<Result<_>>()?;
         for _round in 0..LATENCY_ROUNDS {
-            for (name, kind, results) in runs.iter_mut() {
-                let t = targets.iter().find(|t| &t.name == name).context("target")?;
-                let raw = name.starts_with("raw");
-                let (req, reply) = if *kind == "ping" {
-                    (&ping[..], 4)
-                } else {
-                    (&get[..], 40)
+            for run in runs.iter_mut() {
+                let t = targets
+                    .iter()
+                    .find(|t| t.name == run.target)
+                    .context("target")?;
+                let raw = run.target.starts_with("raw");
+                let (req, reply, pre): (&[u8], usize, &[u8]) = match (run.kind, raw) {
+                    ("ping", true) => (&ping, 4, &[]),
+                    ("ping", false) => (&ping, 4, &hello),
+                    (_, true) => (&get, 40, &[]),
+                    (_, false) => (&get, 40, &setup),
                 };
-                let pre: &[u8] = if raw {
-                    &[]
-                } else if *kind == "get" {
-                    &setup
-                } else {
-                    &hello
-                };
-                results.push(ping_pong(
-                    t.addr,
-                    pre,
-                    req,
-                    reply,
-                    args.round_trips / LATENCY_ROUNDS,
-                )?);
+                let n = args.round_trips / LATENCY_ROUNDS;
+                run.rounds.push(ping_pong(t.addr, pre, req, reply, n)?);
             }
         }
-        for (name, kind, mut results) in runs {
-            results.sort_by(|a, b| a.0.total_cmp(&b.0));
-            let (m, p50, p99) = results[results.len() / 2];
-            let server = if name.starts_with("raw") {
+        for mut run in runs {
+            run.rounds.sort_by(|a, b| a.mean.total_cmp(&b.mean));
+            let mid = run.rounds[run.rounds.len() / 2];
+            let server = if run.target.starts_with("raw") {
                 "raw-tcp"
             } else {
-                name.as_str()
+                run.target.as_str()
             };
             record(
-                &format!("latency {kind}-size mean (us)"),
+                &format!("latency {}-size mean (us)", run.kind),
                 server,
-                m,
-                &format!("p50 {p50:.1} p99 {p99:.1} (median of {LATENCY_ROUNDS} rounds, same CPU)"),
+                mid.mean,
+                &format!(
+                    "p50 {:.1} p99 {:.1} (median of {LATENCY_ROUNDS} rounds, same CPU)",
+                    mid.p50, mid.p99
+                ),
             );
         }
+        pin_current_thread(None);
     }
-    pin_current_thread(None);
     if want("throughput") {
         for name in &args.servers {
             let t = start(name, &args)?;

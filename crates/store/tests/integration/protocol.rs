@@ -395,3 +395,73 @@ fn shutdown_closes_connections() {
     blocking::block_on(server.shutdown());
     assert!(closed_by_peer(&mut c));
 }
+
+/// A log sink for the test below.
+#[derive(Clone, Default)]
+struct LogBuf(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for LogBuf {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn bad_input_is_logged_with_its_reason() {
+    let logs = LogBuf::default();
+    let sink = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || sink.clone())
+        .with_ansi(false)
+        .finish();
+    // nextest runs each test in its own process; under `cargo test` another test
+    // may have set it first, and then this one's lines still land in the global one.
+    if tracing::subscriber::set_global_default(subscriber).is_err() {
+        return;
+    }
+    let server = serve();
+    let mut c = raw(server.local_addr());
+    c.write_all(&[19]).unwrap();
+    assert!(closed_by_peer(&mut c));
+    let text = || String::from_utf8_lossy(&logs.0.lock().unwrap()).into_owned();
+    wait_until("the reason is logged", || {
+        text().contains("unknown command code 19")
+    });
+    let line = text();
+    assert!(
+        line.contains("closing store connection after bad input"),
+        "{line}"
+    );
+    assert!(line.contains("127.0.0.1:"), "the peer is named: {line}");
+}
+
+#[test]
+fn a_client_that_stops_reading_stalls_nobody_else() {
+    let server = serve();
+    let mut setup = raw(server.local_addr());
+    let value = vec![7u8; 1 << 20];
+    setup
+        .write_all(&cat(&[&[1], &s(b"/big"), &s(&value)]))
+        .unwrap();
+    // 64 GETs of 1 MiB, replies never read: the server's writes to it block.
+    let mut hog = raw(server.local_addr());
+    let get = cat(&[&[3], &s(b"/big")]);
+    for _ in 0..64 {
+        hog.write_all(&get).unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    // Everyone else is served promptly.
+    for _ in 0..20 {
+        let mut c = raw(server.local_addr());
+        c.write_all(&cat(&[&[4], &s(b"/n"), &i64le(1)])).unwrap();
+        read_n(&mut c, 8);
+    }
+    drop(hog);
+    wait_until("the hog's connection is closed", || {
+        server.stats().open <= 1
+    });
+}
