@@ -92,6 +92,14 @@ pub enum StoreError {
         missing: Vec<String>,
         tracing_note: Option<String>,
     },
+    /// The server could not listen on `addr`.
+    #[error("could not {op} on {addr}")]
+    Listen {
+        op: &'static str,
+        addr: String,
+        #[source]
+        source: std::io::Error,
+    },
     /// File-store I/O on `path` failed.
     #[error("file store {path}: {op} failed")]
     File {

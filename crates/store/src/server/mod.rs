@@ -113,9 +113,9 @@ impl Server {
     /// maximum listen backlog, and dual-stack when `addr` is the IPv6 wildcard. Port 0
     /// picks a free port. Also raises the file-descriptor limit to its hard limit.
     pub async fn bind(addr: SocketAddr, config: ServerConfig) -> Result<Server> {
-        let io = |source| StoreError::File {
+        let io = |source| StoreError::Listen {
             op: "bind",
-            path: addr.to_string(),
+            addr: addr.to_string(),
             source,
         };
         raise_fd_limit();
@@ -134,9 +134,12 @@ impl Server {
 
     /// Wraps an already bound and listening socket (tests bind port 0 themselves).
     pub fn from_listener(listener: std::net::TcpListener, config: ServerConfig) -> Result<Server> {
-        let io = |source| StoreError::File {
+        let addr = listener
+            .local_addr()
+            .map_or_else(|_| "listener".to_owned(), |a| a.to_string());
+        let io = |source| StoreError::Listen {
             op: "listen",
-            path: "listener".into(),
+            addr: addr.clone(),
             source,
         };
         listener.set_nonblocking(true).map_err(io)?;

@@ -192,3 +192,18 @@ async fn keys_carry_pytorchs_leading_slash() {
     .unwrap();
     assert_eq!(support::read_n(&mut c, 1), [0]);
 }
+
+#[tokio::test]
+async fn a_taken_port_is_a_clear_listen_error() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap();
+    let err = rallypoint_store::server::Server::bind(addr, Default::default())
+        .await
+        .err()
+        .expect("the port is taken");
+    assert!(
+        matches!(err, StoreError::Listen { op: "bind", .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains(&addr.to_string()), "{err}");
+}

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use rallypoint_store::{blocking, FileStore, Store, TcpStore};
 
-use crate::conformance::conformance;
+use crate::conformance::{conformance, Queues};
 use crate::support::{python, script};
 
 /// Runs a helper script to completion (bounded), returning its stdout; panics with
@@ -103,7 +103,7 @@ fn pytorch_client_against_our_server() {
     }
 }
 
-async fn our_client_against(kind: &str, queues: bool) {
+async fn our_client_against(kind: &str, queues: Queues) {
     let torch = TorchServer::start(kind);
     let store = TcpStore::builder("127.0.0.1", torch.port)
         .timeout(Duration::from_secs(10))
@@ -115,7 +115,7 @@ async fn our_client_against(kind: &str, queues: bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn our_client_against_pytorch_libuv_server() {
-    our_client_against("libuv", true).await;
+    our_client_against("libuv", Queues::Supported).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -128,79 +128,11 @@ async fn our_client_against_pytorch_legacy_server() {
         .await
         .unwrap();
     let store: Arc<dyn Store> = Arc::new(store);
-    no_queue_conformance(store.clone()).await;
+    conformance(store.clone(), Queues::Skip).await;
     assert!(store.queue_len("q").await.is_err());
     // ... and the store still works after the server dropped that connection.
     store.set("after", b"1").await.unwrap();
     assert_eq!(store.get("after").await.unwrap(), b"1");
-}
-
-/// The conformance suite minus queues, for servers without them.
-async fn no_queue_conformance(store: Arc<dyn Store>) {
-    struct NoQueues(Arc<dyn Store>);
-    #[async_trait::async_trait]
-    impl Store for NoQueues {
-        async fn set(&self, k: &str, v: &[u8]) -> rallypoint_store::Result<()> {
-            self.0.set(k, v).await
-        }
-        async fn get_now(&self, k: &str) -> rallypoint_store::Result<Vec<u8>> {
-            self.0.get_now(k).await
-        }
-        async fn add(&self, k: &str, d: i64) -> rallypoint_store::Result<i64> {
-            self.0.add(k, d).await
-        }
-        async fn compare_set(
-            &self,
-            k: &str,
-            e: &[u8],
-            d: &[u8],
-        ) -> rallypoint_store::Result<Vec<u8>> {
-            self.0.compare_set(k, e, d).await
-        }
-        async fn wait_timeout(&self, k: &[&str], t: Duration) -> rallypoint_store::Result<()> {
-            self.0.wait_timeout(k, t).await
-        }
-        async fn check(&self, k: &[&str]) -> rallypoint_store::Result<bool> {
-            self.0.check(k).await
-        }
-        async fn delete_key(&self, k: &str) -> rallypoint_store::Result<bool> {
-            self.0.delete_key(k).await
-        }
-        async fn num_keys(&self) -> rallypoint_store::Result<i64> {
-            self.0.num_keys().await
-        }
-        async fn multi_get(&self, k: &[&str]) -> rallypoint_store::Result<Vec<Vec<u8>>> {
-            self.0.multi_get(k).await
-        }
-        async fn multi_set(&self, p: &[(&str, &[u8])]) -> rallypoint_store::Result<()> {
-            self.0.multi_set(p).await
-        }
-        async fn append(&self, k: &str, v: &[u8]) -> rallypoint_store::Result<()> {
-            self.0.append(k, v).await
-        }
-        async fn list_keys(&self) -> rallypoint_store::Result<Vec<String>> {
-            self.0.list_keys().await
-        }
-        async fn queue_push(&self, _: &str, _: &[u8]) -> rallypoint_store::Result<()> {
-            Err(rallypoint_store::StoreError::Unsupported {
-                op: "queue_push",
-                backend: "legacy torch",
-            })
-        }
-        async fn queue_pop(&self, _: &str, _: bool) -> rallypoint_store::Result<Vec<u8>> {
-            unreachable!()
-        }
-        async fn queue_len(&self, _: &str) -> rallypoint_store::Result<i64> {
-            unreachable!()
-        }
-        fn timeout(&self) -> Duration {
-            self.0.timeout()
-        }
-        fn set_timeout(&self, t: Duration) {
-            self.0.set_timeout(t)
-        }
-    }
-    conformance(Arc::new(NoQueues(store)), false).await;
 }
 
 #[test]

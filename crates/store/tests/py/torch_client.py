@@ -102,4 +102,6 @@ assert done
 
 assert store.libuvBackend in (True, False)
 assert store.port == port
+assert store.host == host
+assert store.has_extended_api()
 print("OK")
