@@ -1,0 +1,377 @@
+//! A started group of workers: poll, wait, report, close.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use super::logs::Pump;
+use crate::errors::ErrorReport;
+
+/// How a process ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exit {
+    Code(i32),
+    Signal(i32),
+}
+
+impl Exit {
+    pub fn success(self) -> bool {
+        self == Exit::Code(0)
+    }
+
+    /// PyTorch's exit code convention: negative signal numbers.
+    pub fn code(self) -> i32 {
+        match self {
+            Exit::Code(c) => c,
+            Exit::Signal(s) => -s,
+        }
+    }
+
+    fn from_status(status: libc::c_int) -> Exit {
+        if libc::WIFSIGNALED(status) {
+            Exit::Signal(libc::WTERMSIG(status))
+        } else {
+            Exit::Code(libc::WEXITSTATUS(status))
+        }
+    }
+}
+
+/// The name of a signal, e.g. `SIGKILL`.
+pub fn signal_name(sig: i32) -> String {
+    // SAFETY: strsignal returns a static or thread-local string for any int.
+    let desc = unsafe { std::ffi::CStr::from_ptr(libc::strsignal(sig)) };
+    let abbrev = match sig {
+        libc::SIGHUP => "SIGHUP",
+        libc::SIGINT => "SIGINT",
+        libc::SIGQUIT => "SIGQUIT",
+        libc::SIGILL => "SIGILL",
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGBUS => "SIGBUS",
+        libc::SIGFPE => "SIGFPE",
+        libc::SIGKILL => "SIGKILL",
+        libc::SIGUSR1 => "SIGUSR1",
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGUSR2 => "SIGUSR2",
+        libc::SIGPIPE => "SIGPIPE",
+        libc::SIGALRM => "SIGALRM",
+        libc::SIGTERM => "SIGTERM",
+        _ => return desc.to_string_lossy().into_owned(),
+    };
+    abbrev.to_owned()
+}
+
+impl std::fmt::Display for Exit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Exit::Code(c) => write!(f, "exit code {c}"),
+            Exit::Signal(s) => write!(f, "signal {s} ({})", signal_name(*s)),
+        }
+    }
+}
+
+/// One failed worker.
+#[derive(Debug, Clone)]
+pub struct ProcessFailure {
+    pub local_rank: usize,
+    pub pid: u32,
+    pub exit: Exit,
+    /// What the worker wrote to its error file, if anything.
+    pub error: Option<ErrorReport>,
+    pub error_file: PathBuf,
+    /// When it failed: the error file's timestamp, else when the exit was seen.
+    pub timestamp: SystemTime,
+}
+
+impl ProcessFailure {
+    /// The error message, or a description of the exit.
+    pub fn message(&self) -> String {
+        match (&self.error, self.exit) {
+            (Some(e), _) => e.message.clone(),
+            (None, Exit::Signal(s)) => {
+                format!(
+                    "Signal {s} ({}) received by PID {}",
+                    signal_name(s),
+                    self.pid
+                )
+            }
+            (None, Exit::Code(c)) => {
+                format!("process exited with code {c} and wrote no error file")
+            }
+        }
+    }
+}
+
+/// The outcome of a finished group.
+#[derive(Debug, Clone, Default)]
+pub struct RunResult {
+    /// Exit of every worker, by local rank.
+    pub exits: BTreeMap<usize, Exit>,
+    pub failures: BTreeMap<usize, ProcessFailure>,
+}
+
+impl RunResult {
+    pub fn is_failed(&self) -> bool {
+        !self.failures.is_empty()
+    }
+
+    /// The first failure by time: the root cause.
+    pub fn root_cause(&self) -> Option<&ProcessFailure> {
+        self.failures.values().min_by_key(|f| f.timestamp)
+    }
+}
+
+/// A started worker.
+pub(crate) struct Worker {
+    local_rank: usize,
+    pid: u32,
+    error_file: PathBuf,
+    pumps: Vec<Pump>,
+    exited_flag: Arc<AtomicBool>,
+    exit: Option<(Exit, SystemTime)>,
+}
+
+impl Worker {
+    pub(crate) fn new(
+        local_rank: usize,
+        pid: u32,
+        error_file: PathBuf,
+        pumps: Vec<Pump>,
+        exited_flag: Arc<AtomicBool>,
+    ) -> Worker {
+        Worker {
+            local_rank,
+            pid,
+            error_file,
+            pumps,
+            exited_flag,
+            exit: None,
+        }
+    }
+
+    /// Reaps the worker if it has exited; also reaps orphans left in its group.
+    fn reap(&mut self) -> Option<Exit> {
+        if self.exit.is_none() {
+            let mut status = 0;
+            // SAFETY: waitpid on our own child.
+            let r = unsafe { libc::waitpid(self.pid as libc::pid_t, &mut status, libc::WNOHANG) };
+            if r == self.pid as libc::pid_t {
+                self.exit = Some((Exit::from_status(status), SystemTime::now()));
+                self.exited_flag.store(true, Ordering::Release);
+            } else if r < 0 {
+                // ECHILD: someone else reaped it; we cannot know how it ended.
+                self.exit = Some((Exit::Code(-1), SystemTime::now()));
+                self.exited_flag.store(true, Ordering::Release);
+            }
+        }
+        // Only once the worker itself is reaped: sweeping its group earlier could
+        // reap the worker and lose its status.
+        if self.exit.is_some() {
+            self.reap_group_orphans();
+        }
+        self.exit.map(|(e, _)| e)
+    }
+
+    /// Reaps exited grandchildren that were re-parented to us (we are a subreaper)
+    /// and still belong to this worker's process group.
+    fn reap_group_orphans(&self) {
+        loop {
+            let mut status = 0;
+            // SAFETY: waitpid for any child in the worker's process group.
+            let r =
+                unsafe { libc::waitpid(-(self.pid as libc::pid_t), &mut status, libc::WNOHANG) };
+            if r <= 0 {
+                return;
+            }
+        }
+    }
+
+    /// Whether any process (zombies included) is still in the worker's group.
+    fn group_exists(&self) -> bool {
+        // SAFETY: signal 0 only checks for existence.
+        unsafe { libc::killpg(self.pid as libc::pid_t, 0) == 0 }
+    }
+
+    fn signal_group(&self, sig: i32) {
+        // SAFETY: signalling the worker's own process group.
+        unsafe {
+            libc::killpg(self.pid as libc::pid_t, sig);
+        }
+    }
+
+    fn failure(&self) -> Option<ProcessFailure> {
+        let (exit, seen) = self.exit?;
+        if exit.success() {
+            return None;
+        }
+        let error = match ErrorReport::read(&self.error_file) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(error = %e, "unreadable error file");
+                None
+            }
+        };
+        let timestamp = error.as_ref().and_then(|e| e.timestamp).unwrap_or(seen);
+        Some(ProcessFailure {
+            local_rank: self.local_rank,
+            pid: self.pid,
+            exit,
+            error,
+            error_file: self.error_file.clone(),
+            timestamp,
+        })
+    }
+}
+
+/// A running group of workers.
+pub struct ProcessContext {
+    name: String,
+    workers: Vec<Worker>,
+    closed: bool,
+    grace: Duration,
+}
+
+impl ProcessContext {
+    pub(crate) fn new(name: String, workers: Vec<Worker>) -> Self {
+        ProcessContext {
+            name,
+            workers,
+            closed: false,
+            grace: Duration::from_secs(30),
+        }
+    }
+
+    /// The group's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Pid of each worker, by local rank.
+    pub fn pids(&self) -> BTreeMap<usize, u32> {
+        self.workers.iter().map(|w| (w.local_rank, w.pid)).collect()
+    }
+
+    /// Checks without blocking. `None` while workers run and none has failed. Once
+    /// one fails, the rest are stopped (SIGTERM, then SIGKILL after the failure
+    /// grace: all-or-nothing, as PyTorch) and the result is returned; likewise once
+    /// all have succeeded.
+    pub fn poll(&mut self) -> Option<RunResult> {
+        let mut running = 0;
+        let mut failed = Vec::new();
+        for w in &mut self.workers {
+            match w.reap() {
+                None => running += 1,
+                Some(e) if !e.success() => failed.push(w.local_rank),
+                Some(_) => {}
+            }
+        }
+        if running > 0 {
+            if failed.is_empty() {
+                return None;
+            }
+            self.close(libc::SIGTERM, self.grace);
+        }
+        // Only workers that failed by themselves are failures; those stopped because
+        // of them show in `exits` (as PyTorch reports it).
+        Some(self.result(&failed))
+    }
+
+    /// Grace period of the stop that follows a failure (default 30 s).
+    pub fn set_failure_grace(&mut self, grace: Duration) {
+        self.grace = grace;
+    }
+
+    /// Polls every `period` until the group finishes or `timeout` passes.
+    pub fn wait(&mut self, timeout: Option<Duration>, period: Duration) -> Option<RunResult> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        loop {
+            if let Some(r) = self.poll() {
+                return Some(r);
+            }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return None;
+            }
+            std::thread::sleep(period);
+        }
+    }
+
+    fn result(&mut self, failed: &[usize]) -> RunResult {
+        for w in &mut self.workers {
+            for p in &mut w.pumps {
+                p.join();
+            }
+        }
+        let mut r = RunResult::default();
+        for w in &self.workers {
+            if let Some((exit, _)) = w.exit {
+                r.exits.insert(w.local_rank, exit);
+            }
+            if failed.contains(&w.local_rank) {
+                if let Some(f) = w.failure() {
+                    r.failures.insert(w.local_rank, f);
+                }
+            }
+        }
+        r
+    }
+
+    /// Stops every worker: `signal` to each live process group, wait up to `grace`
+    /// (output keeps draining), then SIGKILL what is left and reap everything.
+    pub fn close(&mut self, signal: i32, grace: Duration) {
+        if self.closed {
+            return;
+        }
+        self.closed = true;
+        for w in &mut self.workers {
+            if w.reap().is_none() {
+                w.signal_group(signal);
+            }
+        }
+        let deadline = Instant::now() + grace;
+        let mut pause = Duration::from_micros(200);
+        while self.workers.iter_mut().any(|w| w.reap().is_none()) {
+            if Instant::now() >= deadline {
+                for w in &mut self.workers {
+                    if w.reap().is_none() {
+                        tracing::warn!(
+                            pid = w.pid,
+                            local_rank = w.local_rank,
+                            "worker ignored the stop signal; killing it"
+                        );
+                        w.signal_group(libc::SIGKILL);
+                    }
+                }
+                while self.workers.iter_mut().any(|w| w.reap().is_none()) {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                break;
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(2));
+        }
+        // Grandchildren that outlived their worker: end them too, and reap those
+        // re-parented to us, until the group is empty (bounded: a process stuck in
+        // uninterruptible sleep cannot be waited out).
+        for w in &mut self.workers {
+            w.signal_group(libc::SIGKILL);
+        }
+        let deadline = Instant::now() + Duration::from_secs(2);
+        for w in &mut self.workers {
+            while w.group_exists() && Instant::now() < deadline {
+                w.reap_group_orphans();
+                std::thread::sleep(Duration::from_micros(500));
+            }
+            w.reap_group_orphans();
+            for p in &mut w.pumps {
+                p.join();
+            }
+        }
+    }
+}
+
+impl Drop for ProcessContext {
+    fn drop(&mut self) {
+        self.close(libc::SIGKILL, Duration::from_secs(5));
+    }
+}

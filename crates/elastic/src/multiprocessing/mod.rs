@@ -1,0 +1,216 @@
+//! Start, watch and stop a group of worker processes.
+//!
+//! [`start_processes`] starts one process per local rank, each in its own process
+//! group, with its own arguments and environment (the parent's, plus the rank's
+//! map, plus `TORCHELASTIC_ERROR_FILE`). It returns a [`ProcessContext`] that polls
+//! or waits for the group, reports each failure (exit code or signal, error-file
+//! contents, time), and stops everyone with [`ProcessContext::close`]: the signal to
+//! every process group, output still drained during the grace period, then SIGKILL.
+//!
+//! Process discipline: the launcher becomes a child subreaper, so grandchildren
+//! orphaned by a worker are re-parented to it and reaped (`waitpid(-pgid)`); each
+//! worker gets `PR_SET_PDEATHSIG = SIGKILL` as a safety net, so no worker outlives
+//! a launcher killed with SIGKILL. The parent-death signal fires when the spawning
+//! *thread* exits, so start workers from a thread that lives as long as they do.
+//!
+//! Bad input — ranks missing from, or extra in, the argument and environment maps, a
+//! program that does not exist, an unwritable log directory — is an error that
+//! names the problem, and leaves nothing running.
+
+mod context;
+pub mod logs;
+pub mod spec;
+
+use std::collections::BTreeMap;
+use std::ffi::OsString;
+use std::os::fd::OwnedFd;
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+pub use context::{Exit, ProcessContext, ProcessFailure, RunResult};
+pub use logs::{RunLogs, WorkerLogs};
+pub use spec::{expand_prefix, LogsSpec, PerRank, SpecError, Std, DEFAULT_PREFIX_TEMPLATE};
+
+use crate::errors::ERROR_FILE_ENV;
+use context::Worker;
+use logs::{route, Pump};
+
+/// What each worker runs.
+#[derive(Debug, Clone)]
+pub enum Entrypoint {
+    /// A program, found on `PATH` if it has no slash.
+    Program(OsString),
+}
+
+/// One start of a worker group.
+#[derive(Debug, Clone)]
+pub struct StartSpec {
+    /// Name for logs and errors (torchrun uses the role).
+    pub name: String,
+    pub entrypoint: Entrypoint,
+    /// Arguments per local rank; must cover exactly 0..n.
+    pub args: BTreeMap<usize, Vec<OsString>>,
+    /// Extra environment per local rank; must cover exactly 0..n.
+    pub envs: BTreeMap<usize, BTreeMap<String, String>>,
+    /// Global rank per local rank, for the `${rank}` prefix (defaults to local rank).
+    pub global_ranks: BTreeMap<usize, usize>,
+}
+
+/// Why workers could not be started. Nothing is left running after any of these.
+#[derive(Debug, thiserror::Error)]
+pub enum SpawnError {
+    #[error("{what} must cover local ranks 0..{n}: missing {missing:?}, extra {extra:?}")]
+    Ranks {
+        what: &'static str,
+        n: usize,
+        missing: Vec<usize>,
+        extra: Vec<usize>,
+    },
+    #[error("no workers to start")]
+    Empty,
+    #[error(transparent)]
+    LogDir(#[from] logs::LogDirError),
+    #[error("cannot start {program:?} for local rank {local_rank}")]
+    Program {
+        program: OsString,
+        local_rank: usize,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot set up output of local rank {local_rank}")]
+    Output {
+        local_rank: usize,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn check_ranks<T>(what: &'static str, n: usize, m: &BTreeMap<usize, T>) -> Result<(), SpawnError> {
+    let missing: Vec<usize> = (0..n).filter(|r| !m.contains_key(r)).collect();
+    let extra: Vec<usize> = m.keys().copied().filter(|&r| r >= n).collect();
+    if missing.is_empty() && extra.is_empty() {
+        Ok(())
+    } else {
+        Err(SpawnError::Ranks {
+            what,
+            n,
+            missing,
+            extra,
+        })
+    }
+}
+
+/// Becomes a child subreaper, once per process.
+fn become_subreaper() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: prctl with an integer argument.
+        let r = unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+        if r != 0 {
+            tracing::warn!(error = %std::io::Error::last_os_error(), "could not become a child subreaper; orphaned grandchildren will not be reaped here");
+        }
+    });
+}
+
+/// Starts `spec.args.len()` workers with logs under `logs` (one entry per local rank,
+/// from [`RunLogs::attempt`]) routed as `logs_spec` says.
+pub fn start_processes(
+    spec: &StartSpec,
+    logs_spec: &LogsSpec,
+    logs: &[WorkerLogs],
+) -> Result<ProcessContext, SpawnError> {
+    let n = spec.args.len();
+    if n == 0 {
+        return Err(SpawnError::Empty);
+    }
+    check_ranks("args", n, &spec.args)?;
+    check_ranks("envs", n, &spec.envs)?;
+    if logs.len() != n {
+        return Err(SpawnError::Ranks {
+            what: "log directories",
+            n,
+            missing: (logs.len()..n).collect(),
+            extra: (n..logs.len()).collect(),
+        });
+    }
+    become_subreaper();
+    let parent = std::process::id() as libc::pid_t;
+    let mut workers: Vec<Worker> = Vec::with_capacity(n);
+    for (local_rank, worker_logs) in logs.iter().enumerate() {
+        match spawn_one(spec, logs_spec, worker_logs, local_rank, parent) {
+            Ok(w) => workers.push(w),
+            Err(e) => {
+                // Leave nothing running.
+                let mut partial = ProcessContext::new(spec.name.clone(), workers);
+                partial.close(libc::SIGKILL, std::time::Duration::from_secs(1));
+                return Err(e);
+            }
+        }
+    }
+    Ok(ProcessContext::new(spec.name.clone(), workers))
+}
+
+fn spawn_one(
+    spec: &StartSpec,
+    logs_spec: &LogsSpec,
+    logs: &WorkerLogs,
+    local_rank: usize,
+    parent: libc::pid_t,
+) -> Result<Worker, SpawnError> {
+    let Entrypoint::Program(program) = &spec.entrypoint;
+    let output = |source| SpawnError::Output { local_rank, source };
+    let mut cmd = Command::new(program);
+    cmd.args(&spec.args[&local_rank])
+        .envs(&spec.envs[&local_rank])
+        .env(ERROR_FILE_ENV, &logs.error_file)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setpgid(0, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
+            // The launcher may have died between fork and prctl.
+            if libc::getppid() != parent {
+                libc::_exit(1);
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().map_err(|source| SpawnError::Program {
+        program: program.clone(),
+        local_rank,
+        source,
+    })?;
+    let pid = child.id();
+    let exited = Arc::new(AtomicBool::new(false));
+    let rank = spec
+        .global_ranks
+        .get(&local_rank)
+        .copied()
+        .unwrap_or(local_rank);
+    let prefix = expand_prefix(&logs_spec.prefix_template, &spec.name, local_rank, rank);
+    let out: OwnedFd = child.stdout.take().expect("piped").into();
+    let err: OwnedFd = child.stderr.take().expect("piped").into();
+    let mut pumps = Vec::with_capacity(2);
+    let mut start = |fd, std: Std, file: &PathBuf| -> Result<(), SpawnError> {
+        let r = route(logs_spec, local_rank, std, file, &prefix);
+        pumps.push(Pump::start(fd, r, exited.clone()).map_err(output)?);
+        Ok(())
+    };
+    let started =
+        start(out, Std::Out, &logs.stdout).and_then(|_| start(err, Std::Err, &logs.stderr));
+    let worker = Worker::new(local_rank, pid, logs.error_file.clone(), pumps, exited);
+    if let Err(e) = started {
+        let mut partial = ProcessContext::new(spec.name.clone(), vec![worker]);
+        partial.close(libc::SIGKILL, std::time::Duration::from_secs(1));
+        return Err(e);
+    }
+    Ok(worker)
+}
