@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
-use super::logs::Pump;
+use super::logs::{Pump, WorkerLogs};
 use crate::errors::ErrorReport;
 
 /// How a process ended.
@@ -108,6 +108,8 @@ impl ProcessFailure {
 pub struct RunResult {
     /// Exit of every worker, by local rank.
     pub exits: BTreeMap<usize, Exit>,
+    /// Return values of function workers that succeeded, by local rank.
+    pub return_values: BTreeMap<usize, Vec<u8>>,
     pub failures: BTreeMap<usize, ProcessFailure>,
 }
 
@@ -122,11 +124,23 @@ impl RunResult {
     }
 }
 
+/// How [`ProcessContext::wait_forwarding`] ended.
+#[derive(Debug)]
+pub enum Waited {
+    Finished(RunResult),
+    TimedOut,
+    /// A trapped signal arrived; the workers were stopped with it.
+    Signaled {
+        signal: i32,
+        result: RunResult,
+    },
+}
+
 /// A started worker.
 pub(crate) struct Worker {
     local_rank: usize,
     pid: u32,
-    error_file: PathBuf,
+    logs: WorkerLogs,
     pumps: Vec<Pump>,
     exited_flag: Arc<AtomicBool>,
     exit: Option<(Exit, SystemTime)>,
@@ -136,14 +150,14 @@ impl Worker {
     pub(crate) fn new(
         local_rank: usize,
         pid: u32,
-        error_file: PathBuf,
+        logs: WorkerLogs,
         pumps: Vec<Pump>,
         exited_flag: Arc<AtomicBool>,
     ) -> Worker {
         Worker {
             local_rank,
             pid,
-            error_file,
+            logs,
             pumps,
             exited_flag,
             exit: None,
@@ -205,7 +219,7 @@ impl Worker {
         if exit.success() {
             return None;
         }
-        let error = match ErrorReport::read(&self.error_file) {
+        let error = match ErrorReport::read(&self.logs.error_file) {
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!(error = %e, "unreadable error file");
@@ -218,7 +232,7 @@ impl Worker {
             pid: self.pid,
             exit,
             error,
-            error_file: self.error_file.clone(),
+            error_file: self.logs.error_file.clone(),
             timestamp,
         })
     }
@@ -296,6 +310,36 @@ impl ProcessContext {
         }
     }
 
+    /// Like [`Self::wait`], but stops the workers with any trapped signal that
+    /// arrives (forwarding it), waiting up to `grace` before SIGKILL.
+    pub fn wait_forwarding(
+        &mut self,
+        signals: &super::signals::Signals,
+        timeout: Option<Duration>,
+        period: Duration,
+        grace: Duration,
+    ) -> Waited {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        loop {
+            if let Some(signal) = signals.take() {
+                tracing::info!(signal = %signal_name(signal), "forwarding signal to workers");
+                self.close(signal, grace);
+                let failed: Vec<usize> = Vec::new();
+                return Waited::Signaled {
+                    signal,
+                    result: self.result(&failed),
+                };
+            }
+            if let Some(r) = self.poll() {
+                return Waited::Finished(r);
+            }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Waited::TimedOut;
+            }
+            std::thread::sleep(period);
+        }
+    }
+
     fn result(&mut self, failed: &[usize]) -> RunResult {
         for w in &mut self.workers {
             for p in &mut w.pumps {
@@ -306,6 +350,11 @@ impl ProcessContext {
         for w in &self.workers {
             if let Some((exit, _)) = w.exit {
                 r.exits.insert(w.local_rank, exit);
+                if exit.success() {
+                    if let Ok(v) = std::fs::read(&w.logs.return_value) {
+                        r.return_values.insert(w.local_rank, v);
+                    }
+                }
             }
             if failed.contains(&w.local_rank) {
                 if let Some(f) = w.failure() {

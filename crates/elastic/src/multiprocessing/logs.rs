@@ -42,6 +42,8 @@ pub struct WorkerLogs {
     pub stdout: PathBuf,
     pub stderr: PathBuf,
     pub error_file: PathBuf,
+    /// Where a function worker writes its return value.
+    pub return_value: PathBuf,
 }
 
 /// Why a log directory could not be prepared.
@@ -96,6 +98,7 @@ impl RunLogs {
                     stdout: d.join("stdout.log"),
                     stderr: d.join("stderr.log"),
                     error_file: d.join("error.json"),
+                    return_value: d.join("return_value"),
                     dir: d,
                 })
             })

@@ -18,7 +18,9 @@
 //! names the problem, and leaves nothing running.
 
 mod context;
+pub mod functions;
 pub mod logs;
+pub mod signals;
 pub mod spec;
 
 use std::collections::BTreeMap;
@@ -30,7 +32,7 @@ use std::process::{Command, Stdio};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
-pub use context::{Exit, ProcessContext, ProcessFailure, RunResult};
+pub use context::{signal_name, Exit, ProcessContext, ProcessFailure, RunResult, Waited};
 pub use logs::{RunLogs, WorkerLogs};
 pub use spec::{expand_prefix, LogsSpec, PerRank, SpecError, Std, DEFAULT_PREFIX_TEMPLATE};
 
@@ -43,6 +45,9 @@ use logs::{route, Pump};
 pub enum Entrypoint {
     /// A program, found on `PATH` if it has no slash.
     Program(OsString),
+    /// A function registered in this binary's [`functions::Registry`]: the worker
+    /// re-executes the current binary, which must call [`functions::dispatch`].
+    Function(String),
 }
 
 /// One start of a worker group.
@@ -160,9 +165,21 @@ fn spawn_one(
     local_rank: usize,
     parent: libc::pid_t,
 ) -> Result<Worker, SpawnError> {
-    let Entrypoint::Program(program) = &spec.entrypoint;
     let output = |source| SpawnError::Output { local_rank, source };
-    let mut cmd = Command::new(program);
+    let (program, mut cmd) = match &spec.entrypoint {
+        Entrypoint::Program(p) => (p.clone(), Command::new(p)),
+        Entrypoint::Function(name) => {
+            let exe = std::env::current_exe().map_err(|source| SpawnError::Program {
+                program: "<current executable>".into(),
+                local_rank,
+                source,
+            })?;
+            let mut c = Command::new(&exe);
+            c.env(functions::FUNCTION_ENV, name)
+                .env(functions::RESULT_ENV, &logs.return_value);
+            (exe.into_os_string(), c)
+        }
+    };
     cmd.args(&spec.args[&local_rank])
         .envs(&spec.envs[&local_rank])
         .env(ERROR_FILE_ENV, &logs.error_file)
@@ -206,7 +223,7 @@ fn spawn_one(
     };
     let started =
         start(out, Std::Out, &logs.stdout).and_then(|_| start(err, Std::Err, &logs.stderr));
-    let worker = Worker::new(local_rank, pid, logs.error_file.clone(), pumps, exited);
+    let worker = Worker::new(local_rank, pid, logs.clone(), pumps, exited);
     if let Err(e) = started {
         let mut partial = ProcessContext::new(spec.name.clone(), vec![worker]);
         partial.close(libc::SIGKILL, std::time::Duration::from_secs(1));

@@ -419,3 +419,76 @@ fn a_python_record_exception_arrives_in_the_failure_report() {
         .unwrap()
         .contains("Traceback"));
 }
+
+/// The forwarder role: traps the default signals, starts a worker that reports the
+/// signal it gets, and prints how the wait ended.
+fn forwarder_role() {
+    use rallypoint_elastic::multiprocessing::signals::{parse_signals, Signals, DEFAULT_SIGNALS};
+    use rallypoint_elastic::multiprocessing::Waited;
+    let dir = std::env::var("RALLY_TEST_DIR").unwrap();
+    let signals = Signals::install(&parse_signals(DEFAULT_SIGNALS).unwrap()).unwrap();
+    let script = "trap 'echo got-term; exit 7' TERM; echo ready; while true; do sleep 0.01; done";
+    let (mut ctx, run) = start(&sh(&[script]), &redirected(Path::new(&dir)));
+    println!("LOGS {}", run.dir.display());
+    let ready = rank_file(&run, 0, "stdout.log");
+    while std::fs::read_to_string(&ready)
+        .unwrap_or_default()
+        .is_empty()
+    {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    println!("READY");
+    match ctx.wait_forwarding(
+        &signals,
+        Some(Duration::from_secs(30)),
+        Duration::from_millis(2),
+        Duration::from_secs(5),
+    ) {
+        Waited::Signaled { signal, result } => {
+            println!("SIGNALED {signal} worker {:?}", result.exits[&0]);
+        }
+        other => println!("UNEXPECTED {other:?}"),
+    }
+}
+
+#[test]
+fn a_trapped_signal_is_forwarded_to_the_workers() {
+    if std::env::var(ROLE).as_deref() == Ok("forwarder") {
+        return forwarder_role();
+    }
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let mut launcher = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "a_trapped_signal_is_forwarded_to_the_workers",
+            "--nocapture",
+        ])
+        .env(ROLE, "forwarder")
+        .env("RALLY_TEST_DIR", dir.path())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(launcher.stdout.take().unwrap()).lines();
+    let mut logs = PathBuf::new();
+    loop {
+        let l = lines.next().unwrap().unwrap();
+        if let Some(p) = l.strip_prefix("LOGS ") {
+            logs = PathBuf::from(p);
+        }
+        if l == "READY" {
+            break;
+        }
+    }
+    unsafe { libc::kill(launcher.id() as i32, libc::SIGTERM) };
+    let outcome = lines
+        .find_map(|l| {
+            l.ok()
+                .filter(|l| l.starts_with("SIGNALED") || l.starts_with("UNEXPECTED"))
+        })
+        .unwrap();
+    assert_eq!(outcome, "SIGNALED 15 worker Code(7)");
+    assert!(launcher.wait().unwrap().success());
+    let out = std::fs::read_to_string(logs.join("attempt_0/0/stdout.log")).unwrap();
+    assert_eq!(out, "ready\ngot-term\n");
+}
