@@ -12,6 +12,9 @@
 //! - connection storm: N clients connect, VALIDATE, PING, `ADD init/`, then pass a
 //!   store barrier (ADD a counter; the last sets a key; all WAIT on it);
 //! - memory: server RSS growth per idle connection, over M connections.
+//!
+//! `rallypoint-bench launch` compares our launcher with PyTorch's `start_processes`
+//! (see `launch.rs`).
 
 use std::io::{Read, Write};
 use std::net::SocketAddr;
@@ -28,6 +31,10 @@ use rallypoint_store::protocol::{
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+mod launch;
+
+pub use launch::LaunchArgs;
+
 #[derive(Parser)]
 struct Cli {
     #[command(subcommand)]
@@ -38,6 +45,12 @@ struct Cli {
 enum Cmd {
     /// Store server benchmarks: ours and PyTorch's in the same run.
     Store(StoreArgs),
+    /// Launcher benchmarks: ours and PyTorch's start_processes in the same run.
+    Launch(LaunchArgs),
+    /// (internal) Writes N bytes of 100-byte lines to stdout in 1 MiB writes: the
+    /// tee benchmark's worker, the same for both launchers.
+    #[command(hide = true)]
+    Produce { bytes: u64 },
     /// (internal) A raw TCP echo server of fixed sizes, the latency baseline.
     #[command(hide = true)]
     Echo { req: usize, reply: usize },
@@ -85,7 +98,9 @@ fn main() -> Result<()> {
     rallypoint_store::server::raise_fd_limit();
     match cli.command {
         Cmd::Store(args) => store(args),
+        Cmd::Launch(args) => launch::run(args),
         Cmd::Echo { req, reply } => async_echo(req, reply),
+        Cmd::Produce { bytes } => launch::produce(bytes),
     }
 }
 
@@ -104,11 +119,11 @@ impl Drop for Target {
     }
 }
 
-fn repo_root() -> PathBuf {
+pub(crate) fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-fn python() -> PathBuf {
+pub(crate) fn python() -> PathBuf {
     std::env::var_os("RALLY_PYTHON")
         .map(PathBuf::from)
         .unwrap_or_else(|| repo_root().join(".venv/bin/python"))
@@ -307,7 +322,7 @@ impl Conn {
     }
 }
 
-fn percentile(sorted: &[u32], p: f64) -> f64 {
+pub(crate) fn percentile(sorted: &[u32], p: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
     }

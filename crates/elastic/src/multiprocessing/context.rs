@@ -1,6 +1,7 @@
 //! A started group of workers: poll, wait, report, close.
 
 use std::collections::BTreeMap;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -140,8 +141,9 @@ pub enum Waited {
 pub(crate) struct Worker {
     local_rank: usize,
     pid: u32,
+    /// Becomes readable when the worker exits, so waits need no polling.
+    pidfd: Option<OwnedFd>,
     logs: WorkerLogs,
-    pumps: Vec<Pump>,
     exited_flag: Arc<AtomicBool>,
     exit: Option<(Exit, SystemTime)>,
 }
@@ -151,14 +153,18 @@ impl Worker {
         local_rank: usize,
         pid: u32,
         logs: WorkerLogs,
-        pumps: Vec<Pump>,
         exited_flag: Arc<AtomicBool>,
     ) -> Worker {
+        // SAFETY: pidfd_open on our own live (or zombie) child; a negative result
+        // (old kernel) just means waits fall back to polling.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+        // SAFETY: a non-negative result is a new descriptor we own.
+        let pidfd = (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as i32) });
         Worker {
             local_rank,
             pid,
+            pidfd,
             logs,
-            pumps,
             exited_flag,
             exit: None,
         }
@@ -242,15 +248,17 @@ impl Worker {
 pub struct ProcessContext {
     name: String,
     workers: Vec<Worker>,
+    pump: Option<Pump>,
     closed: bool,
     grace: Duration,
 }
 
 impl ProcessContext {
-    pub(crate) fn new(name: String, workers: Vec<Worker>) -> Self {
+    pub(crate) fn new(name: String, workers: Vec<Worker>, pump: Option<Pump>) -> Self {
         ProcessContext {
             name,
             workers,
+            pump,
             closed: false,
             grace: Duration::from_secs(30),
         }
@@ -296,18 +304,42 @@ impl ProcessContext {
         self.grace = grace;
     }
 
-    /// Polls every `period` until the group finishes or `timeout` passes.
+    /// Waits until the group finishes or `timeout` passes. Waiting is event-driven
+    /// (each worker's pidfd wakes it the moment the worker exits); `period` only
+    /// bounds each sleep, for kernels without pidfds (before Linux 5.3).
     pub fn wait(&mut self, timeout: Option<Duration>, period: Duration) -> Option<RunResult> {
         let deadline = timeout.map(|t| Instant::now() + t);
         loop {
             if let Some(r) = self.poll() {
                 return Some(r);
             }
-            if deadline.is_some_and(|d| Instant::now() >= d) {
+            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            if left == Some(Duration::ZERO) {
                 return None;
             }
-            std::thread::sleep(period);
+            self.sleep_until_an_exit(left.map_or(period, |l| l.min(period)));
         }
+    }
+
+    /// Sleeps until some running worker exits, or `limit` passes.
+    fn sleep_until_an_exit(&self, limit: Duration) {
+        let mut fds: Vec<libc::pollfd> = Vec::new();
+        for w in self.workers.iter().filter(|w| w.exit.is_none()) {
+            match &w.pidfd {
+                Some(fd) => fds.push(libc::pollfd {
+                    fd: fd.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                }),
+                None => {
+                    std::thread::sleep(limit);
+                    return;
+                }
+            }
+        }
+        let ms = limit.as_millis().clamp(1, i32::MAX as u128) as i32;
+        // SAFETY: `fds` holds valid pollfds for descriptors we own.
+        unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
     }
 
     /// Like [`Self::wait`], but stops the workers with any trapped signal that
@@ -336,16 +368,13 @@ impl ProcessContext {
             if deadline.is_some_and(|d| Instant::now() >= d) {
                 return Waited::TimedOut;
             }
-            std::thread::sleep(period);
+            // A trapped signal interrupts the sleep (poll is never restarted).
+            self.sleep_until_an_exit(period);
         }
     }
 
     fn result(&mut self, failed: &[usize]) -> RunResult {
-        for w in &mut self.workers {
-            for p in &mut w.pumps {
-                p.join();
-            }
-        }
+        self.join_pump();
         let mut r = RunResult::default();
         for w in &self.workers {
             if let Some((exit, _)) = w.exit {
@@ -365,6 +394,14 @@ impl ProcessContext {
         r
     }
 
+    /// Waits until all output is in its files (the pump ends once every worker
+    /// has exited and its pipes are drained).
+    fn join_pump(&mut self) {
+        if let Some(p) = &mut self.pump {
+            p.join();
+        }
+    }
+
     /// Stops every worker: `signal` to each live process group, wait up to `grace`
     /// (output keeps draining), then SIGKILL what is left and reap everything.
     pub fn close(&mut self, signal: i32, grace: Duration) {
@@ -378,7 +415,6 @@ impl ProcessContext {
             }
         }
         let deadline = Instant::now() + grace;
-        let mut pause = Duration::from_micros(200);
         while self.workers.iter_mut().any(|w| w.reap().is_none()) {
             if Instant::now() >= deadline {
                 for w in &mut self.workers {
@@ -396,8 +432,7 @@ impl ProcessContext {
                 }
                 break;
             }
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(2));
+            self.sleep_until_an_exit(deadline.saturating_duration_since(Instant::now()));
         }
         // Grandchildren that outlived their worker: end them too, and reap those
         // re-parented to us, until the group is empty (bounded: a process stuck in
@@ -412,10 +447,8 @@ impl ProcessContext {
                 std::thread::sleep(Duration::from_micros(500));
             }
             w.reap_group_orphans();
-            for p in &mut w.pumps {
-                p.join();
-            }
         }
+        self.join_pump();
     }
 }
 

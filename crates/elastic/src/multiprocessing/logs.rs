@@ -16,7 +16,7 @@
 
 use std::fs::File;
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -27,7 +27,6 @@ use super::spec::{LogsSpec, Std};
 
 /// How long a pump keeps reading after its worker exited, once the pipe is quiet.
 pub const DRAIN_AFTER_EXIT: Duration = Duration::from_millis(100);
-const CHUNK: usize = 256 * 1024;
 
 /// The per-run log directory (`<log_dir>/<run_id>_<suffix>`).
 #[derive(Debug, Clone)]
@@ -151,31 +150,65 @@ pub(crate) fn route(
     }
 }
 
-/// A running pump.
+/// One worker stream for the pump: its pipe, where it goes, and whether its worker
+/// has exited.
+pub(crate) struct Stream {
+    pub pipe: OwnedFd,
+    pub route: Route,
+    pub exited: Arc<AtomicBool>,
+}
+
+/// The pump: one thread that `poll`s every worker pipe of a group. One thread (not
+/// two per worker) keeps the launcher small, so forking the next worker stays cheap.
 pub(crate) struct Pump {
     thread: Option<JoinHandle<()>>,
 }
 
+/// Pipes are grown to this size, so a chatty worker and the pump trade large chunks
+/// instead of switching contexts every 64 KiB.
+const PIPE_SIZE: libc::c_int = 1 << 20;
+
+struct Active {
+    src: File,
+    file: Option<File>,
+    console: Option<(Console, String)>,
+    partial: Vec<u8>,
+    exited: Arc<AtomicBool>,
+    quiet_since: Option<Instant>,
+}
+
 impl Pump {
-    /// Starts pumping `pipe`. `exited` is set by the owner when the worker exits.
-    pub(crate) fn start(
-        pipe: OwnedFd,
-        route: Route,
-        exited: Arc<AtomicBool>,
-    ) -> std::io::Result<Pump> {
-        let file = match &route.file {
-            Some(p) => Some(File::create(p)?),
-            None => None,
-        };
+    /// Starts pumping `streams`, opening their log files first.
+    pub(crate) fn start(streams: Vec<Stream>) -> std::io::Result<Pump> {
+        let mut active = Vec::with_capacity(streams.len());
+        for s in streams {
+            // SAFETY: fcntl on a pipe we own; failure just keeps the default size.
+            unsafe {
+                libc::fcntl(s.pipe.as_raw_fd(), libc::F_SETPIPE_SZ, PIPE_SIZE);
+            }
+            let file = match &s.route.file {
+                Some(p) => Some(File::create(p)?),
+                None => None,
+            };
+            active.push(Active {
+                src: File::from(s.pipe),
+                file,
+                console: s.route.console,
+                partial: Vec::new(),
+                exited: s.exited,
+                quiet_since: None,
+            });
+        }
         let thread = std::thread::Builder::new()
             .name("rally-log-pump".into())
-            .spawn(move || pump(pipe, file, route.console, &exited))?;
+            .spawn(move || pump(active))?;
         Ok(Pump {
             thread: Some(thread),
         })
     }
 
-    /// Waits for the pump to finish.
+    /// Waits for the pump to finish (every stream at end of file, or drained after
+    /// its worker exited).
     pub(crate) fn join(&mut self) {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
@@ -183,67 +216,78 @@ impl Pump {
     }
 }
 
-/// Waits up to `ms` for `fd` to be readable (or hung up). True if it is.
-fn readable(fd: RawFd, ms: i32) -> bool {
-    let mut pfd = libc::pollfd {
-        fd,
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: one valid pollfd.
-    let n = unsafe { libc::poll(&mut pfd, 1, ms) };
-    n > 0
+fn pump(mut streams: Vec<Active>) {
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut fds: Vec<libc::pollfd> = Vec::with_capacity(streams.len());
+    while !streams.is_empty() {
+        fds.clear();
+        fds.extend(streams.iter().map(|s| libc::pollfd {
+            fd: s.src.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        }));
+        // SAFETY: `fds` holds one valid pollfd per open stream.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 20) };
+        if n < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+            return;
+        }
+        let mut done = vec![false; streams.len()];
+        for (i, s) in streams.iter_mut().enumerate() {
+            if fds[i].revents == 0 {
+                // Quiet: stop once the worker is gone and the pipe stays quiet (a
+                // grandchild may hold it open forever).
+                if s.exited.load(Ordering::Acquire) {
+                    let since = *s.quiet_since.get_or_insert_with(Instant::now);
+                    done[i] = since.elapsed() >= DRAIN_AFTER_EXIT;
+                }
+                continue;
+            }
+            s.quiet_since = None;
+            match s.src.read(&mut buf) {
+                Ok(0) => done[i] = true,
+                Ok(n) => {
+                    s.write(&buf[..n]);
+                    // A full read means a busy stream: read bigger chunks.
+                    if n == buf.len() && buf.len() < PIPE_SIZE as usize {
+                        buf.resize(buf.len() * 2, 0);
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(_) => done[i] = true,
+            }
+        }
+        let mut i = 0;
+        streams.retain_mut(|s| {
+            let keep = !done[i];
+            i += 1;
+            if !keep {
+                s.finish();
+            }
+            keep
+        });
+    }
 }
 
-fn pump(
-    pipe: OwnedFd,
-    mut file: Option<File>,
-    console: Option<(Console, String)>,
-    exited: &AtomicBool,
-) {
-    let mut src = File::from(pipe);
-    let mut buf = vec![0u8; CHUNK];
-    let mut partial: Vec<u8> = Vec::new();
-    let mut console = console;
-    let mut quiet_since: Option<Instant> = None;
-    loop {
-        if !readable(src.as_raw_fd(), 20) {
-            if exited.load(Ordering::Acquire) {
-                let since = *quiet_since.get_or_insert_with(Instant::now);
-                if since.elapsed() >= DRAIN_AFTER_EXIT {
-                    break; // a grandchild holds the pipe; stop anyway
-                }
-            }
-            continue;
-        }
-        quiet_since = None;
-        let n = match src.read(&mut buf) {
-            Ok(0) => break,
-            Ok(n) => n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(_) => break,
-        };
-        let chunk = &buf[..n];
-        if let Some(f) = &mut file {
+impl Active {
+    fn write(&mut self, chunk: &[u8]) {
+        if let Some(f) = &mut self.file {
             if f.write_all(chunk).is_err() {
-                file = None;
+                self.file = None;
             }
         }
-        if let Some((which, prefix)) = &console {
-            if write_lines(*which, prefix, &mut partial, chunk).is_err() {
-                console = None;
+        if let Some((which, prefix)) = &self.console {
+            if write_lines(*which, prefix, &mut self.partial, chunk).is_err() {
+                self.console = None;
             }
         }
     }
-    if let Some((which, prefix)) = &console {
-        if !partial.is_empty() {
-            partial.push(b'\n');
-            let _ = write_lines(
-                *which,
-                prefix,
-                &mut Vec::new(),
-                &std::mem::take(&mut partial),
-            );
+
+    /// Flushes an unterminated last line to the console.
+    fn finish(&mut self) {
+        if let (Some((which, prefix)), false) = (&self.console, self.partial.is_empty()) {
+            let mut last = std::mem::take(&mut self.partial);
+            last.push(b'\n');
+            let _ = write_lines(*which, prefix, &mut Vec::new(), &last);
         }
     }
 }
@@ -256,22 +300,22 @@ fn write_lines(
     partial: &mut Vec<u8>,
     chunk: &[u8],
 ) -> std::io::Result<()> {
-    let Some(last_nl) = chunk.iter().rposition(|&b| b == b'\n') else {
+    let Some(last_nl) = memchr::memrchr(b'\n', chunk) else {
         partial.extend_from_slice(chunk);
         return Ok(());
     };
     let (complete, tail) = chunk.split_at(last_nl + 1);
-    let mut out = Vec::with_capacity(complete.len() + partial.len() + 64);
-    let mut line_start = true;
-    for part in [partial.as_slice(), complete] {
-        for piece in part.split_inclusive(|&b| b == b'\n') {
-            if line_start {
-                out.extend_from_slice(prefix.as_bytes());
-                out.push(b' ');
-            }
-            out.extend_from_slice(piece);
-            line_start = piece.ends_with(b"\n");
+    let lines = memchr::memchr_iter(b'\n', complete).count();
+    let mut out = Vec::with_capacity(partial.len() + complete.len() + lines * (prefix.len() + 1));
+    let mut start = 0;
+    for end in memchr::memchr_iter(b'\n', complete) {
+        out.extend_from_slice(prefix.as_bytes());
+        out.push(b' ');
+        if start == 0 {
+            out.extend_from_slice(partial);
         }
+        out.extend_from_slice(&complete[start..=end]);
+        start = end + 1;
     }
     partial.clear();
     partial.extend_from_slice(tail);

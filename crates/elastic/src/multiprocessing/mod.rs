@@ -27,7 +27,6 @@ use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::os::fd::OwnedFd;
 use std::os::unix::process::CommandExt;
-use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -38,7 +37,7 @@ pub use spec::{expand_prefix, LogsSpec, PerRank, SpecError, Std, DEFAULT_PREFIX_
 
 use crate::errors::ERROR_FILE_ENV;
 use context::Worker;
-use logs::{route, Pump};
+use logs::{route, Pump, Stream};
 
 /// What each worker runs.
 #[derive(Debug, Clone)]
@@ -143,19 +142,35 @@ pub fn start_processes(
     }
     become_subreaper();
     let parent = std::process::id() as libc::pid_t;
+    // Spawn everyone first, then start one pump for all pipes: forking stays cheap
+    // while the launcher has no pump threads yet (pipes buffer output meanwhile).
     let mut workers: Vec<Worker> = Vec::with_capacity(n);
+    let mut streams: Vec<Stream> = Vec::with_capacity(2 * n);
     for (local_rank, worker_logs) in logs.iter().enumerate() {
         match spawn_one(spec, logs_spec, worker_logs, local_rank, parent) {
-            Ok(w) => workers.push(w),
+            Ok((w, s)) => {
+                workers.push(w);
+                streams.extend(s);
+            }
             Err(e) => {
                 // Leave nothing running.
-                let mut partial = ProcessContext::new(spec.name.clone(), workers);
-                partial.close(libc::SIGKILL, std::time::Duration::from_secs(1));
+                ProcessContext::new(spec.name.clone(), workers, None)
+                    .close(libc::SIGKILL, std::time::Duration::from_secs(1));
                 return Err(e);
             }
         }
     }
-    Ok(ProcessContext::new(spec.name.clone(), workers))
+    match Pump::start(streams) {
+        Ok(pump) => Ok(ProcessContext::new(spec.name.clone(), workers, Some(pump))),
+        Err(source) => {
+            ProcessContext::new(spec.name.clone(), workers, None)
+                .close(libc::SIGKILL, std::time::Duration::from_secs(1));
+            Err(SpawnError::Output {
+                local_rank: 0,
+                source,
+            })
+        }
+    }
 }
 
 fn spawn_one(
@@ -164,8 +179,7 @@ fn spawn_one(
     logs: &WorkerLogs,
     local_rank: usize,
     parent: libc::pid_t,
-) -> Result<Worker, SpawnError> {
-    let output = |source| SpawnError::Output { local_rank, source };
+) -> Result<(Worker, [Stream; 2]), SpawnError> {
     let (program, mut cmd) = match &spec.entrypoint {
         Entrypoint::Program(p) => (p.clone(), Command::new(p)),
         Entrypoint::Function(name) => {
@@ -215,19 +229,17 @@ fn spawn_one(
     let prefix = expand_prefix(&logs_spec.prefix_template, &spec.name, local_rank, rank);
     let out: OwnedFd = child.stdout.take().expect("piped").into();
     let err: OwnedFd = child.stderr.take().expect("piped").into();
-    let mut pumps = Vec::with_capacity(2);
-    let mut start = |fd, std: Std, file: &PathBuf| -> Result<(), SpawnError> {
-        let r = route(logs_spec, local_rank, std, file, &prefix);
-        pumps.push(Pump::start(fd, r, exited.clone()).map_err(output)?);
-        Ok(())
-    };
-    let started =
-        start(out, Std::Out, &logs.stdout).and_then(|_| start(err, Std::Err, &logs.stderr));
-    let worker = Worker::new(local_rank, pid, logs.clone(), pumps, exited);
-    if let Err(e) = started {
-        let mut partial = ProcessContext::new(spec.name.clone(), vec![worker]);
-        partial.close(libc::SIGKILL, std::time::Duration::from_secs(1));
-        return Err(e);
-    }
-    Ok(worker)
+    let streams = [
+        Stream {
+            pipe: out,
+            route: route(logs_spec, local_rank, Std::Out, &logs.stdout, &prefix),
+            exited: exited.clone(),
+        },
+        Stream {
+            pipe: err,
+            route: route(logs_spec, local_rank, Std::Err, &logs.stderr, &prefix),
+            exited: exited.clone(),
+        },
+    ];
+    Ok((Worker::new(local_rank, pid, logs.clone(), exited), streams))
 }
