@@ -123,6 +123,29 @@ impl RunResult {
     pub fn root_cause(&self) -> Option<&ProcessFailure> {
         self.failures.values().min_by_key(|f| f.timestamp)
     }
+
+    /// Copies the root cause into the launcher's own error file (its
+    /// `$TORCHELASTIC_ERROR_FILE`, so the cause travels up the process tree), adding
+    /// the exit code the child could not know. A child that wrote no file is
+    /// described from its exit. Returns whether there was a failure to record.
+    pub fn record_root_cause(
+        &self,
+        parent_file: &std::path::Path,
+    ) -> Result<bool, crate::errors::ErrorFileError> {
+        let Some(root) = self.root_cause() else {
+            return Ok(false);
+        };
+        let report = match &root.error {
+            Some(r) => r.clone(),
+            None => ErrorReport::from_json(crate::errors::error_json(
+                &root.message(),
+                "",
+                root.timestamp,
+            )),
+        };
+        crate::errors::copy_with_exit_code(&report, Some(root.exit.code()), parent_file)?;
+        Ok(true)
+    }
 }
 
 /// How [`ProcessContext::wait_forwarding`] ended.

@@ -108,6 +108,12 @@ fn signals_are_named_and_the_first_failure_is_the_root_cause() {
         root.message(),
         format!("Signal 11 (SIGSEGV) received by PID {}", pids[&1])
     );
+    // The launcher's own error file gets the root cause, with its exit code.
+    let parent = dir.path().join("launcher-error.json");
+    assert!(r.record_root_cause(&parent).unwrap());
+    let copied = errors::ErrorReport::read(&parent).unwrap().unwrap();
+    assert_eq!(copied.error_code, Some(-libc::SIGSEGV));
+    assert!(copied.message.contains("SIGSEGV"), "{}", copied.message);
     // All-or-nothing: rank 0 was stopped because rank 1 failed; it is not itself
     // reported as a failure.
     assert!(!alive(pids[&0]));
