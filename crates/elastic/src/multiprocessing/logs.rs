@@ -28,11 +28,26 @@ use super::spec::{LogsSpec, Std};
 /// How long a pump keeps reading after its worker exited, once the pipe is quiet.
 pub const DRAIN_AFTER_EXIT: Duration = Duration::from_millis(100);
 
-/// The per-run log directory (`<log_dir>/<run_id>_<suffix>`).
-#[derive(Debug, Clone)]
+/// The per-run log directory (`<log_dir>/<run_id>_<suffix>`), or `/dev/null` when
+/// logging is off (as `log_dir=os.devnull` in PyTorch: no files, and an empty
+/// `TORCHELASTIC_ERROR_FILE`).
+#[derive(Debug)]
 pub struct RunLogs {
     pub dir: PathBuf,
+    /// With logging off, where function workers' return values go; removed on drop.
+    scratch: Option<PathBuf>,
 }
+
+impl Drop for RunLogs {
+    fn drop(&mut self) {
+        if let Some(s) = &self.scratch {
+            let _ = std::fs::remove_dir_all(s);
+        }
+    }
+}
+
+/// The `log_dir` that turns log files off.
+pub const DEV_NULL: &str = "/dev/null";
 
 /// Paths of one worker's files in one attempt.
 #[derive(Debug, Clone)]
@@ -65,6 +80,17 @@ impl RunLogs {
     /// Creates `<log_dir>/<run_id>_<suffix>` (a fresh temporary base when the spec
     /// has no `log_dir`).
     pub fn create(spec: &LogsSpec, run_id: &str) -> Result<RunLogs, LogDirError> {
+        if spec.log_dir.as_deref() == Some(Path::new(DEV_NULL)) {
+            let scratch = std::env::temp_dir().join(format!("rally_{run_id}_{}", suffix()));
+            std::fs::create_dir_all(&scratch).map_err(|source| LogDirError {
+                path: scratch.clone(),
+                source,
+            })?;
+            return Ok(RunLogs {
+                dir: PathBuf::from(DEV_NULL),
+                scratch: Some(scratch),
+            });
+        }
         let base = match &spec.log_dir {
             Some(d) => d.clone(),
             None => std::env::temp_dir().join(format!("torchelastic_{}", suffix())),
@@ -74,11 +100,23 @@ impl RunLogs {
             path: dir.clone(),
             source,
         })?;
-        Ok(RunLogs { dir })
+        Ok(RunLogs { dir, scratch: None })
     }
 
     /// Wipes and recreates `attempt_<n>/<rank>/` for every local rank.
     pub fn attempt(&self, attempt: u32, nprocs: usize) -> Result<Vec<WorkerLogs>, LogDirError> {
+        if let Some(scratch) = &self.scratch {
+            let null = PathBuf::from(DEV_NULL);
+            return Ok((0..nprocs)
+                .map(|rank| WorkerLogs {
+                    dir: null.clone(),
+                    stdout: null.clone(),
+                    stderr: null.clone(),
+                    error_file: PathBuf::new(),
+                    return_value: scratch.join(format!("{attempt}_{rank}")),
+                })
+                .collect());
+        }
         let dir = self.dir.join(format!("attempt_{attempt}"));
         let err = |path: &Path| {
             let path = path.to_owned();

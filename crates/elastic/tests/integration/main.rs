@@ -498,3 +498,24 @@ fn a_trapped_signal_is_forwarded_to_the_workers() {
     let out = std::fs::read_to_string(logs.join("attempt_0/0/stdout.log")).unwrap();
     assert_eq!(out, "ready\ngot-term\n");
 }
+
+#[test]
+fn log_dir_dev_null_turns_files_off() {
+    let logs = LogsSpec {
+        log_dir: Some("/dev/null".into()),
+        redirects: PerRank::All(Std::All),
+        ..LogsSpec::default()
+    };
+    // Exit 4 only if TORCHELASTIC_ERROR_FILE is set and empty, as in PyTorch.
+    let spec = sh(&[
+        r#"[ "${TORCHELASTIC_ERROR_FILE+set}" = set ] && [ -z "$TORCHELASTIC_ERROR_FILE" ] && exit 4; exit 5"#,
+    ]);
+    let run = RunLogs::create(&logs, "quiet").unwrap();
+    let mut ctx = start_processes(&spec, &logs, &run.attempt(0, 1).unwrap()).unwrap();
+    let r = ctx
+        .wait(Some(Duration::from_secs(10)), Duration::from_millis(5))
+        .unwrap();
+    assert_eq!(r.failures[&0].exit, Exit::Code(4));
+    assert!(r.failures[&0].error.is_none());
+    assert_eq!(run.dir, Path::new("/dev/null"));
+}
