@@ -422,6 +422,7 @@ impl ProcessContext {
     fn join_pump(&mut self) {
         if let Some(p) = &mut self.pump {
             p.join();
+            super::logs::flush_console();
         }
     }
 

@@ -10,9 +10,14 @@
 //! lock, so lines of different workers never interleave mid-line. A pump stops at
 //! end of file, or — when the worker has exited but a grandchild still holds the
 //! pipe open — once the pipe has been quiet for [`DRAIN_AFTER_EXIT`], so such a
-//! grandchild never hangs the launcher. Pumps never block a worker: they read as
-//! fast as the file and console accept, and a console write error drops console
-//! output rather than stalling the file.
+//! grandchild never hangs the launcher.
+//!
+//! The console is written by its own thread behind a bounded queue, so a slow
+//! console never stalls the pump (and with it every worker): a teed stream whose
+//! console lines do not fit in the queue loses them from the console only — they
+//! are in its file — and a notice says how many were dropped. A stream that goes
+//! only to the console has nowhere else to go, so the pump waits for the console,
+//! as a worker writing to a terminal would.
 
 use std::fs::File;
 use std::io::{Read, Write};
@@ -213,6 +218,56 @@ struct Active {
     partial: Vec<u8>,
     exited: Arc<AtomicBool>,
     quiet_since: Option<Instant>,
+    /// Console lines dropped because the console fell behind (teed streams only).
+    dropped: u64,
+}
+
+/// A message for the console thread.
+enum ConsoleMsg {
+    Lines(Console, Vec<u8>),
+    /// Acknowledged once everything queued before it is written.
+    Flush(std::sync::mpsc::SyncSender<()>),
+}
+
+/// Chunks (each up to ~1 MiB of lines) the console queue holds.
+const CONSOLE_QUEUE: usize = 64;
+
+/// The process-wide console writer.
+fn console() -> &'static std::sync::mpsc::SyncSender<ConsoleMsg> {
+    static TX: std::sync::OnceLock<std::sync::mpsc::SyncSender<ConsoleMsg>> =
+        std::sync::OnceLock::new();
+    TX.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<ConsoleMsg>(CONSOLE_QUEUE);
+        std::thread::Builder::new()
+            .name("rally-console".into())
+            .spawn(move || {
+                for msg in rx {
+                    match msg {
+                        ConsoleMsg::Lines(Console::Stdout, b) => {
+                            let _ = std::io::stdout().lock().write_all(&b);
+                        }
+                        ConsoleMsg::Lines(Console::Stderr, b) => {
+                            let _ = std::io::stderr().lock().write_all(&b);
+                        }
+                        ConsoleMsg::Flush(ack) => {
+                            let _ = std::io::stdout().flush();
+                            let _ = ack.send(());
+                        }
+                    }
+                }
+            })
+            .expect("cannot start the console thread");
+        tx
+    })
+}
+
+/// Waits (up to a second: a console nobody reads must not hang the launcher) until
+/// every console line queued so far is written.
+pub(crate) fn flush_console() {
+    let (ack, done) = std::sync::mpsc::sync_channel(1);
+    if console().try_send(ConsoleMsg::Flush(ack)).is_ok() {
+        let _ = done.recv_timeout(Duration::from_secs(1));
+    }
 }
 
 impl Pump {
@@ -235,6 +290,7 @@ impl Pump {
                 partial: Vec::new(),
                 exited: s.exited,
                 quiet_since: None,
+                dropped: 0,
             });
         }
         let thread = std::thread::Builder::new()
@@ -314,33 +370,61 @@ impl Active {
             }
         }
         if let Some((which, prefix)) = &self.console {
-            if write_lines(*which, prefix, &mut self.partial, chunk).is_err() {
-                self.console = None;
+            let lines = prefixed_lines(prefix, &mut self.partial, chunk);
+            if !lines.is_empty() {
+                self.to_console(*which, lines);
             }
         }
     }
 
-    /// Flushes an unterminated last line to the console.
+    /// Queues lines for the console: without waiting when the stream also has a
+    /// file (dropping them if the console is behind), else waiting.
+    fn to_console(&mut self, which: Console, lines: Vec<u8>) {
+        let tx = console();
+        if self.file.is_none() {
+            let _ = tx.send(ConsoleMsg::Lines(which, lines));
+            return;
+        }
+        if self.dropped > 0 {
+            let prefix = self.console.as_ref().map_or("", |c| c.1.as_str());
+            let notice = format!(
+                "{prefix} [rally] console fell behind: {} lines dropped here (they are in the log file)\n",
+                self.dropped
+            );
+            if tx
+                .try_send(ConsoleMsg::Lines(which, notice.into_bytes()))
+                .is_err()
+            {
+                self.dropped += memchr::memchr_iter(b'\n', &lines).count() as u64;
+                return;
+            }
+            self.dropped = 0;
+        }
+        if let Err(std::sync::mpsc::TrySendError::Full(ConsoleMsg::Lines(_, l))) =
+            tx.try_send(ConsoleMsg::Lines(which, lines))
+        {
+            self.dropped += memchr::memchr_iter(b'\n', &l).count() as u64;
+        }
+    }
+
+    /// Sends an unterminated last line to the console.
     fn finish(&mut self) {
         if let (Some((which, prefix)), false) = (&self.console, self.partial.is_empty()) {
+            let which = *which;
             let mut last = std::mem::take(&mut self.partial);
             last.push(b'\n');
-            let _ = write_lines(*which, prefix, &mut Vec::new(), &last);
+            let lines = prefixed_lines(prefix, &mut Vec::new(), &last);
+            self.to_console(which, lines);
         }
     }
 }
 
-/// Writes the complete lines of `partial + chunk`, each prefixed, in one locked
-/// write; keeps the unfinished tail in `partial`.
-fn write_lines(
-    which: Console,
-    prefix: &str,
-    partial: &mut Vec<u8>,
-    chunk: &[u8],
-) -> std::io::Result<()> {
+/// The complete lines of `partial + chunk`, each prefixed; the unfinished tail is
+/// kept in `partial`.
+fn prefixed_lines(prefix: &str, partial: &mut Vec<u8>, chunk: &[u8]) -> Vec<u8> {
     let Some(last_nl) = memchr::memrchr(b'\n', chunk) else {
         partial.extend_from_slice(chunk);
-        return Ok(());
+        return Vec::new();
     };
     let (complete, tail) = chunk.split_at(last_nl + 1);
     let lines = memchr::memchr_iter(b'\n', complete).count();
@@ -357,8 +441,5 @@ fn write_lines(
     }
     partial.clear();
     partial.extend_from_slice(tail);
-    match which {
-        Console::Stdout => std::io::stdout().lock().write_all(&out),
-        Console::Stderr => std::io::stderr().lock().write_all(&out),
-    }
+    out
 }

@@ -519,3 +519,53 @@ fn log_dir_dev_null_turns_files_off() {
     assert!(r.failures[&0].error.is_none());
     assert_eq!(run.dir, Path::new("/dev/null"));
 }
+
+/// The stalled-console role: tees 20 MB while nobody reads this process's stdout.
+fn stalled_console_role() {
+    let dir = tempfile::tempdir().unwrap();
+    let logs = LogsSpec {
+        log_dir: Some(dir.path().to_owned()),
+        tee: PerRank::All(Std::Out),
+        ..LogsSpec::default()
+    };
+    let spec = sh(&["yes 123456789012345678901234567890123456789012345678901234567890123456789012345678901234567890123456789 | head -n 200000"]);
+    let (mut ctx, run) = start(&spec, &logs);
+    let r = ctx
+        .wait(Some(Duration::from_secs(60)), Duration::from_millis(5))
+        .unwrap();
+    let len = std::fs::metadata(rank_file(&run, 0, "stdout.log"))
+        .unwrap()
+        .len();
+    eprintln!("DONE failed={} bytes={len}", r.is_failed());
+    // Exit before the test harness prints to the stdout nobody reads.
+    std::process::exit(0);
+}
+
+#[test]
+fn a_console_nobody_reads_never_blocks_the_workers() {
+    if std::env::var(ROLE).as_deref() == Ok("stalled") {
+        return stalled_console_role();
+    }
+    let mut launcher = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "a_console_nobody_reads_never_blocks_the_workers",
+            "--nocapture",
+        ])
+        .env(ROLE, "stalled")
+        .stdout(std::process::Stdio::piped()) // never read
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while launcher.try_wait().unwrap().is_none() {
+        if t.elapsed() > Duration::from_secs(60) {
+            launcher.kill().unwrap();
+            panic!("the launcher hung behind its console");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut err = String::new();
+    std::io::Read::read_to_string(launcher.stderr.as_mut().unwrap(), &mut err).unwrap();
+    assert!(err.contains("DONE failed=false bytes=20000000"), "{err}");
+}
