@@ -372,14 +372,14 @@ impl Active {
         if let Some((which, prefix)) = &self.console {
             let lines = prefixed_lines(prefix, &mut self.partial, chunk);
             if !lines.is_empty() {
-                self.to_console(*which, lines);
+                self.send_to_console(*which, lines);
             }
         }
     }
 
     /// Queues lines for the console: without waiting when the stream also has a
     /// file (dropping them if the console is behind), else waiting.
-    fn to_console(&mut self, which: Console, lines: Vec<u8>) {
+    fn send_to_console(&mut self, which: Console, lines: Vec<u8>) {
         let tx = console();
         if self.file.is_none() {
             let _ = tx.send(ConsoleMsg::Lines(which, lines));
@@ -414,7 +414,7 @@ impl Active {
             let mut last = std::mem::take(&mut self.partial);
             last.push(b'\n');
             let lines = prefixed_lines(prefix, &mut Vec::new(), &last);
-            self.to_console(which, lines);
+            self.send_to_console(which, lines);
         }
     }
 }
