@@ -229,6 +229,14 @@ enum ConsoleMsg {
     Flush(std::sync::mpsc::SyncSender<()>),
 }
 
+static CONSOLE_DROPPED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Console lines dropped so far in this process because the console fell behind
+/// (they are in the log files).
+pub fn console_lines_dropped() -> u64 {
+    CONSOLE_DROPPED.load(Ordering::Relaxed)
+}
+
 /// Chunks (each up to ~1 MiB of lines) the console queue holds.
 const CONSOLE_QUEUE: usize = 64;
 
@@ -403,7 +411,9 @@ impl Active {
         if let Err(std::sync::mpsc::TrySendError::Full(ConsoleMsg::Lines(_, l))) =
             tx.try_send(ConsoleMsg::Lines(which, lines))
         {
-            self.dropped += memchr::memchr_iter(b'\n', &l).count() as u64;
+            let n = memchr::memchr_iter(b'\n', &l).count() as u64;
+            self.dropped += n;
+            CONSOLE_DROPPED.fetch_add(n, Ordering::Relaxed);
         }
     }
 
