@@ -17,6 +17,13 @@ use rallypoint_elastic::multiprocessing::{
 
 const ROLE: &str = "RALLY_TEST_ROLE";
 
+/// This test binary, re-executed to run only `test` in `role`.
+fn reexec(test: &str, role: &str) -> Command {
+    let mut c = Command::new(std::env::current_exe().unwrap());
+    c.args(["--exact", test, "--nocapture"]).env(ROLE, role);
+    c
+}
+
 fn sh(scripts: &[&str]) -> StartSpec {
     StartSpec {
         name: "trainer".into(),
@@ -271,15 +278,12 @@ fn console_lines_are_prefixed_and_never_interleaved() {
     if std::env::var(ROLE).as_deref() == Ok("launcher") {
         return launcher_role();
     }
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "console_lines_are_prefixed_and_never_interleaved",
-            "--nocapture",
-        ])
-        .env(ROLE, "launcher")
-        .output()
-        .unwrap();
+    let out = reexec(
+        "console_lines_are_prefixed_and_never_interleaved",
+        "launcher",
+    )
+    .output()
+    .unwrap();
     assert!(
         out.status.success(),
         "{}",
@@ -317,13 +321,7 @@ fn a_launcher_killed_by_sigkill_leaves_no_worker() {
         return parent_role();
     }
     use std::io::BufRead;
-    let mut parent = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "a_launcher_killed_by_sigkill_leaves_no_worker",
-            "--nocapture",
-        ])
-        .env(ROLE, "parent")
+    let mut parent = reexec("a_launcher_killed_by_sigkill_leaves_no_worker", "parent")
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
@@ -464,13 +462,7 @@ fn a_trapped_signal_is_forwarded_to_the_workers() {
     }
     use std::io::BufRead;
     let dir = tempfile::tempdir().unwrap();
-    let mut launcher = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "a_trapped_signal_is_forwarded_to_the_workers",
-            "--nocapture",
-        ])
-        .env(ROLE, "forwarder")
+    let mut launcher = reexec("a_trapped_signal_is_forwarded_to_the_workers", "forwarder")
         .env("RALLY_TEST_DIR", dir.path())
         .stdout(std::process::Stdio::piped())
         .spawn()
@@ -546,13 +538,7 @@ fn a_console_nobody_reads_never_blocks_the_workers() {
     if std::env::var(ROLE).as_deref() == Ok("stalled") {
         return stalled_console_role();
     }
-    let mut launcher = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "a_console_nobody_reads_never_blocks_the_workers",
-            "--nocapture",
-        ])
-        .env(ROLE, "stalled")
+    let mut launcher = reexec("a_console_nobody_reads_never_blocks_the_workers", "stalled")
         .stdout(std::process::Stdio::piped()) // never read
         .stderr(std::process::Stdio::piped())
         .spawn()
