@@ -52,6 +52,13 @@ pub enum StoreError {
         #[source]
         source: DecodeError,
     },
+    /// The server answered with a reply this command cannot get.
+    #[error("the store at {addr} answered {op} with {reply}")]
+    UnexpectedReply {
+        op: &'static str,
+        addr: String,
+        reply: String,
+    },
     /// The PING after the handshake came back with the wrong nonce.
     #[error("the store at {addr} echoed ping nonce {got:#x}, expected {sent:#x}")]
     PingMismatch { addr: String, sent: u32, got: u32 },

@@ -290,17 +290,13 @@ impl TcpStore {
         }
     }
 
+    /// A well-formed reply that is not one this command can get (e.g. a WAIT answered
+    /// with a byte other than STOP_WAITING).
     fn unexpected(&self, op: &'static str, reply: Reply) -> StoreError {
-        StoreError::Protocol {
+        StoreError::UnexpectedReply {
             op,
             addr: self.addr.clone(),
-            source: crate::protocol::DecodeError::UnexpectedByte {
-                what: op,
-                byte: match reply {
-                    Reply::Byte(b) => b,
-                    _ => 0xff,
-                },
-            },
+            reply: format!("{reply:?}"),
         }
     }
 

@@ -168,8 +168,6 @@ pub enum DecodeError {
     },
     #[error("{what} count {count} is negative")]
     NegativeCount { what: &'static str, count: i64 },
-    #[error("unexpected reply byte {byte} for {what}")]
-    UnexpectedByte { what: &'static str, byte: u8 },
 }
 
 /// Outcome of decoding from a buffer that may hold a partial message.
