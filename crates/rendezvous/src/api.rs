@@ -1,0 +1,262 @@
+//! The elastic rendezvous interface (PyTorch's `elastic/rendezvous/api.py`).
+//!
+//! An agent calls [`RendezvousHandler::next_rendezvous`] before every (re)start of
+//! its workers and gets back the job's store, its rank among the nodes, the number of
+//! nodes, and where workers reach the job's store. Between rounds it asks
+//! [`RendezvousHandler::num_nodes_waiting`] whether the group should re-form, and at
+//! the end it closes the rendezvous so every other node stops too.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rallypoint_store::{Store, StoreError};
+
+/// Why a rendezvous failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RendezvousError {
+    /// The rendezvous was closed; the job is over.
+    #[error("rendezvous {run_id:?} is closed")]
+    Closed { run_id: String },
+    /// Not enough nodes came in time. Names who joined and how many were expected.
+    #[error("rendezvous {run_id:?} timed out after {waited:?}: {} joined ({}), expected {expected}", .joined.len(), .joined.join(", "))]
+    Timeout {
+        run_id: String,
+        waited: Duration,
+        joined: Vec<String>,
+        expected: String,
+    },
+    /// The store could not be reached.
+    #[error("rendezvous {run_id:?} cannot reach its store")]
+    Connection {
+        run_id: String,
+        #[source]
+        source: StoreError,
+    },
+    /// The shared state is not what the protocol allows.
+    #[error("rendezvous {run_id:?} is in an invalid state: {reason}")]
+    State { run_id: String, reason: String },
+    /// This node is not needed (the group is full and closed); not a failure.
+    #[error("rendezvous {run_id:?} closed while this node was a spare; exiting gracefully")]
+    GracefulExit { run_id: String },
+    /// A bad parameter or option; names it.
+    #[error("rendezvous option {option:?} = {value:?} is invalid: {expected}")]
+    Config {
+        option: String,
+        value: String,
+        expected: String,
+    },
+    /// A backend registry problem.
+    #[error("{0}")]
+    Registry(String),
+}
+
+/// How workers reach the job's store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BootstrapStoreInfo {
+    pub master_addr: String,
+    pub master_port: u16,
+}
+
+/// The outcome of one rendezvous round.
+#[derive(Clone)]
+pub struct RendezvousInfo {
+    /// The job's store, namespaced for this round.
+    pub store: Arc<dyn Store>,
+    /// This node's rank among the nodes (the agent's group rank).
+    pub rank: usize,
+    /// Number of nodes in the round.
+    pub world_size: usize,
+    pub bootstrap: BootstrapStoreInfo,
+}
+
+impl std::fmt::Debug for RendezvousInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RendezvousInfo")
+            .field("rank", &self.rank)
+            .field("world_size", &self.world_size)
+            .field("bootstrap", &self.bootstrap)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A rendezvous backend, for one run.
+#[async_trait::async_trait]
+pub trait RendezvousHandler: Send + Sync {
+    /// The backend's registered name (`static`, `c10d`, `etcd`, ...).
+    fn backend(&self) -> &str;
+
+    /// Joins the next round and waits for it to complete.
+    async fn next_rendezvous(&self) -> Result<RendezvousInfo, RendezvousError>;
+
+    /// Whether the rendezvous has been closed.
+    async fn is_closed(&self) -> Result<bool, RendezvousError>;
+
+    /// Closes the rendezvous: every later join, on any node, fails with
+    /// [`RendezvousError::Closed`].
+    async fn set_closed(&self) -> Result<(), RendezvousError>;
+
+    /// Nodes waiting to join, which the agent reacts to by re-forming the group.
+    async fn num_nodes_waiting(&self) -> Result<usize, RendezvousError>;
+
+    /// The run id shared by every node of the job.
+    fn run_id(&self) -> &str;
+
+    /// Closes the rendezvous and releases resources; `Ok(false)` if it could not.
+    async fn shutdown(&self) -> Result<bool, RendezvousError>;
+
+    /// Whether workers connect to the store as clients only
+    /// (`TORCHELASTIC_USE_AGENT_STORE=True`).
+    fn use_agent_store(&self) -> bool {
+        true
+    }
+}
+
+/// What a backend is created from (torchrun's `--rdzv-*` flags).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RendezvousParameters {
+    pub backend: String,
+    /// `host[:port]` (or a path, for file-backed stores).
+    pub endpoint: String,
+    pub run_id: String,
+    pub min_nodes: usize,
+    pub max_nodes: usize,
+    /// The address this node advertises (`--local-addr`).
+    pub local_addr: Option<String>,
+    /// Backend options (`--rdzv-conf k=v,...`).
+    pub config: BTreeMap<String, String>,
+}
+
+fn config_error(option: &str, value: &str, expected: &str) -> RendezvousError {
+    RendezvousError::Config {
+        option: option.to_owned(),
+        value: value.to_owned(),
+        expected: expected.to_owned(),
+    }
+}
+
+impl RendezvousParameters {
+    /// Checks the node counts and names, as PyTorch does.
+    pub fn new(
+        backend: &str,
+        endpoint: &str,
+        run_id: &str,
+        min_nodes: usize,
+        max_nodes: usize,
+    ) -> Result<Self, RendezvousError> {
+        if backend.is_empty() {
+            return Err(config_error("backend", backend, "a backend name"));
+        }
+        if run_id.is_empty() {
+            return Err(config_error("run_id", run_id, "a non-empty run id"));
+        }
+        if min_nodes < 1 {
+            return Err(config_error(
+                "min_nodes",
+                &min_nodes.to_string(),
+                "at least 1",
+            ));
+        }
+        if max_nodes < min_nodes {
+            return Err(config_error(
+                "max_nodes",
+                &max_nodes.to_string(),
+                &format!("at least min_nodes ({min_nodes})"),
+            ));
+        }
+        Ok(RendezvousParameters {
+            backend: backend.to_owned(),
+            endpoint: endpoint.to_owned(),
+            run_id: run_id.to_owned(),
+            min_nodes,
+            max_nodes,
+            local_addr: None,
+            config: BTreeMap::new(),
+        })
+    }
+
+    /// Parses `--rdzv-conf`: `k1=v1,k2=v2`. Empty values are rejected, as torchrun does.
+    pub fn parse_conf(conf: &str) -> Result<BTreeMap<String, String>, RendezvousError> {
+        let mut map = BTreeMap::new();
+        for pair in conf.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (k, v) = pair
+                .split_once('=')
+                .ok_or_else(|| config_error(pair, "", "key=value"))?;
+            let (k, v) = (k.trim(), v.trim());
+            if k.is_empty() || v.is_empty() {
+                return Err(config_error(k, v, "a non-empty key and value"));
+            }
+            map.insert(k.to_owned(), v.to_owned());
+        }
+        Ok(map)
+    }
+
+    pub fn get(&self, key: &str) -> Option<&str> {
+        self.config.get(key).map(String::as_str)
+    }
+
+    /// `1/true/t/yes/y` and `0/false/f/no/n` (any case); anything else is an error
+    /// naming the option.
+    pub fn get_as_bool(&self, key: &str) -> Result<Option<bool>, RendezvousError> {
+        let Some(v) = self.get(key) else {
+            return Ok(None);
+        };
+        match v.to_ascii_lowercase().as_str() {
+            "1" | "true" | "t" | "yes" | "y" => Ok(Some(true)),
+            "0" | "false" | "f" | "no" | "n" => Ok(Some(false)),
+            _ => Err(config_error(
+                key,
+                v,
+                "a boolean (1/true/t/yes/y or 0/false/f/no/n)",
+            )),
+        }
+    }
+
+    pub fn get_as_int(&self, key: &str) -> Result<Option<i64>, RendezvousError> {
+        let Some(v) = self.get(key) else {
+            return Ok(None);
+        };
+        v.trim()
+            .parse()
+            .map(Some)
+            .map_err(|_| config_error(key, v, "an integer"))
+    }
+
+    /// A duration option given in seconds (integer or decimal), with a default.
+    pub fn get_as_secs(&self, key: &str, default: Duration) -> Result<Duration, RendezvousError> {
+        let Some(v) = self.get(key) else {
+            return Ok(default);
+        };
+        match v.trim().parse::<f64>() {
+            Ok(s) if s.is_finite() && s >= 0.0 => Ok(Duration::from_secs_f64(s)),
+            _ => Err(config_error(key, v, "a non-negative number of seconds")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parameters_validate_and_parse_options() {
+        assert!(RendezvousParameters::new("c10d", "h:1", "job", 0, 1).is_err());
+        let e = RendezvousParameters::new("c10d", "h:1", "job", 3, 2).unwrap_err();
+        assert!(e.to_string().contains("max_nodes"), "{e}");
+        let mut p = RendezvousParameters::new("c10d", "h:1", "job", 1, 2).unwrap();
+        p.config = RendezvousParameters::parse_conf("is_host=Yes, timeout=30,ratio=x").unwrap();
+        assert_eq!(p.get_as_bool("is_host").unwrap(), Some(true));
+        assert_eq!(p.get_as_int("timeout").unwrap(), Some(30));
+        assert_eq!(p.get_as_bool("missing").unwrap(), None);
+        let e = p.get_as_int("ratio").unwrap_err();
+        assert!(e.to_string().contains("\"ratio\""), "{e}");
+        let e = p.get_as_bool("timeout").unwrap_err();
+        assert!(e.to_string().contains("boolean"), "{e}");
+        assert_eq!(
+            p.get_as_secs("timeout", Duration::ZERO).unwrap(),
+            Duration::from_secs(30)
+        );
+        assert!(RendezvousParameters::parse_conf("a=").is_err());
+        assert!(RendezvousParameters::parse_conf("novalue").is_err());
+    }
+}

@@ -1,0 +1,150 @@
+//! The `static` backend: a fixed number of nodes (`max_nodes`), each told its rank
+//! (`rank` option, torchrun's `--node-rank`), with a TCP store hosted by rank 0 at the
+//! endpoint (`--master-addr:--master-port`). It never re-forms, never closes, and
+//! nobody waits: a restart returns the same store and ranks. Agents' keys live under
+//! `PrefixStore(run_id)`, as in PyTorch, so one store can serve several runs.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rallypoint_store::{PrefixStore, Store, TcpStore};
+use tokio::sync::OnceCell;
+
+use crate::api::{
+    BootstrapStoreInfo, RendezvousError, RendezvousHandler, RendezvousInfo, RendezvousParameters,
+};
+use crate::registry::Created;
+use crate::url::Url;
+
+/// PyTorch's default timeout for the static backend when none is given.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// The static rendezvous of one run.
+pub struct StaticTcpRendezvous {
+    run_id: String,
+    host: String,
+    port: u16,
+    rank: usize,
+    world_size: usize,
+    timeout: Duration,
+    store: OnceCell<Arc<dyn Store>>,
+}
+
+impl StaticTcpRendezvous {
+    /// Checks the parameters: an endpoint with a port, and a rank below max_nodes.
+    pub fn from_parameters(p: &RendezvousParameters) -> Result<Self, RendezvousError> {
+        let bad = |option: &str, value: &str, expected: &str| RendezvousError::Config {
+            option: option.to_owned(),
+            value: value.to_owned(),
+            expected: expected.to_owned(),
+        };
+        let url = Url::parse(&format!("tcp://{}", p.endpoint))
+            .map_err(|e| bad("endpoint", &p.endpoint, &e))?;
+        let (host, port) = url
+            .host_port()
+            .map_err(|e| bad("endpoint", &p.endpoint, &e))?;
+        let port = port.ok_or_else(|| {
+            bad(
+                "endpoint",
+                &p.endpoint,
+                "host:port (the static backend needs a port)",
+            )
+        })?;
+        let rank = p
+            .get_as_int("rank")?
+            .ok_or_else(|| bad("rank", "", "this node's rank (--node-rank)"))?;
+        if rank < 0 || rank as usize >= p.max_nodes {
+            return Err(bad(
+                "rank",
+                &rank.to_string(),
+                &format!("0..{}", p.max_nodes),
+            ));
+        }
+        Ok(StaticTcpRendezvous {
+            run_id: p.run_id.clone(),
+            host,
+            port,
+            rank: rank as usize,
+            world_size: p.max_nodes,
+            timeout: p.get_as_secs("timeout", DEFAULT_TIMEOUT)?,
+            store: OnceCell::new(),
+        })
+    }
+}
+
+/// The registry's creator.
+pub fn create(p: RendezvousParameters) -> Created {
+    Box::pin(async move {
+        let h = StaticTcpRendezvous::from_parameters(&p)?;
+        Ok(Box::new(h) as Box<dyn RendezvousHandler>)
+    })
+}
+
+#[async_trait::async_trait]
+impl RendezvousHandler for StaticTcpRendezvous {
+    fn backend(&self) -> &str {
+        "static"
+    }
+
+    async fn next_rendezvous(&self) -> Result<RendezvousInfo, RendezvousError> {
+        let store = self
+            .store
+            .get_or_try_init(|| async {
+                let tcp = TcpStore::builder(self.host.clone(), self.port)
+                    .is_master(self.rank == 0)
+                    .world_size(self.world_size)
+                    .timeout(self.timeout)
+                    .connect()
+                    .await
+                    .map_err(|source| match source {
+                        rallypoint_store::StoreError::WorkersTimeout {
+                            joined,
+                            expected,
+                            waited,
+                        } => RendezvousError::Timeout {
+                            run_id: self.run_id.clone(),
+                            waited,
+                            joined: vec![format!("{joined} node(s)")],
+                            expected: format!("{expected} nodes"),
+                        },
+                        source => RendezvousError::Connection {
+                            run_id: self.run_id.clone(),
+                            source,
+                        },
+                    })?;
+                let prefixed: Arc<dyn Store> =
+                    Arc::new(PrefixStore::new(self.run_id.clone(), Arc::new(tcp)));
+                Ok::<_, RendezvousError>(prefixed)
+            })
+            .await?;
+        Ok(RendezvousInfo {
+            store: store.clone(),
+            rank: self.rank,
+            world_size: self.world_size,
+            bootstrap: BootstrapStoreInfo {
+                master_addr: self.host.clone(),
+                master_port: self.port,
+            },
+        })
+    }
+
+    async fn is_closed(&self) -> Result<bool, RendezvousError> {
+        Ok(false)
+    }
+
+    async fn set_closed(&self) -> Result<(), RendezvousError> {
+        Ok(())
+    }
+
+    async fn num_nodes_waiting(&self) -> Result<usize, RendezvousError> {
+        Ok(0)
+    }
+
+    fn run_id(&self) -> &str {
+        &self.run_id
+    }
+
+    async fn shutdown(&self) -> Result<bool, RendezvousError> {
+        Ok(true)
+    }
+}

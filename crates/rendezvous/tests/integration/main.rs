@@ -1,0 +1,338 @@
+//! Integration tests of rendezvous: URL init and the static backend, over real
+//! stores.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rallypoint_rendezvous::api::{RendezvousError, RendezvousHandler, RendezvousParameters};
+use rallypoint_rendezvous::init::{
+    rendezvous, InitArgs, InitError, Rendezvoused, SchemeFuture, Schemes,
+};
+use rallypoint_rendezvous::registry::{Created, Registry};
+use rallypoint_store::{MemoryStore, Store};
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn args() -> InitArgs {
+    InitArgs {
+        timeout: Duration::from_secs(10),
+        ..InitArgs::default()
+    }
+}
+
+/// Runs `n` ranks' rendezvous concurrently and checks they share one store.
+async fn all_ranks(n: usize, url: impl Fn(usize) -> (String, InitArgs)) -> Vec<Rendezvoused> {
+    let mut tasks = Vec::new();
+    for rank in 0..n {
+        let (u, a) = url(rank);
+        tasks.push(tokio::spawn(async move {
+            rendezvous(&u, a).unwrap().next().await
+        }));
+    }
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap().unwrap());
+    }
+    for r in &out {
+        r.store
+            .set(&format!("hello/{}", r.rank), b"hi")
+            .await
+            .unwrap();
+    }
+    for r in &out {
+        assert_eq!(r.world_size, n);
+        for other in 0..n {
+            assert_eq!(r.store.get(&format!("hello/{other}")).await.unwrap(), b"hi");
+        }
+    }
+    out.sort_by_key(|r| r.rank);
+    assert_eq!(
+        out.iter().map(|r| r.rank).collect::<Vec<_>>(),
+        (0..n).collect::<Vec<_>>()
+    );
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_urls_share_one_file_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    all_ranks(3, |rank| {
+        (
+            format!("file://{}?rank={rank}&world_size=3", path.display()),
+            args(),
+        )
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_urls_have_rank_zero_host_the_store() {
+    let port = free_port();
+    let out = all_ranks(3, |rank| {
+        (
+            format!("tcp://127.0.0.1:{port}?rank={rank}&world_size=3"),
+            args(),
+        )
+    })
+    .await;
+    // Rank and size may come from the arguments instead of the query.
+    drop(out);
+    let port = free_port();
+    all_ranks(2, |rank| {
+        let a = InitArgs {
+            rank: Some(rank),
+            world_size: Some(2),
+            ..args()
+        };
+        (format!("tcp://127.0.0.1:{port}"), a)
+    })
+    .await;
+}
+
+fn env_of(rank: usize, port: u16, agent_store: bool) -> InitArgs {
+    let mut env: BTreeMap<String, String> = [
+        ("RANK", rank.to_string()),
+        ("WORLD_SIZE", "2".to_string()),
+        ("MASTER_ADDR", "127.0.0.1".to_string()),
+        ("MASTER_PORT", port.to_string()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v))
+    .collect();
+    if agent_store {
+        env.insert("TORCHELASTIC_USE_AGENT_STORE".into(), "True".into());
+    }
+    InitArgs {
+        env: Some(env),
+        ..args()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn env_urls_read_the_torchrun_variables() {
+    // Rank 0 hosts.
+    let port = free_port();
+    all_ranks(2, |rank| ("env://".into(), env_of(rank, port, false))).await;
+    // Agent-store mode: every rank is a client of a store somebody else hosts.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let server = rallypoint_store::server::Server::from_listener(listener, Default::default())
+        .unwrap()
+        .spawn();
+    all_ranks(2, |rank| ("env://".into(), env_of(rank, port, true))).await;
+    assert_eq!(
+        server.stats().accepted,
+        2,
+        "no rank started a server of its own"
+    );
+}
+
+#[tokio::test]
+async fn url_errors_name_what_is_wrong() {
+    let msg = |r: Result<_, InitError>| r.err().unwrap().to_string();
+    let mut a = args();
+    let e = msg(rendezvous("tcp://127.0.0.1:1?world_size=2", a.clone())
+        .unwrap()
+        .next()
+        .await
+        .map(drop));
+    assert!(e.contains("rank parameter"), "{e}");
+    let e = msg(rendezvous("file:///tmp/x?rank=0", a.clone())
+        .unwrap()
+        .next()
+        .await
+        .map(drop));
+    assert!(e.contains("world_size parameter"), "{e}");
+    let e = msg(rendezvous("tcp://127.0.0.1?rank=0&world_size=1", a.clone())
+        .unwrap()
+        .next()
+        .await
+        .map(drop));
+    assert!(e.contains("port"), "{e}");
+    let e = msg(
+        rendezvous("tcp://127.0.0.1:70000?rank=0&world_size=1", a.clone())
+            .unwrap()
+            .next()
+            .await
+            .map(drop),
+    );
+    assert!(e.contains("70000"), "{e}");
+    let e = msg(
+        rendezvous("tcp://127.0.0.1:1?rank=5&world_size=2", a.clone())
+            .unwrap()
+            .next()
+            .await
+            .map(drop),
+    );
+    assert!(e.contains("rank") && e.contains("0..2"), "{e}");
+    a.rank = Some(1);
+    let e = msg(
+        rendezvous("tcp://127.0.0.1:1?rank=0&world_size=2", a.clone())
+            .unwrap()
+            .next()
+            .await
+            .map(drop),
+    );
+    assert!(e.contains("rank is given both"), "{e}");
+    let mut env = env_of(0, 1, false);
+    env.env.as_mut().unwrap().remove("MASTER_ADDR");
+    let e = msg(rendezvous("env://", env).unwrap().next().await.map(drop));
+    assert!(e.contains("environment variable MASTER_ADDR"), "{e}");
+    let e = msg(rendezvous("nccl://x", args()).map(drop));
+    assert!(e.contains("nccl://") && e.contains("tcp://"), "{e}");
+}
+
+fn memory_scheme(_url: rallypoint_rendezvous::init::Url, args: InitArgs) -> SchemeFuture {
+    Box::pin(async move {
+        Ok(Rendezvoused {
+            store: Arc::new(MemoryStore::new()),
+            rank: args.rank.unwrap_or(0),
+            world_size: args.world_size.unwrap_or(1),
+        })
+    })
+}
+
+#[tokio::test]
+async fn schemes_are_registrable_once_and_one_shot() {
+    let schemes = Schemes::default();
+    schemes.register("mem", memory_scheme).unwrap();
+    let e = schemes.register("mem", memory_scheme).unwrap_err();
+    assert!(e.to_string().contains("already registered"), "{e}");
+    assert!(
+        schemes.register("tcp", memory_scheme).is_err(),
+        "built-ins cannot be replaced"
+    );
+    let mut r = schemes.rendezvous("mem://anything", args()).unwrap();
+    let got = r.next().await.unwrap();
+    assert_eq!((got.rank, got.world_size), (0, 1));
+    let e = r.next().await.err().unwrap();
+    assert!(matches!(e, InitError::Exhausted(_)));
+    assert!(e.to_string().contains("cannot re-rendezvous"), "{e}");
+}
+
+fn static_params(port: u16, rank: usize, nodes: usize) -> RendezvousParameters {
+    let mut p = RendezvousParameters::new(
+        "static",
+        &format!("127.0.0.1:{port}"),
+        "job-1",
+        nodes,
+        nodes,
+    )
+    .unwrap();
+    p.config.insert("rank".into(), rank.to_string());
+    p.config.insert("timeout".into(), "10".into());
+    p
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn static_backend_forms_a_fixed_group_with_rank_zero_hosting() {
+    let registry = Arc::new(Registry::with_builtins());
+    let port = free_port();
+    let mut tasks = Vec::new();
+    for rank in 0..3 {
+        let registry = registry.clone();
+        tasks.push(tokio::spawn(async move {
+            let h = registry
+                .create_handler(static_params(port, rank, 3))
+                .await
+                .unwrap();
+            let info = h.next_rendezvous().await.unwrap();
+            (h, info)
+        }));
+    }
+    let mut nodes = Vec::new();
+    for t in tasks {
+        nodes.push(t.await.unwrap());
+    }
+    for (h, info) in &nodes {
+        assert_eq!(info.world_size, 3);
+        assert_eq!(h.backend(), "static");
+        assert_eq!(h.run_id(), "job-1");
+        assert_eq!(info.bootstrap.master_port, port);
+        assert!(!h.is_closed().await.unwrap());
+        assert_eq!(h.num_nodes_waiting().await.unwrap(), 0);
+        info.store
+            .set(&format!("n{}", info.rank), b"x")
+            .await
+            .unwrap();
+    }
+    let mut ranks: Vec<usize> = nodes.iter().map(|(_, i)| i.rank).collect();
+    ranks.sort();
+    assert_eq!(ranks, [0, 1, 2]);
+    // The keys live under the run id, PyTorch's layout, on one shared store.
+    let raw = rallypoint_store::TcpStore::builder("127.0.0.1", port)
+        .connect()
+        .await
+        .unwrap();
+    assert!(raw
+        .check(&["job-1/n0", "job-1/n1", "job-1/n2"])
+        .await
+        .unwrap());
+    // A second round returns the same group.
+    let again = nodes[1].0.next_rendezvous().await.unwrap();
+    assert_eq!(again.rank, nodes[1].1.rank);
+}
+
+#[tokio::test]
+async fn static_backend_rejects_bad_parameters_by_name() {
+    let registry = Registry::with_builtins();
+    let mut p = static_params(1, 0, 2);
+    p.config.remove("rank");
+    let e = registry.create_handler(p).await.err().unwrap().to_string();
+    assert!(e.contains("\"rank\""), "{e}");
+    let mut p = static_params(1, 0, 2);
+    p.endpoint = "127.0.0.1".into();
+    let e = registry.create_handler(p).await.err().unwrap().to_string();
+    assert!(e.contains("needs a port"), "{e}");
+    let e = registry
+        .create_handler(static_params(1, 2, 2))
+        .await
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("0..2"), "{e}");
+}
+
+#[tokio::test]
+async fn a_lone_static_host_times_out_saying_how_many_came() {
+    let registry = Registry::with_builtins();
+    let mut p = static_params(free_port(), 0, 3);
+    p.config.insert("timeout".into(), "0.3".into());
+    let h = registry.create_handler(p).await.unwrap();
+    let e = h.next_rendezvous().await.unwrap_err();
+    assert!(matches!(e, RendezvousError::Timeout { .. }), "{e}");
+    assert!(
+        e.to_string().contains("1 node(s)") && e.to_string().contains("3 nodes"),
+        "{e}"
+    );
+}
+
+fn fake(_: RendezvousParameters) -> Created {
+    Box::pin(async { rallypoint_rendezvous::static_tcp::create(static_params(1, 0, 1)).await })
+}
+
+#[tokio::test]
+async fn the_registry_rejects_duplicates_and_mismatches() {
+    let r = Registry::with_builtins();
+    r.register("static", rallypoint_rendezvous::static_tcp::create)
+        .unwrap();
+    let e = r.register("static", fake).unwrap_err();
+    assert!(e.to_string().contains("different creator"), "{e}");
+    r.register("liar", fake).unwrap();
+    let mut p = static_params(1, 0, 1);
+    p.backend = "liar".into();
+    let e = r.create_handler(p).await.err().unwrap().to_string();
+    assert!(e.contains("\"liar\"") && e.contains("\"static\""), "{e}");
+    let mut p = static_params(1, 0, 1);
+    p.backend = "nope".into();
+    let e = r.create_handler(p).await.err().unwrap().to_string();
+    assert!(e.contains("no rendezvous backend named \"nope\""), "{e}");
+}
