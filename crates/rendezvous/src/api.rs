@@ -31,7 +31,7 @@ pub enum RendezvousError {
     Connection {
         run_id: String,
         #[source]
-        source: StoreError,
+        source: Box<StoreError>,
     },
     /// The shared state is not what the protocol allows.
     #[error("rendezvous {run_id:?} is in an invalid state: {reason}")]

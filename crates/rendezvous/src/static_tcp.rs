@@ -109,7 +109,7 @@ impl RendezvousHandler for StaticTcpRendezvous {
                         },
                         source => RendezvousError::Connection {
                             run_id: self.run_id.clone(),
-                            source,
+                            source: Box::new(source),
                         },
                     })?;
                 let prefixed: Arc<dyn Store> =

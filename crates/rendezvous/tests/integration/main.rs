@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rallypoint_rendezvous::api::{RendezvousError, RendezvousHandler, RendezvousParameters};
+use rallypoint_rendezvous::api::{RendezvousError, RendezvousParameters};
 use rallypoint_rendezvous::init::{
     rendezvous, InitArgs, InitError, Rendezvoused, SchemeFuture, Schemes,
 };
