@@ -13,6 +13,7 @@
 //!   [`registry::Registry`]. [`static_tcp`] is the fixed-size backend.
 
 pub mod api;
+pub mod dynamic;
 pub mod init;
 pub mod registry;
 pub mod static_tcp;

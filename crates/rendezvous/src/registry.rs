@@ -29,10 +29,12 @@ impl Registry {
         Self::default()
     }
 
-    /// A registry with the built-in backends (`static`).
+    /// A registry with the built-in backends (`static`, `c10d`).
     pub fn with_builtins() -> Self {
         let r = Self::new();
         r.register("static", crate::static_tcp::create)
+            .expect("built-ins register once");
+        r.register("c10d", crate::dynamic::create)
             .expect("built-ins register once");
         r
     }

@@ -1,6 +1,8 @@
 //! Integration tests of rendezvous: URL init and the static backend, over real
 //! stores.
 
+mod dynamic;
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -267,6 +269,10 @@ async fn static_backend_forms_a_fixed_group_with_rank_zero_hosting() {
     let mut ranks: Vec<usize> = nodes.iter().map(|(_, i)| i.rank).collect();
     ranks.sort();
     assert_eq!(ranks, [0, 1, 2]);
+    // SETs have no reply: a read on each node's own connection orders them first.
+    for (_, info) in &nodes {
+        info.store.get(&format!("n{}", info.rank)).await.unwrap();
+    }
     // The keys live under the run id, PyTorch's layout, on one shared store.
     let raw = rallypoint_store::TcpStore::builder("127.0.0.1", port)
         .connect()

@@ -1,0 +1,643 @@
+//! The dynamic (`c10d`) backend over any rallypoint store: between `min_nodes` and
+//! `max_nodes` nodes, joining and leaving between rounds.
+//!
+//! # Protocol
+//!
+//! Keys live under `rally.rendezvous.<run_id>/` (round `r` as `r<r>/`):
+//!
+//! | key | written by | meaning |
+//! |---|---|---|
+//! | `round` | members moving on | the newest round (a hint for newcomers) |
+//! | `r/join` | every arrival, `ADD 1` | its arrival index `i` (1-based) |
+//! | `r/node/<i>` | arrival `i` | its node id |
+//! | `r/min` | the `min`-th arrival | the last call has begun |
+//! | `r/complete` | the `max`-th arrival, or whoever's last call ends first (`compare_set`) | the member count `K`: arrivals `1..=K` |
+//! | `r/rank/<i>`, `r/assigned` | arrival 1, for all members | rank of each member |
+//! | `r/waiting`, `r/dead`, `r/changed` | late arrivals; heartbeat watchers | the group should re-form |
+//! | `r/hb/<rank>` | each member, every keep-alive interval | its heartbeat counter |
+//! | `r/reform` | the first member to re-join | round `r+1` may form |
+//! | `ranks/<node>` | arrival 1 | a node's last rank, so it can keep it |
+//! | `closed` | `set_closed` | the run is over |
+//!
+//! A node costs O(1) store operations per round, and every wait is a store `WAIT`
+//! (woken by the store, never sleep-and-poll); only arrival 1 reads the K node ids
+//! (one `multi_get`) and writes the K ranks (one `multi_set`), so a round moves O(K)
+//! bytes in all, not O(K²). Each member heartbeats and watches only its successor
+//! in rank order; a dead successor marks the round changed, which
+//! [`RendezvousHandler::num_nodes_waiting`] reports at once, so survivors re-form
+//! without waiting for a collective to time out. The decisions themselves are the
+//! I/O-free functions of [`state`].
+//!
+//! Where PyTorch's c10d backend differs: its state is one pickled blob rewritten by
+//! compare-and-set and polled every second (O(N) bytes per node per poll, O(N²)
+//! per round); ranks follow string order (`node10` before `node2`) and are not
+//! kept across rounds; a silent participant of a completed round is not noticed.
+
+pub mod state;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use rallypoint_store::{PrefixStore, Store, StoreError, TcpStore};
+use tokio::sync::Mutex;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use crate::api::{
+    BootstrapStoreInfo, RendezvousError, RendezvousHandler, RendezvousInfo, RendezvousParameters,
+};
+use crate::registry::Created;
+use crate::url::Url;
+use state::{Bounds, Liveness, Membership};
+
+/// Default port of the c10d rendezvous store.
+pub const DEFAULT_PORT: u16 = 29400;
+
+/// Timing of a dynamic rendezvous (PyTorch's defaults).
+#[derive(Debug, Clone, Copy)]
+pub struct Timing {
+    /// Bounds a whole `next_rendezvous` (`join_timeout`, 600 s).
+    pub join: Duration,
+    /// How long a round stays open after reaching `min_nodes` (`last_call_timeout`, 30 s).
+    pub last_call: Duration,
+    /// Heartbeat period (`keep_alive_interval`, 5 s).
+    pub keep_alive: Duration,
+    /// Missed heartbeats before a peer counts as dead (`keep_alive_max_attempt`, 3).
+    pub max_misses: u32,
+}
+
+impl Default for Timing {
+    fn default() -> Self {
+        Timing {
+            join: Duration::from_secs(600),
+            last_call: Duration::from_secs(30),
+            keep_alive: Duration::from_secs(5),
+            max_misses: 3,
+        }
+    }
+}
+
+/// This node's place in its latest round.
+#[derive(Default)]
+struct Node {
+    /// The round it was a member of, with its rank and the member count.
+    member_of: Option<(u64, usize, usize)>,
+    heartbeat: Option<JoinHandle<()>>,
+}
+
+/// A dynamic rendezvous of one run, for one node.
+pub struct DynamicRendezvous {
+    run_id: String,
+    node_id: String,
+    base: Arc<dyn Store>,
+    store: Arc<dyn Store>,
+    bounds: Bounds,
+    timing: Timing,
+    bootstrap: BootstrapStoreInfo,
+    node: Mutex<Node>,
+}
+
+fn conn(run_id: &str) -> impl Fn(StoreError) -> RendezvousError + '_ {
+    move |source| RendezvousError::Connection {
+        run_id: run_id.to_owned(),
+        source: Box::new(source),
+    }
+}
+
+/// A node id unique within this process: `<addr>:<pid>:<n>`.
+pub fn default_node_id(addr: &str) -> String {
+    static LOCAL: AtomicU64 = AtomicU64::new(0);
+    format!(
+        "{addr}:{}:{}",
+        std::process::id(),
+        LOCAL.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+impl DynamicRendezvous {
+    /// A rendezvous over `store` (shared by every node of the run).
+    pub fn new(
+        store: Arc<dyn Store>,
+        run_id: &str,
+        node_id: String,
+        bounds: Bounds,
+        timing: Timing,
+        bootstrap: BootstrapStoreInfo,
+    ) -> Self {
+        let own: Arc<dyn Store> = Arc::new(PrefixStore::new(
+            format!("rally.rendezvous.{run_id}"),
+            store.clone(),
+        ));
+        DynamicRendezvous {
+            run_id: run_id.to_owned(),
+            node_id,
+            base: store,
+            store: own,
+            bounds,
+            timing,
+            bootstrap,
+            node: Mutex::new(Node::default()),
+        }
+    }
+
+    /// This node's id.
+    pub fn node_id(&self) -> &str {
+        &self.node_id
+    }
+
+    fn err(&self) -> impl Fn(StoreError) -> RendezvousError + '_ {
+        conn(&self.run_id)
+    }
+
+    async fn closed(&self) -> Result<bool, RendezvousError> {
+        self.store.check(&["closed"]).await.map_err(self.err())
+    }
+
+    /// Waits for `key` until `deadline` (`None`: no limit); false on timeout.
+    async fn wait_key(
+        &self,
+        key: &str,
+        deadline: Option<Instant>,
+    ) -> Result<bool, RendezvousError> {
+        let left = match deadline {
+            Some(d) => d.saturating_duration_since(Instant::now()),
+            None => Duration::from_secs(365 * 24 * 3600),
+        };
+        match self.store.wait_timeout(&[key], left).await {
+            Ok(()) => Ok(true),
+            Err(e) if e.is_timeout() => Ok(false),
+            Err(e) => Err(self.err()(e)),
+        }
+    }
+
+    async fn timeout_error(&self, round: u64, started: Instant) -> RendezvousError {
+        let arrived = self
+            .store
+            .add(&format!("r{round}/join"), 0)
+            .await
+            .unwrap_or(0)
+            .max(0) as usize;
+        let mut joined = Vec::new();
+        for i in 1..=arrived.min(16) {
+            if let Ok(v) = self.store.get_now(&format!("r{round}/node/{i}")).await {
+                joined.push(String::from_utf8_lossy(&v).into_owned());
+            }
+        }
+        if arrived > 16 {
+            joined.push(format!("and {} more", arrived - 16));
+        }
+        RendezvousError::Timeout {
+            run_id: self.run_id.clone(),
+            waited: started.elapsed(),
+            joined,
+            expected: format!("{}..={} nodes", self.bounds.min, self.bounds.max),
+        }
+    }
+
+    /// Member of `round` with arrival `index` of `members`: learns its rank.
+    async fn rank_in(
+        &self,
+        round: u64,
+        index: usize,
+        members: usize,
+        deadline: Instant,
+    ) -> Result<usize, RendezvousError> {
+        let r = format!("r{round}");
+        if index == 1 {
+            let keys: Vec<String> = (1..=members).map(|i| format!("{r}/node/{i}")).collect();
+            let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+            // Every member published its id right after arriving; wait for them with
+            // an explicit timeout (not the store's, which other users share).
+            self.store
+                .wait_timeout(&refs, deadline.saturating_duration_since(Instant::now()))
+                .await
+                .map_err(self.err())?;
+            let nodes: Vec<String> = self
+                .store
+                .multi_get(&refs)
+                .await
+                .map_err(self.err())?
+                .into_iter()
+                .map(|v| String::from_utf8_lossy(&v).into_owned())
+                .collect();
+            let prev_keys: Vec<String> = nodes.iter().map(|n| format!("ranks/{n}")).collect();
+            let mut previous = HashMap::new();
+            for (n, k) in nodes.iter().zip(&prev_keys) {
+                let v = self.store.get_now(k).await.map_err(self.err())?;
+                if let Ok(rank) = String::from_utf8_lossy(&v).parse::<usize>() {
+                    previous.insert(n.clone(), rank);
+                }
+            }
+            let ranks = state::assign_ranks(&nodes, &previous);
+            let rank_keys: Vec<String> = (1..=members).map(|i| format!("{r}/rank/{i}")).collect();
+            let values: Vec<String> = ranks.iter().map(usize::to_string).collect();
+            let mut pairs: Vec<(&str, &[u8])> = rank_keys
+                .iter()
+                .zip(&values)
+                .map(|(k, v)| (k.as_str(), v.as_bytes()))
+                .collect();
+            pairs.extend(
+                prev_keys
+                    .iter()
+                    .zip(&values)
+                    .map(|(k, v)| (k.as_str(), v.as_bytes())),
+            );
+            self.store.multi_set(&pairs).await.map_err(self.err())?;
+            self.store
+                .set(&format!("{r}/assigned"), b"1")
+                .await
+                .map_err(self.err())?;
+            return Ok(ranks[0]);
+        }
+        if !self
+            .wait_key(&format!("{r}/assigned"), Some(deadline))
+            .await?
+        {
+            return Err(RendezvousError::State {
+                run_id: self.run_id.clone(),
+                reason: format!(
+                    "round {round} completed but its ranks were never assigned (arrival 1 gone?)"
+                ),
+            });
+        }
+        let v = self
+            .store
+            .get_now(&format!("{r}/rank/{index}"))
+            .await
+            .map_err(self.err())?;
+        String::from_utf8_lossy(&v)
+            .parse()
+            .map_err(|_| RendezvousError::State {
+                run_id: self.run_id.clone(),
+                reason: format!("rank of arrival {index} in round {round} is {v:?}"),
+            })
+    }
+
+    /// Heartbeats as `rank` of `round` and watches the successor.
+    fn start_heartbeat(&self, round: u64, rank: usize, members: usize) -> JoinHandle<()> {
+        let store = self.store.clone();
+        let timing = self.timing;
+        tokio::spawn(async move {
+            let r = format!("r{round}");
+            let mine = format!("{r}/hb/{rank}");
+            let succ = (rank + 1) % members;
+            let theirs = format!("{r}/hb/{succ}");
+            let mut watch = Liveness::new(
+                timing.keep_alive,
+                timing.max_misses,
+                std::time::Instant::now(),
+            );
+            // Watch at a finer grain than the beat, so detection lands within
+            // interval * misses plus a fraction of an interval.
+            let tick = (timing.keep_alive / 4).max(Duration::from_millis(10));
+            let mut next_beat = Instant::now();
+            loop {
+                if Instant::now() >= next_beat {
+                    let _ = store.add(&mine, 1).await;
+                    next_beat += timing.keep_alive;
+                }
+                if members > 1 {
+                    if let Ok(v) = store.add(&theirs, 0).await {
+                        if watch.observe(v, std::time::Instant::now()) {
+                            tracing::warn!(round, rank = succ, "rendezvous peer missed its heartbeats; marking the round for re-forming");
+                            let _ = store.add(&format!("{r}/dead"), 1).await;
+                            let _ = store.set(&format!("{r}/changed"), b"1").await;
+                            // Keep beating ourselves, but stop watching.
+                            loop {
+                                tokio::time::sleep_until(next_beat).await;
+                                let _ = store.add(&mine, 1).await;
+                                next_beat += timing.keep_alive;
+                            }
+                        }
+                    }
+                }
+                tokio::time::sleep(
+                    tick.min(
+                        next_beat
+                            .saturating_duration_since(Instant::now())
+                            .max(Duration::from_millis(1)),
+                    ),
+                )
+                .await;
+            }
+        })
+    }
+
+    async fn join(&self) -> Result<RendezvousInfo, RendezvousError> {
+        let started = Instant::now();
+        let mut deadline = Some(started + self.timing.join);
+        let mut node = self.node.lock().await;
+        if let Some(h) = node.heartbeat.take() {
+            h.abort();
+        }
+        // Members of a round move to the next and let late arrivals follow.
+        let pointer = {
+            let v = self
+                .store
+                .compare_set("round", b"", b"0")
+                .await
+                .map_err(self.err())?;
+            String::from_utf8_lossy(&v).parse::<u64>().unwrap_or(0)
+        };
+        let mut round = match node.member_of.take() {
+            Some((r, _, _)) => {
+                self.store
+                    .set(&format!("r{r}/reform"), b"1")
+                    .await
+                    .map_err(self.err())?;
+                let next = (r + 1).max(pointer);
+                let _ = self
+                    .store
+                    .compare_set(
+                        "round",
+                        r.to_string().as_bytes(),
+                        next.to_string().as_bytes(),
+                    )
+                    .await;
+                next
+            }
+            None => pointer,
+        };
+        loop {
+            if self.closed().await? {
+                return Err(RendezvousError::Closed {
+                    run_id: self.run_id.clone(),
+                });
+            }
+            let r = format!("r{round}");
+            let index = self
+                .store
+                .add(&format!("{r}/join"), 1)
+                .await
+                .map_err(self.err())? as usize;
+            self.store
+                .set(&format!("{r}/node/{index}"), self.node_id.as_bytes())
+                .await
+                .map_err(self.err())?;
+            let arrival = state::on_arrival(index, self.bounds);
+            if arrival.marks_min {
+                self.store
+                    .set(&format!("{r}/min"), b"1")
+                    .await
+                    .map_err(self.err())?;
+            }
+            if arrival.completes {
+                let k = self.bounds.max.to_string();
+                self.store
+                    .compare_set(&format!("{r}/complete"), b"", k.as_bytes())
+                    .await
+                    .map_err(self.err())?;
+            }
+            if !self.wait_key(&format!("{r}/min"), deadline).await? {
+                return Err(self.timeout_error(round, started).await);
+            }
+            let last_call = Instant::now() + self.timing.last_call;
+            let last_call = deadline.map_or(last_call, |d| d.min(last_call));
+            if !self
+                .wait_key(&format!("{r}/complete"), Some(last_call))
+                .await?
+            {
+                let arrived = self
+                    .store
+                    .add(&format!("{r}/join"), 0)
+                    .await
+                    .map_err(self.err())? as usize;
+                let k = state::members_at_last_call(arrived, self.bounds).to_string();
+                self.store
+                    .compare_set(&format!("{r}/complete"), b"", k.as_bytes())
+                    .await
+                    .map_err(self.err())?;
+            }
+            let v = self
+                .store
+                .get_now(&format!("{r}/complete"))
+                .await
+                .map_err(self.err())?;
+            let members: usize =
+                String::from_utf8_lossy(&v)
+                    .parse()
+                    .map_err(|_| RendezvousError::State {
+                        run_id: self.run_id.clone(),
+                        reason: format!("round {round} completed with {v:?} members"),
+                    })?;
+            if members == 0 {
+                // Only a close completes a round with nobody.
+                return Err(RendezvousError::Closed {
+                    run_id: self.run_id.clone(),
+                });
+            }
+            match state::membership(index, members, self.bounds) {
+                Membership::Member => {
+                    let rank = self
+                        .rank_in(
+                            round,
+                            index,
+                            members,
+                            deadline.unwrap_or(started + self.timing.join),
+                        )
+                        .await?;
+                    node.member_of = Some((round, rank, members));
+                    node.heartbeat = Some(self.start_heartbeat(round, rank, members));
+                    let job: Arc<dyn Store> = Arc::new(PrefixStore::new(
+                        format!("torch.rendezvous.{}.{round}", self.run_id),
+                        self.base.clone(),
+                    ));
+                    return Ok(RendezvousInfo {
+                        store: job,
+                        rank,
+                        world_size: members,
+                        bootstrap: self.bootstrap.clone(),
+                    });
+                }
+                late => {
+                    if late == Membership::Waiting {
+                        self.store
+                            .add(&format!("{r}/waiting"), 1)
+                            .await
+                            .map_err(self.err())?;
+                        self.store
+                            .set(&format!("{r}/changed"), b"1")
+                            .await
+                            .map_err(self.err())?;
+                    } else {
+                        // A spare waits as long as the group stays full (PyTorch:
+                        // the redundancy list has no timeout).
+                        deadline = None;
+                    }
+                    // Wait until the members re-form (or the run closes), then join
+                    // the next round; the join timeout starts afresh.
+                    self.wait_key(&format!("{r}/reform"), None).await?;
+                    if deadline.is_none() {
+                        deadline = Some(Instant::now() + self.timing.join);
+                    }
+                    round += 1;
+                }
+            }
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl RendezvousHandler for DynamicRendezvous {
+    fn backend(&self) -> &str {
+        "c10d"
+    }
+
+    async fn next_rendezvous(&self) -> Result<RendezvousInfo, RendezvousError> {
+        self.join().await
+    }
+
+    async fn is_closed(&self) -> Result<bool, RendezvousError> {
+        self.closed().await
+    }
+
+    /// Closes the run and wakes every node waiting in any phase of the newest
+    /// round, so they see it at once.
+    async fn set_closed(&self) -> Result<(), RendezvousError> {
+        self.store.set("closed", b"1").await.map_err(self.err())?;
+        let v = self.store.get_now("round").await.map_err(self.err())?;
+        let newest: u64 = String::from_utf8_lossy(&v).parse().unwrap_or(0);
+        let member = self.node.lock().await.member_of.map(|m| m.0);
+        for round in [Some(newest), Some(newest + 1), member]
+            .into_iter()
+            .flatten()
+        {
+            let r = format!("r{round}");
+            self.store
+                .set(&format!("{r}/min"), b"1")
+                .await
+                .map_err(self.err())?;
+            self.store
+                .compare_set(&format!("{r}/complete"), b"", b"0")
+                .await
+                .map_err(self.err())?;
+            self.store
+                .set(&format!("{r}/reform"), b"1")
+                .await
+                .map_err(self.err())?;
+        }
+        Ok(())
+    }
+
+    /// Late arrivals waiting to join, plus members found dead: either way the group
+    /// should re-form.
+    async fn num_nodes_waiting(&self) -> Result<usize, RendezvousError> {
+        let Some((round, _, _)) = self.node.lock().await.member_of else {
+            return Ok(0);
+        };
+        let waiting = self
+            .store
+            .add(&format!("r{round}/waiting"), 0)
+            .await
+            .map_err(self.err())?;
+        let dead = self
+            .store
+            .add(&format!("r{round}/dead"), 0)
+            .await
+            .map_err(self.err())?;
+        Ok((waiting + dead).max(0) as usize)
+    }
+
+    fn run_id(&self) -> &str {
+        &self.run_id
+    }
+
+    async fn shutdown(&self) -> Result<bool, RendezvousError> {
+        if let Some(h) = self.node.lock().await.heartbeat.take() {
+            h.abort();
+        }
+        match self.set_closed().await {
+            Ok(()) => Ok(true),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not close the rendezvous");
+                Ok(false)
+            }
+        }
+    }
+}
+
+impl Drop for DynamicRendezvous {
+    fn drop(&mut self) {
+        if let Ok(mut node) = self.node.try_lock() {
+            if let Some(h) = node.heartbeat.take() {
+                h.abort();
+            }
+        }
+    }
+}
+
+/// The registry's creator for `c10d`: a TCP store at the endpoint (default port
+/// 29400), hosted by this node when `is_host` says so (or the endpoint is this
+/// machine and the port is free), else a client.
+pub fn create(p: RendezvousParameters) -> Created {
+    Box::pin(async move {
+        let bad = |option: &str, value: &str, expected: &str| RendezvousError::Config {
+            option: option.to_owned(),
+            value: value.to_owned(),
+            expected: expected.to_owned(),
+        };
+        let url = Url::parse(&format!("tcp://{}", p.endpoint))
+            .map_err(|e| bad("endpoint", &p.endpoint, &e))?;
+        let (host, port) = url
+            .host_port()
+            .map_err(|e| bad("endpoint", &p.endpoint, &e))?;
+        let port = port.unwrap_or(DEFAULT_PORT);
+        let timing = Timing {
+            join: p.get_as_secs("join_timeout", Timing::default().join)?,
+            last_call: p.get_as_secs("last_call_timeout", Timing::default().last_call)?,
+            keep_alive: p.get_as_secs("keep_alive_interval", Timing::default().keep_alive)?,
+            max_misses: p.get_as_int("keep_alive_max_attempt")?.map_or(
+                Ok(Timing::default().max_misses),
+                |v| {
+                    u32::try_from(v).ok().filter(|v| *v > 0).ok_or_else(|| {
+                        bad(
+                            "keep_alive_max_attempt",
+                            &v.to_string(),
+                            "a positive integer",
+                        )
+                    })
+                },
+            )?,
+        };
+        let read_timeout = p.get_as_secs("read_timeout", Duration::from_secs(60))?;
+        let local = matches!(host.as_str(), "localhost" | "127.0.0.1" | "::1" | "")
+            || std::env::var("HOSTNAME").is_ok_and(|h| h == host);
+        let is_host = p.get_as_bool("is_host")?.unwrap_or(local);
+        let connect = |master: bool| {
+            TcpStore::builder(host.clone(), port)
+                .is_master(master)
+                .timeout(read_timeout)
+                .connect()
+        };
+        let store = match is_host {
+            true => match connect(true).await {
+                Ok(s) => s,
+                // Somebody else hosts it (or the port is taken): be a client.
+                Err(_) => connect(false).await.map_err(conn(&p.run_id))?,
+            },
+            false => connect(false).await.map_err(conn(&p.run_id))?,
+        };
+        let port = store.port();
+        let addr = p
+            .local_addr
+            .clone()
+            .unwrap_or_else(|| std::env::var("HOSTNAME").unwrap_or_else(|_| "localhost".into()));
+        let h = DynamicRendezvous::new(
+            Arc::new(store),
+            &p.run_id,
+            default_node_id(&addr),
+            Bounds {
+                min: p.min_nodes,
+                max: p.max_nodes,
+            },
+            timing,
+            BootstrapStoreInfo {
+                master_addr: host,
+                master_port: port,
+            },
+        );
+        Ok(Box::new(h) as Box<dyn RendezvousHandler>)
+    })
+}

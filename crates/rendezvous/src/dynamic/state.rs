@@ -1,0 +1,255 @@
+//! The dynamic rendezvous's decisions, without I/O: what an arrival does, who is a
+//! member once a round completes, how ranks are assigned, and when a silent peer
+//! is dead. The driver in `mod.rs` feeds these with what it reads from the store
+//! and the time; the tests here drive them with simulated time.
+
+use std::cmp::Ordering;
+use std::collections::{BTreeSet, HashMap};
+use std::time::{Duration, Instant};
+
+/// Node-count bounds of a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bounds {
+    pub min: usize,
+    pub max: usize,
+}
+
+/// What the node that took arrival index `index` (1-based) must do at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Arrival {
+    /// It is the min-th: it starts the last call for everyone.
+    pub marks_min: bool,
+    /// It is the max-th: the round is full and completes now.
+    pub completes: bool,
+}
+
+pub fn on_arrival(index: usize, b: Bounds) -> Arrival {
+    Arrival {
+        marks_min: index == b.min,
+        completes: index == b.max,
+    }
+}
+
+/// How many members a round gets when its last call ends with `arrivals` so far.
+pub fn members_at_last_call(arrivals: usize, b: Bounds) -> usize {
+    arrivals.clamp(b.min, b.max)
+}
+
+/// A node's place once its round completed with `members` members.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Membership {
+    /// Arrival index within the members: it runs.
+    Member,
+    /// Too late, but the group could grow: it waits, and counts as waiting (the
+    /// members re-form to take it in).
+    Waiting,
+    /// Too late and the group is full: it waits without forcing a re-form.
+    Spare,
+}
+
+pub fn membership(index: usize, members: usize, b: Bounds) -> Membership {
+    if index <= members {
+        Membership::Member
+    } else if members < b.max {
+        Membership::Waiting
+    } else {
+        Membership::Spare
+    }
+}
+
+/// Compares names the way people read them: runs of digits by value, so `node2`
+/// sorts before `node10`.
+pub fn natural_cmp(a: &str, b: &str) -> Ordering {
+    let (mut a, mut b) = (a.as_bytes(), b.as_bytes());
+    // Equal numbers written with different leading zeros ("2", "02") decide only
+    // if nothing else does.
+    let mut zeros = Ordering::Equal;
+    loop {
+        match (a.first(), b.first()) {
+            (None, None) => return zeros,
+            (None, Some(_)) => return Ordering::Less,
+            (Some(_), None) => return Ordering::Greater,
+            (Some(x), Some(y)) if x.is_ascii_digit() && y.is_ascii_digit() => {
+                let da = a.iter().take_while(|c| c.is_ascii_digit()).count();
+                let db = b.iter().take_while(|c| c.is_ascii_digit()).count();
+                let (na, nb) = (&a[..da], &b[..db]);
+                // By value: strip leading zeros, then compare length, then digits.
+                let ta = &na[na.iter().take_while(|c| **c == b'0').count()..];
+                let tb = &nb[nb.iter().take_while(|c| **c == b'0').count()..];
+                let ord = ta.len().cmp(&tb.len()).then_with(|| ta.cmp(tb));
+                if ord != Ordering::Equal {
+                    return ord;
+                }
+                if zeros == Ordering::Equal {
+                    zeros = da.cmp(&db);
+                }
+                a = &a[da..];
+                b = &b[db..];
+            }
+            (Some(x), Some(y)) => {
+                if x != y {
+                    return x.cmp(y);
+                }
+                a = &a[1..];
+                b = &b[1..];
+            }
+        }
+    }
+}
+
+/// Ranks for the members `nodes` (by arrival order). A node keeps its previous
+/// rank when that rank still exists and no one else claims it; the others fill
+/// the free ranks in natural order of their ids. Returns the rank of each node, in
+/// the order given. Deterministic, whatever the arrival order.
+pub fn assign_ranks(nodes: &[String], previous: &HashMap<String, usize>) -> Vec<usize> {
+    let n = nodes.len();
+    let mut rank = vec![usize::MAX; n];
+    let mut taken = vec![false; n];
+    // Keepers: in natural order, so a contested rank goes to the same node always.
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&x, &y| natural_cmp(&nodes[x], &nodes[y]));
+    for &i in &order {
+        if let Some(&r) = previous.get(&nodes[i]) {
+            if r < n && !taken[r] {
+                taken[r] = true;
+                rank[i] = r;
+            }
+        }
+    }
+    let mut free = (0..n).filter(|r| !taken[*r]);
+    for &i in &order {
+        if rank[i] == usize::MAX {
+            rank[i] = free.next().expect("as many ranks as nodes");
+        }
+    }
+    rank
+}
+
+/// Watches one peer's heartbeat counter and decides, from observations and the
+/// time alone, when the peer is dead: its counter has not moved for
+/// `interval * max_misses`.
+#[derive(Debug, Clone)]
+pub struct Liveness {
+    expiry: Duration,
+    last_value: Option<i64>,
+    last_change: Instant,
+}
+
+impl Liveness {
+    pub fn new(interval: Duration, max_misses: u32, now: Instant) -> Self {
+        Liveness {
+            expiry: interval * max_misses,
+            last_value: None,
+            last_change: now,
+        }
+    }
+
+    /// Records the counter read at `now`; true once the peer counts as dead.
+    pub fn observe(&mut self, value: i64, now: Instant) -> bool {
+        if self.last_value != Some(value) {
+            self.last_value = Some(value);
+            self.last_change = now;
+        }
+        now.duration_since(self.last_change) >= self.expiry
+    }
+}
+
+/// The distinct ranks in a round, for checks.
+pub fn is_permutation(ranks: &[usize]) -> bool {
+    let set: BTreeSet<usize> = ranks.iter().copied().collect();
+    set.len() == ranks.len() && ranks.iter().all(|&r| r < ranks.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const B: Bounds = Bounds { min: 2, max: 4 };
+
+    #[test]
+    fn arrivals_mark_min_and_complete_at_max() {
+        let table = [
+            (1, false, false),
+            (2, true, false),
+            (3, false, false),
+            (4, false, true),
+            (5, false, false),
+        ];
+        for (i, marks, completes) in table {
+            assert_eq!(
+                on_arrival(i, B),
+                Arrival {
+                    marks_min: marks,
+                    completes
+                },
+                "arrival {i}"
+            );
+        }
+        assert_eq!(
+            on_arrival(1, Bounds { min: 1, max: 1 }),
+            Arrival {
+                marks_min: true,
+                completes: true
+            }
+        );
+    }
+
+    #[test]
+    fn membership_table() {
+        // (arrival, members, expected)
+        let table = [
+            (1, 3, Membership::Member),
+            (3, 3, Membership::Member),
+            (4, 3, Membership::Waiting),
+            (9, 3, Membership::Waiting),
+            (5, 4, Membership::Spare),
+        ];
+        for (i, k, want) in table {
+            assert_eq!(membership(i, k, B), want, "arrival {i} of {k}");
+        }
+        assert_eq!(members_at_last_call(3, B), 3);
+        assert_eq!(members_at_last_call(7, B), 4);
+    }
+
+    #[test]
+    fn natural_order() {
+        let mut v = vec![
+            "node10", "node2", "node1", "node02", "a", "node2b", "node2a",
+        ];
+        v.sort_by(|a, b| natural_cmp(a, b));
+        assert_eq!(
+            v,
+            ["a", "node1", "node2", "node02", "node2a", "node2b", "node10"]
+        );
+    }
+
+    #[test]
+    fn ranks_are_natural_then_stable() {
+        let nodes: Vec<String> = ["node10", "node2", "node1"].map(String::from).to_vec();
+        let first = assign_ranks(&nodes, &HashMap::new());
+        assert_eq!(first, [2, 1, 0], "node1 < node2 < node10");
+        // node2 leaves, node3 comes: node10 and node1 keep their ranks where they can.
+        let previous: HashMap<String, usize> = nodes.iter().cloned().zip(first).collect();
+        let next: Vec<String> = ["node3", "node10", "node1"].map(String::from).to_vec();
+        let r = assign_ranks(&next, &previous);
+        assert_eq!(r[2], 0, "node1 keeps 0");
+        assert_eq!(r[1], 2, "node10 keeps 2");
+        assert_eq!(r[0], 1, "node3 takes the free rank");
+        // A shrunk group: node10's old rank 2 no longer exists.
+        let r = assign_ranks(&["node10".into(), "node1".into()], &previous);
+        assert_eq!(r, [1, 0]);
+        assert!(is_permutation(&r));
+    }
+
+    #[test]
+    fn liveness_expires_after_interval_times_misses() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs(1);
+        let mut l = Liveness::new(s, 3, t0);
+        assert!(!l.observe(1, t0));
+        assert!(!l.observe(2, t0 + s));
+        assert!(!l.observe(2, t0 + 3 * s), "2 s of silence < 3 s");
+        assert!(!l.observe(3, t0 + 3 * s + s / 2), "it moved");
+        assert!(l.observe(3, t0 + 6 * s + s / 2), "3 s of silence");
+    }
+}

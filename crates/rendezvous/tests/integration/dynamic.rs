@@ -1,0 +1,366 @@
+//! The dynamic (c10d) backend over real stores: joins at min, max and beyond,
+//! late joiners, spares, closing, dead nodes, timeouts, stable natural ranks, and
+//! a simulation of hundreds of nodes each with its own TCP connection.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rallypoint_rendezvous::api::{
+    BootstrapStoreInfo, RendezvousError, RendezvousHandler, RendezvousInfo,
+};
+use rallypoint_rendezvous::dynamic::state::{is_permutation, Bounds};
+use rallypoint_rendezvous::dynamic::{DynamicRendezvous, Timing};
+use rallypoint_store::{MemoryStore, Store, TcpStore};
+
+fn timing() -> Timing {
+    Timing {
+        join: Duration::from_secs(10),
+        last_call: Duration::from_millis(300),
+        keep_alive: Duration::from_millis(100),
+        max_misses: 3,
+    }
+}
+
+fn node(
+    store: &MemoryStore,
+    id: &str,
+    min: usize,
+    max: usize,
+    t: Timing,
+) -> Arc<DynamicRendezvous> {
+    Arc::new(DynamicRendezvous::new(
+        Arc::new(store.clone()),
+        "run",
+        id.to_owned(),
+        Bounds { min, max },
+        t,
+        BootstrapStoreInfo {
+            master_addr: "127.0.0.1".into(),
+            master_port: 1,
+        },
+    ))
+}
+
+async fn join_all(
+    nodes: &[Arc<DynamicRendezvous>],
+) -> Vec<Result<RendezvousInfo, RendezvousError>> {
+    let tasks: Vec<_> = nodes
+        .iter()
+        .map(|n| {
+            let n = n.clone();
+            tokio::spawn(async move { n.next_rendezvous().await })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
+
+fn ranks(infos: &[RendezvousInfo]) -> Vec<usize> {
+    infos.iter().map(|i| i.rank).collect()
+}
+
+#[tokio::test]
+async fn a_full_round_completes_at_max_at_once_with_natural_ranks() {
+    let store = MemoryStore::new();
+    let t = Timing {
+        last_call: Duration::from_secs(30),
+        ..timing()
+    };
+    let nodes: Vec<_> = ["node10", "node2", "node1"]
+        .iter()
+        .map(|id| node(&store, id, 2, 3, t))
+        .collect();
+    let started = Instant::now();
+    let infos: Vec<RendezvousInfo> = join_all(&nodes)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "reaching max must not wait out the last call"
+    );
+    assert!(infos.iter().all(|i| i.world_size == 3));
+    assert_eq!(ranks(&infos), [2, 1, 0], "node1 < node2 < node10");
+    // The round's job store is shared.
+    infos[0].store.set("k", b"v").await.unwrap();
+    assert_eq!(infos[2].store.get("k").await.unwrap(), b"v");
+}
+
+#[tokio::test]
+async fn a_round_at_min_completes_after_the_last_call() {
+    let store = MemoryStore::new();
+    let nodes: Vec<_> = ["a", "b"]
+        .iter()
+        .map(|id| node(&store, id, 2, 4, timing()))
+        .collect();
+    let started = Instant::now();
+    let infos: Vec<RendezvousInfo> = join_all(&nodes)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert!(
+        started.elapsed() >= Duration::from_millis(250),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(infos[0].world_size, 2);
+    assert!(is_permutation(&ranks(&infos)));
+}
+
+#[tokio::test]
+async fn a_late_joiner_is_waiting_and_the_group_grows_keeping_ranks() {
+    let store = MemoryStore::new();
+    let members: Vec<_> = ["n1", "n3"]
+        .iter()
+        .map(|id| node(&store, id, 2, 4, timing()))
+        .collect();
+    let first: Vec<RendezvousInfo> = join_all(&members)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(ranks(&first), [0, 1]);
+    assert_eq!(members[0].num_nodes_waiting().await.unwrap(), 0);
+    // n2 arrives after the round completed.
+    let late = node(&store, "n2", 2, 4, timing());
+    let l = late.clone();
+    let late_join = tokio::spawn(async move { l.next_rendezvous().await });
+    let t0 = Instant::now();
+    while members[0].num_nodes_waiting().await.unwrap() == 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "the late joiner was never counted"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // The members re-form; the group grows to 3 and old ranks are kept.
+    let again = join_all(&members).await;
+    let late_info = late_join.await.unwrap().unwrap();
+    let again: Vec<RendezvousInfo> = again.into_iter().map(Result::unwrap).collect();
+    assert_eq!(late_info.world_size, 3);
+    assert_eq!(ranks(&again), [0, 1], "n1 and n3 keep their ranks");
+    assert_eq!(late_info.rank, 2);
+    assert_eq!(
+        members[0].num_nodes_waiting().await.unwrap(),
+        0,
+        "a fresh round has no waiters"
+    );
+}
+
+#[tokio::test]
+async fn spares_beyond_max_wait_without_forcing_a_restart_and_exit_on_close() {
+    let store = MemoryStore::new();
+    let nodes: Vec<_> = ["a", "b", "c"]
+        .iter()
+        .map(|id| node(&store, id, 1, 2, timing()))
+        .collect();
+    let mut joins: Vec<_> = nodes
+        .iter()
+        .map(|n| {
+            let n = n.clone();
+            tokio::spawn(async move { n.next_rendezvous().await })
+        })
+        .collect();
+    // Two complete (max = 2); the third keeps waiting as a spare.
+    let mut done = Vec::new();
+    let t0 = Instant::now();
+    while done.len() < 2 {
+        assert!(t0.elapsed() < Duration::from_secs(5));
+        let mut i = 0;
+        while i < joins.len() {
+            if joins[i].is_finished() {
+                done.push((i, joins.remove(i).await.unwrap().unwrap()));
+            } else {
+                i += 1;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let member = &nodes[done[0].0];
+    assert_eq!(
+        member.num_nodes_waiting().await.unwrap(),
+        0,
+        "a spare does not count as waiting"
+    );
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!joins[0].is_finished(), "the spare is still waiting");
+    member.set_closed().await.unwrap();
+    let spare = joins.remove(0).await.unwrap();
+    assert!(
+        matches!(
+            spare,
+            Err(RendezvousError::Closed { .. } | RendezvousError::GracefulExit { .. })
+        ),
+        "{spare:?}"
+    );
+    assert!(member.is_closed().await.unwrap());
+    let e = nodes[done[1].0].next_rendezvous().await.unwrap_err();
+    assert!(matches!(e, RendezvousError::Closed { .. }), "{e}");
+}
+
+#[tokio::test]
+async fn a_timeout_names_who_joined_and_what_was_expected() {
+    let store = MemoryStore::new();
+    let t = Timing {
+        join: Duration::from_millis(300),
+        ..timing()
+    };
+    let nodes: Vec<_> = ["host-a", "host-b"]
+        .iter()
+        .map(|id| node(&store, id, 3, 3, t))
+        .collect();
+    for r in join_all(&nodes).await {
+        let e = r.unwrap_err();
+        let msg = e.to_string();
+        assert!(matches!(e, RendezvousError::Timeout { .. }), "{msg}");
+        assert!(
+            msg.contains("host-a") && msg.contains("host-b") && msg.contains("2 joined"),
+            "{msg}"
+        );
+        assert!(msg.contains("3..=3 nodes"), "{msg}");
+    }
+}
+
+#[tokio::test]
+async fn a_silently_dead_member_is_noticed_and_the_survivors_re_form() {
+    let store = MemoryStore::new();
+    let t = timing();
+    let nodes: Vec<_> = ["a", "b", "c"]
+        .iter()
+        .map(|id| node(&store, id, 2, 3, t))
+        .collect();
+    let first: Vec<RendezvousInfo> = join_all(&nodes)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(first[0].world_size, 3);
+    // "b" dies silently: its heartbeat stops, nobody is told.
+    let mut nodes = nodes;
+    let dead = nodes.remove(1);
+    let died_at = Instant::now();
+    drop(dead);
+    // Survivors notice through the rendezvous within interval * misses + 1 s.
+    let bound = t.keep_alive * t.max_misses + Duration::from_secs(1);
+    loop {
+        if nodes[0].num_nodes_waiting().await.unwrap() > 0
+            || nodes[1].num_nodes_waiting().await.unwrap() > 0
+        {
+            break;
+        }
+        assert!(
+            died_at.elapsed() < bound,
+            "the dead member was not noticed within {bound:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let noticed = died_at.elapsed();
+    let again: Vec<RendezvousInfo> = join_all(&nodes)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert!(again.iter().all(|i| i.world_size == 2));
+    assert!(is_permutation(&ranks(&again)));
+    eprintln!(
+        "dead member noticed after {noticed:?}; re-formed after {:?}",
+        died_at.elapsed()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hundreds_of_nodes_each_with_its_own_connection() {
+    const N: usize = 300;
+    let server = rallypoint_store::server::Server::from_listener(
+        std::net::TcpListener::bind("127.0.0.1:0").unwrap(),
+        Default::default(),
+    )
+    .unwrap()
+    .spawn();
+    let port = server.local_addr().port();
+    let mut nodes = Vec::new();
+    for i in 0..N {
+        let store = TcpStore::builder("127.0.0.1", port)
+            .timeout(Duration::from_secs(30))
+            .connect()
+            .await
+            .unwrap();
+        nodes.push(Arc::new(DynamicRendezvous::new(
+            Arc::new(store),
+            "sim",
+            format!("node{i}"),
+            Bounds { min: N, max: N },
+            Timing {
+                keep_alive: Duration::from_secs(5),
+                ..timing()
+            },
+            BootstrapStoreInfo {
+                master_addr: "127.0.0.1".into(),
+                master_port: port,
+            },
+        )));
+    }
+    let started = Instant::now();
+    let infos: Vec<RendezvousInfo> = join_all(&nodes)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let took = started.elapsed();
+    assert!(infos.iter().all(|i| i.world_size == N));
+    let r = ranks(&infos);
+    assert!(is_permutation(&r));
+    // Natural order: node0..node299 in order of their numbers.
+    assert_eq!(r, (0..N).collect::<Vec<_>>());
+    eprintln!("{N} nodes through one round in {took:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_c10d_backend_from_the_registry_hosts_its_store() {
+    use rallypoint_rendezvous::api::RendezvousParameters;
+    use rallypoint_rendezvous::registry::Registry;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let registry = Arc::new(Registry::with_builtins());
+    let mut tasks = Vec::new();
+    for _ in 0..2 {
+        let registry = registry.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut p =
+                RendezvousParameters::new("c10d", &format!("127.0.0.1:{port}"), "job", 2, 2)
+                    .unwrap();
+            p.config =
+                RendezvousParameters::parse_conf("last_call_timeout=1,join_timeout=10").unwrap();
+            let h = registry.create_handler(p).await.unwrap();
+            let info = h.next_rendezvous().await.unwrap();
+            (h, info)
+        }));
+    }
+    let mut got = Vec::new();
+    for t in tasks {
+        got.push(t.await.unwrap());
+    }
+    assert_eq!(got[0].0.backend(), "c10d");
+    let mut r: Vec<usize> = got.iter().map(|(_, i)| i.rank).collect();
+    r.sort();
+    assert_eq!(r, [0, 1]);
+    // The rendezvous state is on a real TCP store at the endpoint.
+    let raw = TcpStore::builder("127.0.0.1", port)
+        .connect()
+        .await
+        .unwrap();
+    assert!(raw
+        .check(&["rally.rendezvous.job/r0/complete"])
+        .await
+        .unwrap());
+    assert!(got[0].0.shutdown().await.unwrap());
+    assert!(got[1].0.is_closed().await.unwrap());
+}
