@@ -32,6 +32,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 mod launch;
+mod rendezvous;
 
 pub use launch::LaunchArgs;
 
@@ -47,6 +48,8 @@ enum Cmd {
     Store(StoreArgs),
     /// Launcher benchmarks: ours and PyTorch's start_processes in the same run.
     Launch(LaunchArgs),
+    /// Dynamic rendezvous: N nodes through one round, ours and PyTorch's c10d.
+    Rendezvous(rendezvous::RendezvousArgs),
     /// (internal) Writes N bytes of 100-byte lines to stdout in 1 MiB writes: the
     /// tee benchmark's worker, the same for both launchers.
     #[command(hide = true)]
@@ -99,16 +102,17 @@ fn main() -> Result<()> {
     match cli.command {
         Cmd::Store(args) => store(args),
         Cmd::Launch(args) => launch::run(args),
+        Cmd::Rendezvous(args) => rendezvous::run(args),
         Cmd::Echo { req, reply } => async_echo(req, reply),
         Cmd::Produce { bytes } => launch::produce(bytes),
     }
 }
 
 /// A server under test, in its own process.
-struct Target {
+pub(crate) struct Target {
     name: String,
     child: Child,
-    addr: SocketAddr,
+    pub(crate) addr: SocketAddr,
 }
 
 impl Drop for Target {
@@ -129,18 +133,18 @@ pub(crate) fn python() -> PathBuf {
         .unwrap_or_else(|| repo_root().join(".venv/bin/python"))
 }
 
-fn start(name: &str, args: &StoreArgs) -> Result<Target> {
-    start_pinned(name, args, None)
+pub(crate) fn start(name: &str, rally_threads: Option<usize>) -> Result<Target> {
+    start_pinned(name, rally_threads, None)
 }
 
 /// Starts a target, optionally with all its threads pinned to one CPU.
-fn start_pinned(name: &str, args: &StoreArgs, cpu: Option<usize>) -> Result<Target> {
+fn start_pinned(name: &str, rally_threads: Option<usize>, cpu: Option<usize>) -> Result<Target> {
     let mut cmd = match name {
         "rally" => {
             let exe = std::env::current_exe()?.with_file_name("rally");
             let mut c = Command::new(&exe);
             c.args(["store", "serve", "--host", "127.0.0.1", "--port", "0"]);
-            if let Some(n) = args.rally_threads {
+            if let Some(n) = rally_threads {
                 c.args(["--threads", &n.to_string()]);
             }
             c.env("RALLY_LOG", "warn");
@@ -631,7 +635,7 @@ fn store(args: StoreArgs) -> Result<()> {
             runs.iter().map(|r| r.target.as_str()).collect();
         let targets: Vec<Target> = names
             .iter()
-            .map(|n| start_pinned(n, &args, Some(0)))
+            .map(|n| start_pinned(n, args.rally_threads, Some(0)))
             .collect::<Result<_>>()?;
         for _round in 0..LATENCY_ROUNDS {
             for run in runs.iter_mut() {
@@ -672,7 +676,7 @@ fn store(args: StoreArgs) -> Result<()> {
     }
     if want("throughput") {
         for name in &args.servers {
-            let t = start(name, &args)?;
+            let t = start(name, args.rally_threads)?;
             let cpu0 = cpu_time(t.child.id())?;
             let r = rt.block_on(throughput(t.addr, args.connections, args.seconds))?;
             let cpu = cpu_time(t.child.id())?.saturating_sub(cpu0);
@@ -702,7 +706,7 @@ fn store(args: StoreArgs) -> Result<()> {
                 vec![args.small]
             };
             for n in sizes {
-                let t = start(name, &args)?;
+                let t = start(name, args.rally_threads)?;
                 let cpu0 = cpu_time(t.child.id())?;
                 let took = rt.block_on(storm(t.addr, n, "storm"))?;
                 let cpu = cpu_time(t.child.id())?.saturating_sub(cpu0);
@@ -723,7 +727,7 @@ fn store(args: StoreArgs) -> Result<()> {
                 vec![args.small]
             };
             for m in sizes {
-                let t = start(name, &args)?;
+                let t = start(name, args.rally_threads)?;
                 let bytes = rt.block_on(memory_per_conn(&t, m))?;
                 record(
                     &format!("memory per idle conn (bytes, {m})"),

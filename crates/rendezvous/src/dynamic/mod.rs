@@ -16,7 +16,7 @@
 //! | `r/waiting`, `r/dead`, `r/changed` | late arrivals; heartbeat watchers | the group should re-form |
 //! | `r/hb/<rank>` | each member, every keep-alive interval | its heartbeat counter |
 //! | `r/reform` | the first member to re-join | round `r+1` may form |
-//! | `ranks/<node>` | arrival 1 | a node's last rank, so it can keep it |
+//! | `ranks` | arrival 1 | `node=rank` lines of the last round, so nodes keep their ranks |
 //! | `closed` | `set_closed` | the run is over |
 //!
 //! A node costs O(1) store operations per round, and every wait is a store `WAIT`
@@ -222,28 +222,32 @@ impl DynamicRendezvous {
                 .into_iter()
                 .map(|v| String::from_utf8_lossy(&v).into_owned())
                 .collect();
-            let prev_keys: Vec<String> = nodes.iter().map(|n| format!("ranks/{n}")).collect();
-            let mut previous = HashMap::new();
-            for (n, k) in nodes.iter().zip(&prev_keys) {
-                let v = self.store.get_now(k).await.map_err(self.err())?;
-                if let Ok(rank) = String::from_utf8_lossy(&v).parse::<usize>() {
-                    previous.insert(n.clone(), rank);
-                }
-            }
+            // Previous ranks: one key holding `node=rank` lines, read and written
+            // once per round by arrival 1 alone.
+            let table = self.store.get_now("ranks").await.map_err(self.err())?;
+            let previous: HashMap<String, usize> = String::from_utf8_lossy(&table)
+                .lines()
+                .filter_map(|l| {
+                    let (n, r) = l.rsplit_once('=')?;
+                    Some((n.to_owned(), r.parse().ok()?))
+                })
+                .collect();
             let ranks = state::assign_ranks(&nodes, &previous);
             let rank_keys: Vec<String> = (1..=members).map(|i| format!("{r}/rank/{i}")).collect();
             let values: Vec<String> = ranks.iter().map(usize::to_string).collect();
+            let mut table = String::new();
+            for (n, v) in nodes.iter().zip(&values) {
+                table.push_str(n);
+                table.push('=');
+                table.push_str(v);
+                table.push('\n');
+            }
             let mut pairs: Vec<(&str, &[u8])> = rank_keys
                 .iter()
                 .zip(&values)
                 .map(|(k, v)| (k.as_str(), v.as_bytes()))
                 .collect();
-            pairs.extend(
-                prev_keys
-                    .iter()
-                    .zip(&values)
-                    .map(|(k, v)| (k.as_str(), v.as_bytes())),
-            );
+            pairs.push(("ranks", table.as_bytes()));
             self.store.multi_set(&pairs).await.map_err(self.err())?;
             self.store
                 .set(&format!("{r}/assigned"), b"1")
