@@ -25,6 +25,9 @@ pub struct RendezvousArgs {
     /// about a second of polling per round).
     #[arg(long, default_value_t = 128)]
     torch_max: usize,
+    /// How long PyTorch's round may take before it is reported as not finished.
+    #[arg(long, default_value_t = 240)]
+    torch_limit_secs: u64,
 }
 
 /// Counts a node's store operations.
@@ -162,14 +165,39 @@ async fn ours(port: u16, n: usize, run: &str) -> Result<(Duration, f64)> {
     Ok((took, per_node))
 }
 
-fn torch(n: usize) -> Result<(f64, f64)> {
-    let out = Command::new(crate::python())
+/// Runs PyTorch's side, for at most `limit`. `Ok(None)` if it did not finish.
+fn torch(n: usize, limit: Duration) -> Result<Option<(f64, f64)>> {
+    let mut child = Command::new(crate::python())
         .arg(crate::repo_root().join("crates/bench/py/rdzv_bench.py"))
         .arg(n.to_string())
-        .output()
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
         .context("running PyTorch's side")?;
-    let err = String::from_utf8_lossy(&out.stderr);
-    if !out.status.success() {
+    // Drain stderr on a thread so a chatty child never blocks on a full pipe.
+    let mut stderr = child.stderr.take().context("stderr")?;
+    let reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = std::io::Read::read_to_string(&mut stderr, &mut s);
+        s
+    });
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(st) = child.try_wait()? {
+            break Some(st);
+        }
+        if t0.elapsed() > limit {
+            child.kill()?;
+            child.wait()?;
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let err = reader.join().unwrap_or_default();
+    let Some(status) = status else {
+        return Ok(None);
+    };
+    if !status.success() {
         bail!(
             "PyTorch's rendezvous failed: {}",
             err.lines()
@@ -183,10 +211,10 @@ fn torch(n: usize) -> Result<(f64, f64)> {
         .find_map(|l| l.strip_prefix("RESULT "))
         .context("no RESULT line")?;
     let mut it = line.split_whitespace();
-    Ok((
+    Ok(Some((
         it.next().context("time")?.parse()?,
         it.next().context("ops")?.parse()?,
-    ))
+    )))
 }
 
 pub fn run(args: RendezvousArgs) -> Result<()> {
@@ -205,12 +233,19 @@ pub fn run(args: RendezvousArgs) -> Result<()> {
         let (took, ops) = rt.block_on(ours(server.addr.port(), n, "bench"))?;
         drop(server);
         let (t_ms, t_ops, speed) = if n <= args.torch_max {
-            let (t, o) = torch(n)?;
-            (
-                format!("{:.1}", t * 1e3),
-                format!("{o:.1}"),
-                format!("{:.1}x", t / took.as_secs_f64()),
-            )
+            let limit = Duration::from_secs(args.torch_limit_secs);
+            match torch(n, limit)? {
+                Some((t, o)) => (
+                    format!("{:.1}", t * 1e3),
+                    format!("{o:.1}"),
+                    format!("{:.1}x", t / took.as_secs_f64()),
+                ),
+                None => (
+                    format!(">{}", limit.as_millis()),
+                    "-".into(),
+                    format!(">{:.0}x", limit.as_secs_f64() / took.as_secs_f64()),
+                ),
+            }
         } else {
             ("-".into(), "-".into(), "-".into())
         };
