@@ -127,7 +127,8 @@ pub struct RendezvousParameters {
     pub config: BTreeMap<String, String>,
 }
 
-fn config_error(option: &str, value: &str, expected: &str) -> RendezvousError {
+/// A [`RendezvousError::Config`] naming the option.
+pub(crate) fn config_error(option: &str, value: &str, expected: &str) -> RendezvousError {
     RendezvousError::Config {
         option: option.to_owned(),
         value: value.to_owned(),
@@ -189,6 +190,13 @@ impl RendezvousParameters {
             map.insert(k.to_owned(), v.to_owned());
         }
         Ok(map)
+    }
+
+    /// The endpoint as host and optional port (`host`, `host:port`, `[v6]:port`).
+    pub fn endpoint_host_port(&self) -> Result<(String, Option<u16>), RendezvousError> {
+        crate::url::Url::parse(&format!("tcp://{}", self.endpoint))
+            .and_then(|u| u.host_port())
+            .map_err(|e| config_error("endpoint", &self.endpoint, &e))
     }
 
     pub fn get(&self, key: &str) -> Option<&str> {

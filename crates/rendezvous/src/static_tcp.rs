@@ -14,7 +14,6 @@ use crate::api::{
     BootstrapStoreInfo, RendezvousError, RendezvousHandler, RendezvousInfo, RendezvousParameters,
 };
 use crate::registry::Created;
-use crate::url::Url;
 
 /// PyTorch's default timeout for the static backend when none is given.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
@@ -33,16 +32,8 @@ pub struct StaticTcpRendezvous {
 impl StaticTcpRendezvous {
     /// Checks the parameters: an endpoint with a port, and a rank below max_nodes.
     pub fn from_parameters(p: &RendezvousParameters) -> Result<Self, RendezvousError> {
-        let bad = |option: &str, value: &str, expected: &str| RendezvousError::Config {
-            option: option.to_owned(),
-            value: value.to_owned(),
-            expected: expected.to_owned(),
-        };
-        let url = Url::parse(&format!("tcp://{}", p.endpoint))
-            .map_err(|e| bad("endpoint", &p.endpoint, &e))?;
-        let (host, port) = url
-            .host_port()
-            .map_err(|e| bad("endpoint", &p.endpoint, &e))?;
+        let bad = crate::api::config_error;
+        let (host, port) = p.endpoint_host_port()?;
         let port = port.ok_or_else(|| {
             bad(
                 "endpoint",

@@ -49,7 +49,6 @@ use crate::api::{
     BootstrapStoreInfo, RendezvousError, RendezvousHandler, RendezvousInfo, RendezvousParameters,
 };
 use crate::registry::Created;
-use crate::url::Url;
 use state::{Bounds, Liveness, Membership};
 
 /// Default port of the c10d rendezvous store.
@@ -577,16 +576,8 @@ impl Drop for DynamicRendezvous {
 /// machine and the port is free), else a client.
 pub fn create(p: RendezvousParameters) -> Created {
     Box::pin(async move {
-        let bad = |option: &str, value: &str, expected: &str| RendezvousError::Config {
-            option: option.to_owned(),
-            value: value.to_owned(),
-            expected: expected.to_owned(),
-        };
-        let url = Url::parse(&format!("tcp://{}", p.endpoint))
-            .map_err(|e| bad("endpoint", &p.endpoint, &e))?;
-        let (host, port) = url
-            .host_port()
-            .map_err(|e| bad("endpoint", &p.endpoint, &e))?;
+        let bad = crate::api::config_error;
+        let (host, port) = p.endpoint_host_port()?;
         let port = port.unwrap_or(DEFAULT_PORT);
         let timing = Timing {
             join: p.get_as_secs("join_timeout", Timing::default().join)?,

@@ -58,6 +58,15 @@ async fn join_all(
     out
 }
 
+/// Every node joins the next round, and every join must succeed.
+async fn join_ok(nodes: &[Arc<DynamicRendezvous>]) -> Vec<RendezvousInfo> {
+    join_all(nodes)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect()
+}
+
 fn ranks(infos: &[RendezvousInfo]) -> Vec<usize> {
     infos.iter().map(|i| i.rank).collect()
 }
@@ -74,11 +83,7 @@ async fn a_full_round_completes_at_max_at_once_with_natural_ranks() {
         .map(|id| node(&store, id, 2, 3, t))
         .collect();
     let started = Instant::now();
-    let infos: Vec<RendezvousInfo> = join_all(&nodes)
-        .await
-        .into_iter()
-        .map(Result::unwrap)
-        .collect();
+    let infos: Vec<RendezvousInfo> = join_ok(&nodes).await;
     assert!(
         started.elapsed() < Duration::from_secs(5),
         "reaching max must not wait out the last call"
@@ -98,11 +103,7 @@ async fn a_round_at_min_completes_after_the_last_call() {
         .map(|id| node(&store, id, 2, 4, timing()))
         .collect();
     let started = Instant::now();
-    let infos: Vec<RendezvousInfo> = join_all(&nodes)
-        .await
-        .into_iter()
-        .map(Result::unwrap)
-        .collect();
+    let infos: Vec<RendezvousInfo> = join_ok(&nodes).await;
     assert!(
         started.elapsed() >= Duration::from_millis(250),
         "{:?}",
@@ -119,11 +120,7 @@ async fn a_late_joiner_is_waiting_and_the_group_grows_keeping_ranks() {
         .iter()
         .map(|id| node(&store, id, 2, 4, timing()))
         .collect();
-    let first: Vec<RendezvousInfo> = join_all(&members)
-        .await
-        .into_iter()
-        .map(Result::unwrap)
-        .collect();
+    let first: Vec<RendezvousInfo> = join_ok(&members).await;
     assert_eq!(ranks(&first), [0, 1]);
     assert_eq!(members[0].num_nodes_waiting().await.unwrap(), 0);
     // n2 arrives after the round completed.
@@ -234,11 +231,7 @@ async fn a_silently_dead_member_is_noticed_and_the_survivors_re_form() {
         .iter()
         .map(|id| node(&store, id, 2, 3, t))
         .collect();
-    let first: Vec<RendezvousInfo> = join_all(&nodes)
-        .await
-        .into_iter()
-        .map(Result::unwrap)
-        .collect();
+    let first: Vec<RendezvousInfo> = join_ok(&nodes).await;
     assert_eq!(first[0].world_size, 3);
     // "b" dies silently: its heartbeat stops, nobody is told.
     let mut nodes = nodes;
@@ -260,11 +253,7 @@ async fn a_silently_dead_member_is_noticed_and_the_survivors_re_form() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let noticed = died_at.elapsed();
-    let again: Vec<RendezvousInfo> = join_all(&nodes)
-        .await
-        .into_iter()
-        .map(Result::unwrap)
-        .collect();
+    let again: Vec<RendezvousInfo> = join_ok(&nodes).await;
     assert!(again.iter().all(|i| i.world_size == 2));
     assert!(is_permutation(&ranks(&again)));
     eprintln!(
@@ -306,11 +295,7 @@ async fn hundreds_of_nodes_each_with_its_own_connection() {
         )));
     }
     let started = Instant::now();
-    let infos: Vec<RendezvousInfo> = join_all(&nodes)
-        .await
-        .into_iter()
-        .map(Result::unwrap)
-        .collect();
+    let infos: Vec<RendezvousInfo> = join_ok(&nodes).await;
     let took = started.elapsed();
     assert!(infos.iter().all(|i| i.world_size == N));
     let r = ranks(&infos);
