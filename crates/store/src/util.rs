@@ -87,11 +87,11 @@ pub async fn barrier<S: Store + ?Sized>(
 ) -> Result<()> {
     let started = Instant::now();
     let last = barrier_nonblocking(store, world_size, prefix).await?;
-    let err = match store.wait_timeout(&[&last], timeout).await {
+    match store.wait_timeout(&[&last], timeout).await {
         Ok(()) => return Ok(()),
-        Err(e) if e.is_timeout() => e,
+        Err(e) if e.is_timeout() => {}
         Err(e) => return Err(e),
-    };
+    }
     let Some(tracing) = tracing else {
         return Err(barrier_timeout(store, world_size, prefix, started, Vec::new(), None).await);
     };
@@ -127,7 +127,6 @@ pub async fn barrier<S: Store + ?Sized>(
         let wait = tracing.trace_timeout * (MAX_TRACE_MISSING_RANKS as u32 + 1);
         if store.wait_timeout(&[&gate], wait).await.is_err() {
             // Rank 0 itself may be what is missing: report the plain timeout.
-            drop(err);
             return Err(barrier_timeout(
                 store,
                 world_size,

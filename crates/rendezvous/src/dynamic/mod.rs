@@ -105,6 +105,13 @@ fn conn(run_id: &str) -> impl Fn(StoreError) -> RendezvousError + '_ {
     }
 }
 
+/// Counts one more reason to re-form round `r` (`waiting` or `dead`) and marks the
+/// round changed.
+async fn mark_changed(store: &dyn Store, r: &str, counter: &str) -> Result<(), StoreError> {
+    store.add(&format!("{r}/{counter}"), 1).await?;
+    store.set(&format!("{r}/changed"), b"1").await
+}
+
 /// A node id unique within this process: `<addr>:<pid>:<n>`.
 pub fn default_node_id(addr: &str) -> String {
     static LOCAL: AtomicU64 = AtomicU64::new(0);
@@ -305,8 +312,7 @@ impl DynamicRendezvous {
                     if let Ok(v) = store.add(&theirs, 0).await {
                         if watch.observe(v, std::time::Instant::now()) {
                             tracing::warn!(round, rank = succ, "rendezvous peer missed its heartbeats; marking the round for re-forming");
-                            let _ = store.add(&format!("{r}/dead"), 1).await;
-                            let _ = store.set(&format!("{r}/changed"), b"1").await;
+                            let _ = mark_changed(&*store, &r, "dead").await;
                             // Keep beating ourselves, but stop watching.
                             loop {
                                 tokio::time::sleep_until(next_beat).await;
@@ -456,12 +462,7 @@ impl DynamicRendezvous {
                 }
                 late => {
                     if late == Membership::Waiting {
-                        self.store
-                            .add(&format!("{r}/waiting"), 1)
-                            .await
-                            .map_err(self.err())?;
-                        self.store
-                            .set(&format!("{r}/changed"), b"1")
+                        mark_changed(&*self.store, &r, "waiting")
                             .await
                             .map_err(self.err())?;
                     } else {

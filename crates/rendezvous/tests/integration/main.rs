@@ -137,58 +137,40 @@ async fn env_urls_read_the_torchrun_variables() {
     );
 }
 
+/// The error a URL rendezvous ends with.
+async fn init_error(url: &str, args: InitArgs) -> String {
+    match rendezvous(url, args) {
+        Err(e) => e.to_string(),
+        Ok(mut r) => r
+            .next()
+            .await
+            .err()
+            .expect("the rendezvous should fail")
+            .to_string(),
+    }
+}
+
 #[tokio::test]
 async fn url_errors_name_what_is_wrong() {
-    let msg = |r: Result<_, InitError>| r.err().unwrap().to_string();
     let mut a = args();
-    let e = msg(rendezvous("tcp://127.0.0.1:1?world_size=2", a.clone())
-        .unwrap()
-        .next()
-        .await
-        .map(drop));
+    let e = init_error("tcp://127.0.0.1:1?world_size=2", a.clone()).await;
     assert!(e.contains("rank parameter"), "{e}");
-    let e = msg(rendezvous("file:///tmp/x?rank=0", a.clone())
-        .unwrap()
-        .next()
-        .await
-        .map(drop));
+    let e = init_error("file:///tmp/x?rank=0", a.clone()).await;
     assert!(e.contains("world_size parameter"), "{e}");
-    let e = msg(rendezvous("tcp://127.0.0.1?rank=0&world_size=1", a.clone())
-        .unwrap()
-        .next()
-        .await
-        .map(drop));
+    let e = init_error("tcp://127.0.0.1?rank=0&world_size=1", a.clone()).await;
     assert!(e.contains("port"), "{e}");
-    let e = msg(
-        rendezvous("tcp://127.0.0.1:70000?rank=0&world_size=1", a.clone())
-            .unwrap()
-            .next()
-            .await
-            .map(drop),
-    );
+    let e = init_error("tcp://127.0.0.1:70000?rank=0&world_size=1", a.clone()).await;
     assert!(e.contains("70000"), "{e}");
-    let e = msg(
-        rendezvous("tcp://127.0.0.1:1?rank=5&world_size=2", a.clone())
-            .unwrap()
-            .next()
-            .await
-            .map(drop),
-    );
+    let e = init_error("tcp://127.0.0.1:1?rank=5&world_size=2", a.clone()).await;
     assert!(e.contains("rank") && e.contains("0..2"), "{e}");
     a.rank = Some(1);
-    let e = msg(
-        rendezvous("tcp://127.0.0.1:1?rank=0&world_size=2", a.clone())
-            .unwrap()
-            .next()
-            .await
-            .map(drop),
-    );
+    let e = init_error("tcp://127.0.0.1:1?rank=0&world_size=2", a.clone()).await;
     assert!(e.contains("rank is given both"), "{e}");
     let mut env = env_of(0, 1, false);
     env.env.as_mut().unwrap().remove("MASTER_ADDR");
-    let e = msg(rendezvous("env://", env).unwrap().next().await.map(drop));
+    let e = init_error("env://", env).await;
     assert!(e.contains("environment variable MASTER_ADDR"), "{e}");
-    let e = msg(rendezvous("nccl://x", args()).map(drop));
+    let e = init_error("nccl://x", args()).await;
     assert!(e.contains("nccl://") && e.contains("tcp://"), "{e}");
 }
 
