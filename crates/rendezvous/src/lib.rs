@@ -10,10 +10,14 @@
 //! - [`api`]: the elastic rendezvous interface the agent uses between restarts
 //!   (`torch/distributed/elastic/rendezvous/api.py`): a [`api::RendezvousHandler`]
 //!   per backend, created from [`api::RendezvousParameters`] through a
-//!   [`registry::Registry`]. [`static_tcp`] is the fixed-size backend.
+//!   [`registry::Registry`]. [`static_tcp`] is the fixed-size backend,
+//!   [`dynamic`] the elastic one over any rallypoint store (`c10d`), and `etcd`
+//!   (cargo feature `etcd`) the same protocol on an etcd v3 server.
 
 pub mod api;
 pub mod dynamic;
+#[cfg(feature = "etcd")]
+pub mod etcd;
 pub mod init;
 pub mod registry;
 pub mod static_tcp;

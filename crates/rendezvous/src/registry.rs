@@ -29,12 +29,16 @@ impl Registry {
         Self::default()
     }
 
-    /// A registry with the built-in backends (`static`, `c10d`).
+    /// A registry with the built-in backends (`static`, `c10d`, and `etcd` when
+    /// built with the `etcd` feature).
     pub fn with_builtins() -> Self {
         let r = Self::new();
         r.register("static", crate::static_tcp::create)
             .expect("built-ins register once");
         r.register("c10d", crate::dynamic::create)
+            .expect("built-ins register once");
+        #[cfg(feature = "etcd")]
+        r.register("etcd", crate::etcd::create)
             .expect("built-ins register once");
         r
     }

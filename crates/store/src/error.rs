@@ -122,6 +122,15 @@ pub enum StoreError {
         offset: u64,
         reason: String,
     },
+    /// A store backend outside this crate (etcd, ...) failed.
+    #[error("{op} on the {backend} store at {addr} failed")]
+    Backend {
+        op: &'static str,
+        backend: &'static str,
+        addr: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// The store (or its server) was shut down.
     #[error("the store is shut down")]
     Shutdown,

@@ -44,6 +44,8 @@
 //! ```
 
 pub mod blocking;
+#[cfg(feature = "conformance")]
+pub mod conformance;
 mod error;
 pub mod file;
 pub mod keyspace;

@@ -67,6 +67,30 @@ pub struct Timing {
     pub max_misses: u32,
 }
 
+impl Timing {
+    /// The timing options of `--rdzv-conf` (`join_timeout`, `last_call_timeout`,
+    /// `keep_alive_interval`, `keep_alive_max_attempt`), with the defaults.
+    pub fn from_params(p: &RendezvousParameters) -> Result<Self, RendezvousError> {
+        let d = Timing::default();
+        Ok(Timing {
+            join: p.get_as_secs("join_timeout", d.join)?,
+            last_call: p.get_as_secs("last_call_timeout", d.last_call)?,
+            keep_alive: p.get_as_secs("keep_alive_interval", d.keep_alive)?,
+            max_misses: p
+                .get_as_int("keep_alive_max_attempt")?
+                .map_or(Ok(d.max_misses), |v| {
+                    u32::try_from(v).ok().filter(|v| *v > 0).ok_or_else(|| {
+                        crate::api::config_error(
+                            "keep_alive_max_attempt",
+                            &v.to_string(),
+                            "a positive integer",
+                        )
+                    })
+                })?,
+        })
+    }
+}
+
 impl Default for Timing {
     fn default() -> Self {
         Timing {
@@ -94,8 +118,108 @@ pub struct DynamicRendezvous {
     store: Arc<dyn Store>,
     bounds: Bounds,
     timing: Timing,
-    bootstrap: BootstrapStoreInfo,
+    bootstrap: Bootstrap,
+    backend: &'static str,
+    keepalive: Arc<dyn Keepalive>,
     node: Mutex<Node>,
+}
+
+/// How workers reach the job's store.
+#[derive(Debug, Clone)]
+enum Bootstrap {
+    /// Workers join the agents' store at this address as clients.
+    Agent(BootstrapStoreInfo),
+    /// The rendezvous store is not one workers can speak to (etcd): the node with
+    /// rank 0 picks a free port at this address and its worker 0 hosts the job's
+    /// store there (`TORCHELASTIC_USE_AGENT_STORE=False`).
+    Worker { advertise: String },
+}
+
+/// What a member of a round keeps alive and watches.
+pub struct Beat {
+    /// The run's own store (keys such as `r3/hb/0`).
+    pub store: Arc<dyn Store>,
+    /// The run's key prefix in the underlying store, with its trailing `/`.
+    pub namespace: String,
+    pub round: u64,
+    pub rank: usize,
+    pub members: usize,
+    pub timing: Timing,
+}
+
+impl Beat {
+    /// The rank this member watches: its successor in rank order (`None` alone).
+    pub fn successor(&self) -> Option<usize> {
+        (self.members > 1).then(|| (self.rank + 1) % self.members)
+    }
+
+    /// Records that the successor is dead: the round should re-form.
+    pub async fn successor_died(&self) {
+        tracing::warn!(
+            round = self.round,
+            rank = ?self.successor(),
+            "rendezvous peer stopped keeping alive; marking the round for re-forming"
+        );
+        if let Err(e) = mark_changed(&*self.store, &format!("r{}", self.round), "dead").await {
+            tracing::warn!(error = %e, "could not mark the round changed");
+        }
+    }
+}
+
+/// How members show they are alive and notice a dead successor. Each member runs
+/// one for its round, until the round ends; it must call
+/// [`Beat::successor_died`] when the successor stops keeping alive.
+pub trait Keepalive: Send + Sync {
+    fn spawn(&self, beat: Beat) -> JoinHandle<()>;
+}
+
+/// The default keep-alive: a heartbeat counter per member in the store, bumped
+/// every interval; the watcher reads its successor's counter a few times per
+/// interval and declares it dead after `max_misses` intervals without a change.
+pub struct CounterKeepalive;
+
+impl Keepalive for CounterKeepalive {
+    fn spawn(&self, beat: Beat) -> JoinHandle<()> {
+        tokio::spawn(async move {
+            let timing = beat.timing;
+            let r = format!("r{}", beat.round);
+            let mine = format!("{r}/hb/{}", beat.rank);
+            let theirs = beat.successor().map(|s| format!("{r}/hb/{s}"));
+            let store = beat.store.clone();
+            let mut watch = Liveness::new(
+                timing.keep_alive,
+                timing.max_misses,
+                std::time::Instant::now(),
+            );
+            // Watch at a finer grain than the beat, so detection lands within
+            // interval * misses plus a fraction of an interval.
+            let tick = (timing.keep_alive / 4).max(Duration::from_millis(10));
+            let mut next_beat = Instant::now();
+            let mut watching = theirs.is_some();
+            loop {
+                if Instant::now() >= next_beat {
+                    let _ = store.add(&mine, 1).await;
+                    next_beat += timing.keep_alive;
+                }
+                if let (true, Some(theirs)) = (watching, &theirs) {
+                    if let Ok(v) = store.add(theirs, 0).await {
+                        if watch.observe(v, std::time::Instant::now()) {
+                            beat.successor_died().await;
+                            // Keep beating ourselves, but stop watching.
+                            watching = false;
+                        }
+                    }
+                }
+                let until_beat = next_beat.saturating_duration_since(Instant::now());
+                let nap = if watching {
+                    tick.min(until_beat)
+                } else {
+                    until_beat
+                };
+                tokio::time::sleep(nap.max(Duration::from_millis(1))).await;
+            }
+        })
+    }
 }
 
 fn conn(run_id: &str) -> impl Fn(StoreError) -> RendezvousError + '_ {
@@ -143,9 +267,80 @@ impl DynamicRendezvous {
             store: own,
             bounds,
             timing,
-            bootstrap,
+            bootstrap: Bootstrap::Agent(bootstrap),
+            backend: "c10d",
+            keepalive: Arc::new(CounterKeepalive),
             node: Mutex::new(Node::default()),
         }
+    }
+
+    /// Reports `name` as the backend (for backends built on this one).
+    pub fn with_backend_name(mut self, name: &'static str) -> Self {
+        self.backend = name;
+        self
+    }
+
+    /// Keeps members alive with `keepalive` instead of heartbeat counters.
+    pub fn with_keepalive(mut self, keepalive: Arc<dyn Keepalive>) -> Self {
+        self.keepalive = keepalive;
+        self
+    }
+
+    /// Workers cannot use the rendezvous store: rank 0's worker hosts the job's
+    /// store on a free port at `advertise`, which every node learns from the round.
+    pub fn with_worker_hosted_store(mut self, advertise: String) -> Self {
+        self.bootstrap = Bootstrap::Worker { advertise };
+        self
+    }
+
+    /// Where workers of `round` reach the job's store.
+    async fn bootstrap_for(
+        &self,
+        round: u64,
+        rank: usize,
+        deadline: Instant,
+    ) -> Result<BootstrapStoreInfo, RendezvousError> {
+        let advertise = match &self.bootstrap {
+            Bootstrap::Agent(info) => return Ok(info.clone()),
+            Bootstrap::Worker { advertise } => advertise,
+        };
+        let key = format!("r{round}/master");
+        if rank == 0 {
+            let port = std::net::TcpListener::bind(("0.0.0.0", 0))
+                .and_then(|l| l.local_addr())
+                .map_err(|e| RendezvousError::State {
+                    run_id: self.run_id.clone(),
+                    reason: format!("no free port for the job's store: {e}"),
+                })?
+                .port();
+            let value = format!("{advertise}:{port}");
+            self.store
+                .set(&key, value.as_bytes())
+                .await
+                .map_err(self.err())?;
+            return Ok(BootstrapStoreInfo {
+                master_addr: advertise.clone(),
+                master_port: port,
+            });
+        }
+        if !self.wait_key(&key, Some(deadline)).await? {
+            return Err(RendezvousError::State {
+                run_id: self.run_id.clone(),
+                reason: format!("rank 0 of round {round} never published the job's store address"),
+            });
+        }
+        let v = self.store.get_now(&key).await.map_err(self.err())?;
+        let v = String::from_utf8_lossy(&v);
+        v.rsplit_once(':')
+            .and_then(|(h, p)| Some((h.to_owned(), p.parse().ok()?)))
+            .map(|(master_addr, master_port)| BootstrapStoreInfo {
+                master_addr,
+                master_port,
+            })
+            .ok_or_else(|| RendezvousError::State {
+                run_id: self.run_id.clone(),
+                reason: format!("round {round} published an invalid store address {v:?}"),
+            })
     }
 
     /// This node's id.
@@ -155,6 +350,16 @@ impl DynamicRendezvous {
 
     fn err(&self) -> impl Fn(StoreError) -> RendezvousError + '_ {
         conn(&self.run_id)
+    }
+
+    /// The error a join ends with when the run is closed: a spare was never
+    /// needed, which is not a failure.
+    fn closed_error(&self, spare: bool) -> RendezvousError {
+        let run_id = self.run_id.clone();
+        match spare {
+            true => RendezvousError::GracefulExit { run_id },
+            false => RendezvousError::Closed { run_id },
+        }
     }
 
     async fn closed(&self) -> Result<bool, RendezvousError> {
@@ -285,55 +490,6 @@ impl DynamicRendezvous {
             })
     }
 
-    /// Heartbeats as `rank` of `round` and watches the successor.
-    fn start_heartbeat(&self, round: u64, rank: usize, members: usize) -> JoinHandle<()> {
-        let store = self.store.clone();
-        let timing = self.timing;
-        tokio::spawn(async move {
-            let r = format!("r{round}");
-            let mine = format!("{r}/hb/{rank}");
-            let succ = (rank + 1) % members;
-            let theirs = format!("{r}/hb/{succ}");
-            let mut watch = Liveness::new(
-                timing.keep_alive,
-                timing.max_misses,
-                std::time::Instant::now(),
-            );
-            // Watch at a finer grain than the beat, so detection lands within
-            // interval * misses plus a fraction of an interval.
-            let tick = (timing.keep_alive / 4).max(Duration::from_millis(10));
-            let mut next_beat = Instant::now();
-            loop {
-                if Instant::now() >= next_beat {
-                    let _ = store.add(&mine, 1).await;
-                    next_beat += timing.keep_alive;
-                }
-                if members > 1 {
-                    if let Ok(v) = store.add(&theirs, 0).await {
-                        if watch.observe(v, std::time::Instant::now()) {
-                            tracing::warn!(round, rank = succ, "rendezvous peer missed its heartbeats; marking the round for re-forming");
-                            let _ = mark_changed(&*store, &r, "dead").await;
-                            // Keep beating ourselves, but stop watching.
-                            loop {
-                                tokio::time::sleep_until(next_beat).await;
-                                let _ = store.add(&mine, 1).await;
-                                next_beat += timing.keep_alive;
-                            }
-                        }
-                    }
-                }
-                tokio::time::sleep(
-                    tick.min(
-                        next_beat
-                            .saturating_duration_since(Instant::now())
-                            .max(Duration::from_millis(1)),
-                    ),
-                )
-                .await;
-            }
-        })
-    }
-
     async fn join(&self) -> Result<RendezvousInfo, RendezvousError> {
         let started = Instant::now();
         let mut deadline = Some(started + self.timing.join);
@@ -369,11 +525,12 @@ impl DynamicRendezvous {
             }
             None => pointer,
         };
+        // Whether this node last waited as a spare: a spare that sees the run close
+        // was never needed, which is not a failure.
+        let mut spare = false;
         loop {
             if self.closed().await? {
-                return Err(RendezvousError::Closed {
-                    run_id: self.run_id.clone(),
-                });
+                return Err(self.closed_error(spare));
             }
             let r = format!("r{round}");
             let index = self
@@ -433,9 +590,7 @@ impl DynamicRendezvous {
                     })?;
             if members == 0 {
                 // Only a close completes a round with nobody.
-                return Err(RendezvousError::Closed {
-                    run_id: self.run_id.clone(),
-                });
+                return Err(self.closed_error(spare));
             }
             match state::membership(index, members, self.bounds) {
                 Membership::Member => {
@@ -447,8 +602,17 @@ impl DynamicRendezvous {
                             deadline.unwrap_or(started + self.timing.join),
                         )
                         .await?;
+                    let deadline = deadline.unwrap_or(started + self.timing.join);
+                    let bootstrap = self.bootstrap_for(round, rank, deadline).await?;
                     node.member_of = Some((round, rank, members));
-                    node.heartbeat = Some(self.start_heartbeat(round, rank, members));
+                    node.heartbeat = Some(self.keepalive.spawn(Beat {
+                        store: self.store.clone(),
+                        namespace: format!("rally.rendezvous.{}/", self.run_id),
+                        round,
+                        rank,
+                        members,
+                        timing: self.timing,
+                    }));
                     let job: Arc<dyn Store> = Arc::new(PrefixStore::new(
                         format!("torch.rendezvous.{}.{round}", self.run_id),
                         self.base.clone(),
@@ -457,11 +621,12 @@ impl DynamicRendezvous {
                         store: job,
                         rank,
                         world_size: members,
-                        bootstrap: self.bootstrap.clone(),
+                        bootstrap,
                     });
                 }
                 late => {
-                    if late == Membership::Waiting {
+                    spare = late == Membership::Spare;
+                    if !spare {
                         mark_changed(&*self.store, &r, "waiting")
                             .await
                             .map_err(self.err())?;
@@ -486,7 +651,7 @@ impl DynamicRendezvous {
 #[async_trait::async_trait]
 impl RendezvousHandler for DynamicRendezvous {
     fn backend(&self) -> &str {
-        "c10d"
+        self.backend
     }
 
     async fn next_rendezvous(&self) -> Result<RendezvousInfo, RendezvousError> {
@@ -548,6 +713,10 @@ impl RendezvousHandler for DynamicRendezvous {
         &self.run_id
     }
 
+    fn use_agent_store(&self) -> bool {
+        matches!(self.bootstrap, Bootstrap::Agent(_))
+    }
+
     async fn shutdown(&self) -> Result<bool, RendezvousError> {
         if let Some(h) = self.node.lock().await.heartbeat.take() {
             h.abort();
@@ -572,31 +741,22 @@ impl Drop for DynamicRendezvous {
     }
 }
 
+/// The address this node advertises: `--local-addr`, else `$HOSTNAME`, else
+/// `localhost`.
+pub fn advertised_addr(p: &RendezvousParameters) -> String {
+    p.local_addr
+        .clone()
+        .unwrap_or_else(|| std::env::var("HOSTNAME").unwrap_or_else(|_| "localhost".into()))
+}
+
 /// The registry's creator for `c10d`: a TCP store at the endpoint (default port
 /// 29400), hosted by this node when `is_host` says so (or the endpoint is this
 /// machine and the port is free), else a client.
 pub fn create(p: RendezvousParameters) -> Created {
     Box::pin(async move {
-        let bad = crate::api::config_error;
         let (host, port) = p.endpoint_host_port()?;
         let port = port.unwrap_or(DEFAULT_PORT);
-        let timing = Timing {
-            join: p.get_as_secs("join_timeout", Timing::default().join)?,
-            last_call: p.get_as_secs("last_call_timeout", Timing::default().last_call)?,
-            keep_alive: p.get_as_secs("keep_alive_interval", Timing::default().keep_alive)?,
-            max_misses: p.get_as_int("keep_alive_max_attempt")?.map_or(
-                Ok(Timing::default().max_misses),
-                |v| {
-                    u32::try_from(v).ok().filter(|v| *v > 0).ok_or_else(|| {
-                        bad(
-                            "keep_alive_max_attempt",
-                            &v.to_string(),
-                            "a positive integer",
-                        )
-                    })
-                },
-            )?,
-        };
+        let timing = Timing::from_params(&p)?;
         let read_timeout = p.get_as_secs("read_timeout", Duration::from_secs(60))?;
         let local = matches!(host.as_str(), "localhost" | "127.0.0.1" | "::1" | "")
             || std::env::var("HOSTNAME").is_ok_and(|h| h == host);
@@ -616,10 +776,7 @@ pub fn create(p: RendezvousParameters) -> Created {
             false => connect(false).await.map_err(conn(&p.run_id))?,
         };
         let port = store.port();
-        let addr = p
-            .local_addr
-            .clone()
-            .unwrap_or_else(|| std::env::var("HOSTNAME").unwrap_or_else(|_| "localhost".into()));
+        let addr = advertised_addr(&p);
         let h = DynamicRendezvous::new(
             Arc::new(store),
             &p.run_id,

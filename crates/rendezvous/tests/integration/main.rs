@@ -2,6 +2,8 @@
 //! stores.
 
 mod dynamic;
+#[cfg(feature = "etcd")]
+mod etcd;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

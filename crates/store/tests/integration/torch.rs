@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use rallypoint_store::{blocking, FileStore, Store, TcpStore};
 
-use crate::conformance::{conformance, Queues};
 use crate::support::{python, script};
+use rallypoint_store::conformance::{conformance, Queues};
 
 /// Runs a helper script to completion (bounded), returning its stdout; panics with
 /// its output if it fails.

@@ -1,0 +1,358 @@
+//! The etcd store and the `etcd` backend against a real etcd server, which each
+//! test starts itself (Debian's `etcd-server`; `RALLY_ETCD` names another binary).
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rallypoint_rendezvous::api::{RendezvousError, RendezvousHandler, RendezvousParameters};
+use rallypoint_rendezvous::dynamic::state::is_permutation;
+use rallypoint_rendezvous::etcd::EtcdStore;
+use rallypoint_rendezvous::registry::Registry;
+use rallypoint_store::conformance::{conformance, Queues};
+use rallypoint_store::Store;
+
+use crate::free_port;
+
+/// An etcd server on loopback, killed on drop.
+struct Etcd {
+    child: Child,
+    endpoint: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Etcd {
+    async fn start() -> Etcd {
+        let bin = std::env::var("RALLY_ETCD").unwrap_or_else(|_| "etcd".into());
+        let dir = tempfile::tempdir().unwrap();
+        let (client, peer) = (free_port(), free_port());
+        let client_url = format!("http://127.0.0.1:{client}");
+        let peer_url = format!("http://127.0.0.1:{peer}");
+        let log = std::fs::File::create(dir.path().join("etcd.log")).unwrap();
+        let child = Command::new(&bin)
+            .args(["--name", "t", "--data-dir"])
+            .arg(dir.path().join("data"))
+            .args(["--listen-client-urls", &client_url])
+            .args(["--advertise-client-urls", &client_url])
+            .args(["--listen-peer-urls", &peer_url])
+            .args(["--initial-advertise-peer-urls", &peer_url])
+            .args(["--initial-cluster", &format!("t={peer_url}")])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!("cannot start {bin:?} ({e}); install Debian's etcd-server or set RALLY_ETCD")
+            });
+        let etcd = Etcd {
+            child,
+            endpoint: format!("127.0.0.1:{client}"),
+            _dir: dir,
+        };
+        // Ready when it answers a request.
+        let t0 = Instant::now();
+        loop {
+            let up = EtcdStore::connect(
+                &[format!("http://{}", etcd.endpoint)],
+                "/probe/",
+                Duration::from_secs(1),
+            )
+            .await;
+            if up.is_ok() {
+                return etcd;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "etcd did not come up ({}): {}",
+                up.unwrap_err(),
+                std::fs::read_to_string(etcd._dir.path().join("etcd.log")).unwrap_or_default()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn store(&self, root: &str) -> EtcdStore {
+        EtcdStore::connect(
+            &[format!("http://{}", self.endpoint)],
+            root,
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap()
+    }
+
+    fn params(
+        &self,
+        run_id: &str,
+        min: usize,
+        max: usize,
+        conf: &[(&str, &str)],
+    ) -> RendezvousParameters {
+        let mut p = RendezvousParameters::new("etcd", &self.endpoint, run_id, min, max).unwrap();
+        p.local_addr = Some("127.0.0.1".into());
+        p.config = conf
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect::<BTreeMap<_, _>>();
+        p
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+const FAST: &[(&str, &str)] = &[
+    ("last_call_timeout", "0.3"),
+    ("join_timeout", "20"),
+    ("keep_alive_interval", "1"),
+    ("keep_alive_max_attempt", "2"),
+];
+
+async fn handlers(
+    etcd: &Etcd,
+    run: &str,
+    n: usize,
+    min: usize,
+    max: usize,
+) -> Vec<Arc<dyn RendezvousHandler>> {
+    let registry = Registry::with_builtins();
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let h = registry
+            .create_handler(etcd.params(run, min, max, FAST))
+            .await
+            .unwrap();
+        out.push(Arc::from(h));
+    }
+    out
+}
+
+async fn join_all(
+    nodes: &[Arc<dyn RendezvousHandler>],
+) -> Vec<Result<rallypoint_rendezvous::RendezvousInfo, RendezvousError>> {
+    let tasks: Vec<_> = nodes
+        .iter()
+        .map(|n| {
+            let n = n.clone();
+            tokio::spawn(async move { n.next_rendezvous().await })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
+
+#[tokio::test]
+async fn the_etcd_store_passes_the_conformance_suite() {
+    let etcd = Etcd::start().await;
+    let store = etcd.store("/conformance/").await;
+    conformance(Arc::new(store.clone()), Queues::Supported).await;
+    // Another root sees none of it.
+    let other = etcd.store("/other/").await;
+    assert_eq!(other.num_keys().await.unwrap(), 0);
+    // Concurrent adds from many tasks are not lost (optimistic transactions retry).
+    let tasks: Vec<_> = (0..20)
+        .map(|_| {
+            let s = store.clone();
+            tokio::spawn(async move {
+                for _ in 0..10 {
+                    s.add("racy", 1).await.unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert_eq!(store.add("racy", 0).await.unwrap(), 200);
+    // A wait for many keys is one watch, released by the last set.
+    let keys: Vec<String> = (0..300).map(|i| format!("many/{i}")).collect();
+    let waiter = {
+        let (s, keys) = (store.clone(), keys.clone());
+        tokio::spawn(async move {
+            let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+            s.multi_get(&refs).await
+        })
+    };
+    for k in &keys {
+        store.set(k, k.as_bytes()).await.unwrap();
+    }
+    let values = waiter.await.unwrap().unwrap();
+    assert_eq!(values[299], b"many/299");
+}
+
+#[tokio::test]
+async fn an_unreachable_etcd_is_a_connection_error_naming_the_run() {
+    let registry = Registry::with_builtins();
+    let mut p =
+        RendezvousParameters::new("etcd", &format!("127.0.0.1:{}", free_port()), "job", 1, 1)
+            .unwrap();
+    p.config.insert("read_timeout".into(), "1".into());
+    let e = registry.create_handler(p).await.err().unwrap();
+    assert!(matches!(e, RendezvousError::Connection { .. }), "{e}");
+    assert!(e.to_string().contains("\"job\""), "{e}");
+}
+
+#[tokio::test]
+async fn a_round_forms_on_etcd_and_rank_0_publishes_the_job_store() {
+    let etcd = Etcd::start().await;
+    let nodes = handlers(&etcd, "job", 3, 2, 4).await;
+    assert_eq!(nodes[0].backend(), "etcd");
+    assert!(!nodes[0].use_agent_store(), "workers host the job's store");
+    let infos: Vec<_> = join_all(&nodes)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let ranks: Vec<usize> = infos.iter().map(|i| i.rank).collect();
+    assert!(is_permutation(&ranks), "{ranks:?}");
+    assert!(infos.iter().all(|i| i.world_size == 3));
+    // Every node learns the same address for the job's store, chosen by rank 0.
+    assert!(infos.windows(2).all(|w| w[0].bootstrap == w[1].bootstrap));
+    assert_eq!(infos[0].bootstrap.master_addr, "127.0.0.1");
+    assert_ne!(infos[0].bootstrap.master_port, 0);
+    // The round's store is shared.
+    infos[0].store.set("k", b"v").await.unwrap();
+    assert_eq!(infos[2].store.get("k").await.unwrap(), b"v");
+
+    // A late node waits; the members see it and re-form; the group grows to 4
+    // and the old members keep their ranks.
+    let registry = Registry::with_builtins();
+    let late: Arc<dyn RendezvousHandler> = Arc::from(
+        registry
+            .create_handler(etcd.params("job", 2, 4, FAST))
+            .await
+            .unwrap(),
+    );
+    let late_join = {
+        let late = late.clone();
+        tokio::spawn(async move { late.next_rendezvous().await })
+    };
+    let t0 = Instant::now();
+    while nodes[0].num_nodes_waiting().await.unwrap() == 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the late node was never seen"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let again: Vec<_> = join_all(&nodes)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let late_info = late_join.await.unwrap().unwrap();
+    assert!(again.iter().all(|i| i.world_size == 4));
+    for (before, after) in infos.iter().zip(&again) {
+        assert_eq!(before.rank, after.rank, "members keep their ranks");
+    }
+    assert_eq!(late_info.rank, 3);
+
+    // Closing ends every later join.
+    nodes[1].set_closed().await.unwrap();
+    assert!(nodes[0].is_closed().await.unwrap());
+    let e = nodes[2].next_rendezvous().await.unwrap_err();
+    assert!(matches!(e, RendezvousError::Closed { .. }), "{e}");
+}
+
+#[tokio::test]
+async fn a_timeout_on_etcd_names_who_joined() {
+    let etcd = Etcd::start().await;
+    let registry = Registry::with_builtins();
+    let conf = [("join_timeout", "1"), ("last_call_timeout", "0.2")];
+    let h = registry
+        .create_handler(etcd.params("lonely", 2, 2, &conf))
+        .await
+        .unwrap();
+    let e = h.next_rendezvous().await.unwrap_err();
+    assert!(matches!(e, RendezvousError::Timeout { .. }), "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("1 joined") && msg.contains("127.0.0.1:") && msg.contains("2..=2"),
+        "{msg}"
+    );
+}
+
+/// Role: joins a 3-node round on the etcd at `RALLY_TEST_ETCD`, prints its rank,
+/// then hangs until killed.
+#[tokio::test]
+async fn role_member() {
+    let Ok(endpoint) = std::env::var("RALLY_TEST_ETCD") else {
+        return;
+    };
+    let mut p = RendezvousParameters::new("etcd", &endpoint, "dies", 2, 3).unwrap();
+    p.local_addr = Some("127.0.0.1".into());
+    p.config = FAST
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect();
+    let h = Registry::with_builtins().create_handler(p).await.unwrap();
+    let info = h.next_rendezvous().await.unwrap();
+    println!("RANK {}", info.rank);
+    std::future::pending::<()>().await;
+}
+
+#[tokio::test]
+async fn a_killed_member_is_noticed_through_its_lease_and_the_survivors_re_form() {
+    let etcd = Etcd::start().await;
+    let nodes = handlers(&etcd, "dies", 2, 2, 3).await;
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "etcd::role_member", "--nocapture"])
+        .env("RALLY_TEST_ETCD", &etcd.endpoint)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let first: Vec<_> = join_all(&nodes)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(first[0].world_size, 3);
+    let mut line = String::new();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    while !line.starts_with("RANK") {
+        line.clear();
+        assert!(
+            out.read_line(&mut line).unwrap() > 0,
+            "the member role exited"
+        );
+    }
+    // Let the round run (every member's lease is up), then SIGKILL: no revoke,
+    // no goodbye; only the lease expiring tells.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let died_at = Instant::now();
+    // Within keep-alive interval × allowed misses (1 s × 2: the lease TTL) + 1 s.
+    let bound = Duration::from_secs(2) + Duration::from_secs(1);
+    loop {
+        if nodes[0].num_nodes_waiting().await.unwrap() > 0
+            || nodes[1].num_nodes_waiting().await.unwrap() > 0
+        {
+            break;
+        }
+        assert!(
+            died_at.elapsed() < bound,
+            "the dead member was not noticed within {bound:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let noticed = died_at.elapsed();
+    let again: Vec<_> = join_all(&nodes)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert!(again.iter().all(|i| i.world_size == 2));
+    eprintln!(
+        "killed member noticed after {noticed:?}; re-formed after {:?}",
+        died_at.elapsed()
+    );
+}
