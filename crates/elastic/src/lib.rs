@@ -4,7 +4,9 @@
 //! environment, routes their output to per-rank log files and (prefixed, whole
 //! lines) to the console, learns exactly how each one ended, and stops them all:
 //! PyTorch's `torch.distributed.elastic.multiprocessing`. [`errors`] is the
-//! `TORCHELASTIC_ERROR_FILE` mechanism, with PyTorch's JSON layout.
+//! `TORCHELASTIC_ERROR_FILE` mechanism, with PyTorch's JSON layout. [`agent`] is
+//! the elastic agent behind `rally run`: rendezvous, start, monitor, restart.
 
+pub mod agent;
 pub mod errors;
 pub mod multiprocessing;

@@ -1,6 +1,8 @@
 //! `rally`: the rallypoint command line. `main` parses arguments, sets up logging and
 //! calls into the libraries.
 
+mod run;
+
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
@@ -22,6 +24,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Run a distributed job: a drop-in for torchrun (same flags, same worker
+    /// environment).
+    Run(Box<run::RunArgs>),
     /// The key-value store.
     Store {
         #[command(subcommand)]
@@ -64,6 +69,13 @@ fn main() -> anyhow::Result<()> {
         .init();
     let cli = Cli::parse();
     match cli.command {
+        Command::Run(args) => match run::run(*args) {
+            Ok(code) => std::process::exit(code),
+            Err(e) => {
+                eprintln!("rally run: {e:#}");
+                std::process::exit(2)
+            }
+        },
         Command::Store {
             command: StoreCommand::Serve(args),
         } => serve(args),

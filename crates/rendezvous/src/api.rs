@@ -68,6 +68,11 @@ pub struct RendezvousInfo {
     /// Number of nodes in the round.
     pub world_size: usize,
     pub bootstrap: BootstrapStoreInfo,
+    /// The round's number, the same on every node: how many times the group
+    /// formed before this one (the agent's job-wide attempt number).
+    pub round: u64,
+    /// A store shared by every node for the whole run, across rounds.
+    pub run_store: Arc<dyn Store>,
 }
 
 impl std::fmt::Debug for RendezvousInfo {
@@ -76,6 +81,7 @@ impl std::fmt::Debug for RendezvousInfo {
             .field("rank", &self.rank)
             .field("world_size", &self.world_size)
             .field("bootstrap", &self.bootstrap)
+            .field("round", &self.round)
             .finish_non_exhaustive()
     }
 }

@@ -27,6 +27,8 @@ pub struct StaticTcpRendezvous {
     world_size: usize,
     timeout: Duration,
     store: OnceCell<Arc<dyn Store>>,
+    /// Rounds so far: every node restarts together, so counting locally agrees.
+    rounds: std::sync::atomic::AtomicU64,
 }
 
 impl StaticTcpRendezvous {
@@ -59,6 +61,7 @@ impl StaticTcpRendezvous {
             world_size: p.max_nodes,
             timeout: p.get_as_secs("timeout", DEFAULT_TIMEOUT)?,
             store: OnceCell::new(),
+            rounds: Default::default(),
         })
     }
 }
@@ -108,7 +111,12 @@ impl RendezvousHandler for StaticTcpRendezvous {
                 Ok::<_, RendezvousError>(prefixed)
             })
             .await?;
+        let round = self
+            .rounds
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(RendezvousInfo {
+            round,
+            run_store: store.clone(),
             store: store.clone(),
             rank: self.rank,
             world_size: self.world_size,

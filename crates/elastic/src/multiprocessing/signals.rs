@@ -80,6 +80,14 @@ impl Signals {
         &self.set
     }
 
+    /// The signal received since the last `take`, if any, without taking it.
+    pub fn peek(&self) -> Option<i32> {
+        match PENDING.load(Ordering::SeqCst) {
+            0 => None,
+            s => Some(s),
+        }
+    }
+
     /// Takes the signal received since the last call, if any.
     pub fn take(&self) -> Option<i32> {
         match PENDING.swap(0, Ordering::SeqCst) {

@@ -13,11 +13,12 @@
 //! | `r/min` | the `min`-th arrival | the last call has begun |
 //! | `r/complete` | the `max`-th arrival, or whoever's last call ends first (`compare_set`) | the member count `K`: arrivals `1..=K` |
 //! | `r/rank/<i>`, `r/assigned` | arrival 1, for all members | rank of each member |
-//! | `r/waiting`, `r/dead`, `r/changed` | late arrivals; heartbeat watchers | the group should re-form |
+//! | `r/waiting`, `r/dead`, `r/changed` | late arrivals and members coming back; heartbeat watchers | the group should re-form |
 //! | `r/hb/<rank>` | each member, every keep-alive interval | its heartbeat counter |
 //! | `r/reform` | the first member to re-join | round `r+1` may form |
 //! | `ranks` | arrival 1 | `node=rank` lines of the last round, so nodes keep their ranks |
 //! | `closed` | `set_closed` | the run is over |
+//! | `r/master` | rank 0, when workers host the job's store (etcd) | its `addr:port` |
 //!
 //! A node costs O(1) store operations per round, and every wait is a store `WAIT`
 //! (woken by the store, never sleep-and-poll); only arrival 1 reads the K node ids
@@ -508,6 +509,11 @@ impl DynamicRendezvous {
         };
         let mut round = match node.member_of.take() {
             Some((r, _, _)) => {
+                // The other members see a member coming back as a node waiting
+                // (PyTorch's wait list) and re-form too.
+                mark_changed(&*self.store, &format!("r{r}"), "waiting")
+                    .await
+                    .map_err(self.err())?;
                 self.store
                     .set(&format!("r{r}/reform"), b"1")
                     .await
@@ -618,6 +624,11 @@ impl DynamicRendezvous {
                         self.base.clone(),
                     ));
                     return Ok(RendezvousInfo {
+                        round,
+                        run_store: Arc::new(PrefixStore::new(
+                            format!("rally.run.{}", self.run_id),
+                            self.base.clone(),
+                        )),
                         store: job,
                         rank,
                         world_size: members,
