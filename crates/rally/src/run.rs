@@ -196,7 +196,7 @@ pub struct RunArgs {
     #[arg(long = "status-port", env = "RALLY_STATUS_PORT")]
     status_port: Option<u16>,
     /// The training script (or module, or program) and its arguments.
-    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true, num_args = 1..)]
+    #[arg(required = true, trailing_var_arg = true, num_args = 1..)]
     command: Vec<OsString>,
 }
 
@@ -426,6 +426,7 @@ fn plan(a: &RunArgs) -> anyhow::Result<Plan> {
         exit_barrier_timeout: Duration::from_secs(300),
         virtual_local_rank: a.virtual_local_rank,
         hostname: hostname(),
+        local_addr: a.local_addr.clone(),
     };
     Ok(Plan {
         spec,

@@ -38,10 +38,12 @@ pub mod status;
 
 use std::ffi::OsString;
 use std::io::Write;
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rallypoint_rendezvous::{RendezvousError, RendezvousHandler, RendezvousInfo};
+use rallypoint_store::server::{Server, ServerConfig, ServerHandle};
 use rallypoint_store::{Store, StoreError};
 use serde_json::{json, Value};
 use tokio::runtime::Handle;
@@ -73,6 +75,9 @@ pub struct AgentSpec {
     pub virtual_local_rank: bool,
     /// This node's name in failure reports.
     pub hostname: String,
+    /// The address this node advertises (`--local-addr`); else the rendezvous
+    /// host when it is this machine's loopback, else `hostname`.
+    pub local_addr: Option<String>,
 }
 
 /// A worker failure, as recorded in the run's failure log (one JSON line each).
@@ -444,6 +449,79 @@ impl Agent {
                 return Monitored::Done(Outcome::Error(format!("rank assignment failed: {e}")))
             }
         };
+        let (master_addr, master_port, server) = match self.job_store(info, &prefix) {
+            Ok(j) => j,
+            Err(e) => return Monitored::Done(Outcome::Error(format!("job store: {e}"))),
+        };
+        let outcome = self.run_workers(info, run_logs, signals, ranks, &master_addr, master_port);
+        if let Some(server) = server {
+            self.rt.block_on(server.shutdown());
+        }
+        outcome
+    }
+
+    /// Where this round's workers find their store. With an agent store, the node
+    /// with rank 0 hosts a fresh server for every round, so no attempt ever reads
+    /// keys an earlier one left (PyTorch reuses one server across attempts, and a
+    /// restarted gloo group can read its peers' stale addresses); the others learn
+    /// its address from the round's store.
+    fn job_store(
+        &self,
+        info: &RendezvousInfo,
+        prefix: &str,
+    ) -> Result<(String, u16, Option<ServerHandle>), StoreError> {
+        if !self.handler.use_agent_store() {
+            return Ok((
+                info.bootstrap.master_addr.clone(),
+                info.bootstrap.master_port,
+                None,
+            ));
+        }
+        let key = format!("{prefix}/job_store");
+        if info.rank == 0 {
+            let host = &info.bootstrap.master_addr;
+            let loopback = matches!(host.as_str(), "localhost" | "::1") || host.starts_with("127.");
+            let addr = match &self.spec.local_addr {
+                Some(a) => a.clone(),
+                None if loopback => host.clone(),
+                None => self.spec.hostname.clone(),
+            };
+            let server = self.rt.block_on(Server::bind(
+                SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, 0)),
+                ServerConfig::default(),
+            ))?;
+            let port = server.local_addr().port();
+            let handle = {
+                let _enter = self.rt.enter();
+                server.spawn()
+            };
+            self.rt
+                .block_on(info.store.set(&key, format!("{addr}\n{port}").as_bytes()))?;
+            return Ok((addr, port, Some(handle)));
+        }
+        let v = self.rt.block_on(info.store.get(&key))?;
+        let s = String::from_utf8_lossy(&v);
+        let (addr, port) = s
+            .split_once('\n')
+            .and_then(|(a, p)| Some((a.to_owned(), p.parse().ok()?)))
+            .ok_or_else(|| StoreError::UnexpectedReply {
+                op: "job store address",
+                addr: key.clone(),
+                reply: format!("{s:?}"),
+            })?;
+        Ok((addr, port, None))
+    }
+
+    fn run_workers(
+        &self,
+        info: &RendezvousInfo,
+        run_logs: &RunLogs,
+        signals: &Signals,
+        ranks: ranks::NodeRanks,
+        master_addr: &str,
+        master_port: u16,
+    ) -> Monitored {
+        let spec = &self.spec;
         let failures = self
             .rt
             .block_on(info.run_store.add(FAILURE_COUNT, 0))
@@ -455,8 +533,8 @@ impl Agent {
             group_rank: info.rank,
             group_world_size: info.world_size,
             ranks,
-            master_addr: &info.bootstrap.master_addr,
-            master_port: info.bootstrap.master_port,
+            master_addr,
+            master_port,
             restart_count: info.round,
             max_restarts: spec.max_restarts,
             run_id: self.handler.run_id(),
@@ -489,6 +567,17 @@ impl Agent {
             Ok(l) => l,
             Err(e) => return Monitored::Done(Outcome::Error(e.to_string())),
         };
+        eprintln!(
+            "rally run: round {} formed: node {} of {}, ranks {}..{} of {}, job store {}:{}",
+            info.round,
+            info.rank,
+            info.world_size,
+            ranks.base_rank,
+            ranks.base_rank + n,
+            ranks.world_size,
+            master_addr,
+            master_port
+        );
         let started = Instant::now();
         let mut pctx = match start_processes(&start, &spec.logs, &logs) {
             Ok(p) => p,

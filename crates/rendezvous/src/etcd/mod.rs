@@ -24,6 +24,7 @@
 //! 3.4+ disables by default; this one speaks v3.
 
 mod store;
+pub mod testing;
 
 use std::sync::Arc;
 use std::time::Duration;

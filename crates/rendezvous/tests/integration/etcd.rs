@@ -3,12 +3,13 @@
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rallypoint_rendezvous::api::{RendezvousError, RendezvousHandler, RendezvousParameters};
 use rallypoint_rendezvous::dynamic::state::is_permutation;
+use rallypoint_rendezvous::etcd::testing::EtcdServer;
 use rallypoint_rendezvous::etcd::EtcdStore;
 use rallypoint_rendezvous::registry::Registry;
 use rallypoint_store::conformance::{conformance, Queues};
@@ -18,68 +19,21 @@ use crate::free_port;
 
 /// An etcd server on loopback, killed on drop.
 struct Etcd {
-    child: Child,
+    server: EtcdServer,
     endpoint: String,
-    _dir: tempfile::TempDir,
 }
 
 impl Etcd {
     async fn start() -> Etcd {
-        let bin = std::env::var("RALLY_ETCD").unwrap_or_else(|_| "etcd".into());
-        let dir = tempfile::tempdir().unwrap();
-        let (client, peer) = (free_port(), free_port());
-        let client_url = format!("http://127.0.0.1:{client}");
-        let peer_url = format!("http://127.0.0.1:{peer}");
-        let log = std::fs::File::create(dir.path().join("etcd.log")).unwrap();
-        let child = Command::new(&bin)
-            .args(["--name", "t", "--data-dir"])
-            .arg(dir.path().join("data"))
-            .args(["--listen-client-urls", &client_url])
-            .args(["--advertise-client-urls", &client_url])
-            .args(["--listen-peer-urls", &peer_url])
-            .args(["--initial-advertise-peer-urls", &peer_url])
-            .args(["--initial-cluster", &format!("t={peer_url}")])
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!("cannot start {bin:?} ({e}); install Debian's etcd-server or set RALLY_ETCD")
-            });
-        let etcd = Etcd {
-            child,
-            endpoint: format!("127.0.0.1:{client}"),
-            _dir: dir,
-        };
-        // Ready when it answers a request.
-        let t0 = Instant::now();
-        loop {
-            let up = EtcdStore::connect(
-                &[format!("http://{}", etcd.endpoint)],
-                "/probe/",
-                Duration::from_secs(1),
-            )
-            .await;
-            if up.is_ok() {
-                return etcd;
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(30),
-                "etcd did not come up ({}): {}",
-                up.unwrap_err(),
-                std::fs::read_to_string(etcd._dir.path().join("etcd.log")).unwrap_or_default()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
+        let server = EtcdServer::start().await.unwrap();
+        Etcd {
+            endpoint: server.endpoint.clone(),
+            server,
         }
     }
 
     async fn store(&self, root: &str) -> EtcdStore {
-        EtcdStore::connect(
-            &[format!("http://{}", self.endpoint)],
-            root,
-            Duration::from_secs(10),
-        )
-        .await
-        .unwrap()
+        self.server.store(root).await.unwrap()
     }
 
     fn params(
@@ -96,13 +50,6 @@ impl Etcd {
             .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
             .collect::<BTreeMap<_, _>>();
         p
-    }
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

@@ -1,0 +1,622 @@
+//! `rally run` end to end, with real PyTorch (CPU, gloo) workers: standalone DDP,
+//! the worker environment against torchrun's, worker and agent failures, growing
+//! and shrinking jobs over the dynamic (c10d) and etcd backends, and signals.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// The Python with PyTorch: `RALLY_PYTHON`, else the repo's `.venv`.
+fn python() -> PathBuf {
+    if let Some(p) = std::env::var_os("RALLY_PYTHON") {
+        return p.into();
+    }
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/python")
+}
+
+fn script(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/py")
+        .join(name)
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A `rally run` (or torchrun) process whose stderr goes to a file.
+struct Job {
+    child: Child,
+    log: PathBuf,
+}
+
+impl Job {
+    fn spawn(mut cmd: Command, dir: &Path, name: &str) -> Job {
+        let log = dir.join(format!("{name}.log"));
+        let f = std::fs::File::create(&log).unwrap();
+        let child = cmd
+            .stdout(f.try_clone().unwrap())
+            .stderr(f)
+            .spawn()
+            .unwrap();
+        Job { child, log }
+    }
+
+    fn output(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits up to `limit`; a job still running then is killed and the test fails.
+    fn wait(&mut self, limit: Duration) -> ExitStatus {
+        let t0 = Instant::now();
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return s;
+            }
+            if t0.elapsed() > limit {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                panic!("job still running after {limit:?}:\n{}", self.output());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn signal(&self, sig: i32) {
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(self.child.id() as i32, sig) };
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn rally(args: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_rally"));
+    c.arg("run")
+        .args(args)
+        .env("PYTHON_EXEC", python())
+        .env("RALLY_LOG", "warn");
+    c
+}
+
+/// The JSON each rank of `ddp_train.py` wrote, by rank.
+fn results(dir: &Path) -> BTreeMap<u64, Value> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| {
+            let p = e.unwrap().path();
+            (p.extension()? == "json").then_some(p)
+        })
+        .map(|p| {
+            let v: Value = serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap();
+            (v["rank"].as_u64().unwrap(), v)
+        })
+        .collect()
+}
+
+fn ddp_job(
+    dir: &Path,
+    results: &Path,
+    args: &[&str],
+    extra_env: &[(&str, &str)],
+    name: &str,
+) -> Job {
+    let mut c = rally(args);
+    c.arg(script("ddp_train.py")).env("RESULT_DIR", results);
+    for (k, v) in extra_env {
+        c.env(k, v);
+    }
+    Job::spawn(c, dir, name)
+}
+
+const LIMIT: Duration = Duration::from_secs(120);
+
+#[test]
+fn ddp_training_runs_under_rally_run_standalone() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("results");
+    std::fs::create_dir(&out).unwrap();
+    let mut job = ddp_job(
+        dir.path(),
+        &out,
+        &["--standalone", "--nproc-per-node", "2"],
+        &[],
+        "job",
+    );
+    let status = job.wait(LIMIT);
+    assert!(status.success(), "{status}\n{}", job.output());
+    let r = results(&out);
+    assert_eq!(r.len(), 2, "{}", job.output());
+    assert!(r
+        .values()
+        .all(|v| v["world_size"] == 2 && v["attempt"] == 0));
+    let log = job.output();
+    assert!(
+        log.contains("rally run: run ") && log.contains("job succeeded"),
+        "{log}"
+    );
+}
+
+/// What each worker sees under a launcher, minus what the test process had.
+fn worker_envs(
+    launcher: Command,
+    dir: &Path,
+    name: &str,
+) -> BTreeMap<String, BTreeMap<String, String>> {
+    let dump = dir.join(name);
+    std::fs::create_dir(&dump).unwrap();
+    let parent: Vec<String> = std::env::vars().map(|(k, _)| k).collect();
+    let mut c = launcher;
+    c.env("DUMP_DIR", &dump)
+        .env("DUMP_PARENT_KEYS", serde_json::to_string(&parent).unwrap());
+    let mut job = Job::spawn(c, dir, name);
+    let status = job.wait(LIMIT);
+    assert!(status.success(), "{name}: {status}\n{}", job.output());
+    let mut all = BTreeMap::new();
+    for rank in ["0", "1"] {
+        let v: BTreeMap<String, String> = serde_json::from_str(
+            &std::fs::read_to_string(dump.join(format!("{rank}.json"))).unwrap(),
+        )
+        .unwrap();
+        all.insert(rank.to_owned(), v);
+    }
+    all
+}
+
+#[test]
+fn workers_see_the_same_environment_as_under_torchrun() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = ["--standalone", "--nproc-per-node", "2"];
+    let mut torchrun = Command::new(python());
+    torchrun
+        .args(["-m", "torch.distributed.run"])
+        .args(args)
+        .arg(script("dump_env.py"));
+    let theirs = worker_envs(torchrun, dir.path(), "torchrun");
+    let mut ours = rally(&args);
+    ours.arg(script("dump_env.py")).env_remove("PYTHON_EXEC");
+    // PYTHON_EXEC is how we find the venv's Python; torchrun uses its own.
+    ours.env("PYTHON_EXEC", python());
+    let ours = worker_envs(ours, dir.path(), "rally");
+    // Per-run values differ by nature; everything else must be identical.
+    let varies = [
+        "MASTER_PORT",
+        "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_ERROR_FILE",
+        "PYTHON_EXEC",
+        "DUMP_DIR",
+        "DUMP_PARENT_KEYS",
+        "RALLY_LOG",
+        "_",
+    ];
+    for rank in ["0", "1"] {
+        let strip = |m: &BTreeMap<String, String>| -> BTreeMap<String, String> {
+            m.iter()
+                .filter(|(k, _)| !varies.contains(&k.as_str()))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect()
+        };
+        assert_eq!(strip(&ours[rank]), strip(&theirs[rank]), "rank {rank}");
+        for k in [
+            "MASTER_PORT",
+            "TORCHELASTIC_RUN_ID",
+            "TORCHELASTIC_ERROR_FILE",
+        ] {
+            assert!(
+                ours[rank].contains_key(k) && theirs[rank].contains_key(k),
+                "{k}"
+            );
+        }
+        assert!(ours[rank]["TORCHELASTIC_ERROR_FILE"]
+            .ends_with(&format!("attempt_0/{rank}/error.json")));
+    }
+}
+
+#[test]
+fn a_killed_worker_is_restarted_and_the_job_completes() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("results");
+    std::fs::create_dir(&out).unwrap();
+    let mut job = ddp_job(
+        dir.path(),
+        &out,
+        &[
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+        ],
+        &[("KILL_RANK", "1")],
+        "job",
+    );
+    let status = job.wait(LIMIT);
+    let log = job.output();
+    assert!(status.success(), "{status}\n{log}");
+    let r = results(&out);
+    assert_eq!(r.len(), 2, "{log}");
+    assert!(
+        r.values().all(|v| v["attempt"] == 1),
+        "restarted once: {r:?}"
+    );
+    assert!(
+        log.contains("restarting the group (restart 1 of 1)"),
+        "{log}"
+    );
+}
+
+#[test]
+fn out_of_restarts_the_job_fails_naming_the_root_cause() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("results");
+    std::fs::create_dir(&out).unwrap();
+    let events = dir.path().join("events.jsonl");
+    let mut job = ddp_job(
+        dir.path(),
+        &out,
+        &[
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--events",
+            events.to_str().unwrap(),
+        ],
+        &[("KILL_RANK", "1")],
+        "job",
+    );
+    let status = job.wait(LIMIT);
+    let log = job.output();
+    assert_eq!(status.code(), Some(1), "{log}");
+    assert!(log.contains("Root cause"), "{log}");
+    assert!(
+        log.contains("rank       : 1 (local_rank 1, node 0)"),
+        "{log}"
+    );
+    assert!(log.contains("signal SIGKILL"), "{log}");
+    let events = std::fs::read_to_string(&events).unwrap();
+    let names: Vec<String> = events
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["event"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        })
+        .collect();
+    for e in [
+        "rendezvous.completed",
+        "workers.started",
+        "worker.failed",
+        "run.failed",
+    ] {
+        assert!(names.iter().any(|n| n == e), "no {e} in {names:?}");
+    }
+}
+
+/// Two agents on loopback, `--nnodes` and a rendezvous given by `rdzv`.
+fn two_nodes(
+    dir: &Path,
+    out: &Path,
+    rdzv: &[&str],
+    env: &[(&str, &str)],
+    second_after: Duration,
+) -> (Job, Job) {
+    let mut args = vec!["--nproc-per-node", "1"];
+    args.extend_from_slice(rdzv);
+    let a = ddp_job(dir, out, &args, env, "a");
+    std::thread::sleep(second_after);
+    let b = ddp_job(dir, out, &args, env, "b");
+    (a, b)
+}
+
+#[test]
+fn two_agents_form_a_two_node_job_over_the_c10d_backend() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("results");
+    std::fs::create_dir(&out).unwrap();
+    let endpoint = format!("127.0.0.1:{}", free_port());
+    let rdzv = [
+        "--nnodes",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        &endpoint,
+        "--rdzv-id",
+        "two",
+    ];
+    let (mut a, mut b) = two_nodes(dir.path(), &out, &rdzv, &[], Duration::ZERO);
+    let (sa, sb) = (a.wait(LIMIT), b.wait(LIMIT));
+    assert!(
+        sa.success() && sb.success(),
+        "{}\n---\n{}",
+        a.output(),
+        b.output()
+    );
+    let r = results(&out);
+    assert_eq!(r.len(), 2);
+    assert!(r
+        .values()
+        .all(|v| v["world_size"] == 2 && v["group_world_size"] == 2));
+}
+
+#[test]
+fn a_killed_agent_is_noticed_through_the_rendezvous_and_the_survivor_re_forms() {
+    // Workers that never talk to each other: only the rendezvous can tell the
+    // survivor that its peer node is gone.
+    let dir = tempfile::tempdir().unwrap();
+    let endpoint = format!("127.0.0.1:{}", free_port());
+    let agent = |name: &str| {
+        let mut c = rally(&[
+            "--nnodes",
+            "1:2",
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            &endpoint,
+            "--rdzv-id",
+            "shrink",
+            "--rdzv-conf",
+            "last_call_timeout=3,keep_alive_interval=0.5,keep_alive_max_attempt=2",
+        ]);
+        c.arg(script("sleeper.py")).env("MARKER_DIR", dir.path());
+        Job::spawn(c, dir.path(), name)
+    };
+    // The first agent hosts the rendezvous store; the second joins its last call.
+    let mut a = agent("a");
+    std::thread::sleep(Duration::from_secs(1));
+    let b = agent("b");
+    for r in 0..2 {
+        wait_for(&dir.path().join(format!("0-{r}.json")), LIMIT);
+    }
+    let killed = Instant::now();
+    b.signal(libc::SIGKILL);
+    let sa = a.wait(LIMIT);
+    let log = a.output();
+    assert!(sa.success(), "{sa}\n{log}");
+    assert!(log.contains("membership changed"), "{log}");
+    // The survivor ran attempt 1 alone, as rank 0 of 1.
+    let after: Value =
+        serde_json::from_str(&wait_for(&dir.path().join("1-0.json"), LIMIT)).unwrap();
+    assert_eq!(after["WORLD_SIZE"], "1");
+    assert_eq!(after["GROUP_WORLD_SIZE"], "1");
+    eprintln!(
+        "re-formed and finished {:?} after the kill",
+        killed.elapsed()
+    );
+}
+
+#[test]
+fn a_worker_failure_on_one_node_restarts_both_nodes() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("results");
+    std::fs::create_dir(&out).unwrap();
+    let endpoint = format!("127.0.0.1:{}", free_port());
+    let rdzv = [
+        "--nnodes",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        &endpoint,
+        "--rdzv-id",
+        "restart2",
+        "--max-restarts",
+        "1",
+    ];
+    let (mut a, mut b) = two_nodes(
+        dir.path(),
+        &out,
+        &rdzv,
+        &[("KILL_RANK", "1")],
+        Duration::ZERO,
+    );
+    let (sa, sb) = (a.wait(LIMIT), b.wait(LIMIT));
+    assert!(
+        sa.success() && sb.success(),
+        "{}\n---\n{}",
+        a.output(),
+        b.output()
+    );
+    let r = results(&out);
+    assert_eq!(r.len(), 2);
+    // Both nodes agree on the attempt number.
+    assert!(
+        r.values()
+            .all(|v| v["world_size"] == 2 && v["attempt"] == 1),
+        "{r:?}"
+    );
+}
+
+#[test]
+fn a_late_node_joins_and_the_group_grows() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("results");
+    std::fs::create_dir(&out).unwrap();
+    let endpoint = format!("127.0.0.1:{}", free_port());
+    let rdzv = [
+        "--nnodes",
+        "1:2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        &endpoint,
+        "--rdzv-id",
+        "grow",
+        "--rdzv-conf",
+        "last_call_timeout=1",
+    ];
+    let env = [("STEPS", "60"), ("STEP_SLEEP", "0.1")];
+    // The second node starts once the first runs alone.
+    let (mut a, mut b) = two_nodes(dir.path(), &out, &rdzv, &env, Duration::from_secs(8));
+    let (sa, sb) = (a.wait(LIMIT), b.wait(LIMIT));
+    assert!(
+        sa.success() && sb.success(),
+        "{}\n---\n{}",
+        a.output(),
+        b.output()
+    );
+    assert!(a.output().contains("membership changed"), "{}", a.output());
+    let r = results(&out);
+    assert_eq!(r.len(), 2, "{r:?}");
+    assert!(r
+        .values()
+        .all(|v| v["world_size"] == 2 && v["attempt"].as_u64().unwrap() >= 1));
+}
+
+fn wait_for(path: &Path, limit: Duration) -> String {
+    let t0 = Instant::now();
+    while !path.exists() {
+        assert!(t0.elapsed() < limit, "{} never appeared", path.display());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::fs::read_to_string(path).unwrap()
+}
+
+fn alive(pid: i32) -> bool {
+    // Reaped or not, a zombie is not running; read its state.
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(s) => !s
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
+        Err(_) => false,
+    }
+}
+
+#[test]
+fn sigterm_reaches_the_workers_and_sigkill_follows_the_grace_period() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = rally(&[
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--shutdown-timeout",
+        "2",
+    ]);
+    c.arg(script("stubborn.py")).env("MARKER_DIR", dir.path());
+    let mut job = Job::spawn(c, dir.path(), "job");
+    let pids: Vec<i32> = (0..2)
+        .map(|r| {
+            wait_for(&dir.path().join(format!("{r}.pid")), LIMIT)
+                .parse()
+                .unwrap()
+        })
+        .collect();
+    let t0 = Instant::now();
+    job.signal(libc::SIGTERM);
+    let status = job.wait(LIMIT);
+    let took = t0.elapsed();
+    assert_eq!(status.code(), Some(128 + libc::SIGTERM), "{}", job.output());
+    for r in 0..2 {
+        assert!(
+            dir.path().join(format!("{r}.term")).exists(),
+            "rank {r} never got SIGTERM"
+        );
+    }
+    assert!(
+        took >= Duration::from_secs(2),
+        "SIGKILL came before the grace period: {took:?}"
+    );
+    assert!(pids.iter().all(|p| !alive(*p)), "a worker survived");
+}
+
+#[test]
+fn sigkill_to_the_agent_leaves_no_worker_alive() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = rally(&["--standalone", "--nproc-per-node", "2"]);
+    c.arg(script("stubborn.py")).env("MARKER_DIR", dir.path());
+    let mut job = Job::spawn(c, dir.path(), "job");
+    let pids: Vec<i32> = (0..2)
+        .map(|r| {
+            wait_for(&dir.path().join(format!("{r}.pid")), LIMIT)
+                .parse()
+                .unwrap()
+        })
+        .collect();
+    job.signal(libc::SIGKILL);
+    job.wait(LIMIT);
+    let t0 = Instant::now();
+    while pids.iter().any(|p| alive(*p)) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "workers outlived a SIGKILLed agent"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn bad_flags_get_a_clear_message_and_exit_code_2() {
+    for (args, expect) in [
+        (vec!["--nnodes", "3:2", "x"], "MIN <= MAX"),
+        (vec!["--nproc-per-node", "many", "x"], "--nproc-per-node"),
+        (vec!["--redirects", "7", "x"], "--redirects"),
+        (vec!["-m", "--no-python", "x"], "cannot be used together"),
+        (
+            vec!["--signals-to-handle", "SIGNOPE", "x"],
+            "--signals-to-handle",
+        ),
+        (vec!["--rdzv-conf", "a=", "x"], "rendezvous option"),
+    ] {
+        let o = rally(&args).output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(expect), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+    // An unknown flag is clap's usage error, also code 2.
+    let o = rally(&["--no-such-flag", "x"]).output().unwrap();
+    assert_eq!(o.status.code(), Some(2));
+}
+
+#[cfg(feature = "etcd")]
+#[test]
+fn two_agents_form_a_two_node_job_over_etcd() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let etcd = rt
+        .block_on(rallypoint_rendezvous::etcd::testing::EtcdServer::start())
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("results");
+    std::fs::create_dir(&out).unwrap();
+    let rdzv = [
+        "--nnodes",
+        "2",
+        "--rdzv-backend",
+        "etcd",
+        "--rdzv-endpoint",
+        &etcd.endpoint,
+        "--rdzv-id",
+        "etcdjob",
+        "--local-addr",
+        "127.0.0.1",
+    ];
+    let (mut a, mut b) = two_nodes(dir.path(), &out, &rdzv, &[], Duration::ZERO);
+    let (sa, sb) = (a.wait(LIMIT), b.wait(LIMIT));
+    assert!(
+        sa.success() && sb.success(),
+        "{}\n---\n{}",
+        a.output(),
+        b.output()
+    );
+    let r = results(&out);
+    assert_eq!(r.len(), 2);
+    assert!(r.values().all(|v| v["world_size"] == 2));
+}
