@@ -14,7 +14,8 @@
 //! - memory: server RSS growth per idle connection, over M connections.
 //!
 //! `rallypoint-bench launch` compares our launcher with PyTorch's `start_processes`
-//! (see `launch.rs`).
+//! (see `launch.rs`); `rallypoint-bench agent` compares `rally run` with torchrun
+//! (see `agent.rs`).
 
 use std::io::{Read, Write};
 use std::net::SocketAddr;
@@ -31,6 +32,7 @@ use rallypoint_store::protocol::{
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+mod agent;
 mod launch;
 mod rendezvous;
 
@@ -48,6 +50,8 @@ enum Cmd {
     Store(StoreArgs),
     /// Launcher benchmarks: ours and PyTorch's start_processes in the same run.
     Launch(LaunchArgs),
+    /// `rally run` against torchrun: launch-to-exit, agent memory, restart time.
+    Agent(agent::AgentArgs),
     /// Dynamic rendezvous: N nodes through one round, ours and PyTorch's c10d.
     Rendezvous(rendezvous::RendezvousArgs),
     /// (internal) Writes N bytes of 100-byte lines to stdout in 1 MiB writes: the
@@ -102,6 +106,7 @@ fn main() -> Result<()> {
     match cli.command {
         Cmd::Store(args) => store(args),
         Cmd::Launch(args) => launch::run(args),
+        Cmd::Agent(args) => agent::run(args),
         Cmd::Rendezvous(args) => rendezvous::run(args),
         Cmd::Echo { req, reply } => async_echo(req, reply),
         Cmd::Produce { bytes } => launch::produce(bytes),
