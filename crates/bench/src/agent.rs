@@ -70,7 +70,16 @@ fn launch_to_exit(a: &AgentArgs, l: Launcher, n: usize) -> Result<f64> {
     let n = n.to_string();
     let t0 = Instant::now();
     let status = l
-        .command(a, &["--standalone", "--nproc-per-node", &n, "--no-python", "true"])
+        .command(
+            a,
+            &[
+                "--standalone",
+                "--nproc-per-node",
+                &n,
+                "--no-python",
+                "true",
+            ],
+        )
         .status()
         .with_context(|| format!("{l:?}"))?;
     if !status.success() {
@@ -82,7 +91,17 @@ fn launch_to_exit(a: &AgentArgs, l: Launcher, n: usize) -> Result<f64> {
 /// VmRSS and VmHWM (KiB) of the launcher while 8 workers sleep.
 fn memory(a: &AgentArgs, l: Launcher) -> Result<(u64, u64)> {
     let mut child = l
-        .command(a, &["--standalone", "--nproc-per-node", "8", "--no-python", "sleep", "3"])
+        .command(
+            a,
+            &[
+                "--standalone",
+                "--nproc-per-node",
+                "8",
+                "--no-python",
+                "sleep",
+                "3",
+            ],
+        )
         .spawn()?;
     std::thread::sleep(Duration::from_millis(2000));
     let status = std::fs::read_to_string(format!("/proc/{}/status", child.id()))?;
@@ -100,7 +119,9 @@ fn memory(a: &AgentArgs, l: Launcher) -> Result<(u64, u64)> {
 
 fn read_time(p: &Path) -> Result<f64> {
     let s = std::fs::read_to_string(p).with_context(|| p.display().to_string())?;
-    s.trim().parse().with_context(|| format!("{}: {s:?}", p.display()))
+    s.trim()
+        .parse()
+        .with_context(|| format!("{}: {s:?}", p.display()))
 }
 
 /// Seconds from the worker failure to the last restarted worker's start.
@@ -109,7 +130,14 @@ fn restart(a: &AgentArgs, l: Launcher, worker: &Path) -> Result<f64> {
     let status = l
         .command(
             a,
-            &["--standalone", "--nproc-per-node", "8", "--max-restarts", "1", "--no-python"],
+            &[
+                "--standalone",
+                "--nproc-per-node",
+                "8",
+                "--max-restarts",
+                "1",
+                "--no-python",
+            ],
         )
         .arg(worker)
         .env("BENCH_DIR", dir.path())
@@ -127,8 +155,14 @@ fn restart(a: &AgentArgs, l: Launcher, worker: &Path) -> Result<f64> {
 
 pub fn run(a: AgentArgs) -> Result<()> {
     let worker = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("sh/restart_worker.sh");
-    println!("launch-to-exit, --standalone --nproc-per-node N --no-python true (median of {})", a.reps);
-    println!("{:>4} {:>12} {:>12} {:>8}", "N", "rally run", "torchrun", "ratio");
+    println!(
+        "launch-to-exit, --standalone --nproc-per-node N --no-python true (median of {})",
+        a.reps
+    );
+    println!(
+        "{:>4} {:>12} {:>12} {:>8}",
+        "N", "rally run", "torchrun", "ratio"
+    );
     for &n in &a.nprocs {
         let (mut ours, mut theirs) = (Vec::new(), Vec::new());
         for _ in 0..a.reps {
@@ -136,7 +170,12 @@ pub fn run(a: AgentArgs) -> Result<()> {
             theirs.push(launch_to_exit(&a, Launcher::Torchrun, n)?);
         }
         let (o, t) = (median(ours), median(theirs));
-        println!("{n:>4} {:>10.1}ms {:>10.1}ms {:>7.1}x", o * 1e3, t * 1e3, t / o);
+        println!(
+            "{n:>4} {:>10.1}ms {:>10.1}ms {:>7.1}x",
+            o * 1e3,
+            t * 1e3,
+            t / o
+        );
     }
     let (or, oh) = memory(&a, Launcher::Rally)?;
     let (tr, th) = memory(&a, Launcher::Torchrun)?;

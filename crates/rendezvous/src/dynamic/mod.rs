@@ -26,8 +26,11 @@
 //! bytes in all, not O(K²). Each member heartbeats and watches only its successor
 //! in rank order; a dead successor marks the round changed, which
 //! [`RendezvousHandler::num_nodes_waiting`] reports at once, so survivors re-form
-//! without waiting for a collective to time out. The decisions themselves are the
-//! I/O-free functions of [`state`].
+//! without waiting for a collective to time out. The decisions are made without
+//! I/O in [`state`]: a node's join is the state machine [`state::Join`], and
+//! `join` below only performs the store operation each [`state::Step`] asks for
+//! and reports what happened; the keep-alive is pluggable ([`Keepalive`]: counters
+//! here, etcd leases in the etcd backend).
 //!
 //! Where PyTorch's c10d backend differs: its state is one pickled blob rewritten by
 //! compare-and-set and polled every second (O(N) bytes per node per poll, O(N²)
@@ -50,7 +53,7 @@ use crate::api::{
     BootstrapStoreInfo, RendezvousError, RendezvousHandler, RendezvousInfo, RendezvousParameters,
 };
 use crate::registry::Created;
-use state::{Bounds, Liveness, Membership};
+use state::{Bounds, Event, Join, JoinFailure, Liveness, Step};
 
 /// Default port of the c10d rendezvous store.
 pub const DEFAULT_PORT: u16 = 29400;
@@ -493,7 +496,6 @@ impl DynamicRendezvous {
 
     async fn join(&self) -> Result<RendezvousInfo, RendezvousError> {
         let started = Instant::now();
-        let mut deadline = Some(started + self.timing.join);
         let mut node = self.node.lock().await;
         if let Some(h) = node.heartbeat.take() {
             h.abort();
@@ -507,7 +509,7 @@ impl DynamicRendezvous {
                 .map_err(self.err())?;
             String::from_utf8_lossy(&v).parse::<u64>().unwrap_or(0)
         };
-        let mut round = match node.member_of.take() {
+        let round = match node.member_of.take() {
             Some((r, _, _)) => {
                 // The other members see a member coming back as a node waiting
                 // (PyTorch's wait list) and re-form too.
@@ -531,84 +533,112 @@ impl DynamicRendezvous {
             }
             None => pointer,
         };
-        // Whether this node last waited as a spare: a spare that sees the run close
-        // was never needed, which is not a failure.
-        let mut spare = false;
+        // The decisions are the state machine's; this loop does the store I/O
+        // each step asks for and reports back what happened.
+        let (mut machine, mut step) = Join::start(
+            self.bounds,
+            self.timing.join,
+            self.timing.last_call,
+            round,
+            started.into_std(),
+        );
         loop {
-            if self.closed().await? {
-                return Err(self.closed_error(spare));
-            }
-            let r = format!("r{round}");
-            let index = self
-                .store
-                .add(&format!("{r}/join"), 1)
-                .await
-                .map_err(self.err())? as usize;
-            self.store
-                .set(&format!("{r}/node/{index}"), self.node_id.as_bytes())
-                .await
-                .map_err(self.err())?;
-            let arrival = state::on_arrival(index, self.bounds);
-            if arrival.marks_min {
-                self.store
-                    .set(&format!("{r}/min"), b"1")
-                    .await
-                    .map_err(self.err())?;
-            }
-            if arrival.completes {
-                let k = self.bounds.max.to_string();
-                self.store
-                    .compare_set(&format!("{r}/complete"), b"", k.as_bytes())
-                    .await
-                    .map_err(self.err())?;
-            }
-            if !self.wait_key(&format!("{r}/min"), deadline).await? {
-                return Err(self.timeout_error(round, started).await);
-            }
-            let last_call = Instant::now() + self.timing.last_call;
-            let last_call = deadline.map_or(last_call, |d| d.min(last_call));
-            if !self
-                .wait_key(&format!("{r}/complete"), Some(last_call))
-                .await?
-            {
-                let arrived = self
-                    .store
-                    .add(&format!("{r}/join"), 0)
-                    .await
-                    .map_err(self.err())? as usize;
-                let k = state::members_at_last_call(arrived, self.bounds).to_string();
-                self.store
-                    .compare_set(&format!("{r}/complete"), b"", k.as_bytes())
-                    .await
-                    .map_err(self.err())?;
-            }
-            let v = self
-                .store
-                .get_now(&format!("{r}/complete"))
-                .await
-                .map_err(self.err())?;
-            let members: usize =
-                String::from_utf8_lossy(&v)
-                    .parse()
-                    .map_err(|_| RendezvousError::State {
-                        run_id: self.run_id.clone(),
-                        reason: format!("round {round} completed with {v:?} members"),
-                    })?;
-            if members == 0 {
-                // Only a close completes a round with nobody.
-                return Err(self.closed_error(spare));
-            }
-            match state::membership(index, members, self.bounds) {
-                Membership::Member => {
-                    let rank = self
-                        .rank_in(
-                            round,
-                            index,
-                            members,
-                            deadline.unwrap_or(started + self.timing.join),
+            let r = format!("r{}", machine.round());
+            let event = match step {
+                Step::Arrive { round } => {
+                    if self.closed().await? {
+                        Event::Closed
+                    } else {
+                        let index = self
+                            .store
+                            .add(&format!("r{round}/join"), 1)
+                            .await
+                            .map_err(self.err())? as usize;
+                        self.store
+                            .set(&format!("r{round}/node/{index}"), self.node_id.as_bytes())
+                            .await
+                            .map_err(self.err())?;
+                        Event::Arrived { index }
+                    }
+                }
+                Step::Announce {
+                    marks_min,
+                    completes_with,
+                } => {
+                    if marks_min {
+                        self.store
+                            .set(&format!("{r}/min"), b"1")
+                            .await
+                            .map_err(self.err())?;
+                    }
+                    if let Some(k) = completes_with {
+                        self.store
+                            .compare_set(&format!("{r}/complete"), b"", k.to_string().as_bytes())
+                            .await
+                            .map_err(self.err())?;
+                    }
+                    Event::Announced
+                }
+                Step::WaitMin { until } => match self
+                    .wait_key(&format!("{r}/min"), until.map(Instant::from_std))
+                    .await?
+                {
+                    true => Event::MinReached,
+                    false => Event::TimedOut,
+                },
+                Step::WaitComplete { until } => {
+                    let until = Some(Instant::from_std(until));
+                    match self.wait_key(&format!("{r}/complete"), until).await? {
+                        true => Event::Completed {
+                            members: self.members(&r).await?,
+                        },
+                        false => Event::LastCallEnded {
+                            arrivals: self
+                                .store
+                                .add(&format!("{r}/join"), 0)
+                                .await
+                                .map_err(self.err())?
+                                .max(0) as usize,
+                        },
+                    }
+                }
+                Step::Complete { members } => {
+                    self.store
+                        .compare_set(
+                            &format!("{r}/complete"),
+                            b"",
+                            members.to_string().as_bytes(),
                         )
-                        .await?;
-                    let deadline = deadline.unwrap_or(started + self.timing.join);
+                        .await
+                        .map_err(self.err())?;
+                    Event::Completed {
+                        members: self.members(&r).await?,
+                    }
+                }
+                Step::CountWaiting => {
+                    mark_changed(&*self.store, &r, "waiting")
+                        .await
+                        .map_err(self.err())?;
+                    Event::Counted
+                }
+                Step::WaitReform => {
+                    self.wait_key(&format!("{r}/reform"), None).await?;
+                    Event::Reformed
+                }
+                Step::Fail(JoinFailure::Timeout { round }) => {
+                    return Err(self.timeout_error(round, started).await)
+                }
+                Step::Fail(JoinFailure::Closed) => return Err(self.closed_error(false)),
+                Step::Fail(JoinFailure::GracefulExit) => return Err(self.closed_error(true)),
+                Step::Member {
+                    round,
+                    index,
+                    members,
+                } => {
+                    let deadline = machine
+                        .deadline()
+                        .map_or(started + self.timing.join, Instant::from_std);
+                    let rank = self.rank_in(round, index, members, deadline).await?;
                     let bootstrap = self.bootstrap_for(round, rank, deadline).await?;
                     node.member_of = Some((round, rank, members));
                     node.heartbeat = Some(self.keepalive.spawn(Beat {
@@ -635,27 +665,24 @@ impl DynamicRendezvous {
                         bootstrap,
                     });
                 }
-                late => {
-                    spare = late == Membership::Spare;
-                    if !spare {
-                        mark_changed(&*self.store, &r, "waiting")
-                            .await
-                            .map_err(self.err())?;
-                    } else {
-                        // A spare waits as long as the group stays full (PyTorch:
-                        // the redundancy list has no timeout).
-                        deadline = None;
-                    }
-                    // Wait until the members re-form (or the run closes), then join
-                    // the next round; the join timeout starts afresh.
-                    self.wait_key(&format!("{r}/reform"), None).await?;
-                    if deadline.is_none() {
-                        deadline = Some(Instant::now() + self.timing.join);
-                    }
-                    round += 1;
-                }
-            }
+            };
+            step = machine.on(event, std::time::Instant::now());
         }
+    }
+
+    /// The member count round `r` completed with.
+    async fn members(&self, r: &str) -> Result<usize, RendezvousError> {
+        let v = self
+            .store
+            .get_now(&format!("{r}/complete"))
+            .await
+            .map_err(self.err())?;
+        String::from_utf8_lossy(&v)
+            .parse()
+            .map_err(|_| RendezvousError::State {
+                run_id: self.run_id.clone(),
+                reason: format!("{r} completed with {v:?} members"),
+            })
     }
 }
 

@@ -1,7 +1,10 @@
-//! The dynamic rendezvous's decisions, without I/O: what an arrival does, who is a
-//! member once a round completes, how ranks are assigned, and when a silent peer
-//! is dead. The driver in `mod.rs` feeds these with what it reads from the store
-//! and the time; the tests here drive them with simulated time.
+//! The dynamic rendezvous's decisions, without I/O. [`Join`] is one node's join
+//! as a state machine: the driver in `mod.rs` performs the [`Step`] it asks for
+//! (a store write or wait), tells it what happened as an [`Event`] with the time,
+//! and gets the next step. The smaller decisions — what an arrival does, who is a
+//! member once a round completes, how ranks are assigned, when a silent peer is
+//! dead — are plain functions it uses. The tests here drive all of it with
+//! simulated time.
 
 use std::cmp::Ordering;
 use std::collections::{BTreeSet, HashMap};
@@ -154,6 +157,185 @@ impl Liveness {
     }
 }
 
+/// What the driver must do next for a joining node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Step {
+    /// Check the run is open, take an arrival index in `round` and publish this
+    /// node's id under it; answer [`Event::Arrived`] (or [`Event::Closed`]).
+    Arrive { round: u64 },
+    /// Publish that the last call began and/or complete the round with
+    /// `completes_with` members (first proposal wins); answer [`Event::Announced`].
+    Announce {
+        marks_min: bool,
+        completes_with: Option<usize>,
+    },
+    /// Wait for the min-th arrival, until `until` (`None`: no limit); answer
+    /// [`Event::MinReached`] or [`Event::TimedOut`].
+    WaitMin { until: Option<Instant> },
+    /// Wait for the round to complete until the last call ends; answer
+    /// [`Event::Completed`] or [`Event::LastCallEnded`].
+    WaitComplete { until: Instant },
+    /// Propose completing the round with `members` (first proposal wins), then
+    /// answer [`Event::Completed`] with the round's actual count.
+    Complete { members: usize },
+    /// Count as a node waiting for the group to grow; answer [`Event::Counted`].
+    CountWaiting,
+    /// Wait, without limit, for the members to re-form (or the run to close);
+    /// answer [`Event::Reformed`].
+    WaitReform,
+    /// Done: a member of `round` as arrival `index` of `members`.
+    Member {
+        round: u64,
+        index: usize,
+        members: usize,
+    },
+    /// Done: failed.
+    Fail(JoinFailure),
+}
+
+/// How a join fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JoinFailure {
+    /// Not enough nodes before the join deadline, in `round`.
+    Timeout { round: u64 },
+    /// The run is closed.
+    Closed,
+    /// The run closed while this node was a spare: it was never needed.
+    GracefulExit,
+}
+
+/// What the driver observed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Event {
+    Closed,
+    Arrived {
+        index: usize,
+    },
+    Announced,
+    MinReached,
+    /// The round completed with this many members (0: closed).
+    Completed {
+        members: usize,
+    },
+    /// The last call ran out with `arrivals` arrivals so far.
+    LastCallEnded {
+        arrivals: usize,
+    },
+    Counted,
+    Reformed,
+    TimedOut,
+}
+
+/// One node's join: bounds, timeouts, and where it is.
+#[derive(Debug, Clone)]
+pub struct Join {
+    bounds: Bounds,
+    join_timeout: Duration,
+    last_call: Duration,
+    /// The join deadline; `None` while a spare waits (a full group may run for
+    /// days).
+    deadline: Option<Instant>,
+    round: u64,
+    index: usize,
+    spare: bool,
+}
+
+impl Join {
+    /// Starts a join at `round`; returns the machine and its first step.
+    pub fn start(
+        bounds: Bounds,
+        join_timeout: Duration,
+        last_call: Duration,
+        round: u64,
+        now: Instant,
+    ) -> (Join, Step) {
+        let j = Join {
+            bounds,
+            join_timeout,
+            last_call,
+            deadline: Some(now + join_timeout),
+            round,
+            index: 0,
+            spare: false,
+        };
+        (j, Step::Arrive { round })
+    }
+
+    /// The round this node is in.
+    pub fn round(&self) -> u64 {
+        self.round
+    }
+
+    /// The join deadline, if any.
+    pub fn deadline(&self) -> Option<Instant> {
+        self.deadline
+    }
+
+    /// The next step after `event`, observed at `now`.
+    pub fn on(&mut self, event: Event, now: Instant) -> Step {
+        match event {
+            Event::Closed => Step::Fail(self.closed()),
+            Event::TimedOut => Step::Fail(JoinFailure::Timeout { round: self.round }),
+            Event::Arrived { index } => {
+                self.index = index;
+                let a = on_arrival(index, self.bounds);
+                Step::Announce {
+                    marks_min: a.marks_min,
+                    completes_with: a.completes.then_some(self.bounds.max),
+                }
+            }
+            Event::Announced => Step::WaitMin {
+                until: self.deadline,
+            },
+            Event::MinReached => {
+                let last_call = now + self.last_call;
+                Step::WaitComplete {
+                    until: self.deadline.map_or(last_call, |d| d.min(last_call)),
+                }
+            }
+            Event::LastCallEnded { arrivals } => Step::Complete {
+                members: members_at_last_call(arrivals, self.bounds),
+            },
+            // Only a close completes a round with nobody.
+            Event::Completed { members: 0 } => Step::Fail(self.closed()),
+            Event::Completed { members } => match membership(self.index, members, self.bounds) {
+                Membership::Member => Step::Member {
+                    round: self.round,
+                    index: self.index,
+                    members,
+                },
+                Membership::Waiting => {
+                    self.spare = false;
+                    Step::CountWaiting
+                }
+                Membership::Spare => {
+                    // A spare waits as long as the group stays full (PyTorch: the
+                    // redundancy list has no timeout).
+                    self.spare = true;
+                    self.deadline = None;
+                    Step::WaitReform
+                }
+            },
+            Event::Counted => Step::WaitReform,
+            Event::Reformed => {
+                // Join the next round; a spare's join timeout starts afresh.
+                self.round += 1;
+                if self.deadline.is_none() {
+                    self.deadline = Some(now + self.join_timeout);
+                }
+                Step::Arrive { round: self.round }
+            }
+        }
+    }
+
+    fn closed(&self) -> JoinFailure {
+        match self.spare {
+            true => JoinFailure::GracefulExit,
+            false => JoinFailure::Closed,
+        }
+    }
+}
+
 /// The distinct ranks in a round, for checks.
 pub fn is_permutation(ranks: &[usize]) -> bool {
     let set: BTreeSet<usize> = ranks.iter().copied().collect();
@@ -251,5 +433,155 @@ mod tests {
         assert!(!l.observe(2, t0 + 3 * s), "2 s of silence < 3 s");
         assert!(!l.observe(3, t0 + 3 * s + s / 2), "it moved");
         assert!(l.observe(3, t0 + 6 * s + s / 2), "3 s of silence");
+    }
+
+    const MS: Duration = Duration::from_millis(1);
+
+    fn join(round: u64, t0: Instant) -> (Join, Step) {
+        Join::start(B, 1000 * MS, 100 * MS, round, t0)
+    }
+
+    #[test]
+    fn the_max_th_arrival_completes_the_round_at_once() {
+        let t0 = Instant::now();
+        let (mut j, step) = join(7, t0);
+        assert_eq!(step, Step::Arrive { round: 7 });
+        assert_eq!(
+            j.on(Event::Arrived { index: 4 }, t0),
+            Step::Announce {
+                marks_min: false,
+                completes_with: Some(4)
+            }
+        );
+        assert_eq!(
+            j.on(Event::Announced, t0),
+            Step::WaitMin {
+                until: Some(t0 + 1000 * MS)
+            }
+        );
+        assert_eq!(
+            j.on(Event::MinReached, t0),
+            Step::WaitComplete {
+                until: t0 + 100 * MS
+            }
+        );
+        assert_eq!(
+            j.on(Event::Completed { members: 4 }, t0),
+            Step::Member {
+                round: 7,
+                index: 4,
+                members: 4
+            }
+        );
+    }
+
+    #[test]
+    fn the_last_call_is_cut_short_by_the_join_deadline() {
+        let t0 = Instant::now();
+        let (mut j, _) = join(0, t0);
+        j.on(Event::Arrived { index: 2 }, t0);
+        j.on(Event::Announced, t0);
+        // Min reached 950 ms in: the last call would end at 1050 ms, the deadline is 1000.
+        assert_eq!(
+            j.on(Event::MinReached, t0 + 950 * MS),
+            Step::WaitComplete {
+                until: t0 + 1000 * MS
+            }
+        );
+        assert_eq!(
+            j.on(Event::LastCallEnded { arrivals: 3 }, t0 + 1000 * MS),
+            Step::Complete { members: 3 }
+        );
+        assert_eq!(
+            j.on(Event::Completed { members: 3 }, t0 + 1000 * MS),
+            Step::Member {
+                round: 0,
+                index: 2,
+                members: 3
+            }
+        );
+    }
+
+    #[test]
+    fn too_few_nodes_time_out_in_their_round() {
+        let t0 = Instant::now();
+        let (mut j, _) = join(3, t0);
+        j.on(Event::Arrived { index: 1 }, t0);
+        assert_eq!(
+            j.on(Event::Announced, t0),
+            Step::WaitMin {
+                until: Some(t0 + 1000 * MS)
+            }
+        );
+        assert_eq!(
+            j.on(Event::TimedOut, t0 + 1000 * MS),
+            Step::Fail(JoinFailure::Timeout { round: 3 })
+        );
+    }
+
+    #[test]
+    fn a_late_node_counts_as_waiting_and_joins_the_next_round_with_its_deadline() {
+        let t0 = Instant::now();
+        let (mut j, _) = join(0, t0);
+        j.on(Event::Arrived { index: 4 }, t0);
+        j.on(Event::Announced, t0);
+        j.on(Event::MinReached, t0);
+        // The round completed with 3 < max: this node waits and asks to grow.
+        assert_eq!(
+            j.on(Event::Completed { members: 3 }, t0),
+            Step::CountWaiting
+        );
+        assert_eq!(j.on(Event::Counted, t0), Step::WaitReform);
+        assert_eq!(
+            j.on(Event::Reformed, t0 + 500 * MS),
+            Step::Arrive { round: 1 }
+        );
+        assert_eq!(
+            j.deadline(),
+            Some(t0 + 1000 * MS),
+            "the deadline still runs"
+        );
+    }
+
+    #[test]
+    fn a_spare_waits_without_deadline_and_exits_gracefully_on_close() {
+        let t0 = Instant::now();
+        let (mut j, _) = join(0, t0);
+        j.on(Event::Arrived { index: 5 }, t0);
+        j.on(Event::Announced, t0);
+        j.on(Event::MinReached, t0);
+        assert_eq!(j.on(Event::Completed { members: 4 }, t0), Step::WaitReform);
+        assert_eq!(j.deadline(), None);
+        // Re-formed a day later: a fresh join timeout for the next round.
+        let later = t0 + Duration::from_secs(86_400);
+        assert_eq!(j.on(Event::Reformed, later), Step::Arrive { round: 1 });
+        assert_eq!(j.deadline(), Some(later + 1000 * MS));
+        // Still a spare there; then the run closes.
+        j.on(Event::Arrived { index: 6 }, later);
+        j.on(Event::Announced, later);
+        j.on(Event::MinReached, later);
+        assert_eq!(
+            j.on(Event::Completed { members: 4 }, later),
+            Step::WaitReform
+        );
+        assert_eq!(
+            j.on(Event::Closed, later),
+            Step::Fail(JoinFailure::GracefulExit)
+        );
+    }
+
+    #[test]
+    fn a_member_of_a_closed_round_is_closed() {
+        let t0 = Instant::now();
+        let (mut j, _) = join(0, t0);
+        j.on(Event::Arrived { index: 1 }, t0);
+        j.on(Event::Announced, t0);
+        j.on(Event::MinReached, t0);
+        assert_eq!(
+            j.on(Event::Completed { members: 0 }, t0),
+            Step::Fail(JoinFailure::Closed)
+        );
+        let (mut j, _) = join(0, t0);
+        assert_eq!(j.on(Event::Closed, t0), Step::Fail(JoinFailure::Closed));
     }
 }
