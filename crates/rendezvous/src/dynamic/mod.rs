@@ -792,6 +792,13 @@ pub fn advertised_addr(p: &RendezvousParameters) -> String {
 /// machine and the port is free), else a client.
 pub fn create(p: RendezvousParameters) -> Created {
     Box::pin(async move {
+        match p.get("store_type").map(str::to_ascii_lowercase).as_deref() {
+            None | Some("tcp") => {}
+            Some("file") => return create_on_file(p).await,
+            Some(other) => {
+                return Err(crate::api::config_error("store_type", other, "tcp or file"))
+            }
+        }
         let (host, port) = p.endpoint_host_port()?;
         let port = port.unwrap_or(DEFAULT_PORT);
         let timing = Timing::from_params(&p)?;
@@ -831,4 +838,38 @@ pub fn create(p: RendezvousParameters) -> Created {
         );
         Ok(Box::new(h) as Box<dyn RendezvousHandler>)
     })
+}
+
+/// `store_type=file`: the rendezvous on a file store shared by every node (the
+/// endpoint is its path; empty: a file in the temporary directory named after
+/// the run). Workers cannot use a file store as their job store, so rank 0's
+/// worker hosts one, as with etcd.
+async fn create_on_file(
+    p: RendezvousParameters,
+) -> Result<Box<dyn RendezvousHandler>, RendezvousError> {
+    let timing = Timing::from_params(&p)?;
+    let path = match p.endpoint.as_str() {
+        "" => std::env::temp_dir().join(format!("rally-rendezvous-{}", p.run_id)),
+        e => std::path::PathBuf::from(e),
+    };
+    let store = rallypoint_store::FileStore::open(&path, -1)
+        .await
+        .map_err(conn(&p.run_id))?;
+    let addr = advertised_addr(&p);
+    let h = DynamicRendezvous::new(
+        Arc::new(store),
+        &p.run_id,
+        default_node_id(&addr),
+        Bounds {
+            min: p.min_nodes,
+            max: p.max_nodes,
+        },
+        timing,
+        BootstrapStoreInfo {
+            master_addr: addr.clone(),
+            master_port: 0,
+        },
+    )
+    .with_worker_hosted_store(addr);
+    Ok(Box::new(h))
 }

@@ -346,3 +346,44 @@ async fn the_c10d_backend_from_the_registry_hosts_its_store() {
     assert!(got[0].0.shutdown().await.unwrap());
     assert!(got[1].0.is_closed().await.unwrap());
 }
+
+#[tokio::test]
+async fn the_c10d_backend_runs_on_a_file_store_with_store_type_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("rdzv");
+    let registry = rallypoint_rendezvous::registry::Registry::with_builtins();
+    let mut nodes = Vec::new();
+    for _ in 0..2 {
+        let mut p = rallypoint_rendezvous::RendezvousParameters::new(
+            "c10d",
+            path.to_str().unwrap(),
+            "filejob",
+            2,
+            2,
+        )
+        .unwrap();
+        p.local_addr = Some("127.0.0.1".into());
+        p.config.insert("store_type".into(), "file".into());
+        let h: Arc<dyn RendezvousHandler> = Arc::from(registry.create_handler(p).await.unwrap());
+        nodes.push(h);
+    }
+    assert!(!nodes[0].use_agent_store());
+    let tasks: Vec<_> = nodes
+        .iter()
+        .map(|n| {
+            let n = n.clone();
+            tokio::spawn(async move { n.next_rendezvous().await.unwrap() })
+        })
+        .collect();
+    let mut infos = Vec::new();
+    for t in tasks {
+        infos.push(t.await.unwrap());
+    }
+    assert!(is_permutation(&ranks(&infos)));
+    assert_eq!(infos[0].bootstrap, infos[1].bootstrap);
+    assert_ne!(infos[0].bootstrap.master_port, 0);
+    let mut bad = rallypoint_rendezvous::RendezvousParameters::new("c10d", "x", "j", 1, 1).unwrap();
+    bad.config.insert("store_type".into(), "s3".into());
+    let e = registry.create_handler(bad).await.err().unwrap();
+    assert!(e.to_string().contains("store_type"), "{e}");
+}
