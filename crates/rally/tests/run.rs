@@ -620,3 +620,55 @@ fn two_agents_form_a_two_node_job_over_etcd() {
     assert_eq!(r.len(), 2);
     assert!(r.values().all(|v| v["world_size"] == 2));
 }
+
+fn http_get(port: u16, path: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut c = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    write!(c, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").ok()?;
+    let mut out = String::new();
+    c.read_to_string(&mut out).ok()?;
+    Some(out)
+}
+
+#[test]
+fn the_status_endpoint_reports_round_workers_and_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let mut job = Job::spawn(
+        rally(&[
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--status-port",
+            &port.to_string(),
+            "--no-python",
+            "sleep",
+            "3",
+        ]),
+        dir.path(),
+        "job",
+    );
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(r) = http_get(port, "/status") {
+            if r.contains("\"running\"") && r.contains("\"pid\"") {
+                break r;
+            }
+        }
+        assert!(t0.elapsed() < LIMIT, "no running status: {}", job.output());
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.starts_with("HTTP/1.1 200"), "{status}");
+    let body: Value = serde_json::from_str(status.split("\r\n\r\n").nth(1).unwrap()).unwrap();
+    assert_eq!(body["nodes"], 1);
+    assert_eq!(body["world_size"], 2);
+    assert_eq!(body["workers"].as_array().unwrap().len(), 2);
+    assert_eq!(body["restarts"], 0);
+    let metrics = http_get(port, "/metrics").unwrap();
+    assert!(metrics.contains("rally_workers_running{"), "{metrics}");
+    assert!(
+        metrics.contains("rally_world_size{") && metrics.contains("} 2\n"),
+        "{metrics}"
+    );
+    assert!(job.wait(LIMIT).success(), "{}", job.output());
+}
