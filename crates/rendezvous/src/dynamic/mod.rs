@@ -297,6 +297,27 @@ impl DynamicRendezvous {
         self
     }
 
+    /// A rendezvous for the node described by `p` over a store workers cannot use
+    /// (a file, etcd): rank 0's worker hosts the job's store.
+    pub fn worker_hosted(store: Arc<dyn Store>, p: &RendezvousParameters, timing: Timing) -> Self {
+        let addr = advertised_addr(p);
+        DynamicRendezvous::new(
+            store,
+            &p.run_id,
+            default_node_id(&addr),
+            Bounds {
+                min: p.min_nodes,
+                max: p.max_nodes,
+            },
+            timing,
+            BootstrapStoreInfo {
+                master_addr: addr.clone(),
+                master_port: 0,
+            },
+        )
+        .with_worker_hosted_store(addr)
+    }
+
     /// Where workers of `round` reach the job's store.
     async fn bootstrap_for(
         &self,
@@ -855,21 +876,9 @@ async fn create_on_file(
     let store = rallypoint_store::FileStore::open(&path, -1)
         .await
         .map_err(conn(&p.run_id))?;
-    let addr = advertised_addr(&p);
-    let h = DynamicRendezvous::new(
+    Ok(Box::new(DynamicRendezvous::worker_hosted(
         Arc::new(store),
-        &p.run_id,
-        default_node_id(&addr),
-        Bounds {
-            min: p.min_nodes,
-            max: p.max_nodes,
-        },
+        &p,
         timing,
-        BootstrapStoreInfo {
-            master_addr: addr.clone(),
-            master_port: 0,
-        },
-    )
-    .with_worker_hosted_store(addr);
-    Ok(Box::new(h))
+    )))
 }

@@ -35,11 +35,8 @@ use tokio::time::Instant;
 
 pub use store::EtcdStore;
 
-use crate::api::{BootstrapStoreInfo, RendezvousError, RendezvousHandler, RendezvousParameters};
-use crate::dynamic::state::Bounds;
-use crate::dynamic::{
-    advertised_addr, default_node_id, Beat, DynamicRendezvous, Keepalive, Timing,
-};
+use crate::api::{RendezvousError, RendezvousHandler, RendezvousParameters};
+use crate::dynamic::{Beat, DynamicRendezvous, Keepalive, Timing};
 use crate::registry::Created;
 
 /// Default etcd client port.
@@ -223,24 +220,9 @@ pub fn create(p: RendezvousParameters) -> Created {
                 run_id: p.run_id.clone(),
                 source: Box::new(source),
             })?;
-        let addr = advertised_addr(&p);
-        let h = DynamicRendezvous::new(
-            Arc::new(store.clone()),
-            &p.run_id,
-            default_node_id(&addr),
-            Bounds {
-                min: p.min_nodes,
-                max: p.max_nodes,
-            },
-            timing,
-            BootstrapStoreInfo {
-                master_addr: addr.clone(),
-                master_port: 0,
-            },
-        )
-        .with_backend_name("etcd")
-        .with_keepalive(Arc::new(LeaseKeepalive::new(store)))
-        .with_worker_hosted_store(addr);
+        let h = DynamicRendezvous::worker_hosted(Arc::new(store.clone()), &p, timing)
+            .with_backend_name("etcd")
+            .with_keepalive(Arc::new(LeaseKeepalive::new(store)));
         Ok(Box::new(h) as Box<dyn RendezvousHandler>)
     })
 }
