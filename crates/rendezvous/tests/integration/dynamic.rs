@@ -386,4 +386,8 @@ async fn the_c10d_backend_runs_on_a_file_store_with_store_type_file() {
     bad.config.insert("store_type".into(), "s3".into());
     let e = registry.create_handler(bad).await.err().unwrap();
     assert!(e.to_string().contains("store_type"), "{e}");
+    // Stop the keep-alives before the directory (and the file) goes.
+    for n in &nodes {
+        assert!(n.shutdown().await.unwrap());
+    }
 }
