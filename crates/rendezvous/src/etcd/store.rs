@@ -289,6 +289,18 @@ impl EtcdStore {
         Ok(())
     }
 
+    /// A read of every key under `prefix`, as `options` asks.
+    async fn under(
+        &self,
+        op: &'static str,
+        prefix: &[u8],
+        options: GetOptions,
+    ) -> Result<etcd_client::GetResponse> {
+        let options = options.with_prefix();
+        self.call(op, self.client.kv_client().get(prefix, Some(options)))
+            .await
+    }
+
     fn queue_prefix(&self, key: &str) -> Vec<u8> {
         format!("{}{key}/", self.queues).into_bytes()
     }
@@ -297,16 +309,10 @@ impl EtcdStore {
     async fn try_pop(&self, key: &str) -> Result<std::result::Result<Vec<u8>, i64>> {
         let prefix = self.queue_prefix(key);
         loop {
-            let options = GetOptions::new()
-                .with_prefix()
+            let oldest = GetOptions::new()
                 .with_sort(SortTarget::Create, SortOrder::Ascend)
                 .with_limit(1);
-            let resp = self
-                .call(
-                    "queue_pop",
-                    self.client.kv_client().get(prefix.clone(), Some(options)),
-                )
-                .await?;
+            let resp = self.under("queue_pop", &prefix, oldest).await?;
             let Some(item) = resp.kvs().first() else {
                 return Ok(Err(resp.header().map_or(0, |h| h.revision())));
             };
@@ -449,14 +455,9 @@ impl Store for EtcdStore {
     }
 
     async fn num_keys(&self) -> Result<i64> {
-        let options = GetOptions::new().with_prefix().with_count_only();
+        let options = GetOptions::new().with_count_only();
         let resp = self
-            .call(
-                "num_keys",
-                self.client
-                    .kv_client()
-                    .get(self.keys.as_bytes(), Some(options)),
-            )
+            .under("num_keys", self.keys.as_bytes(), options)
             .await?;
         Ok(resp.count())
     }
@@ -516,14 +517,9 @@ impl Store for EtcdStore {
     }
 
     async fn list_keys(&self) -> Result<Vec<String>> {
-        let options = GetOptions::new().with_prefix().with_keys_only();
+        let options = GetOptions::new().with_keys_only();
         let resp = self
-            .call(
-                "list_keys",
-                self.client
-                    .kv_client()
-                    .get(self.keys.as_bytes(), Some(options)),
-            )
+            .under("list_keys", self.keys.as_bytes(), options)
             .await?;
         Ok(resp
             .kvs()
@@ -604,14 +600,9 @@ impl Store for EtcdStore {
     }
 
     async fn queue_len(&self, key: &str) -> Result<i64> {
-        let options = GetOptions::new().with_prefix().with_count_only();
+        let options = GetOptions::new().with_count_only();
         let resp = self
-            .call(
-                "queue_len",
-                self.client
-                    .kv_client()
-                    .get(self.queue_prefix(key), Some(options)),
-            )
+            .under("queue_len", &self.queue_prefix(key), options)
             .await?;
         Ok(resp.count())
     }
