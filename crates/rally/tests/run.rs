@@ -125,9 +125,7 @@ const LIMIT: Duration = Duration::from_secs(120);
 
 #[test]
 fn ddp_training_runs_under_rally_run_standalone() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("results");
-    std::fs::create_dir(&out).unwrap();
+    let (dir, out) = with_results();
     let mut job = ddp_job(
         dir.path(),
         &out,
@@ -226,9 +224,7 @@ fn workers_see_the_same_environment_as_under_torchrun() {
 
 #[test]
 fn a_killed_worker_is_restarted_and_the_job_completes() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("results");
-    std::fs::create_dir(&out).unwrap();
+    let (dir, out) = with_results();
     let mut job = ddp_job(
         dir.path(),
         &out,
@@ -259,9 +255,7 @@ fn a_killed_worker_is_restarted_and_the_job_completes() {
 
 #[test]
 fn out_of_restarts_the_job_fails_naming_the_root_cause() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("results");
-    std::fs::create_dir(&out).unwrap();
+    let (dir, out) = with_results();
     let events = dir.path().join("events.jsonl");
     let mut job = ddp_job(
         dir.path(),
@@ -321,11 +315,37 @@ fn two_nodes(
     (a, b)
 }
 
-#[test]
-fn two_agents_form_a_two_node_job_over_the_c10d_backend() {
+/// [`two_nodes`], both run to success; returns the ranks' results and the first
+/// agent's output.
+fn two_nodes_ok(
+    dir: &Path,
+    out: &Path,
+    rdzv: &[&str],
+    env: &[(&str, &str)],
+    second_after: Duration,
+) -> (BTreeMap<u64, Value>, String) {
+    let (mut a, mut b) = two_nodes(dir, out, rdzv, env, second_after);
+    let (sa, sb) = (a.wait(LIMIT), b.wait(LIMIT));
+    assert!(
+        sa.success() && sb.success(),
+        "{}\n---\n{}",
+        a.output(),
+        b.output()
+    );
+    (results(out), a.output())
+}
+
+/// A temporary directory with an empty `results/` in it.
+fn with_results() -> (tempfile::TempDir, PathBuf) {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("results");
     std::fs::create_dir(&out).unwrap();
+    (dir, out)
+}
+
+#[test]
+fn two_agents_form_a_two_node_job_over_the_c10d_backend() {
+    let (dir, out) = with_results();
     let endpoint = format!("127.0.0.1:{}", free_port());
     let rdzv = [
         "--nnodes",
@@ -337,15 +357,7 @@ fn two_agents_form_a_two_node_job_over_the_c10d_backend() {
         "--rdzv-id",
         "two",
     ];
-    let (mut a, mut b) = two_nodes(dir.path(), &out, &rdzv, &[], Duration::ZERO);
-    let (sa, sb) = (a.wait(LIMIT), b.wait(LIMIT));
-    assert!(
-        sa.success() && sb.success(),
-        "{}\n---\n{}",
-        a.output(),
-        b.output()
-    );
-    let r = results(&out);
+    let (r, _) = two_nodes_ok(dir.path(), &out, &rdzv, &[], Duration::ZERO);
     assert_eq!(r.len(), 2);
     assert!(r
         .values()
@@ -402,9 +414,7 @@ fn a_killed_agent_is_noticed_through_the_rendezvous_and_the_survivor_re_forms() 
 
 #[test]
 fn a_worker_failure_on_one_node_restarts_both_nodes() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("results");
-    std::fs::create_dir(&out).unwrap();
+    let (dir, out) = with_results();
     let endpoint = format!("127.0.0.1:{}", free_port());
     let rdzv = [
         "--nnodes",
@@ -418,21 +428,13 @@ fn a_worker_failure_on_one_node_restarts_both_nodes() {
         "--max-restarts",
         "1",
     ];
-    let (mut a, mut b) = two_nodes(
+    let (r, _) = two_nodes_ok(
         dir.path(),
         &out,
         &rdzv,
         &[("KILL_RANK", "1")],
         Duration::ZERO,
     );
-    let (sa, sb) = (a.wait(LIMIT), b.wait(LIMIT));
-    assert!(
-        sa.success() && sb.success(),
-        "{}\n---\n{}",
-        a.output(),
-        b.output()
-    );
-    let r = results(&out);
     assert_eq!(r.len(), 2);
     // Both nodes agree on the attempt number.
     assert!(
@@ -444,9 +446,7 @@ fn a_worker_failure_on_one_node_restarts_both_nodes() {
 
 #[test]
 fn a_late_node_joins_and_the_group_grows() {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("results");
-    std::fs::create_dir(&out).unwrap();
+    let (dir, out) = with_results();
     let endpoint = format!("127.0.0.1:{}", free_port());
     let rdzv = [
         "--nnodes",
@@ -462,16 +462,8 @@ fn a_late_node_joins_and_the_group_grows() {
     ];
     let env = [("STEPS", "60"), ("STEP_SLEEP", "0.1")];
     // The second node starts once the first runs alone.
-    let (mut a, mut b) = two_nodes(dir.path(), &out, &rdzv, &env, Duration::from_secs(8));
-    let (sa, sb) = (a.wait(LIMIT), b.wait(LIMIT));
-    assert!(
-        sa.success() && sb.success(),
-        "{}\n---\n{}",
-        a.output(),
-        b.output()
-    );
-    assert!(a.output().contains("membership changed"), "{}", a.output());
-    let r = results(&out);
+    let (r, log) = two_nodes_ok(dir.path(), &out, &rdzv, &env, Duration::from_secs(8));
+    assert!(log.contains("membership changed"), "{log}");
     assert_eq!(r.len(), 2, "{r:?}");
     assert!(r
         .values()
@@ -593,9 +585,7 @@ fn two_agents_form_a_two_node_job_over_etcd() {
     let etcd = rt
         .block_on(rallypoint_rendezvous::etcd::testing::EtcdServer::start())
         .unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("results");
-    std::fs::create_dir(&out).unwrap();
+    let (dir, out) = with_results();
     let rdzv = [
         "--nnodes",
         "2",
@@ -608,15 +598,7 @@ fn two_agents_form_a_two_node_job_over_etcd() {
         "--local-addr",
         "127.0.0.1",
     ];
-    let (mut a, mut b) = two_nodes(dir.path(), &out, &rdzv, &[], Duration::ZERO);
-    let (sa, sb) = (a.wait(LIMIT), b.wait(LIMIT));
-    assert!(
-        sa.success() && sb.success(),
-        "{}\n---\n{}",
-        a.output(),
-        b.output()
-    );
-    let r = results(&out);
+    let (r, _) = two_nodes_ok(dir.path(), &out, &rdzv, &[], Duration::ZERO);
     assert_eq!(r.len(), 2);
     assert!(r.values().all(|v| v["world_size"] == 2));
 }

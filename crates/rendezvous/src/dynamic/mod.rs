@@ -502,16 +502,22 @@ impl DynamicRendezvous {
                 ),
             });
         }
-        let v = self
-            .store
-            .get_now(&format!("{r}/rank/{index}"))
-            .await
-            .map_err(self.err())?;
+        self.read_number(
+            &format!("{r}/rank/{index}"),
+            &format!("rank of arrival {index} in round {round}"),
+        )
+        .await
+    }
+
+    /// A decimal number the protocol stored at `key`; a State error naming `what`
+    /// otherwise.
+    async fn read_number(&self, key: &str, what: &str) -> Result<usize, RendezvousError> {
+        let v = self.store.get_now(key).await.map_err(self.err())?;
         String::from_utf8_lossy(&v)
             .parse()
             .map_err(|_| RendezvousError::State {
                 run_id: self.run_id.clone(),
-                reason: format!("rank of arrival {index} in round {round} is {v:?}"),
+                reason: format!("{what} is {v:?}"),
             })
     }
 
@@ -693,17 +699,11 @@ impl DynamicRendezvous {
 
     /// The member count round `r` completed with.
     async fn members(&self, r: &str) -> Result<usize, RendezvousError> {
-        let v = self
-            .store
-            .get_now(&format!("{r}/complete"))
-            .await
-            .map_err(self.err())?;
-        String::from_utf8_lossy(&v)
-            .parse()
-            .map_err(|_| RendezvousError::State {
-                run_id: self.run_id.clone(),
-                reason: format!("{r} completed with {v:?} members"),
-            })
+        self.read_number(
+            &format!("{r}/complete"),
+            &format!("the member count of {r}"),
+        )
+        .await
     }
 }
 

@@ -335,6 +335,15 @@ impl EtcdStore {
     }
 }
 
+/// The keys whose value was not found.
+fn missing<'k>(keys: &[&'k str], values: &[Option<Vec<u8>>]) -> Vec<&'k str> {
+    keys.iter()
+        .zip(values)
+        .filter(|(_, v)| v.is_none())
+        .map(|(k, _)| *k)
+        .collect()
+}
+
 fn counter_error(key: &str, source: CounterError) -> StoreError {
     StoreError::Counter {
         key: key.to_owned(),
@@ -429,12 +438,7 @@ impl Store for EtcdStore {
     async fn wait_timeout(&self, keys: &[&str], timeout: Duration) -> Result<()> {
         let started = Instant::now();
         let (values, revision) = self.read_many("wait", keys).await?;
-        let missing: Vec<&str> = keys
-            .iter()
-            .zip(&values)
-            .filter(|(_, v)| v.is_none())
-            .map(|(k, _)| *k)
-            .collect();
+        let missing = missing(keys, &values);
         self.watch_until_put("wait", keys, missing, revision, started + timeout, started)
             .await
     }
@@ -467,12 +471,7 @@ impl Store for EtcdStore {
         let timeout = self.timeout.get();
         loop {
             let (values, revision) = self.read_many("multi_get", keys).await?;
-            let missing: Vec<&str> = keys
-                .iter()
-                .zip(&values)
-                .filter(|(_, v)| v.is_none())
-                .map(|(k, _)| *k)
-                .collect();
+            let missing = missing(keys, &values);
             if missing.is_empty() {
                 return Ok(values.into_iter().map(Option::unwrap_or_default).collect());
             }

@@ -237,19 +237,7 @@ async fn a_silently_dead_member_is_noticed_and_the_survivors_re_form() {
     drop(dead);
     // Survivors notice through the rendezvous within interval * misses + 1 s.
     let bound = t.keep_alive * t.max_misses + Duration::from_secs(1);
-    loop {
-        if nodes[0].num_nodes_waiting().await.unwrap() > 0
-            || nodes[1].num_nodes_waiting().await.unwrap() > 0
-        {
-            break;
-        }
-        assert!(
-            died_at.elapsed() < bound,
-            "the dead member was not noticed within {bound:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    let noticed = died_at.elapsed();
+    let noticed = crate::noticed_within(&nodes, died_at, bound).await;
     let again: Vec<RendezvousInfo> = join_ok(&nodes).await;
     assert!(again.iter().all(|i| i.world_size == 2));
     assert!(is_permutation(&ranks(&again)));

@@ -279,19 +279,7 @@ async fn a_killed_member_is_noticed_through_its_lease_and_the_survivors_re_form(
     let died_at = Instant::now();
     // Within keep-alive interval × allowed misses (1 s × 2: the lease TTL) + 1 s.
     let bound = Duration::from_secs(2) + Duration::from_secs(1);
-    loop {
-        if nodes[0].num_nodes_waiting().await.unwrap() > 0
-            || nodes[1].num_nodes_waiting().await.unwrap() > 0
-        {
-            break;
-        }
-        assert!(
-            died_at.elapsed() < bound,
-            "the dead member was not noticed within {bound:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let noticed = died_at.elapsed();
+    let noticed = crate::noticed_within(&nodes, died_at, bound).await;
     let again: Vec<_> = join_all(&nodes)
         .await
         .into_iter()

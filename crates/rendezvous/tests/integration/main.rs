@@ -9,12 +9,33 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rallypoint_rendezvous::api::{RendezvousError, RendezvousParameters};
+use rallypoint_rendezvous::api::{RendezvousError, RendezvousHandler, RendezvousParameters};
 use rallypoint_rendezvous::init::{
     rendezvous, InitArgs, InitError, Rendezvoused, SchemeFuture, Schemes,
 };
 use rallypoint_rendezvous::registry::{Created, Registry};
 use rallypoint_store::{MemoryStore, Store};
+
+/// Polls `nodes` until one reports nodes waiting (the group should re-form);
+/// fails if that takes `bound` from `since`. Returns the time it took.
+async fn noticed_within<H: RendezvousHandler + ?Sized>(
+    nodes: &[Arc<H>],
+    since: std::time::Instant,
+    bound: Duration,
+) -> Duration {
+    loop {
+        for n in nodes {
+            if n.num_nodes_waiting().await.unwrap() > 0 {
+                return since.elapsed();
+            }
+        }
+        assert!(
+            since.elapsed() < bound,
+            "the dead member was not noticed within {bound:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
