@@ -15,8 +15,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use rallypoint_elastic::agent::{status, Agent, AgentSpec, Events, Outcome};
+use rallypoint_elastic::agent::events::{AgentEvent, EventSink, Fanout, JsonLines};
+use rallypoint_elastic::agent::{status, Agent, AgentSpec, Outcome};
 use rallypoint_elastic::multiprocessing::signals::{parse_signals, DEFAULT_SIGNALS};
+use rallypoint_elastic::multiprocessing::watchdog;
 use rallypoint_elastic::multiprocessing::{Entrypoint, LogsSpec, PerRank, DEFAULT_PREFIX_TEMPLATE};
 use rallypoint_rendezvous::registry::Registry;
 use rallypoint_rendezvous::RendezvousParameters;
@@ -189,6 +191,23 @@ pub struct RunArgs {
         env = "PET_VIRTUAL_LOCAL_RANK"
     )]
     virtual_local_rank: bool,
+    /// (rallypoint) Seconds every node waits for the others once its workers
+    /// succeeded (torchrun: 300, fixed).
+    #[arg(
+        long = "exit-barrier-timeout",
+        env = "RALLY_EXIT_BARRIER_TIMEOUT",
+        default_value_t = 300.0
+    )]
+    exit_barrier_timeout: f64,
+    /// (rallypoint) Seconds the rendezvous store may stay unreachable while
+    /// workers run before this node gives the job up as failed ("lost the
+    /// rendezvous host").
+    #[arg(
+        long = "rdzv-lost-timeout",
+        env = "RALLY_RDZV_LOST_TIMEOUT",
+        default_value_t = 5.0
+    )]
+    rdzv_lost_timeout: f64,
     /// (rallypoint) Write events as JSON lines to this file (`-`: stderr).
     #[arg(long, env = "RALLY_EVENTS")]
     events: Option<PathBuf>,
@@ -331,11 +350,14 @@ fn plan(a: &RunArgs) -> anyhow::Result<Plan> {
     if a.numa_binding.is_some() && gpu_count() > 0 {
         eprintln!("rally run: --numa-binding is not applied (no NUMA support yet)");
     }
-    if !(a.monitor_interval.is_finite() && a.monitor_interval > 0.0) {
-        bail!(
-            "--monitor-interval {}: expected a positive number of seconds",
-            a.monitor_interval
-        );
+    for (flag, v) in [
+        ("--monitor-interval", a.monitor_interval),
+        ("--exit-barrier-timeout", a.exit_barrier_timeout),
+        ("--rdzv-lost-timeout", a.rdzv_lost_timeout),
+    ] {
+        if !(v.is_finite() && v > 0.0) {
+            bail!("{flag} {v}: expected a positive number of seconds");
+        }
     }
     let (mut min_nodes, mut max_nodes) = parse_nnodes(&a.nnodes)?;
     let nproc = parse_nproc(&a.nproc_per_node)?;
@@ -423,10 +445,12 @@ fn plan(a: &RunArgs) -> anyhow::Result<Plan> {
         logs,
         signals,
         shutdown_timeout: Duration::from_secs(shutdown),
-        exit_barrier_timeout: Duration::from_secs(300),
+        exit_barrier_timeout: Duration::from_secs_f64(a.exit_barrier_timeout),
+        lost_grace: Duration::from_secs_f64(a.rdzv_lost_timeout),
         virtual_local_rank: a.virtual_local_rank,
         hostname: hostname(),
         local_addr: a.local_addr.clone(),
+        mark: Some(watchdog::new_mark()),
     };
     Ok(Plan {
         spec,
@@ -476,16 +500,31 @@ pub fn run(a: RunArgs) -> anyhow::Result<i32> {
         plan.spec.local_world_size,
         plan.spec.max_restarts
     );
-    let events = match (a.events.as_deref(), a.event_log_handler.as_str()) {
-        (Some(p), _) if p == Path::new("-") => Events::to(Box::new(std::io::stderr())),
-        (Some(p), _) => Events::to(Box::new(
+    let json: Option<Arc<dyn EventSink>> = match (a.events.as_deref(), a.event_log_handler.as_str())
+    {
+        (Some(p), _) if p == Path::new("-") => {
+            Some(Arc::new(JsonLines::new(Box::new(std::io::stderr()))))
+        }
+        (Some(p), _) => Some(Arc::new(JsonLines::new(Box::new(
             std::fs::File::create(p).with_context(|| format!("--events {}", p.display()))?,
-        )),
-        (None, "console") => Events::to(Box::new(std::io::stderr())),
-        (None, "null") => Events::default(),
+        )))),
+        (None, "console") => Some(Arc::new(JsonLines::new(Box::new(std::io::stderr())))),
+        (None, "null") => None,
         (None, other) => bail!("--event-log-handler {other:?}: expected null or console"),
     };
-    let agent = Agent::new(plan.spec, handler, rt.handle().clone()).with_events(events);
+    let mut sinks: Vec<Arc<dyn EventSink>> = vec![Arc::new(Console)];
+    sinks.extend(json);
+    // Kills every descendant of the workers if this process dies, SIGKILL
+    // included (see the watchdog module); dropped (and so told to sweep) at exit.
+    let mark = plan.spec.mark.clone().unwrap_or_default();
+    let _watchdog = match watchdog::spawn(&mark) {
+        Ok(w) => Some(w),
+        Err(e) => {
+            tracing::warn!(error = %e, "no watchdog: descendants of workers may outlive a killed agent");
+            None
+        }
+    };
+    let agent = Agent::new(plan.spec, handler).with_events(Arc::new(Fanout(sinks)));
     if let Some(port) = a.status_port {
         let addr = SocketAddr::from(([0, 0, 0, 0], port));
         let bound = rt
@@ -493,7 +532,8 @@ pub fn run(a: RunArgs) -> anyhow::Result<i32> {
             .with_context(|| format!("--status-port {port}"))?;
         eprintln!("rally run: status at http://{bound}/status, metrics at /metrics");
     }
-    let outcome = agent.run();
+    // On this thread: the workers' parent-death signal follows it.
+    let outcome = rt.block_on(agent.run());
     report(&outcome);
     let code = outcome.exit_code();
     // Do not wait for background tasks (heartbeats, the hosted store).
@@ -501,11 +541,77 @@ pub fn run(a: RunArgs) -> anyhow::Result<i32> {
     Ok(code)
 }
 
+/// The console lines of `rally run`, rendered from the agent's events.
+struct Console;
+
+impl EventSink for Console {
+    fn emit(&self, event: &AgentEvent) {
+        match event {
+            AgentEvent::RendezvousWaiting { run_id, waited } => eprintln!(
+                "rally run: still waiting for the rendezvous of run {run_id:?} after {:.0?}",
+                waited
+            ),
+            AgentEvent::WorkersStarted {
+                round,
+                group_rank,
+                group_world_size,
+                world_size,
+                ranks,
+                master_addr,
+                master_port,
+                ..
+            } => eprintln!(
+                "rally run: round {round} formed: node {group_rank} of {group_world_size}, ranks {}..{} of {world_size}, job store {master_addr}:{master_port}",
+                ranks.start, ranks.end
+            ),
+            AgentEvent::MembershipChanged { nodes_waiting, .. } => eprintln!(
+                "rally run: membership changed ({nodes_waiting} node(s) waiting or lost); re-forming the group"
+            ),
+            AgentEvent::GroupRestarting {
+                failed_rounds,
+                max_restarts,
+                cause,
+            } => eprintln!(
+                "rally run: worker failed ({}); restarting the group (restart {failed_rounds} of {max_restarts})",
+                cause.as_deref().unwrap_or("unknown")
+            ),
+            AgentEvent::RunClosedAfterSuccess { .. } => eprintln!(
+                "rally run: another node finished and closed the run; this node's workers keep running (no more restarts)"
+            ),
+            AgentEvent::RendezvousUnreachable { error } => eprintln!(
+                "rally run: cannot reach the rendezvous ({error}); the workers keep running for now"
+            ),
+            AgentEvent::SignalReceived { signal, phase } => eprintln!(
+                "rally run: {} received during {phase}; stopping",
+                rallypoint_elastic::multiprocessing::signal_name(*signal)
+            ),
+            AgentEvent::StopIncomplete { pids } => eprintln!(
+                "rally run: processes {pids:?} did not die after SIGKILL (stuck in the kernel?)"
+            ),
+            AgentEvent::ExitBarrierTimedOut { error } => {
+                eprintln!("rally run: exit barrier did not complete: {error}")
+            }
+            AgentEvent::HostLingering { nodes_left } => eprintln!(
+                "rally run: keeping the rendezvous store up until {nodes_left} other node(s) have seen the outcome"
+            ),
+            AgentEvent::CleanupFailed { what, error } => {
+                tracing::warn!(%error, "{what} failed")
+            }
+            _ => {}
+        }
+    }
+}
+
 fn report(outcome: &Outcome) {
     match outcome {
-        Outcome::Succeeded { attempts } => {
+        Outcome::Succeeded { attempts, barrier } => {
             let restarts = attempts.saturating_sub(1);
-            eprintln!("rally run: job succeeded ({restarts} restart(s))");
+            match barrier {
+                None => eprintln!("rally run: job succeeded ({restarts} restart(s))"),
+                Some(why) => eprintln!(
+                    "rally run: this node's workers succeeded ({restarts} restart(s)); the exit barrier did not complete: {why}"
+                ),
+            }
         }
         Outcome::NotNeeded => {
             eprintln!("rally run: the job ended without this node (it was a spare)")

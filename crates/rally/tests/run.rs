@@ -198,6 +198,8 @@ fn workers_see_the_same_environment_as_under_torchrun() {
         "DUMP_PARENT_KEYS",
         "RALLY_LOG",
         "_",
+        // rallypoint's own: the mark by which nothing outlives the agent.
+        "RALLY_AGENT_MARK",
     ];
     for rank in ["0", "1"] {
         let strip = |m: &BTreeMap<String, String>| -> BTreeMap<String, String> {
@@ -293,10 +295,14 @@ fn out_of_restarts_the_job_fails_naming_the_root_cause() {
         "rendezvous.completed",
         "workers.started",
         "worker.failed",
-        "run.failed",
+        "agent.finished",
     ] {
         assert!(names.iter().any(|n| n == e), "no {e} in {names:?}");
     }
+    let last: Value = serde_json::from_str(events.lines().last().unwrap()).unwrap();
+    assert_eq!(last["event"], "agent.finished", "{events}");
+    assert_eq!(last["state"], "failed", "{events}");
+    assert_eq!(last["exit_code"], 1, "{events}");
 }
 
 /// Two agents on loopback, `--nnodes` and a rendezvous given by `rdzv`.

@@ -111,6 +111,13 @@ pub trait RendezvousHandler: Send + Sync {
     /// Closes the rendezvous and releases resources; `Ok(false)` if it could not.
     async fn shutdown(&self) -> Result<bool, RendezvousError>;
 
+    /// Whether this node hosts the rendezvous store itself (the first `c10d`
+    /// node): it then keeps it up until the other nodes have seen how the run
+    /// ended.
+    fn hosts_store(&self) -> bool {
+        false
+    }
+
     /// Whether workers connect to the store as clients only
     /// (`TORCHELASTIC_USE_AGENT_STORE=True`).
     fn use_agent_store(&self) -> bool {

@@ -14,7 +14,6 @@
 //! With [`TcpStoreBuilder::is_master`] the store also hosts a [`Server`] on the
 //! current runtime, as `TCPStore(is_master=True)` does.
 
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
@@ -90,7 +89,7 @@ impl TcpStoreBuilder {
         let started = Instant::now();
         let mut port = self.port;
         let server = if self.is_master {
-            let server = bind_master(port, self.server_config.clone()).await?;
+            let server = Server::bind_any(port, self.server_config.clone()).await?;
             port = server.local_addr().port();
             Some(server.spawn())
         } else {
@@ -113,15 +112,6 @@ impl TcpStoreBuilder {
             }
         }
         Ok(store)
-    }
-}
-
-async fn bind_master(port: u16, config: ServerConfig) -> Result<Server> {
-    let any6 = SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, port));
-    match Server::bind(any6, config.clone()).await {
-        Ok(s) => Ok(s),
-        // No IPv6 on this host: fall back to IPv4 only.
-        Err(_) => Server::bind(SocketAddr::from(([0, 0, 0, 0], port)), config).await,
     }
 }
 

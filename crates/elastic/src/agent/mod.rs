@@ -1,27 +1,54 @@
 //! The elastic agent: what `rally run` does on each node.
 //!
-//! # The loop
+//! # Shape
 //!
-//! 1. **Rendezvous.** [`RendezvousHandler::next_rendezvous`] gives the round's
-//!    store, this node's group rank, the number of nodes and where workers reach the
-//!    job's store. The round number is agreed by every node, and becomes the
-//!    workers' `TORCHELASTIC_RESTART_COUNT` (see below).
-//! 2. **Ranks.** [`ranks::assign`]: one key per node, agent 0 computes prefix sums.
-//! 3. **Start** the local workers with torchrun's environment
-//!    ([`ranks::worker_env`]), logs under `attempt_<round>`.
-//! 4. **Monitor** every `monitor_interval`, woken at once by a worker's exit:
-//!    - all succeeded: the exit barrier (every node reaches it, so early finishers
-//!      are not mistaken for lost nodes), then the rendezvous is closed: done;
-//!    - a worker failed: the whole local group is stopped, the failure is appended
-//!      to the run's failure log, and the round's failure is counted once,
-//!      job-wide. While the count is within `--max-restarts` the node re-joins and
-//!      the group restarts; beyond it the rendezvous is closed and the job fails
-//!      with the root cause (the earliest failure on any node);
-//!    - nodes waiting to join, or a member found dead by the rendezvous: the group
-//!      re-forms without spending the restart budget;
-//!    - the rendezvous closed by another node (which gave up): the group stops;
-//!    - a trapped signal: forwarded to the workers, SIGKILL after the shutdown
-//!      timeout; the rendezvous is left open so the node can come back.
+//! The agent is one async task ([`Agent::run`]) that owns everything: the
+//! rendezvous handler, the running worker group, the round's job store, the
+//! trapped signals and the policy. In each phase it waits on exactly what can
+//! happen there, always together with the signals:
+//!
+//! | phase | waits on |
+//! |---|---|
+//! | `rendezvous` | the join, signals, a note every 10 s |
+//! | `starting` | rank assignment and the job store's address, signals |
+//! | `running` | worker exits (pidfds), rendezvous checks every `monitor_interval`, signals |
+//! | `stopping` | the stop (signal, grace, SIGKILL, orphans), signals (a second one kills at once) |
+//! | `recording_failure` | the run store, signals |
+//! | `exit_barrier` | the barrier, rendezvous checks, signals |
+//!
+//! What it waited on becomes a [`policy::Event`]; [`policy::Policy`] — pure, with
+//! its table of every transition and tests in simulated time — answers with
+//! [`policy::Action`]s, which this driver performs. Nothing else shares mutable
+//! state: the status endpoint reads snapshots from a `watch` channel
+//! ([`Agent::status`]), and everything worth telling goes out as typed
+//! [`events::AgentEvent`]s to the caller's [`events::EventSink`] (the library
+//! never prints).
+//!
+//! # The run store
+//!
+//! Every node of the run shares a run store (from the rendezvous) with:
+//!
+//! | key | meaning |
+//! |---|---|
+//! | `agent/failures` | one JSON [`FailureRecord`] per line, appended by the failing node |
+//! | `agent/failed/<round>`, `agent/failed_rounds` | each failed round counted once, job-wide |
+//! | `agent/outcome` | `failed` or `succeeded`, written by the node that closes the run |
+//! | `agent/r<round>/finished` | nodes that have seen how the run ended |
+//!
+//! A run closed with `agent/outcome = failed` stops every node's workers; a run
+//! closed after success only means "no more rounds": healthy workers elsewhere
+//! run to the end.
+//!
+//! # Outcomes survive the rendezvous host
+//!
+//! With the `c10d` backend one agent hosts the rendezvous store. When the run
+//! ends, that node keeps the store up until every other node has counted itself
+//! in `agent/r<round>/finished` (after reading the outcome and the failure log),
+//! bounded by the shutdown timeout when the run failed, and for as long as the
+//! others are alive and running when it succeeded. A node whose rendezvous checks
+//! fail for `lost_grace` while its workers run stops them and fails with "lost
+//! the rendezvous host": never "succeeded". A failed exit barrier is reported as
+//! such.
 //!
 //! # Where torchrun differs
 //!
@@ -31,28 +58,30 @@
 //! on every node, so each attempt's worker store prefix `/worker/attempt_<n>` and
 //! log directory are fresh) and the budget counts each failed round once. A dead
 //! node is noticed by the rendezvous, not only when a collective times out. The
-//! failure report names the first failure across all nodes.
+//! failure report names the first failure across all nodes. Signals are honoured
+//! in every phase (torchrun ignores them while blocked in a store call).
 
+pub mod events;
+pub mod policy;
 pub mod ranks;
 pub mod status;
 
 use std::ffi::OsString;
-use std::io::Write;
-use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rallypoint_rendezvous::{RendezvousError, RendezvousHandler, RendezvousInfo};
 use rallypoint_store::server::{Server, ServerConfig, ServerHandle};
 use rallypoint_store::{Store, StoreError};
 use serde_json::{json, Value};
-use tokio::runtime::Handle;
+use tokio::sync::{watch, Notify};
 
-use crate::multiprocessing::signals::Signals;
 use crate::multiprocessing::{
     signal_name, start_processes, Entrypoint, Exit, LogsSpec, ProcessContext, RunLogs, RunResult,
-    StartSpec, Waited,
+    StartSpec,
 };
+use events::{AgentEvent, Discard, EventSink};
+use policy::{Action, Barrier, Event, Limits, Observation, Phase, Policy, Verdict};
 use status::{Status, WorkerStatus};
 
 /// What the agent runs, and how.
@@ -72,12 +101,20 @@ pub struct AgentSpec {
     /// Grace between the stop signal and SIGKILL.
     pub shutdown_timeout: Duration,
     pub exit_barrier_timeout: Duration,
+    /// How long the rendezvous may be unreachable while workers run before the
+    /// node gives up on it ("lost the rendezvous host").
+    pub lost_grace: Duration,
     pub virtual_local_rank: bool,
     /// This node's name in failure reports.
     pub hostname: String,
     /// The address this node advertises (`--local-addr`); else the rendezvous
     /// host when it is this machine's loopback, else `hostname`.
     pub local_addr: Option<String>,
+    /// Put this mark in every worker's environment (`RALLY_AGENT_MARK`) and kill
+    /// whatever carries it when a group stops, so no descendant of a worker
+    /// outlives its round, even one that called `setsid`; see
+    /// [`crate::multiprocessing::watchdog`].
+    pub mark: Option<String>,
 }
 
 /// A worker failure, as recorded in the run's failure log (one JSON line each).
@@ -162,12 +199,6 @@ impl std::fmt::Display for FailureRecord {
     }
 }
 
-fn now_secs() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
-}
-
 /// UTC `YYYY-MM-DD HH:MM:SS.mmm`.
 pub fn format_time(secs: f64) -> String {
     let total = secs.max(0.0);
@@ -194,10 +225,14 @@ pub fn format_time(secs: f64) -> String {
 /// How a run ended.
 #[derive(Debug)]
 pub enum Outcome {
-    /// Every worker on every node succeeded.
-    Succeeded { attempts: u64 },
-    /// The job failed: workers failed beyond the restart budget, or another node
-    /// gave up and closed the run.
+    /// Every worker on this node succeeded, and the job did not fail elsewhere.
+    /// `barrier` says why the exit barrier did not complete, if it did not.
+    Succeeded {
+        attempts: u64,
+        barrier: Option<String>,
+    },
+    /// The job failed: workers failed beyond the restart budget, another node
+    /// closed the run after a failure, or the rendezvous host was lost.
     Failed {
         reason: String,
         root_cause: Option<Box<FailureRecord>>,
@@ -209,7 +244,7 @@ pub enum Outcome {
     NotNeeded,
     /// The rendezvous failed (timeout, unreachable store, ...).
     Rendezvous(RendezvousError),
-    /// Workers could not be started, or the agent's own store traffic failed.
+    /// Workers could not be started, or ranks not assigned.
     Error(String),
 }
 
@@ -225,92 +260,86 @@ impl Outcome {
             Outcome::Signaled { signal } => 128 + signal,
         }
     }
-}
 
-/// JSON-lines events, when asked for.
-#[derive(Clone, Default)]
-pub struct Events {
-    out: Option<Arc<Mutex<Box<dyn Write + Send>>>>,
-}
-
-impl Events {
-    pub fn to(out: Box<dyn Write + Send>) -> Events {
-        Events {
-            out: Some(Arc::new(Mutex::new(out))),
+    fn state(&self) -> &'static str {
+        match self {
+            Outcome::Succeeded { .. } => "succeeded",
+            Outcome::NotNeeded => "not_needed",
+            Outcome::Signaled { .. } => "signaled",
+            _ => "failed",
         }
-    }
-
-    /// Writes `{"event": name, "time": ..., ...fields}` as one line.
-    pub fn emit(&self, name: &str, fields: Value) {
-        let Some(out) = &self.out else { return };
-        let mut v = json!({ "event": name, "time": now_secs() });
-        if let (Some(obj), Value::Object(extra)) = (v.as_object_mut(), fields) {
-            obj.extend(extra);
-        }
-        let mut out = out.lock().unwrap_or_else(|e| e.into_inner());
-        let _ = writeln!(out, "{v}");
-        let _ = out.flush();
     }
 }
 
 /// How often the agent says it is still waiting for the rendezvous.
 const PROGRESS_EVERY: Duration = Duration::from_secs(10);
+/// Bounds one rendezvous check (closed? nodes waiting?) and each store call at
+/// the end of a run: a store that does not answer in this time counts as
+/// unreachable.
+const CHECK_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Keys of the run store (see the module doc).
+const FAILURE_LOG: &str = "agent/failures";
+const FAILURE_COUNT: &str = "agent/failed_rounds";
+const OUTCOME: &str = "agent/outcome";
+
+fn finished_key(round: u64) -> String {
+    format!("agent/r{round}/finished")
+}
 
 /// The agent of one node.
 pub struct Agent {
     spec: AgentSpec,
     handler: Arc<dyn RendezvousHandler>,
-    rt: Handle,
-    events: Events,
-    status: Arc<Mutex<Status>>,
-    /// The run store of the latest round, for reports after the run closed.
-    last_run_store: Mutex<Option<Arc<dyn Store>>>,
+    events: Arc<dyn EventSink>,
+    status: watch::Sender<Status>,
 }
 
-/// Keys of the run store.
-const FAILURE_LOG: &str = "agent/failures";
-const FAILURE_COUNT: &str = "agent/failed_rounds";
-
-enum Monitored {
-    Done(Outcome),
-    /// Re-join: after a failure within budget, or for a membership change.
-    Restart,
+/// The round in progress.
+struct Round {
+    info: RendezvousInfo,
+    ranks: ranks::NodeRanks,
+    /// The job store this node hosts for the round (rank 0 with an agent store).
+    server: Option<ServerHandle>,
+    workers: Option<ProcessContext>,
+    started: Instant,
+    /// Failures of the last stopped group, to record and report.
+    failures: Vec<FailureRecord>,
 }
 
 impl Agent {
-    pub fn new(spec: AgentSpec, handler: Arc<dyn RendezvousHandler>, rt: Handle) -> Agent {
+    pub fn new(spec: AgentSpec, handler: Arc<dyn RendezvousHandler>) -> Agent {
+        let status = Status::new(handler.run_id(), &spec.role, spec.max_restarts);
         Agent {
-            status: Arc::new(Mutex::new(Status::new(
-                handler.run_id(),
-                &spec.role,
-                spec.max_restarts,
-            ))),
             spec,
             handler,
-            rt,
-            events: Events::default(),
-            last_run_store: Mutex::new(None),
+            events: Arc::new(Discard),
+            status: watch::channel(status).0,
         }
     }
 
-    pub fn with_events(mut self, events: Events) -> Agent {
-        self.events = events;
+    /// Sends every [`AgentEvent`] to `sink` (default: dropped).
+    pub fn with_events(mut self, sink: Arc<dyn EventSink>) -> Agent {
+        self.events = sink;
         self
     }
 
-    /// The live status (what the status endpoint serves).
-    pub fn status(&self) -> Arc<Mutex<Status>> {
-        self.status.clone()
+    /// Snapshots of the live status (what the status endpoint serves).
+    pub fn status(&self) -> watch::Receiver<Status> {
+        self.status.subscribe()
     }
 
-    fn set_status(&self, f: impl FnOnce(&mut Status)) {
-        f(&mut self.status.lock().unwrap_or_else(|e| e.into_inner()));
+    fn emit(&self, e: AgentEvent) {
+        self.events.emit(&e);
     }
 
-    /// Runs the job on this node until it ends. Call from the thread that lives
-    /// as long as the workers (their parent-death signal follows it).
-    pub fn run(&self) -> Outcome {
-        let signals = match Signals::install(&self.spec.signals) {
+    /// Runs the job on this node until it ends.
+    ///
+    /// Poll this future from the thread that lives as long as the workers (e.g.
+    /// `Runtime::block_on` on the main thread, not `tokio::spawn`): workers are
+    /// started from it, and their parent-death signal follows that thread.
+    pub async fn run(self) -> Outcome {
+        let mut signals = match Signals::trap(&self.spec.signals) {
             Ok(s) => s,
             Err(e) => return Outcome::Error(format!("cannot trap signals: {e}")),
         };
@@ -318,146 +347,616 @@ impl Agent {
             Ok(l) => l,
             Err(e) => return Outcome::Error(e.to_string()),
         };
+        let (policy, first) = Policy::start(Limits {
+            max_restarts: self.spec.max_restarts,
+            lost_grace: self.spec.lost_grace,
+        });
+        let mut run = Run {
+            policy,
+            signals: &mut signals,
+            round: None,
+            join_error: None,
+            failed_rounds: 0,
+            last_run_store: None,
+        };
+        let mut queue = std::collections::VecDeque::from([first]);
         loop {
-            self.set_status(|s| s.state = "rendezvous".into());
-            let info = match self.rendezvous(&signals) {
-                Ok(info) => info,
-                Err(done) => return done,
+            let action = match queue.pop_front() {
+                Some(a) => a,
+                // Nothing asked for: keep waiting where we are.
+                None => {
+                    queue.extend(self.resume(&mut run).await);
+                    continue;
+                }
             };
-            match self.run_round(&info, &run_logs, &signals) {
-                Monitored::Done(outcome) => {
-                    self.set_status(|s| s.state = state_name(&outcome).into());
+            self.status
+                .send_modify(|s| s.state = run.policy.phase().name().into());
+            let more = match action {
+                Action::Join => self.join(&mut run).await,
+                Action::Start { .. } => self.start(&mut run, &run_logs).await,
+                Action::Stop { signal } => self.stop(&mut run, signal).await,
+                // Only meaningful while a stop is under way (handled there).
+                Action::Kill => Vec::new(),
+                Action::RecordFailure { .. } => self.record_failure(&mut run).await,
+                Action::EnterBarrier { .. } => self.barrier(&mut run).await,
+                Action::NoteClosedAfterSuccess { round } => {
+                    self.emit(AgentEvent::RunClosedAfterSuccess { round });
+                    Vec::new()
+                }
+                Action::NoteUnreachable { error } => {
+                    self.emit(AgentEvent::RendezvousUnreachable { error });
+                    Vec::new()
+                }
+                Action::NoteReform { round, waiting } => {
+                    self.emit(AgentEvent::MembershipChanged {
+                        round,
+                        nodes_waiting: waiting,
+                    });
+                    Vec::new()
+                }
+                Action::NoteRestart { failed_rounds } => {
+                    let cause = run
+                        .round
+                        .as_ref()
+                        .and_then(|r| r.failures.first())
+                        .map(|f| format!("rank {} {}", f.rank, f.exit));
+                    self.emit(AgentEvent::GroupRestarting {
+                        failed_rounds,
+                        max_restarts: self.spec.max_restarts,
+                        cause,
+                    });
+                    Vec::new()
+                }
+                Action::Finish(verdict) => {
+                    let outcome = self.finish(verdict, &mut run).await;
+                    let code = outcome.exit_code();
+                    self.status
+                        .send_modify(|s| s.state = outcome.state().into());
+                    self.emit(AgentEvent::Finished {
+                        state: outcome.state(),
+                        exit_code: code,
+                    });
                     return outcome;
                 }
-                Monitored::Restart => continue,
+            };
+            queue.extend(more);
+        }
+    }
+
+    /// Feeds `event` to the policy; a signal is also told to the sink.
+    fn decide(&self, run: &mut Run<'_>, event: Event) -> Vec<Action> {
+        if let Event::Signal(signal) = event {
+            self.emit(AgentEvent::SignalReceived {
+                signal,
+                phase: run.policy.phase().name(),
+            });
+        }
+        run.policy.on(event, Instant::now())
+    }
+
+    /// Waits in the current phase when the policy had nothing to do.
+    async fn resume(&self, run: &mut Run<'_>) -> Vec<Action> {
+        match run.policy.phase() {
+            Phase::Running { .. } => self.running(run).await,
+            other => unreachable!("the policy never idles in {other:?}"),
+        }
+    }
+
+    /// Joins the next round (ending the previous one), noting progress every
+    /// 10 s; a signal aborts the join.
+    async fn join(&self, run: &mut Run<'_>) -> Vec<Action> {
+        if let Some(r) = run.round.take() {
+            self.end_round(r).await;
+        }
+        let started = Instant::now();
+        let run_id = self.handler.run_id().to_owned();
+        self.emit(AgentEvent::RendezvousStarted {
+            run_id: run_id.clone(),
+        });
+        let handler = self.handler.clone();
+        let mut join = tokio::spawn(async move { handler.next_rendezvous().await });
+        let mut note =
+            tokio::time::interval_at(tokio::time::Instant::now() + PROGRESS_EVERY, PROGRESS_EVERY);
+        let joined = loop {
+            tokio::select! {
+                r = &mut join => break r,
+                s = run.signals.recv() => {
+                    // Dropping the join mid-way is safe: the rendezvous never
+                    // waits for a node that stopped between its steps.
+                    join.abort();
+                    return self.decide(run, Event::Signal(s));
+                }
+                _ = note.tick() => self.emit(AgentEvent::RendezvousWaiting {
+                    run_id: run_id.clone(),
+                    waited: started.elapsed(),
+                }),
+            }
+        };
+        let event = match joined {
+            Ok(Ok(info)) => {
+                self.emit(AgentEvent::RendezvousCompleted {
+                    run_id,
+                    round: info.round,
+                    group_rank: info.rank,
+                    group_world_size: info.world_size,
+                    duration: started.elapsed(),
+                });
+                let e = Event::Joined { round: info.round };
+                run.last_run_store = Some(info.run_store.clone());
+                run.round = Some(Round {
+                    info,
+                    ranks: ranks::NodeRanks::default(),
+                    server: None,
+                    workers: None,
+                    started: Instant::now(),
+                    failures: Vec::new(),
+                });
+                e
+            }
+            Ok(Err(e)) => {
+                let event = match &e {
+                    RendezvousError::GracefulExit { .. } => Event::JoinNotNeeded,
+                    RendezvousError::Closed { .. } => Event::JoinClosed,
+                    other => {
+                        self.emit(AgentEvent::RendezvousFailed {
+                            error: other.to_string(),
+                        });
+                        Event::JoinFailed(other.to_string())
+                    }
+                };
+                run.join_error = Some(e);
+                event
+            }
+            Err(e) => Event::JoinFailed(format!("the rendezvous task failed: {e}")),
+        };
+        self.decide(run, event)
+    }
+
+    /// Ranks, the job store, then the workers.
+    async fn start(&self, run: &mut Run<'_>, run_logs: &RunLogs) -> Vec<Action> {
+        let r = run.round.as_mut().expect("started after a join");
+        let prefix = format!("rally.agent/r{}", r.info.round);
+        let setup = async {
+            let ranks = ranks::assign(
+                &*r.info.store,
+                &prefix,
+                r.info.rank,
+                r.info.world_size,
+                &self.spec.role,
+                self.spec.local_world_size,
+            )
+            .await
+            .map_err(|e| format!("rank assignment failed: {e}"))?;
+            let job = self
+                .job_store(&r.info, &prefix)
+                .await
+                .map_err(|e| format!("job store: {e}"))?;
+            Ok::<_, String>((ranks, job))
+        };
+        let setup = tokio::select! {
+            s = setup => s,
+            s = run.signals.recv() => return self.decide(run, Event::Signal(s)),
+        };
+        let (ranks, (master_addr, master_port, server)) = match setup {
+            Ok(s) => s,
+            Err(e) => return self.decide(run, Event::StartFailed(e)),
+        };
+        r.ranks = ranks;
+        r.server = server;
+        let event =
+            match self.spawn_workers(r, run_logs, &master_addr, master_port, run.failed_rounds) {
+                Ok(()) => Event::Started,
+                Err(e) => Event::StartFailed(e),
+            };
+        self.decide(run, event)
+    }
+
+    /// Workers run: wait for their exits, check the rendezvous every
+    /// `monitor_interval`, and take signals, until the policy acts.
+    async fn running(&self, run: &mut Run<'_>) -> Vec<Action> {
+        let r = run.round.as_mut().expect("running in a round");
+        let workers = r.workers.as_mut().expect("workers started");
+        let mut tick = tokio::time::interval_at(
+            tokio::time::Instant::now() + self.spec.monitor_interval,
+            self.spec.monitor_interval,
+        );
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let event = tokio::select! {
+                ok = workers.watch() => match ok {
+                    true => Event::WorkersSucceeded,
+                    false => Event::WorkerFailed,
+                },
+                s = run.signals.recv() => Event::Signal(s),
+                _ = tick.tick() => {
+                    // Signals still interrupt a slow check.
+                    tokio::select! {
+                        o = observe(&*self.handler, &*r.info.run_store) => Event::Checked(o),
+                        s = run.signals.recv() => Event::Signal(s),
+                    }
+                }
+            };
+            if event == Event::WorkersSucceeded {
+                self.emit(AgentEvent::WorkersSucceeded {
+                    round: r.info.round,
+                    duration: r.started.elapsed(),
+                });
+            }
+            let actions = {
+                if let Event::Signal(signal) = event {
+                    self.emit(AgentEvent::SignalReceived {
+                        signal,
+                        phase: run.policy.phase().name(),
+                    });
+                }
+                run.policy.on(event, Instant::now())
+            };
+            if !actions.is_empty() {
+                return actions;
             }
         }
     }
 
-    /// Joins the next round; reports progress while waiting; a trapped signal
-    /// ends the wait.
-    fn rendezvous(&self, signals: &Signals) -> Result<RendezvousInfo, Outcome> {
-        let started = Instant::now();
-        self.events.emit(
-            "rendezvous.started",
-            json!({ "run_id": self.handler.run_id() }),
-        );
-        let handler = self.handler.clone();
-        let mut join = self
-            .rt
-            .spawn(async move { handler.next_rendezvous().await });
-        let result = self.rt.block_on(async {
-            let mut next_note = started + PROGRESS_EVERY;
+    /// Stops the group: `signal`, the grace, SIGKILL, orphans. A second signal
+    /// cuts the grace short. Then collects how the workers ended.
+    async fn stop(&self, run: &mut Run<'_>, signal: i32) -> Vec<Action> {
+        let r = run.round.as_mut().expect("stopping a round");
+        let Some(workers) = r.workers.as_mut() else {
+            return self.decide(run, Event::Stopped);
+        };
+        let hurry = Notify::new();
+        let stuck = {
+            let stopping = workers.stop(signal, self.spec.shutdown_timeout, &hurry);
+            tokio::pin!(stopping);
             loop {
                 tokio::select! {
-                    r = &mut join => return Some(r),
-                    _ = tokio::time::sleep(Duration::from_millis(50)) => {
-                        if signals.peek().is_some() {
-                            join.abort();
-                            return None;
-                        }
-                        if Instant::now() >= next_note {
-                            next_note += PROGRESS_EVERY;
-                            eprintln!(
-                                "rally run: still waiting for the rendezvous of run {:?} after {:.0?}",
-                                self.handler.run_id(),
-                                started.elapsed()
-                            );
+                    stuck = &mut stopping => break stuck,
+                    s = run.signals.recv() => {
+                        self.emit(AgentEvent::SignalReceived {
+                            signal: s,
+                            phase: run.policy.phase().name(),
+                        });
+                        if run.policy.on(Event::Signal(s), Instant::now()).contains(&Action::Kill) {
+                            hurry.notify_one();
                         }
                     }
                 }
             }
-        });
-        let result = match result {
-            None => {
-                let signal = signals.take().unwrap_or(libc::SIGTERM);
-                return Err(Outcome::Signaled { signal });
-            }
-            Some(Ok(r)) => r,
-            Some(Err(e)) => return Err(Outcome::Error(format!("rendezvous task failed: {e}"))),
         };
-        match result {
-            Ok(info) => {
-                self.events.emit(
-                    "rendezvous.completed",
-                    json!({
-                        "run_id": self.handler.run_id(), "round": info.round,
-                        "group_rank": info.rank, "group_world_size": info.world_size,
-                        "master_addr": info.bootstrap.master_addr,
-                        "master_port": info.bootstrap.master_port,
-                        "duration_ms": started.elapsed().as_millis() as u64,
-                    }),
-                );
-                Ok(info)
-            }
-            Err(RendezvousError::GracefulExit { .. }) => Err(Outcome::NotNeeded),
-            Err(RendezvousError::Closed { .. }) => Err(self.closed_by_others()),
-            Err(e) => {
-                self.events
-                    .emit("rendezvous.failed", json!({ "error": e.to_string() }));
-                Err(Outcome::Rendezvous(e))
+        if !stuck.is_empty() {
+            self.emit(AgentEvent::StopIncomplete { pids: stuck });
+        }
+        let result = workers.outcome();
+        self.finish_workers(&result);
+        let failures = self.failure_records(r, &result);
+        for f in &failures {
+            self.emit(AgentEvent::WorkerFailed(Box::new(f.clone())));
+        }
+        r.failures = failures;
+        self.decide(run, Event::Stopped)
+    }
+
+    /// Kills whatever carries this agent's mark: descendants of workers that
+    /// left their process group (`setsid`, double forks).
+    fn kill_marked(&self) {
+        if let Some(mark) = &self.spec.mark {
+            let left = crate::multiprocessing::watchdog::kill_marked(
+                mark,
+                crate::multiprocessing::KILL_WAIT,
+            );
+            if !left.is_empty() {
+                self.emit(AgentEvent::StopIncomplete { pids: left });
             }
         }
     }
 
-    /// The run was closed by another node: failed if anyone recorded a failure.
-    fn closed_by_others(&self) -> Outcome {
-        let store = self
-            .last_run_store
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        let (root_cause, failures) = match store {
-            Some(s) => self.rt.block_on(async {
-                let log = s.get_now(FAILURE_LOG).await.unwrap_or_default();
-                let n = s.add(FAILURE_COUNT, 0).await.unwrap_or(0).max(0) as u64;
-                (FailureRecord::first_in(&log).map(Box::new), n)
-            }),
-            None => (None, 0),
+    /// Appends the round's failures to the run's log and counts the round once,
+    /// job-wide.
+    async fn record_failure(&self, run: &mut Run<'_>) -> Vec<Action> {
+        let r = run.round.as_ref().expect("a failed round");
+        let store = &r.info.run_store;
+        let round = r.info.round;
+        let mut lines = String::new();
+        for f in &r.failures {
+            lines.push_str(&f.to_json().to_string());
+            lines.push('\n');
+        }
+        let record = async {
+            store.append(FAILURE_LOG, lines.as_bytes()).await?;
+            // The first node to report a failure in this round counts it.
+            let n = if store.add(&format!("agent/failed/{round}"), 1).await? == 1 {
+                store.add(FAILURE_COUNT, 1).await?
+            } else {
+                store.add(FAILURE_COUNT, 0).await?
+            };
+            Ok::<u64, StoreError>(n.max(0) as u64)
         };
-        if root_cause.is_none() && failures == 0 {
-            // Closed after a success elsewhere, with nothing for us to do.
-            return Outcome::NotNeeded;
+        let event = tokio::select! {
+            n = tokio::time::timeout(CHECK_TIMEOUT, record) => match n {
+                Ok(Ok(n)) => Event::FailureRecorded { failed_rounds: n },
+                _ => Event::FailureNotRecorded,
+            },
+            s = run.signals.recv() => Event::Signal(s),
+        };
+        if let Event::FailureRecorded { failed_rounds } = event {
+            run.failed_rounds = failed_rounds;
+            self.status.send_modify(|s| s.failed_rounds = failed_rounds);
         }
-        Outcome::Failed {
-            reason: "another node ended the run".into(),
-            root_cause,
-            failures,
-        }
+        self.decide(run, event)
     }
-}
 
-impl Agent {
-    /// One round: ranks, start, monitor.
-    fn run_round(&self, info: &RendezvousInfo, run_logs: &RunLogs, signals: &Signals) -> Monitored {
-        let spec = &self.spec;
-        *self
-            .last_run_store
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = Some(info.run_store.clone());
-        let prefix = format!("rally.agent/r{}", info.round);
-        let ranks = match self.rt.block_on(ranks::assign(
-            &*info.store,
+    /// Local workers succeeded: wait for every node, while still watching for a
+    /// failure elsewhere or a lost store, and for signals.
+    async fn barrier(&self, run: &mut Run<'_>) -> Vec<Action> {
+        let r = run.round.as_mut().expect("a round");
+        if let Some(server) = r.server.take() {
+            // The workers are gone: their job store is no longer needed.
+            server.shutdown().await;
+        }
+        let prefix = format!("rally.agent/r{}/terminal_state", r.info.round);
+        let wait = rallypoint_store::util::barrier(
+            &*r.info.store,
+            r.info.world_size,
             &prefix,
-            info.rank,
-            info.world_size,
-            &spec.role,
-            spec.local_world_size,
-        )) {
-            Ok(r) => r,
-            Err(e) => {
-                return Monitored::Done(Outcome::Error(format!("rank assignment failed: {e}")))
+            self.spec.exit_barrier_timeout,
+            None,
+        );
+        tokio::pin!(wait);
+        let mut tick = tokio::time::interval_at(
+            tokio::time::Instant::now() + self.spec.monitor_interval,
+            self.spec.monitor_interval,
+        );
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let event = tokio::select! {
+                done = &mut wait => Event::Barrier(match done {
+                    Ok(()) => Barrier::Passed,
+                    Err(e) => match observe(&*self.handler, &*r.info.run_store).await {
+                        Observation::Unreachable(why) => Barrier::Lost(format!("{e}; {why}")),
+                        _ if e.is_timeout() => Barrier::TimedOut(e.to_string()),
+                        _ => Barrier::Lost(e.to_string()),
+                    },
+                }),
+                s = run.signals.recv() => Event::Signal(s),
+                _ = tick.tick() => tokio::select! {
+                    o = observe(&*self.handler, &*r.info.run_store) => Event::Checked(o),
+                    s = run.signals.recv() => Event::Signal(s),
+                },
+            };
+            if let Event::Barrier(Barrier::TimedOut(error)) = &event {
+                self.emit(AgentEvent::ExitBarrierTimedOut {
+                    error: error.clone(),
+                });
             }
+            let actions = {
+                if let Event::Signal(signal) = event {
+                    self.emit(AgentEvent::SignalReceived {
+                        signal,
+                        phase: run.policy.phase().name(),
+                    });
+                }
+                run.policy.on(event, Instant::now())
+            };
+            if !actions.is_empty() {
+                return actions;
+            }
+        }
+    }
+
+    /// The end: publish the outcome if this node decides it, read the root
+    /// cause, count this node as finished, keep a hosted rendezvous store up
+    /// until the others have seen the outcome, and let the rendezvous go.
+    async fn finish(&self, verdict: Verdict, run: &mut Run<'_>) -> Outcome {
+        let round = run.round.take();
+        let attempts = round.as_ref().map_or(0, |r| r.info.round + 1);
+        let local = round
+            .as_ref()
+            .and_then(|r| r.failures.first().cloned())
+            .map(Box::new);
+        let run_store = round.as_ref().map(|r| r.info.run_store.clone());
+        let outcome = match verdict {
+            Verdict::Succeeded { barrier, .. } => {
+                if let Some(s) = &run_store {
+                    // Do not overwrite a failure another node published.
+                    let _ = bounded(s.compare_set(OUTCOME, b"", b"succeeded")).await;
+                }
+                self.close_run().await;
+                Outcome::Succeeded { attempts, barrier }
+            }
+            Verdict::OutOfRestarts { failed_rounds } => {
+                if let Some(s) = &run_store {
+                    let error = match bounded(s.set(OUTCOME, b"failed")).await {
+                        Some(Ok(())) => None,
+                        Some(Err(e)) => Some(e.to_string()),
+                        None => Some(format!("no answer within {CHECK_TIMEOUT:?}")),
+                    };
+                    if let Some(error) = error {
+                        self.emit(AgentEvent::CleanupFailed {
+                            what: "publishing the failure",
+                            error,
+                        });
+                    }
+                }
+                self.close_run().await;
+                Outcome::Failed {
+                    reason: format!(
+                        "workers failed {failed_rounds} time(s); --max-restarts is {}",
+                        self.spec.max_restarts
+                    ),
+                    root_cause: self.root_cause(run_store.as_deref()).await.or(local),
+                    failures: failed_rounds,
+                }
+            }
+            Verdict::Unrecorded => Outcome::Failed {
+                reason: "workers failed and the run store is unreachable".into(),
+                root_cause: local,
+                failures: run.failed_rounds,
+            },
+            Verdict::FailedElsewhere(root) => Outcome::Failed {
+                reason: "another node ended the run after a failure".into(),
+                root_cause: match root {
+                    Some(r) => Some(r),
+                    None => self.root_cause(run_store.as_deref()).await,
+                },
+                failures: self.failed_rounds(run_store.as_deref(), run.failed_rounds).await,
+            },
+            Verdict::LostRendezvous { during } => Outcome::Failed {
+                reason: format!(
+                    "lost the rendezvous host during {during}: its store stopped answering for {:?}",
+                    self.spec.lost_grace
+                ),
+                root_cause: local,
+                failures: run.failed_rounds,
+            },
+            Verdict::Signaled(signal) => Outcome::Signaled { signal },
+            Verdict::NotNeeded => Outcome::NotNeeded,
+            Verdict::ClosedWhileJoining => {
+                // The run ended while we joined: failed if anyone recorded a failure.
+                let store = run.last_run_store.clone();
+                match (
+                    self.root_cause(store.as_deref()).await,
+                    self.failed_rounds(store.as_deref(), 0).await,
+                ) {
+                    (None, 0) => Outcome::NotNeeded,
+                    (root_cause, failures) => Outcome::Failed {
+                        reason: "another node ended the run".into(),
+                        root_cause,
+                        failures,
+                    },
+                }
+            }
+            Verdict::JoinFailed(e) => match run.join_error.take() {
+                Some(e) => Outcome::Rendezvous(e),
+                None => Outcome::Error(e),
+            },
+            Verdict::StartFailed(e) => Outcome::Error(e),
         };
-        let (master_addr, master_port, server) = match self.job_store(info, &prefix) {
-            Ok(j) => j,
-            Err(e) => return Monitored::Done(Outcome::Error(format!("job store: {e}"))),
-        };
-        let outcome = self.run_workers(info, run_logs, signals, ranks, &master_addr, master_port);
-        if let Some(server) = server {
-            self.rt.block_on(server.shutdown());
+        if let Some(r) = round {
+            let signalled = matches!(outcome, Outcome::Signaled { .. });
+            if !signalled {
+                self.linger(&r, &outcome, run.signals).await;
+            }
+            self.end_round(r).await;
+            if !signalled {
+                // Left open after a signal, as torchrun, so the node can come back.
+                if let Some(Err(e)) = bounded(self.handler.shutdown()).await {
+                    self.emit(AgentEvent::CleanupFailed {
+                        what: "closing the rendezvous",
+                        error: e.to_string(),
+                    });
+                }
+            }
         }
         outcome
+    }
+
+    /// Closes the run so no node starts another round.
+    async fn close_run(&self) {
+        match tokio::time::timeout(CHECK_TIMEOUT, self.handler.set_closed()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => self.emit(AgentEvent::CleanupFailed {
+                what: "closing the rendezvous",
+                error: e.to_string(),
+            }),
+            Err(_) => self.emit(AgentEvent::CleanupFailed {
+                what: "closing the rendezvous",
+                error: format!("no answer within {CHECK_TIMEOUT:?}"),
+            }),
+        }
+    }
+
+    /// The earliest failure in the run's log.
+    async fn root_cause(&self, store: Option<&dyn Store>) -> Option<Box<FailureRecord>> {
+        let log = tokio::time::timeout(CHECK_TIMEOUT, store?.get_now(FAILURE_LOG))
+            .await
+            .ok()?
+            .ok()?;
+        FailureRecord::first_in(&log).map(Box::new)
+    }
+
+    async fn failed_rounds(&self, store: Option<&dyn Store>, known: u64) -> u64 {
+        let Some(store) = store else { return known };
+        match tokio::time::timeout(CHECK_TIMEOUT, store.add(FAILURE_COUNT, 0)).await {
+            Ok(Ok(n)) => (n.max(0) as u64).max(known),
+            _ => known,
+        }
+    }
+
+    /// Counts this node as finished; the node hosting the rendezvous store then
+    /// keeps it up until every node of the round has (bounded when the run
+    /// failed; while the others run, when it succeeded), so they can read the
+    /// outcome and the failure log.
+    async fn linger(&self, r: &Round, outcome: &Outcome, signals: &mut Signals) {
+        let key = finished_key(r.info.round);
+        let store = &r.info.run_store;
+        if tokio::time::timeout(CHECK_TIMEOUT, store.add(&key, 1))
+            .await
+            .is_err()
+        {
+            return;
+        }
+        if !self.handler.hosts_store() || r.info.world_size < 2 {
+            return;
+        }
+        let failed = !matches!(outcome, Outcome::Succeeded { .. });
+        let bound = failed.then(|| {
+            tokio::time::Instant::now()
+                + self.spec.shutdown_timeout
+                + self.spec.monitor_interval
+                + CHECK_TIMEOUT * 2
+        });
+        let mut said = false;
+        loop {
+            let finished = match tokio::time::timeout(CHECK_TIMEOUT, store.add(&key, 0)).await {
+                Ok(Ok(n)) => n.max(0) as usize,
+                _ => return,
+            };
+            if finished >= r.info.world_size {
+                return;
+            }
+            // A node that died will never count itself.
+            if !failed
+                && matches!(
+                    tokio::time::timeout(CHECK_TIMEOUT, self.handler.num_nodes_waiting()).await,
+                    Ok(Ok(n)) if n > 0
+                )
+            {
+                return;
+            }
+            if !said {
+                said = true;
+                self.emit(AgentEvent::HostLingering {
+                    nodes_left: r.info.world_size - finished,
+                });
+            }
+            let nap = tokio::time::sleep(Duration::from_millis(50));
+            tokio::select! {
+                _ = nap => {}
+                _ = signals.recv() => return,
+                _ = async {
+                    match bound {
+                        Some(b) => tokio::time::sleep_until(b).await,
+                        None => std::future::pending().await,
+                    }
+                } => return,
+            }
+        }
+    }
+
+    /// Releases what a round holds: its job store, and any workers left (none,
+    /// normally: every path stops them first).
+    async fn end_round(&self, mut r: Round) {
+        if let Some(mut w) = r.workers.take() {
+            let stuck = w.stop(libc::SIGKILL, Duration::ZERO, &Notify::new()).await;
+            if !stuck.is_empty() {
+                self.emit(AgentEvent::StopIncomplete { pids: stuck });
+            }
+        }
+        // Daemons a successful worker left behind end with its round.
+        self.kill_marked();
+        if let Some(server) = r.server.take() {
+            server.shutdown().await;
+        }
     }
 
     /// Where this round's workers find their store. With an agent store, the node
@@ -465,7 +964,7 @@ impl Agent {
     /// keys an earlier one left (PyTorch reuses one server across attempts, and a
     /// restarted gloo group can read its peers' stale addresses); the others learn
     /// its address from the round's store.
-    fn job_store(
+    async fn job_store(
         &self,
         info: &RendezvousInfo,
         prefix: &str,
@@ -486,20 +985,15 @@ impl Agent {
                 None if loopback => host.clone(),
                 None => self.spec.hostname.clone(),
             };
-            let server = self.rt.block_on(Server::bind(
-                SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, 0)),
-                ServerConfig::default(),
-            ))?;
+            let server = Server::bind_any(0, ServerConfig::default()).await?;
             let port = server.local_addr().port();
-            let handle = {
-                let _enter = self.rt.enter();
-                server.spawn()
-            };
-            self.rt
-                .block_on(info.store.set(&key, format!("{addr}\n{port}").as_bytes()))?;
+            let handle = server.spawn();
+            info.store
+                .set(&key, format!("{addr}\n{port}").as_bytes())
+                .await?;
             return Ok((addr, port, Some(handle)));
         }
-        let v = self.rt.block_on(info.store.get(&key))?;
+        let v = info.store.get(&key).await?;
         let s = String::from_utf8_lossy(&v);
         let (addr, port) = s
             .split_once('\n')
@@ -512,27 +1006,23 @@ impl Agent {
         Ok((addr, port, None))
     }
 
-    fn run_workers(
+    /// Starts the local workers with torchrun's environment.
+    fn spawn_workers(
         &self,
-        info: &RendezvousInfo,
+        r: &mut Round,
         run_logs: &RunLogs,
-        signals: &Signals,
-        ranks: ranks::NodeRanks,
         master_addr: &str,
         master_port: u16,
-    ) -> Monitored {
+        failed_rounds: u64,
+    ) -> Result<(), String> {
         let spec = &self.spec;
-        let failures = self
-            .rt
-            .block_on(info.run_store.add(FAILURE_COUNT, 0))
-            .unwrap_or(0)
-            .max(0) as u64;
+        let info = &r.info;
         let ctx = ranks::WorkerContext {
             role: &spec.role,
             local_world_size: spec.local_world_size,
             group_rank: info.rank,
             group_world_size: info.world_size,
-            ranks,
+            ranks: r.ranks,
             master_addr,
             master_port,
             restart_count: info.round,
@@ -542,6 +1032,7 @@ impl Agent {
             virtual_local_rank: spec.virtual_local_rank,
         };
         let n = spec.local_world_size;
+        let base = r.ranks.base_rank;
         let start = StartSpec {
             name: spec.role.clone(),
             entrypoint: spec.entrypoint.clone(),
@@ -560,134 +1051,60 @@ impl Agent {
                     (lr, args)
                 })
                 .collect(),
-            envs: (0..n).map(|lr| (lr, ranks::worker_env(&ctx, lr))).collect(),
-            global_ranks: (0..n).map(|lr| (lr, ranks.base_rank + lr)).collect(),
+            envs: (0..n)
+                .map(|lr| {
+                    let mut env = ranks::worker_env(&ctx, lr);
+                    if let Some(mark) = &spec.mark {
+                        env.insert(
+                            crate::multiprocessing::watchdog::MARK_ENV.into(),
+                            mark.clone(),
+                        );
+                    }
+                    (lr, env)
+                })
+                .collect(),
+            global_ranks: (0..n).map(|lr| (lr, base + lr)).collect(),
         };
-        let logs = match run_logs.attempt(info.round.min(u32::MAX as u64) as u32, n) {
-            Ok(l) => l,
-            Err(e) => return Monitored::Done(Outcome::Error(e.to_string())),
-        };
-        eprintln!(
-            "rally run: round {} formed: node {} of {}, ranks {}..{} of {}, job store {}:{}",
-            info.round,
-            info.rank,
-            info.world_size,
-            ranks.base_rank,
-            ranks.base_rank + n,
-            ranks.world_size,
-            master_addr,
-            master_port
-        );
-        let started = Instant::now();
-        let mut pctx = match start_processes(&start, &spec.logs, &logs) {
-            Ok(p) => p,
-            Err(e) => return Monitored::Done(Outcome::Error(format!("cannot start workers: {e}"))),
-        };
-        pctx.set_failure_grace(spec.shutdown_timeout);
-        let pids = pctx.pids();
-        self.events.emit(
-            "workers.started",
-            json!({
-                "round": info.round, "group_rank": info.rank,
-                "group_world_size": info.world_size, "world_size": ranks.world_size,
-                "ranks": (0..n).map(|lr| ranks.base_rank + lr).collect::<Vec<_>>(),
-                "pids": pids.values().collect::<Vec<_>>(),
-                "restarts_used": failures,
-            }),
-        );
-        self.set_status(|s| {
-            s.state = "running".into();
+        let logs = run_logs
+            .attempt(info.round.min(u32::MAX as u64) as u32, n)
+            .map_err(|e| e.to_string())?;
+        let mut workers = start_processes(&start, &spec.logs, &logs)
+            .map_err(|e| format!("cannot start workers: {e}"))?;
+        workers.set_mark(spec.mark.clone());
+        let pids = workers.pids();
+        r.workers = Some(workers);
+        r.started = Instant::now();
+        self.emit(AgentEvent::WorkersStarted {
+            round: info.round,
+            group_rank: info.rank,
+            group_world_size: info.world_size,
+            world_size: r.ranks.world_size,
+            ranks: base..base + n,
+            pids: pids.values().copied().collect(),
+            master_addr: master_addr.to_owned(),
+            master_port,
+            restarts_used: failed_rounds,
+        });
+        self.status.send_modify(|s| {
             s.round = info.round;
             s.group_rank = info.rank;
             s.nodes = info.world_size;
-            s.world_size = ranks.world_size;
-            s.failed_rounds = failures;
+            s.world_size = r.ranks.world_size;
+            s.failed_rounds = failed_rounds;
             s.workers = (0..n)
                 .map(|lr| WorkerStatus {
                     local_rank: lr,
-                    rank: ranks.base_rank + lr,
+                    rank: base + lr,
                     pid: pids.get(&lr).copied().unwrap_or(0),
                     state: "running".into(),
                 })
                 .collect();
         });
-        self.monitor(info, &mut pctx, &ctx, signals, started)
-    }
-
-    fn monitor(
-        &self,
-        info: &RendezvousInfo,
-        pctx: &mut ProcessContext,
-        ctx: &ranks::WorkerContext<'_>,
-        signals: &Signals,
-        started: Instant,
-    ) -> Monitored {
-        let spec = &self.spec;
-        loop {
-            match pctx.wait_forwarding(
-                signals,
-                Some(spec.monitor_interval),
-                spec.monitor_interval,
-                spec.shutdown_timeout,
-            ) {
-                Waited::Signaled { signal, result } => {
-                    self.finish_workers(&result);
-                    self.events.emit(
-                        "agent.signaled",
-                        json!({ "signal": signal_name(signal), "round": info.round }),
-                    );
-                    return Monitored::Done(Outcome::Signaled { signal });
-                }
-                Waited::Finished(result) if !result.is_failed() => {
-                    self.finish_workers(&result);
-                    self.events.emit(
-                        "workers.succeeded",
-                        json!({ "round": info.round, "duration_ms": started.elapsed().as_millis() as u64 }),
-                    );
-                    return Monitored::Done(self.exit_barrier(info));
-                }
-                Waited::Finished(result) => {
-                    self.finish_workers(&result);
-                    return self.on_failure(info, ctx, &result);
-                }
-                Waited::TimedOut => {}
-            }
-            // Healthy: has the membership changed, or did the run end elsewhere?
-            let checks = self.rt.block_on(async {
-                let waiting = self.handler.num_nodes_waiting().await?;
-                let closed = self.handler.is_closed().await?;
-                Ok::<_, RendezvousError>((waiting, closed))
-            });
-            match checks {
-                Ok((_, true)) => {
-                    pctx.close(libc::SIGTERM, spec.shutdown_timeout);
-                    self.events
-                        .emit("run.closed_elsewhere", json!({ "round": info.round }));
-                    return Monitored::Done(self.closed_by_others());
-                }
-                Ok((waiting, false)) if waiting > 0 => {
-                    eprintln!(
-                        "rally run: membership changed ({waiting} node(s) waiting or lost); re-forming the group"
-                    );
-                    self.events.emit(
-                        "membership.changed",
-                        json!({ "round": info.round, "nodes_waiting": waiting }),
-                    );
-                    pctx.close(libc::SIGTERM, spec.shutdown_timeout);
-                    return Monitored::Restart;
-                }
-                Ok(_) => {}
-                Err(e) => {
-                    // The rendezvous store is unreachable: keep the workers running
-                    // (they may not need it) but say so.
-                    tracing::warn!(error = %e, "cannot check the rendezvous");
-                }
-            }
-        }
+        Ok(())
     }
 
     fn finish_workers(&self, result: &RunResult) {
-        self.set_status(|s| {
+        self.status.send_modify(|s| {
             for w in &mut s.workers {
                 w.state = match result.exits.get(&w.local_rank) {
                     Some(Exit::Code(0)) => "succeeded".into(),
@@ -698,40 +1115,8 @@ impl Agent {
         });
     }
 
-    /// After local success: wait for every node, then close the run.
-    fn exit_barrier(&self, info: &RendezvousInfo) -> Outcome {
-        let prefix = format!("rally.agent/r{}/terminal_state", info.round);
-        let barrier = self.rt.block_on(rallypoint_store::util::barrier(
-            &*info.store,
-            info.world_size,
-            &prefix,
-            self.spec.exit_barrier_timeout,
-            None,
-        ));
-        if let Err(e) = barrier {
-            // Our workers succeeded; a node that never arrives is its own failure.
-            tracing::warn!(error = %e, "exit barrier failed");
-            eprintln!("rally run: exit barrier: {e}");
-        }
-        if let Err(e) = self.rt.block_on(self.handler.shutdown()) {
-            tracing::warn!(error = %e, "could not close the rendezvous");
-        }
-        self.events
-            .emit("run.succeeded", json!({ "round": info.round }));
-        Outcome::Succeeded {
-            attempts: info.round + 1,
-        }
-    }
-
-    /// A local worker failed: log it for the whole run, count the round once, and
-    /// restart or give up.
-    fn on_failure(
-        &self,
-        info: &RendezvousInfo,
-        ctx: &ranks::WorkerContext<'_>,
-        result: &RunResult,
-    ) -> Monitored {
-        let records: Vec<FailureRecord> = result
+    fn failure_records(&self, r: &Round, result: &RunResult) -> Vec<FailureRecord> {
+        result
             .failures
             .values()
             .map(|f| {
@@ -745,10 +1130,10 @@ impl Agent {
                         .duration_since(UNIX_EPOCH)
                         .map_or(0.0, |d| d.as_secs_f64()),
                     host: self.spec.hostname.clone(),
-                    group_rank: ctx.group_rank,
-                    rank: ctx.ranks.base_rank + f.local_rank,
+                    group_rank: r.info.rank,
+                    rank: r.ranks.base_rank + f.local_rank,
                     local_rank: f.local_rank,
-                    round: info.round,
+                    round: r.info.round,
                     exitcode,
                     exit,
                     message: f
@@ -759,82 +1144,97 @@ impl Agent {
                     error_file: f.error_file.display().to_string(),
                 }
             })
-            .collect();
-        for r in &records {
-            self.events.emit("worker.failed", r.to_json());
-        }
-        let counted: Result<u64, StoreError> = self.rt.block_on(async {
-            let mut lines = String::new();
-            for r in &records {
-                lines.push_str(&r.to_json().to_string());
-                lines.push('\n');
-            }
-            info.run_store.append(FAILURE_LOG, lines.as_bytes()).await?;
-            // The first node to report a failure in this round counts it.
-            let round_key = format!("agent/failed/{}", info.round);
-            let n = if info.run_store.add(&round_key, 1).await? == 1 {
-                info.run_store.add(FAILURE_COUNT, 1).await?
-            } else {
-                info.run_store.add(FAILURE_COUNT, 0).await?
-            };
-            Ok(n.max(0) as u64)
-        });
-        let failures = match counted {
-            Ok(n) => n,
-            Err(e) => {
-                return Monitored::Done(Outcome::Failed {
-                    reason: format!("workers failed and the run store is unreachable: {e}"),
-                    root_cause: records.into_iter().next().map(Box::new),
-                    failures: 0,
-                })
-            }
-        };
-        self.set_status(|s| s.failed_rounds = failures);
-        if failures <= u64::from(self.spec.max_restarts) {
-            eprintln!(
-                "rally run: worker failed ({}); restarting the group (restart {failures} of {})",
-                records
-                    .first()
-                    .map_or(String::new(), |r| format!("rank {} {}", r.rank, r.exit)),
-                self.spec.max_restarts
-            );
-            self.events.emit(
-                "group.restarting",
-                json!({ "round": info.round, "failures": failures, "max_restarts": self.spec.max_restarts }),
-            );
-            return Monitored::Restart;
-        }
-        // Out of restarts: end the run for everyone, with the job-wide root cause.
-        let log = self
-            .rt
-            .block_on(info.run_store.get_now(FAILURE_LOG))
-            .unwrap_or_default();
-        let root_cause = FailureRecord::first_in(&log)
-            .or_else(|| records.into_iter().next())
-            .map(Box::new);
-        if let Err(e) = self.rt.block_on(self.handler.set_closed()) {
-            tracing::warn!(error = %e, "could not close the rendezvous");
-        }
-        self.events.emit(
-            "run.failed",
-            json!({ "failures": failures, "root_cause": root_cause.as_ref().map(|r| r.to_json()) }),
-        );
-        Monitored::Done(Outcome::Failed {
-            reason: format!(
-                "workers failed {failures} time(s); --max-restarts is {}",
-                self.spec.max_restarts
-            ),
-            root_cause,
-            failures,
-        })
+            .collect()
     }
 }
 
-fn state_name(o: &Outcome) -> &'static str {
-    match o {
-        Outcome::Succeeded { .. } => "succeeded",
-        Outcome::NotNeeded => "not needed",
-        Outcome::Signaled { .. } => "signaled",
-        _ => "failed",
+/// `f`, or `None` if it does not finish within [`CHECK_TIMEOUT`].
+async fn bounded<T>(f: impl std::future::Future<Output = T>) -> Option<T> {
+    tokio::time::timeout(CHECK_TIMEOUT, f).await.ok()
+}
+
+/// What the agent's task owns besides its immutable setup.
+struct Run<'s> {
+    policy: Policy,
+    signals: &'s mut Signals,
+    round: Option<Round>,
+    /// Why the last join failed, for the outcome.
+    join_error: Option<RendezvousError>,
+    failed_rounds: u64,
+    /// The run store of the latest round, to read the outcome after the run
+    /// closed while joining.
+    last_run_store: Option<Arc<dyn Store>>,
+}
+
+/// One bounded look at the rendezvous from a node whose workers run: closed
+/// (after a failure, or not), nodes waiting or lost, or unreachable.
+async fn observe(handler: &dyn RendezvousHandler, run_store: &dyn Store) -> Observation {
+    let look = async {
+        if handler.is_closed().await.map_err(|e| e.to_string())? {
+            let outcome = run_store
+                .get_now(OUTCOME)
+                .await
+                .map_err(|e| e.to_string())?;
+            if outcome == b"failed" {
+                let log = run_store
+                    .get_now(FAILURE_LOG)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                return Ok(Observation::ClosedAfterFailure(
+                    FailureRecord::first_in(&log).map(Box::new),
+                ));
+            }
+            return Ok(Observation::ClosedAfterSuccess);
+        }
+        Ok::<_, String>(match handler.num_nodes_waiting().await {
+            Ok(0) => Observation::Healthy,
+            Ok(n) => Observation::NodesWaiting(n),
+            Err(e) => return Err(e.to_string()),
+        })
+    };
+    match tokio::time::timeout(CHECK_TIMEOUT, look).await {
+        Ok(Ok(o)) => o,
+        Ok(Err(e)) => Observation::Unreachable(e),
+        Err(_) => Observation::Unreachable(format!("no answer within {CHECK_TIMEOUT:?}")),
     }
+}
+
+/// The trapped signals, as one stream (armed for the agent's whole life).
+pub struct Signals {
+    streams: Vec<(i32, tokio::signal::unix::Signal)>,
+}
+
+impl Signals {
+    /// Traps every signal in `set` (on the current runtime).
+    pub fn trap(set: &[i32]) -> std::io::Result<Signals> {
+        let streams = set
+            .iter()
+            .map(|&n| {
+                Ok((
+                    n,
+                    tokio::signal::unix::signal(tokio::signal::unix::SignalKind::from_raw(n))?,
+                ))
+            })
+            .collect::<std::io::Result<_>>()?;
+        Ok(Signals { streams })
+    }
+
+    /// The next trapped signal. Cancel-safe: a signal is never lost.
+    pub async fn recv(&mut self) -> i32 {
+        std::future::poll_fn(|cx| {
+            for (n, s) in &mut self.streams {
+                if s.poll_recv(cx).is_ready() {
+                    return std::task::Poll::Ready(*n);
+                }
+            }
+            std::task::Poll::Pending
+        })
+        .await
+    }
+}
+
+pub(crate) fn now_secs() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }

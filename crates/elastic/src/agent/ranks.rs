@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, HashMap};
 use rallypoint_store::{Store, StoreError};
 
 /// Where one node's workers sit in the job.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct NodeRanks {
     /// Global rank of this node's local rank 0.
     pub base_rank: usize,

@@ -3,10 +3,9 @@
 //! `GET /metrics` the same as Prometheus text. Off by default.
 //!
 //! The server is a few lines on tokio: one request per connection, answered from
-//! a snapshot of the status taken under its lock.
+//! the latest snapshot the agent published on its `watch` channel.
 
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
 
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -123,7 +122,10 @@ fn esc(s: &str) -> String {
 }
 
 /// Serves `status` on `addr` until the runtime ends. Returns the bound address.
-pub async fn serve(addr: SocketAddr, status: Arc<Mutex<Status>>) -> std::io::Result<SocketAddr> {
+pub async fn serve(
+    addr: SocketAddr,
+    status: tokio::sync::watch::Receiver<Status>,
+) -> std::io::Result<SocketAddr> {
     let listener = TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
     tokio::spawn(async move {
@@ -145,7 +147,7 @@ pub async fn serve(addr: SocketAddr, status: Arc<Mutex<Status>>) -> std::io::Res
                 };
                 let request = String::from_utf8_lossy(&buf[..n]);
                 let path = request.split_whitespace().nth(1).unwrap_or("/");
-                let snapshot = status.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                let snapshot = status.borrow().clone();
                 let (code, kind, body) = match path {
                     "/" | "/status" => {
                         ("200 OK", "application/json", snapshot.to_json().to_string())

@@ -169,6 +169,8 @@ pub(crate) struct Worker {
     logs: WorkerLogs,
     exited_flag: Arc<AtomicBool>,
     exit: Option<(Exit, SystemTime)>,
+    /// We sent it a stop signal: how it exits is not its own failure.
+    signalled: bool,
 }
 
 impl Worker {
@@ -190,6 +192,7 @@ impl Worker {
             logs,
             exited_flag,
             exit: None,
+            signalled: false,
         }
     }
 
@@ -274,6 +277,11 @@ pub struct ProcessContext {
     pump: Option<Pump>,
     closed: bool,
     grace: Duration,
+    /// Created on the first async wait.
+    notice: Option<ExitNotice>,
+    /// The environment mark every worker carries (see [`super::watchdog`]):
+    /// stopping also kills marked processes that left the workers' groups.
+    mark: Option<String>,
 }
 
 impl ProcessContext {
@@ -284,6 +292,8 @@ impl ProcessContext {
             pump,
             closed: false,
             grace: Duration::from_secs(30),
+            notice: None,
+            mark: None,
         }
     }
 
@@ -320,6 +330,12 @@ impl ProcessContext {
         // Only workers that failed by themselves are failures; those stopped because
         // of them show in `exits` (as PyTorch reports it).
         Some(self.result(&failed))
+    }
+
+    /// Stops also kill every process carrying `mark` in its environment
+    /// (`RALLY_AGENT_MARK`, which the caller put in the workers' environment).
+    pub fn set_mark(&mut self, mark: Option<String>) {
+        self.mark = mark;
     }
 
     /// Grace period of the stop that follows a failure (default 30 s).
@@ -428,56 +444,319 @@ impl ProcessContext {
 
     /// Stops every worker: `signal` to each live process group, wait up to `grace`
     /// (output keeps draining), then SIGKILL what is left and reap everything.
-    pub fn close(&mut self, signal: i32, grace: Duration) {
+    /// Bounded: a process that survives SIGKILL for [`KILL_WAIT`] (stuck in the
+    /// kernel) is given up on and its pid returned.
+    pub fn close(&mut self, signal: i32, grace: Duration) -> Vec<u32> {
         if self.closed {
-            return;
+            return Vec::new();
         }
         self.closed = true;
+        self.signal_live(signal);
+        let deadline = Instant::now() + grace;
+        while self.reap_all().0 > 0 && Instant::now() < deadline {
+            self.sleep_until_an_exit(deadline.saturating_duration_since(Instant::now()));
+        }
+        if self.kill_live() {
+            let deadline = Instant::now() + KILL_WAIT;
+            while self.reap_all().0 > 0 && Instant::now() < deadline {
+                self.sleep_until_an_exit(deadline.saturating_duration_since(Instant::now()));
+            }
+        }
+        let deadline = Instant::now() + KILL_WAIT;
+        while !self.sweep_orphans() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_micros(500));
+        }
+        self.end_pump()
+    }
+
+    /// Sends `signal` to every worker group still running; they count as stopped
+    /// by us, not as failed.
+    fn signal_live(&mut self, signal: i32) {
         for w in &mut self.workers {
             if w.reap().is_none() {
+                w.signalled = true;
                 w.signal_group(signal);
             }
         }
-        let deadline = Instant::now() + grace;
-        while self.workers.iter_mut().any(|w| w.reap().is_none()) {
-            if Instant::now() >= deadline {
-                for w in &mut self.workers {
-                    if w.reap().is_none() {
-                        tracing::warn!(
-                            pid = w.pid,
-                            local_rank = w.local_rank,
-                            "worker ignored the stop signal; killing it"
-                        );
-                        w.signal_group(libc::SIGKILL);
-                    }
-                }
-                while self.workers.iter_mut().any(|w| w.reap().is_none()) {
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-                break;
+    }
+
+    /// SIGKILLs every worker group still running; whether there was any.
+    fn kill_live(&mut self) -> bool {
+        let mut any = false;
+        for w in &mut self.workers {
+            if w.reap().is_none() {
+                tracing::warn!(
+                    pid = w.pid,
+                    local_rank = w.local_rank,
+                    "worker ignored the stop signal; killing it"
+                );
+                w.signalled = true;
+                w.signal_group(libc::SIGKILL);
+                any = true;
             }
-            self.sleep_until_an_exit(deadline.saturating_duration_since(Instant::now()));
         }
-        // Grandchildren that outlived their worker: end them too, and reap those
-        // re-parented to us, until the group is empty (bounded: a process stuck in
-        // uninterruptible sleep cannot be waited out).
+        any
+    }
+
+    /// Grandchildren that outlived their worker in its process group: SIGKILL
+    /// them and reap those re-parented to us. True once every group is empty.
+    fn sweep_orphans(&mut self) -> bool {
+        let mut empty = true;
         for w in &mut self.workers {
             w.signal_group(libc::SIGKILL);
-        }
-        let deadline = Instant::now() + Duration::from_secs(2);
-        for w in &mut self.workers {
-            while w.group_exists() && Instant::now() < deadline {
-                w.reap_group_orphans();
-                std::thread::sleep(Duration::from_micros(500));
-            }
             w.reap_group_orphans();
+            empty &= !w.group_exists();
+        }
+        empty
+    }
+
+    /// Ends output capture (bounded: processes that would not die cannot hold
+    /// the pump open) and returns the pids still alive.
+    fn end_pump(&mut self) -> Vec<u32> {
+        // Marked escapees (setsid, double forks) may hold the pipes open.
+        let mut left = match &self.mark {
+            Some(mark) => super::watchdog::kill_marked(mark, KILL_WAIT),
+            None => Vec::new(),
+        };
+        let stuck: Vec<u32> = self
+            .workers
+            .iter_mut()
+            .filter_map(|w| w.reap().is_none().then_some(w.pid))
+            .collect();
+        if let Some(p) = &self.pump {
+            if !stuck.is_empty() {
+                p.abandon();
+            }
+        }
+        // Drained within DRAIN_AFTER_EXIT once the workers are gone; a grandchild
+        // in another session that keeps writing is cut off after a bound.
+        let deadline = Instant::now() + KILL_WAIT;
+        while self.pump.as_ref().is_some_and(|p| !p.is_finished()) {
+            if Instant::now() >= deadline {
+                if let Some(p) = &self.pump {
+                    p.abandon();
+                }
+            }
+            std::thread::sleep(Duration::from_millis(2));
         }
         self.join_pump();
+        left.extend(stuck);
+        left.sort_unstable();
+        left.dedup();
+        if !left.is_empty() {
+            tracing::error!(stuck = ?left, "processes still alive after SIGKILL (stuck in the kernel?)");
+        }
+        left
+    }
+
+    /// Every worker has exited, and how: workers that failed by themselves are
+    /// failures, those stopped by us show in `exits` only (as PyTorch reports it).
+    /// Call once the group has ended ([`Self::watch`] or [`Self::stop`]).
+    pub fn outcome(&mut self) -> RunResult {
+        let failed: Vec<usize> = self
+            .workers
+            .iter()
+            .filter(|w| !w.signalled && w.exit.is_some_and(|(e, _)| !e.success()))
+            .map(|w| w.local_rank)
+            .collect();
+        self.result(&failed)
+    }
+
+    /// Reaps whatever exited: (workers still running, local ranks that failed).
+    fn reap_all(&mut self) -> (usize, Vec<usize>) {
+        let mut running = 0;
+        let mut failed = Vec::new();
+        for w in &mut self.workers {
+            match w.reap() {
+                None => running += 1,
+                Some(e) if !e.success() && !w.signalled => failed.push(w.local_rank),
+                Some(_) => {}
+            }
+        }
+        (running, failed)
+    }
+
+    /// Waits, without blocking the runtime, until every worker has succeeded
+    /// (true) or one has failed (false). Nothing is stopped: that is the caller's
+    /// decision ([`Self::stop`]).
+    pub async fn watch(&mut self) -> bool {
+        loop {
+            let (running, failed) = self.reap_all();
+            if !failed.is_empty() {
+                return false;
+            }
+            if running == 0 {
+                return true;
+            }
+            self.an_exit().await;
+        }
+    }
+
+    /// Stops the group without blocking the runtime: `signal` to every live
+    /// group, up to `grace` (cut short when `hurry` is notified), then SIGKILL,
+    /// then orphans. Returns the pids that did not die within [`KILL_WAIT`] of
+    /// SIGKILL (stuck in uninterruptible sleep), after which it gives up on them.
+    pub async fn stop(
+        &mut self,
+        signal: i32,
+        grace: Duration,
+        hurry: &tokio::sync::Notify,
+    ) -> Vec<u32> {
+        if self.closed {
+            return Vec::new();
+        }
+        self.closed = true;
+        self.signal_live(signal);
+        let deadline = tokio::time::Instant::now() + grace;
+        let in_time = async {
+            while self.reap_all().0 > 0 {
+                self.an_exit().await;
+            }
+        };
+        tokio::select! {
+            _ = in_time => {}
+            _ = tokio::time::sleep_until(deadline) => {}
+            _ = hurry.notified() => {}
+        }
+        if self.kill_live() {
+            let _ = tokio::time::timeout(KILL_WAIT, async {
+                while self.reap_all().0 > 0 {
+                    self.an_exit().await;
+                }
+            })
+            .await;
+        }
+        let deadline = tokio::time::Instant::now() + KILL_WAIT;
+        while !self.sweep_orphans() && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        // The pump ends within DRAIN_AFTER_EXIT (or is abandoned): off the runtime.
+        self.end_pump()
+    }
+
+    /// Resolves when some worker may have exited.
+    async fn an_exit(&mut self) {
+        if self.notice.is_none() {
+            self.notice = ExitNotice::new().ok();
+        }
+        let Some(notice) = &mut self.notice else {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            return;
+        };
+        if !notice.sync(&self.workers) {
+            // A worker without a pidfd (kernel before 5.3): poll.
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            return;
+        }
+        notice.ready().await;
+    }
+}
+
+/// How long a process may survive SIGKILL before it is reported as stuck.
+pub const KILL_WAIT: Duration = Duration::from_secs(1);
+
+/// One epoll instance over the pidfds of the running workers, registered with
+/// tokio, so an async wait wakes the moment any of them exits. Exited workers
+/// are removed from it (a pidfd stays readable after its exit).
+struct ExitNotice {
+    epoll: tokio::io::unix::AsyncFd<OwnedFd>,
+    /// Raw pidfds registered, by worker index.
+    registered: Vec<Option<i32>>,
+}
+
+impl ExitNotice {
+    fn new() -> std::io::Result<ExitNotice> {
+        // SAFETY: plain syscall; a non-negative result is a descriptor we own.
+        let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: `fd` was just returned to us.
+        let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: an OwnedFd is an open descriptor that stays the same until the
+        // AsyncFd drops it.
+        let epoll = unsafe {
+            tokio::io::unix::AsyncFd::register_with_interest(owned, tokio::io::Interest::READABLE)
+        }
+        .map_err(|e| std::io::Error::other(e.to_string()))?;
+        Ok(ExitNotice {
+            epoll,
+            registered: Vec::new(),
+        })
+    }
+
+    /// Registers running workers and removes exited ones; false if some running
+    /// worker has no pidfd.
+    fn sync(&mut self, workers: &[Worker]) -> bool {
+        self.registered.resize(workers.len(), None);
+        let ep = self.epoll.get_ref().as_raw_fd();
+        let mut complete = true;
+        for (i, w) in workers.iter().enumerate() {
+            let fd = w.pidfd.as_ref().map(AsRawFd::as_raw_fd);
+            match (w.exit.is_some(), self.registered[i], fd) {
+                (false, None, Some(fd)) => {
+                    let mut ev = libc::epoll_event {
+                        events: libc::EPOLLIN as u32,
+                        u64: i as u64,
+                    };
+                    // SAFETY: registering a pidfd we own with our epoll instance.
+                    if unsafe { libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, fd, &mut ev) } == 0 {
+                        self.registered[i] = Some(fd);
+                    } else {
+                        complete = false;
+                    }
+                }
+                (false, None, None) => complete = false,
+                (true, Some(fd), _) => {
+                    // SAFETY: removing a registered descriptor.
+                    unsafe { libc::epoll_ctl(ep, libc::EPOLL_CTL_DEL, fd, std::ptr::null_mut()) };
+                    self.registered[i] = None;
+                }
+                _ => {}
+            }
+        }
+        complete
+    }
+
+    /// Waits until some registered pidfd is readable.
+    async fn ready(&mut self) {
+        let Ok(mut guard) = self.epoll.readable().await else {
+            return;
+        };
+        let mut events = [libc::epoll_event { events: 0, u64: 0 }; 8];
+        let ep = self.epoll.get_ref().as_raw_fd();
+        // SAFETY: `events` is a valid buffer of 8 entries; timeout 0 never blocks.
+        let n = unsafe { libc::epoll_wait(ep, events.as_mut_ptr(), 8, 0) };
+        if n <= 0 {
+            guard.clear_ready();
+        }
     }
 }
 
 impl Drop for ProcessContext {
+    /// Bounded to [`DROP_WAIT`]: SIGKILL to every group, reap what dies in that
+    /// time, and let the pump end by itself (the pipes close as the processes
+    /// die). Call [`ProcessContext::close`] or [`ProcessContext::stop`] for an
+    /// orderly stop that reports what would not die.
     fn drop(&mut self) {
-        self.close(libc::SIGKILL, Duration::from_secs(5));
+        if self.closed {
+            return;
+        }
+        for w in &mut self.workers {
+            if w.reap().is_none() {
+                w.signal_group(libc::SIGKILL);
+            }
+        }
+        let deadline = Instant::now() + DROP_WAIT;
+        while !self.sweep_orphans() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_micros(200));
+            self.reap_all();
+        }
+        if let Some(p) = &self.pump {
+            p.abandon();
+        }
     }
 }
+
+/// How long dropping a [`ProcessContext`] waits for its processes to die.
+pub const DROP_WAIT: Duration = Duration::from_millis(100);

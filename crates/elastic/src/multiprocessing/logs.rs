@@ -205,6 +205,9 @@ pub(crate) struct Stream {
 /// two per worker) keeps the launcher small, so forking the next worker stays cheap.
 pub(crate) struct Pump {
     thread: Option<JoinHandle<()>>,
+    /// Set to end the pump whatever its pipes do (a process that would not die,
+    /// or a grandchild in another session still writing).
+    abandon: Arc<AtomicBool>,
 }
 
 /// Pipes are grown to this size, so a chatty worker and the pump trade large chunks
@@ -301,11 +304,14 @@ impl Pump {
                 dropped: 0,
             });
         }
+        let abandon = Arc::new(AtomicBool::new(false));
+        let flag = abandon.clone();
         let thread = std::thread::Builder::new()
             .name("rally-log-pump".into())
-            .spawn(move || pump(active))?;
+            .spawn(move || pump(active, &flag))?;
         Ok(Pump {
             thread: Some(thread),
+            abandon,
         })
     }
 
@@ -316,12 +322,28 @@ impl Pump {
             let _ = t.join();
         }
     }
+
+    /// Ends the pump within one poll tick, whatever its pipes still hold.
+    pub(crate) fn abandon(&self) {
+        self.abandon.store(true, Ordering::Release);
+    }
+
+    /// Whether the pump has ended (every stream done, or abandoned).
+    pub(crate) fn is_finished(&self) -> bool {
+        self.thread.as_ref().is_none_or(|t| t.is_finished())
+    }
 }
 
-fn pump(mut streams: Vec<Active>) {
+fn pump(mut streams: Vec<Active>, abandon: &AtomicBool) {
     let mut buf = vec![0u8; 64 * 1024];
     let mut fds: Vec<libc::pollfd> = Vec::with_capacity(streams.len());
     while !streams.is_empty() {
+        if abandon.load(Ordering::Acquire) {
+            for s in &mut streams {
+                s.finish();
+            }
+            return;
+        }
         fds.clear();
         fds.extend(streams.iter().map(|s| libc::pollfd {
             fd: s.src.as_raw_fd(),

@@ -22,6 +22,7 @@ pub mod functions;
 pub mod logs;
 pub mod signals;
 pub mod spec;
+pub mod watchdog;
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;
@@ -31,7 +32,9 @@ use std::process::{Command, Stdio};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
-pub use context::{signal_name, Exit, ProcessContext, ProcessFailure, RunResult, Waited};
+pub use context::{
+    signal_name, Exit, ProcessContext, ProcessFailure, RunResult, Waited, KILL_WAIT,
+};
 pub use logs::{RunLogs, WorkerLogs};
 pub use spec::{expand_prefix, LogsSpec, PerRank, SpecError, Std, DEFAULT_PREFIX_TEMPLATE};
 

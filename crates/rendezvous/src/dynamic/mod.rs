@@ -126,6 +126,8 @@ pub struct DynamicRendezvous {
     backend: &'static str,
     keepalive: Arc<dyn Keepalive>,
     node: Mutex<Node>,
+    /// This node serves the rendezvous store (the first `c10d` node).
+    hosts_store: bool,
 }
 
 /// How workers reach the job's store.
@@ -275,12 +277,19 @@ impl DynamicRendezvous {
             backend: "c10d",
             keepalive: Arc::new(CounterKeepalive),
             node: Mutex::new(Node::default()),
+            hosts_store: false,
         }
     }
 
     /// Reports `name` as the backend (for backends built on this one).
     pub fn with_backend_name(mut self, name: &'static str) -> Self {
         self.backend = name;
+        self
+    }
+
+    /// This node serves the rendezvous store: when it goes, the store goes.
+    pub fn hosting_store(mut self) -> Self {
+        self.hosts_store = true;
         self
     }
 
@@ -776,6 +785,10 @@ impl RendezvousHandler for DynamicRendezvous {
         matches!(self.bootstrap, Bootstrap::Agent(_))
     }
 
+    fn hosts_store(&self) -> bool {
+        self.hosts_store
+    }
+
     async fn shutdown(&self) -> Result<bool, RendezvousError> {
         if let Some(h) = self.node.lock().await.heartbeat.take() {
             h.abort();
@@ -842,8 +855,9 @@ pub fn create(p: RendezvousParameters) -> Created {
             false => connect(false).await.map_err(conn(&p.run_id))?,
         };
         let port = store.port();
+        let hosts = store.server().is_some();
         let addr = advertised_addr(&p);
-        let h = DynamicRendezvous::new(
+        let mut h = DynamicRendezvous::new(
             Arc::new(store),
             &p.run_id,
             default_node_id(&addr),
@@ -857,6 +871,9 @@ pub fn create(p: RendezvousParameters) -> Created {
                 master_port: port,
             },
         );
+        if hosts {
+            h = h.hosting_store();
+        }
         Ok(Box::new(h) as Box<dyn RendezvousHandler>)
     })
 }

@@ -132,6 +132,16 @@ impl Server {
         Server::from_listener(socket.into(), config)
     }
 
+    /// Binds `port` on every address: dual-stack `[::]`, or IPv4 only where the
+    /// host has IPv6 disabled.
+    pub async fn bind_any(port: u16, config: ServerConfig) -> Result<Server> {
+        let any6 = SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, port));
+        match Server::bind(any6, config.clone()).await {
+            Ok(s) => Ok(s),
+            Err(_) => Server::bind(SocketAddr::from(([0, 0, 0, 0], port)), config).await,
+        }
+    }
+
     /// Wraps an already bound and listening socket (tests bind port 0 themselves).
     pub fn from_listener(listener: std::net::TcpListener, config: ServerConfig) -> Result<Server> {
         let addr = listener

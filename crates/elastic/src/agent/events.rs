@@ -1,0 +1,241 @@
+//! What the agent tells the world: typed [`AgentEvent`]s sent to an
+//! [`EventSink`] the caller chooses. The library never prints; `rally run`
+//! renders these as its console lines and as `--events` JSON lines
+//! ([`AgentEvent::to_json`]), and a Rust program embedding the agent can route,
+//! filter or drop them.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use super::FailureRecord;
+
+/// One thing that happened.
+#[derive(Debug, Clone)]
+pub enum AgentEvent {
+    RendezvousStarted {
+        run_id: String,
+    },
+    /// Still waiting, every 10 s.
+    RendezvousWaiting {
+        run_id: String,
+        waited: Duration,
+    },
+    RendezvousCompleted {
+        run_id: String,
+        round: u64,
+        group_rank: usize,
+        group_world_size: usize,
+        duration: Duration,
+    },
+    RendezvousFailed {
+        error: String,
+    },
+    WorkersStarted {
+        round: u64,
+        group_rank: usize,
+        group_world_size: usize,
+        world_size: usize,
+        ranks: std::ops::Range<usize>,
+        pids: Vec<u32>,
+        master_addr: String,
+        master_port: u16,
+        restarts_used: u64,
+    },
+    WorkerFailed(Box<FailureRecord>),
+    WorkersSucceeded {
+        round: u64,
+        duration: Duration,
+    },
+    GroupRestarting {
+        failed_rounds: u64,
+        max_restarts: u32,
+        cause: Option<String>,
+    },
+    MembershipChanged {
+        round: u64,
+        nodes_waiting: usize,
+    },
+    /// Another node closed the run after success: no more rounds; workers go on.
+    RunClosedAfterSuccess {
+        round: u64,
+    },
+    RendezvousUnreachable {
+        error: String,
+    },
+    SignalReceived {
+        signal: i32,
+        phase: &'static str,
+    },
+    /// Processes that did not die after SIGKILL (stuck in the kernel).
+    StopIncomplete {
+        pids: Vec<u32>,
+    },
+    ExitBarrierTimedOut {
+        error: String,
+    },
+    /// The rendezvous host keeps its store up until the other nodes have seen
+    /// how the run ended.
+    HostLingering {
+        nodes_left: usize,
+    },
+    /// A store operation at the end of the run failed (closing, publishing).
+    CleanupFailed {
+        what: &'static str,
+        error: String,
+    },
+    Finished {
+        state: &'static str,
+        exit_code: i32,
+    },
+}
+
+impl AgentEvent {
+    /// The event's name, `area.what`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            AgentEvent::RendezvousStarted { .. } => "rendezvous.started",
+            AgentEvent::RendezvousWaiting { .. } => "rendezvous.waiting",
+            AgentEvent::RendezvousCompleted { .. } => "rendezvous.completed",
+            AgentEvent::RendezvousFailed { .. } => "rendezvous.failed",
+            AgentEvent::WorkersStarted { .. } => "workers.started",
+            AgentEvent::WorkerFailed(_) => "worker.failed",
+            AgentEvent::WorkersSucceeded { .. } => "workers.succeeded",
+            AgentEvent::GroupRestarting { .. } => "group.restarting",
+            AgentEvent::MembershipChanged { .. } => "membership.changed",
+            AgentEvent::RunClosedAfterSuccess { .. } => "run.closed_after_success",
+            AgentEvent::RendezvousUnreachable { .. } => "rendezvous.unreachable",
+            AgentEvent::SignalReceived { .. } => "agent.signaled",
+            AgentEvent::StopIncomplete { .. } => "workers.stop_incomplete",
+            AgentEvent::ExitBarrierTimedOut { .. } => "exit_barrier.timed_out",
+            AgentEvent::HostLingering { .. } => "host.lingering",
+            AgentEvent::CleanupFailed { .. } => "agent.cleanup_failed",
+            AgentEvent::Finished { .. } => "agent.finished",
+        }
+    }
+
+    /// `{"event": name, "time": <unix seconds>, ...fields}`.
+    pub fn to_json(&self) -> Value {
+        let ms = |d: &Duration| d.as_millis() as u64;
+        let mut v = match self {
+            AgentEvent::RendezvousStarted { run_id } => json!({ "run_id": run_id }),
+            AgentEvent::RendezvousWaiting { run_id, waited } => {
+                json!({ "run_id": run_id, "waited_ms": ms(waited) })
+            }
+            AgentEvent::RendezvousCompleted {
+                run_id,
+                round,
+                group_rank,
+                group_world_size,
+                duration,
+            } => json!({
+                "run_id": run_id, "round": round, "group_rank": group_rank,
+                "group_world_size": group_world_size, "duration_ms": ms(duration),
+            }),
+            AgentEvent::RendezvousFailed { error }
+            | AgentEvent::RendezvousUnreachable { error }
+            | AgentEvent::ExitBarrierTimedOut { error } => json!({ "error": error }),
+            AgentEvent::WorkersStarted {
+                round,
+                group_rank,
+                group_world_size,
+                world_size,
+                ranks,
+                pids,
+                master_addr,
+                master_port,
+                restarts_used,
+            } => json!({
+                "round": round, "group_rank": group_rank,
+                "group_world_size": group_world_size, "world_size": world_size,
+                "ranks": ranks.clone().collect::<Vec<_>>(), "pids": pids,
+                "master_addr": master_addr, "master_port": master_port,
+                "restarts_used": restarts_used,
+            }),
+            AgentEvent::WorkerFailed(r) => r.to_json(),
+            AgentEvent::WorkersSucceeded { round, duration } => {
+                json!({ "round": round, "duration_ms": ms(duration) })
+            }
+            AgentEvent::GroupRestarting {
+                failed_rounds,
+                max_restarts,
+                cause,
+            } => json!({
+                "failures": failed_rounds, "max_restarts": max_restarts, "cause": cause,
+            }),
+            AgentEvent::MembershipChanged {
+                round,
+                nodes_waiting,
+            } => json!({ "round": round, "nodes_waiting": nodes_waiting }),
+            AgentEvent::RunClosedAfterSuccess { round } => json!({ "round": round }),
+            AgentEvent::SignalReceived { signal, phase } => json!({
+                "signal": crate::multiprocessing::signal_name(*signal), "phase": phase,
+            }),
+            AgentEvent::StopIncomplete { pids } => json!({ "pids": pids }),
+            AgentEvent::HostLingering { nodes_left } => json!({ "nodes_left": nodes_left }),
+            AgentEvent::CleanupFailed { what, error } => json!({ "what": what, "error": error }),
+            AgentEvent::Finished { state, exit_code } => {
+                json!({ "state": state, "exit_code": exit_code })
+            }
+        };
+        if let Value::Object(m) = &mut v {
+            m.insert("event".into(), self.name().into());
+            m.insert("time".into(), super::now_secs().into());
+        }
+        v
+    }
+}
+
+/// Where events go. Called from the agent's task: keep it quick.
+pub trait EventSink: Send + Sync {
+    fn emit(&self, event: &AgentEvent);
+}
+
+/// Drops everything.
+pub struct Discard;
+
+impl EventSink for Discard {
+    fn emit(&self, _: &AgentEvent) {}
+}
+
+/// Several sinks, in order.
+pub struct Fanout(pub Vec<Arc<dyn EventSink>>);
+
+impl EventSink for Fanout {
+    fn emit(&self, event: &AgentEvent) {
+        for s in &self.0 {
+            s.emit(event);
+        }
+    }
+}
+
+/// Keeps every event, for tests and embedding.
+#[derive(Default)]
+pub struct Recorder(pub Mutex<Vec<AgentEvent>>);
+
+impl EventSink for Recorder {
+    fn emit(&self, event: &AgentEvent) {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(event.clone());
+    }
+}
+
+/// JSON lines to a writer (`--events FILE`).
+pub struct JsonLines(pub Mutex<Box<dyn std::io::Write + Send>>);
+
+impl JsonLines {
+    pub fn new(out: Box<dyn std::io::Write + Send>) -> JsonLines {
+        JsonLines(Mutex::new(out))
+    }
+}
+
+impl EventSink for JsonLines {
+    fn emit(&self, event: &AgentEvent) {
+        let mut out = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = writeln!(out, "{}", event.to_json());
+        let _ = out.flush();
+    }
+}
