@@ -51,6 +51,9 @@ struct Connection {
     partial: Vec<u8>,
     /// `partial` needs at least this many bytes before decoding is worth trying.
     needed: usize,
+    /// `handle_all` stopped before the end of its input because the output
+    /// reached [`OUTPUT_HIGH_WATER`]: flush, then handle the rest of `partial`.
+    paused: bool,
     out: Vec<u8>,
     /// Waits this connection registered; some may have completed since.
     waits: Vec<WaiterId>,
@@ -70,6 +73,7 @@ pub(super) async fn serve(
         validated: false,
         partial: Vec::new(),
         needed: 0,
+        paused: false,
         out: Vec::new(),
         waits: Vec::new(),
         outstanding: 0,
@@ -120,6 +124,24 @@ impl Connection {
             if let Err(e) = self.flush(stream).await {
                 return Close::Io(e);
             }
+            // Requests left over by a full output buffer, one high-water mark at
+            // a time: the output of a connection stays bounded.
+            while self.paused {
+                self.paused = false;
+                let partial = std::mem::take(&mut self.partial);
+                let used = match self.handle_all(&partial) {
+                    Ok(used) => used,
+                    Err(close) => {
+                        let _ = self.flush(stream).await;
+                        return close;
+                    }
+                };
+                self.partial = partial;
+                self.partial.drain(..used);
+                if let Err(e) = self.flush(stream).await {
+                    return Close::Io(e);
+                }
+            }
         }
     }
 
@@ -161,6 +183,11 @@ impl Connection {
         let mut keyspace = None;
         let mut at = 0;
         while at < input.len() {
+            if self.out.len() >= OUTPUT_HIGH_WATER {
+                self.paused = true;
+                self.needed = 0;
+                return Ok(at);
+            }
             match decode_request(&input[at..], &shared.limits) {
                 Ok(Decoded::Complete(req, used)) => {
                     at += used;
@@ -245,7 +272,22 @@ impl Connection {
                 }
             }
             Request::MultiGet { keys } => {
-                for v in ks.multi_get(&keys) {
+                let values = ks.multi_get(&keys);
+                // Refused before anything is built: a request naming one large
+                // value many times would otherwise ask for far more memory than
+                // any limit allows.
+                let size: u64 = values
+                    .iter()
+                    .map(|v| 8 + v.as_ref().map_or(0, |v| v.len() as u64))
+                    .sum();
+                let max = max_reply(max_value);
+                if size > max {
+                    return Err(Close::Protocol(format!(
+                        "MULTI_GET of {} keys would reply {size} bytes, over the limit of {max}",
+                        keys.len()
+                    )));
+                }
+                for v in values {
                     put_value(out, &v.unwrap_or_default());
                 }
             }
@@ -333,6 +375,15 @@ impl Connection {
         }
         r
     }
+}
+
+/// Past this much unsent output, a connection stops handling requests until it
+/// has written what it has (requests already read wait in its input buffer).
+const OUTPUT_HIGH_WATER: usize = 64 << 20;
+
+/// The largest single reply: the high-water mark, or one value at the limit.
+fn max_reply(max_value: u64) -> u64 {
+    (OUTPUT_HIGH_WATER as u64).max(max_value + 16)
 }
 
 /// Reads once into `buf`. A read that does not fill the buffer drained the socket, so

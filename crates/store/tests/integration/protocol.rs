@@ -465,3 +465,64 @@ fn a_client_that_stops_reading_stalls_nobody_else() {
         server.stats().open <= 1
     });
 }
+
+/// MULTI_GET naming one large value many times would ask for a reply far over
+/// any limit: refused before anything is built, that connection closed with the
+/// reason, a bystander unharmed.
+#[test]
+fn a_hostile_multi_get_is_refused_without_allocating_its_reply() {
+    let server = serve();
+    let mut setup = raw(server.local_addr());
+    let value = vec![7u8; Limits::default().max_value_len as usize];
+    setup
+        .write_all(&cat(&[&[1], &s(b"/big"), &s(&value)]))
+        .unwrap();
+    setup.write_all(&cat(&[&[3], &s(b"/big")])).unwrap();
+    read_n(&mut setup, value.len() + 8);
+    let mut bystander = raw(server.local_addr());
+    bystander
+        .write_all(&cat(&[&[6], &u64le(1), &s(b"/later")]))
+        .unwrap();
+    wait_until("bystander waiting", || server.pending_waits() == 1);
+    // 100,000 × 8 MiB: an 800 GB reply.
+    let n = 100_000u64;
+    let mut req = cat(&[&[10], &u64le(n)]);
+    for _ in 0..n {
+        req.extend_from_slice(&s(b"/big"));
+    }
+    let mut hostile = raw(server.local_addr());
+    hostile.write_all(&req).unwrap();
+    assert!(closed_by_peer(&mut hostile));
+    wait_until("counted", || server.stats().protocol_errors == 1);
+    setup
+        .write_all(&cat(&[&[1], &s(b"/later"), &s(b"x")]))
+        .unwrap();
+    assert_eq!(read_n(&mut bystander, 1), [0]);
+}
+
+/// Pipelined replies larger than the output high-water mark are written as they
+/// go and arrive whole and in order.
+#[test]
+fn pipelined_replies_over_the_output_bound_arrive_whole() {
+    let server = serve();
+    let mut c = raw(server.local_addr());
+    let value: Vec<u8> = (0..1u32 << 20).map(|i| (i % 251) as u8).collect();
+    c.write_all(&cat(&[&[1], &s(b"/v"), &s(&value)])).unwrap();
+    // 160 GETs of 1 MiB (2.5 times the bound), then one ADD.
+    let get = cat(&[&[3], &s(b"/v")]);
+    let mut batch = Vec::new();
+    for _ in 0..160 {
+        batch.extend_from_slice(&get);
+    }
+    batch.extend_from_slice(&cat(&[&[4], &s(b"/n"), &i64le(5)]));
+    let writer = {
+        let mut w = c.try_clone().unwrap();
+        std::thread::spawn(move || w.write_all(&batch).unwrap())
+    };
+    let expected = s(&value);
+    for i in 0..160 {
+        assert_eq!(read_n(&mut c, expected.len()), expected, "reply {i}");
+    }
+    assert_eq!(read_n(&mut c, 8), i64le(5));
+    writer.join().unwrap();
+}
