@@ -6,6 +6,11 @@
 //! - restart: a worker fails (recording the time); the group is stopped and
 //!   restarted; the figure is the time until the last restarted worker started
 //!   (`sh/restart_worker.sh`).
+//! - signal to exit: SIGTERM to the launcher in a phase, until it has exited
+//!   (workers obey SIGTERM): waiting for a rendezvous that needs a second node,
+//!   running 8 sleeping workers, and at the exit barrier of a two-node job
+//!   whose other node still runs. The launcher is given time to reach the phase
+//!   (3 s; torchrun's Python start-up takes about 2 s here) before the signal.
 //!
 //! Both launchers get the same arguments; torchrun is PyTorch's
 //! `python -m torch.distributed.run` from `--python`.
@@ -30,6 +35,9 @@ pub struct AgentArgs {
     /// Repetitions of each measurement (the median is reported).
     #[arg(long, default_value_t = 5)]
     reps: usize,
+    /// Measure only signal-to-exit.
+    #[arg(long)]
+    signals_only: bool,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -153,7 +161,84 @@ fn restart(a: &AgentArgs, l: Launcher, worker: &Path) -> Result<f64> {
     Ok(last - failed)
 }
 
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// Milliseconds from SIGTERM to `child`'s exit.
+fn term_to_exit(child: &mut std::process::Child) -> Result<f64> {
+    let t0 = Instant::now();
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    child.wait()?;
+    Ok(t0.elapsed().as_secs_f64() * 1e3)
+}
+
+/// Milliseconds from SIGTERM to exit, with the launcher in `phase`.
+fn signal_to_exit(a: &AgentArgs, l: Launcher, phase: &str) -> Result<f64> {
+    let settle = Duration::from_secs(3);
+    let port = free_port()?.to_string();
+    let endpoint = format!("127.0.0.1:{port}");
+    let two = |id: &str, rest: &[&str]| -> Result<std::process::Child> {
+        let mut args = vec![
+            "--nnodes",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            &endpoint,
+            "--rdzv-id",
+            id,
+            "--nproc-per-node",
+            "1",
+            "--monitor-interval",
+            "0.1",
+            "--no-python",
+        ];
+        args.extend_from_slice(rest);
+        Ok(l.command(a, &args).spawn()?)
+    };
+    match phase {
+        "rendezvous" => {
+            let mut c = two("sig-rdzv", &["true"])?;
+            std::thread::sleep(settle);
+            term_to_exit(&mut c)
+        }
+        "running" => {
+            let mut c = l
+                .command(
+                    a,
+                    &[
+                        "--standalone",
+                        "--nproc-per-node",
+                        "8",
+                        "--no-python",
+                        "sleep",
+                        "100",
+                    ],
+                )
+                .spawn()?;
+            std::thread::sleep(settle);
+            term_to_exit(&mut c)
+        }
+        "exit barrier" => {
+            let mut done = two("sig-barrier", &["true"])?;
+            let mut busy = two("sig-barrier", &["sleep", "100"])?;
+            std::thread::sleep(settle + settle);
+            let ms = term_to_exit(&mut done);
+            let _ = term_to_exit(&mut busy);
+            ms
+        }
+        other => bail!("no phase {other}"),
+    }
+}
+
 pub fn run(a: AgentArgs) -> Result<()> {
+    if a.signals_only {
+        return signals(&a);
+    }
     let worker = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("sh/restart_worker.sh");
     println!(
         "launch-to-exit, --standalone --nproc-per-node N --no-python true (median of {})",
@@ -193,5 +278,27 @@ pub fn run(a: AgentArgs) -> Result<()> {
         t * 1e3,
         t / o
     );
+    signals(&a)?;
+    Ok(())
+}
+
+fn signals(a: &AgentArgs) -> Result<()> {
+    println!(
+        "signal to exit (SIGTERM; workers obey it), median of {} (ms)",
+        a.reps
+    );
+    println!(
+        "{:>14} {:>12} {:>12} {:>8}",
+        "phase", "rally run", "torchrun", "ratio"
+    );
+    for phase in ["rendezvous", "running", "exit barrier"] {
+        let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+        for _ in 0..a.reps {
+            ours.push(signal_to_exit(a, Launcher::Rally, phase)?);
+            theirs.push(signal_to_exit(a, Launcher::Torchrun, phase)?);
+        }
+        let (o, t) = (median(ours), median(theirs));
+        println!("{phase:>14} {o:>12.1} {t:>12.1} {:>7.1}x", t / o);
+    }
     Ok(())
 }
