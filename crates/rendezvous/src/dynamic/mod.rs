@@ -12,7 +12,7 @@
 //! | `r/node/<i>` | arrival `i` | its node id |
 //! | `r/min` | the `min`-th arrival | the last call has begun |
 //! | `r/complete` | the `max`-th arrival, or whoever's last call ends first (`compare_set`) | the member count `K`: arrivals `1..=K` |
-//! | `r/rank/<i>`, `r/assigned` | arrival 1, for all members | rank of each member |
+//! | `r/rank/<i>`, `r/assigned` | arrival 1, for all members | rank of each member; `assigned` is `abandoned` when the members gave the round up |
 //! | `r/waiting`, `r/dead`, `r/changed` | late arrivals and members coming back; heartbeat watchers | the group should re-form |
 //! | `r/hb/<rank>` | each member, every keep-alive interval | its heartbeat counter |
 //! | `r/reform` | the first member to re-join | round `r+1` may form |
@@ -26,7 +26,14 @@
 //! bytes in all, not O(K²). Each member heartbeats and watches only its successor
 //! in rank order; a dead successor marks the round changed, which
 //! [`RendezvousHandler::num_nodes_waiting`] reports at once, so survivors re-form
-//! without waiting for a collective to time out. The decisions are made without
+//! without waiting for a collective to time out. A join can stop at any step (a
+//! signal, a crash): a completed round whose ranks are not assigned within
+//! `keep_alive_interval * keep_alive_max_attempt` (a member took an arrival index
+//! and never published its id, or arrival 1 never assigned) is abandoned by its
+//! members, who re-form in the next round without the phantom; a member that
+//! stopped after the round formed is caught by the heartbeats. A node waiting for
+//! the group to grow gives up at `join_timeout`, as PyTorch's does (a spare, for
+//! which the group is full, waits as long as the run lasts). The decisions are made without
 //! I/O in [`state`]: a node's join is the state machine [`state::Join`], and
 //! `join` below only performs the store operation each [`state::Step`] asks for
 //! and reports what happened; the keep-alive is pluggable ([`Keepalive`]: counters
@@ -54,6 +61,9 @@ use crate::api::{
 };
 use crate::registry::Created;
 use state::{Bounds, Event, Join, JoinFailure, Liveness, Step};
+
+/// The value of `r/assigned` for a round given up before its ranks were assigned.
+const ABANDONED: &[u8] = b"abandoned";
 
 /// Default port of the c10d rendezvous store.
 pub const DEFAULT_PORT: u16 = 29400;
@@ -441,24 +451,75 @@ impl DynamicRendezvous {
         }
     }
 
-    /// Member of `round` with arrival `index` of `members`: learns its rank.
+    /// How long a completed round may take to get its ranks before its members
+    /// give it up: a member that stopped between its steps (after taking an
+    /// arrival index, before publishing its id; or arrival 1, before assigning)
+    /// would otherwise make the others wait for a phantom until the join deadline.
+    fn assign_grace(&self) -> Duration {
+        self.timing.keep_alive * self.timing.max_misses
+    }
+
+    /// Gives up round `round`: its ranks are never assigned (first writer wins
+    /// `assigned`), waiting nodes are released, and the next round is opened.
+    /// `None` if the round was assigned after all.
+    async fn abandon(&self, round: u64) -> Result<Option<()>, RendezvousError> {
+        let r = format!("r{round}");
+        let v = self
+            .store
+            .compare_set(&format!("{r}/assigned"), b"", ABANDONED)
+            .await
+            .map_err(self.err())?;
+        if v != ABANDONED {
+            return Ok(None);
+        }
+        tracing::warn!(
+            round,
+            "a member of the round stopped before it got its ranks; re-forming without it"
+        );
+        self.store
+            .set(&format!("{r}/reform"), b"1")
+            .await
+            .map_err(self.err())?;
+        let _ = self
+            .store
+            .compare_set(
+                "round",
+                round.to_string().as_bytes(),
+                (round + 1).to_string().as_bytes(),
+            )
+            .await;
+        Ok(Some(()))
+    }
+
+    /// Member of `round` with arrival `index` of `members`: learns its rank, or
+    /// `None` if the round was abandoned (see [`Self::assign_grace`]).
     async fn rank_in(
         &self,
         round: u64,
         index: usize,
         members: usize,
         deadline: Instant,
-    ) -> Result<usize, RendezvousError> {
+    ) -> Result<Option<usize>, RendezvousError> {
         let r = format!("r{round}");
+        let grace = (Instant::now() + self.assign_grace()).min(deadline);
         if index == 1 {
             let keys: Vec<String> = (1..=members).map(|i| format!("{r}/node/{i}")).collect();
             let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-            // Every member published its id right after arriving; wait for them with
-            // an explicit timeout (not the store's, which other users share).
-            self.store
-                .wait_timeout(&refs, deadline.saturating_duration_since(Instant::now()))
+            // Every member publishes its id right after arriving; one that has
+            // not within the grace stopped: abandon the round.
+            match self
+                .store
+                .wait_timeout(&refs, grace.saturating_duration_since(Instant::now()))
                 .await
-                .map_err(self.err())?;
+            {
+                Ok(()) => {}
+                Err(e) if e.is_timeout() => {
+                    if self.abandon(round).await?.is_some() {
+                        return Ok(None);
+                    }
+                }
+                Err(e) => return Err(self.err()(e)),
+            }
             let nodes: Vec<String> = self
                 .store
                 .multi_get(&refs)
@@ -494,28 +555,29 @@ impl DynamicRendezvous {
                 .collect();
             pairs.push(("ranks", table.as_bytes()));
             self.store.multi_set(&pairs).await.map_err(self.err())?;
-            self.store
-                .set(&format!("{r}/assigned"), b"1")
+            let won = self
+                .store
+                .compare_set(&format!("{r}/assigned"), b"", b"1")
                 .await
                 .map_err(self.err())?;
-            return Ok(ranks[0]);
+            // Others may have given the round up while we assigned.
+            return Ok((won != ABANDONED).then_some(ranks[0]));
         }
-        if !self
-            .wait_key(&format!("{r}/assigned"), Some(deadline))
-            .await?
-        {
-            return Err(RendezvousError::State {
-                run_id: self.run_id.clone(),
-                reason: format!(
-                    "round {round} completed but its ranks were never assigned (arrival 1 gone?)"
-                ),
-            });
+        // Arrival 1 assigns; twice the grace, so its own give-up comes first.
+        let key = format!("{r}/assigned");
+        let until = (Instant::now() + 2 * self.assign_grace()).min(deadline);
+        if !self.wait_key(&key, Some(until)).await? && self.abandon(round).await?.is_some() {
+            return Ok(None);
+        }
+        if self.store.get_now(&key).await.map_err(self.err())? == ABANDONED {
+            return Ok(None);
         }
         self.read_number(
             &format!("{r}/rank/{index}"),
             &format!("rank of arrival {index} in round {round}"),
         )
         .await
+        .map(Some)
     }
 
     /// A decimal number the protocol stored at `key`; a State error naming `what`
@@ -657,10 +719,13 @@ impl DynamicRendezvous {
                         .map_err(self.err())?;
                     Event::Counted
                 }
-                Step::WaitReform => {
-                    self.wait_key(&format!("{r}/reform"), None).await?;
-                    Event::Reformed
-                }
+                Step::WaitReform { until } => match self
+                    .wait_key(&format!("{r}/reform"), until.map(Instant::from_std))
+                    .await?
+                {
+                    true => Event::Reformed,
+                    false => Event::TimedOut,
+                },
                 Step::Fail(JoinFailure::Timeout { round }) => {
                     return Err(self.timeout_error(round, started).await)
                 }
@@ -674,7 +739,10 @@ impl DynamicRendezvous {
                     let deadline = machine
                         .deadline()
                         .map_or(started + self.timing.join, Instant::from_std);
-                    let rank = self.rank_in(round, index, members, deadline).await?;
+                    let Some(rank) = self.rank_in(round, index, members, deadline).await? else {
+                        step = machine.on(Event::Abandoned, std::time::Instant::now());
+                        continue;
+                    };
                     let bootstrap = self.bootstrap_for(round, rank, deadline).await?;
                     node.member_of = Some((round, rank, members));
                     node.heartbeat = Some(self.keepalive.spawn(Beat {

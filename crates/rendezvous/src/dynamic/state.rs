@@ -20,7 +20,9 @@ pub struct Bounds {
 /// What the node that took arrival index `index` (1-based) must do at once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Arrival {
-    /// It is the min-th: it starts the last call for everyone.
+    /// It is the min-th or later: it starts the last call for everyone (every
+    /// later arrival says so again, so a min-th arrival that stopped before
+    /// saying it does not hold the round back).
     pub marks_min: bool,
     /// It is the max-th: the round is full and completes now.
     pub completes: bool,
@@ -28,7 +30,7 @@ pub struct Arrival {
 
 pub fn on_arrival(index: usize, b: Bounds) -> Arrival {
     Arrival {
-        marks_min: index == b.min,
+        marks_min: index >= b.min,
         completes: index == b.max,
     }
 }
@@ -180,9 +182,10 @@ pub enum Step {
     Complete { members: usize },
     /// Count as a node waiting for the group to grow; answer [`Event::Counted`].
     CountWaiting,
-    /// Wait, without limit, for the members to re-form (or the run to close);
-    /// answer [`Event::Reformed`].
-    WaitReform,
+    /// Wait for the members to re-form (or the run to close) until `until`
+    /// (`None`, a spare: no limit); answer [`Event::Reformed`] or
+    /// [`Event::TimedOut`].
+    WaitReform { until: Option<Instant> },
     /// Done: a member of `round` as arrival `index` of `members`.
     Member {
         round: u64,
@@ -224,6 +227,9 @@ pub enum Event {
     Counted,
     Reformed,
     TimedOut,
+    /// The round this node was a member of never got its ranks (a member
+    /// stopped between its steps): every member moves on to the next round.
+    Abandoned,
 }
 
 /// One node's join: bounds, timeouts, and where it is.
@@ -313,10 +319,18 @@ impl Join {
                     // redundancy list has no timeout).
                     self.spare = true;
                     self.deadline = None;
-                    Step::WaitReform
+                    Step::WaitReform { until: None }
                 }
             },
-            Event::Counted => Step::WaitReform,
+            // A waiting node gives up at its join deadline, as PyTorch's.
+            Event::Counted => Step::WaitReform {
+                until: self.deadline,
+            },
+            Event::Abandoned => {
+                self.round += 1;
+                self.index = 0;
+                Step::Arrive { round: self.round }
+            }
             Event::Reformed => {
                 // Join the next round; a spare's join timeout starts afresh.
                 self.round += 1;
@@ -353,9 +367,9 @@ mod tests {
         let table = [
             (1, false, false),
             (2, true, false),
-            (3, false, false),
-            (4, false, true),
-            (5, false, false),
+            (3, true, false),
+            (4, true, true),
+            (5, true, false),
         ];
         for (i, marks, completes) in table {
             assert_eq!(
@@ -449,7 +463,7 @@ mod tests {
         assert_eq!(
             j.on(Event::Arrived { index: 4 }, t0),
             Step::Announce {
-                marks_min: false,
+                marks_min: true,
                 completes_with: Some(4)
             }
         );
@@ -531,7 +545,12 @@ mod tests {
             j.on(Event::Completed { members: 3 }, t0),
             Step::CountWaiting
         );
-        assert_eq!(j.on(Event::Counted, t0), Step::WaitReform);
+        assert_eq!(
+            j.on(Event::Counted, t0),
+            Step::WaitReform {
+                until: Some(t0 + 1000 * MS)
+            }
+        );
         assert_eq!(
             j.on(Event::Reformed, t0 + 500 * MS),
             Step::Arrive { round: 1 }
@@ -550,7 +569,10 @@ mod tests {
         j.on(Event::Arrived { index: 5 }, t0);
         j.on(Event::Announced, t0);
         j.on(Event::MinReached, t0);
-        assert_eq!(j.on(Event::Completed { members: 4 }, t0), Step::WaitReform);
+        assert_eq!(
+            j.on(Event::Completed { members: 4 }, t0),
+            Step::WaitReform { until: None }
+        );
         assert_eq!(j.deadline(), None);
         // Re-formed a day later: a fresh join timeout for the next round.
         let later = t0 + Duration::from_secs(86_400);
@@ -562,7 +584,7 @@ mod tests {
         j.on(Event::MinReached, later);
         assert_eq!(
             j.on(Event::Completed { members: 4 }, later),
-            Step::WaitReform
+            Step::WaitReform { until: None }
         );
         assert_eq!(
             j.on(Event::Closed, later),
@@ -583,5 +605,38 @@ mod tests {
         );
         let (mut j, _) = join(0, t0);
         assert_eq!(j.on(Event::Closed, t0), Step::Fail(JoinFailure::Closed));
+    }
+
+    #[test]
+    fn a_waiting_node_gives_up_at_its_join_deadline() {
+        let t0 = Instant::now();
+        let (mut j, _) = join(0, t0);
+        j.on(Event::Arrived { index: 4 }, t0);
+        j.on(Event::Announced, t0);
+        j.on(Event::MinReached, t0);
+        j.on(Event::Completed { members: 3 }, t0);
+        j.on(Event::Counted, t0);
+        assert_eq!(
+            j.on(Event::TimedOut, t0 + 1000 * MS),
+            Step::Fail(JoinFailure::Timeout { round: 0 })
+        );
+    }
+
+    #[test]
+    fn an_abandoned_round_moves_every_member_to_the_next_with_its_deadline() {
+        let t0 = Instant::now();
+        let (mut j, _) = join(3, t0);
+        j.on(Event::Arrived { index: 2 }, t0);
+        j.on(Event::Announced, t0);
+        j.on(Event::MinReached, t0);
+        assert!(matches!(
+            j.on(Event::Completed { members: 3 }, t0),
+            Step::Member { round: 3, .. }
+        ));
+        assert_eq!(
+            j.on(Event::Abandoned, t0 + 200 * MS),
+            Step::Arrive { round: 4 }
+        );
+        assert_eq!(j.deadline(), Some(t0 + 1000 * MS));
     }
 }

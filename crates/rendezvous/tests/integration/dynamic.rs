@@ -379,3 +379,97 @@ async fn the_c10d_backend_runs_on_a_file_store_with_store_type_file() {
         assert!(n.shutdown().await.unwrap());
     }
 }
+
+/// What a node leaves behind when it stops between two steps of its join (a
+/// signal, a crash), written straight into the store: it never goes further.
+/// Whatever step it stopped at, the others form a round without it.
+#[tokio::test]
+async fn a_node_stopped_at_any_step_of_its_join_is_never_waited_for() {
+    use rallypoint_store::PrefixStore;
+    // (what it did before stopping, as (key, value) writes; "+" means ADD 1)
+    let steps: Vec<(&str, Vec<(&str, &str)>)> = vec![
+        ("took arrival 1, no id", vec![("r0/join", "+")]),
+        (
+            "arrival 1 with its id, never assigned ranks",
+            vec![("r0/join", "+"), ("r0/node/1", "ghost")],
+        ),
+        (
+            "took arrival 2 (the min-th), no id",
+            vec![("r0/join", "+"), ("r0/join", "+")],
+        ),
+        (
+            "arrival 2 (the min-th) with its id, never announced",
+            vec![("r0/join", "+"), ("r0/join", "+"), ("r0/node/2", "ghost")],
+        ),
+    ];
+    for (what, writes) in steps {
+        let store = MemoryStore::new();
+        let raw = PrefixStore::new("rally.rendezvous.run", Arc::new(store.clone()));
+        raw.compare_set("round", b"", b"0").await.unwrap();
+        // In the "arrival 2" cases arrival 1 is a node that left for good too.
+        for (k, v) in writes {
+            match v {
+                "+" => {
+                    raw.add(k, 1).await.unwrap();
+                }
+                v => raw.set(k, v.as_bytes()).await.unwrap(),
+            }
+        }
+        let nodes = [
+            node(&store, "a", 2, 3, timing()),
+            node(&store, "b", 2, 3, timing()),
+        ];
+        let t0 = Instant::now();
+        // Join until both are in one round of two: at most a re-form or two.
+        loop {
+            let infos = join_ok(&nodes).await;
+            if infos.iter().all(|i| i.world_size == 2) {
+                assert_eq!(infos[0].round, infos[1].round, "{what}");
+                let mut r = ranks(&infos);
+                r.sort_unstable();
+                assert_eq!(r, [0, 1], "{what}");
+                break;
+            }
+            // Formed with the phantom as a member: its missing heartbeats
+            // make the others re-form.
+            while nodes[0].num_nodes_waiting().await.unwrap() == 0 {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(8),
+                    "{what}: never noticed"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(8), "{what}");
+        }
+        // Far below the join timeout (10 s) that a phantom used to cost.
+        assert!(
+            t0.elapsed() < Duration::from_secs(8),
+            "{what}: {:?}",
+            t0.elapsed()
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_waiting_node_gives_up_at_the_join_timeout_naming_the_run() {
+    let store = MemoryStore::new();
+    let t = Timing {
+        join: Duration::from_millis(1500),
+        ..timing()
+    };
+    let first = node(&store, "a", 1, 3, t);
+    join_ok(&[first.clone()]).await;
+    // a runs alone and never re-forms (its agent does not react); c, late, waits
+    // for the group to grow, and gives up at its join timeout.
+    let late = node(&store, "c", 1, 3, t);
+    let t0 = Instant::now();
+    let err = late.next_rendezvous().await.unwrap_err();
+    assert!(matches!(err, RendezvousError::Timeout { .. }), "{err}");
+    assert!(err.to_string().contains("\"run\""), "{err}");
+    assert!(
+        t0.elapsed() >= Duration::from_millis(1400),
+        "{:?}",
+        t0.elapsed()
+    );
+    drop(first);
+}
