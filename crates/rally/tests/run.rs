@@ -661,5 +661,5 @@ fn the_status_endpoint_reports_round_workers_and_metrics() {
     assert!(job.wait(LIMIT).success(), "{}", job.output());
 }
 
-#[path = "agent_failures.rs"]
+#[path = "run/agent_failures.rs"]
 mod agent_failures;
