@@ -458,7 +458,7 @@ async fn a_waiting_node_gives_up_at_the_join_timeout_naming_the_run() {
         ..timing()
     };
     let first = node(&store, "a", 1, 3, t);
-    join_ok(&[first.clone()]).await;
+    join_ok(std::slice::from_ref(&first)).await;
     // a runs alone and never re-forms (its agent does not react); c, late, waits
     // for the group to grow, and gives up at its join timeout.
     let late = node(&store, "c", 1, 3, t);
