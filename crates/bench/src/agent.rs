@@ -167,17 +167,32 @@ fn free_port() -> Result<u16> {
         .port())
 }
 
-/// Milliseconds from SIGTERM to `child`'s exit.
-fn term_to_exit(child: &mut std::process::Child) -> Result<f64> {
+/// How long a launcher may take to exit after SIGTERM before it is killed and
+/// reported as a cut-off (torchrun ignores signals at its exit barrier).
+const SIGNAL_CUTOFF: Duration = Duration::from_secs(20);
+
+/// Milliseconds from SIGTERM to `child`'s exit; `None` if it had not exited
+/// after [`SIGNAL_CUTOFF`] (then it is SIGKILLed).
+fn term_to_exit(child: &mut std::process::Child) -> Result<Option<f64>> {
     let t0 = Instant::now();
     // SAFETY: signalling our own child.
     unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
-    child.wait()?;
-    Ok(t0.elapsed().as_secs_f64() * 1e3)
+    loop {
+        if child.try_wait()?.is_some() {
+            return Ok(Some(t0.elapsed().as_secs_f64() * 1e3));
+        }
+        if t0.elapsed() >= SIGNAL_CUTOFF {
+            child.kill()?;
+            child.wait()?;
+            return Ok(None);
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
 }
 
-/// Milliseconds from SIGTERM to exit, with the launcher in `phase`.
-fn signal_to_exit(a: &AgentArgs, l: Launcher, phase: &str) -> Result<f64> {
+/// Milliseconds from SIGTERM to exit, with the launcher in `phase` (`None`: cut
+/// off).
+fn signal_to_exit(a: &AgentArgs, l: Launcher, phase: &str) -> Result<Option<f64>> {
     let settle = Duration::from_secs(3);
     let port = free_port()?.to_string();
     let endpoint = format!("127.0.0.1:{port}");
@@ -228,7 +243,8 @@ fn signal_to_exit(a: &AgentArgs, l: Launcher, phase: &str) -> Result<f64> {
             let mut busy = two("sig-barrier", &["sleep", "100"])?;
             std::thread::sleep(settle + settle);
             let ms = term_to_exit(&mut done);
-            let _ = term_to_exit(&mut busy);
+            let _ = busy.kill();
+            let _ = busy.wait();
             ms
         }
         other => bail!("no phase {other}"),
@@ -284,21 +300,38 @@ pub fn run(a: AgentArgs) -> Result<()> {
 
 fn signals(a: &AgentArgs) -> Result<()> {
     println!(
-        "signal to exit (SIGTERM; workers obey it), median of {} (ms)",
-        a.reps
+        "signal to exit (SIGTERM; workers obey it), median of {} (ms; cut off at {:?})",
+        a.reps, SIGNAL_CUTOFF
     );
     println!(
         "{:>14} {:>12} {:>12} {:>8}",
         "phase", "rally run", "torchrun", "ratio"
     );
+    let show = |v: Option<f64>| {
+        v.map_or(format!(">{:.0}", SIGNAL_CUTOFF.as_secs_f64() * 1e3), |v| {
+            format!("{v:.1}")
+        })
+    };
     for phase in ["rendezvous", "running", "exit barrier"] {
         let (mut ours, mut theirs) = (Vec::new(), Vec::new());
         for _ in 0..a.reps {
             ours.push(signal_to_exit(a, Launcher::Rally, phase)?);
             theirs.push(signal_to_exit(a, Launcher::Torchrun, phase)?);
+            // A cut-off run says all there is to say about that launcher.
+            if theirs.last() == Some(&None) && theirs.len() >= 2 {
+                break;
+            }
         }
-        let (o, t) = (median(ours), median(theirs));
-        println!("{phase:>14} {o:>12.1} {t:>12.1} {:>7.1}x", t / o);
+        // A median over runs where any was cut off is no figure: report the cut-off.
+        let med = |v: Vec<Option<f64>>| -> Option<f64> {
+            v.iter().copied().collect::<Option<Vec<f64>>>().map(median)
+        };
+        let (o, t) = (med(ours), med(theirs));
+        let ratio = match (o, t) {
+            (Some(o), Some(t)) => format!("{:.1}x", t / o),
+            _ => "-".into(),
+        };
+        println!("{phase:>14} {:>12} {:>12} {ratio:>8}", show(o), show(t));
     }
     Ok(())
 }

@@ -469,6 +469,11 @@ pub fn run(a: RunArgs) -> anyhow::Result<i32> {
         std::env::set_var("OMP_NUM_THREADS", "1");
     }
     std::env::set_var("TORCHELASTIC_SIGNALS_TO_HANDLE", &a.signals_to_handle);
+    // Kills every descendant of the workers if this process dies, SIGKILL
+    // included (see the watchdog module).
+    let mark = plan.spec.mark.clone().unwrap_or_default();
+    // SAFETY: no thread has been started yet (the runtime comes next).
+    let watchdog = unsafe { watchdog::fork(&mark) };
 
     // One runtime thread keeps the hosted store, heartbeats and the status server
     // going while this thread watches the workers.
@@ -516,14 +521,6 @@ pub fn run(a: RunArgs) -> anyhow::Result<i32> {
     sinks.extend(json);
     // Kills every descendant of the workers if this process dies, SIGKILL
     // included (see the watchdog module); dropped (and so told to sweep) at exit.
-    let mark = plan.spec.mark.clone().unwrap_or_default();
-    let _watchdog = match watchdog::spawn(&mark) {
-        Ok(w) => Some(w),
-        Err(e) => {
-            tracing::warn!(error = %e, "no watchdog: descendants of workers may outlive a killed agent");
-            None
-        }
-    };
     let agent = Agent::new(plan.spec, handler).with_events(Arc::new(Fanout(sinks)));
     if let Some(port) = a.status_port {
         let addr = SocketAddr::from(([0, 0, 0, 0], port));
@@ -534,6 +531,13 @@ pub fn run(a: RunArgs) -> anyhow::Result<i32> {
     }
     // On this thread: the workers' parent-death signal follows it.
     let outcome = rt.block_on(agent.run());
+    match watchdog {
+        // The agent swept its marked processes at the end of its last round.
+        Ok(w) => w.release(),
+        Err(e) => {
+            tracing::warn!(error = %e, "there was no watchdog: descendants of workers could have outlived a killed agent")
+        }
+    }
     report(&outcome);
     let code = outcome.exit_code();
     // Do not wait for background tasks (heartbeats, the hosted store).

@@ -424,14 +424,14 @@ impl Agent {
     }
 
     /// Feeds `event` to the policy; a signal is also told to the sink.
-    fn decide(&self, run: &mut Run<'_>, event: Event) -> Vec<Action> {
+    fn decide(&self, policy: &mut Policy, event: Event) -> Vec<Action> {
         if let Event::Signal(signal) = event {
             self.emit(AgentEvent::SignalReceived {
                 signal,
-                phase: run.policy.phase().name(),
+                phase: policy.phase().name(),
             });
         }
-        run.policy.on(event, Instant::now())
+        policy.on(event, Instant::now())
     }
 
     /// Waits in the current phase when the policy had nothing to do.
@@ -464,7 +464,7 @@ impl Agent {
                     // Dropping the join mid-way is safe: the rendezvous never
                     // waits for a node that stopped between its steps.
                     join.abort();
-                    return self.decide(run, Event::Signal(s));
+                    return self.decide(&mut run.policy, Event::Signal(s));
                 }
                 _ = note.tick() => self.emit(AgentEvent::RendezvousWaiting {
                     run_id: run_id.clone(),
@@ -509,7 +509,7 @@ impl Agent {
             }
             Err(e) => Event::JoinFailed(format!("the rendezvous task failed: {e}")),
         };
-        self.decide(run, event)
+        self.decide(&mut run.policy, event)
     }
 
     /// Ranks, the job store, then the workers.
@@ -535,11 +535,11 @@ impl Agent {
         };
         let setup = tokio::select! {
             s = setup => s,
-            s = run.signals.recv() => return self.decide(run, Event::Signal(s)),
+            s = run.signals.recv() => return self.decide(&mut run.policy, Event::Signal(s)),
         };
         let (ranks, (master_addr, master_port, server)) = match setup {
             Ok(s) => s,
-            Err(e) => return self.decide(run, Event::StartFailed(e)),
+            Err(e) => return self.decide(&mut run.policy, Event::StartFailed(e)),
         };
         r.ranks = ranks;
         r.server = server;
@@ -548,7 +548,7 @@ impl Agent {
                 Ok(()) => Event::Started,
                 Err(e) => Event::StartFailed(e),
             };
-        self.decide(run, event)
+        self.decide(&mut run.policy, event)
     }
 
     /// Workers run: wait for their exits, check the rendezvous every
@@ -582,15 +582,7 @@ impl Agent {
                     duration: r.started.elapsed(),
                 });
             }
-            let actions = {
-                if let Event::Signal(signal) = event {
-                    self.emit(AgentEvent::SignalReceived {
-                        signal,
-                        phase: run.policy.phase().name(),
-                    });
-                }
-                run.policy.on(event, Instant::now())
-            };
+            let actions = self.decide(&mut run.policy, event);
             if !actions.is_empty() {
                 return actions;
             }
@@ -602,7 +594,7 @@ impl Agent {
     async fn stop(&self, run: &mut Run<'_>, signal: i32) -> Vec<Action> {
         let r = run.round.as_mut().expect("stopping a round");
         let Some(workers) = r.workers.as_mut() else {
-            return self.decide(run, Event::Stopped);
+            return self.decide(&mut run.policy, Event::Stopped);
         };
         let hurry = Notify::new();
         let stuck = {
@@ -612,11 +604,7 @@ impl Agent {
                 tokio::select! {
                     stuck = &mut stopping => break stuck,
                     s = run.signals.recv() => {
-                        self.emit(AgentEvent::SignalReceived {
-                            signal: s,
-                            phase: run.policy.phase().name(),
-                        });
-                        if run.policy.on(Event::Signal(s), Instant::now()).contains(&Action::Kill) {
+                        if self.decide(&mut run.policy, Event::Signal(s)).contains(&Action::Kill) {
                             hurry.notify_one();
                         }
                     }
@@ -633,7 +621,7 @@ impl Agent {
             self.emit(AgentEvent::WorkerFailed(Box::new(f.clone())));
         }
         r.failures = failures;
-        self.decide(run, Event::Stopped)
+        self.decide(&mut run.policy, Event::Stopped)
     }
 
     /// Kills whatever carries this agent's mark: descendants of workers that
@@ -682,7 +670,7 @@ impl Agent {
             run.failed_rounds = failed_rounds;
             self.status.send_modify(|s| s.failed_rounds = failed_rounds);
         }
-        self.decide(run, event)
+        self.decide(&mut run.policy, event)
     }
 
     /// Local workers succeeded: wait for every node, while still watching for a
@@ -728,15 +716,7 @@ impl Agent {
                     error: error.clone(),
                 });
             }
-            let actions = {
-                if let Event::Signal(signal) = event {
-                    self.emit(AgentEvent::SignalReceived {
-                        signal,
-                        phase: run.policy.phase().name(),
-                    });
-                }
-                run.policy.on(event, Instant::now())
-            };
+            let actions = self.decide(&mut run.policy, event);
             if !actions.is_empty() {
                 return actions;
             }
@@ -760,7 +740,11 @@ impl Agent {
                     // Do not overwrite a failure another node published.
                     let _ = bounded(s.compare_set(OUTCOME, b"", b"succeeded")).await;
                 }
-                self.close_run().await;
+                // Closed before lingering, so the others see the outcome; the
+                // rendezvous's shutdown below closes it otherwise.
+                if self.lingers(round.as_ref()) {
+                    self.close_run().await;
+                }
                 Outcome::Succeeded { attempts, barrier }
             }
             Verdict::OutOfRestarts { failed_rounds } => {
@@ -882,6 +866,11 @@ impl Agent {
         }
     }
 
+    /// Whether this node keeps the rendezvous store up at the end of `round`.
+    fn lingers(&self, round: Option<&Round>) -> bool {
+        self.handler.hosts_store() && round.is_some_and(|r| r.info.world_size > 1)
+    }
+
     /// Counts this node as finished; the node hosting the rendezvous store then
     /// keeps it up until every node of the round has (bounded when the run
     /// failed; while the others run, when it succeeded), so they can read the
@@ -895,7 +884,7 @@ impl Agent {
         {
             return;
         }
-        if !self.handler.hosts_store() || r.info.world_size < 2 {
+        if !self.lingers(Some(r)) {
             return;
         }
         let failed = !matches!(outcome, Outcome::Succeeded { .. });

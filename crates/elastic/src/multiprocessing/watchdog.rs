@@ -7,22 +7,27 @@
 //! whatever it does with sessions and groups, and two things kill by mark:
 //!
 //! - the agent itself, after each stop of a worker group ([`kill_marked`]);
-//! - a **watchdog**, a small child process of the agent started by re-executing
-//!   the current binary ([`spawn`]; the binary's `main` must call [`dispatch`]
+//! - a **watchdog**, a small child process of the agent: forked before the
+//!   agent starts any thread ([`fork`], what `rally run` does: no exec, about a
+//!   tenth of a millisecond), or the current binary re-executed ([`spawn`], for
+//!   programs that already run threads; their `main` must call [`dispatch`]
 //!   first). It sits in its own process group, ignores the terminal's and the
 //!   scheduler's signals, and blocks reading a pipe from the agent. The kernel
 //!   closes that pipe when the agent dies for any reason, SIGKILL included; the
 //!   watchdog then kills every marked process, rescanning `/proc` until none is
-//!   left (bounded), and exits. When the agent ends normally it closes the pipe
-//!   too, and the sweep finds nothing.
+//!   left (bounded), and exits. When the agent ends normally it has swept
+//!   itself; it writes one byte to say so ([`Watchdog::release`]) and the
+//!   watchdog exits without sweeping.
 //!
 //! What this does not cover: a descendant that clears its environment (`env -i`)
 //! or runs as another user, and a SIGKILL that reaches the watchdog itself (e.g.
 //! an OOM kill of the watchdog). A cgroup would cover those where one can be
 //! created; see the README.
 
-use std::io::Read;
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// The environment variable that marks a worker and all its descendants.
@@ -85,29 +90,42 @@ pub fn kill_marked(mark: &str, limit: Duration) -> Vec<u32> {
 }
 
 /// A running watchdog. Dropping it closes the pipe: the watchdog sweeps and
-/// exits (it is reaped in the background of the drop, never waited on).
+/// exits; [`Watchdog::release`] lets it exit without sweeping.
 pub struct Watchdog {
-    child: Child,
-    pipe: Option<ChildStdin>,
+    pid: u32,
+    pipe: Option<File>,
 }
 
 impl Watchdog {
     pub fn pid(&self) -> u32 {
-        self.child.id()
+        self.pid
+    }
+
+    /// The agent ended normally and killed its marked processes itself: the
+    /// watchdog exits without a sweep (and is reaped by whoever inherits it).
+    pub fn release(mut self) {
+        if let Some(mut pipe) = self.pipe.take() {
+            let _ = pipe.write_all(RELEASE);
+        }
+        self.reap();
+    }
+
+    fn reap(&self) {
+        // SAFETY: non-blocking wait for our own child.
+        unsafe { libc::waitpid(self.pid as libc::pid_t, std::ptr::null_mut(), libc::WNOHANG) };
     }
 }
 
 impl Drop for Watchdog {
-    /// Closes the pipe and reaps the watchdog once its sweep is done, waiting
-    /// at most 200 ms (it is re-parented if it takes longer).
+    /// Closes the pipe without [`Watchdog::release`]: the watchdog sweeps.
     fn drop(&mut self) {
         self.pipe.take();
-        let deadline = Instant::now() + Duration::from_millis(200);
-        while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        self.reap();
     }
 }
+
+/// What [`Watchdog::release`] writes.
+const RELEASE: &[u8] = b"q";
 
 /// Starts a watchdog for `mark` by re-executing the current binary, whose
 /// `main` must call [`dispatch`] before anything else.
@@ -120,8 +138,49 @@ pub fn spawn(mark: &str) -> std::io::Result<Watchdog> {
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
         .spawn()?;
-    let pipe = child.stdin.take();
-    Ok(Watchdog { child, pipe })
+    let pipe = child.stdin.take().map(|p| File::from(OwnedFd::from(p)));
+    Ok(Watchdog {
+        pid: child.id(),
+        pipe,
+    })
+}
+
+/// Starts a watchdog for `mark` by forking this process.
+///
+/// # Safety
+///
+/// No other thread may exist in this process: the child runs ordinary Rust
+/// code (it allocates), which is only sound after `fork` in a single-threaded
+/// process.
+pub unsafe fn fork(mark: &str) -> std::io::Result<Watchdog> {
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 fills two descriptors we then own.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: the descriptors were just created.
+    let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    // SAFETY: the caller guarantees a single-threaded process.
+    match unsafe { libc::fork() } {
+        -1 => Err(std::io::Error::last_os_error()),
+        0 => {
+            drop(write);
+            // stdout may be a pipe someone reads to its end: do not hold it.
+            // SAFETY: plain descriptor calls in our own process.
+            unsafe {
+                let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR);
+                if null >= 0 {
+                    libc::dup2(null, 0);
+                    libc::dup2(null, 1);
+                }
+            }
+            watch(mark, File::from(read))
+        }
+        pid => Ok(Watchdog {
+            pid: pid as u32,
+            pipe: Some(File::from(write)),
+        }),
+    }
 }
 
 /// In a binary that may be re-executed as a watchdog: if this process is one,
@@ -131,8 +190,22 @@ pub fn dispatch() {
         return;
     };
     let mark = mark.to_string_lossy().into_owned();
-    // SAFETY: ignoring signals and leaving the agent's process group, before any
-    // thread exists in this process.
+    watch(
+        &mark,
+        File::from(
+            std::io::stdin()
+                .as_fd()
+                .try_clone_to_owned()
+                .unwrap_or_else(|_| std::process::exit(1)),
+        ),
+    )
+}
+
+/// The watchdog's life: ignore the signals that reach the agent's process
+/// group, leave it, wait for the agent to release it, close the pipe or die,
+/// then sweep and exit.
+fn watch(mark: &str, mut pipe: File) -> ! {
+    // SAFETY: ignoring signals and leaving the agent's process group.
     unsafe {
         for sig in [
             libc::SIGINT,
@@ -150,11 +223,16 @@ pub fn dispatch() {
         }
         libc::setpgid(0, 0);
     }
-    // Blocks until the agent closes the pipe or dies.
-    let mut sink = [0u8; 64];
-    let mut stdin = std::io::stdin();
-    while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
-    let left = kill_marked(&mark, Duration::from_secs(2));
+    let mut byte = [0u8; 1];
+    loop {
+        match pipe.read(&mut byte) {
+            Ok(1) if byte == RELEASE => std::process::exit(0),
+            Ok(n) if n > 0 => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            _ => break,
+        }
+    }
+    let left = kill_marked(mark, Duration::from_secs(2));
     if !left.is_empty() {
         eprintln!("rally watchdog: processes {left:?} survived SIGKILL (stuck in the kernel?)");
     }

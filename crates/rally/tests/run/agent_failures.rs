@@ -4,14 +4,16 @@
 
 use super::*;
 
-/// Processes whose command line contains `token` (a unique sleep length).
+/// `sleep` processes whose argument is `token` (a unique sleep length); not the
+/// agents and their watchdogs, whose own command lines name it too.
 fn procs_with(token: &str) -> Vec<i32> {
+    let argv = format!("sleep\0{token}\0");
     std::fs::read_dir("/proc")
         .unwrap()
         .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
         .filter(|pid| {
             std::fs::read(format!("/proc/{pid}/cmdline"))
-                .is_ok_and(|c| String::from_utf8_lossy(&c).contains(token) && alive(*pid))
+                .is_ok_and(|c| c == argv.as_bytes() && alive(*pid))
         })
         .collect()
 }
