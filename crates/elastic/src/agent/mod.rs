@@ -434,6 +434,14 @@ impl Agent {
         policy.on(event, Instant::now())
     }
 
+    /// Ticks every `monitor_interval`, the first one interval from now.
+    fn monitor_tick(&self) -> tokio::time::Interval {
+        let every = self.spec.monitor_interval;
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick
+    }
+
     /// Waits in the current phase when the policy had nothing to do.
     async fn resume(&self, run: &mut Run<'_>) -> Vec<Action> {
         match run.policy.phase() {
@@ -556,11 +564,7 @@ impl Agent {
     async fn running(&self, run: &mut Run<'_>) -> Vec<Action> {
         let r = run.round.as_mut().expect("running in a round");
         let workers = r.workers.as_mut().expect("workers started");
-        let mut tick = tokio::time::interval_at(
-            tokio::time::Instant::now() + self.spec.monitor_interval,
-            self.spec.monitor_interval,
-        );
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut tick = self.monitor_tick();
         loop {
             let event = tokio::select! {
                 ok = workers.watch() => match ok {
@@ -690,11 +694,7 @@ impl Agent {
             None,
         );
         tokio::pin!(wait);
-        let mut tick = tokio::time::interval_at(
-            tokio::time::Instant::now() + self.spec.monitor_interval,
-            self.spec.monitor_interval,
-        );
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut tick = self.monitor_tick();
         loop {
             let event = tokio::select! {
                 done = &mut wait => Event::Barrier(match done {
