@@ -60,8 +60,6 @@ struct ServeArgs {
 }
 
 fn main() -> anyhow::Result<()> {
-    // A re-executed `rally run` watchdog never gets further than this.
-    rallypoint_elastic::multiprocessing::watchdog::dispatch();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("RALLY_LOG")

@@ -7,11 +7,10 @@
 //! whatever it does with sessions and groups, and two things kill by mark:
 //!
 //! - the agent itself, after each stop of a worker group ([`kill_marked`]);
-//! - a **watchdog**, a small child process of the agent: forked before the
-//!   agent starts any thread ([`fork`], what `rally run` does: no exec, about a
-//!   tenth of a millisecond), or the current binary re-executed ([`spawn`], for
-//!   programs that already run threads; their `main` must call [`dispatch`]
-//!   first). It sits in its own process group, ignores the terminal's and the
+//! - a **watchdog**, a small child process of the agent, forked before the
+//!   agent starts any thread ([`fork`]: no exec, about a tenth of a
+//!   millisecond; a program embedding the agent calls it first thing, before
+//!   its runtime). It sits in its own process group, ignores the terminal's and the
 //!   scheduler's signals, and blocks reading a pipe from the agent. The kernel
 //!   closes that pipe when the agent dies for any reason, SIGKILL included; the
 //!   watchdog then kills every marked process, rescanning `/proc` until none is
@@ -26,14 +25,11 @@
 
 use std::fs::File;
 use std::io::{Read, Write};
-use std::os::fd::{AsFd, FromRawFd, OwnedFd};
-use std::process::{Command, Stdio};
+use std::os::fd::{FromRawFd, OwnedFd};
 use std::time::{Duration, Instant};
 
 /// The environment variable that marks a worker and all its descendants.
 pub const MARK_ENV: &str = "RALLY_AGENT_MARK";
-/// Set on the re-executed binary to make it a watchdog for that mark.
-const WATCHDOG_ENV: &str = "RALLY_WATCHDOG_FOR";
 
 /// A fresh mark for this agent: its pid and 64 random bits.
 pub fn new_mark() -> String {
@@ -127,24 +123,6 @@ impl Drop for Watchdog {
 /// What [`Watchdog::release`] writes.
 const RELEASE: &[u8] = b"q";
 
-/// Starts a watchdog for `mark` by re-executing the current binary, whose
-/// `main` must call [`dispatch`] before anything else.
-pub fn spawn(mark: &str) -> std::io::Result<Watchdog> {
-    let exe = std::env::current_exe()?;
-    let mut child = Command::new(exe)
-        .env(WATCHDOG_ENV, mark)
-        .env_remove(MARK_ENV)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()?;
-    let pipe = child.stdin.take().map(|p| File::from(OwnedFd::from(p)));
-    Ok(Watchdog {
-        pid: child.id(),
-        pipe,
-    })
-}
-
 /// Starts a watchdog for `mark` by forking this process.
 ///
 /// # Safety
@@ -181,24 +159,6 @@ pub unsafe fn fork(mark: &str) -> std::io::Result<Watchdog> {
             pipe: Some(File::from(write)),
         }),
     }
-}
-
-/// In a binary that may be re-executed as a watchdog: if this process is one,
-/// watch and exit; otherwise return at once.
-pub fn dispatch() {
-    let Some(mark) = std::env::var_os(WATCHDOG_ENV) else {
-        return;
-    };
-    let mark = mark.to_string_lossy().into_owned();
-    watch(
-        &mark,
-        File::from(
-            std::io::stdin()
-                .as_fd()
-                .try_clone_to_owned()
-                .unwrap_or_else(|_| std::process::exit(1)),
-        ),
-    )
 }
 
 /// The watchdog's life: ignore the signals that reach the agent's process
