@@ -4,9 +4,11 @@
 //! environment, routes their output to per-rank log files and (prefixed, whole
 //! lines) to the console, learns exactly how each one ended, and stops them all:
 //! PyTorch's `torch.distributed.elastic.multiprocessing`. [`errors`] is the
-//! `TORCHELASTIC_ERROR_FILE` mechanism, with PyTorch's JSON layout. [`agent`] is
+//! `TORCHELASTIC_ERROR_FILE` mechanism, with PyTorch's JSON layout. [`devices`]
+//! counts the GPUs a process sees, honouring `CUDA_VISIBLE_DEVICES`. [`agent`] is
 //! the elastic agent behind `rally run`: rendezvous, start, monitor, restart.
 
 pub mod agent;
+pub mod devices;
 pub mod errors;
 pub mod multiprocessing;

@@ -60,7 +60,10 @@ struct ServeArgs {
 }
 
 fn main() -> anyhow::Result<()> {
+    use std::io::IsTerminal;
     tracing_subscriber::fmt()
+        // Colour only for a person at a terminal, not in Slurm output files.
+        .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("RALLY_LOG")
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
@@ -69,6 +72,10 @@ fn main() -> anyhow::Result<()> {
         .init();
     let cli = Cli::parse();
     match cli.command {
+        Command::Run(args) if args.print_completion.is_some() => {
+            print_completion(args.print_completion.as_deref().unwrap_or_default());
+            Ok(())
+        }
         Command::Run(args) => match run::run(*args) {
             Ok(code) => std::process::exit(code),
             Err(e) => {
@@ -80,6 +87,37 @@ fn main() -> anyhow::Result<()> {
             command: StoreCommand::Serve(args),
         } => serve(args),
     }
+}
+
+/// `rally run --print-completion SHELL`: a completion script for `rally` (all
+/// subcommands) on stdout, as `torchrun --print-completion` prints torchrun's.
+fn print_completion(shell: &str) {
+    use clap::CommandFactory;
+    use clap_complete::Shell;
+    let mut cmd = Cli::command();
+    let mut out = std::io::stdout();
+    let shell = match shell {
+        "bash" => Shell::Bash,
+        "zsh" => Shell::Zsh,
+        "fish" => Shell::Fish,
+        "elvish" => Shell::Elvish,
+        "powershell" => Shell::PowerShell,
+        // clap_complete has no tcsh; its `complete` builtin takes word lists.
+        _ => {
+            cmd.build();
+            let words = |c: &clap::Command| {
+                c.get_arguments()
+                    .flat_map(|a| a.get_long_and_visible_aliases().unwrap_or_default())
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            };
+            let subs: Vec<&str> = cmd.get_subcommands().map(|c| c.get_name()).collect();
+            let run = cmd.find_subcommand("run").map(words).unwrap_or_default();
+            println!("complete rally 'p/1/({})/' 'c/--/({run})/'", subs.join(" "));
+            return;
+        }
+    };
+    clap_complete::generate(shell, &mut cmd, "rally", &mut out);
 }
 
 fn serve(args: ServeArgs) -> anyhow::Result<()> {

@@ -32,7 +32,7 @@ pub struct RunArgs {
     /// Workers per node: a number, `cpu`, `gpu` or `auto`.
     #[arg(
         long = "nproc-per-node",
-        alias = "nproc_per_node",
+        visible_alias = "nproc_per_node",
         env = "PET_NPROC_PER_NODE",
         default_value = "1"
     )]
@@ -40,7 +40,7 @@ pub struct RunArgs {
     /// Rendezvous backend: `static`, `c10d`, `etcd` (if built in), or registered.
     #[arg(
         long = "rdzv-backend",
-        alias = "rdzv_backend",
+        visible_alias = "rdzv_backend",
         env = "PET_RDZV_BACKEND",
         default_value = "static"
     )]
@@ -48,7 +48,7 @@ pub struct RunArgs {
     /// Rendezvous endpoint, `host[:port]`.
     #[arg(
         long = "rdzv-endpoint",
-        alias = "rdzv_endpoint",
+        visible_alias = "rdzv_endpoint",
         env = "PET_RDZV_ENDPOINT",
         default_value = ""
     )]
@@ -56,7 +56,7 @@ pub struct RunArgs {
     /// Run id shared by every node of the job.
     #[arg(
         long = "rdzv-id",
-        alias = "rdzv_id",
+        visible_alias = "rdzv_id",
         env = "PET_RDZV_ID",
         default_value = "none"
     )]
@@ -64,7 +64,7 @@ pub struct RunArgs {
     /// Backend options, `k1=v1,k2=v2`.
     #[arg(
         long = "rdzv-conf",
-        alias = "rdzv_conf",
+        visible_alias = "rdzv_conf",
         env = "PET_RDZV_CONF",
         default_value = ""
     )]
@@ -75,7 +75,7 @@ pub struct RunArgs {
     /// Failed rounds tolerated before the job fails (job-wide).
     #[arg(
         long = "max-restarts",
-        alias = "max_restarts",
+        visible_alias = "max_restarts",
         env = "PET_MAX_RESTARTS",
         default_value_t = 0
     )]
@@ -83,19 +83,19 @@ pub struct RunArgs {
     /// Seconds between health checks (a worker's exit is seen at once regardless).
     #[arg(
         long = "monitor-interval",
-        alias = "monitor_interval",
+        visible_alias = "monitor_interval",
         env = "PET_MONITOR_INTERVAL",
         default_value_t = 0.1
     )]
     monitor_interval: f64,
     /// Accepted for compatibility; programs are always started with fork+exec.
-    #[arg(long = "start-method", alias = "start_method", env = "PET_START_METHOD", default_value = "spawn",
+    #[arg(long = "start-method", visible_alias = "start_method", env = "PET_START_METHOD", default_value = "spawn",
           value_parser = ["spawn", "fork", "forkserver"])]
     start_method: String,
     /// `null` (default) or `console` (events as JSON lines on stderr).
     #[arg(
         long = "event-log-handler",
-        alias = "event_log_handler",
+        visible_alias = "event_log_handler",
         env = "PET_EVENT_LOG_HANDLER",
         default_value = "null"
     )]
@@ -107,13 +107,13 @@ pub struct RunArgs {
     #[arg(short = 'm', long, env = "PET_MODULE")]
     module: bool,
     /// Run the script directly, not under Python.
-    #[arg(long = "no-python", alias = "no_python", env = "PET_NO_PYTHON")]
+    #[arg(long = "no-python", visible_alias = "no_python", env = "PET_NO_PYTHON")]
     no_python: bool,
     /// torchrun runs the script in-process with runpy; here it runs under Python.
-    #[arg(long = "run-path", alias = "run_path", env = "PET_RUN_PATH")]
+    #[arg(long = "run-path", visible_alias = "run_path", env = "PET_RUN_PATH")]
     run_path: bool,
     /// Base directory of per-run logs.
-    #[arg(long = "log-dir", alias = "log_dir", env = "PET_LOG_DIR")]
+    #[arg(long = "log-dir", visible_alias = "log_dir", env = "PET_LOG_DIR")]
     log_dir: Option<PathBuf>,
     /// Streams to files only: 0-3 or per local rank (`0:1,1:2`).
     #[arg(short = 'r', long, env = "PET_REDIRECTS", default_value = "0")]
@@ -121,10 +121,20 @@ pub struct RunArgs {
     /// Streams to files and the console: 0-3 or per local rank.
     #[arg(short = 't', long, env = "PET_TEE", default_value = "0")]
     tee: String,
+    /// Prefix of teed console lines; `${role_name}`, `${local_rank}`, `${rank}`
+    /// and `${hostname}` expand (default `[${role_name}${local_rank}]:`; also
+    /// `TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`). Only teed output (`-t`) is
+    /// prefixed, as under torchrun.
+    #[arg(
+        long = "log-line-prefix-template",
+        visible_alias = "log_line_prefix_template",
+        env = "PET_LOG_LINE_PREFIX_TEMPLATE"
+    )]
+    log_line_prefix_template: Option<String>,
     /// Local ranks whose output reaches the console, `0,1`.
     #[arg(
         long = "local-ranks-filter",
-        alias = "local_ranks_filter",
+        visible_alias = "local_ranks_filter",
         env = "PET_LOCAL_RANKS_FILTER",
         default_value = ""
     )]
@@ -132,7 +142,7 @@ pub struct RunArgs {
     /// Not supported yet (an error if given).
     #[arg(
         long = "duplicate-stdout-filters",
-        alias = "duplicate_stdout_filters",
+        visible_alias = "duplicate_stdout_filters",
         env = "PET_DUPLICATE_STDOUT_FILTERS",
         default_value = ""
     )]
@@ -140,7 +150,7 @@ pub struct RunArgs {
     /// Not supported yet (an error if given).
     #[arg(
         long = "duplicate-stderr-filters",
-        alias = "duplicate_stderr_filters",
+        visible_alias = "duplicate_stderr_filters",
         env = "PET_DUPLICATE_STDERR_FILTERS",
         default_value = ""
     )]
@@ -148,7 +158,7 @@ pub struct RunArgs {
     /// This node's rank (static backend only).
     #[arg(
         long = "node-rank",
-        alias = "node_rank",
+        visible_alias = "node_rank",
         env = "PET_NODE_RANK",
         default_value_t = 0
     )]
@@ -156,38 +166,48 @@ pub struct RunArgs {
     /// Address of the static backend's store (rank 0's node).
     #[arg(
         long = "master-addr",
-        alias = "master_addr",
+        visible_alias = "master_addr",
         env = "PET_MASTER_ADDR",
         default_value = "127.0.0.1"
     )]
     master_addr: String,
     /// Port of the static backend's store.
-    #[arg(long = "master-port", alias = "master_port", env = "PET_MASTER_PORT")]
+    #[arg(
+        long = "master-port",
+        visible_alias = "master_port",
+        env = "PET_MASTER_PORT"
+    )]
     master_port: Option<u16>,
     /// Address this node advertises.
-    #[arg(long = "local-addr", alias = "local_addr", env = "PET_LOCAL_ADDR")]
+    #[arg(
+        long = "local-addr",
+        visible_alias = "local_addr",
+        env = "PET_LOCAL_ADDR"
+    )]
     local_addr: Option<String>,
     /// Python entry points; not available here (an error if given).
-    #[arg(long = "logs-specs", alias = "logs_specs")]
+    #[arg(long = "logs-specs", visible_alias = "logs_specs")]
     logs_specs: Option<String>,
-    /// GPU NUMA binding; accepted, no effect without GPUs.
-    #[arg(long = "numa-binding", alias = "numa_binding")]
+    /// Bind workers to the NUMA node of their GPU (torchrun 2.8+). Not
+    /// implemented by rally run: refused with an error rather than ignored.
+    #[arg(long = "numa-binding", visible_alias = "numa_binding",
+          value_parser = ["node", "socket", "exclusive", "core-complex"])]
     numa_binding: Option<String>,
     /// Signals trapped and forwarded to the workers.
-    #[arg(long = "signals-to-handle", alias = "signals_to_handle", env = "PET_SIGNALS_TO_HANDLE", default_value = DEFAULT_SIGNALS)]
+    #[arg(long = "signals-to-handle", visible_alias = "signals_to_handle", env = "PET_SIGNALS_TO_HANDLE", default_value = DEFAULT_SIGNALS)]
     signals_to_handle: String,
     /// Seconds between the stop signal and SIGKILL (else
     /// `TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, else 30).
     #[arg(
         long = "shutdown-timeout",
-        alias = "shutdown_timeout",
+        visible_alias = "shutdown_timeout",
         env = "PET_SHUTDOWN_TIMEOUT"
     )]
     shutdown_timeout: Option<u64>,
     /// Every worker gets `LOCAL_RANK=0` and one device.
     #[arg(
         long = "virtual-local-rank",
-        alias = "virtual_local_rank",
+        visible_alias = "virtual_local_rank",
         env = "PET_VIRTUAL_LOCAL_RANK"
     )]
     virtual_local_rank: bool,
@@ -214,8 +234,13 @@ pub struct RunArgs {
     /// (rallypoint) Serve /status (JSON) and /metrics (Prometheus) on this port.
     #[arg(long = "status-port", env = "RALLY_STATUS_PORT")]
     status_port: Option<u16>,
+    /// Print a completion script for `rally` to stdout and exit: bash, zsh,
+    /// tcsh (as torchrun), fish, elvish or powershell.
+    #[arg(long = "print-completion", visible_alias = "print_completion",
+          value_parser = ["bash", "zsh", "tcsh", "fish", "elvish", "powershell"])]
+    pub print_completion: Option<String>,
     /// The training script (or module, or program) and its arguments.
-    #[arg(required = true, trailing_var_arg = true, num_args = 1..)]
+    #[arg(required_unless_present = "print_completion", trailing_var_arg = true, num_args = 1..)]
     command: Vec<OsString>,
 }
 
@@ -240,7 +265,7 @@ fn parse_nnodes(s: &str) -> anyhow::Result<(usize, usize)> {
 }
 
 fn gpu_count() -> usize {
-    std::fs::read_dir("/proc/driver/nvidia/gpus").map_or(0, |d| d.count())
+    rallypoint_elastic::devices::visible_gpus()
 }
 
 fn cpu_count() -> usize {
@@ -251,7 +276,7 @@ fn parse_nproc(s: &str) -> anyhow::Result<usize> {
     let n = match s {
         "cpu" => cpu_count(),
         "gpu" => match gpu_count() {
-            0 => bail!("--nproc-per-node gpu: no GPUs found"),
+            0 => bail!("--nproc-per-node gpu: no GPUs visible (driver listing /proc/driver/nvidia/gpus, CUDA_VISIBLE_DEVICES={:?})", std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "<unset>".into())),
             n => n,
         },
         "auto" => match gpu_count() {
@@ -292,17 +317,6 @@ fn random_run_id() -> String {
     )
 }
 
-fn hostname() -> String {
-    let mut buf = [0u8; 256];
-    // SAFETY: the buffer is valid for its length.
-    let r = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
-    if r != 0 {
-        return "localhost".into();
-    }
-    let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
-    String::from_utf8_lossy(&buf[..end]).into_owned()
-}
-
 /// The worker entrypoint and its arguments.
 fn entrypoint(a: &RunArgs) -> anyhow::Result<(Entrypoint, Vec<OsString>)> {
     let (script, rest) = a
@@ -318,11 +332,11 @@ fn entrypoint(a: &RunArgs) -> anyhow::Result<(Entrypoint, Vec<OsString>)> {
         use std::os::unix::fs::PermissionsExt;
         std::fs::metadata(script).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 == 0)
     };
-    let python = a.module || a.run_path || (!a.no_python && (is_py || not_executable()));
-    if !python {
+    let under_python = a.module || a.run_path || (!a.no_python && (is_py || not_executable()));
+    if !under_python {
         return Ok((Entrypoint::Program(script.clone()), rest.to_vec()));
     }
-    let exe = std::env::var_os("PYTHON_EXEC").unwrap_or_else(|| "python3".into());
+    let exe = python();
     let mut args: Vec<OsString> = vec!["-u".into()];
     if a.module {
         args.push("-m".into());
@@ -330,6 +344,28 @@ fn entrypoint(a: &RunArgs) -> anyhow::Result<(Entrypoint, Vec<OsString>)> {
     args.push(script.clone());
     args.extend(rest.iter().cloned());
     Ok((Entrypoint::Program(exe), args))
+}
+
+/// The interpreter for Python workers: `PYTHON_EXEC`; else a `python` beside
+/// this executable (a virtual environment's `bin`, where pip puts `rally`), so
+/// a venv's `rally` works without activating the venv, as its `torchrun` does;
+/// else `python3` from `PATH`.
+fn python() -> OsString {
+    if let Some(p) = std::env::var_os("PYTHON_EXEC").filter(|p| !p.is_empty()) {
+        return p;
+    }
+    let beside = std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.parent()?.join("python")));
+    match beside {
+        Some(p) if is_executable(&p) => p.into_os_string(),
+        _ => "python3".into(),
+    }
+}
+
+fn is_executable(p: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
 }
 
 /// Everything the flags decide, checked.
@@ -347,8 +383,8 @@ fn plan(a: &RunArgs) -> anyhow::Result<Plan> {
     if let Some(s) = &a.logs_specs {
         bail!("--logs-specs {s:?}: Python entry points cannot be loaded by rally run; use --log-dir, -r and -t");
     }
-    if a.numa_binding.is_some() && gpu_count() > 0 {
-        eprintln!("rally run: --numa-binding is not applied (no NUMA support yet)");
+    if let Some(mode) = &a.numa_binding {
+        bail!("--numa-binding {mode}: rally run does not bind workers to NUMA nodes; run each worker under numactl instead (e.g. --no-python numactl --cpunodebind=N --membind=N python -u train.py)");
     }
     for (flag, v) in [
         ("--monitor-interval", a.monitor_interval),
@@ -383,6 +419,9 @@ fn plan(a: &RunArgs) -> anyhow::Result<Plan> {
         run_id = match (scheduler, max_nodes) {
             (Some(id), _) => id,
             (None, 1) => random_run_id(),
+            // The static backend's store is the job's own (its port): no
+            // other job shares it, and torchrun does not warn either.
+            (None, _) if backend == "static" => "none".into(),
             (None, _) => {
                 eprintln!("rally run: warning: no --rdzv-id; jobs sharing this rendezvous endpoint will collide (run id \"none\")");
                 "none".into()
@@ -431,8 +470,17 @@ fn plan(a: &RunArgs) -> anyhow::Result<Plan> {
         redirects: PerRank::parse(&a.redirects).map_err(|e| anyhow::anyhow!("--redirects: {e}"))?,
         tee: PerRank::parse(&a.tee).map_err(|e| anyhow::anyhow!("--tee: {e}"))?,
         local_ranks_filter,
-        prefix_template: std::env::var("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE")
-            .unwrap_or_else(|_| DEFAULT_PREFIX_TEMPLATE.into()),
+        // As torchrun: the flag, else the variable, else the default.
+        prefix_template: a
+            .log_line_prefix_template
+            .clone()
+            .filter(|t| !t.is_empty())
+            .or_else(|| {
+                std::env::var("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE")
+                    .ok()
+                    .filter(|t| !t.is_empty())
+            })
+            .unwrap_or_else(|| DEFAULT_PREFIX_TEMPLATE.into()),
     };
     let (entrypoint, args) = entrypoint(a)?;
     let spec = AgentSpec {
@@ -448,7 +496,7 @@ fn plan(a: &RunArgs) -> anyhow::Result<Plan> {
         exit_barrier_timeout: Duration::from_secs_f64(a.exit_barrier_timeout),
         lost_grace: Duration::from_secs_f64(a.rdzv_lost_timeout),
         virtual_local_rank: a.virtual_local_rank,
-        hostname: hostname(),
+        hostname: rallypoint_elastic::multiprocessing::hostname(),
         local_addr: a.local_addr.clone(),
         mark: Some(watchdog::new_mark()),
     };
@@ -491,8 +539,9 @@ pub fn run(a: RunArgs) -> anyhow::Result<i32> {
         Ok(h) => Arc::<dyn rallypoint_rendezvous::RendezvousHandler>::from(h),
         Err(e) => {
             eprintln!(
-                "rally run: cannot set up the {:?} rendezvous: {e}",
-                plan.params.backend
+                "rally run: cannot set up the {:?} rendezvous: {}",
+                plan.params.backend,
+                chain(&e)
             );
             return Ok(Outcome::Rendezvous(e).exit_code());
         }
@@ -538,7 +587,10 @@ pub fn run(a: RunArgs) -> anyhow::Result<i32> {
             tracing::warn!(error = %e, "there was no watchdog: descendants of workers could have outlived a killed agent")
         }
     }
-    report(&outcome);
+    report(&outcome, &script_name(&a));
+    if let Err(e) = write_launcher_error_file(&outcome) {
+        eprintln!("rally run: {e:#}");
+    }
     let code = outcome.exit_code();
     // Do not wait for background tasks (heartbeats, the hosted store).
     rt.shutdown_timeout(Duration::from_millis(100));
@@ -606,7 +658,7 @@ impl EventSink for Console {
     }
 }
 
-fn report(outcome: &Outcome) {
+fn report(outcome: &Outcome, name: &str) {
     match outcome {
         Outcome::Succeeded { attempts, barrier } => {
             let restarts = attempts.saturating_sub(1);
@@ -626,16 +678,83 @@ fn report(outcome: &Outcome) {
             failures,
         } => {
             eprintln!("rally run: job FAILED: {reason} (failed rounds: {failures})");
-            match root_cause {
-                Some(r) => eprintln!("Root cause (first failure across all nodes):\n{r}"),
-                None => eprintln!("Root cause: unknown (no worker failure was recorded)"),
-            }
+            // torchrun's ChildFailedError layout; the root cause is job-wide here
+            // (torchrun's is per node).
+            let border = "=".repeat(60);
+            let section = "-".repeat(60);
+            let root = match root_cause {
+                Some(r) => format!("[0]:\n{r}"),
+                None => "  <unknown: no worker failure was recorded>".to_owned(),
+            };
+            eprintln!(
+                "{border}\n{name} FAILED\n{section}\nRoot Cause (first observed failure, across all nodes):\n{root}\n{border}"
+            );
         }
         Outcome::Signaled { signal } => eprintln!(
             "rally run: stopped by {}; workers were sent the signal",
             rallypoint_elastic::multiprocessing::signal_name(*signal)
         ),
-        Outcome::Rendezvous(e) => eprintln!("rally run: rendezvous failed: {e}"),
+        Outcome::Rendezvous(e) => eprintln!("rally run: rendezvous failed: {}", chain(e)),
         Outcome::Error(e) => eprintln!("rally run: {e}"),
     }
+}
+
+/// The name torchrun titles its failure summary with: the script, module or
+/// program.
+fn script_name(a: &RunArgs) -> String {
+    a.command.first().map_or_else(String::new, |c| {
+        Path::new(c)
+            .file_name()
+            .unwrap_or(c)
+            .to_string_lossy()
+            .into_owned()
+    })
+}
+
+/// When the launcher itself was given `TORCHELASTIC_ERROR_FILE` (by a scheduler
+/// or an outer launcher), puts the root cause there as torchrun's `@record`
+/// does: a copy of the worker's error file with `errorCode` added, or, when the
+/// worker wrote none (or it is on another node), the failure described in the
+/// same layout.
+fn write_launcher_error_file(outcome: &Outcome) -> anyhow::Result<()> {
+    use rallypoint_elastic::errors::{copy_with_exit_code, write_error_file, ErrorReport};
+    let (Some(path), Outcome::Failed { root_cause, .. }) = (
+        std::env::var_os(rallypoint_elastic::errors::ERROR_FILE_ENV).filter(|p| !p.is_empty()),
+        outcome,
+    ) else {
+        return Ok(());
+    };
+    let path = PathBuf::from(path);
+    let Some(root) = root_cause else {
+        return Ok(());
+    };
+    let from_worker = (root.host == rallypoint_elastic::multiprocessing::hostname())
+        .then(|| {
+            ErrorReport::read(Path::new(&root.error_file))
+                .ok()
+                .flatten()
+        })
+        .flatten();
+    match from_worker {
+        Some(report) => copy_with_exit_code(&report, Some(root.exitcode), &path),
+        None => write_error_file(&path, &root.error_json()),
+    }
+    .with_context(|| {
+        format!(
+            "cannot write the launcher's error file ({})",
+            path.display()
+        )
+    })
+}
+
+/// An error and its causes, `: `-separated.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cause = c.source();
+    }
+    s
 }

@@ -275,12 +275,21 @@ fn out_of_restarts_the_job_fails_naming_the_root_cause() {
     let status = job.wait(LIMIT);
     let log = job.output();
     assert_eq!(status.code(), Some(1), "{log}");
-    assert!(log.contains("Root cause"), "{log}");
+    // torchrun's summary layout: a SIGKILL is exit code -9, a missing error
+    // file is <N/A>, and the signal stands in for the traceback.
+    assert!(log.contains("ddp_train.py FAILED"), "{log}");
+    assert!(log.contains("Root Cause (first observed failure"), "{log}");
     assert!(
-        log.contains("rank       : 1 (local_rank 1, node 0)"),
+        log.contains("rank      : 1 (local_rank: 1, node: 0)"),
         "{log}"
     );
-    assert!(log.contains("signal SIGKILL"), "{log}");
+    assert!(log.contains("exitcode  : -9 (pid: "), "{log}");
+    assert!(log.contains("(SIGKILL)"), "{log}");
+    assert!(log.contains("error_file: <N/A>"), "{log}");
+    assert!(
+        log.contains("traceback : Signal 9 (SIGKILL) received by PID"),
+        "{log}"
+    );
     let events = std::fs::read_to_string(&events).unwrap();
     let names: Vec<String> = events
         .lines()

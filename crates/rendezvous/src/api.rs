@@ -118,6 +118,15 @@ pub trait RendezvousHandler: Send + Sync {
         false
     }
 
+    /// Whether the workers' store is the rendezvous store itself, at the
+    /// bootstrap address: torchrun's `static` backend, whose workers get
+    /// `MASTER_ADDR`/`MASTER_PORT` equal to `--master-addr`/`--master-port`, so a
+    /// job needs one open port. Otherwise the agent hosts a fresh job store per
+    /// round on a free port.
+    fn job_store_at_bootstrap(&self) -> bool {
+        false
+    }
+
     /// Whether workers connect to the store as clients only
     /// (`TORCHELASTIC_USE_AGENT_STORE=True`).
     fn use_agent_store(&self) -> bool {

@@ -1,6 +1,7 @@
 //! The `static` backend: a fixed number of nodes (`max_nodes`), each told its rank
 //! (`rank` option, torchrun's `--node-rank`), with a TCP store hosted by rank 0 at the
-//! endpoint (`--master-addr:--master-port`). It never re-forms, never closes, and
+//! endpoint (`--master-addr:--master-port`), which is also the workers' store
+//! (`MASTER_ADDR`/`MASTER_PORT`), as under torchrun. It never re-forms, never closes, and
 //! nobody waits: a restart returns the same store and ranks. Agents' keys live under
 //! `PrefixStore(run_id)`, as in PyTorch, so one store can serve several runs.
 
@@ -101,6 +102,15 @@ impl RendezvousHandler for StaticTcpRendezvous {
                             joined: vec![format!("{joined} node(s)")],
                             expected: format!("{expected} nodes"),
                         },
+                        rallypoint_store::StoreError::Listen { source, .. } if self.rank == 0 => {
+                            RendezvousError::Config {
+                                option: "endpoint".into(),
+                                value: format!("{}:{}", self.host, self.port),
+                                expected: format!(
+                                    "a port free on this node, where rank 0 hosts the job's store (--master-port): {source}"
+                                ),
+                            }
+                        }
                         source => RendezvousError::Connection {
                             run_id: self.run_id.clone(),
                             source: Box::new(source),
@@ -145,5 +155,9 @@ impl RendezvousHandler for StaticTcpRendezvous {
 
     async fn shutdown(&self) -> Result<bool, RendezvousError> {
         Ok(true)
+    }
+
+    fn job_store_at_bootstrap(&self) -> bool {
+        true
     }
 }

@@ -127,21 +127,32 @@ pub struct FailureRecord {
     pub rank: usize,
     pub local_rank: usize,
     pub round: u64,
-    /// Exit code, or 128 + signal number when signalled.
+    pub pid: u32,
+    /// torchrun's convention: the exit code, or minus the signal number.
     pub exitcode: i32,
     /// "exit code 3" or "signal SIGKILL".
     pub exit: String,
-    /// The error file's message, if the worker wrote one.
+    /// The error file's message, or a description of the exit.
     pub message: String,
+    /// The error file's traceback (at most [`TRACEBACK_MAX`] bytes), if it had one.
+    pub traceback: String,
+    /// The worker's error file, or `<N/A>` if it wrote none (as torchrun).
     pub error_file: String,
 }
+
+/// Longest traceback kept in the failure log (its tail: the raise is at the end).
+pub const TRACEBACK_MAX: usize = 16 * 1024;
+
+/// What torchrun shows for a missing error file.
+pub const NOT_AVAILABLE: &str = "<N/A>";
 
 impl FailureRecord {
     pub fn to_json(&self) -> Value {
         json!({
             "time": self.time, "host": self.host, "group_rank": self.group_rank,
             "rank": self.rank, "local_rank": self.local_rank, "round": self.round,
-            "exitcode": self.exitcode, "exit": self.exit, "message": self.message,
+            "pid": self.pid, "exitcode": self.exitcode, "exit": self.exit,
+            "message": self.message, "traceback": self.traceback,
             "error_file": self.error_file,
         })
     }
@@ -156,9 +167,11 @@ impl FailureRecord {
             rank: n("rank") as usize,
             local_rank: n("local_rank") as usize,
             round: n("round"),
+            pid: n("pid") as u32,
             exitcode: v.get("exitcode").and_then(Value::as_i64).unwrap_or(1) as i32,
             exit: s("exit"),
             message: s("message"),
+            traceback: s("traceback"),
             error_file: s("error_file"),
         })
     }
@@ -171,31 +184,56 @@ impl FailureRecord {
             .filter_map(|v| FailureRecord::from_json(&v))
             .min_by(|a, b| a.time.total_cmp(&b.time))
     }
+
+    /// The error-file JSON a launcher writes for this failure (torchrun's
+    /// `dump_error_file` layout, with `errorCode`), so a scheduler reading the
+    /// launcher's `TORCHELASTIC_ERROR_FILE` sees the root cause.
+    pub fn error_json(&self) -> Value {
+        let callstack = if self.traceback.is_empty() {
+            &self.message
+        } else {
+            &self.traceback
+        };
+        let when = UNIX_EPOCH + Duration::from_secs_f64(self.time.max(0.0));
+        let mut v = crate::errors::error_json(&self.message, callstack, when);
+        v["message"]["errorCode"] = json!(self.exitcode);
+        v
+    }
 }
 
+/// torchrun's layout of one failure (`_FAILURE_FORMAT_TEMPLATE`), with the node
+/// and attempt added; the traceback indented under `traceback :`.
 impl std::fmt::Display for FailureRecord {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        writeln!(f, "  time       : {}", format_time(self.time))?;
-        writeln!(f, "  host       : {}", self.host)?;
         writeln!(
             f,
-            "  rank       : {} (local_rank {}, node {})",
+            "  time      : {}",
+            format_time(self.time).replace(' ', "_")
+        )?;
+        writeln!(f, "  host      : {}", self.host)?;
+        writeln!(
+            f,
+            "  rank      : {} (local_rank: {}, node: {})",
             self.rank, self.local_rank, self.group_rank
         )?;
+        let signal = self
+            .exit
+            .strip_prefix("signal ")
+            .map(|s| format!(" ({s})"))
+            .unwrap_or_default();
         writeln!(
             f,
-            "  exit       : {} (exitcode {})",
-            self.exit, self.exitcode
+            "  exitcode  : {} (pid: {}){signal}",
+            self.exitcode, self.pid
         )?;
-        writeln!(f, "  attempt    : {}", self.round)?;
-        if !self.error_file.is_empty() {
-            writeln!(f, "  error_file : {}", self.error_file)?;
-        }
-        if self.message.is_empty() {
-            write!(f, "  message    : (none: the worker wrote no error file)")
+        writeln!(f, "  attempt   : {}", self.round)?;
+        writeln!(f, "  error_file: {}", self.error_file)?;
+        let tb = if self.traceback.is_empty() {
+            &self.message
         } else {
-            write!(f, "  message    : {}", self.message)
-        }
+            &self.traceback
+        };
+        write!(f, "  traceback : {}", tb.trim_end().replace('\n', "\n  "))
     }
 }
 
@@ -958,7 +996,7 @@ impl Agent {
         info: &RendezvousInfo,
         prefix: &str,
     ) -> Result<(String, u16, Option<ServerHandle>), StoreError> {
-        if !self.handler.use_agent_store() {
+        if !self.handler.use_agent_store() || self.handler.job_store_at_bootstrap() {
             return Ok((
                 info.bootstrap.master_addr.clone(),
                 info.bootstrap.master_port,
@@ -1109,10 +1147,22 @@ impl Agent {
             .failures
             .values()
             .map(|f| {
-                let (exitcode, exit) = match f.exit {
-                    Exit::Code(c) => (c, format!("exit code {c}")),
-                    Exit::Signal(s) => (128 + s, format!("signal {}", signal_name(s))),
+                let exit = match f.exit {
+                    Exit::Code(c) => format!("exit code {c}"),
+                    Exit::Signal(s) => format!("signal {}", signal_name(s)),
                 };
+                let traceback = f
+                    .error
+                    .as_ref()
+                    .and_then(|e| e.callstack.as_deref())
+                    .map(|t| {
+                        let mut cut = t.len().saturating_sub(TRACEBACK_MAX);
+                        while !t.is_char_boundary(cut) {
+                            cut += 1;
+                        }
+                        t[cut..].to_owned()
+                    })
+                    .unwrap_or_default();
                 FailureRecord {
                     time: f
                         .timestamp
@@ -1123,14 +1173,15 @@ impl Agent {
                     rank: r.ranks.base_rank + f.local_rank,
                     local_rank: f.local_rank,
                     round: r.info.round,
-                    exitcode,
+                    pid: f.pid,
+                    exitcode: f.exit.code(),
                     exit,
-                    message: f
-                        .error
-                        .as_ref()
-                        .map(|e| e.message.clone())
-                        .unwrap_or_default(),
-                    error_file: f.error_file.display().to_string(),
+                    message: f.message(),
+                    traceback,
+                    error_file: match f.error {
+                        Some(_) => f.error_file.display().to_string(),
+                        None => NOT_AVAILABLE.to_owned(),
+                    },
                 }
             })
             .collect()

@@ -4,20 +4,30 @@
 //! holding `stdout.log`, `stderr.log` and `error.json`. The attempt directory is
 //! wiped and recreated for each attempt.
 //!
-//! Every worker stream is a pipe read by its own pump thread. The pump appends raw
-//! bytes to the stream's file (when redirected or teed) and writes whole, prefixed
-//! lines to the console (when teed, or not redirected at all) under the console's
-//! lock, so lines of different workers never interleave mid-line. A pump stops at
-//! end of file, or — when the worker has exited but a grandchild still holds the
-//! pipe open — once the pipe has been quiet for [`DRAIN_AFTER_EXIT`], so such a
-//! grandchild never hangs the launcher.
+//! Each worker stream goes where torchrun's `DefaultLogsSpecs` sends it
+//! ([`route`]): by default the worker inherits the launcher's stdin, stdout and
+//! stderr, so a terminal stays a terminal (`isatty()`, colours, `\r` progress
+//! bars, `breakpoint()`) and lines carry no prefix. `-r` hands the worker its log
+//! file directly. A rank hidden by the console filter and not redirected writes
+//! to `/dev/null`. Only `-t` (tee) involves the launcher: the stream is a pipe,
+//! and the pump writes its bytes to the file and echoes them, prefixed, to the
+//! console. torchrun tails the file instead, which shows output up to 0.1 s late.
+//!
+//! The pump cuts each teed stream into segments ([`Lines`]): lines, `\r`-ended
+//! progress updates, a partial line once it has been quiet for
+//! [`PARTIAL_AFTER`], and pieces of [`MAX_LINE`] bytes of a line without end.
+//! Each segment is written whole under the console's lock, so lines of different
+//! workers never interleave mid-line, and the rest of a partial line continues
+//! it without a second prefix unless another worker wrote in between. A pump
+//! stops at end of file, or, when the worker has exited but a grandchild still
+//! holds the pipe open, once the pipe has been quiet for [`DRAIN_AFTER_EXIT`],
+//! so such a grandchild never hangs the launcher.
 //!
 //! The console is written by its own thread behind a bounded queue, so a slow
-//! console never stalls the pump (and with it every worker): a teed stream whose
-//! console lines do not fit in the queue loses them from the console only — they
-//! are in its file — and a notice says how many were dropped. A stream that goes
-//! only to the console has nowhere else to go, so the pump waits for the console,
-//! as a worker writing to a terminal would.
+//! console never stalls the pump (and with it every worker): output that does
+//! not fit in the queue is dropped from the console only (it is in the file),
+//! counted in [`console_lines_dropped`], and a notice says how many segments were
+//! dropped once the console keeps up again.
 
 use std::fs::File;
 use std::io::{Read, Write};
@@ -148,20 +158,35 @@ impl RunLogs {
     }
 }
 
-/// Which console stream a pump writes to.
-#[derive(Debug, Clone, Copy)]
+/// Which console stream a teed stream is echoed to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Console {
     Stdout,
     Stderr,
 }
 
-/// Where one worker stream goes.
-pub(crate) struct Route {
-    pub file: Option<PathBuf>,
-    pub console: Option<(Console, String)>,
+/// Where one worker stream goes, decided as torchrun's `DefaultLogsSpecs.reify`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Route {
+    /// The launcher's own stream, handed to the worker as is (torchrun's
+    /// default): a terminal stays a terminal.
+    Inherit,
+    /// Neither kept nor shown: a rank the console filter hides, not redirected.
+    Discard,
+    /// The worker writes the file directly (`-r`, or `-t` for a hidden rank).
+    File(PathBuf),
+    /// Through a pipe to the pump, which writes the file and echoes prefixed
+    /// lines to the console (`-t`).
+    Tee {
+        file: PathBuf,
+        console: Console,
+        prefix: String,
+    },
 }
 
-/// Decides the route of one stream from the spec.
+/// Decides the route of one stream from the spec. With logging off
+/// (`log_dir=/dev/null`, `file` is `/dev/null`) every stream is inherited, as in
+/// torchrun, which then has nowhere to redirect to.
 pub(crate) fn route(
     spec: &LogsSpec,
     local_rank: usize,
@@ -169,6 +194,9 @@ pub(crate) fn route(
     file: &Path,
     prefix: &str,
 ) -> Route {
+    if file == Path::new(DEV_NULL) {
+        return Route::Inherit;
+    }
     let pick = |s: Std| {
         if stream == Std::Out {
             s.stdout()
@@ -178,30 +206,38 @@ pub(crate) fn route(
     };
     let tee = pick(spec.tee.get(local_rank));
     let redirect = tee || pick(spec.redirects.get(local_rank));
+    // As torchrun: an empty filter filters nothing.
     let shown = spec
         .local_ranks_filter
         .as_ref()
-        .is_none_or(|f| f.contains(&local_rank));
-    let console = if stream == Std::Out {
-        Console::Stdout
-    } else {
-        Console::Stderr
-    };
-    Route {
-        file: redirect.then(|| file.to_owned()),
-        console: ((tee || !redirect) && shown).then(|| (console, prefix.to_owned())),
+        .is_none_or(|f| f.is_empty() || f.contains(&local_rank));
+    match (redirect, tee && shown, shown) {
+        (true, true, _) => Route::Tee {
+            file: file.to_owned(),
+            console: if stream == Std::Out {
+                Console::Stdout
+            } else {
+                Console::Stderr
+            },
+            prefix: prefix.to_owned(),
+        },
+        (true, false, _) => Route::File(file.to_owned()),
+        (false, _, true) => Route::Inherit,
+        (false, _, false) => Route::Discard,
     }
 }
 
-/// One worker stream for the pump: its pipe, where it goes, and whether its worker
-/// has exited.
+/// One teed worker stream for the pump: its pipe, its file and console, and
+/// whether its worker has exited.
 pub(crate) struct Stream {
     pub pipe: OwnedFd,
-    pub route: Route,
+    pub file: PathBuf,
+    pub console: Console,
+    pub prefix: String,
     pub exited: Arc<AtomicBool>,
 }
 
-/// The pump: one thread that `poll`s every worker pipe of a group. One thread (not
+/// The pump: one thread that `poll`s every teed pipe of a group. One thread (not
 /// two per worker) keeps the launcher small, so forking the next worker stays cheap.
 pub(crate) struct Pump {
     thread: Option<JoinHandle<()>>,
@@ -214,36 +250,68 @@ pub(crate) struct Pump {
 /// instead of switching contexts every 64 KiB.
 const PIPE_SIZE: libc::c_int = 1 << 20;
 
+/// A partial line (a prompt, a progress bar without `\r`) quiet this long is
+/// shown as it is; the rest of the line follows when it comes.
+pub const PARTIAL_AFTER: Duration = Duration::from_millis(100);
+
+/// A line longer than this is shown in pieces of this size, so a stream without
+/// newlines cannot grow the launcher's memory.
+pub const MAX_LINE: usize = 64 * 1024;
+
+/// How often the pump wakes when nothing arrives (idle partial lines, exits).
+const TICK_MS: libc::c_int = 20;
+
 struct Active {
+    /// Identifies the stream to the console thread.
+    id: u64,
     src: File,
     file: Option<File>,
-    console: Option<(Console, String)>,
-    partial: Vec<u8>,
+    console: Console,
+    lines: Lines,
     exited: Arc<AtomicBool>,
     quiet_since: Option<Instant>,
-    /// Console lines dropped because the console fell behind (teed streams only).
+    /// Segments dropped since the last notice, because the console fell behind.
     dropped: u64,
+}
+
+/// A run of console output from one stream.
+struct Segments {
+    console: Console,
+    stream: u64,
+    /// The stream's prefix, for the console thread to add when `continues` but
+    /// another stream wrote in between.
+    prefix: Arc<[u8]>,
+    bytes: Vec<u8>,
+    /// The first segment continues a line this stream left open (no prefix).
+    continues: bool,
+    /// The last segment leaves the line open (no `\n` or `\r` yet).
+    open: bool,
+    /// Segments in `bytes`, for the drop count.
+    count: u64,
 }
 
 /// A message for the console thread.
 enum ConsoleMsg {
-    Lines(Console, Vec<u8>),
+    Out(Segments),
     /// Acknowledged once everything queued before it is written.
     Flush(std::sync::mpsc::SyncSender<()>),
 }
 
 static CONSOLE_DROPPED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-/// Console lines dropped so far in this process because the console fell behind
-/// (they are in the log files).
+/// Console segments (lines, `\r` updates, pieces of partial or over-long lines)
+/// dropped so far in this process because the console fell behind. Every one of
+/// them is in its log file: only teed streams, which have a file, ever drop.
 pub fn console_lines_dropped() -> u64 {
     CONSOLE_DROPPED.load(Ordering::Relaxed)
 }
 
-/// Chunks (each up to ~1 MiB of lines) the console queue holds.
+/// Messages (each up to ~1 MiB of output) the console queue holds.
 const CONSOLE_QUEUE: usize = 64;
 
-/// The process-wide console writer.
+/// The process-wide console writer. It tracks, per console stream, which worker
+/// stream left a line open, so that the rest of that line is written without a
+/// second prefix, and a line of another worker in between gets its own.
 fn console() -> &'static std::sync::mpsc::SyncSender<ConsoleMsg> {
     static TX: std::sync::OnceLock<std::sync::mpsc::SyncSender<ConsoleMsg>> =
         std::sync::OnceLock::new();
@@ -252,13 +320,23 @@ fn console() -> &'static std::sync::mpsc::SyncSender<ConsoleMsg> {
         std::thread::Builder::new()
             .name("rally-console".into())
             .spawn(move || {
+                // The stream whose line is open on stdout, and on stderr.
+                let mut open: [Option<u64>; 2] = [None, None];
                 for msg in rx {
                     match msg {
-                        ConsoleMsg::Lines(Console::Stdout, b) => {
-                            let _ = std::io::stdout().lock().write_all(&b);
-                        }
-                        ConsoleMsg::Lines(Console::Stderr, b) => {
-                            let _ = std::io::stderr().lock().write_all(&b);
+                        ConsoleMsg::Out(s) => {
+                            let slot = &mut open[s.console as usize];
+                            let cont = s.continues && *slot == Some(s.stream);
+                            let mut w: Box<dyn Write> = match s.console {
+                                Console::Stdout => Box::new(std::io::stdout().lock()),
+                                Console::Stderr => Box::new(std::io::stderr().lock()),
+                            };
+                            if s.continues && !cont {
+                                let _ = w.write_all(&s.prefix);
+                            }
+                            let _ = w.write_all(&s.bytes);
+                            let _ = w.flush();
+                            *slot = s.open.then_some(s.stream);
                         }
                         ConsoleMsg::Flush(ack) => {
                             let _ = std::io::stdout().flush();
@@ -282,23 +360,21 @@ pub(crate) fn flush_console() {
 }
 
 impl Pump {
-    /// Starts pumping `streams`, opening their log files first.
+    /// Starts pumping `streams`, creating their log files first.
     pub(crate) fn start(streams: Vec<Stream>) -> std::io::Result<Pump> {
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let mut active = Vec::with_capacity(streams.len());
         for s in streams {
             // SAFETY: fcntl on a pipe we own; failure just keeps the default size.
             unsafe {
                 libc::fcntl(s.pipe.as_raw_fd(), libc::F_SETPIPE_SZ, PIPE_SIZE);
             }
-            let file = match &s.route.file {
-                Some(p) => Some(File::create(p)?),
-                None => None,
-            };
             active.push(Active {
+                id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
                 src: File::from(s.pipe),
-                file,
-                console: s.route.console,
-                partial: Vec::new(),
+                file: Some(File::create(&s.file)?),
+                console: s.console,
+                lines: Lines::new(&s.prefix),
                 exited: s.exited,
                 quiet_since: None,
                 dropped: 0,
@@ -351,19 +427,20 @@ fn pump(mut streams: Vec<Active>, abandon: &AtomicBool) {
             revents: 0,
         }));
         // SAFETY: `fds` holds one valid pollfd per open stream.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 20) };
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, TICK_MS) };
         if n < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
             return;
         }
         let mut done = vec![false; streams.len()];
         for (i, s) in streams.iter_mut().enumerate() {
             if fds[i].revents == 0 {
-                // Quiet: stop once the worker is gone and the pipe stays quiet (a
-                // grandchild may hold it open forever).
-                if s.exited.load(Ordering::Acquire) {
-                    let since = *s.quiet_since.get_or_insert_with(Instant::now);
-                    done[i] = since.elapsed() >= DRAIN_AFTER_EXIT;
+                let since = *s.quiet_since.get_or_insert_with(Instant::now);
+                if since.elapsed() >= PARTIAL_AFTER {
+                    s.flush_partial();
                 }
+                // Stop once the worker is gone and the pipe stays quiet (a
+                // grandchild may hold it open forever).
+                done[i] = s.exited.load(Ordering::Acquire) && since.elapsed() >= DRAIN_AFTER_EXIT;
                 continue;
             }
             s.quiet_since = None;
@@ -399,79 +476,282 @@ impl Active {
                 self.file = None;
             }
         }
-        if let Some((which, prefix)) = &self.console {
-            let lines = prefixed_lines(prefix, &mut self.partial, chunk);
-            if !lines.is_empty() {
-                self.send_to_console(*which, lines);
-            }
+        if let Some(out) = self.lines.feed(chunk) {
+            self.send_to_console(out);
         }
     }
 
-    /// Queues lines for the console: without waiting when the stream also has a
-    /// file (dropping them if the console is behind), else waiting.
-    fn send_to_console(&mut self, which: Console, lines: Vec<u8>) {
+    /// Shows a partial line that has been quiet for [`PARTIAL_AFTER`].
+    fn flush_partial(&mut self) {
+        if let Some(out) = self.lines.flush(false) {
+            self.send_to_console(out);
+        }
+    }
+
+    /// Queues output for the console without waiting: if the console is behind,
+    /// it is dropped from the console (it is in the file) and counted, and a
+    /// notice says so once the console keeps up again. After a failed file write
+    /// the console is all there is, so then it waits.
+    fn send_to_console(&mut self, out: Out) {
         let tx = console();
+        let msg = |out: Out| {
+            ConsoleMsg::Out(Segments {
+                console: self.console,
+                stream: self.id,
+                prefix: self.lines.prefix.clone(),
+                bytes: out.bytes,
+                continues: out.continues,
+                open: out.open,
+                count: out.count,
+            })
+        };
         if self.file.is_none() {
-            let _ = tx.send(ConsoleMsg::Lines(which, lines));
+            let _ = tx.send(msg(out));
             return;
         }
         if self.dropped > 0 {
-            let prefix = self.console.as_ref().map_or("", |c| c.1.as_str());
             let notice = format!(
-                "{prefix} [rally] console fell behind: {} lines dropped here (they are in the log file)\n",
+                "{} [rally] console fell behind: {} lines dropped here (they are in the log file)\n",
+                String::from_utf8_lossy(&self.lines.prefix),
                 self.dropped
             );
-            if tx
-                .try_send(ConsoleMsg::Lines(which, notice.into_bytes()))
-                .is_err()
-            {
-                self.dropped += memchr::memchr_iter(b'\n', &lines).count() as u64;
+            let notice = Out {
+                // A notice always starts a line of its own.
+                bytes: if self.lines.open_on_console {
+                    [b"\n", notice.as_bytes()].concat()
+                } else {
+                    notice.into_bytes()
+                },
+                continues: false,
+                open: false,
+                count: 1,
+            };
+            self.lines.open_on_console = false;
+            if tx.try_send(msg(notice)).is_err() {
+                self.dropped += out.count;
+                CONSOLE_DROPPED.fetch_add(out.count, Ordering::Relaxed);
                 return;
             }
             self.dropped = 0;
         }
-        if let Err(std::sync::mpsc::TrySendError::Full(ConsoleMsg::Lines(_, l))) =
-            tx.try_send(ConsoleMsg::Lines(which, lines))
+        if let Err(std::sync::mpsc::TrySendError::Full(ConsoleMsg::Out(s))) = tx.try_send(msg(out))
         {
-            let n = memchr::memchr_iter(b'\n', &l).count() as u64;
-            self.dropped += n;
-            CONSOLE_DROPPED.fetch_add(n, Ordering::Relaxed);
+            self.dropped += s.count;
+            CONSOLE_DROPPED.fetch_add(s.count, Ordering::Relaxed);
         }
     }
 
-    /// Sends an unterminated last line to the console.
+    /// Shows an unterminated last line, ended with a newline.
     fn finish(&mut self) {
-        if let (Some((which, prefix)), false) = (&self.console, self.partial.is_empty()) {
-            let which = *which;
-            let mut last = std::mem::take(&mut self.partial);
-            last.push(b'\n');
-            let lines = prefixed_lines(prefix, &mut Vec::new(), &last);
-            self.send_to_console(which, lines);
+        if let Some(out) = self.lines.flush(true) {
+            self.send_to_console(out);
         }
     }
 }
 
-/// The complete lines of `partial + chunk`, each prefixed; the unfinished tail is
-/// kept in `partial`.
-fn prefixed_lines(prefix: &str, partial: &mut Vec<u8>, chunk: &[u8]) -> Vec<u8> {
-    let Some(last_nl) = memchr::memrchr(b'\n', chunk) else {
-        partial.extend_from_slice(chunk);
-        return Vec::new();
-    };
-    let (complete, tail) = chunk.split_at(last_nl + 1);
-    let lines = memchr::memchr_iter(b'\n', complete).count();
-    let mut out = Vec::with_capacity(partial.len() + complete.len() + lines * (prefix.len() + 1));
-    let mut start = 0;
-    for end in memchr::memchr_iter(b'\n', complete) {
-        out.extend_from_slice(prefix.as_bytes());
-        out.push(b' ');
-        if start == 0 {
-            out.extend_from_slice(partial);
+/// Console output cut from a stream, ready to queue.
+#[derive(Debug, PartialEq, Eq)]
+struct Out {
+    bytes: Vec<u8>,
+    continues: bool,
+    open: bool,
+    count: u64,
+}
+
+/// Cuts a stream into prefixed console segments: lines ended by `\n`, progress
+/// updates ended by `\r` (the next update overwrites it, prefix and all, so it
+/// gets its own prefix), and pieces of a line that is partial for too long
+/// ([`Lines::flush`]) or longer than [`MAX_LINE`]. Memory per stream stays under
+/// [`MAX_LINE`].
+struct Lines {
+    prefix: Arc<[u8]>,
+    /// The current line's bytes not yet sent.
+    pending: Vec<u8>,
+    /// Part of the current line was sent already: what follows continues it.
+    open_on_console: bool,
+}
+
+impl Lines {
+    fn new(prefix: &str) -> Lines {
+        Lines {
+            prefix: prefix.as_bytes().into(),
+            pending: Vec::new(),
+            open_on_console: false,
         }
-        out.extend_from_slice(&complete[start..=end]);
-        start = end + 1;
     }
-    partial.clear();
-    partial.extend_from_slice(tail);
-    out
+
+    /// Appends `chunk`; returns the segments it completes.
+    fn feed(&mut self, chunk: &[u8]) -> Option<Out> {
+        let mut out = Out {
+            bytes: Vec::new(),
+            continues: false,
+            open: false,
+            count: 0,
+        };
+        let mut start = 0;
+        for end in memchr::memchr2_iter(b'\n', b'\r', chunk) {
+            self.segment(&mut out, &chunk[start..=end], false);
+            start = end + 1;
+        }
+        let mut tail = &chunk[start..];
+        while self.pending.len() + tail.len() >= MAX_LINE {
+            let take = MAX_LINE - self.pending.len();
+            self.segment(&mut out, &tail[..take], true);
+            tail = &tail[take..];
+        }
+        self.pending.extend_from_slice(tail);
+        (out.count > 0).then_some(out)
+    }
+
+    /// Sends what is pending of the current line: as an open segment, or, at the
+    /// end of the stream, ended with a newline.
+    fn flush(&mut self, last: bool) -> Option<Out> {
+        if self.pending.is_empty() && !(last && self.open_on_console) {
+            return None;
+        }
+        let mut out = Out {
+            bytes: Vec::new(),
+            continues: false,
+            open: false,
+            count: 0,
+        };
+        if last {
+            self.segment(&mut out, b"\n", false);
+        } else {
+            self.segment(&mut out, b"", true);
+        }
+        Some(out)
+    }
+
+    /// Emits `pending + piece` as one segment; `open`: the line goes on after it.
+    fn segment(&mut self, out: &mut Out, piece: &[u8], open: bool) {
+        if out.count == 0 && self.open_on_console {
+            out.continues = true;
+        } else if !self.open_on_console {
+            out.bytes.extend_from_slice(&self.prefix);
+        }
+        out.bytes.extend_from_slice(&self.pending);
+        out.bytes.extend_from_slice(piece);
+        self.pending.clear();
+        self.open_on_console = open;
+        out.open = open;
+        out.count += 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn lines() -> Lines {
+        Lines::new("[w0]:")
+    }
+
+    #[test]
+    fn complete_lines_are_prefixed_and_the_tail_waits() {
+        let mut l = lines();
+        let out = l.feed(b"a\nbc\nde").unwrap();
+        assert_eq!(out.bytes, b"[w0]:a\n[w0]:bc\n");
+        assert!(!out.continues && !out.open);
+        assert_eq!(out.count, 2);
+        let out = l.feed(b"f\n").unwrap();
+        assert_eq!(out.bytes, b"[w0]:def\n");
+    }
+
+    #[test]
+    fn a_carriage_return_shows_a_progress_update_at_once() {
+        let mut l = lines();
+        let out = l.feed(b" 10%|#   |\r 20%|##  |\r").unwrap();
+        assert_eq!(out.bytes, b"[w0]: 10%|#   |\r[w0]: 20%|##  |\r");
+        assert_eq!(l.feed(b"100%"), None);
+        assert_eq!(l.flush(true).unwrap().bytes, b"[w0]:100%\n");
+    }
+
+    #[test]
+    fn a_quiet_partial_line_is_shown_and_its_rest_continues_it() {
+        let mut l = lines();
+        assert_eq!(l.feed(b"Password: "), None);
+        let out = l.flush(false).unwrap();
+        assert_eq!(out.bytes, b"[w0]:Password: ");
+        assert!(out.open && !out.continues);
+        assert_eq!(l.flush(false), None, "nothing new to show");
+        let out = l.feed(b"ok\nnext\n").unwrap();
+        assert!(out.continues, "the rest of the line has no second prefix");
+        assert_eq!(out.bytes, b"ok\n[w0]:next\n");
+    }
+
+    #[test]
+    fn a_line_longer_than_the_bound_is_split_and_memory_stays_bounded() {
+        let mut l = lines();
+        let big = vec![b'x'; 3 * MAX_LINE + 10];
+        let out = l.feed(&big).unwrap();
+        assert_eq!(out.count, 3);
+        assert!(out.open);
+        assert_eq!(out.bytes.len(), 5 + 3 * MAX_LINE);
+        assert_eq!(l.pending.len(), 10);
+        let out = l.feed(b"\n").unwrap();
+        assert!(out.continues);
+        assert_eq!(out.bytes, [vec![b'x'; 10], b"\n".to_vec()].concat());
+    }
+
+    #[test]
+    fn an_open_line_at_the_end_is_closed_with_a_newline() {
+        let mut l = lines();
+        l.feed(b"abc");
+        l.flush(false).unwrap();
+        let out = l.flush(true).unwrap();
+        assert!(out.continues);
+        assert_eq!(out.bytes, b"\n");
+        assert_eq!(l.flush(true), None);
+    }
+
+    proptest! {
+        /// Whatever the chunking and flushes, the console shows every byte, in
+        /// order, each line starting with one prefix.
+        #[test]
+        fn output_is_the_input_with_one_prefix_per_line(
+            data in proptest::collection::vec(prop_oneof![Just(b'\n'), Just(b'\r'), Just(b'a'), Just(b'b')], 0..400),
+            cuts in proptest::collection::vec((0usize..400, any::<bool>()), 0..20),
+        ) {
+            let mut l = lines();
+            let mut shown = Vec::new();
+            let mut open = false;
+            let mut take = |out: Option<Out>, shown: &mut Vec<u8>| {
+                if let Some(o) = out {
+                    prop_assert_eq!(o.continues, open);
+                    shown.extend_from_slice(&o.bytes);
+                    open = o.open;
+                }
+                Ok(())
+            };
+            let mut pos = 0;
+            let mut cuts = cuts;
+            cuts.sort();
+            for (cut, flush) in cuts {
+                let cut = cut.min(data.len()).max(pos);
+                take(l.feed(&data[pos..cut]), &mut shown)?;
+                if flush {
+                    take(l.flush(false), &mut shown)?;
+                }
+                pos = cut;
+            }
+            take(l.feed(&data[pos..]), &mut shown)?;
+            take(l.flush(true), &mut shown)?;
+            // Expected: the data, a prefix at the start of every line.
+            let mut want = Vec::new();
+            let mut at_start = true;
+            for &b in &data {
+                if at_start {
+                    want.extend_from_slice(b"[w0]:");
+                }
+                want.push(b);
+                at_start = b == b'\n' || b == b'\r';
+            }
+            if !at_start {
+                want.push(b'\n');
+            }
+            prop_assert_eq!(String::from_utf8_lossy(&shown), String::from_utf8_lossy(&want));
+        }
+    }
 }

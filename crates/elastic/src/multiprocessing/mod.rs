@@ -1,7 +1,7 @@
 //! Start, watch and stop a group of worker processes.
 //!
-//! [`start_processes`] starts one process per local rank, each in its own process
-//! group, with its own arguments and environment (the parent's, plus the rank's
+//! [`start_processes`] starts one process per local rank, each in its own session
+//! (and so its own process group), with its own arguments and environment (the parent's, plus the rank's
 //! map, plus `TORCHELASTIC_ERROR_FILE`). It returns a [`ProcessContext`] that polls
 //! or waits for the group, reports each failure (exit code or signal, error-file
 //! contents, time), and stops everyone with [`ProcessContext::close`]: the signal to
@@ -40,7 +40,7 @@ pub use spec::{expand_prefix, LogsSpec, PerRank, SpecError, Std, DEFAULT_PREFIX_
 
 use crate::errors::ERROR_FILE_ENV;
 use context::Worker;
-use logs::{route, Pump, Stream};
+use logs::{route, Pump, Route, Stream};
 
 /// What each worker runs.
 #[derive(Debug, Clone)]
@@ -163,6 +163,9 @@ pub fn start_processes(
             }
         }
     }
+    if streams.is_empty() {
+        return Ok(ProcessContext::new(spec.name.clone(), workers, None));
+    }
     match Pump::start(streams) {
         Ok(pump) => Ok(ProcessContext::new(spec.name.clone(), workers, Some(pump))),
         Err(source) => {
@@ -176,13 +179,25 @@ pub fn start_processes(
     }
 }
 
+/// The name of this host (`gethostname`, as Python's `socket.gethostname()`).
+pub fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer is valid for its length.
+    let r = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if r != 0 {
+        return "localhost".into();
+    }
+    let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
+}
+
 fn spawn_one(
     spec: &StartSpec,
     logs_spec: &LogsSpec,
     logs: &WorkerLogs,
     local_rank: usize,
     parent: libc::pid_t,
-) -> Result<(Worker, [Stream; 2]), SpawnError> {
+) -> Result<(Worker, Vec<Stream>), SpawnError> {
     let (program, mut cmd) = match &spec.entrypoint {
         Entrypoint::Program(p) => (p.clone(), Command::new(p)),
         Entrypoint::Function(name) => {
@@ -197,16 +212,49 @@ fn spawn_one(
             (exe.into_os_string(), c)
         }
     };
+    let rank = spec
+        .global_ranks
+        .get(&local_rank)
+        .copied()
+        .unwrap_or(local_rank);
+    let prefix = expand_prefix(
+        &logs_spec.prefix_template,
+        &spec.name,
+        local_rank,
+        rank,
+        &hostname(),
+    );
+    let routes = [
+        route(logs_spec, local_rank, Std::Out, &logs.stdout, &prefix),
+        route(logs_spec, local_rank, Std::Err, &logs.stderr, &prefix),
+    ];
+    let mut stdio = Vec::with_capacity(2);
+    for r in &routes {
+        stdio.push(match r {
+            Route::Inherit => Stdio::inherit(),
+            Route::Discard => Stdio::null(),
+            Route::File(path) => Stdio::from(
+                std::fs::File::create(path)
+                    .map_err(|source| SpawnError::Output { local_rank, source })?,
+            ),
+            Route::Tee { .. } => Stdio::piped(),
+        });
+    }
+    let [out, err]: [Stdio; 2] = stdio.try_into().expect("two streams");
+    // stdin is inherited, as under torchrun (`breakpoint()` works in a terminal).
     cmd.args(&spec.args[&local_rank])
         .envs(&spec.envs[&local_rank])
         .env(ERROR_FILE_ENV, &logs.error_file)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+        .stdout(out)
+        .stderr(err);
     // SAFETY: only async-signal-safe calls between fork and exec.
     unsafe {
         cmd.pre_exec(move || {
-            if libc::setpgid(0, 0) != 0 {
+            // A session of its own, as torchrun's `start_new_session=True`: the
+            // worker's process group is signalled as one, and the terminal's job
+            // control leaves it alone (reading an inherited terminal never stops
+            // it with SIGTTIN; Ctrl-C reaches the launcher, which forwards it).
+            if libc::setsid() < 0 {
                 return Err(std::io::Error::last_os_error());
             }
             libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0);
@@ -224,25 +272,30 @@ fn spawn_one(
     })?;
     let pid = child.id();
     let exited = Arc::new(AtomicBool::new(false));
-    let rank = spec
-        .global_ranks
-        .get(&local_rank)
-        .copied()
-        .unwrap_or(local_rank);
-    let prefix = expand_prefix(&logs_spec.prefix_template, &spec.name, local_rank, rank);
-    let out: OwnedFd = child.stdout.take().expect("piped").into();
-    let err: OwnedFd = child.stderr.take().expect("piped").into();
-    let streams = [
-        Stream {
-            pipe: out,
-            route: route(logs_spec, local_rank, Std::Out, &logs.stdout, &prefix),
-            exited: exited.clone(),
-        },
-        Stream {
-            pipe: err,
-            route: route(logs_spec, local_rank, Std::Err, &logs.stderr, &prefix),
-            exited: exited.clone(),
-        },
+    let pipes: [Option<OwnedFd>; 2] = [
+        child.stdout.take().map(Into::into),
+        child.stderr.take().map(Into::into),
     ];
+    let streams = routes
+        .into_iter()
+        .zip(pipes)
+        .filter_map(|(r, pipe)| match (r, pipe) {
+            (
+                Route::Tee {
+                    file,
+                    console,
+                    prefix,
+                },
+                Some(pipe),
+            ) => Some(Stream {
+                pipe,
+                file,
+                console,
+                prefix,
+                exited: exited.clone(),
+            }),
+            _ => None,
+        })
+        .collect();
     Ok((Worker::new(local_rank, pid, logs.clone(), exited), streams))
 }

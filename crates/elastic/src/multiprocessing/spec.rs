@@ -88,7 +88,8 @@ pub struct LogsSpec {
     pub tee: PerRank,
     /// Local ranks whose console output is shown (`None`: all). Files are unaffected.
     pub local_ranks_filter: Option<BTreeSet<usize>>,
-    /// Console line prefix; `${role_name}`, `${local_rank}` and `${rank}` expand.
+    /// Prefix of teed console lines; `${role_name}`, `${local_rank}`, `${rank}`
+    /// and `${hostname}` expand (torchrun's `--log-line-prefix-template`).
     pub prefix_template: String,
 }
 
@@ -108,8 +109,15 @@ impl Default for LogsSpec {
 }
 
 /// Expands a prefix template for one worker.
-pub fn expand_prefix(template: &str, role: &str, local_rank: usize, rank: usize) -> String {
+pub fn expand_prefix(
+    template: &str,
+    role: &str,
+    local_rank: usize,
+    rank: usize,
+    hostname: &str,
+) -> String {
     template
+        .replace("${hostname}", hostname)
         .replace("${role_name}", role)
         .replace("${local_rank}", &local_rank.to_string())
         .replace("${rank}", &rank.to_string())
@@ -142,9 +150,12 @@ mod tests {
     #[test]
     fn prefix_templates_expand() {
         assert_eq!(
-            expand_prefix(DEFAULT_PREFIX_TEMPLATE, "trainer", 3, 11),
+            expand_prefix(DEFAULT_PREFIX_TEMPLATE, "trainer", 3, 11, "h"),
             "[trainer3]:"
         );
-        assert_eq!(expand_prefix("${rank}|${local_rank}", "r", 1, 9), "9|1");
+        assert_eq!(
+            expand_prefix("${hostname}:${rank}|${local_rank}", "r", 1, 9, "n8"),
+            "n8:9|1"
+        );
     }
 }

@@ -138,6 +138,11 @@ impl Server {
         let any6 = SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, port));
         match Server::bind(any6, config.clone()).await {
             Ok(s) => Ok(s),
+            // A port in use is in use for IPv4 too: say so, rather than
+            // retrying into the same answer.
+            Err(e @ StoreError::Listen { .. }) if matches!(&e, StoreError::Listen { source, .. } if source.kind() == std::io::ErrorKind::AddrInUse) => {
+                Err(e)
+            }
             Err(_) => Server::bind(SocketAddr::from(([0, 0, 0, 0], port)), config).await,
         }
     }
