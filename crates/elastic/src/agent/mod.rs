@@ -854,22 +854,34 @@ impl Agent {
             Verdict::StartFailed(e) => Outcome::Error(e),
         };
         if let Some(r) = round {
-            let signalled = matches!(outcome, Outcome::Signaled { .. });
-            if !signalled {
+            // Left open after a signal, as torchrun, so the node can come back.
+            let close = !matches!(outcome, Outcome::Signaled { .. });
+            let hosting = self.lingers(Some(&r));
+            // A node that does not host the store closes the rendezvous before
+            // it counts itself finished: once every node has counted, the host
+            // may take the store down, and a close after that would fail.
+            if close && !hosting {
+                self.shutdown_rendezvous().await;
+            }
+            if close {
                 self.linger(&r, &outcome, run.signals).await;
             }
             self.end_round(r).await;
-            if !signalled {
-                // Left open after a signal, as torchrun, so the node can come back.
-                if let Some(Err(e)) = bounded(self.handler.shutdown()).await {
-                    self.emit(AgentEvent::CleanupFailed {
-                        what: "closing the rendezvous",
-                        error: e.to_string(),
-                    });
-                }
+            if close && hosting {
+                self.shutdown_rendezvous().await;
             }
         }
         outcome
+    }
+
+    /// Closes the rendezvous for every node and stops this node's part in it.
+    async fn shutdown_rendezvous(&self) {
+        if let Some(Err(e)) = bounded(self.handler.shutdown()).await {
+            self.emit(AgentEvent::CleanupFailed {
+                what: "closing the rendezvous",
+                error: e.to_string(),
+            });
+        }
     }
 
     /// Closes the run so no node starts another round.
