@@ -43,6 +43,13 @@ elif mode == "tee":
     r = ctx.wait(timeout=600, period=0.001)
     assert r is not None and not r.is_failed(), r
     result("tee", time.perf_counter() - t)
+elif mode == "inherit":
+    nbytes, producer = int(sys.argv[2]), sys.argv[3]
+    t = time.perf_counter()
+    ctx = ctx_for(producer, ("produce", str(nbytes)), 1)
+    r = ctx.wait(timeout=600, period=0.001)
+    assert r is not None and not r.is_failed(), r
+    result("inherit", time.perf_counter() - t)
 elif mode == "stop":
     n, rounds = int(sys.argv[2]), int(sys.argv[3])
     for _ in range(rounds):

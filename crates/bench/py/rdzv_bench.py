@@ -1,9 +1,12 @@
-"""PyTorch's side of `rallypoint-bench rendezvous`: N DynamicRendezvousHandlers
-(c10d backend), one thread and one TCPStore client each, through one round with
-min = max = N. Prints `RESULT <seconds> <store ops per node>` on stderr."""
+"""PyTorch's side of `rallypoint-bench rendezvous`: ONE node, in its own process,
+with its own TCPStore client to the benchmark's store server. Same protocol as
+our `rdzv-node`: build the c10d DynamicRendezvousHandler, count in at
+`bench/ready`, wait for `bench/go`, run one round (min = max = N), print
+`RESULT <unix time at the end> <store ops> <rank>` on stderr.
+
+usage: rdzv_bench.py PORT RUN_ID N INDEX"""
 
 import sys
-import threading
 import time
 from datetime import timedelta
 
@@ -12,24 +15,20 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
-n = int(sys.argv[1])
-master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                       timeout=timedelta(seconds=900))
-port = master.port
-ops = [0] * n
-ranks = [None] * n
-errors = []
+port, run_id, n, index = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+ops = 0
 
 
 class Counting(dist.Store):
-    """Counts the store operations one node makes."""
+    """Counts the store operations this node makes."""
 
-    def __init__(self, inner, i):
+    def __init__(self, inner):
         super().__init__()
-        self.inner, self.i = inner, i
+        self.inner = inner
 
     def _count(self):
-        ops[self.i] += 1
+        global ops
+        ops += 1
 
     def set(self, k, v):
         self._count(); return self.inner.set(k, v)
@@ -70,35 +69,21 @@ class Counting(dist.Store):
         return self.inner.timeout
 
 
-start = threading.Barrier(n + 1)
+def client():
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=900))
 
 
-def node(i):
-    try:
-        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=900))
-        store = Counting(client, i)
-        backend = C10dRendezvousBackend(store, "bench")
-        params = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{port}", run_id="bench",
-                                      min_nodes=n, max_nodes=n, local_addr="127.0.0.1",
-                                      join_timeout="900", last_call_timeout="30")
-        handler = create_handler(store, backend, params)
-        start.wait()
-        ranks[i] = handler.next_rendezvous().rank
-        handler._stop_heartbeats()
-    except Exception as e:  # report, do not hang the barrier
-        errors.append(repr(e))
-        start.abort()
-
-
-threads = [threading.Thread(target=node, args=(i,), daemon=True) for i in range(n)]
-for t in threads:
-    t.start()
-start.wait()
-t0 = time.perf_counter()
-for t in threads:
-    t.join()
-took = time.perf_counter() - t0
-if errors:
-    raise SystemExit(f"errors: {errors[:3]}")
-assert sorted(ranks) == list(range(n)), ranks
-print(f"RESULT {took:.6f} {sum(ops) / n:.1f}", file=sys.stderr, flush=True)
+control = client()
+store = Counting(client())
+backend = C10dRendezvousBackend(store, run_id)
+params = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{port}", run_id=run_id,
+                              min_nodes=n, max_nodes=n, local_addr="127.0.0.1",
+                              join_timeout="900", last_call_timeout="30")
+handler = create_handler(store, backend, params)
+ops = 0  # count only the round, as our side does
+control.add("bench/ready", 1)
+control.wait(["bench/go"])
+rank = handler.next_rendezvous().rank
+end = time.time()
+handler._stop_heartbeats()
+print(f"RESULT {end:.6f} {ops} {rank}", file=sys.stderr, flush=True)

@@ -3,7 +3,8 @@
 //!
 //! - start and reap N workers of `true` (median of R rounds);
 //! - stream B bytes of 100-byte lines through tee (file + console; the console is
-//!   `/dev/null`), as MB/s;
+//!   `/dev/null`), as MB/s; the run fails if our console dropped any line;
+//! - stream the same bytes to an inherited stdout (torchrun's default), as MB/s;
 //! - stop a group of workers that obey SIGTERM: time from `close` to all reaped.
 
 use std::collections::BTreeMap;
@@ -173,10 +174,42 @@ pub fn run(args: LaunchArgs) -> Result<()> {
         );
         Ok(secs)
     })??;
+    // A console that fell behind drops lines (they stay in the file): then the
+    // console did less work than torch's, and the figure is not comparable.
+    let dropped = rallypoint_elastic::multiprocessing::logs::console_lines_dropped();
+    anyhow::ensure!(
+        dropped == 0,
+        "the console dropped {dropped} lines: the tee figure would not be like for like"
+    );
     let t = median(torch(&["tee", &args.tee_bytes.to_string(), exe], true)?);
     let mb = args.tee_bytes as f64 / 1e6;
     println!(
-        "tee {:.0} MB to file+console (MB/s)  rally {:>9.0}   torch {:>9.0}   rally {:.1}x faster",
+        "tee {:.0} MB to file+console (MB/s)  rally {:>9.0}   torch {:>9.0}   rally {:.1}x faster  (0 console lines dropped)",
+        mb,
+        mb / o,
+        mb / t,
+        t / o
+    );
+
+    // The same bytes with nothing asking for capture: the worker inherits the
+    // launcher's stdout (here /dev/null) under both launchers.
+    let o = with_quiet_stdout(|| -> Result<f64> {
+        let t = Instant::now();
+        let run = RunLogs::create(&quiet, "inherit")?;
+        let mut ctx = start_processes(
+            &spec(exe, &["produce", &bytes], 1),
+            &quiet,
+            &run.attempt(0, 1)?,
+        )?;
+        let r = ctx
+            .wait(Some(Duration::from_secs(600)), Duration::from_millis(1))
+            .context("inheriting worker did not finish")?;
+        anyhow::ensure!(!r.is_failed(), "inheriting worker failed");
+        Ok(t.elapsed().as_secs_f64())
+    })??;
+    let t = median(torch(&["inherit", &args.tee_bytes.to_string(), exe], true)?);
+    println!(
+        "{:.0} MB inherited stdout (MB/s)     rally {:>9.0}   torch {:>9.0}   rally {:.1}x faster",
         mb,
         mb / o,
         mb / t,

@@ -58,6 +58,14 @@ enum Cmd {
     /// tee benchmark's worker, the same for both launchers.
     #[command(hide = true)]
     Produce { bytes: u64 },
+    /// (internal) One of our rendezvous nodes in its own process.
+    #[command(hide = true)]
+    RdzvNode {
+        port: u16,
+        run: String,
+        nodes: usize,
+        index: usize,
+    },
     /// (internal) A raw TCP echo server of fixed sizes, the latency baseline.
     #[command(hide = true)]
     Echo { req: usize, reply: usize },
@@ -110,6 +118,12 @@ fn main() -> Result<()> {
         Cmd::Rendezvous(args) => rendezvous::run(args),
         Cmd::Echo { req, reply } => async_echo(req, reply),
         Cmd::Produce { bytes } => launch::produce(bytes),
+        Cmd::RdzvNode {
+            port,
+            run,
+            nodes,
+            index,
+        } => rendezvous::node(port, &run, nodes, index),
     }
 }
 

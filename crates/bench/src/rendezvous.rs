@@ -1,9 +1,11 @@
 //! `rallypoint-bench rendezvous`: N nodes through one round of the dynamic
-//! rendezvous (min = max = N), each node with its own TCP connection to one store
-//! server process; wall time and store operations per node. PyTorch's c10d
-//! `DynamicRendezvousHandler` runs the same round in the same run
-//! (`crates/bench/py/rdzv_bench.py`: one thread and one TCPStore client per node,
-//! operations counted at the same API level).
+//! rendezvous (min = max = N); wall time and store operations per node. Both
+//! sides run the same way: one process per node (ours: `rallypoint-bench
+//! rdzv-node`; PyTorch's c10d `DynamicRendezvousHandler`:
+//! `crates/bench/py/rdzv_bench.py`), each with its own connection to the same
+//! store server (`rally store serve`, a fresh one per round), operations counted
+//! at the same API level. Every process sets up first, then all start on one
+//! `go` key; the time runs from `go` to the last node's end.
 
 use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -19,13 +21,13 @@ use rallypoint_store::{Result as StoreResult, Store, TcpStore};
 #[derive(clap::Args, Clone)]
 pub struct RendezvousArgs {
     /// Node counts to run.
-    #[arg(long, value_delimiter = ',', default_value = "1,8,32,128,1024,4096")]
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32,128,512")]
     nodes: Vec<usize>,
-    /// Largest node count to run PyTorch's handler at (threads in one process,
-    /// about a second of polling per round).
-    #[arg(long, default_value_t = 128)]
+    /// Largest node count to run PyTorch's handler at (a process per node, each
+    /// importing torch: about 300 MB apiece).
+    #[arg(long, default_value_t = 32)]
     torch_max: usize,
-    /// How long PyTorch's round may take before it is reported as not finished.
+    /// How long set-up or a round may take before it is reported as not finished.
     #[arg(long, default_value_t = 240)]
     torch_limit_secs: u64,
 }
@@ -112,26 +114,37 @@ impl Store for Counting {
     }
 }
 
-/// One round of `n` of our nodes against the server at `port`.
-async fn ours(port: u16, n: usize, run: &str) -> Result<(Duration, f64)> {
-    let ops = Arc::new(AtomicU64::new(0));
-    let mut nodes = Vec::with_capacity(n);
-    for i in 0..n {
-        let inner = TcpStore::builder("127.0.0.1", port)
-            .timeout(Duration::from_secs(600))
+/// The protocol every node process follows, ours and PyTorch's alike: connect,
+/// build the handler, count itself in at `bench/ready`, wait for `bench/go`, run
+/// one round, print `RESULT <unix time at the end> <store ops>` on stderr.
+const READY: &str = "bench/ready";
+const GO: &str = "bench/go";
+
+/// One of our nodes, in its own process (`rallypoint-bench rdzv-node`).
+pub fn node(port: u16, run: &str, n: usize, index: usize) -> Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let control = TcpStore::builder("127.0.0.1", port)
+            .timeout(Duration::from_secs(900))
             .connect()
             .await?;
-        let store = Counting {
-            inner,
-            ops: ops.clone(),
-        };
-        nodes.push(Arc::new(DynamicRendezvous::new(
-            Arc::new(store),
+        let ops = Arc::new(AtomicU64::new(0));
+        let inner = TcpStore::builder("127.0.0.1", port)
+            .timeout(Duration::from_secs(900))
+            .connect()
+            .await?;
+        let handler = DynamicRendezvous::new(
+            Arc::new(Counting {
+                inner,
+                ops: ops.clone(),
+            }),
             run,
-            format!("node{i}"),
+            format!("node{index}"),
             Bounds { min: n, max: n },
             Timing {
-                join: Duration::from_secs(600),
+                join: Duration::from_secs(900),
                 keep_alive: Duration::from_secs(60),
                 ..Timing::default()
             },
@@ -139,119 +152,165 @@ async fn ours(port: u16, n: usize, run: &str) -> Result<(Duration, f64)> {
                 master_addr: "127.0.0.1".into(),
                 master_port: port,
             },
-        )));
+        );
+        control.add(READY, 1).await?;
+        control.wait(&[GO]).await?;
+        let rank = handler.next_rendezvous().await?.rank;
+        let end = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_secs_f64();
+        // Heartbeats begin as the round completes; count only the round itself.
+        let ops = ops.load(Ordering::Relaxed);
+        eprintln!("RESULT {end:.6} {ops} {rank}");
+        anyhow::Ok(())
+    })
+}
+
+/// One round of `n` node processes (ours or PyTorch's) against the store server
+/// at `port`: seconds from `go` to the last node done, store ops per node.
+fn round(side: &str, port: u16, n: usize, run: &str, limit: Duration) -> Result<Option<(f64, f64)>> {
+    let mut children = Vec::with_capacity(n);
+    for i in 0..n {
+        let mut c = match side {
+            "rally" => {
+                let mut c = Command::new(std::env::current_exe()?);
+                c.arg("rdzv-node");
+                c
+            }
+            _ => {
+                let mut c = Command::new(crate::python());
+                c.arg(crate::repo_root().join("crates/bench/py/rdzv_bench.py"));
+                c
+            }
+        };
+        c.args([port.to_string(), run.to_owned(), n.to_string(), i.to_string()])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped());
+        children.push(c.spawn().with_context(|| format!("starting {side} node {i}"))?);
     }
-    ops.store(0, Ordering::Relaxed);
-    let t0 = Instant::now();
-    let tasks: Vec<_> = nodes
-        .iter()
-        .map(|h| {
-            let h = h.clone();
-            tokio::spawn(async move { h.next_rendezvous().await })
+    // Drain every stderr on its own thread so no child blocks on a full pipe.
+    let readers: Vec<_> = children
+        .iter_mut()
+        .map(|c| {
+            let mut err = c.stderr.take().expect("piped");
+            std::thread::spawn(move || {
+                let mut s = String::new();
+                let _ = std::io::Read::read_to_string(&mut err, &mut s);
+                s
+            })
         })
         .collect();
-    let mut ranks = Vec::with_capacity(n);
-    for t in tasks {
-        ranks.push(t.await??.rank);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let control = rt.block_on(
+        TcpStore::builder("127.0.0.1", port)
+            .timeout(Duration::from_secs(900))
+            .connect(),
+    )?;
+    let t0 = Instant::now();
+    let kill_all = |children: &mut Vec<std::process::Child>| {
+        for c in children.iter_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    };
+    // Every process set up (PyTorch's import torch takes seconds): then go.
+    loop {
+        if rt.block_on(control.add(READY, 0))? as usize >= n {
+            break;
+        }
+        if let Some(i) = children.iter_mut().position(|c| matches!(c.try_wait(), Ok(Some(_)))) {
+            kill_all(&mut children);
+            bail!("{side} node {i} exited before the round");
+        }
+        if t0.elapsed() > limit {
+            kill_all(&mut children);
+            bail!("{side} nodes not ready after {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
-    let took = t0.elapsed();
-    // Heartbeats began as each node finished; count only the round itself.
-    let per_node = ops.load(Ordering::Relaxed) as f64 / n as f64;
+    let go = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_secs_f64();
+    rt.block_on(control.set(GO, b"1"))?;
+    let t1 = Instant::now();
+    for c in &mut children {
+        loop {
+            if c.try_wait()?.is_some() {
+                break;
+            }
+            if t1.elapsed() > limit {
+                kill_all(&mut children);
+                return Ok(None);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+    let (mut last, mut ops, mut ranks) = (go, 0.0, Vec::with_capacity(n));
+    for (i, r) in readers.into_iter().enumerate() {
+        let err = r.join().unwrap_or_default();
+        let line = err
+            .lines()
+            .find_map(|l| l.strip_prefix("RESULT "))
+            .with_context(|| format!("{side} node {i} reported nothing: {err}"))?;
+        let f: Vec<f64> = line
+            .split_whitespace()
+            .map(|x| x.parse())
+            .collect::<Result<_, _>>()?;
+        anyhow::ensure!(f.len() == 3, "{side} node {i}: {line}");
+        last = last.max(f[0]);
+        ops += f[1];
+        ranks.push(f[2] as usize);
+    }
     ranks.sort_unstable();
     anyhow::ensure!(
         ranks == (0..n).collect::<Vec<_>>(),
-        "ranks are not a permutation"
+        "{side}: ranks are not a permutation"
     );
-    Ok((took, per_node))
-}
-
-/// Runs PyTorch's side, for at most `limit`. `Ok(None)` if it did not finish.
-fn torch(n: usize, limit: Duration) -> Result<Option<(f64, f64)>> {
-    let mut child = Command::new(crate::python())
-        .arg(crate::repo_root().join("crates/bench/py/rdzv_bench.py"))
-        .arg(n.to_string())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .context("running PyTorch's side")?;
-    // Drain stderr on a thread so a chatty child never blocks on a full pipe.
-    let mut stderr = child.stderr.take().context("stderr")?;
-    let reader = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = std::io::Read::read_to_string(&mut stderr, &mut s);
-        s
-    });
-    let t0 = Instant::now();
-    let status = loop {
-        if let Some(st) = child.try_wait()? {
-            break Some(st);
-        }
-        if t0.elapsed() > limit {
-            child.kill()?;
-            child.wait()?;
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let err = reader.join().unwrap_or_default();
-    let Some(status) = status else {
-        return Ok(None);
-    };
-    if !status.success() {
-        bail!(
-            "PyTorch's rendezvous failed: {}",
-            err.lines()
-                .filter(|l| !l.starts_with("[W"))
-                .collect::<Vec<_>>()
-                .join("\n")
-        );
-    }
-    let line = err
-        .lines()
-        .find_map(|l| l.strip_prefix("RESULT "))
-        .context("no RESULT line")?;
-    let mut it = line.split_whitespace();
-    Ok(Some((
-        it.next().context("time")?.parse()?,
-        it.next().context("ops")?.parse()?,
-    )))
+    Ok(Some((last - go, ops / n as f64)))
 }
 
 pub fn run(args: RendezvousArgs) -> Result<()> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()?;
-    println!("# dynamic rendezvous: one round, min = max = N, one store connection per node");
+    println!("# dynamic rendezvous: one round, min = max = N, one process and one store");
+    println!("# connection per node, ours and PyTorch's c10d handler against the same");
+    println!("# `rally store serve` (a fresh one per round); time from go to the last node");
     println!(
         "{:>6}  {:>12} {:>10}  {:>12} {:>10}  {:>8}",
         "nodes", "rally (ms)", "ops/node", "torch (ms)", "ops/node", "speedup"
     );
+    let limit = Duration::from_secs(args.torch_limit_secs);
     for &n in &args.nodes {
-        // A fresh server per size, so each round starts from an empty store.
         let server = crate::start("rally", Some(1))?;
-        let (took, ops) = rt.block_on(ours(server.addr.port(), n, "bench"))?;
+        let port = server.addr.port();
+        let (took, ops) = round("rally", port, n, "bench-rally", limit)?
+            .with_context(|| format!("our round of {n} did not finish in {limit:?}"))?;
         drop(server);
-        let (t_ms, t_ops, speed) = if n <= args.torch_max {
-            let limit = Duration::from_secs(args.torch_limit_secs);
-            match torch(n, limit)? {
-                Some((t, o)) => (
-                    format!("{:.1}", t * 1e3),
-                    format!("{o:.1}"),
-                    format!("{:.1}x", t / took.as_secs_f64()),
-                ),
-                None => (
-                    format!(">{}", limit.as_millis()),
-                    "-".into(),
-                    format!(">{:.0}x", limit.as_secs_f64() / took.as_secs_f64()),
-                ),
-            }
+        let theirs = if n <= args.torch_max {
+            let server = crate::start("rally", Some(1))?;
+            let r = round("torch", server.addr.port(), n, "bench-torch", limit)?;
+            drop(server);
+            Some(r)
         } else {
-            ("-".into(), "-".into(), "-".into())
+            None
+        };
+        // Only measured ratios: a round that did not finish has no ratio.
+        let (t_ms, t_ops, speed) = match theirs {
+            Some(Some((t, o))) => (
+                format!("{:.1}", t * 1e3),
+                format!("{o:.1}"),
+                format!("{:.1}x", t / took),
+            ),
+            Some(None) => (
+                format!("unfinished in {}s", limit.as_secs()),
+                "-".into(),
+                "-".into(),
+            ),
+            None => ("-".into(), "-".into(), "-".into()),
         };
         println!(
             "{n:>6}  {:>12.1} {ops:>10.1}  {t_ms:>12} {t_ops:>10}  {speed:>8}",
-            took.as_secs_f64() * 1e3
+            took * 1e3
         );
     }
     Ok(())
