@@ -2,14 +2,15 @@
 # Launch-to-exit of two `rally` binaries, interleaved run by run so both see the
 # same machine: `--standalone --nproc-per-node N --no-python true`, R rounds,
 # medians and quartiles in ms.
-#   crates/bench/sh/compare_launch.sh OLD_RALLY NEW_RALLY [N=8] [R=30]
+# EXTRA flags (e.g. "-t 3") go to both.
+#   crates/bench/sh/compare_launch.sh OLD_RALLY NEW_RALLY [N=8] [R=30] [EXTRA]
 set -euo pipefail
-old=$1; new=$2; n=${3:-8}; rounds=${4:-30}
+old=$1; new=$2; n=${3:-8}; rounds=${4:-30}; extra=${5:-}
 for _ in $(seq "$rounds"); do
   for which in old new; do
     exe=${!which}
     t0=$(date +%s%N)
-    RALLY_LOG=error "$exe" run --standalone --nproc-per-node "$n" --no-python true >/dev/null 2>&1
+    RALLY_LOG=error "$exe" run --standalone --nproc-per-node "$n" $extra --no-python true >/dev/null 2>&1
     echo "$which $(( ($(date +%s%N) - t0) / 1000 ))"
   done
 done | python3 -c '

@@ -168,7 +168,13 @@ pub fn node(port: u16, run: &str, n: usize, index: usize) -> Result<()> {
 
 /// One round of `n` node processes (ours or PyTorch's) against the store server
 /// at `port`: seconds from `go` to the last node done, store ops per node.
-fn round(side: &str, port: u16, n: usize, run: &str, limit: Duration) -> Result<Option<(f64, f64)>> {
+fn round(
+    side: &str,
+    port: u16,
+    n: usize,
+    run: &str,
+    limit: Duration,
+) -> Result<Option<(f64, f64)>> {
     let mut children = Vec::with_capacity(n);
     for i in 0..n {
         let mut c = match side {
@@ -183,10 +189,18 @@ fn round(side: &str, port: u16, n: usize, run: &str, limit: Duration) -> Result<
                 c
             }
         };
-        c.args([port.to_string(), run.to_owned(), n.to_string(), i.to_string()])
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::piped());
-        children.push(c.spawn().with_context(|| format!("starting {side} node {i}"))?);
+        c.args([
+            port.to_string(),
+            run.to_owned(),
+            n.to_string(),
+            i.to_string(),
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped());
+        children.push(
+            c.spawn()
+                .with_context(|| format!("starting {side} node {i}"))?,
+        );
     }
     // Drain every stderr on its own thread so no child blocks on a full pipe.
     let readers: Vec<_> = children
@@ -220,7 +234,10 @@ fn round(side: &str, port: u16, n: usize, run: &str, limit: Duration) -> Result<
         if rt.block_on(control.add(READY, 0))? as usize >= n {
             break;
         }
-        if let Some(i) = children.iter_mut().position(|c| matches!(c.try_wait(), Ok(Some(_)))) {
+        if let Some(i) = children
+            .iter_mut()
+            .position(|c| matches!(c.try_wait(), Ok(Some(_))))
+        {
             kill_all(&mut children);
             bail!("{side} node {i} exited before the round");
         }
