@@ -621,7 +621,8 @@ fn two_agents_form_a_two_node_job_over_etcd() {
 fn http_get(port: u16, path: &str) -> Option<String> {
     use std::io::{Read, Write};
     let mut c = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
-    write!(c, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").ok()?;
+    c.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
+        .ok()?;
     let mut out = String::new();
     c.read_to_string(&mut out).ok()?;
     Some(out)

@@ -135,16 +135,25 @@ pub async fn serve(
             };
             let status = status.clone();
             tokio::spawn(async move {
+                // Up to the end of the headers: a client may send the request
+                // line in several writes, and answering (then closing) early
+                // would reset its connection.
                 let mut buf = [0u8; 2048];
-                let n = match tokio::time::timeout(
-                    std::time::Duration::from_secs(5),
-                    conn.read(&mut buf),
-                )
-                .await
-                {
-                    Ok(Ok(n)) => n,
-                    _ => return,
+                let mut n = 0;
+                let read_head = async {
+                    while n < buf.len() && !buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
+                        match conn.read(&mut buf[n..]).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(k) => n += k,
+                        }
+                    }
                 };
+                if tokio::time::timeout(std::time::Duration::from_secs(5), read_head)
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
                 let request = String::from_utf8_lossy(&buf[..n]);
                 let path = request.split_whitespace().nth(1).unwrap_or("/");
                 let snapshot = status.borrow().clone();

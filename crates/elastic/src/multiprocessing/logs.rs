@@ -14,11 +14,13 @@
 //! console. torchrun tails the file instead, which shows output up to 0.1 s late.
 //!
 //! The pump cuts each teed stream into segments ([`Lines`]): lines, `\r`-ended
-//! progress updates, a partial line once it has been quiet for
-//! [`PARTIAL_AFTER`], and pieces of [`MAX_LINE`] bytes of a line without end.
+//! progress updates, a partial line once it has waited [`PARTIAL_AFTER`], and
+//! pieces of [`MAX_LINE`] bytes of a line without end.
 //! Each segment is written whole under the console's lock, so lines of different
-//! workers never interleave mid-line, and the rest of a partial line continues
-//! it without a second prefix unless another worker wrote in between. A pump
+//! workers never interleave mid-line: a line another worker left open is ended
+//! before the next one starts, and the rest of a partial line continues it
+//! without a second prefix unless another worker wrote in between (then it
+//! starts a new line with its prefix). A pump
 //! stops at end of file, or, when the worker has exited but a grandchild still
 //! holds the pipe open, once the pipe has been quiet for [`DRAIN_AFTER_EXIT`],
 //! so such a grandchild never hangs the launcher.
@@ -269,7 +271,10 @@ struct Active {
     console: Console,
     lines: Lines,
     exited: Arc<AtomicBool>,
+    /// Since when the pipe has been quiet after the worker's exit was seen.
     quiet_since: Option<Instant>,
+    /// Since when part of the current line has waited to be shown.
+    pending_since: Option<Instant>,
     /// Segments dropped since the last notice, because the console fell behind.
     dropped: u64,
 }
@@ -331,6 +336,12 @@ fn console() -> &'static std::sync::mpsc::SyncSender<ConsoleMsg> {
                                 Console::Stdout => Box::new(std::io::stdout().lock()),
                                 Console::Stderr => Box::new(std::io::stderr().lock()),
                             };
+                            // Another line is open here (a partial line of
+                            // another worker, or one this stream left before a
+                            // notice): end it, so this starts a line.
+                            if slot.is_some() && !cont {
+                                let _ = w.write_all(b"\n");
+                            }
                             if s.continues && !cont {
                                 let _ = w.write_all(&s.prefix);
                             }
@@ -354,8 +365,21 @@ fn console() -> &'static std::sync::mpsc::SyncSender<ConsoleMsg> {
 /// every console line queued so far is written.
 pub(crate) fn flush_console() {
     let (ack, done) = std::sync::mpsc::sync_channel(1);
-    if console().try_send(ConsoleMsg::Flush(ack)).is_ok() {
-        let _ = done.recv_timeout(Duration::from_secs(1));
+    let deadline = Instant::now() + Duration::from_secs(1);
+    let mut msg = ConsoleMsg::Flush(ack);
+    // The queue may be full: keep offering until the deadline.
+    loop {
+        match console().try_send(msg) {
+            Ok(()) => {
+                let _ = done.recv_timeout(deadline.saturating_duration_since(Instant::now()));
+                return;
+            }
+            Err(std::sync::mpsc::TrySendError::Full(m)) if Instant::now() < deadline => {
+                msg = m;
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(_) => return,
+        }
     }
 }
 
@@ -377,6 +401,7 @@ impl Pump {
                 lines: Lines::new(&s.prefix),
                 exited: s.exited,
                 quiet_since: None,
+                pending_since: None,
                 dropped: 0,
             });
         }
@@ -433,14 +458,21 @@ fn pump(mut streams: Vec<Active>, abandon: &AtomicBool) {
         }
         let mut done = vec![false; streams.len()];
         for (i, s) in streams.iter_mut().enumerate() {
+            // A partial line shows once it is PARTIAL_AFTER old, busy or not.
+            if s.pending_since
+                .is_some_and(|t| t.elapsed() >= PARTIAL_AFTER)
+            {
+                s.flush_partial();
+            }
             if fds[i].revents == 0 {
-                let since = *s.quiet_since.get_or_insert_with(Instant::now);
-                if since.elapsed() >= PARTIAL_AFTER {
-                    s.flush_partial();
+                // Stop once the worker is gone and the pipe has stayed quiet
+                // since (a grandchild may hold it open forever). The clock
+                // starts when the exit is seen, not at the last read, so output
+                // written just before the exit is still read.
+                if s.exited.load(Ordering::Acquire) {
+                    let since = *s.quiet_since.get_or_insert_with(Instant::now);
+                    done[i] = since.elapsed() >= DRAIN_AFTER_EXIT;
                 }
-                // Stop once the worker is gone and the pipe stays quiet (a
-                // grandchild may hold it open forever).
-                done[i] = s.exited.load(Ordering::Acquire) && since.elapsed() >= DRAIN_AFTER_EXIT;
                 continue;
             }
             s.quiet_since = None;
@@ -479,10 +511,16 @@ impl Active {
         if let Some(out) = self.lines.feed(chunk) {
             self.send_to_console(out);
         }
+        if self.lines.pending.is_empty() {
+            self.pending_since = None;
+        } else if self.pending_since.is_none() {
+            self.pending_since = Some(Instant::now());
+        }
     }
 
-    /// Shows a partial line that has been quiet for [`PARTIAL_AFTER`].
+    /// Shows a partial line that has waited [`PARTIAL_AFTER`].
     fn flush_partial(&mut self) {
+        self.pending_since = None;
         if let Some(out) = self.lines.flush(false) {
             self.send_to_console(out);
         }
@@ -515,18 +553,13 @@ impl Active {
                 String::from_utf8_lossy(&self.lines.prefix),
                 self.dropped
             );
+            // The console thread ends any open line before it.
             let notice = Out {
-                // A notice always starts a line of its own.
-                bytes: if self.lines.open_on_console {
-                    [b"\n", notice.as_bytes()].concat()
-                } else {
-                    notice.into_bytes()
-                },
+                bytes: notice.into_bytes(),
                 continues: false,
                 open: false,
                 count: 1,
             };
-            self.lines.open_on_console = false;
             if tx.try_send(msg(notice)).is_err() {
                 self.dropped += out.count;
                 CONSOLE_DROPPED.fetch_add(out.count, Ordering::Relaxed);

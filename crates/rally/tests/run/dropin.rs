@@ -34,8 +34,12 @@ impl Pty {
         // SAFETY: openpty returned two fresh descriptors we now own.
         let (master, slave) =
             unsafe { (std::fs::File::from_raw_fd(m), std::fs::File::from_raw_fd(s)) };
-        // SAFETY: fcntl on a descriptor we own.
-        unsafe { libc::fcntl(master.as_raw_fd(), libc::F_SETFD, libc::FD_CLOEXEC) };
+        // Neither may leak into the launcher's other children (the child's
+        // 0, 1 and 2 are dups, which do not inherit the flag).
+        for fd in [&master, &slave] {
+            // SAFETY: fcntl on a descriptor we own.
+            unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFD, libc::FD_CLOEXEC) };
+        }
         cmd.stdin(slave.try_clone().unwrap())
             .stdout(slave.try_clone().unwrap())
             .stderr(slave);
