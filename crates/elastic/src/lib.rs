@@ -2,8 +2,8 @@
 //!
 //! [`multiprocessing`] starts N copies of a worker, each with its own arguments and
 //! environment, hands them the launcher's stdio or routes their output to per-rank
-//! log files and (prefixed) to the console, as torchrun's flags say, learns exactly how each one ended, and stops them all:
-//! PyTorch's `torch.distributed.elastic.multiprocessing`. [`errors`] is the
+//! log files and (prefixed) to the console as torchrun's flags say, learns
+//! exactly how each one ended, and stops them all: PyTorch's `torch.distributed.elastic.multiprocessing`. [`errors`] is the
 //! `TORCHELASTIC_ERROR_FILE` mechanism, with PyTorch's JSON layout. [`devices`]
 //! counts the GPUs a process sees, honouring `CUDA_VISIBLE_DEVICES`. [`agent`] is
 //! the elastic agent behind `rally run`: rendezvous, start, monitor, restart.

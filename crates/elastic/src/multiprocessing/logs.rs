@@ -5,7 +5,7 @@
 //! wiped and recreated for each attempt.
 //!
 //! Each worker stream goes where torchrun's `DefaultLogsSpecs` sends it
-//! ([`route`]): by default the worker inherits the launcher's stdin, stdout and
+//! (`route`): by default the worker inherits the launcher's stdin, stdout and
 //! stderr, so a terminal stays a terminal (`isatty()`, colours, `\r` progress
 //! bars, `breakpoint()`) and lines carry no prefix. `-r` hands the worker its log
 //! file directly. A rank hidden by the console filter and not redirected writes
@@ -13,7 +13,7 @@
 //! and the pump writes its bytes to the file and echoes them, prefixed, to the
 //! console. torchrun tails the file instead, which shows output up to 0.1 s late.
 //!
-//! The pump cuts each teed stream into segments ([`Lines`]): lines, `\r`-ended
+//! The pump cuts each teed stream into segments (`Lines`): lines, `\r`-ended
 //! progress updates, a partial line once it has waited [`PARTIAL_AFTER`], and
 //! pieces of [`MAX_LINE`] bytes of a line without end.
 //! Each segment is written whole under the console's lock, so lines of different
