@@ -55,23 +55,32 @@ impl Job {
 
     /// Waits up to `limit`; a job still running then is killed and the test fails.
     fn wait(&mut self, limit: Duration) -> ExitStatus {
-        let t0 = Instant::now();
-        loop {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                return s;
-            }
-            if t0.elapsed() > limit {
-                let _ = self.child.kill();
-                let _ = self.child.wait();
-                panic!("job still running after {limit:?}:\n{}", self.output());
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let log = self.log.clone();
+        wait_or_kill(&mut self.child, limit, || {
+            std::fs::read_to_string(&log).unwrap_or_default()
+        })
     }
 
     fn signal(&self, sig: i32) {
         // SAFETY: signalling our own child.
         unsafe { libc::kill(self.child.id() as i32, sig) };
+    }
+}
+
+/// Waits up to `limit` for `child`; one still running then is killed and the
+/// test fails, showing `output()`.
+fn wait_or_kill(child: &mut Child, limit: Duration, output: impl Fn() -> String) -> ExitStatus {
+    let t0 = Instant::now();
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s;
+        }
+        if t0.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("still running after {limit:?}:\n{}", output());
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 

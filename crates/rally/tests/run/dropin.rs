@@ -94,17 +94,10 @@ impl Pty {
     }
 
     fn wait(&mut self, limit: Duration) -> ExitStatus {
-        let t0 = Instant::now();
-        loop {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                return s;
-            }
-            if t0.elapsed() > limit {
-                let _ = self.child.kill();
-                panic!("still running after {limit:?}:\n{}", self.text());
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let out = self.out.clone();
+        wait_or_kill(&mut self.child, limit, || {
+            String::from_utf8_lossy(&out.lock().unwrap()).into_owned()
+        })
     }
 }
 
