@@ -153,27 +153,31 @@ pub fn run(args: LaunchArgs) -> Result<()> {
     let exe = std::env::current_exe()?;
     let exe = exe.to_str().context("executable path is not UTF-8")?;
     let bytes = args.tee_bytes.to_string();
-    let o = with_quiet_stdout(|| -> Result<f64> {
-        let t = Instant::now();
-        let run = RunLogs::create(&tee, "tee")?;
-        let mut ctx = start_processes(
-            &spec(exe, &["produce", &bytes], 1),
-            &tee,
-            &run.attempt(0, 1)?,
-        )?;
-        let r = ctx
-            .wait(Some(Duration::from_secs(600)), Duration::from_millis(1))
-            .context("tee worker did not finish")?;
-        anyhow::ensure!(!r.is_failed(), "tee worker failed");
-        let secs = t.elapsed().as_secs_f64();
-        let len = std::fs::metadata(run.dir.join("attempt_0/0/stdout.log"))?.len();
-        anyhow::ensure!(
-            len == args.tee_bytes,
-            "lost output: {len} of {} bytes",
-            args.tee_bytes
-        );
-        Ok(secs)
-    })??;
+    // One producer worker under `logs`, stdout at /dev/null: seconds to its
+    // exit, and its run's log directory.
+    let stream = |logs: &LogsSpec, name: &str| -> Result<(f64, RunLogs)> {
+        with_quiet_stdout(|| -> Result<(f64, RunLogs)> {
+            let t = Instant::now();
+            let run = RunLogs::create(logs, name)?;
+            let mut ctx = start_processes(
+                &spec(exe, &["produce", &bytes], 1),
+                logs,
+                &run.attempt(0, 1)?,
+            )?;
+            let r = ctx
+                .wait(Some(Duration::from_secs(600)), Duration::from_millis(1))
+                .with_context(|| format!("{name} worker did not finish"))?;
+            anyhow::ensure!(!r.is_failed(), "{name} worker failed");
+            Ok((t.elapsed().as_secs_f64(), run))
+        })?
+    };
+    let (o, run) = stream(&tee, "tee")?;
+    let len = std::fs::metadata(run.dir.join("attempt_0/0/stdout.log"))?.len();
+    anyhow::ensure!(
+        len == args.tee_bytes,
+        "lost output: {len} of {} bytes",
+        args.tee_bytes
+    );
     // A console that fell behind drops lines (they stay in the file): then the
     // console did less work than torch's, and the figure is not comparable.
     let dropped = rallypoint_elastic::multiprocessing::logs::console_lines_dropped();
@@ -193,20 +197,7 @@ pub fn run(args: LaunchArgs) -> Result<()> {
 
     // The same bytes with nothing asking for capture: the worker inherits the
     // launcher's stdout (here /dev/null) under both launchers.
-    let o = with_quiet_stdout(|| -> Result<f64> {
-        let t = Instant::now();
-        let run = RunLogs::create(&quiet, "inherit")?;
-        let mut ctx = start_processes(
-            &spec(exe, &["produce", &bytes], 1),
-            &quiet,
-            &run.attempt(0, 1)?,
-        )?;
-        let r = ctx
-            .wait(Some(Duration::from_secs(600)), Duration::from_millis(1))
-            .context("inheriting worker did not finish")?;
-        anyhow::ensure!(!r.is_failed(), "inheriting worker failed");
-        Ok(t.elapsed().as_secs_f64())
-    })??;
+    let (o, _) = stream(&quiet, "inherit")?;
     let t = median(torch(&["inherit", &args.tee_bytes.to_string(), exe], true)?);
     println!(
         "{:.0} MB inherited stdout (MB/s)     rally {:>9.0}   torch {:>9.0}   rally {:.1}x faster",
