@@ -1,0 +1,386 @@
+//! Element types and reductions.
+//!
+//! An [`Element`] is a plain number that travels as its in-memory bytes (the
+//! handshake refuses a peer of the other byte order). Reductions work on whole
+//! slices with the operator chosen once outside the loop, so each loop body is a
+//! single arithmetic operation that the compiler vectorises. Integers wrap on
+//! overflow, as PyTorch's do; floating-point `MIN`/`MAX` propagate NaN. The 16-bit
+//! floats are reduced in `f32` and rounded back after each step, as gloo does.
+
+use std::fmt;
+
+use half::{bf16, f16};
+
+/// The element type of a buffer, as it appears in frames and error messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum DType {
+    U8 = 1,
+    I8,
+    U16,
+    I16,
+    U32,
+    I32,
+    U64,
+    I64,
+    F16,
+    BF16,
+    F32,
+    F64,
+}
+
+impl DType {
+    /// All types, for tests and decoders.
+    pub const ALL: [DType; 12] = [
+        DType::U8,
+        DType::I8,
+        DType::U16,
+        DType::I16,
+        DType::U32,
+        DType::I32,
+        DType::U64,
+        DType::I64,
+        DType::F16,
+        DType::BF16,
+        DType::F32,
+        DType::F64,
+    ];
+
+    pub(crate) fn from_code(code: u8) -> Option<DType> {
+        DType::ALL.get(usize::from(code).checked_sub(1)?).copied()
+    }
+
+    /// Whether this is a floating-point type (the only kind `AVG` accepts).
+    pub fn is_float(self) -> bool {
+        matches!(self, DType::F16 | DType::BF16 | DType::F32 | DType::F64)
+    }
+
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::U8 | DType::I8 => 1,
+            DType::U16 | DType::I16 | DType::F16 | DType::BF16 => 2,
+            DType::U32 | DType::I32 | DType::F32 => 4,
+            DType::U64 | DType::I64 | DType::F64 => 8,
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = match self {
+            DType::U8 => "u8",
+            DType::I8 => "i8",
+            DType::U16 => "u16",
+            DType::I16 => "i16",
+            DType::U32 => "u32",
+            DType::I32 => "i32",
+            DType::U64 => "u64",
+            DType::I64 => "i64",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::F32 => "f32",
+            DType::F64 => "f64",
+        };
+        f.write_str(s)
+    }
+}
+
+/// PyTorch's `ReduceOp`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum ReduceOp {
+    Sum = 1,
+    Product,
+    Min,
+    Max,
+    /// The mean over the group's ranks: floating-point types only.
+    Avg,
+    /// Bitwise and: integer types only.
+    Band,
+    /// Bitwise or: integer types only.
+    Bor,
+    /// Bitwise exclusive or: integer types only.
+    Bxor,
+}
+
+impl ReduceOp {
+    /// All operators, for tests and decoders.
+    pub const ALL: [ReduceOp; 8] = [
+        ReduceOp::Sum,
+        ReduceOp::Product,
+        ReduceOp::Min,
+        ReduceOp::Max,
+        ReduceOp::Avg,
+        ReduceOp::Band,
+        ReduceOp::Bor,
+        ReduceOp::Bxor,
+    ];
+
+    pub(crate) fn from_code(code: u8) -> Option<ReduceOp> {
+        ReduceOp::ALL.get(usize::from(code).checked_sub(1)?).copied()
+    }
+
+    /// Whether the operator applies to `dtype`, as PyTorch decides it.
+    pub fn supports(self, dtype: DType) -> bool {
+        match self {
+            ReduceOp::Avg => dtype.is_float(),
+            ReduceOp::Band | ReduceOp::Bor | ReduceOp::Bxor => !dtype.is_float(),
+            _ => true,
+        }
+    }
+}
+
+impl fmt::Display for ReduceOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = match self {
+            ReduceOp::Sum => "SUM",
+            ReduceOp::Product => "PRODUCT",
+            ReduceOp::Min => "MIN",
+            ReduceOp::Max => "MAX",
+            ReduceOp::Avg => "AVG",
+            ReduceOp::Band => "BAND",
+            ReduceOp::Bor => "BOR",
+            ReduceOp::Bxor => "BXOR",
+        };
+        f.write_str(s)
+    }
+}
+
+/// A number a process group can move and reduce.
+///
+/// # Safety
+///
+/// Implementors must be plain data: no padding, no pointers, every bit pattern
+/// valid and alignment at most 8, so that a buffer can be sent as its bytes and a
+/// received 8-byte-aligned buffer read back as `[Self]`. The crate implements it
+/// for the twelve types of [`DType`]; there is no reason to implement it elsewhere.
+pub unsafe trait Element: Copy + Send + Sync + PartialEq + fmt::Debug + 'static {
+    /// The type's tag.
+    const DTYPE: DType;
+
+    /// `acc[i] = op(acc[i], other[i])`. `op` must [support](ReduceOp::supports)
+    /// the type and `AVG` reduces as `SUM` (see [`Element::divide`]).
+    fn reduce(op: ReduceOp, acc: &mut [Self], other: &[Self]);
+
+    /// Divides by `n` in place: the last step of `AVG`. A no-op for integers.
+    fn divide(acc: &mut [Self], n: usize);
+
+    /// A small integer as this type, for tests and examples.
+    fn from_i8(v: i8) -> Self;
+}
+
+#[inline(always)]
+fn zip_apply<T: Copy>(acc: &mut [T], other: &[T], f: impl Fn(T, T) -> T) {
+    debug_assert_eq!(acc.len(), other.len());
+    for (a, b) in acc.iter_mut().zip(other) {
+        *a = f(*a, *b);
+    }
+}
+
+macro_rules! int_element {
+    ($($t:ty => $d:ident),*) => {$(
+        unsafe impl Element for $t {
+            const DTYPE: DType = DType::$d;
+            fn reduce(op: ReduceOp, acc: &mut [Self], other: &[Self]) {
+                match op {
+                    ReduceOp::Sum | ReduceOp::Avg => zip_apply(acc, other, |a, b| a.wrapping_add(b)),
+                    ReduceOp::Product => zip_apply(acc, other, |a, b| a.wrapping_mul(b)),
+                    ReduceOp::Min => zip_apply(acc, other, |a, b| a.min(b)),
+                    ReduceOp::Max => zip_apply(acc, other, |a, b| a.max(b)),
+                    ReduceOp::Band => zip_apply(acc, other, |a, b| a & b),
+                    ReduceOp::Bor => zip_apply(acc, other, |a, b| a | b),
+                    ReduceOp::Bxor => zip_apply(acc, other, |a, b| a ^ b),
+                }
+            }
+            fn divide(_: &mut [Self], _: usize) {}
+            fn from_i8(v: i8) -> Self {
+                v as $t
+            }
+        }
+    )*};
+}
+
+int_element!(u8 => U8, i8 => I8, u16 => U16, i16 => I16, u32 => U32, i32 => I32, u64 => U64, i64 => I64);
+
+/// NaN-propagating minimum and maximum, the same on every rank whatever the
+/// argument order (PyTorch propagates NaN too).
+macro_rules! float_minmax {
+    ($a:expr, $b:expr, $cmp:tt) => {{
+        let (a, b) = ($a, $b);
+        if a != a {
+            a
+        } else if b != b || b $cmp a {
+            b
+        } else {
+            a
+        }
+    }};
+}
+
+macro_rules! float_element {
+    ($($t:ty => $d:ident),*) => {$(
+        unsafe impl Element for $t {
+            const DTYPE: DType = DType::$d;
+            fn reduce(op: ReduceOp, acc: &mut [Self], other: &[Self]) {
+                match op {
+                    ReduceOp::Sum | ReduceOp::Avg => zip_apply(acc, other, |a, b| a + b),
+                    ReduceOp::Product => zip_apply(acc, other, |a, b| a * b),
+                    ReduceOp::Min => zip_apply(acc, other, |a, b| float_minmax!(a, b, <)),
+                    ReduceOp::Max => zip_apply(acc, other, |a, b| float_minmax!(a, b, >)),
+                    ReduceOp::Band | ReduceOp::Bor | ReduceOp::Bxor => {
+                        unreachable!("bitwise reduction of a float type is refused before it runs")
+                    }
+                }
+            }
+            fn divide(acc: &mut [Self], n: usize) {
+                let n = n as $t;
+                for a in acc {
+                    *a /= n;
+                }
+            }
+            fn from_i8(v: i8) -> Self {
+                v as $t
+            }
+        }
+    )*};
+}
+
+float_element!(f32 => F32, f64 => F64);
+
+macro_rules! half_element {
+    ($($t:ty => $d:ident),*) => {$(
+        unsafe impl Element for $t {
+            const DTYPE: DType = DType::$d;
+            fn reduce(op: ReduceOp, acc: &mut [Self], other: &[Self]) {
+                let mut via = |f: fn(f32, f32) -> f32| {
+                    zip_apply(acc, other, |a, b| <$t>::from_f32(f(a.to_f32(), b.to_f32())))
+                };
+                match op {
+                    ReduceOp::Sum | ReduceOp::Avg => via(|a, b| a + b),
+                    ReduceOp::Product => via(|a, b| a * b),
+                    ReduceOp::Min => via(|a, b| float_minmax!(a, b, <)),
+                    ReduceOp::Max => via(|a, b| float_minmax!(a, b, >)),
+                    ReduceOp::Band | ReduceOp::Bor | ReduceOp::Bxor => {
+                        unreachable!("bitwise reduction of a float type is refused before it runs")
+                    }
+                }
+            }
+            fn divide(acc: &mut [Self], n: usize) {
+                let n = n as f32;
+                for a in acc {
+                    *a = <$t>::from_f32(a.to_f32() / n);
+                }
+            }
+            fn from_i8(v: i8) -> Self {
+                <$t>::from_f32(f32::from(v))
+            }
+        }
+    )*};
+}
+
+half_element!(f16 => F16, bf16 => BF16);
+
+/// The bytes of a slice of elements.
+pub(crate) fn bytes_of<T: Element>(s: &[T]) -> &[u8] {
+    // SAFETY: `Element` types are plain data with no padding.
+    unsafe { std::slice::from_raw_parts(s.as_ptr().cast::<u8>(), std::mem::size_of_val(s)) }
+}
+
+/// The bytes of a mutable slice of elements; any bytes written form valid elements.
+pub(crate) fn bytes_of_mut<T: Element>(s: &mut [T]) -> &mut [u8] {
+    // SAFETY: as above, and every bit pattern is a valid `Element`.
+    unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(s)) }
+}
+
+/// A received payload, 8-byte aligned so that it can be read as any element type.
+pub(crate) struct Buf {
+    words: Vec<u64>,
+    len: usize,
+}
+
+impl Buf {
+    pub(crate) fn new(len: usize) -> Buf {
+        Buf {
+            words: vec![0; len.div_ceil(8)],
+            len,
+        }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    pub(crate) fn bytes(&self) -> &[u8] {
+        // SAFETY: `words` holds at least `len` initialised bytes.
+        unsafe { std::slice::from_raw_parts(self.words.as_ptr().cast::<u8>(), self.len) }
+    }
+
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as above.
+        unsafe { std::slice::from_raw_parts_mut(self.words.as_mut_ptr().cast::<u8>(), self.len) }
+    }
+
+    /// The payload as elements; the caller has checked the length is a multiple
+    /// of the element size.
+    pub(crate) fn typed<T: Element>(&self) -> &[T] {
+        let n = self.len / std::mem::size_of::<T>();
+        assert_eq!(n * std::mem::size_of::<T>(), self.len, "payload is not whole elements");
+        // SAFETY: 8-byte aligned (alignment of every `Element` divides 8), `n`
+        // elements fit in `len` initialised bytes, every bit pattern is valid.
+        unsafe { std::slice::from_raw_parts(self.words.as_ptr().cast::<T>(), n) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_round_trip() {
+        for d in DType::ALL {
+            assert_eq!(DType::from_code(d as u8), Some(d));
+        }
+        for op in ReduceOp::ALL {
+            assert_eq!(ReduceOp::from_code(op as u8), Some(op));
+        }
+        assert_eq!(DType::from_code(0), None);
+        assert_eq!(DType::from_code(13), None);
+        assert_eq!(ReduceOp::from_code(9), None);
+    }
+
+    #[test]
+    fn supports_follows_pytorch() {
+        assert!(ReduceOp::Avg.supports(DType::BF16));
+        assert!(!ReduceOp::Avg.supports(DType::I32));
+        assert!(ReduceOp::Bxor.supports(DType::U8));
+        assert!(!ReduceOp::Band.supports(DType::F32));
+        assert!(ReduceOp::Max.supports(DType::F16));
+    }
+
+    #[test]
+    fn reductions() {
+        let mut a = [1i8, 100, -3];
+        i8::reduce(ReduceOp::Sum, &mut a, &[1, 100, 2]);
+        assert_eq!(a, [2, -56, -1], "integers wrap");
+        let mut f = [1.0f32, f32::NAN, 2.0];
+        f32::reduce(ReduceOp::Min, &mut f, &[0.5, 1.0, f32::NAN]);
+        assert_eq!(f[0], 0.5);
+        assert!(f[1].is_nan() && f[2].is_nan(), "NaN propagates from either side");
+        let mut h = [f16::from_f32(3.0)];
+        f16::reduce(ReduceOp::Product, &mut h, &[f16::from_f32(-2.0)]);
+        f16::divide(&mut h, 4);
+        assert_eq!(h[0].to_f32(), -1.5);
+        let mut u = [0b1100u16];
+        u16::reduce(ReduceOp::Bxor, &mut u, &[0b1010]);
+        assert_eq!(u, [0b0110]);
+    }
+
+    #[test]
+    fn buf_views() {
+        let mut b = Buf::new(12);
+        b.bytes_mut().copy_from_slice(bytes_of(&[1.0f32, 2.0, 3.0]));
+        assert_eq!(b.typed::<f32>(), &[1.0, 2.0, 3.0]);
+        assert_eq!(b.len(), 12);
+    }
+}

@@ -1,0 +1,67 @@
+//! Errors. Every error a collective returns names the group, the operation and,
+//! where one is to blame, the rank; errors are cheap to clone because one failure
+//! is delivered to every pending operation of the group.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A collective's result.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Why a collective (or setting up a group) failed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum Error {
+    /// A peer's connection ended (EOF, reset, refused) while this rank needed it.
+    #[error("{op} on group {group:?}: rank {rank} is gone: {reason}")]
+    PeerGone {
+        group: String,
+        op: String,
+        rank: usize,
+        reason: String,
+    },
+    /// The operation's deadline passed.
+    #[error("{op} on group {group:?} timed out after {timeout:?} waiting for {waiting_for}")]
+    Timeout {
+        group: String,
+        op: String,
+        timeout: Duration,
+        /// Who never came, e.g. "rank 3 (step 2)".
+        waiting_for: String,
+    },
+    /// Ranks called different collectives at the same point.
+    #[error("mismatched collectives on group {group:?} at op #{seq}: rank {rank_a} called {desc_a} but rank {rank_b} called {desc_b}")]
+    Mismatch {
+        group: String,
+        seq: u64,
+        rank_a: usize,
+        desc_a: String,
+        rank_b: usize,
+        desc_b: String,
+    },
+    /// The group was aborted, here or by another rank; every later op fails at once.
+    #[error("group {group:?} is aborted: {reason}")]
+    Aborted { group: String, reason: Arc<str> },
+    /// A peer sent something this rank cannot accept.
+    #[error("group {group:?}: rank {rank} broke the protocol: {reason}")]
+    Protocol {
+        group: String,
+        rank: usize,
+        reason: String,
+    },
+    /// The caller's arguments are wrong (checked before anything is sent).
+    #[error("{0}")]
+    Invalid(String),
+    /// Bootstrapping through the store or the URL rendezvous failed.
+    #[error("setting up group {group:?}: {reason}")]
+    Setup { group: String, reason: String },
+    /// Serialising or deserialising an object (the `*_object` ops).
+    #[error("object (de)serialisation: {0}")]
+    Codec(String),
+}
+
+impl Error {
+    /// Whether the error came from this group being aborted (here or elsewhere).
+    pub fn is_aborted(&self) -> bool {
+        matches!(self, Error::Aborted { .. })
+    }
+}

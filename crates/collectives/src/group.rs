@@ -1,0 +1,1050 @@
+//! The process group: bootstrap, the operation context, and the collectives.
+
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs, UdpSocket};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rallypoint_store::{PrefixStore, Store};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tokio::net::TcpListener;
+use tokio::time::{timeout_at, Instant};
+
+use crate::algorithms as algo;
+use crate::element::{bytes_of, bytes_of_mut, Buf, DType, Element, ReduceOp};
+use crate::error::{Error, Result};
+use crate::frame::{Algo, Desc, Header, OpKind, MAX_PAYLOAD};
+use crate::transport::{Config, Fail, Key, Members, Shared, Transport};
+
+/// gloo's default operation timeout.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+
+/// How a group is set up. Every rank must use the same segment size and
+/// thresholds (the handshake refuses a peer whose differ).
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// The group's name: its keys live under `rallypoint/collectives/<prefix>/` in
+    /// the store. A new group on the same store needs a new prefix.
+    pub prefix: String,
+    /// Bound on every operation (and on set-up's store waits).
+    pub timeout: Duration,
+    /// The address peers connect to. Default: the local address of the route to
+    /// `MASTER_ADDR` if set, else of the route to this host's name, else loopback.
+    pub advertise: Option<IpAddr>,
+    /// Largest frame payload; larger buffers are cut into segments and pipelined.
+    pub segment_bytes: usize,
+    /// Buffers up to this size use the latency algorithms (recursive doubling, trees).
+    pub small_bytes: usize,
+    /// Barriers of more ranks than this use a tree, which needs `n − 1`
+    /// connections, rather than dissemination's `n lg n`.
+    pub dissemination_max_ranks: usize,
+    /// TCP connections to open per peer; segments are spread over them.
+    pub streams_per_peer: usize,
+    /// How long a receive waits on a peer it has no connection with before
+    /// opening one to check that the peer is alive.
+    pub probe_after: Duration,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            prefix: "default_pg".into(),
+            timeout: DEFAULT_TIMEOUT,
+            advertise: None,
+            segment_bytes: 1 << 20,
+            small_bytes: 64 << 10,
+            dissemination_max_ranks: 64,
+            streams_per_peer: 1,
+            probe_after: Duration::from_millis(250),
+        }
+    }
+}
+
+impl Options {
+    fn layout_hash(&self) -> u64 {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (self.segment_bytes, self.small_bytes, self.dissemination_max_ranks).hash(&mut h);
+        h.finish()
+    }
+}
+
+/// The per-group state shared by every handle to it.
+pub(crate) struct Comm {
+    t: Arc<Transport>,
+    id: u64,
+    members: Members,
+    /// This rank's place in `members`.
+    rank: usize,
+    seq: AtomicU64,
+    /// Message numbers per (is-receive, peer, tag).
+    p2p: Mutex<HashMap<(bool, usize, u32), u64>>,
+    subgroups: Mutex<HashMap<Vec<usize>, u64>>,
+    opts: Arc<Options>,
+}
+
+impl Comm {
+    fn sh(&self) -> &Arc<Shared> {
+        &self.t.shared
+    }
+}
+
+/// A group of ranks that run collectives together.
+///
+/// Cheap to clone; clones share the group (and its sequence of operations). All
+/// members must call the same collectives in the same order; a rank that does
+/// not is caught at the first frame and both sides are named in the error.
+#[derive(Clone)]
+pub struct ProcessGroup {
+    comm: Arc<Comm>,
+    timeout: Duration,
+    all_reduce_algo: Option<Algo>,
+    broadcast_algo: Option<Algo>,
+}
+
+/// Which all-reduce algorithm to run (default: chosen by size).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AllReduceAlgorithm {
+    Ring,
+    RecursiveDoubling,
+    Tree,
+}
+
+/// Which broadcast algorithm to run (default: chosen by size).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BroadcastAlgorithm {
+    Tree,
+    Chain,
+}
+
+fn setup_err(group: String) -> impl Fn(String) -> Error {
+    move |reason| Error::Setup {
+        group: group.clone(),
+        reason,
+    }
+}
+
+/// The local address on the route to `host`.
+fn route_ip(host: &str) -> Option<IpAddr> {
+    let to = (host, 9).to_socket_addrs().ok()?.next()?;
+    let bind: SocketAddr = if to.is_ipv4() {
+        (Ipv4Addr::UNSPECIFIED, 0).into()
+    } else {
+        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+    };
+    let s = UdpSocket::bind(bind).ok()?;
+    s.connect(to).ok()?;
+    Some(s.local_addr().ok()?.ip())
+}
+
+/// The host of `host:port` or `[v6]:port`.
+fn host_of(authority: &str) -> &str {
+    if let Some(rest) = authority.strip_prefix('[') {
+        return rest.split(']').next().unwrap_or(rest);
+    }
+    authority.rsplit_once(':').map_or(authority, |(h, _)| h)
+}
+
+fn default_ip() -> IpAddr {
+    std::env::var("MASTER_ADDR")
+        .ok()
+        .and_then(|h| route_ip(&h))
+        .or_else(|| route_ip(&rallypoint_hostname()))
+        .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST))
+}
+
+fn rallypoint_hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_else(|_| "localhost".into())
+}
+
+impl ProcessGroup {
+    /// Forms a group of `size` ranks through `store`, as rank `rank`.
+    ///
+    /// Binds a listener, publishes its address under the group's prefix and
+    /// returns without waiting for the others: connections open when an
+    /// operation first needs them. Rank 0 publishes the group's generation (a
+    /// random nonce); a prefix that already holds one is an error, so stale keys
+    /// of an earlier group are never mistaken for this one's.
+    pub async fn new(store: Arc<dyn Store>, rank: usize, size: usize, opts: Options) -> Result<ProcessGroup> {
+        let name = opts.prefix.clone();
+        let err = setup_err(name.clone());
+        if size == 0 || rank >= size {
+            return Err(Error::Invalid(format!("rank {rank} is not in a group of {size}")));
+        }
+        if opts.segment_bytes < 8 || opts.segment_bytes as u64 > MAX_PAYLOAD {
+            return Err(Error::Invalid(format!(
+                "segment_bytes {} is outside 8..={MAX_PAYLOAD}",
+                opts.segment_bytes
+            )));
+        }
+        let store: Arc<dyn Store> = Arc::new(PrefixStore::new(format!("rallypoint/collectives/{name}"), store));
+        let ip = opts.advertise.unwrap_or_else(default_ip);
+        let listener = TcpListener::bind((ip, 0))
+            .await
+            .map_err(|e| err(format!("listening on {ip}: {e}")))?;
+        let addr = listener.local_addr().map_err(|e| err(e.to_string()))?;
+        let store_err = |what: &str, e: rallypoint_store::StoreError| err(format!("{what}: {e}"));
+
+        let nonce = if rank == 0 {
+            let mine = format!("{:016x}", fastrand::u64(1..));
+            let now = store
+                .compare_set("generation", b"", mine.as_bytes())
+                .await
+                .map_err(|e| store_err("publishing the generation", e))?;
+            if now != mine.as_bytes() {
+                return Err(err(format!(
+                    "the prefix already holds a group (generation {}); form a new group under a new prefix",
+                    String::from_utf8_lossy(&now)
+                )));
+            }
+            mine
+        } else {
+            store
+                .wait_timeout(&["generation"], opts.timeout)
+                .await
+                .map_err(|e| store_err("waiting for rank 0 to publish the generation", e))?;
+            String::from_utf8_lossy(
+                &store
+                    .get_now("generation")
+                    .await
+                    .map_err(|e| store_err("reading the generation", e))?,
+            )
+            .into_owned()
+        };
+        let nonce = u64::from_str_radix(&nonce, 16).map_err(|_| err(format!("bad generation {nonce:?} in the store")))?;
+        let me = addr.to_string();
+        let key = format!("addr/{rank}");
+        let now = store
+            .compare_set(&key, b"", me.as_bytes())
+            .await
+            .map_err(|e| store_err("publishing this rank's address", e))?;
+        if now != me.as_bytes() {
+            return Err(err(format!(
+                "rank {rank} is already taken under this prefix (by {}): two processes with one rank, or an earlier group",
+                String::from_utf8_lossy(&now)
+            )));
+        }
+        let cfg = Config {
+            name: name.clone(),
+            rank,
+            world: size,
+            nonce,
+            layout: opts.layout_hash(),
+            streams: opts.streams_per_peer.max(1),
+            probe_after: opts.probe_after,
+        };
+        let t = Transport::start(cfg, store, listener).map_err(|e| err(e.to_string()))?;
+        let members = Members {
+            name,
+            ranks: (0..size).collect(),
+        };
+        t.shared.register_members(0, members.clone());
+        Ok(ProcessGroup::with_comm(Comm {
+            t: Arc::new(t),
+            id: 0,
+            members,
+            rank,
+            seq: AtomicU64::new(0),
+            p2p: Mutex::default(),
+            subgroups: Mutex::default(),
+            opts: Arc::new(opts),
+        }))
+    }
+
+    /// Forms a group through PyTorch's URL init: `env://` (the default under
+    /// `rally run`: `MASTER_ADDR`, `MASTER_PORT`, `RANK`, `WORLD_SIZE`),
+    /// `tcp://host:port?rank=R&world_size=N` or `file:///path?rank=R&world_size=N`.
+    ///
+    /// Under `rally run` the prefix gets the restart count
+    /// (`TORCHELASTIC_RESTART_COUNT`), so each round of an elastic job forms a
+    /// fresh group on the job's store.
+    pub async fn from_url(url: &str, mut opts: Options) -> Result<ProcessGroup> {
+        let args = rallypoint_rendezvous::init::InitArgs {
+            timeout: opts.timeout.min(rallypoint_store::DEFAULT_TIMEOUT),
+            ..Default::default()
+        };
+        let err = setup_err(opts.prefix.clone());
+        let mut rdzv = rallypoint_rendezvous::init::rendezvous(url, args).map_err(|e| err(e.to_string()))?;
+        let r = rdzv.next().await.map_err(|e| err(e.to_string()))?;
+        if let Ok(n) = std::env::var("TORCHELASTIC_RESTART_COUNT") {
+            opts.prefix = format!("round{n}/{}", opts.prefix);
+        }
+        if opts.advertise.is_none() {
+            let from_url = rallypoint_rendezvous::url::Url::parse(url)
+                .ok()
+                .filter(|u| u.scheme == "tcp")
+                .map(|u| host_of(&u.authority).to_owned());
+            if let Some(host) = from_url.or_else(|| std::env::var("MASTER_ADDR").ok())
+            {
+                opts.advertise = route_ip(&host);
+            }
+        }
+        ProcessGroup::new(r.store, r.rank, r.world_size, opts).await
+    }
+
+    /// [`ProcessGroup::from_url`] with `env://`.
+    pub async fn from_env(opts: Options) -> Result<ProcessGroup> {
+        ProcessGroup::from_url("env://", opts).await
+    }
+
+    fn with_comm(comm: Comm) -> ProcessGroup {
+        ProcessGroup {
+            timeout: comm.opts.timeout,
+            comm: Arc::new(comm),
+            all_reduce_algo: None,
+            broadcast_algo: None,
+        }
+    }
+
+    /// This rank in the group.
+    pub fn rank(&self) -> usize {
+        self.comm.rank
+    }
+
+    /// Ranks in the group.
+    pub fn size(&self) -> usize {
+        self.comm.members.ranks.len()
+    }
+
+    /// The group's name (its prefix; subgroups add their ranks).
+    pub fn name(&self) -> &str {
+        &self.comm.members.name
+    }
+
+    /// Where this rank listens.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.comm.sh().local_addr
+    }
+
+    /// Connections this rank's listener refused (bad handshakes).
+    pub fn refused_connections(&self) -> u64 {
+        self.comm.sh().refused()
+    }
+
+    /// This group with another operation timeout (the rest is shared).
+    pub fn with_timeout(&self, timeout: Duration) -> ProcessGroup {
+        ProcessGroup {
+            timeout,
+            ..self.clone()
+        }
+    }
+
+    /// This group with the all-reduce algorithm fixed. Every rank must choose the same.
+    pub fn with_all_reduce_algorithm(&self, a: AllReduceAlgorithm) -> ProcessGroup {
+        let algo = match a {
+            AllReduceAlgorithm::Ring => Algo::Ring,
+            AllReduceAlgorithm::RecursiveDoubling => Algo::RecursiveDoubling,
+            AllReduceAlgorithm::Tree => Algo::Tree,
+        };
+        ProcessGroup {
+            all_reduce_algo: Some(algo),
+            ..self.clone()
+        }
+    }
+
+    /// This group with the broadcast algorithm fixed. Every rank must choose the same.
+    pub fn with_broadcast_algorithm(&self, a: BroadcastAlgorithm) -> ProcessGroup {
+        let algo = match a {
+            BroadcastAlgorithm::Tree => Algo::Tree,
+            BroadcastAlgorithm::Chain => Algo::Chain,
+        };
+        ProcessGroup {
+            broadcast_algo: Some(algo),
+            ..self.clone()
+        }
+    }
+
+    /// Aborts the group: pending and later operations fail, and every member is told.
+    pub fn abort(&self, reason: &str) {
+        let err = Error::Aborted {
+            group: self.name().to_owned(),
+            reason: format!("rank {} aborted it: {reason}", self.rank()).into(),
+        };
+        self.comm.sh().abort(self.comm.id, err, true);
+    }
+
+    /// The error operations fail with, if the group is aborted.
+    pub fn aborted(&self) -> Option<Error> {
+        self.comm.sh().aborted(self.comm.id)
+    }
+
+    /// A subgroup of `ranks` (ranks of this group; any order, no repeats). As in
+    /// PyTorch, its ranks are numbered in sorted order. Returns `None` on a rank
+    /// that is not a member; members must create their subgroups in the same order.
+    pub fn new_group(&self, ranks: &[usize]) -> Result<Option<ProcessGroup>> {
+        let mut sorted = ranks.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        if sorted.len() != ranks.len() || sorted.is_empty() || sorted.iter().any(|&r| r >= self.size()) {
+            return Err(Error::Invalid(format!(
+                "new_group({ranks:?}): ranks must be distinct members of this group of {}",
+                self.size()
+            )));
+        }
+        let Some(rank) = sorted.iter().position(|&r| r == self.rank()) else {
+            return Ok(None);
+        };
+        let nth = {
+            let mut s = self.comm.subgroups.lock().unwrap_or_else(|e| e.into_inner());
+            let c = s.entry(sorted.clone()).or_default();
+            *c += 1;
+            *c
+        };
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (self.comm.id, &sorted, nth).hash(&mut h);
+        let id = h.finish() | 1;
+        let world: Arc<[usize]> = sorted.iter().map(|&r| self.comm.members.ranks[r]).collect();
+        let members = Members {
+            name: format!("{}/sub{sorted:?}#{nth}", self.name()),
+            ranks: world,
+        };
+        self.comm.sh().register_members(id, members.clone());
+        Ok(Some(ProcessGroup {
+            comm: Arc::new(Comm {
+                t: self.comm.t.clone(),
+                id,
+                members,
+                rank,
+                seq: AtomicU64::new(0),
+                p2p: Mutex::default(),
+                subgroups: Mutex::default(),
+                opts: self.comm.opts.clone(),
+            }),
+            ..self.clone()
+        }))
+    }
+
+    // ---- operation plumbing -------------------------------------------------
+
+    /// Starts collective `desc`: checks the group, takes the next sequence number
+    /// and compares with what peers already sent.
+    fn begin(&self, desc: Desc) -> Result<OpCtx> {
+        let c = &self.comm;
+        if let Some(e) = c.sh().aborted(c.id) {
+            return Err(e);
+        }
+        let seq = c.seq.fetch_add(1, Ordering::Relaxed);
+        let cx = self.ctx(desc, seq, false);
+        if let Err((src, theirs)) = c.sh().begin_seq(c.id, seq, desc) {
+            let err = Error::Mismatch {
+                group: self.name().to_owned(),
+                seq,
+                rank_a: self.rank(),
+                desc_a: desc.to_string(),
+                rank_b: c.members.group_rank(src as usize),
+                desc_b: theirs.to_string(),
+            };
+            return Err(cx.fail(err));
+        }
+        Ok(cx)
+    }
+
+    /// Starts point-to-point message `desc` with `peer` (receive side if `recv`).
+    fn begin_p2p(&self, desc: Desc, peer: usize, recv: bool) -> Result<OpCtx> {
+        let c = &self.comm;
+        if let Some(e) = c.sh().aborted(c.id) {
+            return Err(e);
+        }
+        let seq = {
+            let mut m = c.p2p.lock().unwrap_or_else(|e| e.into_inner());
+            let n = m.entry((recv, peer, desc.root)).or_default();
+            *n += 1;
+            *n - 1
+        };
+        Ok(self.ctx(desc, seq, true))
+    }
+
+    fn ctx(&self, desc: Desc, seq: u64, p2p: bool) -> OpCtx {
+        OpCtx {
+            comm: self.comm.clone(),
+            seq,
+            desc,
+            p2p,
+            timeout: self.timeout,
+            deadline: Instant::now() + self.timeout,
+            waiting: Mutex::new(None),
+            done: AtomicBool::new(false),
+        }
+    }
+
+    fn check_rank(&self, what: &str, r: usize) -> Result<u32> {
+        if r >= self.size() {
+            return Err(Error::Invalid(format!(
+                "{what} {r} is not a rank of group {:?} of {}",
+                self.name(),
+                self.size()
+            )));
+        }
+        Ok(r as u32)
+    }
+
+    fn desc<T: Element>(&self, op: OpKind, reduce: Option<ReduceOp>, algo: Algo, root: u32, count: usize) -> Result<Desc> {
+        if let Some(r) = reduce {
+            if !r.supports(T::DTYPE) {
+                return Err(Error::Invalid(format!(
+                    "{}: {r} does not apply to {} (AVG is for floating-point types, BAND/BOR/BXOR for integers)",
+                    op.name(),
+                    T::DTYPE
+                )));
+            }
+        }
+        Ok(Desc {
+            op,
+            dtype: T::DTYPE,
+            reduce,
+            algo,
+            root,
+            count: count as u64,
+        })
+    }
+
+    fn small(&self, bytes: usize) -> bool {
+        bytes <= self.comm.opts.small_bytes
+    }
+
+    fn expect_len(&self, what: &str, got: usize, want: usize) -> Result<()> {
+        if got != want {
+            return Err(Error::Invalid(format!("{what} has {got} elements; expected {want}")));
+        }
+        Ok(())
+    }
+
+    // ---- collectives ---------------------------------------------------------
+
+    /// Waits until every rank has called `barrier`.
+    pub async fn barrier(&self) -> Result<()> {
+        let algo = if self.size() <= self.comm.opts.dissemination_max_ranks {
+            Algo::Dissemination
+        } else {
+            Algo::Tree
+        };
+        let cx = self.begin(self.desc::<u8>(OpKind::Barrier, None, algo, 0, 0)?)?;
+        let fut = async {
+            match algo {
+                Algo::Dissemination => algo::barrier_dissemination(&cx).await,
+                _ => algo::barrier_tree(&cx).await,
+            }
+        };
+        cx.finish(timeout_at(cx.deadline, fut).await)
+    }
+
+    /// Copies `root`'s buffer into every rank's.
+    pub async fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        let cx = self.begin_broadcast::<T>(buf.len(), root)?;
+        cx.finish(timeout_at(cx.deadline, broadcast_impl(&cx, buf, root)).await)
+    }
+
+    fn begin_broadcast<T: Element>(&self, len: usize, root: usize) -> Result<OpCtx> {
+        let root32 = self.check_rank("root", root)?;
+        let algo = self.broadcast_algo.unwrap_or(
+            if self.size() <= 2 || self.small(len * T::DTYPE.size()) {
+                Algo::Tree
+            } else {
+                Algo::Chain
+            },
+        );
+        self.begin(self.desc::<T>(OpKind::Broadcast, None, algo, root32, len)?)
+    }
+
+    /// Reduces every rank's buffer element-wise with `op`; every rank gets the result.
+    pub async fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        let cx = self.begin_all_reduce::<T>(buf.len(), op)?;
+        cx.finish(timeout_at(cx.deadline, all_reduce_impl(&cx, buf, op)).await)
+    }
+
+    fn begin_all_reduce<T: Element>(&self, len: usize, op: ReduceOp) -> Result<OpCtx> {
+        let algo = self.all_reduce_algo.unwrap_or(if self.small(len * T::DTYPE.size()) {
+            Algo::RecursiveDoubling
+        } else {
+            Algo::Ring
+        });
+        self.begin(self.desc::<T>(OpKind::AllReduce, Some(op), algo, 0, len)?)
+    }
+
+    /// Reduces every rank's buffer into `root`'s; other ranks' buffers are unchanged.
+    pub async fn reduce<T: Element>(&self, buf: &mut [T], root: usize, op: ReduceOp) -> Result<()> {
+        let root32 = self.check_rank("root", root)?;
+        let algo = if self.small(std::mem::size_of_val(buf)) {
+            Algo::Tree
+        } else {
+            Algo::Ring
+        };
+        let cx = self.begin(self.desc::<T>(OpKind::Reduce, Some(op), algo, root32, buf.len())?)?;
+        let fut = async {
+            let mut scratch;
+            let acc: &mut [T] = if cx.me() == root {
+                buf
+            } else {
+                scratch = buf.to_vec();
+                &mut scratch
+            };
+            match algo {
+                Algo::Tree => {
+                    algo::tree_reduce(&cx, acc, op, root, 0).await?;
+                    if op == ReduceOp::Avg && cx.me() == root {
+                        T::divide(acc, cx.n());
+                    }
+                    Ok(())
+                }
+                _ => algo::ring_reduce(&cx, acc, op, root).await,
+            }
+        };
+        cx.finish(timeout_at(cx.deadline, fut).await)
+    }
+
+    /// Every rank's `input` (all the same length) into `out`, in rank order.
+    pub async fn all_gather<T: Element>(&self, input: &[T], out: &mut [T]) -> Result<()> {
+        self.expect_len("all_gather output", out.len(), input.len() * self.size())?;
+        let cx = self.begin(self.desc::<T>(OpKind::AllGather, None, Algo::Ring, 0, input.len())?)?;
+        cx.finish(timeout_at(cx.deadline, all_gather_impl(&cx, input, out)).await)
+    }
+
+    /// Every rank's `input`, whatever its length, in rank order. Exchanges the
+    /// lengths first (a small all-gather), then runs a ring over unequal chunks.
+    pub async fn all_gather_varying<T: Element>(&self, input: &[T]) -> Result<Vec<Vec<T>>> {
+        let mut lens = vec![0u64; self.size()];
+        self.all_gather(&[input.len() as u64], &mut lens).await?;
+        let mut bounds = Vec::with_capacity(lens.len());
+        let mut at = 0usize;
+        for &l in &lens {
+            bounds.push(at..at + l as usize);
+            at += l as usize;
+        }
+        let cx = self.begin(self.desc::<T>(OpKind::AllGatherV, None, Algo::Ring, 0, at)?)?;
+        let mut all = vec![T::from_i8(0); at];
+        all[bounds[self.rank()].clone()].copy_from_slice(input);
+        cx.finish(timeout_at(cx.deadline, algo::ring_all_gather(&cx, &mut all, &bounds, 0)).await)?;
+        Ok(bounds.into_iter().map(|b| all[b].to_vec()).collect())
+    }
+
+    /// Every rank's `input` (all the same length) to `root`, in rank order;
+    /// `None` on other ranks.
+    pub async fn gather<T: Element>(&self, input: &[T], root: usize) -> Result<Option<Vec<T>>> {
+        let root32 = self.check_rank("root", root)?;
+        let cx = self.begin(self.desc::<T>(OpKind::Gather, None, Algo::Direct, root32, input.len())?)?;
+        let n = self.size();
+        let k = input.len();
+        let fut = async {
+            if cx.me() == root {
+                let mut all = vec![T::from_i8(0); n * k];
+                let bounds = algo::equal_bounds(k, n);
+                all[bounds[root].clone()].copy_from_slice(input);
+                algo::gather_direct(&cx, &mut all, &bounds, root, 0).await?;
+                Ok(Some(all))
+            } else {
+                algo::send_to_root(&cx, input, root, 0, algo::nseg(k, cx.seg::<T>())).await?;
+                Ok(None)
+            }
+        };
+        cx.finish(timeout_at(cx.deadline, fut).await)
+    }
+
+    /// Chunk `i` of `root`'s `input` (`size × out.len()` elements) to rank `i`'s
+    /// `out`. Other ranks pass `None`.
+    pub async fn scatter<T: Element>(&self, input: Option<&[T]>, out: &mut [T], root: usize) -> Result<()> {
+        let root32 = self.check_rank("root", root)?;
+        let input = if self.rank() == root {
+            let i = input.ok_or_else(|| Error::Invalid("scatter: the root must pass its input".into()))?;
+            self.expect_len("scatter input", i.len(), out.len() * self.size())?;
+            i
+        } else {
+            &[]
+        };
+        let cx = self.begin(self.desc::<T>(OpKind::Scatter, None, Algo::Direct, root32, out.len())?)?;
+        cx.finish(timeout_at(cx.deadline, algo::scatter_direct(&cx, input, out, root)).await)
+    }
+
+    /// Reduces every rank's `input` (`size × out.len()` elements) with `op` and
+    /// gives rank `i` chunk `i` of the result.
+    pub async fn reduce_scatter<T: Element>(&self, input: &[T], out: &mut [T], op: ReduceOp) -> Result<()> {
+        self.expect_len("reduce_scatter input", input.len(), out.len() * self.size())?;
+        let cx = self.begin(self.desc::<T>(OpKind::ReduceScatter, Some(op), Algo::Ring, 0, out.len())?)?;
+        let fut = async {
+            let mut acc = input.to_vec();
+            let bounds = algo::equal_bounds(out.len(), cx.n());
+            algo::ring_reduce_scatter(&cx, &mut acc, &bounds, op, 0).await?;
+            let mine = &mut acc[bounds[cx.me()].clone()];
+            if op == ReduceOp::Avg {
+                T::divide(mine, cx.n());
+            }
+            out.copy_from_slice(mine);
+            Ok(())
+        };
+        cx.finish(timeout_at(cx.deadline, fut).await)
+    }
+
+    /// Chunk `j` of rank `i`'s `input` becomes chunk `i` of rank `j`'s `out`
+    /// (both `size × k` elements).
+    pub async fn all_to_all<T: Element>(&self, input: &[T], out: &mut [T]) -> Result<()> {
+        let n = self.size();
+        self.expect_len("all_to_all output", out.len(), input.len())?;
+        if input.len() % n != 0 {
+            return Err(Error::Invalid(format!(
+                "all_to_all input of {} elements does not split into {n} equal chunks",
+                input.len()
+            )));
+        }
+        let cx = self.begin(self.desc::<T>(OpKind::AllToAll, None, Algo::Direct, 0, input.len() / n)?)?;
+        cx.finish(timeout_at(cx.deadline, algo::all_to_all_pairwise(&cx, input, out)).await)
+    }
+
+    /// Sends `data` to rank `dst` under `tag`; the matching [`ProcessGroup::recv`]
+    /// must expect the same type and length.
+    pub async fn send<T: Element>(&self, data: &[T], dst: usize, tag: u32) -> Result<()> {
+        let cx = self.begin_send::<T>(data.len(), dst, tag)?;
+        cx.finish(timeout_at(cx.deadline, algo::send_message(&cx, dst, data)).await)
+    }
+
+    fn begin_send<T: Element>(&self, len: usize, dst: usize, tag: u32) -> Result<OpCtx> {
+        self.check_rank("destination", dst)?;
+        if dst == self.rank() {
+            return Err(Error::Invalid("send to self".into()));
+        }
+        self.begin_p2p(self.desc::<T>(OpKind::Send, None, Algo::Direct, tag, len)?, dst, false)
+    }
+
+    /// Receives the next message from `src` under `tag` into `out`.
+    pub async fn recv<T: Element>(&self, out: &mut [T], src: usize, tag: u32) -> Result<()> {
+        let cx = self.begin_recv::<T>(out.len(), src, tag)?;
+        cx.finish(timeout_at(cx.deadline, algo::recv_message(&cx, src, out)).await)
+    }
+
+    fn begin_recv<T: Element>(&self, len: usize, src: usize, tag: u32) -> Result<OpCtx> {
+        self.check_rank("source", src)?;
+        if src == self.rank() {
+            return Err(Error::Invalid("recv from self".into()));
+        }
+        self.begin_p2p(self.desc::<T>(OpKind::Send, None, Algo::Direct, tag, len)?, src, true)
+    }
+
+    // ---- objects ---------------------------------------------------------------
+
+    /// Every rank's object, in rank order (serialised with postcard).
+    pub async fn all_gather_object<S: Serialize + DeserializeOwned>(&self, obj: &S) -> Result<Vec<S>> {
+        let bytes = postcard::to_allocvec(obj).map_err(|e| Error::Codec(e.to_string()))?;
+        self.all_gather_varying(&bytes)
+            .await?
+            .iter()
+            .map(|b| postcard::from_bytes(b).map_err(|e| Error::Codec(e.to_string())))
+            .collect()
+    }
+
+    /// `root`'s object on every rank; the root passes `Some`, others `None`.
+    pub async fn broadcast_object<S: Serialize + DeserializeOwned>(&self, obj: Option<&S>, root: usize) -> Result<S> {
+        let mut bytes = match (self.rank() == root, obj) {
+            (true, Some(o)) => postcard::to_allocvec(o).map_err(|e| Error::Codec(e.to_string()))?,
+            (true, None) => return Err(Error::Invalid("broadcast_object: the root must pass its object".into())),
+            (false, _) => Vec::new(),
+        };
+        let mut len = [bytes.len() as u64];
+        self.broadcast(&mut len, root).await?;
+        bytes.resize(len[0] as usize, 0);
+        self.broadcast(&mut bytes, root).await?;
+        postcard::from_bytes(&bytes).map_err(|e| Error::Codec(e.to_string()))
+    }
+
+    // ---- handles ---------------------------------------------------------------
+
+    /// Starts an all-reduce of `buf` and returns at once; the sequence number is
+    /// taken now, so operations started in order run in order.
+    pub fn all_reduce_async<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
+        let cx = self.begin_all_reduce::<T>(buf.len(), op);
+        Work::spawn(async move {
+            let cx = cx?;
+            cx.finish(timeout_at(cx.deadline, all_reduce_impl(&cx, &mut buf, op)).await)?;
+            Ok(buf)
+        })
+    }
+
+    /// Starts a broadcast; see [`ProcessGroup::all_reduce_async`].
+    pub fn broadcast_async<T: Element>(&self, mut buf: Vec<T>, root: usize) -> Work<Vec<T>> {
+        let cx = self.begin_broadcast::<T>(buf.len(), root);
+        Work::spawn(async move {
+            let cx = cx?;
+            cx.finish(timeout_at(cx.deadline, broadcast_impl(&cx, &mut buf, root)).await)?;
+            Ok(buf)
+        })
+    }
+
+    /// Starts an all-gather; see [`ProcessGroup::all_reduce_async`].
+    pub fn all_gather_async<T: Element>(&self, input: Vec<T>) -> Work<Vec<T>> {
+        let n = self.size();
+        let cx = self.begin(
+            match self.desc::<T>(OpKind::AllGather, None, Algo::Ring, 0, input.len()) {
+                Ok(d) => d,
+                Err(e) => return Work::spawn(async move { Err(e) }),
+            },
+        );
+        Work::spawn(async move {
+            let cx = cx?;
+            let mut out = vec![T::from_i8(0); input.len() * n];
+            cx.finish(timeout_at(cx.deadline, all_gather_impl(&cx, &input, &mut out)).await)?;
+            Ok(out)
+        })
+    }
+
+    /// Starts a send; see [`ProcessGroup::all_reduce_async`].
+    pub fn send_async<T: Element>(&self, data: Vec<T>, dst: usize, tag: u32) -> Work<()> {
+        let cx = self.begin_send::<T>(data.len(), dst, tag);
+        Work::spawn(async move {
+            let cx = cx?;
+            cx.finish(timeout_at(cx.deadline, algo::send_message(&cx, dst, &data)).await)
+        })
+    }
+
+    /// Starts a receive of `len` elements; see [`ProcessGroup::all_reduce_async`].
+    pub fn recv_async<T: Element>(&self, len: usize, src: usize, tag: u32) -> Work<Vec<T>> {
+        let cx = self.begin_recv::<T>(len, src, tag);
+        Work::spawn(async move {
+            let cx = cx?;
+            let mut out = vec![T::from_i8(0); len];
+            cx.finish(timeout_at(cx.deadline, algo::recv_message(&cx, src, &mut out)).await)?;
+            Ok(out)
+        })
+    }
+}
+
+async fn broadcast_impl<T: Element>(cx: &OpCtx, buf: &mut [T], root: usize) -> Result<()> {
+    match cx.desc.algo {
+        Algo::Chain => algo::chain_broadcast(cx, buf, root).await,
+        _ => algo::tree_broadcast(cx, buf, root, 0).await,
+    }
+}
+
+async fn all_reduce_impl<T: Element>(cx: &OpCtx, buf: &mut [T], op: ReduceOp) -> Result<()> {
+    match cx.desc.algo {
+        Algo::Ring => algo::ring_all_reduce(cx, buf, op).await,
+        Algo::Tree => algo::tree_all_reduce(cx, buf, op).await,
+        _ => algo::recursive_doubling(cx, buf, op).await,
+    }
+}
+
+async fn all_gather_impl<T: Element>(cx: &OpCtx, input: &[T], out: &mut [T]) -> Result<()> {
+    let bounds = algo::equal_bounds(input.len(), cx.n());
+    out[bounds[cx.me()].clone()].copy_from_slice(input);
+    algo::ring_all_gather(cx, out, &bounds, 0).await
+}
+
+/// A started operation (PyTorch's `Work`).
+pub struct Work<T> {
+    handle: tokio::task::JoinHandle<Result<T>>,
+}
+
+impl<T: Send + 'static> Work<T> {
+    fn spawn(f: impl std::future::Future<Output = Result<T>> + Send + 'static) -> Work<T> {
+        Work {
+            handle: tokio::spawn(f),
+        }
+    }
+
+    /// Whether the operation has finished (successfully or not).
+    pub fn is_completed(&self) -> bool {
+        self.handle.is_finished()
+    }
+
+    /// Waits for the operation.
+    pub async fn wait(self) -> Result<T> {
+        self.handle
+            .await
+            .unwrap_or_else(|e| Err(Error::Invalid(format!("the operation's task failed: {e}"))))
+    }
+}
+
+/// One operation in flight: its group, sequence number and descriptor, its
+/// deadline, and whom it is waiting for (for the timeout message). Dropping it
+/// unfinished aborts the group, since peers would otherwise wait for frames that
+/// will never come.
+pub(crate) struct OpCtx {
+    comm: Arc<Comm>,
+    seq: u64,
+    desc: Desc,
+    p2p: bool,
+    timeout: Duration,
+    pub(crate) deadline: Instant,
+    waiting: Mutex<Option<(usize, u32, bool)>>,
+    done: AtomicBool,
+}
+
+impl OpCtx {
+    pub(crate) fn n(&self) -> usize {
+        self.comm.members.ranks.len()
+    }
+
+    pub(crate) fn me(&self) -> usize {
+        self.comm.rank
+    }
+
+    /// Segment length in elements of `T`.
+    pub(crate) fn seg<T: Element>(&self) -> usize {
+        (self.comm.opts.segment_bytes / std::mem::size_of::<T>()).max(1)
+    }
+
+    pub(crate) fn check_steps(&self, phases: usize, stride: usize) -> Result<()> {
+        if phases.checked_mul(stride).is_none_or(|s| s > u32::MAX as usize) {
+            return Err(Error::Invalid(format!(
+                "{}: {phases} phases of {stride} segments do not fit in a frame's step field; use a larger segment size",
+                self.desc
+            )));
+        }
+        Ok(())
+    }
+
+    fn name(&self) -> String {
+        if self.p2p {
+            format!("{} (message #{})", self.desc, self.seq)
+        } else {
+            format!("{} (op #{})", self.desc, self.seq)
+        }
+    }
+
+    fn world(&self, grank: usize) -> usize {
+        self.comm.members.ranks[grank]
+    }
+
+    fn error(&self, f: Fail) -> Error {
+        let group = self.comm.members.name.clone();
+        match f {
+            Fail::Aborted(e) => e,
+            Fail::Gone { rank, reason } => Error::PeerGone {
+                group,
+                op: self.name(),
+                rank: self.comm.members.group_rank(rank),
+                reason,
+            },
+            Fail::Refused { rank, reason } => Error::Protocol {
+                group,
+                rank: self.comm.members.group_rank(rank),
+                reason,
+            },
+            Fail::Timeout => self.timeout_error(),
+        }
+    }
+
+    fn timeout_error(&self) -> Error {
+        let waiting_for = match *self.waiting.lock().unwrap_or_else(|e| e.into_inner()) {
+            Some((r, step, false)) => format!("rank {r} (step {step})"),
+            Some((r, step, true)) => format!("rank {r} to take step {step}"),
+            None => "the operation to start".into(),
+        };
+        Error::Timeout {
+            group: self.comm.members.name.clone(),
+            op: self.name(),
+            timeout: self.timeout,
+            waiting_for,
+        }
+    }
+
+    fn set_waiting(&self, r: usize, step: u32, sending: bool) {
+        *self.waiting.lock().unwrap_or_else(|e| e.into_inner()) = Some((r, step, sending));
+    }
+
+    pub(crate) async fn send<T: Element>(&self, to: usize, step: u32, data: &[T]) -> Result<()> {
+        self.set_waiting(to, step, true);
+        let bytes = bytes_of(data);
+        let h = Header::Data {
+            comm: self.comm.id,
+            seq: self.seq,
+            step,
+            desc: self.desc,
+            len: bytes.len() as u64,
+        };
+        self.comm
+            .sh()
+            .send(self.world(to), &h, bytes, step as usize, self.deadline)
+            .await
+            .map_err(|f| self.error(f))
+    }
+
+    async fn recv(&self, from: usize, step: u32, elems: usize, dtype: DType) -> Result<Buf> {
+        self.set_waiting(from, step, false);
+        let key = Key {
+            comm: self.comm.id,
+            src: self.world(from) as u32,
+            p2p: self.p2p,
+            tag: if self.p2p { self.desc.root } else { 0 },
+            seq: self.seq,
+            step,
+        };
+        let f = self.comm.sh().recv(key, self.deadline).await.map_err(|f| self.error(f))?;
+        if self.p2p && (f.desc.dtype != dtype || f.desc.count != self.desc.count) {
+            return Err(Error::Mismatch {
+                group: self.comm.members.name.clone(),
+                seq: self.seq,
+                rank_a: from,
+                desc_a: format!("sent {}", f.desc),
+                rank_b: self.me(),
+                desc_b: format!("expected {}", self.desc),
+            });
+        }
+        let want = elems * dtype.size();
+        if f.buf.len() != want {
+            return Err(Error::Protocol {
+                group: self.comm.members.name.clone(),
+                rank: from,
+                reason: format!("sent {} bytes for step {step} of {}; expected {want}", f.buf.len(), self.name()),
+            });
+        }
+        Ok(f.buf)
+    }
+
+    pub(crate) async fn recv_copy<T: Element>(&self, from: usize, step: u32, out: &mut [T]) -> Result<()> {
+        let b = self.recv(from, step, out.len(), T::DTYPE).await?;
+        bytes_of_mut(out).copy_from_slice(b.bytes());
+        Ok(())
+    }
+
+    pub(crate) async fn recv_reduce<T: Element>(&self, from: usize, step: u32, out: &mut [T], op: ReduceOp) -> Result<()> {
+        let b = self.recv(from, step, out.len(), T::DTYPE).await?;
+        T::reduce(op, out, b.typed());
+        Ok(())
+    }
+
+    /// Ends the operation with the algorithm's result (or its deadline).
+    pub(crate) fn finish<R>(&self, r: Result<Result<R>, tokio::time::error::Elapsed>) -> Result<R> {
+        match r {
+            Ok(Ok(v)) => {
+                self.done.store(true, Ordering::Relaxed);
+                if !self.p2p {
+                    self.comm.sh().end_seq(self.comm.id, self.seq);
+                }
+                Ok(v)
+            }
+            Ok(Err(e)) => Err(self.fail(e)),
+            Err(_) => Err(self.fail(self.timeout_error())),
+        }
+    }
+
+    /// Aborts the group with `e` (unless `e` is the abort) and returns it.
+    fn fail(&self, e: Error) -> Error {
+        self.done.store(true, Ordering::Relaxed);
+        if !e.is_aborted() {
+            let reason = Error::Aborted {
+                group: self.comm.members.name.clone(),
+                reason: e.to_string().into(),
+            };
+            self.comm.sh().abort(self.comm.id, reason, true);
+        }
+        e
+    }
+}
+
+impl Drop for OpCtx {
+    fn drop(&mut self) {
+        if !self.done.load(Ordering::Relaxed) {
+            let reason = Error::Aborted {
+                group: self.comm.members.name.clone(),
+                reason: format!(
+                    "rank {} dropped {} before it finished",
+                    self.me(),
+                    self.name()
+                )
+                .into(),
+            };
+            self.comm.sh().abort(self.comm.id, reason, true);
+        }
+    }
+}

@@ -1,0 +1,75 @@
+//! Collectives for Rust programs: a process group over TCP, bootstrapped from a
+//! PyTorch-compatible store, that never hangs on a dead peer.
+//!
+//! A program started by `rally run` (or anything that sets `MASTER_ADDR`,
+//! `MASTER_PORT`, `RANK` and `WORLD_SIZE`) gets a group in one call:
+//!
+//! ```no_run
+//! # async fn f() -> rallypoint_collectives::Result<()> {
+//! use rallypoint_collectives::{Options, ProcessGroup, ReduceOp};
+//!
+//! let pg = ProcessGroup::from_env(Options::default()).await?;
+//! let mut grad = vec![1.0f32; 1 << 20];
+//! pg.all_reduce(&mut grad, ReduceOp::Avg).await?;
+//! pg.barrier().await?;
+//! # Ok(()) }
+//! ```
+//!
+//! [`ProcessGroup::new`] takes any [`rallypoint_store::Store`] instead, and
+//! [`ProcessGroup::from_url`] PyTorch's `tcp://` and `file://` URLs too. The ops are
+//! the ones PyTorch users know: `barrier`, `broadcast`, `all_reduce`, `reduce`,
+//! `all_gather` (equal and varying sizes), `gather`, `scatter`,
+//! `reduce_scatter`, `all_to_all`, `send`/`recv` with tags, the object variants
+//! and `new_group`; on `u8`–`u64`, `i8`–`i64`, `f16`, `bf16`, `f32` and `f64`
+//! ([`Element`]), with [`ReduceOp`]'s eight operators. The `*_async` variants
+//! return a [`Work`] handle; [`blocking::BlockingGroup`] serves code without a
+//! runtime.
+//!
+//! # How it works
+//!
+//! Set-up writes two keys: rank 0 publishes the group's generation (a random
+//! nonce) and every rank publishes the address it listens on. Nothing else
+//! happens until an operation needs a peer: [`transport`](crate) connections open
+//! lazily, so a 1,024-rank barrier opens about a thousand connections, not a
+//! million, and each starts with a handshake naming the group, its generation and
+//! both ranks, so a connection from another job or an earlier round is refused.
+//!
+//! Each frame carries the sender's description of its operation (kind, type,
+//! count, operator, root, algorithm) and is addressed by group, sequence number
+//! and step. A reader task per connection hands frames to the operation waiting
+//! for them, so reduction of one segment overlaps receipt of the next, and
+//! compares them with the local operation as they arrive: ranks that called
+//! different collectives are told so, with both sides named, instead of hanging
+//! or corrupting memory as PyTorch does outside its debug mode.
+//!
+//! Algorithms are chosen by size (see [`algorithms`](crate)): recursive doubling
+//! and binomial trees for small buffers, a segmented, pipelined ring for large
+//! all-reduces, a pipelined chain for large broadcasts, a dissemination barrier.
+//!
+//! # Failure
+//!
+//! Every operation has a deadline (the group's timeout, or
+//! [`ProcessGroup::with_timeout`]); expiring names the rank it was waiting for. A
+//! peer whose connection ends fails, at once, every operation waiting on it; the
+//! failing rank then aborts the group and tells every member, so ranks waiting on
+//! someone else learn within a round trip. After an error every operation on the
+//! group fails immediately with the first error's text; a new group can be formed
+//! on the same store under a new prefix ([`Options::prefix`]).
+
+mod algorithms;
+pub mod blocking;
+mod element;
+mod error;
+mod frame;
+mod group;
+mod transport;
+
+pub use element::{DType, Element, ReduceOp};
+pub use error::{Error, Result};
+pub use group::{AllReduceAlgorithm, BroadcastAlgorithm, Options, ProcessGroup, Work, DEFAULT_TIMEOUT};
+pub use half::{bf16, f16};
+
+/// The wire format, public for fuzzing and for tools that inspect traffic.
+pub mod wire {
+    pub use crate::frame::{Algo, BadFrame, Desc, Header, Hello, OpKind, HEADER_LEN, HELLO_LEN, MAX_PAYLOAD, MAX_REASON};
+}

@@ -1,0 +1,760 @@
+//! Connections between ranks and the router that hands frames to operations.
+//!
+//! Each process group (with its subgroups) has one transport: a listener whose
+//! address rank `r` publishes under `addr/r` in the group's store prefix, and at
+//! most a few TCP connections per peer, opened lazily by whichever side first needs
+//! to send, so an algorithm that talks to `log n` peers opens `log n` connections.
+//! A connection carries frames both ways; when both sides open one at the same
+//! moment both are kept and used, which is harmless because every frame is
+//! addressed by key, not by arrival order.
+//!
+//! One reader task per connection reads frames and hands each to the [`Router`]:
+//! to the operation waiting for its key `(group, source, sequence number, step)`,
+//! or into a mailbox until that operation asks. Frames are compared with the
+//! local operation's descriptor as they arrive, so a rank that called a different
+//! collective is caught at its first frame, whatever steps the two algorithms use.
+//!
+//! A connection that ends (EOF, reset, a bad frame) marks its peer gone: every
+//! operation waiting on that peer fails at once, and so does every later receive
+//! from it that is not already in the mailbox. Nothing fails merely because a peer
+//! exited after doing its part. An operation that has waited a moment on a peer it
+//! has no connection with opens one, so a peer that died before ever connecting is
+//! noticed as a refused connection rather than at the timeout. A failed operation
+//! aborts its group and tells every member with an abort frame, so ranks that were
+//! waiting on someone else learn of the failure within a round trip.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use rallypoint_store::Store;
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::oneshot;
+use tokio::time::{sleep, sleep_until, timeout, timeout_at, Instant};
+use tokio_util::sync::CancellationToken;
+
+use crate::element::Buf;
+use crate::error::Error;
+use crate::frame::{Desc, Header, Hello, OpKind, HEADER_LEN, HELLO_LEN};
+
+/// How long an accepted connection may take to say hello.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long an abort frame may take to reach a member.
+const ABORT_DEADLINE: Duration = Duration::from_secs(2);
+
+/// A frame's address in the router.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct Key {
+    pub comm: u64,
+    /// World rank of the sender.
+    pub src: u32,
+    /// Point-to-point messages have their own sequence numbers per (peer, tag).
+    pub p2p: bool,
+    pub tag: u32,
+    pub seq: u64,
+    pub step: u32,
+}
+
+/// A received data frame.
+pub(crate) struct Frame {
+    pub desc: Desc,
+    pub buf: Buf,
+}
+
+/// Why a transport operation failed, before the op adds its names.
+pub(crate) enum Fail {
+    /// The peer (world rank) is gone.
+    Gone { rank: usize, reason: String },
+    /// The group was aborted; the error to return.
+    Aborted(Error),
+    /// The peer refused the handshake or broke the protocol.
+    Refused { rank: usize, reason: String },
+    /// The deadline passed.
+    Timeout,
+}
+
+enum Slot {
+    Ready(Frame),
+    Waiting(oneshot::Sender<Result<Frame, Fail>>),
+}
+
+/// What one rank saw first in a collective it has not started yet.
+#[derive(Default)]
+struct Check {
+    local: Option<Desc>,
+    remote: Option<(u32, Desc)>,
+}
+
+/// Frames, waiters, dead peers and aborted groups, under one lock so that a waiter
+/// can never miss the event that would fail it.
+#[derive(Default)]
+struct Router {
+    slots: HashMap<Key, Slot>,
+    checks: HashMap<(u64, u64), Check>,
+    gone: HashMap<usize, String>,
+    aborted: HashMap<u64, Error>,
+}
+
+/// A group's name and members (world ranks, in group-rank order).
+#[derive(Clone)]
+pub(crate) struct Members {
+    pub name: String,
+    pub ranks: Arc<[usize]>,
+}
+
+impl Members {
+    /// The group rank of a world rank, for messages.
+    pub fn group_rank(&self, world: usize) -> usize {
+        self.ranks.iter().position(|&r| r == world).unwrap_or(world)
+    }
+}
+
+pub(crate) struct Conn {
+    id: u64,
+    writer: tokio::sync::Mutex<OwnedWriteHalf>,
+}
+
+#[derive(Default)]
+struct Peer {
+    conns: Vec<Arc<Conn>>,
+}
+
+/// Options fixed for a transport's life.
+pub(crate) struct Config {
+    pub name: String,
+    pub rank: usize,
+    pub world: usize,
+    pub nonce: u64,
+    pub layout: u64,
+    pub streams: usize,
+    pub probe_after: Duration,
+}
+
+pub(crate) struct Shared {
+    pub cfg: Config,
+    store: Arc<dyn Store>,
+    pub local_addr: SocketAddr,
+    addrs: Mutex<HashMap<usize, SocketAddr>>,
+    peers: Mutex<HashMap<usize, Peer>>,
+    connecting: Mutex<HashMap<usize, Arc<tokio::sync::Mutex<()>>>>,
+    router: Mutex<Router>,
+    members: Mutex<HashMap<u64, Members>>,
+    refused: AtomicU64,
+    next_conn: AtomicU64,
+    cancel: CancellationToken,
+}
+
+/// The owner's handle: dropping it stops the listener and every reader and closes
+/// every connection.
+pub(crate) struct Transport {
+    pub shared: Arc<Shared>,
+}
+
+impl Drop for Transport {
+    fn drop(&mut self) {
+        self.shared.cancel.cancel();
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Transport {
+    /// Starts listening on `listener`; `store` is the group's (prefixed) store.
+    pub fn start(cfg: Config, store: Arc<dyn Store>, listener: TcpListener) -> std::io::Result<Transport> {
+        let local_addr = listener.local_addr()?;
+        let shared = Arc::new(Shared {
+            cfg,
+            store,
+            local_addr,
+            addrs: Mutex::default(),
+            peers: Mutex::default(),
+            connecting: Mutex::default(),
+            router: Mutex::default(),
+            members: Mutex::default(),
+            refused: AtomicU64::new(0),
+            next_conn: AtomicU64::new(0),
+            cancel: CancellationToken::new(),
+        });
+        tokio::spawn(accept_loop(shared.clone(), listener));
+        Ok(Transport { shared })
+    }
+}
+
+impl Shared {
+    pub fn refused(&self) -> u64 {
+        self.refused.load(Ordering::Relaxed)
+    }
+
+    pub fn register_members(&self, comm: u64, m: Members) {
+        lock(&self.members).insert(comm, m);
+    }
+
+    pub fn members(&self, comm: u64) -> Option<Members> {
+        lock(&self.members).get(&comm).cloned()
+    }
+
+    /// The error a new operation on `comm` must fail with, if it is aborted.
+    pub fn aborted(&self, comm: u64) -> Option<Error> {
+        lock(&self.router).aborted.get(&comm).cloned()
+    }
+
+    /// Whether any connection with `peer` exists.
+    pub fn connected(&self, peer: usize) -> bool {
+        lock(&self.peers).get(&peer).is_some_and(|p| !p.conns.is_empty())
+    }
+
+    /// Records the local descriptor of collective `seq`; a mismatch with what a
+    /// peer already sent is returned as (peer world rank, its descriptor).
+    pub fn begin_seq(&self, comm: u64, seq: u64, desc: Desc) -> Result<(), (u32, Desc)> {
+        let mut r = lock(&self.router);
+        let c = r.checks.entry((comm, seq)).or_default();
+        c.local = Some(desc);
+        match c.remote {
+            Some((src, d)) if d != desc => Err((src, d)),
+            _ => Ok(()),
+        }
+    }
+
+    pub fn end_seq(&self, comm: u64, seq: u64) {
+        lock(&self.router).checks.remove(&(comm, seq));
+    }
+
+    /// Waits for the frame at `key` until `deadline`.
+    pub async fn recv(self: &Arc<Self>, key: Key, deadline: Instant) -> Result<Frame, Fail> {
+        let src = key.src as usize;
+        let mut rx = {
+            let mut r = lock(&self.router);
+            if let Some(e) = r.aborted.get(&key.comm) {
+                return Err(Fail::Aborted(e.clone()));
+            }
+            match r.slots.remove(&key) {
+                Some(Slot::Ready(f)) => return Ok(f),
+                Some(Slot::Waiting(_)) => unreachable!("two operations wait for one frame key"),
+                None => {}
+            }
+            if let Some(reason) = r.gone.get(&src) {
+                return Err(Fail::Gone {
+                    rank: src,
+                    reason: reason.clone(),
+                });
+            }
+            let (tx, rx) = oneshot::channel();
+            r.slots.insert(key, Slot::Waiting(tx));
+            rx
+        };
+        let probe = sleep(self.cfg.probe_after);
+        tokio::pin!(probe);
+        let mut probed = false;
+        loop {
+            tokio::select! {
+                r = &mut rx => {
+                    return r.unwrap_or_else(|_| Err(Fail::Gone { rank: src, reason: "the transport shut down".into() }));
+                }
+                _ = sleep_until(deadline) => {
+                    let mut r = lock(&self.router);
+                    if matches!(r.slots.get(&key), Some(Slot::Waiting(_))) {
+                        r.slots.remove(&key);
+                    }
+                    drop(r);
+                    // A frame may have landed between the deadline and the lock.
+                    return rx.try_recv().unwrap_or(Err(Fail::Timeout));
+                }
+                _ = &mut probe, if !probed => {
+                    probed = true;
+                    if !self.connected(src) {
+                        // No connection to see the peer die on: open one. A dead
+                        // peer refuses it, which marks it gone and wakes us.
+                        let me = self.clone();
+                        tokio::spawn(async move {
+                            let _ = me.conn(src, 0, deadline).await;
+                        });
+                    }
+                }
+            }
+        }
+    }
+
+    /// Sends one frame to world rank `dst`.
+    pub async fn send(
+        self: &Arc<Self>,
+        dst: usize,
+        header: &Header,
+        payload: &[u8],
+        pick: usize,
+        deadline: Instant,
+    ) -> Result<(), Fail> {
+        if let Some(reason) = lock(&self.router).gone.get(&dst) {
+            return Err(Fail::Gone {
+                rank: dst,
+                reason: reason.clone(),
+            });
+        }
+        let conn = self.conn(dst, pick, deadline).await?;
+        let write = async {
+            let mut w = conn.writer.lock().await;
+            let head = header.encode();
+            if payload.len() <= 64 << 10 {
+                let mut b = Vec::with_capacity(HEADER_LEN + payload.len());
+                b.extend_from_slice(&head);
+                b.extend_from_slice(payload);
+                w.write_all(&b).await
+            } else {
+                w.write_all(&head).await?;
+                w.write_all(payload).await
+            }
+        };
+        match timeout_at(deadline, write).await {
+            Err(_) => Err(Fail::Timeout),
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => {
+                let reason = format!("sending to it failed: {e}");
+                self.mark_gone(dst, &reason);
+                Err(Fail::Gone { rank: dst, reason })
+            }
+        }
+    }
+
+    fn pick_conn(&self, dst: usize, pick: usize) -> Option<Arc<Conn>> {
+        let peers = lock(&self.peers);
+        let p = peers.get(&dst)?;
+        (!p.conns.is_empty()).then(|| p.conns[pick % p.conns.len()].clone())
+    }
+
+    /// A connection to `dst`, opened if there is none.
+    async fn conn(self: &Arc<Self>, dst: usize, pick: usize, deadline: Instant) -> Result<Arc<Conn>, Fail> {
+        if let Some(c) = self.pick_conn(dst, pick) {
+            return Ok(c);
+        }
+        let gate = lock(&self.connecting).entry(dst).or_default().clone();
+        let _g = timeout_at(deadline, gate.lock()).await.map_err(|_| Fail::Timeout)?;
+        if let Some(c) = self.pick_conn(dst, pick) {
+            return Ok(c);
+        }
+        if let Some(reason) = lock(&self.router).gone.get(&dst) {
+            return Err(Fail::Gone {
+                rank: dst,
+                reason: reason.clone(),
+            });
+        }
+        for _ in 0..self.cfg.streams.max(1) {
+            match self.open(dst, deadline).await {
+                Ok(stream) => self.register(dst, stream),
+                Err(f) => {
+                    if let Fail::Gone { reason, .. } = &f {
+                        self.mark_gone(dst, reason);
+                    }
+                    return Err(f);
+                }
+            }
+        }
+        self.pick_conn(dst, pick).ok_or_else(|| Fail::Gone {
+            rank: dst,
+            reason: "its connection closed as it opened".into(),
+        })
+    }
+
+    /// Where `peer` listens, from the cache or the store.
+    async fn addr(&self, peer: usize, deadline: Instant) -> Result<SocketAddr, Fail> {
+        if let Some(a) = lock(&self.addrs).get(&peer) {
+            return Ok(*a);
+        }
+        let key = format!("addr/{peer}");
+        let left = deadline.saturating_duration_since(Instant::now());
+        let fetched = async {
+            self.store.wait_timeout(&[&key], left).await?;
+            self.store.get_now(&key).await
+        };
+        let raw = match fetched.await {
+            Ok(v) => v,
+            Err(rallypoint_store::StoreError::Timeout { .. }) => return Err(Fail::Timeout),
+            Err(e) => {
+                return Err(Fail::Refused {
+                    rank: peer,
+                    reason: format!("reading its address from the store failed: {e}"),
+                })
+            }
+        };
+        let text = String::from_utf8_lossy(&raw);
+        let addr: SocketAddr = text.parse().map_err(|_| Fail::Refused {
+            rank: peer,
+            reason: format!("its published address {text:?} is not host:port"),
+        })?;
+        lock(&self.addrs).insert(peer, addr);
+        Ok(addr)
+    }
+
+    /// Connects to `dst` and says hello.
+    async fn open(&self, dst: usize, deadline: Instant) -> Result<TcpStream, Fail> {
+        let addr = self.addr(dst, deadline).await?;
+        let gone = |e: std::io::Error| Fail::Gone {
+            rank: dst,
+            reason: format!("connecting to {addr} failed: {e}"),
+        };
+        let mut s = timeout_at(deadline, TcpStream::connect(addr))
+            .await
+            .map_err(|_| Fail::Timeout)?
+            .map_err(gone)?;
+        s.set_nodelay(true).map_err(gone)?;
+        let hello = Hello {
+            nonce: self.cfg.nonce,
+            layout: self.cfg.layout,
+            world: self.cfg.world as u32,
+            src: self.cfg.rank as u32,
+            dst: dst as u32,
+            name: self.cfg.name.clone(),
+        };
+        let shake = async {
+            s.write_all(&hello.encode()).await?;
+            let status = s.read_u8().await?;
+            if status == 0 {
+                return Ok(None);
+            }
+            let n = s.read_u16_le().await?;
+            let mut why = vec![0; usize::from(n)];
+            s.read_exact(&mut why).await?;
+            Ok::<_, std::io::Error>(Some(String::from_utf8_lossy(&why).into_owned()))
+        };
+        match timeout_at(deadline, shake).await {
+            Err(_) => Err(Fail::Timeout),
+            Ok(Err(e)) => Err(gone(e)),
+            Ok(Ok(Some(why))) => Err(Fail::Refused {
+                rank: dst,
+                reason: format!("it refused the connection: {why}"),
+            }),
+            Ok(Ok(None)) => Ok(s),
+        }
+    }
+
+    /// Adds an established connection with `peer` and starts its reader.
+    fn register(self: &Arc<Self>, peer: usize, stream: TcpStream) {
+        let (rd, wr) = stream.into_split();
+        let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
+        let conn = Arc::new(Conn {
+            id,
+            writer: tokio::sync::Mutex::new(wr),
+        });
+        lock(&self.peers).entry(peer).or_default().conns.push(conn);
+        tokio::spawn(read_loop(self.clone(), peer, id, rd));
+    }
+
+    /// Marks `peer` gone and fails everything waiting on it.
+    pub fn mark_gone(&self, peer: usize, reason: &str) {
+        let mut r = lock(&self.router);
+        if r.gone.contains_key(&peer) {
+            return;
+        }
+        r.gone.insert(peer, reason.to_owned());
+        let keys: Vec<Key> = r
+            .slots
+            .iter()
+            .filter(|(k, s)| k.src as usize == peer && matches!(s, Slot::Waiting(_)))
+            .map(|(k, _)| *k)
+            .collect();
+        for k in keys {
+            if let Some(Slot::Waiting(tx)) = r.slots.remove(&k) {
+                let _ = tx.send(Err(Fail::Gone {
+                    rank: peer,
+                    reason: reason.to_owned(),
+                }));
+            }
+        }
+    }
+
+    /// Aborts group `comm` with `err` (the first abort wins): fails its waiters,
+    /// drops its mailbox and, if `tell`, sends the reason to every other member.
+    pub fn abort(self: &Arc<Self>, comm: u64, err: Error, tell: bool) {
+        {
+            let mut r = lock(&self.router);
+            if r.aborted.contains_key(&comm) {
+                return;
+            }
+            r.aborted.insert(comm, err.clone());
+            let keys: Vec<Key> = r.slots.keys().filter(|k| k.comm == comm).copied().collect();
+            for k in keys {
+                if let Some(Slot::Waiting(tx)) = r.slots.remove(&k) {
+                    let _ = tx.send(Err(Fail::Aborted(err.clone())));
+                }
+            }
+            r.checks.retain(|(c, _), _| *c != comm);
+        }
+        if !tell {
+            return;
+        }
+        let Some(members) = self.members(comm) else {
+            return;
+        };
+        let reason = err.to_string();
+        let me = self.clone();
+        // Aborts also run from destructors, possibly as a runtime shuts down.
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        rt.spawn(async move {
+            let deadline = Instant::now() + ABORT_DEADLINE;
+            let mut tasks = tokio::task::JoinSet::new();
+            for &m in members.ranks.iter().filter(|&&m| m != me.cfg.rank) {
+                let (me, reason) = (me.clone(), reason.clone());
+                tasks.spawn(async move {
+                    let h = Header::Abort {
+                        comm,
+                        len: reason.len().min(crate::frame::MAX_REASON as usize) as u64,
+                    };
+                    let bytes = &reason.as_bytes()[..h.payload_len() as usize];
+                    let _ = me.send(m, &h, bytes, 0, deadline).await;
+                });
+            }
+            while tasks.join_next().await.is_some() {}
+        });
+    }
+
+    /// Hands a data frame to its waiter or the mailbox, checking it against the
+    /// local operation first.
+    fn deliver(self: &Arc<Self>, src: usize, header: Header, buf: Buf) -> Result<(), String> {
+        let Header::Data {
+            comm,
+            seq,
+            step,
+            desc,
+            ..
+        } = header
+        else {
+            unreachable!("only data frames are delivered")
+        };
+        let p2p = desc.op == OpKind::Send;
+        let key = Key {
+            comm,
+            src: src as u32,
+            p2p,
+            tag: if p2p { desc.root } else { 0 },
+            seq,
+            step,
+        };
+        let mut mismatch = None;
+        {
+            let mut r = lock(&self.router);
+            if r.aborted.contains_key(&comm) {
+                return Ok(());
+            }
+            if !p2p {
+                let c = r.checks.entry((comm, seq)).or_default();
+                match (c.local, c.remote) {
+                    (Some(l), _) if l != desc => mismatch = Some((None, l)),
+                    (None, Some((other, d))) if d != desc => mismatch = Some((Some(other), d)),
+                    (None, None) => c.remote = Some((src as u32, desc)),
+                    _ => {}
+                }
+            }
+            if mismatch.is_none() {
+                match r.slots.remove(&key) {
+                    Some(Slot::Waiting(tx)) => {
+                        let _ = tx.send(Ok(Frame { desc, buf }));
+                    }
+                    Some(Slot::Ready(old)) => {
+                        r.slots.insert(key, Slot::Ready(old));
+                        return Err(format!("sent a second frame for {key:?}"));
+                    }
+                    None => {
+                        r.slots.insert(key, Slot::Ready(Frame { desc, buf }));
+                    }
+                }
+            }
+        }
+        if let Some((other, theirs)) = mismatch {
+            let m = self.members(comm);
+            let name = m.as_ref().map_or_else(|| self.cfg.name.clone(), |m| m.name.clone());
+            let grank = |w: usize| m.as_ref().map_or(w, |m| m.group_rank(w));
+            let (rank_a, desc_a) = match other {
+                None => (grank(self.cfg.rank), theirs),
+                Some(o) => (grank(o as usize), theirs),
+            };
+            let err = Error::Mismatch {
+                group: name,
+                seq,
+                rank_a,
+                desc_a: desc_a.to_string(),
+                rank_b: grank(src),
+                desc_b: desc.to_string(),
+            };
+            self.abort(comm, err, true);
+        }
+        Ok(())
+    }
+
+    fn remove_conn(&self, peer: usize, id: u64) {
+        if let Some(p) = lock(&self.peers).get_mut(&peer) {
+            p.conns.retain(|c| c.id != id);
+        }
+    }
+}
+
+/// Why a reader stopped.
+enum End {
+    Eof,
+    Io(std::io::Error),
+    Bad(String),
+}
+
+async fn read_loop(shared: Arc<Shared>, peer: usize, id: u64, rd: OwnedReadHalf) {
+    let mut rd = BufReader::with_capacity(64 << 10, rd);
+    let end = tokio::select! {
+        e = read_frames(&shared, peer, &mut rd) => e,
+        _ = shared.cancel.cancelled() => return,
+    };
+    shared.remove_conn(peer, id);
+    let reason = match end {
+        End::Eof => "its connection closed (EOF): the process exited or was killed".to_owned(),
+        End::Io(e) => format!("its connection failed: {e}"),
+        End::Bad(why) => {
+            tracing::warn!(peer, "dropping the connection: {why}");
+            format!("it sent a bad frame ({why}); the connection was dropped")
+        }
+    };
+    shared.mark_gone(peer, &reason);
+}
+
+async fn read_frames(shared: &Arc<Shared>, peer: usize, rd: &mut BufReader<OwnedReadHalf>) -> End {
+    loop {
+        let mut head = [0u8; HEADER_LEN];
+        // A clean EOF is one between frames.
+        match rd.read(&mut head[..1]).await {
+            Ok(0) => return End::Eof,
+            Ok(_) => {}
+            Err(e) => return End::Io(e),
+        }
+        if let Err(e) = rd.read_exact(&mut head[1..]).await {
+            return End::Io(e);
+        }
+        let h = match Header::decode(&head) {
+            Ok(h) => h,
+            Err(e) => return End::Bad(e.0),
+        };
+        let mut buf = Buf::new(h.payload_len() as usize);
+        if let Err(e) = rd.read_exact(buf.bytes_mut()).await {
+            return End::Io(e);
+        }
+        match h {
+            Header::Abort { comm, .. } => {
+                let why = String::from_utf8_lossy(buf.bytes()).into_owned();
+                let group = shared
+                    .members(comm)
+                    .map_or_else(|| shared.cfg.name.clone(), |m| m.name);
+                let grank = shared.members(comm).map_or(peer, |m| m.group_rank(peer));
+                let err = Error::Aborted {
+                    group,
+                    reason: format!("rank {grank} aborted it: {why}").into(),
+                };
+                shared.abort(comm, err, false);
+            }
+            Header::Data { .. } => {
+                if let Err(why) = shared.deliver(peer, h, buf) {
+                    return End::Bad(why);
+                }
+            }
+        }
+    }
+}
+
+async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
+    loop {
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            _ = shared.cancel.cancelled() => return,
+        };
+        match accepted {
+            Ok((s, from)) => {
+                let shared = shared.clone();
+                tokio::spawn(async move {
+                    let cancel = shared.cancel.clone();
+                    tokio::select! {
+                        _ = accept_one(shared, s, from) => {}
+                        _ = cancel.cancelled() => {}
+                    }
+                });
+            }
+            Err(e) => {
+                // Out of descriptors and the like: back off rather than spin.
+                tracing::warn!("accept failed: {e}");
+                sleep(Duration::from_millis(10)).await;
+            }
+        }
+    }
+}
+
+async fn accept_one(shared: Arc<Shared>, mut s: TcpStream, from: SocketAddr) {
+    let _ = s.set_nodelay(true);
+    let verdict = match timeout(HANDSHAKE_TIMEOUT, read_hello(&mut s)).await {
+        Err(_) => Err(format!("no hello within {HANDSHAKE_TIMEOUT:?}")),
+        Ok(Err(e)) => Err(e),
+        Ok(Ok(h)) => check_hello(&shared.cfg, &h).map(|()| h.src as usize),
+    };
+    match verdict {
+        Ok(src) => {
+            if s.write_all(&[0]).await.is_ok() {
+                shared.register(src, s);
+            }
+        }
+        Err(why) => {
+            shared.refused.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(%from, "refused a connection: {why}");
+            let why = &why.as_bytes()[..why.len().min(4096)];
+            let mut reply = vec![1];
+            reply.extend_from_slice(&(why.len() as u16).to_le_bytes());
+            reply.extend_from_slice(why);
+            let _ = timeout(Duration::from_secs(1), s.write_all(&reply)).await;
+        }
+    }
+}
+
+async fn read_hello(s: &mut TcpStream) -> Result<Hello, String> {
+    let mut fixed = [0u8; HELLO_LEN];
+    s.read_exact(&mut fixed)
+        .await
+        .map_err(|e| format!("reading the hello: {e}"))?;
+    let (mut h, n) = Hello::decode_fixed(&fixed).map_err(|e| e.0)?;
+    let mut name = vec![0; n];
+    s.read_exact(&mut name)
+        .await
+        .map_err(|e| format!("reading the hello: {e}"))?;
+    h.name = String::from_utf8(name).map_err(|_| "the group name is not UTF-8".to_owned())?;
+    Ok(h)
+}
+
+fn check_hello(cfg: &Config, h: &Hello) -> Result<(), String> {
+    if h.name != cfg.name {
+        return Err(format!(
+            "it is for group {:?}; this is group {:?}",
+            h.name, cfg.name
+        ));
+    }
+    if h.nonce != cfg.nonce {
+        return Err(format!(
+            "it is from another instance of group {:?} (generation {:016x}, ours {:016x}): an earlier round or another job",
+            cfg.name, h.nonce, cfg.nonce
+        ));
+    }
+    if h.world as usize != cfg.world {
+        return Err(format!(
+            "it has world size {}, ours is {}",
+            h.world, cfg.world
+        ));
+    }
+    if h.dst as usize != cfg.rank {
+        return Err(format!("it is addressed to rank {}; this is rank {}", h.dst, cfg.rank));
+    }
+    if h.src as usize >= cfg.world || h.src as usize == cfg.rank {
+        return Err(format!("it claims to be rank {}", h.src));
+    }
+    if h.layout != cfg.layout {
+        return Err(
+            "its options differ (segment size or algorithm thresholds); every rank must use the same"
+                .into(),
+        );
+    }
+    Ok(())
+}

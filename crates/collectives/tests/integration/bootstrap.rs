@@ -1,0 +1,108 @@
+//! Bootstrapping from a real TCPStore server and through the URL init.
+
+use std::sync::Arc;
+
+use rallypoint_collectives::blocking::BlockingGroup;
+use rallypoint_collectives::{Options, ProcessGroup, ReduceOp};
+use rallypoint_store::server::Server;
+use rallypoint_store::{Store, TcpStore};
+
+use crate::harness::{each, opts};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn from_a_tcp_store_server() {
+    let server = Server::bind("127.0.0.1:0".parse().unwrap(), Default::default()).await.unwrap();
+    let port = server.local_addr().port();
+    let _h = server.spawn();
+    let n = 4;
+    let tasks: Vec<_> = (0..n)
+        .map(|r| {
+            tokio::spawn(async move {
+                let store: Arc<dyn Store> = Arc::new(TcpStore::builder("127.0.0.1", port).connect().await.unwrap());
+                ProcessGroup::new(store, r, n, opts()).await.unwrap()
+            })
+        })
+        .collect();
+    let mut pgs = Vec::new();
+    for t in tasks {
+        pgs.push(t.await.unwrap());
+    }
+    let got = each(&pgs, |pg| async move {
+        let mut x = vec![pg.rank() as f64; 100_000];
+        pg.all_reduce(&mut x, ReduceOp::Avg).await.map(|()| x[0])
+    })
+    .await;
+    for g in got {
+        assert_eq!(g.unwrap(), 1.5);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn through_tcp_and_file_urls() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let tasks: Vec<_> = (0..3)
+        .map(|r| {
+            tokio::spawn(async move {
+                let url = format!("tcp://127.0.0.1:{port}?rank={r}&world_size=3");
+                ProcessGroup::from_url(&url, Options::default()).await
+            })
+        })
+        .collect();
+    let mut pgs = Vec::new();
+    for t in tasks {
+        pgs.push(t.await.unwrap().unwrap());
+    }
+    let got = each(&pgs, |pg| async move { pg.all_gather_object(&pg.rank()).await }).await;
+    for g in got {
+        assert_eq!(g.unwrap(), vec![0, 1, 2]);
+    }
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    let tasks: Vec<_> = (0..2)
+        .map(|r| {
+            let url = format!("file://{}?rank={r}&world_size=2", path.display());
+            tokio::spawn(async move { ProcessGroup::from_url(&url, opts()).await })
+        })
+        .collect();
+    let mut pgs = Vec::new();
+    for t in tasks {
+        pgs.push(t.await.unwrap().unwrap());
+    }
+    let got = each(&pgs, |pg| async move {
+        let mut x = [pg.rank() as i8 + 1];
+        pg.all_reduce(&mut x, ReduceOp::Product).await.map(|()| x)
+    })
+    .await;
+    for g in got {
+        assert_eq!(g.unwrap(), [2]);
+    }
+}
+
+#[test]
+fn blocking_groups_in_plain_threads() {
+    let store: Arc<dyn Store> = Arc::new(rallypoint_store::MemoryStore::new());
+    let threads: Vec<_> = (0..3)
+        .map(|r| {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                let g = BlockingGroup::new(store, r, 3, opts()).unwrap();
+                let mut x = [r as u16; 5];
+                g.all_reduce(&mut x, ReduceOp::Max).unwrap();
+                g.barrier().unwrap();
+                let mut y = [0u8; 3];
+                g.run(|pg| pg.scatter((r == 1).then_some(&[1u8, 2, 3, 4, 5, 6, 7, 8, 9][..]), &mut y, 1))
+                    .unwrap();
+                (x, y)
+            })
+        })
+        .collect();
+    for (r, t) in threads.into_iter().enumerate() {
+        let (x, y) = t.join().unwrap();
+        assert_eq!(x, [2; 5]);
+        assert_eq!(y, [1 + 3 * r as u8, 2 + 3 * r as u8, 3 + 3 * r as u8]);
+    }
+}

@@ -1,0 +1,359 @@
+//! Dead and slow peers, mismatched collectives, aborts, and strangers on the port.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rallypoint_collectives::wire::Hello;
+use rallypoint_collectives::{Error, Options, ProcessGroup, ReduceOp};
+use rallypoint_store::{MemoryStore, Store};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::harness::{each, group, group_on, opts};
+
+/// Forms an `n`-rank group where rank `victim` lives on its own runtime, so
+/// that shutting the runtime down kills it the way a crash does: its sockets
+/// close with no goodbye and no abort message.
+async fn with_victim(
+    n: usize,
+    victim: usize,
+    o: Options,
+    victim_work: impl FnOnce(ProcessGroup) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> + Send + 'static,
+) -> (Vec<ProcessGroup>, tokio::runtime::Runtime) {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let vrt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (vs, vo) = (store.clone(), o.clone());
+    vrt.spawn(async move {
+        let pg = ProcessGroup::new(vs, victim, n, vo).await.unwrap();
+        victim_work(pg).await;
+    });
+    let tasks: Vec<_> = (0..n)
+        .filter(|&r| r != victim)
+        .map(|r| tokio::spawn(ProcessGroup::new(store.clone(), r, n, o.clone())))
+        .collect();
+    let mut pgs = Vec::new();
+    for t in tasks {
+        pgs.push(t.await.unwrap().unwrap());
+    }
+    (pgs, vrt)
+}
+
+fn names_rank(e: &Error, rank: usize) -> bool {
+    let s = e.to_string();
+    s.contains(&format!("rank {rank} is gone"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_killed_mid_all_reduce_fails_every_survivor_naming_it() {
+    let (n, victim) = (5, 2);
+    let o = Options {
+        timeout: Duration::from_secs(120),
+        ..opts()
+    };
+    let (pgs, vrt) = with_victim(n, victim, o, |pg| {
+        Box::pin(async move {
+            let mut buf = vec![1.0f32; 1 << 20];
+            loop {
+                if pg.all_reduce(&mut buf, ReduceOp::Sum).await.is_err() {
+                    return;
+                }
+            }
+        })
+    })
+    .await;
+    let survivors: Vec<_> = pgs
+        .iter()
+        .map(|pg| {
+            let pg = pg.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![1.0f32; 1 << 20];
+                let mut done = 0u32;
+                loop {
+                    match pg.all_reduce(&mut buf, ReduceOp::Sum).await {
+                        Ok(()) => done += 1,
+                        Err(e) => return (done, e, Instant::now()),
+                    }
+                }
+            })
+        })
+        .collect();
+    // Let a few all-reduces complete, then kill the victim mid-stream.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let killed = Instant::now();
+    vrt.shutdown_background();
+    for s in survivors {
+        let (done, e, at) = s.await.unwrap();
+        assert!(done > 0, "no all_reduce finished before the kill");
+        assert!(names_rank(&e, victim), "the error must name rank {victim}: {e}");
+        assert!(e.to_string().contains("all_reduce"), "the error must name the op: {e}");
+        assert!(!matches!(e, Error::Timeout { .. }), "noticed by the timeout, not the death: {e}");
+        eprintln!("survivor noticed after {:?}: {e}", at - killed);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_dead_before_its_first_op_is_noticed_without_the_timeout() {
+    let (n, victim) = (3, 1);
+    let o = Options {
+        timeout: Duration::from_secs(120),
+        ..opts()
+    };
+    let (pgs, vrt) = with_victim(n, victim, o, |_pg| Box::pin(std::future::pending())).await;
+    vrt.shutdown_background();
+    let got = each(&pgs, |pg| async move { pg.barrier().await }).await;
+    for e in got {
+        let e = e.unwrap_err();
+        assert!(names_rank(&e, victim), "{e}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_that_leaves_after_its_part_harms_no_one() {
+    let pgs = group(3, opts()).await;
+    let subs: Vec<_> = pgs.iter().map(|pg| pg.new_group(&[0, 1]).unwrap()).collect();
+    let got = each(&pgs, |pg| async move { pg.barrier().await }).await;
+    assert!(got.iter().all(|r| r.is_ok()));
+    let mut pgs = pgs;
+    drop(pgs.pop()); // rank 2 exits cleanly
+    let subs: Vec<ProcessGroup> = subs.into_iter().take(2).map(Option::unwrap).collect();
+    let got = each(&subs, |s| async move {
+        let mut x = [s.rank() as u32];
+        s.all_reduce(&mut x, ReduceOp::Sum).await.map(|()| x)
+    })
+    .await;
+    for g in got {
+        assert_eq!(g.unwrap(), [1], "ops not involving the departed rank still work");
+    }
+    let got = each(&pgs, |pg| async move { pg.barrier().await }).await;
+    for e in got {
+        let e = e.unwrap_err();
+        assert!(e.to_string().contains("rank 2"), "{e}");
+    }
+}
+
+async fn mismatch(pgs: &[ProcessGroup], calls: Vec<fn(ProcessGroup) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), Error>> + Send>>>) -> Vec<Error> {
+    let tasks: Vec<_> = pgs
+        .iter()
+        .zip(calls)
+        .map(|(pg, call)| {
+            let pg = pg.clone();
+            tokio::spawn(async move {
+                call(pg.clone()).await?;
+                // A rank that finished its side (a root that only sends) learns
+                // at its next op.
+                pg.barrier().await
+            })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap().expect_err("a mismatch must fail every rank"));
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mismatched_collectives_name_both_sides() {
+    // Different sizes.
+    let pgs = group(3, opts()).await;
+    let errs = mismatch(
+        &pgs,
+        vec![
+            |pg| Box::pin(async move { pg.all_reduce(&mut [0f32; 10], ReduceOp::Sum).await }),
+            |pg| Box::pin(async move { pg.all_reduce(&mut [0f32; 10], ReduceOp::Sum).await }),
+            |pg| Box::pin(async move { pg.all_reduce(&mut [0f32; 20], ReduceOp::Sum).await }),
+        ],
+    )
+    .await;
+    for e in errs {
+        let s = e.to_string();
+        assert!(s.contains("mismatched collectives"), "{s}");
+        assert!(s.contains("all_reduce(f32 x 10, SUM") && s.contains("all_reduce(f32 x 20, SUM"), "{s}");
+        assert!(s.contains("rank 2 called"), "{s}");
+    }
+
+    // Different collectives: a broadcast root only sends, and learns at its next op.
+    let pgs = group(2, opts()).await;
+    let errs = mismatch(
+        &pgs,
+        vec![
+            |pg| Box::pin(async move { pg.broadcast(&mut [0u8; 4], 0).await }),
+            |pg| Box::pin(async move { pg.all_reduce(&mut [0u8; 4], ReduceOp::Max).await }),
+        ],
+    )
+    .await;
+    for e in errs {
+        let s = e.to_string();
+        assert!(s.contains("broadcast(u8 x 4, root 0") && s.contains("all_reduce(u8 x 4, MAX"), "{s}");
+    }
+
+    // Different roots, and different types.
+    let pgs = group(3, opts()).await;
+    let errs = mismatch(
+        &pgs,
+        vec![
+            |pg| Box::pin(async move { pg.broadcast(&mut [0i64; 3], 0).await }),
+            |pg| Box::pin(async move { pg.broadcast(&mut [0i64; 3], 1).await }),
+            |pg| Box::pin(async move { pg.broadcast(&mut [0i64; 3], 0).await }),
+        ],
+    )
+    .await;
+    for e in errs {
+        let s = e.to_string();
+        assert!(s.contains("root 0") && s.contains("root 1"), "{s}");
+    }
+    let pgs = group(2, opts()).await;
+    let errs = mismatch(
+        &pgs,
+        vec![
+            |pg| Box::pin(async move { pg.all_reduce(&mut [0i32; 3], ReduceOp::Sum).await }),
+            |pg| Box::pin(async move { pg.all_reduce(&mut [0u32; 3], ReduceOp::Sum).await }),
+        ],
+    )
+    .await;
+    for e in errs {
+        let s = e.to_string();
+        assert!(s.contains("i32 x 3") && s.contains("u32 x 3"), "{s}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mismatched_messages_name_both_sides() {
+    let pgs = group(2, opts()).await;
+    let got = each(&pgs, |pg| async move {
+        if pg.rank() == 0 {
+            pg.send(&[1u16, 2, 3], 1, 5).await
+        } else {
+            pg.recv(&mut [0u16; 2], 0, 5).await
+        }
+    })
+    .await;
+    let e = got[1].as_ref().unwrap_err().to_string();
+    assert!(e.contains("sent send/recv(u16 x 3, tag 5") && e.contains("expected send/recv(u16 x 2"), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timeout_names_who_never_came_and_later_ops_fail_at_once() {
+    let o = Options {
+        timeout: Duration::from_millis(500),
+        ..opts()
+    };
+    let pgs = group(3, o).await;
+    // Rank 2 never calls the barrier.
+    let got = each(&pgs[..2], |pg| async move { pg.barrier().await }).await;
+    let all: String = got.iter().map(|r| r.as_ref().unwrap_err().to_string() + "\n").collect();
+    assert!(all.contains("timed out after 500ms waiting for rank 2"), "{all}");
+    // Every rank's group is now aborted, rank 2's included (it was told).
+    for pg in &pgs {
+        let e = pg.barrier().await.unwrap_err();
+        assert!(e.is_aborted(), "{e}");
+        assert!(e.to_string().contains("timed out"), "{e}");
+    }
+    // A per-op timeout overrides the group's.
+    let pgs = group(2, opts()).await;
+    let e = pgs[0]
+        .with_timeout(Duration::from_millis(200))
+        .all_reduce(&mut [1u8], ReduceOp::Sum)
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("timed out after 200ms waiting for rank 1"), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_an_abort_a_new_group_forms_under_a_new_prefix() {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let pgs = group_on(store.clone(), 3, opts()).await;
+    pgs[1].abort("testing");
+    for pg in &pgs {
+        // Rank 1's abort reaches the others within a round trip.
+        let e = loop {
+            match pg.aborted() {
+                Some(e) => break e,
+                None => tokio::time::sleep(Duration::from_millis(5)).await,
+            }
+        };
+        assert!(e.to_string().contains("rank 1 aborted it: testing"), "{e}");
+        assert!(pg.barrier().await.unwrap_err().is_aborted());
+    }
+    // Same prefix: refused, not silently mixed with the old group's keys.
+    let e = ProcessGroup::new(store.clone(), 0, 3, opts()).await.err().unwrap();
+    assert!(e.to_string().contains("already holds a group"), "{e}");
+    let again = group_on(
+        store,
+        3,
+        Options {
+            prefix: "round2".into(),
+            ..opts()
+        },
+    )
+    .await;
+    let got = each(&again, |pg| async move {
+        let mut x = [1u64];
+        pg.all_reduce(&mut x, ReduceOp::Sum).await.map(|()| x)
+    })
+    .await;
+    for g in got {
+        assert_eq!(g.unwrap(), [3]);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_op_aborts_the_group_instead_of_hanging_it() {
+    let pgs = group(2, opts()).await;
+    let slow = pgs[0].clone();
+    let t = tokio::spawn(async move {
+        let mut buf = [0u8; 8];
+        // Rank 1 never joins; cancel rank 0's op after a moment.
+        let _ = tokio::time::timeout(Duration::from_millis(100), slow.all_reduce(&mut buf, ReduceOp::Sum)).await;
+    });
+    t.await.unwrap();
+    let e = pgs[1].all_reduce(&mut [0u8; 8], ReduceOp::Sum).await.unwrap_err();
+    assert!(e.to_string().contains("dropped"), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strangers_on_the_listening_port_are_refused_without_harm() {
+    let pgs = group(3, opts()).await;
+    let target = pgs[0].local_addr();
+    // Garbage.
+    let mut s = tokio::net::TcpStream::connect(target).await.unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n0123456789ABCDEF").await.unwrap();
+    let mut reply = Vec::new();
+    let _ = s.read_to_end(&mut reply).await;
+    assert_eq!(reply.first(), Some(&1), "refused with a reason");
+    assert!(String::from_utf8_lossy(&reply).contains("not a rallypoint collectives peer"));
+    // A well-formed hello from another instance of a group of the same name.
+    let mut s = tokio::net::TcpStream::connect(target).await.unwrap();
+    let hello = Hello {
+        nonce: 42,
+        layout: 0,
+        world: 3,
+        src: 1,
+        dst: 0,
+        name: pgs[0].name().to_owned(),
+    };
+    s.write_all(&hello.encode()).await.unwrap();
+    let mut reply = Vec::new();
+    let _ = s.read_to_end(&mut reply).await;
+    assert!(String::from_utf8_lossy(&reply).contains("another instance"), "{:?}", String::from_utf8_lossy(&reply));
+    // One that connects and says nothing, held open through the ops below.
+    let _silent = tokio::net::TcpStream::connect(target).await.unwrap();
+    // Half a hello, then silence.
+    let mut half = tokio::net::TcpStream::connect(target).await.unwrap();
+    half.write_all(b"RPCG").await.unwrap();
+
+    let got = each(&pgs, |pg| async move {
+        let mut x = vec![pg.rank() as i32; 1000];
+        pg.all_reduce(&mut x, ReduceOp::Sum).await?;
+        pg.barrier().await?;
+        Ok::<_, Error>(x[0])
+    })
+    .await;
+    for g in got {
+        assert_eq!(g.unwrap(), 3);
+    }
+    assert_eq!(pgs[0].refused_connections(), 2);
+}

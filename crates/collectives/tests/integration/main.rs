@@ -1,0 +1,9 @@
+//! Integration tests: every rank is a task in this process, talking over real
+//! loopback TCP through the same code paths as separate processes.
+
+mod bootstrap;
+mod failures;
+mod harness;
+mod ops;
+mod props;
+mod scale;

@@ -1,0 +1,411 @@
+//! Every op x element type x reduce operator against a naive reference, for 1 to 9
+//! ranks and sizes 0, 1, odd and larger than a segment, with every algorithm.
+
+use rallypoint_collectives::{
+    bf16, f16, AllReduceAlgorithm, BroadcastAlgorithm, Element, Options, ProcessGroup, ReduceOp,
+};
+
+use crate::harness::{data, each, group, opts};
+
+/// The fold of every rank's data in rank order (then the mean for AVG).
+fn reference<T: Element>(inputs: &[Vec<T>], op: ReduceOp) -> Vec<T> {
+    let mut acc = inputs[0].clone();
+    for x in &inputs[1..] {
+        T::reduce(op, &mut acc, x);
+    }
+    if op == ReduceOp::Avg {
+        T::divide(&mut acc, inputs.len());
+    }
+    acc
+}
+
+/// Runs every op on one type in one group and compares each rank's result.
+async fn check_type<T: Element>(pgs: &[ProcessGroup], len: usize, seed: u64) {
+    let n = pgs.len();
+    let ctx = |what: &str| format!("{what} {} n={n} len={len}", T::DTYPE);
+    let inputs: Vec<Vec<T>> = (0..n).map(|r| data(seed, r, len)).collect();
+    let ops: Vec<ReduceOp> = ReduceOp::ALL.into_iter().filter(|o| o.supports(T::DTYPE)).collect();
+
+    for &op in &ops {
+        let want = reference(&inputs, op);
+        for algo in [
+            None,
+            Some(AllReduceAlgorithm::Ring),
+            Some(AllReduceAlgorithm::RecursiveDoubling),
+            Some(AllReduceAlgorithm::Tree),
+        ] {
+            let got = each(pgs, |pg| {
+                let mut buf = data::<T>(seed, pg.rank(), len);
+                async move {
+                    let pg = match algo {
+                        Some(a) => pg.with_all_reduce_algorithm(a),
+                        None => pg,
+                    };
+                    pg.all_reduce(&mut buf, op).await.map(|()| buf)
+                }
+            })
+            .await;
+            for (r, g) in got.into_iter().enumerate() {
+                assert_eq!(g.unwrap(), want, "{} all_reduce {op} {algo:?} rank {r}", ctx(""));
+            }
+        }
+        let root = n / 2;
+        let got = each(pgs, |pg| {
+            let mut buf = data::<T>(seed, pg.rank(), len);
+            async move { pg.reduce(&mut buf, root, op).await.map(|()| buf) }
+        })
+        .await;
+        for (r, g) in got.into_iter().enumerate() {
+            let want = if r == root { want.clone() } else { inputs[r].clone() };
+            assert_eq!(g.unwrap(), want, "{} reduce {op} rank {r}", ctx(""));
+        }
+        // reduce_scatter: every rank contributes n chunks of `len`.
+        let big: Vec<Vec<T>> = (0..n).map(|r| data(seed + 1, r, len * n)).collect();
+        let want_big = reference(&big, op);
+        let got = each(pgs, |pg| {
+            let input = data::<T>(seed + 1, pg.rank(), len * pg.size());
+            async move {
+                let mut out = vec![T::from_i8(0); len];
+                pg.reduce_scatter(&input, &mut out, op).await.map(|()| out)
+            }
+        })
+        .await;
+        for (r, g) in got.into_iter().enumerate() {
+            assert_eq!(g.unwrap(), want_big[r * len..(r + 1) * len], "{} reduce_scatter {op} rank {r}", ctx(""));
+        }
+    }
+
+    for root in [0, n - 1] {
+        for algo in [None, Some(BroadcastAlgorithm::Tree), Some(BroadcastAlgorithm::Chain)] {
+            let got = each(pgs, |pg| {
+                let mut buf = data::<T>(seed, pg.rank(), len);
+                async move {
+                    let pg = match algo {
+                        Some(a) => pg.with_broadcast_algorithm(a),
+                        None => pg,
+                    };
+                    pg.broadcast(&mut buf, root).await.map(|()| buf)
+                }
+            })
+            .await;
+            for (r, g) in got.into_iter().enumerate() {
+                assert_eq!(g.unwrap(), inputs[root], "{} broadcast root {root} {algo:?} rank {r}", ctx(""));
+            }
+        }
+    }
+
+    let concat: Vec<T> = inputs.concat();
+    let got = each(pgs, |pg| {
+        let input = data::<T>(seed, pg.rank(), len);
+        async move {
+            let mut out = vec![T::from_i8(0); len * pg.size()];
+            pg.all_gather(&input, &mut out).await.map(|()| out)
+        }
+    })
+    .await;
+    for (r, g) in got.into_iter().enumerate() {
+        assert_eq!(g.unwrap(), concat, "{} all_gather rank {r}", ctx(""));
+    }
+
+    // Varying sizes: rank r contributes len + r elements.
+    let varying: Vec<Vec<T>> = (0..n).map(|r| data(seed + 2, r, len + r)).collect();
+    let got = each(pgs, |pg| {
+        let input = data::<T>(seed + 2, pg.rank(), len + pg.rank());
+        async move { pg.all_gather_varying(&input).await }
+    })
+    .await;
+    for (r, g) in got.into_iter().enumerate() {
+        assert_eq!(g.unwrap(), varying, "{} all_gather_varying rank {r}", ctx(""));
+    }
+
+    let root = n - 1;
+    let got = each(pgs, |pg| {
+        let input = data::<T>(seed, pg.rank(), len);
+        async move { pg.gather(&input, root).await }
+    })
+    .await;
+    for (r, g) in got.into_iter().enumerate() {
+        let want = (r == root).then(|| concat.clone());
+        assert_eq!(g.unwrap(), want, "{} gather rank {r}", ctx(""));
+    }
+
+    let root = 0;
+    let got = each(pgs, |pg| {
+        let input = data::<T>(seed + 3, pg.rank(), len * pg.size());
+        async move {
+            let mut out = vec![T::from_i8(0); len];
+            let mine = (pg.rank() == root).then_some(&input[..]);
+            pg.scatter(mine, &mut out, root).await.map(|()| out)
+        }
+    })
+    .await;
+    let scattered = data::<T>(seed + 3, root, len * n);
+    for (r, g) in got.into_iter().enumerate() {
+        assert_eq!(g.unwrap(), scattered[r * len..(r + 1) * len], "{} scatter rank {r}", ctx(""));
+    }
+
+    let got = each(pgs, |pg| {
+        let input = data::<T>(seed + 4, pg.rank(), len * pg.size());
+        async move {
+            let mut out = vec![T::from_i8(0); input.len()];
+            pg.all_to_all(&input, &mut out).await.map(|()| out)
+        }
+    })
+    .await;
+    let a2a_in: Vec<Vec<T>> = (0..n).map(|r| data(seed + 4, r, len * n)).collect();
+    for (r, g) in got.into_iter().enumerate() {
+        let want: Vec<T> = (0..n).flat_map(|j| a2a_in[j][r * len..(r + 1) * len].to_vec()).collect();
+        assert_eq!(g.unwrap(), want, "{} all_to_all rank {r}", ctx(""));
+    }
+
+    if n > 1 {
+        // A ring of tagged messages: each rank sends to the next and receives from
+        // the previous, twice under two tags, received in the other order.
+        let got = each(pgs, |pg| {
+            let input = data::<T>(seed, pg.rank(), len);
+            async move {
+                let (n, r) = (pg.size(), pg.rank());
+                let send = pg.send_async(input.clone(), (r + 1) % n, 7);
+                let send2 = pg.send_async(input.iter().rev().copied().collect(), (r + 1) % n, 8);
+                let mut second = vec![T::from_i8(0); len];
+                pg.recv(&mut second, (r + n - 1) % n, 8).await?;
+                let mut first = vec![T::from_i8(0); len];
+                pg.recv(&mut first, (r + n - 1) % n, 7).await?;
+                send.wait().await?;
+                send2.wait().await?;
+                Ok::<_, rallypoint_collectives::Error>((first, second))
+            }
+        })
+        .await;
+        for (r, g) in got.into_iter().enumerate() {
+            let (a, b) = g.unwrap();
+            let from = &inputs[(r + n - 1) % n];
+            assert_eq!(&a, from, "{} send/recv rank {r}", ctx(""));
+            assert_eq!(b, from.iter().rev().copied().collect::<Vec<_>>(), "{} send/recv tag 8 rank {r}", ctx(""));
+        }
+    }
+}
+
+macro_rules! all_types {
+    ($pgs:expr, $len:expr, $seed:expr) => {
+        check_type::<u8>($pgs, $len, $seed).await;
+        check_type::<i8>($pgs, $len, $seed).await;
+        check_type::<u16>($pgs, $len, $seed).await;
+        check_type::<i16>($pgs, $len, $seed).await;
+        check_type::<u32>($pgs, $len, $seed).await;
+        check_type::<i32>($pgs, $len, $seed).await;
+        check_type::<u64>($pgs, $len, $seed).await;
+        check_type::<i64>($pgs, $len, $seed).await;
+        check_type::<f16>($pgs, $len, $seed).await;
+        check_type::<bf16>($pgs, $len, $seed).await;
+        check_type::<f32>($pgs, $len, $seed).await;
+        check_type::<f64>($pgs, $len, $seed).await;
+    };
+}
+
+/// Segments of 16 bytes: 37 elements of any type span several, 300 many.
+fn small_segments() -> Options {
+    Options {
+        segment_bytes: 16,
+        ..opts()
+    }
+}
+
+async fn matrix(n: usize) {
+    let pgs = group(n, small_segments()).await;
+    for (i, len) in [0usize, 1, 37, 300].into_iter().enumerate() {
+        all_types!(&pgs, len, (n * 100 + i) as u64);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn matrix_1_rank() {
+    matrix(1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn matrix_2_ranks() {
+    matrix(2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn matrix_3_ranks() {
+    matrix(3).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn matrix_4_ranks() {
+    matrix(4).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn matrix_5_ranks() {
+    matrix(5).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn matrix_6_ranks() {
+    matrix(6).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn matrix_7_ranks() {
+    matrix(7).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn matrix_8_ranks() {
+    matrix(8).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn matrix_9_ranks() {
+    matrix(9).await;
+}
+
+/// The default segment size with a buffer of several segments: the path the
+/// benchmark measures.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_buffers_with_default_segments() {
+    let pgs = group(3, opts()).await;
+    let len = (3 << 20) / 4 + 5; // ~3 MiB of f32: three segments per rank's chunk
+    let inputs: Vec<Vec<f32>> = (0..3).map(|r| data(9, r, len)).collect();
+    let want = reference(&inputs, ReduceOp::Sum);
+    let got = each(&pgs, |pg| {
+        let mut buf = data::<f32>(9, pg.rank(), len);
+        async move { pg.all_reduce(&mut buf, ReduceOp::Sum).await.map(|()| buf) }
+    })
+    .await;
+    for g in got {
+        assert!(g.unwrap() == want);
+    }
+    let got = each(&pgs, |pg| {
+        let mut buf = data::<f32>(9, pg.rank(), len);
+        async move { pg.broadcast(&mut buf, 1).await.map(|()| buf) }
+    })
+    .await;
+    for g in got {
+        assert!(g.unwrap() == inputs[1]);
+    }
+}
+
+/// Several streams per peer: segments spread over them arrive by key, not order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_streams_per_peer() {
+    let o = Options {
+        streams_per_peer: 3,
+        segment_bytes: 64,
+        ..opts()
+    };
+    let pgs = group(4, o).await;
+    all_types!(&pgs, 300, 77);
+}
+
+#[derive(serde::Serialize, serde::Deserialize, PartialEq, Debug, Clone)]
+struct Info {
+    name: String,
+    devices: Vec<u32>,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn objects() {
+    let pgs = group(3, opts()).await;
+    let got = each(&pgs, |pg| async move {
+        let me = Info {
+            name: format!("worker{}", pg.rank()),
+            devices: (0..pg.rank() as u32).collect(),
+        };
+        let all = pg.all_gather_object(&me).await?;
+        let from_root = pg
+            .broadcast_object((pg.rank() == 2).then_some(&me), 2)
+            .await?;
+        Ok::<_, rallypoint_collectives::Error>((all, from_root))
+    })
+    .await;
+    for g in got {
+        let (all, root) = g.unwrap();
+        assert_eq!(all.len(), 3);
+        assert_eq!(all[1], Info { name: "worker1".into(), devices: vec![0] });
+        assert_eq!(root.name, "worker2");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subgroups() {
+    let pgs = group(5, opts()).await;
+    let got = each(&pgs, |pg| async move {
+        let sub = pg.new_group(&[4, 1, 3])?;
+        let pair = pg.new_group(&[1, 2])?;
+        let alone = pg.new_group(&[pg.rank()])?.expect("a member of its own group");
+        let mut world = [pg.rank() as i64];
+        let mut in_sub = [pg.rank() as i64 * 10];
+        // Interleave world and subgroup ops: their sequences are independent.
+        if let Some(s) = &sub {
+            assert_eq!(s.size(), 3);
+            s.all_reduce(&mut in_sub, ReduceOp::Sum).await?;
+            s.barrier().await?;
+        }
+        pg.all_reduce(&mut world, ReduceOp::Sum).await?;
+        if let Some(p) = &pair {
+            let mut x = [p.rank() as u8 + 1];
+            p.broadcast(&mut x, 1).await?;
+            assert_eq!(x, [2]);
+        }
+        let mut solo = [5u32];
+        alone.all_reduce(&mut solo, ReduceOp::Product).await?;
+        assert_eq!(solo, [5]);
+        Ok::<_, rallypoint_collectives::Error>((sub.map(|s| (s.rank(), in_sub[0])), world[0]))
+    })
+    .await;
+    for (r, g) in got.into_iter().enumerate() {
+        let (sub, world) = g.unwrap();
+        assert_eq!(world, 10);
+        match r {
+            1 => assert_eq!(sub, Some((0, 80))),
+            3 => assert_eq!(sub, Some((1, 80))),
+            4 => assert_eq!(sub, Some((2, 80))),
+            _ => assert_eq!(sub, None),
+        }
+    }
+    // Bad rank lists are refused up front.
+    assert!(pgs[0].new_group(&[0, 0]).is_err());
+    assert!(pgs[0].new_group(&[5]).is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handles_and_order() {
+    let pgs = group(4, opts()).await;
+    let got = each(&pgs, |pg| async move {
+        // Start three operations before waiting on any: each took its sequence
+        // number when started, so they pair up across ranks correctly.
+        let a = pg.all_reduce_async(vec![1i32; 1000], ReduceOp::Sum);
+        let b = pg.broadcast_async(vec![pg.rank() as u16; 10], 3);
+        let c = pg.all_gather_async(vec![pg.rank() as u8]);
+        let c = c.wait().await?;
+        let b = b.wait().await?;
+        let a = a.wait().await?;
+        Ok::<_, rallypoint_collectives::Error>((a[999], b[0], c))
+    })
+    .await;
+    for g in got {
+        assert_eq!(g.unwrap(), (4, 3, vec![0, 1, 2, 3]));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_arguments_are_refused_before_sending() {
+    let pgs = group(2, opts()).await;
+    let pg = &pgs[0];
+    let e = pg.all_reduce(&mut [1i32], ReduceOp::Avg).await.unwrap_err();
+    assert!(e.to_string().contains("AVG does not apply to i32"), "{e}");
+    let e = pg.all_reduce(&mut [1.0f32], ReduceOp::Bxor).await.unwrap_err();
+    assert!(e.to_string().contains("BXOR"), "{e}");
+    let e = pg.broadcast(&mut [1u8], 2).await.unwrap_err();
+    assert!(e.to_string().contains("root 2 is not a rank"), "{e}");
+    let mut out = [0u8; 3];
+    let e = pg.all_gather(&[1u8], &mut out).await.unwrap_err();
+    assert!(e.to_string().contains("expected 2"), "{e}");
+    // None of this touched the group: it still works.
+    let got = each(&pgs, |pg| async move { pg.barrier().await }).await;
+    assert!(got.iter().all(|r| r.is_ok()));
+}
