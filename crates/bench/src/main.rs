@@ -15,7 +15,8 @@
 //!
 //! `rallypoint-bench launch` compares our launcher with PyTorch's `start_processes`
 //! (see `launch.rs`); `rallypoint-bench agent` compares `rally run` with torchrun
-//! (see `agent.rs`).
+//! (see `agent.rs`); `rallypoint-bench collectives` compares our process group
+//! with torch's gloo (see `collectives.rs`).
 
 use std::io::{Read, Write};
 use std::net::SocketAddr;
@@ -33,6 +34,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 mod agent;
+mod collectives;
 mod launch;
 mod rendezvous;
 
@@ -54,6 +56,26 @@ enum Cmd {
     Agent(agent::AgentArgs),
     /// Dynamic rendezvous: N nodes through one round, ours and PyTorch's c10d.
     Rendezvous(rendezvous::RendezvousArgs),
+    /// Collectives: our process group against torch's gloo, and the raw TCP ceiling.
+    Collectives(collectives::CollectivesArgs),
+    /// (internal) One of our collectives ranks.
+    #[command(hide = true)]
+    CollRank {
+        port: u16,
+        prefix: String,
+        n: usize,
+        rank: usize,
+        ops: String,
+        sizes: String,
+    },
+    /// (internal) One side of the raw TCP measurement.
+    #[command(hide = true)]
+    CollRaw {
+        role: String,
+        port: u16,
+        bytes: u64,
+        mode: String,
+    },
     /// (internal) Writes N bytes of 100-byte lines to stdout in 1 MiB writes: the
     /// tee benchmark's worker, the same for both launchers.
     #[command(hide = true)]
@@ -117,6 +139,21 @@ fn main() -> Result<()> {
         Cmd::Agent(args) => agent::run(args),
         Cmd::Rendezvous(args) => rendezvous::run(args),
         Cmd::Echo { req, reply } => async_echo(req, reply),
+        Cmd::Collectives(args) => collectives::run(args),
+        Cmd::CollRank {
+            port,
+            prefix,
+            n,
+            rank,
+            ops,
+            sizes,
+        } => collectives::rank(port, prefix, n, rank, ops, sizes),
+        Cmd::CollRaw {
+            role,
+            port,
+            bytes,
+            mode,
+        } => collectives::raw(&role, port, bytes, &mode),
         Cmd::Produce { bytes } => launch::produce(bytes),
         Cmd::RdzvNode {
             port,

@@ -8,6 +8,7 @@
 //! floats are reduced in `f32` and rounded back after each step, as gloo does.
 
 use std::fmt;
+use std::sync::{Arc, Mutex};
 
 use half::{bf16, f16};
 
@@ -294,9 +295,62 @@ pub(crate) fn bytes_of_mut<T: Element>(s: &mut [T]) -> &mut [u8] {
 }
 
 /// A received payload, 8-byte aligned so that it can be read as any element type.
+/// Large payloads borrow their memory from a [`Pool`] and give it back on drop, so
+/// a stream of segments reuses a few cache-warm buffers instead of allocating and
+/// zeroing fresh pages for each.
 pub(crate) struct Buf {
     words: Vec<u64>,
     len: usize,
+    pool: Option<Arc<Pool>>,
+}
+
+/// Recycled payload buffers of one capacity.
+pub(crate) struct Pool {
+    words: usize,
+    free: Mutex<Vec<Vec<u64>>>,
+}
+
+/// Buffers kept per pool; more in flight are simply freed when done.
+const POOL_KEEP: usize = 32;
+/// Payloads below this are allocated plainly (small allocations are cheap).
+const POOL_MIN: usize = 64 << 10;
+
+impl Pool {
+    pub(crate) fn new(bytes: usize) -> Arc<Pool> {
+        Arc::new(Pool {
+            words: bytes.div_ceil(8),
+            free: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// A buffer of `len` bytes: pooled if it fits the pool's capacity and is large.
+    pub(crate) fn get(self: &Arc<Pool>, len: usize) -> Buf {
+        if len < POOL_MIN || len.div_ceil(8) > self.words {
+            return Buf::new(len);
+        }
+        let words = self
+            .free
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pop()
+            .unwrap_or_else(|| vec![0; self.words]);
+        Buf {
+            words,
+            len,
+            pool: Some(self.clone()),
+        }
+    }
+}
+
+impl Drop for Buf {
+    fn drop(&mut self) {
+        if let Some(p) = self.pool.take() {
+            let mut free = p.free.lock().unwrap_or_else(|e| e.into_inner());
+            if free.len() < POOL_KEEP {
+                free.push(std::mem::take(&mut self.words));
+            }
+        }
+    }
 }
 
 impl Buf {
@@ -304,6 +358,7 @@ impl Buf {
         Buf {
             words: vec![0; len.div_ceil(8)],
             len,
+            pool: None,
         }
     }
 
@@ -382,5 +437,18 @@ mod tests {
         b.bytes_mut().copy_from_slice(bytes_of(&[1.0f32, 2.0, 3.0]));
         assert_eq!(b.typed::<f32>(), &[1.0, 2.0, 3.0]);
         assert_eq!(b.len(), 12);
+    }
+
+    #[test]
+    fn pooled_buffers_are_reused() {
+        let pool = Pool::new(1 << 20);
+        let a = pool.get(1 << 20);
+        let ptr = a.bytes().as_ptr();
+        drop(a);
+        let b = pool.get((1 << 20) - 8);
+        assert_eq!(b.bytes().as_ptr(), ptr, "the freed buffer comes back");
+        assert_eq!(b.len(), (1 << 20) - 8);
+        assert!(pool.get(100).pool.is_none(), "small payloads are not pooled");
+        assert!(pool.get(2 << 20).pool.is_none(), "nor ones above the capacity");
     }
 }

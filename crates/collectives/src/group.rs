@@ -54,7 +54,7 @@ impl Default for Options {
             prefix: "default_pg".into(),
             timeout: DEFAULT_TIMEOUT,
             advertise: None,
-            segment_bytes: 1 << 20,
+            segment_bytes: 256 << 10,
             small_bytes: 64 << 10,
             dissemination_max_ranks: 64,
             streams_per_peer: 1,
@@ -236,6 +236,7 @@ impl ProcessGroup {
             layout: opts.layout_hash(),
             streams: opts.streams_per_peer.max(1),
             probe_after: opts.probe_after,
+            segment_bytes: opts.segment_bytes,
         };
         let t = Transport::start(cfg, store, listener).map_err(|e| err(e.to_string()))?;
         let members = Members {

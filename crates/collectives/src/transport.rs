@@ -25,7 +25,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -37,12 +37,14 @@ use tokio::sync::oneshot;
 use tokio::time::{sleep, sleep_until, timeout, timeout_at, Instant};
 use tokio_util::sync::CancellationToken;
 
-use crate::element::Buf;
+use crate::element::{Buf, Pool};
 use crate::error::Error;
 use crate::frame::{Desc, Header, Hello, OpKind, HEADER_LEN, HELLO_LEN};
 
 /// How long an accepted connection may take to say hello.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a closed peer waits for handshakes in progress (see `handshakes_settled`).
+const SETTLE_MAX: Duration = Duration::from_millis(250);
 /// How long an abort frame may take to reach a member.
 const ABORT_DEADLINE: Duration = Duration::from_secs(2);
 
@@ -132,12 +134,15 @@ pub(crate) struct Config {
     pub layout: u64,
     pub streams: usize,
     pub probe_after: Duration,
+    /// The largest data payload (sizes the buffer pool).
+    pub segment_bytes: usize,
 }
 
 pub(crate) struct Shared {
     pub cfg: Config,
     store: Arc<dyn Store>,
     pub local_addr: SocketAddr,
+    pool: Arc<Pool>,
     addrs: Mutex<HashMap<usize, SocketAddr>>,
     peers: Mutex<HashMap<usize, Peer>>,
     connecting: Mutex<HashMap<usize, Arc<tokio::sync::Mutex<()>>>>,
@@ -145,6 +150,9 @@ pub(crate) struct Shared {
     members: Mutex<HashMap<u64, Members>>,
     refused: AtomicU64,
     next_conn: AtomicU64,
+    /// Accepted connections still in their handshake (whose peer is not known yet).
+    handshaking: AtomicUsize,
+    handshakes_done: tokio::sync::Notify,
     cancel: CancellationToken,
 }
 
@@ -169,6 +177,7 @@ impl Transport {
     pub fn start(cfg: Config, store: Arc<dyn Store>, listener: TcpListener) -> std::io::Result<Transport> {
         let local_addr = listener.local_addr()?;
         let shared = Arc::new(Shared {
+            pool: Pool::new(cfg.segment_bytes),
             cfg,
             store,
             local_addr,
@@ -179,6 +188,8 @@ impl Transport {
             members: Mutex::default(),
             refused: AtomicU64::new(0),
             next_conn: AtomicU64::new(0),
+            handshaking: AtomicUsize::new(0),
+            handshakes_done: tokio::sync::Notify::new(),
             cancel: CancellationToken::new(),
         });
         tokio::spawn(accept_loop(shared.clone(), listener));
@@ -299,15 +310,7 @@ impl Shared {
         let write = async {
             let mut w = conn.writer.lock().await;
             let head = header.encode();
-            if payload.len() <= 64 << 10 {
-                let mut b = Vec::with_capacity(HEADER_LEN + payload.len());
-                b.extend_from_slice(&head);
-                b.extend_from_slice(payload);
-                w.write_all(&b).await
-            } else {
-                w.write_all(&head).await?;
-                w.write_all(payload).await
-            }
+            write_frame(&mut w, &head, payload).await
         };
         match timeout_at(deadline, write).await {
             Err(_) => Err(Fail::Timeout),
@@ -489,7 +492,11 @@ impl Shared {
         let Some(members) = self.members(comm) else {
             return;
         };
-        let reason = err.to_string();
+        // Send the reason alone: the receiver wraps it in its own `Aborted`.
+        let reason = match &err {
+            Error::Aborted { reason, .. } => reason.to_string(),
+            e => e.to_string(),
+        };
         let me = self.clone();
         // Aborts also run from destructors, possibly as a runtime shuts down.
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
@@ -586,11 +593,44 @@ impl Shared {
         Ok(())
     }
 
-    fn remove_conn(&self, peer: usize, id: u64) {
-        if let Some(p) = lock(&self.peers).get_mut(&peer) {
-            p.conns.retain(|c| c.id != id);
+    /// Removes a closed connection; returns whether it was the peer's last.
+    fn remove_conn(&self, peer: usize, id: u64) -> bool {
+        let mut peers = lock(&self.peers);
+        let p = peers.entry(peer).or_default();
+        p.conns.retain(|c| c.id != id);
+        p.conns.is_empty()
+    }
+
+    /// Waits until no accepted connection is mid-handshake: one may be the
+    /// peer's other connection, carrying frames. Bounded by [`SETTLE_MAX`], so a
+    /// stranger idling on the port delays noticing a death by that at most.
+    async fn handshakes_settled(&self) {
+        let deadline = Instant::now() + SETTLE_MAX;
+        loop {
+            let done = self.handshakes_done.notified();
+            if self.handshaking.load(Ordering::Acquire) == 0 || Instant::now() >= deadline {
+                return;
+            }
+            let _ = timeout_at(deadline, done).await;
         }
     }
+}
+
+/// Writes a header and its payload, in one vectored write when the socket takes it.
+async fn write_frame(w: &mut OwnedWriteHalf, head: &[u8], payload: &[u8]) -> std::io::Result<()> {
+    let (mut h, mut p) = (head, payload);
+    while !h.is_empty() {
+        let n = w
+            .write_vectored(&[std::io::IoSlice::new(h), std::io::IoSlice::new(p)])
+            .await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        let from_head = n.min(h.len());
+        h = &h[from_head..];
+        p = &p[n - from_head..];
+    }
+    w.write_all(p).await
 }
 
 /// Why a reader stopped.
@@ -606,8 +646,7 @@ async fn read_loop(shared: Arc<Shared>, peer: usize, id: u64, rd: OwnedReadHalf)
         e = read_frames(&shared, peer, &mut rd) => e,
         _ = shared.cancel.cancelled() => return,
     };
-    shared.remove_conn(peer, id);
-    let reason = match end {
+    let reason = match &end {
         End::Eof => "its connection closed (EOF): the process exited or was killed".to_owned(),
         End::Io(e) => format!("its connection failed: {e}"),
         End::Bad(why) => {
@@ -615,7 +654,24 @@ async fn read_loop(shared: Arc<Shared>, peer: usize, id: u64, rd: OwnedReadHalf)
             format!("it sent a bad frame ({why}); the connection was dropped")
         }
     };
-    shared.mark_gone(peer, &reason);
+    let last = shared.remove_conn(peer, id);
+    if matches!(end, End::Bad(_)) {
+        shared.mark_gone(peer, &reason);
+        return;
+    }
+    // Two connections with a peer (both sides opened one at once) close in any
+    // order when it exits, and each reader delivers its frames before it sees
+    // the end: the peer is gone only when its last connection has closed,
+    // counting one still in its handshake.
+    if last {
+        tokio::select! {
+            _ = shared.handshakes_settled() => {}
+            _ = shared.cancel.cancelled() => return,
+        }
+        if !shared.connected(peer) {
+            shared.mark_gone(peer, &reason);
+        }
+    }
 }
 
 async fn read_frames(shared: &Arc<Shared>, peer: usize, rd: &mut BufReader<OwnedReadHalf>) -> End {
@@ -634,7 +690,7 @@ async fn read_frames(shared: &Arc<Shared>, peer: usize, rd: &mut BufReader<Owned
             Ok(h) => h,
             Err(e) => return End::Bad(e.0),
         };
-        let mut buf = Buf::new(h.payload_len() as usize);
+        let mut buf = shared.pool.get(h.payload_len() as usize);
         if let Err(e) = rd.read_exact(buf.bytes_mut()).await {
             return End::Io(e);
         }
@@ -688,18 +744,26 @@ async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
 
 async fn accept_one(shared: Arc<Shared>, mut s: TcpStream, from: SocketAddr) {
     let _ = s.set_nodelay(true);
+    shared.handshaking.fetch_add(1, Ordering::AcqRel);
     let verdict = match timeout(HANDSHAKE_TIMEOUT, read_hello(&mut s)).await {
         Err(_) => Err(format!("no hello within {HANDSHAKE_TIMEOUT:?}")),
         Ok(Err(e)) => Err(e),
         Ok(Ok(h)) => check_hello(&shared.cfg, &h).map(|()| h.src as usize),
+    };
+    let settle = |shared: &Shared| {
+        if shared.handshaking.fetch_sub(1, Ordering::AcqRel) == 1 {
+            shared.handshakes_done.notify_waiters();
+        }
     };
     match verdict {
         Ok(src) => {
             if s.write_all(&[0]).await.is_ok() {
                 shared.register(src, s);
             }
+            settle(&shared);
         }
         Err(why) => {
+            settle(&shared);
             shared.refused.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(%from, "refused a connection: {why}");
             let why = &why.as_bytes()[..why.len().min(4096)];

@@ -1,0 +1,57 @@
+"""PyTorch's side of `rallypoint-bench collectives`: one gloo rank, in its own
+process, on the benchmark's store server (a TCPStore client). Same loop as our
+`coll-rank`: per op and size, a warm-up, a barrier, then ITERS timed ops; every
+rank prints `RESULT <op> <bytes> <seconds per op>` and the driver takes the
+slowest rank.
+
+usage: coll_bench.py PORT PREFIX N RANK OPS SIZES"""
+
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+port, prefix, n, rank = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+ops, sizes = sys.argv[5].split(","), [int(s) for s in sys.argv[6].split(",")]
+
+store = dist.TCPStore("127.0.0.1", port, n, is_master=False, timeout=timedelta(seconds=600))
+store = dist.PrefixStore(prefix, store)
+dist.init_process_group("gloo", store=store, rank=rank, world_size=n, timeout=timedelta(seconds=600))
+
+
+def iters_for(nbytes):
+    return max(5, min(1000, (512 << 20) // max(nbytes, 1)))
+
+
+def run(op, nbytes):
+    count = max(nbytes // 4, 1)
+    t = torch.ones(count, dtype=torch.float32)
+    if op == "all_reduce":
+        f = lambda: dist.all_reduce(t)
+    elif op == "broadcast":
+        f = lambda: dist.broadcast(t, 0)
+    elif op == "all_gather":
+        out = torch.empty(count * n, dtype=torch.float32)
+        f = lambda: dist.all_gather_into_tensor(out, t)
+    elif op == "barrier":
+        f = lambda: dist.barrier()
+    else:
+        raise SystemExit(f"unknown op {op}")
+    iters = iters_for(nbytes)
+    for _ in range(max(2, iters // 10)):
+        f()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        f()
+    dt = (time.perf_counter() - t0) / iters
+    print(f"RESULT {op} {nbytes} {dt:.9f}", flush=True)
+
+
+for op in ops:
+    for nbytes in [4] if op == "barrier" else sizes:
+        run(op, nbytes)
+dist.barrier()
+dist.destroy_process_group()

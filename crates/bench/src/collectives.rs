@@ -1,0 +1,384 @@
+//! `rallypoint-bench collectives`: our process group against torch's gloo, in
+//! the same run, on the same store server, with the same loop.
+//!
+//! For each world size, `n` processes of each side run every op over sizes
+//! from 4 B up: a warm-up, a barrier, then a timed loop. Every rank reports its
+//! seconds per op and the slowest rank counts. The table gives bus bandwidth
+//! (nccl-tests' convention: `busbw = algbw × 2(n−1)/n` for all_reduce,
+//! `(n−1)/n` for all_gather with the size being the gathered output, `1` for
+//! broadcast), latency for small sizes and barriers, and ours ÷ gloo.
+//!
+//! The ceiling is raw TCP between two processes on the same loopback, measured in
+//! the same run: one direction (one sender, one receiver), and both directions
+//! at once (each process sends and receives, as a two-rank ring does), reported
+//! per direction.
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use rallypoint_collectives::{Options, ProcessGroup, ReduceOp};
+use rallypoint_store::{Store, TcpStore};
+
+#[derive(clap::Args, Clone)]
+pub struct CollectivesArgs {
+    /// World sizes to run.
+    #[arg(long, value_delimiter = ',', default_value = "2,4")]
+    ranks: Vec<usize>,
+    /// Ops: any of all_reduce, broadcast, all_gather, barrier.
+    #[arg(long, value_delimiter = ',', default_value = "all_reduce,broadcast,all_gather,barrier")]
+    ops: Vec<String>,
+    /// Largest size in bytes (sizes go up by 4x from 4 B).
+    #[arg(long, default_value_t = 256 << 20)]
+    max_bytes: usize,
+    /// Smallest size in bytes.
+    #[arg(long, default_value_t = 4)]
+    min_bytes: usize,
+    /// Sides: rally, gloo.
+    #[arg(long, value_delimiter = ',', default_value = "rally,gloo")]
+    sides: Vec<String>,
+    /// Bytes per raw TCP measurement.
+    #[arg(long, default_value_t = 2 << 30)]
+    raw_bytes: u64,
+    /// Our segment size (default: the library's).
+    #[arg(long)]
+    segment_bytes: Option<usize>,
+    /// Our TCP connections per peer (default: the library's).
+    #[arg(long)]
+    streams: Option<usize>,
+    /// Repetitions of the whole comparison (sides alternate within each).
+    #[arg(long, default_value_t = 1)]
+    repeat: usize,
+}
+
+fn sizes(max: usize) -> Vec<usize> {
+    let mut v = vec![];
+    let mut s = 4;
+    while s <= max {
+        v.push(s);
+        s *= 4;
+    }
+    v
+}
+
+fn iters_for(bytes: usize) -> usize {
+    ((512usize << 20) / bytes.max(1)).clamp(5, 1000)
+}
+
+fn bus_factor(op: &str, n: usize) -> f64 {
+    let n = n as f64;
+    match op {
+        "all_reduce" => 2.0 * (n - 1.0) / n,
+        "all_gather" => (n - 1.0) / n,
+        _ => 1.0,
+    }
+}
+
+/// (op, bytes) → seconds per op, slowest rank.
+type Results = BTreeMap<(String, usize), f64>;
+
+pub fn run(args: CollectivesArgs) -> Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    let server = rt.block_on(rallypoint_store::server::Server::bind(
+        "127.0.0.1:0".parse()?,
+        Default::default(),
+    ))?;
+    let port = server.local_addr().port();
+    let _server = rt.block_on(async { server.spawn() });
+    let sizes: Vec<usize> = sizes(args.max_bytes).into_iter().filter(|&s| s >= args.min_bytes).collect();
+    let ops = args.ops.join(",");
+    let size_list = sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",");
+
+    for rep in 0..args.repeat {
+        let (uni, duplex) = raw_tcp(args.raw_bytes)?;
+        println!(
+            "\n# repetition {}: raw TCP on loopback, same run: one direction {:.2} GB/s; both directions at once {:.2} GB/s each",
+            rep + 1,
+            uni / 1e9,
+            duplex / 1e9
+        );
+        for &n in &args.ranks {
+            let mut results: BTreeMap<String, Results> = BTreeMap::new();
+            for side in &args.sides {
+                let prefix = format!("bench/{side}/{n}/{rep}");
+                let r = ranks(side, port, &prefix, n, &ops, &size_list, &args)
+                    .with_context(|| format!("{side} with {n} ranks"))?;
+                results.insert(side.clone(), r);
+            }
+            report(n, &args.ops, &sizes, &results, uni);
+        }
+    }
+    Ok(())
+}
+
+fn report(n: usize, ops: &[String], sizes: &[usize], results: &BTreeMap<String, Results>, uni: f64) {
+    let ours = results.get("rally");
+    let gloo = results.get("gloo");
+    for op in ops {
+        println!("\n## {op}, {n} ranks");
+        if op == "barrier" {
+            let get = |r: Option<&Results>| r.and_then(|r| r.get(&(op.clone(), 4))).copied();
+            let (a, b) = (get(ours), get(gloo));
+            println!(
+                "latency: ours {} us, gloo {} us, ours/gloo {}",
+                a.map_or("-".into(), |v| format!("{:.1}", v * 1e6)),
+                b.map_or("-".into(), |v| format!("{:.1}", v * 1e6)),
+                match (a, b) {
+                    (Some(a), Some(b)) => format!("{:.2}", a / b),
+                    _ => "-".into(),
+                }
+            );
+            continue;
+        }
+        println!("| bytes | ours us | gloo us | ours busbw GB/s | gloo busbw GB/s | busbw ours/gloo | ours / raw 1-dir |");
+        println!("|---:|---:|---:|---:|---:|---:|---:|");
+        for &s in sizes {
+            let key = (op.clone(), s);
+            let a = ours.and_then(|r| r.get(&key)).copied();
+            let b = gloo.and_then(|r| r.get(&key)).copied();
+            let bus = |t: f64| {
+                let total = if op == "all_gather" { s * n } else { s };
+                total as f64 / t * bus_factor(op, n) / 1e9
+            };
+            let f = |v: Option<f64>, g: &dyn Fn(f64) -> String| v.map_or("-".into(), g);
+            println!(
+                "| {s} | {} | {} | {} | {} | {} | {} |",
+                f(a, &|t| format!("{:.1}", t * 1e6)),
+                f(b, &|t| format!("{:.1}", t * 1e6)),
+                f(a, &|t| format!("{:.3}", bus(t))),
+                f(b, &|t| format!("{:.3}", bus(t))),
+                match (a, b) {
+                    (Some(a), Some(b)) => format!("{:.2}", b / a),
+                    _ => "-".into(),
+                },
+                f(a, &|t| format!("{:.0}%", bus(t) * 1e9 / uni * 100.0)),
+            );
+        }
+    }
+}
+
+/// Runs `n` rank processes of `side`; returns the slowest rank's seconds per op.
+fn ranks(
+    side: &str,
+    port: u16,
+    prefix: &str,
+    n: usize,
+    ops: &str,
+    sizes: &str,
+    args: &CollectivesArgs,
+) -> Result<Results> {
+    let mut children = Vec::with_capacity(n);
+    for r in 0..n {
+        let mut c = match side {
+            "rally" => {
+                let mut c = Command::new(std::env::current_exe()?);
+                c.arg("coll-rank");
+                c
+            }
+            "gloo" => {
+                let mut c = Command::new(crate::python());
+                c.arg(crate::repo_root().join("crates/bench/py/coll_bench.py"));
+                c
+            }
+            other => bail!("unknown side {other}"),
+        };
+        c.args([port.to_string(), prefix.to_owned(), n.to_string(), r.to_string()])
+            .args([ops, sizes])
+            .env("OMP_NUM_THREADS", "1")
+            .env("RALLY_BENCH_SEGMENT", args.segment_bytes.map(|s| s.to_string()).unwrap_or_default())
+            .env("RALLY_BENCH_STREAMS", args.streams.map(|s| s.to_string()).unwrap_or_default())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        children.push(c.spawn().with_context(|| format!("starting {side} rank {r}"))?);
+    }
+    let readers: Vec<_> = children
+        .iter_mut()
+        .map(|c| {
+            let mut out = c.stdout.take().expect("piped");
+            std::thread::spawn(move || {
+                let mut s = String::new();
+                let _ = out.read_to_string(&mut s);
+                s
+            })
+        })
+        .collect();
+    let mut results = Results::new();
+    let mut failed = None;
+    for (r, (mut c, rd)) in children.into_iter().zip(readers).enumerate() {
+        let status = c.wait()?;
+        let out = rd.join().expect("reader");
+        if !status.success() {
+            failed.get_or_insert(format!("{side} rank {r} exited with {status}"));
+        }
+        for line in out.lines().filter_map(|l| l.strip_prefix("RESULT ")) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let (op, bytes, secs) = (f[0].to_owned(), f[1].parse()?, f[2].parse::<f64>()?);
+            let e = results.entry((op, bytes)).or_insert(0.0);
+            *e = e.max(secs);
+        }
+    }
+    if let Some(f) = failed {
+        bail!(f);
+    }
+    Ok(results)
+}
+
+/// One of our ranks: the same loop as `py/coll_bench.py`.
+pub fn rank(port: u16, prefix: String, n: usize, rank: usize, ops: String, sizes: String) -> Result<()> {
+    let rt = match std::env::var("RALLY_BENCH_RT").ok().and_then(|s| s.parse::<usize>().ok()) {
+        Some(0) => tokio::runtime::Builder::new_current_thread().enable_all().build()?,
+        Some(k) => tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(k)
+            .enable_all()
+            .build()?,
+        None => tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?,
+    };
+    rt.block_on(async move {
+        let store: Arc<dyn Store> = Arc::new(
+            TcpStore::builder("127.0.0.1", port)
+                .timeout(Duration::from_secs(600))
+                .connect()
+                .await?,
+        );
+        let pg = ProcessGroup::new(
+            store,
+            rank,
+            n,
+            {
+                let mut o = Options {
+                    prefix,
+                    advertise: Some("127.0.0.1".parse()?),
+                    ..Options::default()
+                };
+                if let Some(s) = std::env::var("RALLY_BENCH_SEGMENT").ok().and_then(|s| s.parse().ok()) {
+                    o.segment_bytes = s;
+                }
+                if let Some(s) = std::env::var("RALLY_BENCH_STREAMS").ok().and_then(|s| s.parse().ok()) {
+                    o.streams_per_peer = s;
+                }
+                o
+            },
+        )
+        .await?;
+        let sizes: Vec<usize> = sizes.split(',').map(str::parse).collect::<Result<_, _>>()?;
+        for op in ops.split(',') {
+            let list = if op == "barrier" { vec![4] } else { sizes.clone() };
+            for bytes in list {
+                let count = (bytes / 4).max(1);
+                let mut buf = vec![1.0f32; count];
+                let mut out = vec![0.0f32; if op == "all_gather" { count * n } else { 0 }];
+                let iters = iters_for(bytes);
+                timed(&pg, op, &mut buf, &mut out, (iters / 10).max(2)).await?;
+                pg.barrier().await?;
+                let dt = timed(&pg, op, &mut buf, &mut out, iters).await?.as_secs_f64() / iters as f64;
+                println!("RESULT {op} {bytes} {dt:.9}");
+            }
+        }
+        pg.barrier().await?;
+        anyhow::Ok(())
+    })
+}
+
+async fn timed(pg: &ProcessGroup, op: &str, buf: &mut [f32], out: &mut [f32], k: usize) -> Result<Duration> {
+    let t0 = Instant::now();
+    for _ in 0..k {
+        match op {
+            "all_reduce" => pg.all_reduce(buf, ReduceOp::Sum).await?,
+            "broadcast" => pg.broadcast(buf, 0).await?,
+            "all_gather" => pg.all_gather(buf, out).await?,
+            "barrier" => pg.barrier().await?,
+            other => bail!("unknown op {other}"),
+        }
+    }
+    Ok(t0.elapsed())
+}
+
+/// Raw TCP between two processes: (one direction, per direction with both at once), bytes/s.
+fn raw_tcp(bytes: u64) -> Result<(f64, f64)> {
+    let one = raw_pair(bytes, false)?;
+    let both = raw_pair(bytes, true)?;
+    Ok((one, both))
+}
+
+fn raw_pair(bytes: u64, duplex: bool) -> Result<f64> {
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let port = listener.local_addr()?.port();
+    drop(listener);
+    let spawn = |role: &str| {
+        Command::new(std::env::current_exe()?)
+            .args(["coll-raw", role, &port.to_string(), &bytes.to_string(), if duplex { "duplex" } else { "simplex" }])
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("starting a raw TCP process")
+    };
+    let a = spawn("listen")?;
+    std::thread::sleep(Duration::from_millis(200));
+    let b = spawn("connect")?;
+    let mut rates = vec![];
+    for c in [a, b] {
+        let out = c.wait_with_output()?;
+        if !out.status.success() {
+            bail!("raw TCP process failed");
+        }
+        for l in String::from_utf8_lossy(&out.stdout).lines() {
+            if let Some(v) = l.strip_prefix("RATE ") {
+                rates.push(v.trim().parse::<f64>()?);
+            }
+        }
+    }
+    // Receivers report; take the slower direction.
+    rates
+        .into_iter()
+        .reduce(f64::min)
+        .context("no rate reported")
+}
+
+/// One side of the raw measurement: receivers print `RATE bytes/s`.
+pub fn raw(role: &str, port: u16, bytes: u64, mode: &str) -> Result<()> {
+    let s = match role {
+        "listen" => TcpListener::bind(("127.0.0.1", port))?.accept()?.0,
+        _ => TcpStream::connect(("127.0.0.1", port))?,
+    };
+    s.set_nodelay(true)?;
+    let sends = mode == "duplex" || role == "connect";
+    let receives = mode == "duplex" || role == "listen";
+    let mut w = s.try_clone()?;
+    let sender = std::thread::spawn(move || -> std::io::Result<()> {
+        if sends {
+            let chunk = vec![7u8; 1 << 20];
+            let mut left = bytes;
+            while left > 0 {
+                let k = left.min(chunk.len() as u64) as usize;
+                w.write_all(&chunk[..k])?;
+                left -= k as u64;
+            }
+        }
+        Ok(())
+    });
+    if receives {
+        let mut r = s;
+        let mut buf = vec![0u8; 1 << 20];
+        let mut got = 0u64;
+        let t0 = Instant::now();
+        while got < bytes {
+            let k = r.read(&mut buf)?;
+            if k == 0 {
+                bail!("raw TCP peer closed early");
+            }
+            got += k as u64;
+        }
+        println!("RATE {}", got as f64 / t0.elapsed().as_secs_f64());
+    }
+    sender.join().expect("sender")?;
+    Ok(())
+}
