@@ -30,7 +30,11 @@ pub struct CollectivesArgs {
     #[arg(long, value_delimiter = ',', default_value = "2,4")]
     ranks: Vec<usize>,
     /// Ops: any of all_reduce, broadcast, all_gather, barrier.
-    #[arg(long, value_delimiter = ',', default_value = "all_reduce,broadcast,all_gather,barrier")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "all_reduce,broadcast,all_gather,barrier"
+    )]
     ops: Vec<String>,
     /// Largest size in bytes (sizes go up by 4x from 4 B).
     #[arg(long, default_value_t = 256 << 20)]
@@ -92,9 +96,16 @@ pub fn run(args: CollectivesArgs) -> Result<()> {
     ))?;
     let port = server.local_addr().port();
     let _server = rt.block_on(async { server.spawn() });
-    let sizes: Vec<usize> = sizes(args.max_bytes).into_iter().filter(|&s| s >= args.min_bytes).collect();
+    let sizes: Vec<usize> = sizes(args.max_bytes)
+        .into_iter()
+        .filter(|&s| s >= args.min_bytes)
+        .collect();
     let ops = args.ops.join(",");
-    let size_list = sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",");
+    let size_list = sizes
+        .iter()
+        .map(|s| s.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
 
     for rep in 0..args.repeat {
         let (uni, duplex) = raw_tcp(args.raw_bytes)?;
@@ -118,7 +129,13 @@ pub fn run(args: CollectivesArgs) -> Result<()> {
     Ok(())
 }
 
-fn report(n: usize, ops: &[String], sizes: &[usize], results: &BTreeMap<String, Results>, uni: f64) {
+fn report(
+    n: usize,
+    ops: &[String],
+    sizes: &[usize],
+    results: &BTreeMap<String, Results>,
+    uni: f64,
+) {
     let ours = results.get("rally");
     let gloo = results.get("gloo");
     for op in ops {
@@ -189,14 +206,30 @@ fn ranks(
             }
             other => bail!("unknown side {other}"),
         };
-        c.args([port.to_string(), prefix.to_owned(), n.to_string(), r.to_string()])
-            .args([ops, sizes])
-            .env("OMP_NUM_THREADS", "1")
-            .env("RALLY_BENCH_SEGMENT", args.segment_bytes.map(|s| s.to_string()).unwrap_or_default())
-            .env("RALLY_BENCH_STREAMS", args.streams.map(|s| s.to_string()).unwrap_or_default())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
-        children.push(c.spawn().with_context(|| format!("starting {side} rank {r}"))?);
+        c.args([
+            port.to_string(),
+            prefix.to_owned(),
+            n.to_string(),
+            r.to_string(),
+        ])
+        .args([ops, sizes])
+        .env("OMP_NUM_THREADS", "1")
+        .env(
+            "RALLY_BENCH_SEGMENT",
+            args.segment_bytes
+                .map(|s| s.to_string())
+                .unwrap_or_default(),
+        )
+        .env(
+            "RALLY_BENCH_STREAMS",
+            args.streams.map(|s| s.to_string()).unwrap_or_default(),
+        )
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+        children.push(
+            c.spawn()
+                .with_context(|| format!("starting {side} rank {r}"))?,
+        );
     }
     let readers: Vec<_> = children
         .iter_mut()
@@ -231,9 +264,21 @@ fn ranks(
 }
 
 /// One of our ranks: the same loop as `py/coll_bench.py`.
-pub fn rank(port: u16, prefix: String, n: usize, rank: usize, ops: String, sizes: String) -> Result<()> {
-    let rt = match std::env::var("RALLY_BENCH_RT").ok().and_then(|s| s.parse::<usize>().ok()) {
-        Some(0) => tokio::runtime::Builder::new_current_thread().enable_all().build()?,
+pub fn rank(
+    port: u16,
+    prefix: String,
+    n: usize,
+    rank: usize,
+    ops: String,
+    sizes: String,
+) -> Result<()> {
+    let rt = match std::env::var("RALLY_BENCH_RT")
+        .ok()
+        .and_then(|s| s.parse::<usize>().ok())
+    {
+        Some(0) => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?,
         Some(k) => tokio::runtime::Builder::new_multi_thread()
             .worker_threads(k)
             .enable_all()
@@ -250,29 +295,34 @@ pub fn rank(port: u16, prefix: String, n: usize, rank: usize, ops: String, sizes
                 .connect()
                 .await?,
         );
-        let pg = ProcessGroup::new(
-            store,
-            rank,
-            n,
+        let pg = ProcessGroup::new(store, rank, n, {
+            let mut o = Options {
+                prefix,
+                advertise: Some("127.0.0.1".parse()?),
+                ..Options::default()
+            };
+            if let Some(s) = std::env::var("RALLY_BENCH_SEGMENT")
+                .ok()
+                .and_then(|s| s.parse().ok())
             {
-                let mut o = Options {
-                    prefix,
-                    advertise: Some("127.0.0.1".parse()?),
-                    ..Options::default()
-                };
-                if let Some(s) = std::env::var("RALLY_BENCH_SEGMENT").ok().and_then(|s| s.parse().ok()) {
-                    o.segment_bytes = s;
-                }
-                if let Some(s) = std::env::var("RALLY_BENCH_STREAMS").ok().and_then(|s| s.parse().ok()) {
-                    o.streams_per_peer = s;
-                }
-                o
-            },
-        )
+                o.segment_bytes = s;
+            }
+            if let Some(s) = std::env::var("RALLY_BENCH_STREAMS")
+                .ok()
+                .and_then(|s| s.parse().ok())
+            {
+                o.streams_per_peer = s;
+            }
+            o
+        })
         .await?;
         let sizes: Vec<usize> = sizes.split(',').map(str::parse).collect::<Result<_, _>>()?;
         for op in ops.split(',') {
-            let list = if op == "barrier" { vec![4] } else { sizes.clone() };
+            let list = if op == "barrier" {
+                vec![4]
+            } else {
+                sizes.clone()
+            };
             for bytes in list {
                 let count = (bytes / 4).max(1);
                 let mut buf = vec![1.0f32; count];
@@ -280,7 +330,10 @@ pub fn rank(port: u16, prefix: String, n: usize, rank: usize, ops: String, sizes
                 let iters = iters_for(bytes);
                 timed(&pg, op, &mut buf, &mut out, (iters / 10).max(2)).await?;
                 pg.barrier().await?;
-                let dt = timed(&pg, op, &mut buf, &mut out, iters).await?.as_secs_f64() / iters as f64;
+                let dt = timed(&pg, op, &mut buf, &mut out, iters)
+                    .await?
+                    .as_secs_f64()
+                    / iters as f64;
                 println!("RESULT {op} {bytes} {dt:.9}");
             }
         }
@@ -289,7 +342,13 @@ pub fn rank(port: u16, prefix: String, n: usize, rank: usize, ops: String, sizes
     })
 }
 
-async fn timed(pg: &ProcessGroup, op: &str, buf: &mut [f32], out: &mut [f32], k: usize) -> Result<Duration> {
+async fn timed(
+    pg: &ProcessGroup,
+    op: &str,
+    buf: &mut [f32],
+    out: &mut [f32],
+    k: usize,
+) -> Result<Duration> {
     let t0 = Instant::now();
     for _ in 0..k {
         match op {
@@ -316,7 +375,13 @@ fn raw_pair(bytes: u64, duplex: bool) -> Result<f64> {
     drop(listener);
     let spawn = |role: &str| {
         Command::new(std::env::current_exe()?)
-            .args(["coll-raw", role, &port.to_string(), &bytes.to_string(), if duplex { "duplex" } else { "simplex" }])
+            .args([
+                "coll-raw",
+                role,
+                &port.to_string(),
+                &bytes.to_string(),
+                if duplex { "duplex" } else { "simplex" },
+            ])
             .stdout(Stdio::piped())
             .spawn()
             .context("starting a raw TCP process")

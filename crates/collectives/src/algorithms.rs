@@ -60,11 +60,18 @@ impl Steps {
     }
 }
 
-async fn send_segs<T: Element>(cx: &OpCtx, to: usize, steps: &Steps, phase: usize, data: &[T]) -> Result<()> {
+async fn send_segs<T: Element>(
+    cx: &OpCtx,
+    to: usize,
+    steps: &Steps,
+    phase: usize,
+    data: &[T],
+) -> Result<()> {
     let seg = cx.seg::<T>();
     let all = 0..data.len();
     for s in 0..nseg(data.len(), seg) {
-        cx.send(to, steps.at(phase, s), &data[seg_range(&all, seg, s)]).await?;
+        cx.send(to, steps.at(phase, s), &data[seg_range(&all, seg, s)])
+            .await?;
     }
     Ok(())
 }
@@ -82,7 +89,10 @@ async fn recv_segs<T: Element>(
     for s in 0..nseg(out.len(), seg) {
         let r = seg_range(&all, seg, s);
         match reduce {
-            Some(op) => cx.recv_reduce(from, steps.at(phase, s), &mut out[r], op).await?,
+            Some(op) => {
+                cx.recv_reduce(from, steps.at(phase, s), &mut out[r], op)
+                    .await?
+            }
             None => cx.recv_copy(from, steps.at(phase, s), &mut out[r]).await?,
         }
     }
@@ -114,7 +124,11 @@ pub(crate) async fn barrier_tree(cx: &OpCtx) -> Result<()> {
 fn binomial(n: usize, r: usize, root: usize) -> (Option<usize>, Vec<usize>) {
     let v = (r + n - root) % n;
     let real = |x: usize| (x + root) % n;
-    let low = if v == 0 { n.next_power_of_two() } else { v & v.wrapping_neg() };
+    let low = if v == 0 {
+        n.next_power_of_two()
+    } else {
+        v & v.wrapping_neg()
+    };
     let parent = (v != 0).then(|| real(v - low));
     let mut children = Vec::new();
     let mut mask = low >> 1;
@@ -128,7 +142,12 @@ fn binomial(n: usize, r: usize, root: usize) -> (Option<usize>, Vec<usize>) {
 }
 
 /// Binomial-tree broadcast, pipelined by segment.
-pub(crate) async fn tree_broadcast<T: Element>(cx: &OpCtx, buf: &mut [T], root: usize, phase: usize) -> Result<()> {
+pub(crate) async fn tree_broadcast<T: Element>(
+    cx: &OpCtx,
+    buf: &mut [T],
+    root: usize,
+    phase: usize,
+) -> Result<()> {
     let (parent, children) = binomial(cx.n(), cx.me(), root);
     let seg = cx.seg::<T>();
     let ns = nseg(buf.len(), seg);
@@ -137,7 +156,8 @@ pub(crate) async fn tree_broadcast<T: Element>(cx: &OpCtx, buf: &mut [T], root: 
     for s in 0..ns {
         let r = seg_range(&all, seg, s);
         if let Some(p) = parent {
-            cx.recv_copy(p, steps.at(phase, s), &mut buf[r.clone()]).await?;
+            cx.recv_copy(p, steps.at(phase, s), &mut buf[r.clone()])
+                .await?;
         }
         for &c in &children {
             cx.send(c, steps.at(phase, s), &buf[r.clone()]).await?;
@@ -163,7 +183,8 @@ pub(crate) async fn tree_reduce<T: Element>(
     for s in 0..ns {
         let r = seg_range(&all, seg, s);
         for &c in children.iter().rev() {
-            cx.recv_reduce(c, steps.at(phase, s), &mut buf[r.clone()], op).await?;
+            cx.recv_reduce(c, steps.at(phase, s), &mut buf[r.clone()], op)
+                .await?;
         }
         if let Some(p) = parent {
             cx.send(p, steps.at(phase, s), &buf[r.clone()]).await?;
@@ -174,7 +195,11 @@ pub(crate) async fn tree_reduce<T: Element>(
 
 /// Pipelined chain broadcast: `root → root+1 → …`, one segment behind another,
 /// so every link carries the buffer once.
-pub(crate) async fn chain_broadcast<T: Element>(cx: &OpCtx, buf: &mut [T], root: usize) -> Result<()> {
+pub(crate) async fn chain_broadcast<T: Element>(
+    cx: &OpCtx,
+    buf: &mut [T],
+    root: usize,
+) -> Result<()> {
     let (n, r) = (cx.n(), cx.me());
     let v = (r + n - root) % n;
     let seg = cx.seg::<T>();
@@ -184,7 +209,8 @@ pub(crate) async fn chain_broadcast<T: Element>(cx: &OpCtx, buf: &mut [T], root:
     for s in 0..ns {
         let rg = seg_range(&all, seg, s);
         if v > 0 {
-            cx.recv_copy((r + n - 1) % n, steps.at(0, s), &mut buf[rg.clone()]).await?;
+            cx.recv_copy((r + n - 1) % n, steps.at(0, s), &mut buf[rg.clone()])
+                .await?;
         }
         if v + 1 < n {
             cx.send((r + 1) % n, steps.at(0, s), &buf[rg]).await?;
@@ -215,7 +241,11 @@ pub(crate) async fn ring_reduce_scatter<T: Element>(
     let first_out = (r + n - 1) % n;
     for t in 0..n - 1 {
         let cin = (r + 2 * n - t - 2) % n;
-        let m = if t == 0 { segs(cin).max(segs(first_out)) } else { segs(cin) };
+        let m = if t == 0 {
+            segs(cin).max(segs(first_out))
+        } else {
+            segs(cin)
+        };
         for s in 0..m {
             if t == 0 && s < segs(first_out) {
                 let out = seg_range(&bounds[first_out], seg, s);
@@ -223,7 +253,8 @@ pub(crate) async fn ring_reduce_scatter<T: Element>(
             }
             if s < segs(cin) {
                 let rg = seg_range(&bounds[cin], seg, s);
-                cx.recv_reduce(prev, steps.at(phase0 + t, s), &mut buf[rg.clone()], op).await?;
+                cx.recv_reduce(prev, steps.at(phase0 + t, s), &mut buf[rg.clone()], op)
+                    .await?;
                 if t + 2 < n {
                     cx.send(next, steps.at(phase0 + t + 1, s), &buf[rg]).await?;
                 }
@@ -252,14 +283,24 @@ pub(crate) async fn ring_all_gather<T: Element>(
     let steps = Steps::new(cx, phase0 + n - 1, (0..n).map(segs).max().unwrap_or(1))?;
     for t in 0..n - 1 {
         let cin = (r + n - t - 1) % n;
-        let m = if t == 0 { segs(cin).max(segs(r)) } else { segs(cin) };
+        let m = if t == 0 {
+            segs(cin).max(segs(r))
+        } else {
+            segs(cin)
+        };
         for s in 0..m {
             if t == 0 && s < segs(r) {
-                cx.send(next, steps.at(phase0, s), &buf[seg_range(&bounds[r], seg, s)]).await?;
+                cx.send(
+                    next,
+                    steps.at(phase0, s),
+                    &buf[seg_range(&bounds[r], seg, s)],
+                )
+                .await?;
             }
             if s < segs(cin) {
                 let rg = seg_range(&bounds[cin], seg, s);
-                cx.recv_copy(prev, steps.at(phase0 + t, s), &mut buf[rg.clone()]).await?;
+                cx.recv_copy(prev, steps.at(phase0 + t, s), &mut buf[rg.clone()])
+                    .await?;
                 if t + 2 < n {
                     cx.send(next, steps.at(phase0 + t + 1, s), &buf[rg]).await?;
                 }
@@ -270,7 +311,11 @@ pub(crate) async fn ring_all_gather<T: Element>(
 }
 
 /// Ring all-reduce: reduce-scatter, the mean taken on the owned chunk, all-gather.
-pub(crate) async fn ring_all_reduce<T: Element>(cx: &OpCtx, buf: &mut [T], op: ReduceOp) -> Result<()> {
+pub(crate) async fn ring_all_reduce<T: Element>(
+    cx: &OpCtx,
+    buf: &mut [T],
+    op: ReduceOp,
+) -> Result<()> {
     let n = cx.n();
     let bounds = even_bounds(buf.len(), n);
     ring_reduce_scatter(cx, buf, &bounds, op, 0).await?;
@@ -286,9 +331,17 @@ pub(crate) async fn ring_all_reduce<T: Element>(cx: &OpCtx, buf: &mut [T], op: R
 /// 1, 2, 4, …; then the folded ranks get the result back. Each exchange computes
 /// `a ∘ b` on one side and `b ∘ a` on the other, equal for commutative operators,
 /// so every rank ends with the same bits.
-pub(crate) async fn recursive_doubling<T: Element>(cx: &OpCtx, buf: &mut [T], op: ReduceOp) -> Result<()> {
+pub(crate) async fn recursive_doubling<T: Element>(
+    cx: &OpCtx,
+    buf: &mut [T],
+    op: ReduceOp,
+) -> Result<()> {
     let (n, r) = (cx.n(), cx.me());
-    let p = if n.is_power_of_two() { n } else { n.next_power_of_two() / 2 };
+    let p = if n.is_power_of_two() {
+        n
+    } else {
+        n.next_power_of_two() / 2
+    };
     let rem = n - p;
     let rounds = p.trailing_zeros() as usize;
     let seg = cx.seg::<T>();
@@ -326,7 +379,11 @@ pub(crate) async fn recursive_doubling<T: Element>(cx: &OpCtx, buf: &mut [T], op
 }
 
 /// Tree all-reduce: binomial reduce to rank 0, then binomial broadcast.
-pub(crate) async fn tree_all_reduce<T: Element>(cx: &OpCtx, buf: &mut [T], op: ReduceOp) -> Result<()> {
+pub(crate) async fn tree_all_reduce<T: Element>(
+    cx: &OpCtx,
+    buf: &mut [T],
+    op: ReduceOp,
+) -> Result<()> {
     tree_reduce(cx, buf, op, 0, 0).await?;
     if op == ReduceOp::Avg && cx.me() == 0 {
         T::divide(buf, cx.n());
@@ -336,7 +393,12 @@ pub(crate) async fn tree_all_reduce<T: Element>(cx: &OpCtx, buf: &mut [T], op: R
 
 /// Large reduce: ring reduce-scatter, then every rank sends its reduced chunk to
 /// the root. `buf` is the root's output or a scratch copy elsewhere.
-pub(crate) async fn ring_reduce<T: Element>(cx: &OpCtx, buf: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
+pub(crate) async fn ring_reduce<T: Element>(
+    cx: &OpCtx,
+    buf: &mut [T],
+    op: ReduceOp,
+    root: usize,
+) -> Result<()> {
     let (n, r) = (cx.n(), cx.me());
     let bounds = even_bounds(buf.len(), n);
     ring_reduce_scatter(cx, buf, &bounds, op, 0).await?;
@@ -403,7 +465,11 @@ pub(crate) async fn scatter_direct<T: Element>(
 
 /// Pairwise exchange: at step `i` rank `r` sends its chunk for `r + i` and
 /// receives the chunk `r − i` has for it.
-pub(crate) async fn all_to_all_pairwise<T: Element>(cx: &OpCtx, input: &[T], out: &mut [T]) -> Result<()> {
+pub(crate) async fn all_to_all_pairwise<T: Element>(
+    cx: &OpCtx,
+    input: &[T],
+    out: &mut [T],
+) -> Result<()> {
     let (n, r) = (cx.n(), cx.me());
     let k = input.len() / n;
     out[r * k..(r + 1) * k].copy_from_slice(&input[r * k..(r + 1) * k]);
@@ -411,7 +477,15 @@ pub(crate) async fn all_to_all_pairwise<T: Element>(cx: &OpCtx, input: &[T], out
     for i in 1..n {
         let (to, from) = ((r + i) % n, (r + n - i) % n);
         send_segs(cx, to, &steps, i, &input[to * k..(to + 1) * k]).await?;
-        recv_segs(cx, from, &steps, i, &mut out[from * k..(from + 1) * k], None).await?;
+        recv_segs(
+            cx,
+            from,
+            &steps,
+            i,
+            &mut out[from * k..(from + 1) * k],
+            None,
+        )
+        .await?;
     }
     Ok(())
 }

@@ -27,7 +27,12 @@ impl BlockingGroup {
     }
 
     /// [`ProcessGroup::new`], blocking.
-    pub fn new(store: Arc<dyn Store>, rank: usize, size: usize, opts: Options) -> Result<BlockingGroup> {
+    pub fn new(
+        store: Arc<dyn Store>,
+        rank: usize,
+        size: usize,
+        opts: Options,
+    ) -> Result<BlockingGroup> {
         let rt = Self::runtime()?;
         let pg = rt.block_on(ProcessGroup::new(store, rank, size, opts))?;
         Ok(BlockingGroup { rt, pg })

@@ -119,7 +119,9 @@ impl ReduceOp {
     ];
 
     pub(crate) fn from_code(code: u8) -> Option<ReduceOp> {
-        ReduceOp::ALL.get(usize::from(code).checked_sub(1)?).copied()
+        ReduceOp::ALL
+            .get(usize::from(code).checked_sub(1)?)
+            .copied()
     }
 
     /// Whether the operator applies to `dtype`, as PyTorch decides it.
@@ -380,7 +382,11 @@ impl Buf {
     /// of the element size.
     pub(crate) fn typed<T: Element>(&self) -> &[T] {
         let n = self.len / std::mem::size_of::<T>();
-        assert_eq!(n * std::mem::size_of::<T>(), self.len, "payload is not whole elements");
+        assert_eq!(
+            n * std::mem::size_of::<T>(),
+            self.len,
+            "payload is not whole elements"
+        );
         // SAFETY: 8-byte aligned (alignment of every `Element` divides 8), `n`
         // elements fit in `len` initialised bytes, every bit pattern is valid.
         unsafe { std::slice::from_raw_parts(self.words.as_ptr().cast::<T>(), n) }
@@ -421,7 +427,10 @@ mod tests {
         let mut f = [1.0f32, f32::NAN, 2.0];
         f32::reduce(ReduceOp::Min, &mut f, &[0.5, 1.0, f32::NAN]);
         assert_eq!(f[0], 0.5);
-        assert!(f[1].is_nan() && f[2].is_nan(), "NaN propagates from either side");
+        assert!(
+            f[1].is_nan() && f[2].is_nan(),
+            "NaN propagates from either side"
+        );
         let mut h = [f16::from_f32(3.0)];
         f16::reduce(ReduceOp::Product, &mut h, &[f16::from_f32(-2.0)]);
         f16::divide(&mut h, 4);
@@ -448,7 +457,13 @@ mod tests {
         let b = pool.get((1 << 20) - 8);
         assert_eq!(b.bytes().as_ptr(), ptr, "the freed buffer comes back");
         assert_eq!(b.len(), (1 << 20) - 8);
-        assert!(pool.get(100).pool.is_none(), "small payloads are not pooled");
-        assert!(pool.get(2 << 20).pool.is_none(), "nor ones above the capacity");
+        assert!(
+            pool.get(100).pool.is_none(),
+            "small payloads are not pooled"
+        );
+        assert!(
+            pool.get(2 << 20).pool.is_none(),
+            "nor ones above the capacity"
+        );
     }
 }

@@ -227,22 +227,26 @@ impl Header {
         let len = u64_at(40);
         match b[0] {
             KIND_DATA => {
-                let op = OpKind::from_code(b[1]).ok_or_else(|| BadFrame(format!("op code {}", b[1])))?;
-                let dtype =
-                    DType::from_code(b[2]).ok_or_else(|| BadFrame(format!("type code {}", b[2])))?;
+                let op =
+                    OpKind::from_code(b[1]).ok_or_else(|| BadFrame(format!("op code {}", b[1])))?;
+                let dtype = DType::from_code(b[2])
+                    .ok_or_else(|| BadFrame(format!("type code {}", b[2])))?;
                 let reduce = match b[3] {
                     0 => None,
                     c => Some(
-                        ReduceOp::from_code(c).ok_or_else(|| BadFrame(format!("reduce code {c}")))?,
+                        ReduceOp::from_code(c)
+                            .ok_or_else(|| BadFrame(format!("reduce code {c}")))?,
                     ),
                 };
-                let algo =
-                    Algo::from_code(b[4]).ok_or_else(|| BadFrame(format!("algorithm code {}", b[4])))?;
+                let algo = Algo::from_code(b[4])
+                    .ok_or_else(|| BadFrame(format!("algorithm code {}", b[4])))?;
                 if len > MAX_PAYLOAD {
                     return bad(format!("payload of {len} bytes exceeds {MAX_PAYLOAD}"));
                 }
                 if len % dtype.size() as u64 != 0 {
-                    return bad(format!("payload of {len} bytes is not whole {dtype} elements"));
+                    return bad(format!(
+                        "payload of {len} bytes is not whole {dtype} elements"
+                    ));
                 }
                 Ok(Header::Data {
                     comm,
@@ -376,15 +380,20 @@ mod tests {
 
     fn header() -> impl Strategy<Value = Header> {
         prop_oneof![
-            (any::<u64>(), any::<u64>(), any::<u32>(), desc(), 0..=MAX_PAYLOAD / 8).prop_map(
-                |(comm, seq, step, desc, words)| Header::Data {
+            (
+                any::<u64>(),
+                any::<u64>(),
+                any::<u32>(),
+                desc(),
+                0..=MAX_PAYLOAD / 8
+            )
+                .prop_map(|(comm, seq, step, desc, words)| Header::Data {
                     comm,
                     seq,
                     step,
                     desc,
                     len: words * 8 / desc.dtype.size() as u64 * desc.dtype.size() as u64,
-                }
-            ),
+                }),
             (any::<u64>(), 0..=MAX_REASON).prop_map(|(comm, len)| Header::Abort { comm, len }),
         ]
     }
@@ -456,10 +465,16 @@ mod tests {
             },
             len: MAX_PAYLOAD + 4,
         };
-        assert!(Header::decode(&h.encode()).unwrap_err().0.contains("exceeds"));
+        assert!(Header::decode(&h.encode())
+            .unwrap_err()
+            .0
+            .contains("exceeds"));
         let mut hello = [0u8; HELLO_LEN];
         hello[..4].copy_from_slice(b"GET ");
-        assert!(Hello::decode_fixed(&hello).unwrap_err().0.contains("not a rallypoint"));
+        assert!(Hello::decode_fixed(&hello)
+            .unwrap_err()
+            .0
+            .contains("not a rallypoint"));
     }
 
     #[test]

@@ -66,7 +66,12 @@ impl Default for Options {
 impl Options {
     fn layout_hash(&self) -> u64 {
         let mut h = std::collections::hash_map::DefaultHasher::new();
-        (self.segment_bytes, self.small_bytes, self.dissemination_max_ranks).hash(&mut h);
+        (
+            self.segment_bytes,
+            self.small_bytes,
+            self.dissemination_max_ranks,
+        )
+            .hash(&mut h);
         h.finish()
     }
 }
@@ -169,11 +174,18 @@ impl ProcessGroup {
     /// operation first needs them. Rank 0 publishes the group's generation (a
     /// random nonce); a prefix that already holds one is an error, so stale keys
     /// of an earlier group are never mistaken for this one's.
-    pub async fn new(store: Arc<dyn Store>, rank: usize, size: usize, opts: Options) -> Result<ProcessGroup> {
+    pub async fn new(
+        store: Arc<dyn Store>,
+        rank: usize,
+        size: usize,
+        opts: Options,
+    ) -> Result<ProcessGroup> {
         let name = opts.prefix.clone();
         let err = setup_err(name.clone());
         if size == 0 || rank >= size {
-            return Err(Error::Invalid(format!("rank {rank} is not in a group of {size}")));
+            return Err(Error::Invalid(format!(
+                "rank {rank} is not in a group of {size}"
+            )));
         }
         if opts.segment_bytes < 8 || opts.segment_bytes as u64 > MAX_PAYLOAD {
             return Err(Error::Invalid(format!(
@@ -181,7 +193,10 @@ impl ProcessGroup {
                 opts.segment_bytes
             )));
         }
-        let store: Arc<dyn Store> = Arc::new(PrefixStore::new(format!("rallypoint/collectives/{name}"), store));
+        let store: Arc<dyn Store> = Arc::new(PrefixStore::new(
+            format!("rallypoint/collectives/{name}"),
+            store,
+        ));
         let ip = opts.advertise.unwrap_or_else(default_ip);
         let listener = TcpListener::bind((ip, 0))
             .await
@@ -215,7 +230,8 @@ impl ProcessGroup {
             )
             .into_owned()
         };
-        let nonce = u64::from_str_radix(&nonce, 16).map_err(|_| err(format!("bad generation {nonce:?} in the store")))?;
+        let nonce = u64::from_str_radix(&nonce, 16)
+            .map_err(|_| err(format!("bad generation {nonce:?} in the store")))?;
         let me = addr.to_string();
         let key = format!("addr/{rank}");
         let now = store
@@ -269,7 +285,8 @@ impl ProcessGroup {
             ..Default::default()
         };
         let err = setup_err(opts.prefix.clone());
-        let mut rdzv = rallypoint_rendezvous::init::rendezvous(url, args).map_err(|e| err(e.to_string()))?;
+        let mut rdzv =
+            rallypoint_rendezvous::init::rendezvous(url, args).map_err(|e| err(e.to_string()))?;
         let r = rdzv.next().await.map_err(|e| err(e.to_string()))?;
         if let Ok(n) = std::env::var("TORCHELASTIC_RESTART_COUNT") {
             opts.prefix = format!("round{n}/{}", opts.prefix);
@@ -279,8 +296,7 @@ impl ProcessGroup {
                 .ok()
                 .filter(|u| u.scheme == "tcp")
                 .map(|u| host_of(&u.authority).to_owned());
-            if let Some(host) = from_url.or_else(|| std::env::var("MASTER_ADDR").ok())
-            {
+            if let Some(host) = from_url.or_else(|| std::env::var("MASTER_ADDR").ok()) {
                 opts.advertise = route_ip(&host);
             }
         }
@@ -380,7 +396,10 @@ impl ProcessGroup {
         let mut sorted = ranks.to_vec();
         sorted.sort_unstable();
         sorted.dedup();
-        if sorted.len() != ranks.len() || sorted.is_empty() || sorted.iter().any(|&r| r >= self.size()) {
+        if sorted.len() != ranks.len()
+            || sorted.is_empty()
+            || sorted.iter().any(|&r| r >= self.size())
+        {
             return Err(Error::Invalid(format!(
                 "new_group({ranks:?}): ranks must be distinct members of this group of {}",
                 self.size()
@@ -390,7 +409,11 @@ impl ProcessGroup {
             return Ok(None);
         };
         let nth = {
-            let mut s = self.comm.subgroups.lock().unwrap_or_else(|e| e.into_inner());
+            let mut s = self
+                .comm
+                .subgroups
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
             let c = s.entry(sorted.clone()).or_default();
             *c += 1;
             *c
@@ -483,7 +506,14 @@ impl ProcessGroup {
         Ok(r as u32)
     }
 
-    fn desc<T: Element>(&self, op: OpKind, reduce: Option<ReduceOp>, algo: Algo, root: u32, count: usize) -> Result<Desc> {
+    fn desc<T: Element>(
+        &self,
+        op: OpKind,
+        reduce: Option<ReduceOp>,
+        algo: Algo,
+        root: u32,
+        count: usize,
+    ) -> Result<Desc> {
         if let Some(r) = reduce {
             if !r.supports(T::DTYPE) {
                 return Err(Error::Invalid(format!(
@@ -509,7 +539,9 @@ impl ProcessGroup {
 
     fn expect_len(&self, what: &str, got: usize, want: usize) -> Result<()> {
         if got != want {
-            return Err(Error::Invalid(format!("{what} has {got} elements; expected {want}")));
+            return Err(Error::Invalid(format!(
+                "{what} has {got} elements; expected {want}"
+            )));
         }
         Ok(())
     }
@@ -530,13 +562,14 @@ impl ProcessGroup {
                 _ => algo::barrier_tree(&cx).await,
             }
         };
-        cx.finish(timeout_at(cx.deadline, fut).await)
+        cx.finish(timeout_at(cx.deadline, fut).await).await
     }
 
     /// Copies `root`'s buffer into every rank's.
     pub async fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
         let cx = self.begin_broadcast::<T>(buf.len(), root)?;
         cx.finish(timeout_at(cx.deadline, broadcast_impl(&cx, buf, root)).await)
+            .await
     }
 
     fn begin_broadcast<T: Element>(&self, len: usize, root: usize) -> Result<OpCtx> {
@@ -555,14 +588,17 @@ impl ProcessGroup {
     pub async fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
         let cx = self.begin_all_reduce::<T>(buf.len(), op)?;
         cx.finish(timeout_at(cx.deadline, all_reduce_impl(&cx, buf, op)).await)
+            .await
     }
 
     fn begin_all_reduce<T: Element>(&self, len: usize, op: ReduceOp) -> Result<OpCtx> {
-        let algo = self.all_reduce_algo.unwrap_or(if self.small(len * T::DTYPE.size()) {
-            Algo::RecursiveDoubling
-        } else {
-            Algo::Ring
-        });
+        let algo = self
+            .all_reduce_algo
+            .unwrap_or(if self.small(len * T::DTYPE.size()) {
+                Algo::RecursiveDoubling
+            } else {
+                Algo::Ring
+            });
         self.begin(self.desc::<T>(OpKind::AllReduce, Some(op), algo, 0, len)?)
     }
 
@@ -574,7 +610,8 @@ impl ProcessGroup {
         } else {
             Algo::Ring
         };
-        let cx = self.begin(self.desc::<T>(OpKind::Reduce, Some(op), algo, root32, buf.len())?)?;
+        let cx =
+            self.begin(self.desc::<T>(OpKind::Reduce, Some(op), algo, root32, buf.len())?)?;
         let fut = async {
             let mut scratch;
             let acc: &mut [T] = if cx.me() == root {
@@ -594,14 +631,16 @@ impl ProcessGroup {
                 _ => algo::ring_reduce(&cx, acc, op, root).await,
             }
         };
-        cx.finish(timeout_at(cx.deadline, fut).await)
+        cx.finish(timeout_at(cx.deadline, fut).await).await
     }
 
     /// Every rank's `input` (all the same length) into `out`, in rank order.
     pub async fn all_gather<T: Element>(&self, input: &[T], out: &mut [T]) -> Result<()> {
         self.expect_len("all_gather output", out.len(), input.len() * self.size())?;
-        let cx = self.begin(self.desc::<T>(OpKind::AllGather, None, Algo::Ring, 0, input.len())?)?;
+        let cx =
+            self.begin(self.desc::<T>(OpKind::AllGather, None, Algo::Ring, 0, input.len())?)?;
         cx.finish(timeout_at(cx.deadline, all_gather_impl(&cx, input, out)).await)
+            .await
     }
 
     /// Every rank's `input`, whatever its length, in rank order. Exchanges the
@@ -618,7 +657,14 @@ impl ProcessGroup {
         let cx = self.begin(self.desc::<T>(OpKind::AllGatherV, None, Algo::Ring, 0, at)?)?;
         let mut all = vec![T::from_i8(0); at];
         all[bounds[self.rank()].clone()].copy_from_slice(input);
-        cx.finish(timeout_at(cx.deadline, algo::ring_all_gather(&cx, &mut all, &bounds, 0)).await)?;
+        cx.finish(
+            timeout_at(
+                cx.deadline,
+                algo::ring_all_gather(&cx, &mut all, &bounds, 0),
+            )
+            .await,
+        )
+        .await?;
         Ok(bounds.into_iter().map(|b| all[b].to_vec()).collect())
     }
 
@@ -626,7 +672,8 @@ impl ProcessGroup {
     /// `None` on other ranks.
     pub async fn gather<T: Element>(&self, input: &[T], root: usize) -> Result<Option<Vec<T>>> {
         let root32 = self.check_rank("root", root)?;
-        let cx = self.begin(self.desc::<T>(OpKind::Gather, None, Algo::Direct, root32, input.len())?)?;
+        let cx =
+            self.begin(self.desc::<T>(OpKind::Gather, None, Algo::Direct, root32, input.len())?)?;
         let n = self.size();
         let k = input.len();
         let fut = async {
@@ -641,29 +688,48 @@ impl ProcessGroup {
                 Ok(None)
             }
         };
-        cx.finish(timeout_at(cx.deadline, fut).await)
+        cx.finish(timeout_at(cx.deadline, fut).await).await
     }
 
     /// Chunk `i` of `root`'s `input` (`size × out.len()` elements) to rank `i`'s
     /// `out`. Other ranks pass `None`.
-    pub async fn scatter<T: Element>(&self, input: Option<&[T]>, out: &mut [T], root: usize) -> Result<()> {
+    pub async fn scatter<T: Element>(
+        &self,
+        input: Option<&[T]>,
+        out: &mut [T],
+        root: usize,
+    ) -> Result<()> {
         let root32 = self.check_rank("root", root)?;
         let input = if self.rank() == root {
-            let i = input.ok_or_else(|| Error::Invalid("scatter: the root must pass its input".into()))?;
+            let i = input
+                .ok_or_else(|| Error::Invalid("scatter: the root must pass its input".into()))?;
             self.expect_len("scatter input", i.len(), out.len() * self.size())?;
             i
         } else {
             &[]
         };
-        let cx = self.begin(self.desc::<T>(OpKind::Scatter, None, Algo::Direct, root32, out.len())?)?;
+        let cx =
+            self.begin(self.desc::<T>(OpKind::Scatter, None, Algo::Direct, root32, out.len())?)?;
         cx.finish(timeout_at(cx.deadline, algo::scatter_direct(&cx, input, out, root)).await)
+            .await
     }
 
     /// Reduces every rank's `input` (`size × out.len()` elements) with `op` and
     /// gives rank `i` chunk `i` of the result.
-    pub async fn reduce_scatter<T: Element>(&self, input: &[T], out: &mut [T], op: ReduceOp) -> Result<()> {
+    pub async fn reduce_scatter<T: Element>(
+        &self,
+        input: &[T],
+        out: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
         self.expect_len("reduce_scatter input", input.len(), out.len() * self.size())?;
-        let cx = self.begin(self.desc::<T>(OpKind::ReduceScatter, Some(op), Algo::Ring, 0, out.len())?)?;
+        let cx = self.begin(self.desc::<T>(
+            OpKind::ReduceScatter,
+            Some(op),
+            Algo::Ring,
+            0,
+            out.len(),
+        )?)?;
         let fut = async {
             let mut acc = input.to_vec();
             let bounds = algo::equal_bounds(out.len(), cx.n());
@@ -675,7 +741,7 @@ impl ProcessGroup {
             out.copy_from_slice(mine);
             Ok(())
         };
-        cx.finish(timeout_at(cx.deadline, fut).await)
+        cx.finish(timeout_at(cx.deadline, fut).await).await
     }
 
     /// Chunk `j` of rank `i`'s `input` becomes chunk `i` of rank `j`'s `out`
@@ -689,8 +755,15 @@ impl ProcessGroup {
                 input.len()
             )));
         }
-        let cx = self.begin(self.desc::<T>(OpKind::AllToAll, None, Algo::Direct, 0, input.len() / n)?)?;
+        let cx = self.begin(self.desc::<T>(
+            OpKind::AllToAll,
+            None,
+            Algo::Direct,
+            0,
+            input.len() / n,
+        )?)?;
         cx.finish(timeout_at(cx.deadline, algo::all_to_all_pairwise(&cx, input, out)).await)
+            .await
     }
 
     /// Sends `data` to rank `dst` under `tag`; the matching [`ProcessGroup::recv`]
@@ -698,6 +771,7 @@ impl ProcessGroup {
     pub async fn send<T: Element>(&self, data: &[T], dst: usize, tag: u32) -> Result<()> {
         let cx = self.begin_send::<T>(data.len(), dst, tag)?;
         cx.finish(timeout_at(cx.deadline, algo::send_message(&cx, dst, data)).await)
+            .await
     }
 
     fn begin_send<T: Element>(&self, len: usize, dst: usize, tag: u32) -> Result<OpCtx> {
@@ -705,13 +779,18 @@ impl ProcessGroup {
         if dst == self.rank() {
             return Err(Error::Invalid("send to self".into()));
         }
-        self.begin_p2p(self.desc::<T>(OpKind::Send, None, Algo::Direct, tag, len)?, dst, false)
+        self.begin_p2p(
+            self.desc::<T>(OpKind::Send, None, Algo::Direct, tag, len)?,
+            dst,
+            false,
+        )
     }
 
     /// Receives the next message from `src` under `tag` into `out`.
     pub async fn recv<T: Element>(&self, out: &mut [T], src: usize, tag: u32) -> Result<()> {
         let cx = self.begin_recv::<T>(out.len(), src, tag)?;
         cx.finish(timeout_at(cx.deadline, algo::recv_message(&cx, src, out)).await)
+            .await
     }
 
     fn begin_recv<T: Element>(&self, len: usize, src: usize, tag: u32) -> Result<OpCtx> {
@@ -719,13 +798,20 @@ impl ProcessGroup {
         if src == self.rank() {
             return Err(Error::Invalid("recv from self".into()));
         }
-        self.begin_p2p(self.desc::<T>(OpKind::Send, None, Algo::Direct, tag, len)?, src, true)
+        self.begin_p2p(
+            self.desc::<T>(OpKind::Send, None, Algo::Direct, tag, len)?,
+            src,
+            true,
+        )
     }
 
     // ---- objects ---------------------------------------------------------------
 
     /// Every rank's object, in rank order (serialised with postcard).
-    pub async fn all_gather_object<S: Serialize + DeserializeOwned>(&self, obj: &S) -> Result<Vec<S>> {
+    pub async fn all_gather_object<S: Serialize + DeserializeOwned>(
+        &self,
+        obj: &S,
+    ) -> Result<Vec<S>> {
         let bytes = postcard::to_allocvec(obj).map_err(|e| Error::Codec(e.to_string()))?;
         self.all_gather_varying(&bytes)
             .await?
@@ -735,10 +821,18 @@ impl ProcessGroup {
     }
 
     /// `root`'s object on every rank; the root passes `Some`, others `None`.
-    pub async fn broadcast_object<S: Serialize + DeserializeOwned>(&self, obj: Option<&S>, root: usize) -> Result<S> {
+    pub async fn broadcast_object<S: Serialize + DeserializeOwned>(
+        &self,
+        obj: Option<&S>,
+        root: usize,
+    ) -> Result<S> {
         let mut bytes = match (self.rank() == root, obj) {
             (true, Some(o)) => postcard::to_allocvec(o).map_err(|e| Error::Codec(e.to_string()))?,
-            (true, None) => return Err(Error::Invalid("broadcast_object: the root must pass its object".into())),
+            (true, None) => {
+                return Err(Error::Invalid(
+                    "broadcast_object: the root must pass its object".into(),
+                ))
+            }
             (false, _) => Vec::new(),
         };
         let mut len = [bytes.len() as u64];
@@ -754,9 +848,10 @@ impl ProcessGroup {
     /// taken now, so operations started in order run in order.
     pub fn all_reduce_async<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
         let cx = self.begin_all_reduce::<T>(buf.len(), op);
-        Work::spawn(async move {
+        Work::spawn(&self.comm.sh().rt, async move {
             let cx = cx?;
-            cx.finish(timeout_at(cx.deadline, all_reduce_impl(&cx, &mut buf, op)).await)?;
+            cx.finish(timeout_at(cx.deadline, all_reduce_impl(&cx, &mut buf, op)).await)
+                .await?;
             Ok(buf)
         })
     }
@@ -764,9 +859,10 @@ impl ProcessGroup {
     /// Starts a broadcast; see [`ProcessGroup::all_reduce_async`].
     pub fn broadcast_async<T: Element>(&self, mut buf: Vec<T>, root: usize) -> Work<Vec<T>> {
         let cx = self.begin_broadcast::<T>(buf.len(), root);
-        Work::spawn(async move {
+        Work::spawn(&self.comm.sh().rt, async move {
             let cx = cx?;
-            cx.finish(timeout_at(cx.deadline, broadcast_impl(&cx, &mut buf, root)).await)?;
+            cx.finish(timeout_at(cx.deadline, broadcast_impl(&cx, &mut buf, root)).await)
+                .await?;
             Ok(buf)
         })
     }
@@ -777,13 +873,14 @@ impl ProcessGroup {
         let cx = self.begin(
             match self.desc::<T>(OpKind::AllGather, None, Algo::Ring, 0, input.len()) {
                 Ok(d) => d,
-                Err(e) => return Work::spawn(async move { Err(e) }),
+                Err(e) => return Work::spawn(&self.comm.sh().rt, async move { Err(e) }),
             },
         );
-        Work::spawn(async move {
+        Work::spawn(&self.comm.sh().rt, async move {
             let cx = cx?;
             let mut out = vec![T::from_i8(0); input.len() * n];
-            cx.finish(timeout_at(cx.deadline, all_gather_impl(&cx, &input, &mut out)).await)?;
+            cx.finish(timeout_at(cx.deadline, all_gather_impl(&cx, &input, &mut out)).await)
+                .await?;
             Ok(out)
         })
     }
@@ -791,19 +888,21 @@ impl ProcessGroup {
     /// Starts a send; see [`ProcessGroup::all_reduce_async`].
     pub fn send_async<T: Element>(&self, data: Vec<T>, dst: usize, tag: u32) -> Work<()> {
         let cx = self.begin_send::<T>(data.len(), dst, tag);
-        Work::spawn(async move {
+        Work::spawn(&self.comm.sh().rt, async move {
             let cx = cx?;
             cx.finish(timeout_at(cx.deadline, algo::send_message(&cx, dst, &data)).await)
+                .await
         })
     }
 
     /// Starts a receive of `len` elements; see [`ProcessGroup::all_reduce_async`].
     pub fn recv_async<T: Element>(&self, len: usize, src: usize, tag: u32) -> Work<Vec<T>> {
         let cx = self.begin_recv::<T>(len, src, tag);
-        Work::spawn(async move {
+        Work::spawn(&self.comm.sh().rt, async move {
             let cx = cx?;
             let mut out = vec![T::from_i8(0); len];
-            cx.finish(timeout_at(cx.deadline, algo::recv_message(&cx, src, &mut out)).await)?;
+            cx.finish(timeout_at(cx.deadline, algo::recv_message(&cx, src, &mut out)).await)
+                .await?;
             Ok(out)
         })
     }
@@ -836,9 +935,12 @@ pub struct Work<T> {
 }
 
 impl<T: Send + 'static> Work<T> {
-    fn spawn(f: impl std::future::Future<Output = Result<T>> + Send + 'static) -> Work<T> {
+    fn spawn(
+        rt: &tokio::runtime::Handle,
+        f: impl std::future::Future<Output = Result<T>> + Send + 'static,
+    ) -> Work<T> {
         Work {
-            handle: tokio::spawn(f),
+            handle: rt.spawn(f),
         }
     }
 
@@ -885,7 +987,10 @@ impl OpCtx {
     }
 
     pub(crate) fn check_steps(&self, phases: usize, stride: usize) -> Result<()> {
-        if phases.checked_mul(stride).is_none_or(|s| s > u32::MAX as usize) {
+        if phases
+            .checked_mul(stride)
+            .is_none_or(|s| s > u32::MAX as usize)
+        {
             return Err(Error::Invalid(format!(
                 "{}: {phases} phases of {stride} segments do not fit in a frame's step field; use a larger segment size",
                 self.desc
@@ -970,7 +1075,12 @@ impl OpCtx {
             seq: self.seq,
             step,
         };
-        let f = self.comm.sh().recv(key, self.deadline).await.map_err(|f| self.error(f))?;
+        let f = self
+            .comm
+            .sh()
+            .recv(key, self.deadline)
+            .await
+            .map_err(|f| self.error(f))?;
         if self.p2p && (f.desc.dtype != dtype || f.desc.count != self.desc.count) {
             return Err(Error::Mismatch {
                 group: self.comm.members.name.clone(),
@@ -986,26 +1096,47 @@ impl OpCtx {
             return Err(Error::Protocol {
                 group: self.comm.members.name.clone(),
                 rank: from,
-                reason: format!("sent {} bytes for step {step} of {}; expected {want}", f.buf.len(), self.name()),
+                reason: format!(
+                    "sent {} bytes for step {step} of {}; expected {want}",
+                    f.buf.len(),
+                    self.name()
+                ),
             });
         }
         Ok(f.buf)
     }
 
-    pub(crate) async fn recv_copy<T: Element>(&self, from: usize, step: u32, out: &mut [T]) -> Result<()> {
+    pub(crate) async fn recv_copy<T: Element>(
+        &self,
+        from: usize,
+        step: u32,
+        out: &mut [T],
+    ) -> Result<()> {
         let b = self.recv(from, step, out.len(), T::DTYPE).await?;
         bytes_of_mut(out).copy_from_slice(b.bytes());
         Ok(())
     }
 
-    pub(crate) async fn recv_reduce<T: Element>(&self, from: usize, step: u32, out: &mut [T], op: ReduceOp) -> Result<()> {
+    pub(crate) async fn recv_reduce<T: Element>(
+        &self,
+        from: usize,
+        step: u32,
+        out: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
         let b = self.recv(from, step, out.len(), T::DTYPE).await?;
         T::reduce(op, out, b.typed());
         Ok(())
     }
 
-    /// Ends the operation with the algorithm's result (or its deadline).
-    pub(crate) fn finish<R>(&self, r: Result<Result<R>, tokio::time::error::Elapsed>) -> Result<R> {
+    /// Ends the operation with the algorithm's result (or its deadline). A
+    /// failure aborts the group and returns once the other members have been
+    /// told (bounded), so a rank that exits on the error does not leave them to
+    /// find only that it, too, is gone.
+    pub(crate) async fn finish<R>(
+        &self,
+        r: Result<Result<R>, tokio::time::error::Elapsed>,
+    ) -> Result<R> {
         match r {
             Ok(Ok(v)) => {
                 self.done.store(true, Ordering::Relaxed);
@@ -1014,22 +1145,36 @@ impl OpCtx {
                 }
                 Ok(v)
             }
-            Ok(Err(e)) => Err(self.fail(e)),
-            Err(_) => Err(self.fail(self.timeout_error())),
+            Ok(Err(e)) => Err(self.fail_told(e).await),
+            Err(_) => Err(self.fail_told(self.timeout_error()).await),
         }
     }
 
-    /// Aborts the group with `e` (unless `e` is the abort) and returns it.
-    fn fail(&self, e: Error) -> Error {
-        self.done.store(true, Ordering::Relaxed);
-        if !e.is_aborted() {
-            let reason = Error::Aborted {
-                group: self.comm.members.name.clone(),
-                reason: e.to_string().into(),
-            };
-            self.comm.sh().abort(self.comm.id, reason, true);
+    async fn fail_told(&self, e: Error) -> Error {
+        let (e, telling) = self.fail_and_tell(e);
+        if let Some(t) = telling {
+            let _ = t.await;
         }
         e
+    }
+
+    /// Aborts the group with `e` (unless `e` is the abort) and returns it; the
+    /// other members are told in the background.
+    fn fail(&self, e: Error) -> Error {
+        self.fail_and_tell(e).0
+    }
+
+    fn fail_and_tell(&self, e: Error) -> (Error, Option<tokio::task::JoinHandle<()>>) {
+        self.done.store(true, Ordering::Relaxed);
+        if e.is_aborted() {
+            return (e, None);
+        }
+        let reason = Error::Aborted {
+            group: self.comm.members.name.clone(),
+            reason: e.to_string().into(),
+        };
+        let telling = self.comm.sh().abort(self.comm.id, reason, true);
+        (e, telling)
     }
 }
 

@@ -55,6 +55,12 @@
 //! someone else learn within a round trip. After an error every operation on the
 //! group fails immediately with the first error's text; a new group can be formed
 //! on the same store under a new prefix ([`Options::prefix`]).
+//!
+//! A failing operation returns only after the abort has been written to every
+//! member. A process that exits at once after that, with data from a peer still
+//! unread, makes its kernel reset the connection, and a reset can destroy the
+//! abort message still queued at that peer: the peer then reports the exited rank
+//! as gone rather than the root cause. Reporting the error before exiting avoids it.
 
 mod algorithms;
 pub mod blocking;
@@ -66,10 +72,14 @@ mod transport;
 
 pub use element::{DType, Element, ReduceOp};
 pub use error::{Error, Result};
-pub use group::{AllReduceAlgorithm, BroadcastAlgorithm, Options, ProcessGroup, Work, DEFAULT_TIMEOUT};
+pub use group::{
+    AllReduceAlgorithm, BroadcastAlgorithm, Options, ProcessGroup, Work, DEFAULT_TIMEOUT,
+};
 pub use half::{bf16, f16};
 
 /// The wire format, public for fuzzing and for tools that inspect traffic.
 pub mod wire {
-    pub use crate::frame::{Algo, BadFrame, Desc, Header, Hello, OpKind, HEADER_LEN, HELLO_LEN, MAX_PAYLOAD, MAX_REASON};
+    pub use crate::frame::{
+        Algo, BadFrame, Desc, Header, Hello, OpKind, HEADER_LEN, HELLO_LEN, MAX_PAYLOAD, MAX_REASON,
+    };
 }

@@ -154,6 +154,9 @@ pub(crate) struct Shared {
     handshaking: AtomicUsize,
     handshakes_done: tokio::sync::Notify,
     cancel: CancellationToken,
+    /// The runtime the group was formed on: its tasks (readers, aborts, `Work`)
+    /// run there even when an operation is started from plain blocking code.
+    pub rt: tokio::runtime::Handle,
 }
 
 /// The owner's handle: dropping it stops the listener and every reader and closes
@@ -174,7 +177,11 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl Transport {
     /// Starts listening on `listener`; `store` is the group's (prefixed) store.
-    pub fn start(cfg: Config, store: Arc<dyn Store>, listener: TcpListener) -> std::io::Result<Transport> {
+    pub fn start(
+        cfg: Config,
+        store: Arc<dyn Store>,
+        listener: TcpListener,
+    ) -> std::io::Result<Transport> {
         let local_addr = listener.local_addr()?;
         let shared = Arc::new(Shared {
             pool: Pool::new(cfg.segment_bytes),
@@ -190,9 +197,10 @@ impl Transport {
             next_conn: AtomicU64::new(0),
             handshaking: AtomicUsize::new(0),
             handshakes_done: tokio::sync::Notify::new(),
+            rt: tokio::runtime::Handle::current(),
             cancel: CancellationToken::new(),
         });
-        tokio::spawn(accept_loop(shared.clone(), listener));
+        shared.rt.spawn(accept_loop(shared.clone(), listener));
         Ok(Transport { shared })
     }
 }
@@ -217,7 +225,9 @@ impl Shared {
 
     /// Whether any connection with `peer` exists.
     pub fn connected(&self, peer: usize) -> bool {
-        lock(&self.peers).get(&peer).is_some_and(|p| !p.conns.is_empty())
+        lock(&self.peers)
+            .get(&peer)
+            .is_some_and(|p| !p.conns.is_empty())
     }
 
     /// Records the local descriptor of collective `seq`; a mismatch with what a
@@ -282,7 +292,7 @@ impl Shared {
                         // No connection to see the peer die on: open one. A dead
                         // peer refuses it, which marks it gone and wakes us.
                         let me = self.clone();
-                        tokio::spawn(async move {
+                        self.rt.spawn(async move {
                             let _ = me.conn(src, 0, deadline).await;
                         });
                     }
@@ -330,12 +340,19 @@ impl Shared {
     }
 
     /// A connection to `dst`, opened if there is none.
-    async fn conn(self: &Arc<Self>, dst: usize, pick: usize, deadline: Instant) -> Result<Arc<Conn>, Fail> {
+    async fn conn(
+        self: &Arc<Self>,
+        dst: usize,
+        pick: usize,
+        deadline: Instant,
+    ) -> Result<Arc<Conn>, Fail> {
         if let Some(c) = self.pick_conn(dst, pick) {
             return Ok(c);
         }
         let gate = lock(&self.connecting).entry(dst).or_default().clone();
-        let _g = timeout_at(deadline, gate.lock()).await.map_err(|_| Fail::Timeout)?;
+        let _g = timeout_at(deadline, gate.lock())
+            .await
+            .map_err(|_| Fail::Timeout)?;
         if let Some(c) = self.pick_conn(dst, pick) {
             return Ok(c);
         }
@@ -443,7 +460,7 @@ impl Shared {
             writer: tokio::sync::Mutex::new(wr),
         });
         lock(&self.peers).entry(peer).or_default().conns.push(conn);
-        tokio::spawn(read_loop(self.clone(), peer, id, rd));
+        self.rt.spawn(read_loop(self.clone(), peer, id, rd));
     }
 
     /// Marks `peer` gone and fails everything waiting on it.
@@ -471,11 +488,18 @@ impl Shared {
 
     /// Aborts group `comm` with `err` (the first abort wins): fails its waiters,
     /// drops its mailbox and, if `tell`, sends the reason to every other member.
-    pub fn abort(self: &Arc<Self>, comm: u64, err: Error, tell: bool) {
+    /// Returns the sending task, for a caller that must not return (and perhaps
+    /// exit) before the others have been told.
+    pub fn abort(
+        self: &Arc<Self>,
+        comm: u64,
+        err: Error,
+        tell: bool,
+    ) -> Option<tokio::task::JoinHandle<()>> {
         {
             let mut r = lock(&self.router);
             if r.aborted.contains_key(&comm) {
-                return;
+                return None;
             }
             r.aborted.insert(comm, err.clone());
             let keys: Vec<Key> = r.slots.keys().filter(|k| k.comm == comm).copied().collect();
@@ -487,22 +511,18 @@ impl Shared {
             r.checks.retain(|(c, _), _| *c != comm);
         }
         if !tell {
-            return;
+            return None;
         }
-        let Some(members) = self.members(comm) else {
-            return;
-        };
+        let members = self.members(comm)?;
         // Send the reason alone: the receiver wraps it in its own `Aborted`.
         let reason = match &err {
             Error::Aborted { reason, .. } => reason.to_string(),
             e => e.to_string(),
         };
         let me = self.clone();
-        // Aborts also run from destructors, possibly as a runtime shuts down.
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        rt.spawn(async move {
+        // Aborts also run from destructors, possibly as the runtime shuts down;
+        // spawning then is a no-op.
+        Some(self.rt.spawn(async move {
             let deadline = Instant::now() + ABORT_DEADLINE;
             let mut tasks = tokio::task::JoinSet::new();
             for &m in members.ranks.iter().filter(|&&m| m != me.cfg.rank) {
@@ -517,7 +537,7 @@ impl Shared {
                 });
             }
             while tasks.join_next().await.is_some() {}
-        });
+        }))
     }
 
     /// Hands a data frame to its waiter or the mailbox, checking it against the
@@ -574,7 +594,9 @@ impl Shared {
         }
         if let Some((other, theirs)) = mismatch {
             let m = self.members(comm);
-            let name = m.as_ref().map_or_else(|| self.cfg.name.clone(), |m| m.name.clone());
+            let name = m
+                .as_ref()
+                .map_or_else(|| self.cfg.name.clone(), |m| m.name.clone());
             let grank = |w: usize| m.as_ref().map_or(w, |m| m.group_rank(w));
             let (rank_a, desc_a) = match other {
                 None => (grank(self.cfg.rank), theirs),
@@ -725,7 +747,7 @@ async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
         match accepted {
             Ok((s, from)) => {
                 let shared = shared.clone();
-                tokio::spawn(async move {
+                shared.rt.clone().spawn(async move {
                     let cancel = shared.cancel.clone();
                     tokio::select! {
                         _ = accept_one(shared, s, from) => {}
@@ -809,7 +831,10 @@ fn check_hello(cfg: &Config, h: &Hello) -> Result<(), String> {
         ));
     }
     if h.dst as usize != cfg.rank {
-        return Err(format!("it is addressed to rank {}; this is rank {}", h.dst, cfg.rank));
+        return Err(format!(
+            "it is addressed to rank {}; this is rank {}",
+            h.dst, cfg.rank
+        ));
     }
     if h.src as usize >= cfg.world || h.src as usize == cfg.rank {
         return Err(format!("it claims to be rank {}", h.src));

@@ -682,5 +682,7 @@ fn the_status_endpoint_reports_round_workers_and_metrics() {
 
 #[path = "run/agent_failures.rs"]
 mod agent_failures;
+#[path = "run/collectives.rs"]
+mod collectives;
 #[path = "run/dropin.rs"]
 mod dropin;

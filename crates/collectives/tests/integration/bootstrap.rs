@@ -11,14 +11,21 @@ use crate::harness::{each, opts};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn from_a_tcp_store_server() {
-    let server = Server::bind("127.0.0.1:0".parse().unwrap(), Default::default()).await.unwrap();
+    let server = Server::bind("127.0.0.1:0".parse().unwrap(), Default::default())
+        .await
+        .unwrap();
     let port = server.local_addr().port();
     let _h = server.spawn();
     let n = 4;
     let tasks: Vec<_> = (0..n)
         .map(|r| {
             tokio::spawn(async move {
-                let store: Arc<dyn Store> = Arc::new(TcpStore::builder("127.0.0.1", port).connect().await.unwrap());
+                let store: Arc<dyn Store> = Arc::new(
+                    TcpStore::builder("127.0.0.1", port)
+                        .connect()
+                        .await
+                        .unwrap(),
+                );
                 ProcessGroup::new(store, r, n, opts()).await.unwrap()
             })
         })
@@ -55,7 +62,11 @@ async fn through_tcp_and_file_urls() {
     for t in tasks {
         pgs.push(t.await.unwrap().unwrap());
     }
-    let got = each(&pgs, |pg| async move { pg.all_gather_object(&pg.rank()).await }).await;
+    let got = each(
+        &pgs,
+        |pg| async move { pg.all_gather_object(&pg.rank()).await },
+    )
+    .await;
     for g in got {
         assert_eq!(g.unwrap(), vec![0, 1, 2]);
     }
@@ -94,8 +105,14 @@ fn blocking_groups_in_plain_threads() {
                 g.all_reduce(&mut x, ReduceOp::Max).unwrap();
                 g.barrier().unwrap();
                 let mut y = [0u8; 3];
-                g.run(|pg| pg.scatter((r == 1).then_some(&[1u8, 2, 3, 4, 5, 6, 7, 8, 9][..]), &mut y, 1))
-                    .unwrap();
+                g.run(|pg| {
+                    pg.scatter(
+                        (r == 1).then_some(&[1u8, 2, 3, 4, 5, 6, 7, 8, 9][..]),
+                        &mut y,
+                        1,
+                    )
+                })
+                .unwrap();
                 (x, y)
             })
         })

@@ -17,7 +17,9 @@ async fn with_victim(
     n: usize,
     victim: usize,
     o: Options,
-    victim_work: impl FnOnce(ProcessGroup) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> + Send + 'static,
+    victim_work: impl FnOnce(ProcessGroup) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>
+        + Send
+        + 'static,
 ) -> (Vec<ProcessGroup>, tokio::runtime::Runtime) {
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
     let vrt = tokio::runtime::Builder::new_multi_thread()
@@ -87,9 +89,18 @@ async fn a_rank_killed_mid_all_reduce_fails_every_survivor_naming_it() {
     for s in survivors {
         let (done, e, at) = s.await.unwrap();
         assert!(done > 0, "no all_reduce finished before the kill");
-        assert!(names_rank(&e, victim), "the error must name rank {victim}: {e}");
-        assert!(e.to_string().contains("all_reduce"), "the error must name the op: {e}");
-        assert!(!matches!(e, Error::Timeout { .. }), "noticed by the timeout, not the death: {e}");
+        assert!(
+            names_rank(&e, victim),
+            "the error must name rank {victim}: {e}"
+        );
+        assert!(
+            e.to_string().contains("all_reduce"),
+            "the error must name the op: {e}"
+        );
+        assert!(
+            !matches!(e, Error::Timeout { .. }),
+            "noticed by the timeout, not the death: {e}"
+        );
         eprintln!("survivor noticed after {:?}: {e}", at - killed);
     }
 }
@@ -113,7 +124,10 @@ async fn a_rank_dead_before_its_first_op_is_noticed_without_the_timeout() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rank_that_leaves_after_its_part_harms_no_one() {
     let pgs = group(3, opts()).await;
-    let subs: Vec<_> = pgs.iter().map(|pg| pg.new_group(&[0, 1]).unwrap()).collect();
+    let subs: Vec<_> = pgs
+        .iter()
+        .map(|pg| pg.new_group(&[0, 1]).unwrap())
+        .collect();
     let got = each(&pgs, |pg| async move { pg.barrier().await }).await;
     assert!(got.iter().all(|r| r.is_ok()));
     let mut pgs = pgs;
@@ -125,7 +139,11 @@ async fn a_rank_that_leaves_after_its_part_harms_no_one() {
     })
     .await;
     for g in got {
-        assert_eq!(g.unwrap(), [1], "ops not involving the departed rank still work");
+        assert_eq!(
+            g.unwrap(),
+            [1],
+            "ops not involving the departed rank still work"
+        );
     }
     let got = each(&pgs, |pg| async move { pg.barrier().await }).await;
     for e in got {
@@ -134,7 +152,12 @@ async fn a_rank_that_leaves_after_its_part_harms_no_one() {
     }
 }
 
-async fn mismatch(pgs: &[ProcessGroup], calls: Vec<fn(ProcessGroup) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), Error>> + Send>>>) -> Vec<Error> {
+/// One rank's side of a mismatch scenario.
+type Call = fn(
+    ProcessGroup,
+) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), Error>> + Send>>;
+
+async fn mismatch(pgs: &[ProcessGroup], calls: Vec<Call>) -> Vec<Error> {
     let tasks: Vec<_> = pgs
         .iter()
         .zip(calls)
@@ -150,7 +173,11 @@ async fn mismatch(pgs: &[ProcessGroup], calls: Vec<fn(ProcessGroup) -> std::pin:
         .collect();
     let mut out = Vec::new();
     for t in tasks {
-        out.push(t.await.unwrap().expect_err("a mismatch must fail every rank"));
+        out.push(
+            t.await
+                .unwrap()
+                .expect_err("a mismatch must fail every rank"),
+        );
     }
     out
 }
@@ -171,7 +198,10 @@ async fn mismatched_collectives_name_both_sides() {
     for e in errs {
         let s = e.to_string();
         assert!(s.contains("mismatched collectives"), "{s}");
-        assert!(s.contains("all_reduce(f32 x 10, SUM") && s.contains("all_reduce(f32 x 20, SUM"), "{s}");
+        assert!(
+            s.contains("all_reduce(f32 x 10, SUM") && s.contains("all_reduce(f32 x 20, SUM"),
+            "{s}"
+        );
         assert!(s.contains("rank 2 called"), "{s}");
     }
 
@@ -187,7 +217,10 @@ async fn mismatched_collectives_name_both_sides() {
     .await;
     for e in errs {
         let s = e.to_string();
-        assert!(s.contains("broadcast(u8 x 4, root 0") && s.contains("all_reduce(u8 x 4, MAX"), "{s}");
+        assert!(
+            s.contains("broadcast(u8 x 4, root 0") && s.contains("all_reduce(u8 x 4, MAX"),
+            "{s}"
+        );
     }
 
     // Different roots, and different types.
@@ -232,7 +265,10 @@ async fn mismatched_messages_name_both_sides() {
     })
     .await;
     let e = got[1].as_ref().unwrap_err().to_string();
-    assert!(e.contains("sent send/recv(u16 x 3, tag 5") && e.contains("expected send/recv(u16 x 2"), "{e}");
+    assert!(
+        e.contains("sent send/recv(u16 x 3, tag 5") && e.contains("expected send/recv(u16 x 2"),
+        "{e}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -244,8 +280,14 @@ async fn a_timeout_names_who_never_came_and_later_ops_fail_at_once() {
     let pgs = group(3, o).await;
     // Rank 2 never calls the barrier.
     let got = each(&pgs[..2], |pg| async move { pg.barrier().await }).await;
-    let all: String = got.iter().map(|r| r.as_ref().unwrap_err().to_string() + "\n").collect();
-    assert!(all.contains("timed out after 500ms waiting for rank 2"), "{all}");
+    let all: String = got
+        .iter()
+        .map(|r| r.as_ref().unwrap_err().to_string() + "\n")
+        .collect();
+    assert!(
+        all.contains("timed out after 500ms waiting for rank 2"),
+        "{all}"
+    );
     // Every rank's group is now aborted, rank 2's included (it was told).
     for pg in &pgs {
         let e = pg.barrier().await.unwrap_err();
@@ -259,7 +301,11 @@ async fn a_timeout_names_who_never_came_and_later_ops_fail_at_once() {
         .all_reduce(&mut [1u8], ReduceOp::Sum)
         .await
         .unwrap_err();
-    assert!(e.to_string().contains("timed out after 200ms waiting for rank 1"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("timed out after 200ms waiting for rank 1"),
+        "{e}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -279,7 +325,10 @@ async fn after_an_abort_a_new_group_forms_under_a_new_prefix() {
         assert!(pg.barrier().await.unwrap_err().is_aborted());
     }
     // Same prefix: refused, not silently mixed with the old group's keys.
-    let e = ProcessGroup::new(store.clone(), 0, 3, opts()).await.err().unwrap();
+    let e = ProcessGroup::new(store.clone(), 0, 3, opts())
+        .await
+        .err()
+        .unwrap();
     assert!(e.to_string().contains("already holds a group"), "{e}");
     let again = group_on(
         store,
@@ -307,7 +356,11 @@ async fn a_cancelled_op_aborts_the_group_instead_of_hanging_it() {
     let t = tokio::spawn(async move {
         let mut buf = [0u8; 8];
         // Rank 1 never joins; cancel rank 0's op after a moment.
-        let _ = tokio::time::timeout(Duration::from_millis(100), slow.all_reduce(&mut buf, ReduceOp::Sum)).await;
+        let _ = tokio::time::timeout(
+            Duration::from_millis(100),
+            slow.all_reduce(&mut buf, ReduceOp::Sum),
+        )
+        .await;
     });
     t.await.unwrap();
     // Rank 0 told rank 1; the message is on its way (its data, sent before the
@@ -319,7 +372,10 @@ async fn a_cancelled_op_aborts_the_group_instead_of_hanging_it() {
         }
     };
     assert!(e.to_string().contains("rank 0 dropped all_reduce"), "{e}");
-    let e = pgs[1].all_reduce(&mut [0u8; 8], ReduceOp::Sum).await.unwrap_err();
+    let e = pgs[1]
+        .all_reduce(&mut [0u8; 8], ReduceOp::Sum)
+        .await
+        .unwrap_err();
     assert!(e.is_aborted(), "{e}");
 }
 
@@ -329,7 +385,9 @@ async fn strangers_on_the_listening_port_are_refused_without_harm() {
     let target = pgs[0].local_addr();
     // Garbage.
     let mut s = tokio::net::TcpStream::connect(target).await.unwrap();
-    s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n0123456789ABCDEF").await.unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n0123456789ABCDEF")
+        .await
+        .unwrap();
     let mut reply = Vec::new();
     let _ = s.read_to_end(&mut reply).await;
     assert_eq!(reply.first(), Some(&1), "refused with a reason");
@@ -347,7 +405,11 @@ async fn strangers_on_the_listening_port_are_refused_without_harm() {
     s.write_all(&hello.encode()).await.unwrap();
     let mut reply = Vec::new();
     let _ = s.read_to_end(&mut reply).await;
-    assert!(String::from_utf8_lossy(&reply).contains("another instance"), "{:?}", String::from_utf8_lossy(&reply));
+    assert!(
+        String::from_utf8_lossy(&reply).contains("another instance"),
+        "{:?}",
+        String::from_utf8_lossy(&reply)
+    );
     // One that connects and says nothing, held open through the ops below.
     let _silent = tokio::net::TcpStream::connect(target).await.unwrap();
     // Half a hello, then silence.

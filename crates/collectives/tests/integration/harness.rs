@@ -49,6 +49,7 @@ where
 /// Deterministic small values in -2..=2 (exact in every float type, so the
 /// order of reduction cannot change a result).
 pub fn data<T: Element>(seed: u64, rank: usize, len: usize) -> Vec<T> {
-    let mut rng = fastrand::Rng::with_seed(seed ^ (rank as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    let mut rng =
+        fastrand::Rng::with_seed(seed ^ (rank as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
     (0..len).map(|_| T::from_i8(rng.i8(-2..=2))).collect()
 }

@@ -24,7 +24,10 @@ async fn check_type<T: Element>(pgs: &[ProcessGroup], len: usize, seed: u64) {
     let n = pgs.len();
     let ctx = |what: &str| format!("{what} {} n={n} len={len}", T::DTYPE);
     let inputs: Vec<Vec<T>> = (0..n).map(|r| data(seed, r, len)).collect();
-    let ops: Vec<ReduceOp> = ReduceOp::ALL.into_iter().filter(|o| o.supports(T::DTYPE)).collect();
+    let ops: Vec<ReduceOp> = ReduceOp::ALL
+        .into_iter()
+        .filter(|o| o.supports(T::DTYPE))
+        .collect();
 
     for &op in &ops {
         let want = reference(&inputs, op);
@@ -46,7 +49,12 @@ async fn check_type<T: Element>(pgs: &[ProcessGroup], len: usize, seed: u64) {
             })
             .await;
             for (r, g) in got.into_iter().enumerate() {
-                assert_eq!(g.unwrap(), want, "{} all_reduce {op} {algo:?} rank {r}", ctx(""));
+                assert_eq!(
+                    g.unwrap(),
+                    want,
+                    "{} all_reduce {op} {algo:?} rank {r}",
+                    ctx("")
+                );
             }
         }
         let root = n / 2;
@@ -56,7 +64,11 @@ async fn check_type<T: Element>(pgs: &[ProcessGroup], len: usize, seed: u64) {
         })
         .await;
         for (r, g) in got.into_iter().enumerate() {
-            let want = if r == root { want.clone() } else { inputs[r].clone() };
+            let want = if r == root {
+                want.clone()
+            } else {
+                inputs[r].clone()
+            };
             assert_eq!(g.unwrap(), want, "{} reduce {op} rank {r}", ctx(""));
         }
         // reduce_scatter: every rank contributes n chunks of `len`.
@@ -71,12 +83,21 @@ async fn check_type<T: Element>(pgs: &[ProcessGroup], len: usize, seed: u64) {
         })
         .await;
         for (r, g) in got.into_iter().enumerate() {
-            assert_eq!(g.unwrap(), want_big[r * len..(r + 1) * len], "{} reduce_scatter {op} rank {r}", ctx(""));
+            assert_eq!(
+                g.unwrap(),
+                want_big[r * len..(r + 1) * len],
+                "{} reduce_scatter {op} rank {r}",
+                ctx("")
+            );
         }
     }
 
     for root in [0, n - 1] {
-        for algo in [None, Some(BroadcastAlgorithm::Tree), Some(BroadcastAlgorithm::Chain)] {
+        for algo in [
+            None,
+            Some(BroadcastAlgorithm::Tree),
+            Some(BroadcastAlgorithm::Chain),
+        ] {
             let got = each(pgs, |pg| {
                 let mut buf = data::<T>(seed, pg.rank(), len);
                 async move {
@@ -89,7 +110,12 @@ async fn check_type<T: Element>(pgs: &[ProcessGroup], len: usize, seed: u64) {
             })
             .await;
             for (r, g) in got.into_iter().enumerate() {
-                assert_eq!(g.unwrap(), inputs[root], "{} broadcast root {root} {algo:?} rank {r}", ctx(""));
+                assert_eq!(
+                    g.unwrap(),
+                    inputs[root],
+                    "{} broadcast root {root} {algo:?} rank {r}",
+                    ctx("")
+                );
             }
         }
     }
@@ -115,7 +141,12 @@ async fn check_type<T: Element>(pgs: &[ProcessGroup], len: usize, seed: u64) {
     })
     .await;
     for (r, g) in got.into_iter().enumerate() {
-        assert_eq!(g.unwrap(), varying, "{} all_gather_varying rank {r}", ctx(""));
+        assert_eq!(
+            g.unwrap(),
+            varying,
+            "{} all_gather_varying rank {r}",
+            ctx("")
+        );
     }
 
     let root = n - 1;
@@ -141,7 +172,12 @@ async fn check_type<T: Element>(pgs: &[ProcessGroup], len: usize, seed: u64) {
     .await;
     let scattered = data::<T>(seed + 3, root, len * n);
     for (r, g) in got.into_iter().enumerate() {
-        assert_eq!(g.unwrap(), scattered[r * len..(r + 1) * len], "{} scatter rank {r}", ctx(""));
+        assert_eq!(
+            g.unwrap(),
+            scattered[r * len..(r + 1) * len],
+            "{} scatter rank {r}",
+            ctx("")
+        );
     }
 
     let got = each(pgs, |pg| {
@@ -154,7 +190,9 @@ async fn check_type<T: Element>(pgs: &[ProcessGroup], len: usize, seed: u64) {
     .await;
     let a2a_in: Vec<Vec<T>> = (0..n).map(|r| data(seed + 4, r, len * n)).collect();
     for (r, g) in got.into_iter().enumerate() {
-        let want: Vec<T> = (0..n).flat_map(|j| a2a_in[j][r * len..(r + 1) * len].to_vec()).collect();
+        let want: Vec<T> = (0..n)
+            .flat_map(|j| a2a_in[j][r * len..(r + 1) * len].to_vec())
+            .collect();
         assert_eq!(g.unwrap(), want, "{} all_to_all rank {r}", ctx(""));
     }
 
@@ -181,7 +219,12 @@ async fn check_type<T: Element>(pgs: &[ProcessGroup], len: usize, seed: u64) {
             let (a, b) = g.unwrap();
             let from = &inputs[(r + n - 1) % n];
             assert_eq!(&a, from, "{} send/recv rank {r}", ctx(""));
-            assert_eq!(b, from.iter().rev().copied().collect::<Vec<_>>(), "{} send/recv tag 8 rank {r}", ctx(""));
+            assert_eq!(
+                b,
+                from.iter().rev().copied().collect::<Vec<_>>(),
+                "{} send/recv tag 8 rank {r}",
+                ctx("")
+            );
         }
     }
 }
@@ -325,7 +368,13 @@ async fn objects() {
     for g in got {
         let (all, root) = g.unwrap();
         assert_eq!(all.len(), 3);
-        assert_eq!(all[1], Info { name: "worker1".into(), devices: vec![0] });
+        assert_eq!(
+            all[1],
+            Info {
+                name: "worker1".into(),
+                devices: vec![0]
+            }
+        );
         assert_eq!(root.name, "worker2");
     }
 }
@@ -336,7 +385,9 @@ async fn subgroups() {
     let got = each(&pgs, |pg| async move {
         let sub = pg.new_group(&[4, 1, 3])?;
         let pair = pg.new_group(&[1, 2])?;
-        let alone = pg.new_group(&[pg.rank()])?.expect("a member of its own group");
+        let alone = pg
+            .new_group(&[pg.rank()])?
+            .expect("a member of its own group");
         let mut world = [pg.rank() as i64];
         let mut in_sub = [pg.rank() as i64 * 10];
         // Interleave world and subgroup ops: their sequences are independent.
@@ -398,7 +449,10 @@ async fn invalid_arguments_are_refused_before_sending() {
     let pg = &pgs[0];
     let e = pg.all_reduce(&mut [1i32], ReduceOp::Avg).await.unwrap_err();
     assert!(e.to_string().contains("AVG does not apply to i32"), "{e}");
-    let e = pg.all_reduce(&mut [1.0f32], ReduceOp::Bxor).await.unwrap_err();
+    let e = pg
+        .all_reduce(&mut [1.0f32], ReduceOp::Bxor)
+        .await
+        .unwrap_err();
     assert!(e.to_string().contains("BXOR"), "{e}");
     let e = pg.broadcast(&mut [1u8], 2).await.unwrap_err();
     assert!(e.to_string().contains("root 2 is not a rank"), "{e}");

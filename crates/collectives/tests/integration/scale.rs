@@ -42,7 +42,9 @@ async fn barrier_of_1024_ranks_in_one_process() {
     // And data moves at that scale too.
     let got = each(&pgs, |pg| async move {
         let mut x = [1u32];
-        pg.all_reduce(&mut x, rallypoint_collectives::ReduceOp::Sum).await.map(|()| x[0])
+        pg.all_reduce(&mut x, rallypoint_collectives::ReduceOp::Sum)
+            .await
+            .map(|()| x[0])
     })
     .await;
     for g in got {
