@@ -509,14 +509,15 @@ mod tests {
     fn binomial_trees_cover_every_rank_once() {
         for n in 1..=40 {
             for root in [0, n / 2, n - 1] {
-                let mut parent_of = vec![None; n];
-                for r in 0..n {
-                    let (p, children) = binomial(n, r, root);
-                    parent_of[r] = p;
-                    for c in children {
-                        assert_eq!(binomial(n, c, root).0, Some(r), "n={n} root={root}");
-                    }
-                }
+                let parent_of: Vec<Option<usize>> = (0..n)
+                    .map(|r| {
+                        let (p, children) = binomial(n, r, root);
+                        for c in children {
+                            assert_eq!(binomial(n, c, root).0, Some(r), "n={n} root={root}");
+                        }
+                        p
+                    })
+                    .collect();
                 assert_eq!(parent_of[root], None);
                 // Every rank reaches the root.
                 for r in 0..n {
