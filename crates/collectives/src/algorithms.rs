@@ -230,6 +230,34 @@ pub(crate) async fn ring_reduce_scatter<T: Element>(
     op: ReduceOp,
     phase0: usize,
 ) -> Result<()> {
+    ring_pass(cx, buf, bounds, Some(op), 1, phase0).await
+}
+
+/// Ring all-gather over `bounds`: chunk `r` is this rank's; at step `t` rank `r`
+/// sends chunk `r − t` and receives chunk `r − t − 1`, forwarding each segment at
+/// once. Uses phases `phase0 .. phase0 + n − 1`.
+pub(crate) async fn ring_all_gather<T: Element>(
+    cx: &OpCtx,
+    buf: &mut [T],
+    bounds: &[Range<usize>],
+    phase0: usize,
+) -> Result<()> {
+    ring_pass(cx, buf, bounds, None, 0, phase0).await
+}
+
+/// One pass around the ring, the shape both ring phases share: at step `t` rank
+/// `r` sends chunk `r − t − shift` to `r + 1` and receives chunk
+/// `r − t − 1 − shift` from `r − 1`, reducing it in (`reduce`) or copying it,
+/// and forwards each received segment at the next step without waiting for the
+/// rest of its chunk.
+async fn ring_pass<T: Element>(
+    cx: &OpCtx,
+    buf: &mut [T],
+    bounds: &[Range<usize>],
+    reduce: Option<ReduceOp>,
+    shift: usize,
+    phase0: usize,
+) -> Result<()> {
     let (n, r) = (cx.n(), cx.me());
     if n == 1 {
         return Ok(());
@@ -238,9 +266,9 @@ pub(crate) async fn ring_reduce_scatter<T: Element>(
     let seg = cx.seg::<T>();
     let segs = |c: usize| nseg(bounds[c].len(), seg);
     let steps = Steps::new(cx, phase0 + n - 1, (0..n).map(segs).max().unwrap_or(1))?;
-    let first_out = (r + n - 1) % n;
+    let first_out = (r + n - shift) % n;
     for t in 0..n - 1 {
-        let cin = (r + 2 * n - t - 2) % n;
+        let cin = (r + 2 * n - t - 1 - shift) % n;
         let m = if t == 0 {
             segs(cin).max(segs(first_out))
         } else {
@@ -253,54 +281,11 @@ pub(crate) async fn ring_reduce_scatter<T: Element>(
             }
             if s < segs(cin) {
                 let rg = seg_range(&bounds[cin], seg, s);
-                cx.recv_reduce(prev, steps.at(phase0 + t, s), &mut buf[rg.clone()], op)
-                    .await?;
-                if t + 2 < n {
-                    cx.send(next, steps.at(phase0 + t + 1, s), &buf[rg]).await?;
+                let at = steps.at(phase0 + t, s);
+                match reduce {
+                    Some(op) => cx.recv_reduce(prev, at, &mut buf[rg.clone()], op).await?,
+                    None => cx.recv_copy(prev, at, &mut buf[rg.clone()]).await?,
                 }
-            }
-        }
-    }
-    Ok(())
-}
-
-/// Ring all-gather over `bounds`: chunk `r` is this rank's; at step `t` rank `r`
-/// sends chunk `r − t` and receives chunk `r − t − 1`, forwarding each segment at
-/// once. Uses phases `phase0 .. phase0 + n − 1`.
-pub(crate) async fn ring_all_gather<T: Element>(
-    cx: &OpCtx,
-    buf: &mut [T],
-    bounds: &[Range<usize>],
-    phase0: usize,
-) -> Result<()> {
-    let (n, r) = (cx.n(), cx.me());
-    if n == 1 {
-        return Ok(());
-    }
-    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
-    let seg = cx.seg::<T>();
-    let segs = |c: usize| nseg(bounds[c].len(), seg);
-    let steps = Steps::new(cx, phase0 + n - 1, (0..n).map(segs).max().unwrap_or(1))?;
-    for t in 0..n - 1 {
-        let cin = (r + n - t - 1) % n;
-        let m = if t == 0 {
-            segs(cin).max(segs(r))
-        } else {
-            segs(cin)
-        };
-        for s in 0..m {
-            if t == 0 && s < segs(r) {
-                cx.send(
-                    next,
-                    steps.at(phase0, s),
-                    &buf[seg_range(&bounds[r], seg, s)],
-                )
-                .await?;
-            }
-            if s < segs(cin) {
-                let rg = seg_range(&bounds[cin], seg, s);
-                cx.recv_copy(prev, steps.at(phase0 + t, s), &mut buf[rg.clone()])
-                    .await?;
                 if t + 2 < n {
                     cx.send(next, steps.at(phase0 + t + 1, s), &buf[rg]).await?;
                 }
