@@ -11,7 +11,13 @@
 //! The ceiling is raw TCP between two processes on the same loopback, measured in
 //! the same run: one direction (one sender, one receiver), and both directions
 //! at once (each process sends and receives, as a two-rank ring does), reported
-//! per direction.
+//! per direction. For every world size `n` it also measures a raw TCP ring:
+//! `n` processes, each writing to the next and reading from the previous at
+//! once, which is exactly the traffic of a ring all-reduce with no protocol on
+//! top. Any all-reduce must send and receive `2(n−1)/n` of the buffer per rank,
+//! so its bus bandwidth cannot exceed that per-link rate; on a 2-core machine,
+//! where loopback TCP is CPU memcpy shared by every process, the ring rate is
+//! the ceiling both we and gloo are measured against.
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -116,6 +122,11 @@ pub fn run(args: CollectivesArgs) -> Result<()> {
             duplex / 1e9
         );
         for &n in &args.ranks {
+            let ring = raw_ring(n, args.raw_bytes / n as u64)?;
+            println!(
+                "\n# raw TCP ring of {n} processes, same run: {:.2} GB/s per link (the all_reduce busbw ceiling)",
+                ring / 1e9
+            );
             let mut results: BTreeMap<String, Results> = BTreeMap::new();
             for side in &args.sides {
                 let prefix = format!("bench/{side}/{n}/{rep}");
@@ -123,7 +134,7 @@ pub fn run(args: CollectivesArgs) -> Result<()> {
                     .with_context(|| format!("{side} with {n} ranks"))?;
                 results.insert(side.clone(), r);
             }
-            report(n, &args.ops, &sizes, &results, uni);
+            report(n, &args.ops, &sizes, &results, uni, ring);
         }
     }
     Ok(())
@@ -135,6 +146,7 @@ fn report(
     sizes: &[usize],
     results: &BTreeMap<String, Results>,
     uni: f64,
+    ring: f64,
 ) {
     let ours = results.get("rally");
     let gloo = results.get("gloo");
@@ -154,8 +166,8 @@ fn report(
             );
             continue;
         }
-        println!("| bytes | ours us | gloo us | ours busbw GB/s | gloo busbw GB/s | busbw ours/gloo | ours / raw 1-dir |");
-        println!("|---:|---:|---:|---:|---:|---:|---:|");
+        println!("| bytes | ours us | gloo us | ours busbw GB/s | gloo busbw GB/s | busbw ours/gloo | ours / raw 1-dir | ours / raw ring | gloo / raw ring |");
+        println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
         for &s in sizes {
             let key = (op.clone(), s);
             let a = ours.and_then(|r| r.get(&key)).copied();
@@ -165,8 +177,9 @@ fn report(
                 total as f64 / t * bus_factor(op, n) / 1e9
             };
             let f = |v: Option<f64>, g: &dyn Fn(f64) -> String| v.map_or("-".into(), g);
+            let pct = |base: f64| move |t: f64| format!("{:.0}%", bus(t) * 1e9 / base * 100.0);
             println!(
-                "| {s} | {} | {} | {} | {} | {} | {} |",
+                "| {s} | {} | {} | {} | {} | {} | {} | {} | {} |",
                 f(a, &|t| format!("{:.1}", t * 1e6)),
                 f(b, &|t| format!("{:.1}", t * 1e6)),
                 f(a, &|t| format!("{:.3}", bus(t))),
@@ -175,7 +188,9 @@ fn report(
                     (Some(a), Some(b)) => format!("{:.2}", b / a),
                     _ => "-".into(),
                 },
-                f(a, &|t| format!("{:.0}%", bus(t) * 1e9 / uni * 100.0)),
+                f(a, &pct(uni)),
+                f(a, &pct(ring)),
+                f(b, &pct(ring)),
             );
         }
     }
@@ -408,16 +423,73 @@ fn raw_pair(bytes: u64, duplex: bool) -> Result<f64> {
         .context("no rate reported")
 }
 
-/// One side of the raw measurement: receivers print `RATE bytes/s`.
-pub fn raw(role: &str, port: u16, bytes: u64, mode: &str) -> Result<()> {
-    let s = match role {
-        "listen" => TcpListener::bind(("127.0.0.1", port))?.accept()?.0,
-        _ => TcpStream::connect(("127.0.0.1", port))?,
+/// A raw TCP ring of `n` processes, each sending `bytes` to the next while
+/// receiving as much from the previous: the slowest link's bytes/s.
+fn raw_ring(n: usize, bytes: u64) -> Result<f64> {
+    if n < 2 {
+        bail!("a ring needs at least 2 processes");
+    }
+    let ports = free_ports(n)?;
+    let list = ports
+        .iter()
+        .map(|p| p.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let children = (0..n)
+        .map(|i| {
+            Command::new(std::env::current_exe()?)
+                .args(["coll-ring", &i.to_string(), &list, &bytes.to_string()])
+                .stdout(Stdio::piped())
+                .spawn()
+                .context("starting a raw TCP ring process")
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut slowest = f64::INFINITY;
+    for c in children {
+        let out = c.wait_with_output()?;
+        if !out.status.success() {
+            bail!("raw TCP ring process failed");
+        }
+        for l in String::from_utf8_lossy(&out.stdout).lines() {
+            if let Some(v) = l.strip_prefix("RATE ") {
+                slowest = slowest.min(v.trim().parse::<f64>()?);
+            }
+        }
+    }
+    Ok(slowest)
+}
+
+fn free_ports(n: usize) -> Result<Vec<u16>> {
+    let held = (0..n)
+        .map(|_| TcpListener::bind("127.0.0.1:0"))
+        .collect::<std::io::Result<Vec<_>>>()?;
+    held.iter().map(|l| Ok(l.local_addr()?.port())).collect()
+}
+
+/// One process of the raw ring: listens on its port, connects to the next
+/// one's (retrying while it starts), then sends and receives at once; prints
+/// `RATE bytes/s` for what it received.
+pub fn ring_member(index: usize, ports: &[u16], bytes: u64) -> Result<()> {
+    let n = ports.len();
+    let listener = TcpListener::bind(("127.0.0.1", ports[index]))?;
+    let next = ports[(index + 1) % n];
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let out = loop {
+        match TcpStream::connect(("127.0.0.1", next)) {
+            Ok(s) => break s,
+            Err(e) if Instant::now() > deadline => return Err(e.into()),
+            Err(_) => std::thread::sleep(Duration::from_millis(10)),
+        }
     };
-    s.set_nodelay(true)?;
-    let sends = mode == "duplex" || role == "connect";
-    let receives = mode == "duplex" || role == "listen";
-    let mut w = s.try_clone()?;
+    let inp = listener.accept()?.0;
+    out.set_nodelay(true)?;
+    stream(out, Some(inp), bytes, true)
+}
+
+/// Sends `bytes` on `w` (if `sends`) while receiving as many on `r`; prints the
+/// receive rate.
+fn stream(w: TcpStream, r: Option<TcpStream>, bytes: u64, sends: bool) -> Result<()> {
+    let mut w = w;
     let sender = std::thread::spawn(move || -> std::io::Result<()> {
         if sends {
             let chunk = vec![7u8; 1 << 20];
@@ -430,8 +502,7 @@ pub fn raw(role: &str, port: u16, bytes: u64, mode: &str) -> Result<()> {
         }
         Ok(())
     });
-    if receives {
-        let mut r = s;
+    if let Some(mut r) = r {
         let mut buf = vec![0u8; 1 << 20];
         let mut got = 0u64;
         let t0 = Instant::now();
@@ -446,4 +517,17 @@ pub fn raw(role: &str, port: u16, bytes: u64, mode: &str) -> Result<()> {
     }
     sender.join().expect("sender")?;
     Ok(())
+}
+
+/// One side of the raw measurement: receivers print `RATE bytes/s`.
+pub fn raw(role: &str, port: u16, bytes: u64, mode: &str) -> Result<()> {
+    let s = match role {
+        "listen" => TcpListener::bind(("127.0.0.1", port))?.accept()?.0,
+        _ => TcpStream::connect(("127.0.0.1", port))?,
+    };
+    s.set_nodelay(true)?;
+    let sends = mode == "duplex" || role == "connect";
+    let receives = mode == "duplex" || role == "listen";
+    let w = s.try_clone()?;
+    stream(w, receives.then_some(s), bytes, sends)
 }

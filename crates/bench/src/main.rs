@@ -76,6 +76,14 @@ enum Cmd {
         bytes: u64,
         mode: String,
     },
+    /// (internal) One process of the raw TCP ring measurement.
+    #[command(hide = true)]
+    CollRing {
+        index: usize,
+        #[arg(value_delimiter = ',')]
+        ports: Vec<u16>,
+        bytes: u64,
+    },
     /// (internal) Writes N bytes of 100-byte lines to stdout in 1 MiB writes: the
     /// tee benchmark's worker, the same for both launchers.
     #[command(hide = true)]
@@ -154,6 +162,11 @@ fn main() -> Result<()> {
             bytes,
             mode,
         } => collectives::raw(&role, port, bytes, &mode),
+        Cmd::CollRing {
+            index,
+            ports,
+            bytes,
+        } => collectives::ring_member(index, &ports, bytes),
         Cmd::Produce { bytes } => launch::produce(bytes),
         Cmd::RdzvNode {
             port,
