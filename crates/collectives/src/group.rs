@@ -132,7 +132,7 @@ fn setup_err(group: String) -> impl Fn(String) -> Error {
 }
 
 /// The local address on the route to `host`.
-fn route_ip(host: &str) -> Option<IpAddr> {
+pub fn route_ip(host: &str) -> Option<IpAddr> {
     let to = (host, 9).to_socket_addrs().ok()?.next()?;
     let bind: SocketAddr = if to.is_ipv4() {
         (Ipv4Addr::UNSPECIFIED, 0).into()

@@ -73,7 +73,7 @@ mod transport;
 pub use element::{DType, Element, ReduceOp};
 pub use error::{Error, Result};
 pub use group::{
-    AllReduceAlgorithm, BroadcastAlgorithm, Options, ProcessGroup, Work, DEFAULT_TIMEOUT,
+    route_ip, AllReduceAlgorithm, BroadcastAlgorithm, Options, ProcessGroup, Work, DEFAULT_TIMEOUT,
 };
 pub use half::{bf16, f16};
 

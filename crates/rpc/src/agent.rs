@@ -1,0 +1,1471 @@
+//! The agent: calls, their answers, remote references and shutdown, over any
+//! [`Transport`].
+//!
+//! A call gets a worker-local id and an entry in the pending table (the callee,
+//! what was asked, where to put the answer); the transport's reader hands the
+//! response straight to the waiting caller. A timeout is the caller's own
+//! `tokio::time::timeout` around that wait, so an expired call leaves nothing
+//! behind (PyTorch keeps a timeout map that leaked, #50522). When a transport
+//! reports a worker gone, every call waiting on it fails at once, naming it.
+//!
+//! Requests run as tasks on the callee. Arguments and results are postcard,
+//! encoded and decoded inside a thread-local context that knows the peer: an
+//! [`RRef`](crate::RRef) inside is forked for it, a [`Payload`](crate::Payload)
+//! inside is mapped through the device maps and sent out of band.
+//!
+//! Every call in flight (outgoing or being served) and every control message
+//! counts as *active*; graceful shutdown repeats "wait until idle, sum the
+//! active counts over the group" until the sum is zero, as PyTorch's `join`
+//! does, but with one all-reduce instead of store barriers.
+
+use std::any::Any;
+use std::cell::RefCell;
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Display;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tokio::sync::{oneshot, Notify};
+use tokio::time::Instant;
+
+use crate::device::{Device, DeviceInfo, DeviceMap};
+use crate::rref::{self, ForkData, ForkId, Handle, RRefContext, RRefId};
+use crate::transport::{BoxFuture, Event, Outgoing, Transport};
+use crate::wire::{self, Envelope, Failure, Request};
+use crate::{Error, Leak, RRef, Result, WorkerInfo};
+
+/// A value an owner keeps for an RRef, or a function's result.
+pub trait Value: Any + Send {
+    fn encode(&self) -> std::result::Result<Vec<u8>, String>;
+    fn as_any(&mut self) -> &mut dyn Any;
+    fn type_name(&self) -> &'static str;
+}
+
+impl<T: Serialize + Send + 'static> Value for T {
+    fn encode(&self) -> std::result::Result<Vec<u8>, String> {
+        wire::encode(self)
+    }
+    fn as_any(&mut self) -> &mut dyn Any {
+        self
+    }
+    fn type_name(&self) -> &'static str {
+        std::any::type_name::<T>()
+    }
+}
+
+// ---- encoding contexts ------------------------------------------------------
+
+/// Set while encoding a message for worker `dest`.
+pub(crate) struct SerCtx {
+    agent: Arc<AgentInner>,
+    dest: u32,
+    dest_name: String,
+    /// The device map that applies (towards `dest`, or its inverse for replies).
+    map: Option<DeviceMap>,
+    bulk: Vec<Bytes>,
+    off: u64,
+    forks: Vec<(ForkId, RRefId, bool)>,
+    /// The first error, kept here because postcard drops serde's messages.
+    error: Option<String>,
+}
+
+impl SerCtx {
+    fn fail<T>(&mut self, e: String) -> std::result::Result<T, String> {
+        self.error.get_or_insert(e.clone());
+        Err(e)
+    }
+
+    pub(crate) fn push_bulk(
+        &mut self,
+        device: Device,
+        data: Bytes,
+    ) -> std::result::Result<(Device, u64), String> {
+        let mapped = match self.map.as_ref().and_then(|m| m.get(&device)) {
+            Some(d) => *d,
+            None if device == Device::Cpu => Device::Cpu,
+            None => {
+                let m = format!(
+                    "a payload on {device} cannot be sent to worker {}: worker {} has no device map entry for {device} towards it (call set_device_map, or move the payload to cpu)",
+                    self.dest_name, self.agent.me.name
+                );
+                return self.fail(m);
+            }
+        };
+        let off = self.off;
+        self.off += data.len() as u64;
+        if !data.is_empty() {
+            self.bulk.push(data);
+        }
+        Ok((mapped, off))
+    }
+
+    pub(crate) fn fork(&mut self, h: &Arc<Handle>) -> std::result::Result<ForkData, String> {
+        let d = match self.agent.rrefs.fork(&self.agent, h, self.dest) {
+            Ok(d) => d,
+            Err(e) => return self.fail(e),
+        };
+        self.forks.push((d.fork, d.rref, h.fork.is_none()));
+        Ok(d)
+    }
+}
+
+/// Set while decoding a message from worker `from`.
+pub(crate) struct DeCtx {
+    agent: Arc<AgentInner>,
+    from: u32,
+    bulk: Bytes,
+    new_users: Vec<ForkId>,
+    error: Option<String>,
+}
+
+impl DeCtx {
+    pub(crate) fn fail<T>(&mut self, e: String) -> std::result::Result<T, String> {
+        self.error.get_or_insert(e.clone());
+        Err(e)
+    }
+
+    pub(crate) fn bulk_slice(&mut self, off: u64, len: u64) -> std::result::Result<Bytes, String> {
+        let n = self.bulk.len();
+        match off.checked_add(len).filter(|e| *e <= n as u64) {
+            Some(end) => Ok(self.bulk.slice(off as usize..end as usize)),
+            None => self.fail(format!(
+                "payload {off}+{len} lies outside the message's {n} bulk bytes"
+            )),
+        }
+    }
+
+    pub(crate) fn adopt(
+        &mut self,
+        data: ForkData,
+        type_name: &'static str,
+    ) -> std::result::Result<Arc<Handle>, String> {
+        match rref::adopt(&self.agent, self.from, data, type_name, &mut self.new_users) {
+            Ok(h) => Ok(h),
+            Err(e) => self.fail(e),
+        }
+    }
+}
+
+thread_local! {
+    static SER: RefCell<Option<SerCtx>> = const { RefCell::new(None) };
+    static DE: RefCell<Option<DeCtx>> = const { RefCell::new(None) };
+}
+
+pub(crate) fn with_ser<R>(f: impl FnOnce(&mut SerCtx) -> R) -> Option<R> {
+    SER.with(|c| c.borrow_mut().as_mut().map(f))
+}
+
+pub(crate) fn with_de<R>(f: impl FnOnce(&mut DeCtx) -> R) -> Option<R> {
+    DE.with(|c| c.borrow_mut().as_mut().map(f))
+}
+
+/// Bytes plus bulk plus the forks they made.
+pub(crate) struct Encoded {
+    pub bytes: Vec<u8>,
+    pub bulk: Vec<Bytes>,
+    pub forks: Vec<(ForkId, RRefId, bool)>,
+}
+
+// ---- functions --------------------------------------------------------------
+
+/// A request's arguments, still encoded.
+pub struct Args {
+    rpc: Rpc,
+    from: u32,
+    bytes: Vec<u8>,
+    bulk: Bytes,
+}
+
+impl Args {
+    /// Decodes the arguments; waits until every RRef among them is confirmed
+    /// by its owner (user functions run only then).
+    async fn decode<A: DeserializeOwned>(self) -> std::result::Result<A, String> {
+        let (a, users) = self
+            .rpc
+            .0
+            .decode_from::<A>(self.from, &self.bytes, self.bulk)?;
+        for u in users {
+            self.rpc
+                .0
+                .rrefs
+                .user_usable(&self.rpc.0, u)
+                .await
+                .map_err(|e| e.to_string())?;
+        }
+        Ok(a)
+    }
+}
+
+type FnHandler = Arc<
+    dyn Fn(Args) -> BoxFuture<'static, std::result::Result<Box<dyn Value>, String>> + Send + Sync,
+>;
+type MethodHandler = Arc<
+    dyn Fn(
+            Args,
+            Arc<Mutex<Box<dyn Value>>>,
+        ) -> BoxFuture<'static, std::result::Result<Box<dyn Value>, String>>
+        + Send
+        + Sync,
+>;
+
+#[derive(Default)]
+struct FnTable {
+    funcs: HashMap<String, FnHandler>,
+    methods: HashMap<String, MethodHandler>,
+}
+
+/// The functions (and methods) a worker serves, by name.
+///
+/// Give it to [`RpcBackendOptions::functions`](crate::RpcBackendOptions) so
+/// they exist from the moment the worker can be called; more may be added
+/// later through [`Rpc::functions`].
+#[derive(Clone, Default)]
+pub struct Functions(Arc<RwLock<FnTable>>);
+
+fn dup(kind: &str, name: &str) -> Error {
+    Error::Invalid(format!("a {kind} named {name:?} is already registered"))
+}
+
+impl Functions {
+    pub fn new() -> Functions {
+        Functions::default()
+    }
+
+    fn add(&self, name: &str, h: FnHandler) -> Result<()> {
+        let mut t = self.0.write().unwrap_or_else(|e| e.into_inner());
+        if t.funcs.contains_key(name) {
+            return Err(dup("function", name));
+        }
+        t.funcs.insert(name.to_owned(), h);
+        Ok(())
+    }
+
+    /// Registers `f`, which cannot fail.
+    pub fn register<A, R, F>(&self, name: &str, f: F) -> Result<()>
+    where
+        A: DeserializeOwned + Send + 'static,
+        R: Serialize + Send + 'static,
+        F: Fn(A) -> R + Send + Sync + 'static,
+    {
+        self.register_fallible(name, move |a: A| Ok::<R, String>(f(a)))
+    }
+
+    /// Registers `f`; its error comes back to the caller as text.
+    pub fn register_fallible<A, R, E, F>(&self, name: &str, f: F) -> Result<()>
+    where
+        A: DeserializeOwned + Send + 'static,
+        R: Serialize + Send + 'static,
+        E: Display,
+        F: Fn(A) -> std::result::Result<R, E> + Send + Sync + 'static,
+    {
+        let f = Arc::new(f);
+        self.add(
+            name,
+            Arc::new(move |args: Args| {
+                let f = f.clone();
+                Box::pin(async move {
+                    let a: A = args.decode().await?;
+                    f(a).map(|r| Box::new(r) as Box<dyn Value>)
+                        .map_err(|e| e.to_string())
+                })
+            }),
+        )
+    }
+
+    /// Registers an async function; it gets this worker's [`Rpc`] to make
+    /// calls of its own (PyTorch's `@rpc.functions.async_execution`: the
+    /// answer goes when the future completes, and no thread waits for it).
+    pub fn register_async<A, R, E, F, Fut>(&self, name: &str, f: F) -> Result<()>
+    where
+        A: DeserializeOwned + Send + 'static,
+        R: Serialize + Send + 'static,
+        E: Display,
+        F: Fn(Rpc, A) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = std::result::Result<R, E>> + Send + 'static,
+    {
+        let f = Arc::new(f);
+        self.add(
+            name,
+            Arc::new(move |args: Args| {
+                let f = f.clone();
+                Box::pin(async move {
+                    let rpc = args.rpc.clone();
+                    let a: A = args.decode().await?;
+                    f(rpc, a)
+                        .await
+                        .map(|r| Box::new(r) as Box<dyn Value>)
+                        .map_err(|e| e.to_string())
+                })
+            }),
+        )
+    }
+
+    /// Registers a method on values of type `T` held behind RRefs, called by
+    /// [`RRef::call`] at the owner.
+    pub fn register_method<T, A, R, E, F>(&self, name: &str, f: F) -> Result<()>
+    where
+        T: 'static,
+        A: DeserializeOwned + Send + 'static,
+        R: Serialize + Send + 'static,
+        E: Display,
+        F: Fn(&mut T, A) -> std::result::Result<R, E> + Send + Sync + 'static,
+    {
+        let f = Arc::new(f);
+        let h: MethodHandler = Arc::new(move |args: Args, v: Arc<Mutex<Box<dyn Value>>>| {
+            let f = f.clone();
+            Box::pin(async move {
+                let a: A = args.decode().await?;
+                let mut g = v.lock().unwrap_or_else(|e| e.into_inner());
+                let held = g.type_name();
+                let t = g.as_any().downcast_mut::<T>().ok_or_else(|| {
+                    format!(
+                        "the RRef holds a {held}, and the method is registered for {}",
+                        std::any::type_name::<T>()
+                    )
+                })?;
+                f(t, a)
+                    .map(|r| Box::new(r) as Box<dyn Value>)
+                    .map_err(|e| e.to_string())
+            })
+        });
+        let mut t = self.0.write().unwrap_or_else(|e| e.into_inner());
+        if t.methods.contains_key(name) {
+            return Err(dup("method", name));
+        }
+        t.methods.insert(name.to_owned(), h);
+        Ok(())
+    }
+
+    fn func(&self, name: &str) -> Option<FnHandler> {
+        self.0
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .funcs
+            .get(name)
+            .cloned()
+    }
+
+    fn method(&self, name: &str) -> Option<MethodHandler> {
+        self.0
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .methods
+            .get(name)
+            .cloned()
+    }
+}
+
+// ---- the agent --------------------------------------------------------------
+
+struct Pending {
+    to: u32,
+    what: String,
+    tx: oneshot::Sender<Result<(Vec<u8>, Bytes)>>,
+}
+
+#[derive(Default)]
+pub(crate) struct Workers {
+    pub by_id: BTreeMap<u32, WorkerInfo>,
+    pub by_name: HashMap<String, u32>,
+}
+
+/// How the group is held together, for shutdown.
+pub(crate) enum Membership {
+    Static(rallypoint_collectives::ProcessGroup),
+    Dynamic(crate::init::Dynamic),
+}
+
+pub struct AgentInner {
+    pub(crate) me: WorkerInfo,
+    pub(crate) workers: RwLock<Workers>,
+    pub(crate) transport: OnceLock<Arc<dyn Transport>>,
+    pub(crate) membership: OnceLock<Membership>,
+    functions: Functions,
+    pending: Mutex<HashMap<u64, Pending>>,
+    next_id: AtomicU64,
+    next_gid: AtomicU64,
+    pub(crate) rrefs: RRefContext,
+    pub(crate) default_timeout: Duration,
+    active: AtomicUsize,
+    idle: Notify,
+    closed: AtomicBool,
+    shut: tokio::sync::Mutex<bool>,
+    /// My device maps, the inverse of peers' maps towards me, my devices.
+    pub(crate) maps: BTreeMap<String, DeviceMap>,
+    pub(crate) reverse: RwLock<BTreeMap<String, DeviceMap>>,
+    pub(crate) devices: RwLock<Vec<Device>>,
+    pub(crate) device_info: DeviceInfo,
+    leaks: Mutex<Vec<Leak>>,
+}
+
+/// A worker's handle on its RPC agent (cheap to clone).
+#[derive(Clone)]
+pub struct Rpc(pub(crate) Arc<AgentInner>);
+
+/// Names a worker: its name, its id, or its [`WorkerInfo`].
+pub trait ToWorker {
+    fn worker_id(&self, a: &AgentInner) -> Result<u32>;
+}
+
+impl ToWorker for &str {
+    fn worker_id(&self, a: &AgentInner) -> Result<u32> {
+        a.id_of(self)
+    }
+}
+impl ToWorker for String {
+    fn worker_id(&self, a: &AgentInner) -> Result<u32> {
+        a.id_of(self)
+    }
+}
+impl ToWorker for &String {
+    fn worker_id(&self, a: &AgentInner) -> Result<u32> {
+        a.id_of(self)
+    }
+}
+impl ToWorker for &WorkerInfo {
+    fn worker_id(&self, a: &AgentInner) -> Result<u32> {
+        a.worker_by_id(self.id).map(|w| w.id)
+    }
+}
+impl ToWorker for u32 {
+    fn worker_id(&self, a: &AgentInner) -> Result<u32> {
+        a.worker_by_id(*self).map(|w| w.id)
+    }
+}
+
+/// Decrements the active count when dropped.
+struct Active(Arc<AgentInner>);
+
+impl Active {
+    fn new(a: &Arc<AgentInner>) -> Active {
+        a.active.fetch_add(1, Ordering::SeqCst);
+        Active(a.clone())
+    }
+}
+
+impl Drop for Active {
+    fn drop(&mut self) {
+        if self.0.active.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.0.idle.notify_waiters();
+        }
+    }
+}
+
+/// What graceful shutdown found.
+#[derive(Debug, Clone, Default)]
+pub struct ShutdownReport {
+    /// References still held elsewhere when shutdown stopped waiting, or lost
+    /// with a worker that died.
+    pub leaked: Vec<Leak>,
+}
+
+/// Stands for "no deadline" in the process group, whose ops take a duration.
+pub(crate) const FOREVER: Duration = Duration::from_secs(365 * 24 * 3600);
+
+impl AgentInner {
+    pub(crate) fn new(
+        me: WorkerInfo,
+        functions: Functions,
+        default_timeout: Duration,
+        device_info: DeviceInfo,
+    ) -> Arc<AgentInner> {
+        Arc::new(AgentInner {
+            me,
+            workers: RwLock::default(),
+            transport: OnceLock::new(),
+            membership: OnceLock::new(),
+            functions,
+            pending: Mutex::default(),
+            next_id: AtomicU64::new(1),
+            next_gid: AtomicU64::new(1),
+            rrefs: RRefContext::default(),
+            default_timeout,
+            active: AtomicUsize::new(0),
+            idle: Notify::new(),
+            closed: AtomicBool::new(false),
+            shut: tokio::sync::Mutex::new(false),
+            maps: device_info.maps.clone(),
+            reverse: RwLock::default(),
+            devices: RwLock::default(),
+            device_info,
+            leaks: Mutex::default(),
+        })
+    }
+
+    pub(crate) fn gid(&self) -> rref::Gid {
+        rref::Gid {
+            created_on: self.me.id,
+            local: self.next_gid.fetch_add(1, Ordering::Relaxed),
+        }
+    }
+
+    fn transport(&self) -> Result<&Arc<dyn Transport>> {
+        self.transport
+            .get()
+            .ok_or_else(|| Error::Shutdown(self.me.name.clone()))
+    }
+
+    pub(crate) fn add_worker(&self, w: WorkerInfo) {
+        let mut ws = self.workers.write().unwrap_or_else(|e| e.into_inner());
+        ws.by_name.insert(w.name.clone(), w.id);
+        ws.by_id.insert(w.id, w);
+    }
+
+    fn remove_worker(&self, id: u32) {
+        let mut ws = self.workers.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(w) = ws.by_id.remove(&id) {
+            ws.by_name.remove(&w.name);
+        }
+    }
+
+    fn id_of(&self, name: &str) -> Result<u32> {
+        let ws = self.workers.read().unwrap_or_else(|e| e.into_inner());
+        ws.by_name.get(name).copied().ok_or_else(|| {
+            Error::Invalid(format!(
+                "no worker named {name:?} (workers: {})",
+                ws.by_id
+                    .values()
+                    .map(|w| w.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ))
+        })
+    }
+
+    pub(crate) fn worker_by_id(&self, id: u32) -> Result<WorkerInfo> {
+        self.workers
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .by_id
+            .get(&id)
+            .cloned()
+            .ok_or_else(|| Error::Invalid(format!("no worker with id {id}")))
+    }
+
+    fn name_of(&self, id: u32) -> String {
+        self.worker_by_id(id)
+            .map(|w| w.name)
+            .unwrap_or_else(|_| format!("#{id}"))
+    }
+
+    // ---- encoding ----
+
+    fn encode_for(
+        self: &Arc<Self>,
+        dest: u32,
+        reply: bool,
+        f: impl FnOnce() -> std::result::Result<Vec<u8>, String>,
+    ) -> std::result::Result<Encoded, String> {
+        let dest_name = self.name_of(dest);
+        let map = if reply {
+            self.reverse
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(&dest_name)
+                .cloned()
+        } else {
+            self.maps.get(&dest_name).cloned()
+        };
+        let cx = SerCtx {
+            agent: self.clone(),
+            dest,
+            dest_name,
+            map,
+            bulk: Vec::new(),
+            off: 0,
+            forks: Vec::new(),
+            error: None,
+        };
+        let prev = SER.with(|c| c.borrow_mut().replace(cx));
+        let r = f();
+        let cx = SER
+            .with(|c| std::mem::replace(&mut *c.borrow_mut(), prev))
+            .expect("context set");
+        match r {
+            Ok(bytes) => Ok(Encoded {
+                bytes,
+                bulk: cx.bulk,
+                forks: cx.forks,
+            }),
+            Err(e) => {
+                self.rrefs.cancel_children(&cx.forks);
+                Err(cx.error.unwrap_or(e))
+            }
+        }
+    }
+
+    fn decode_from<T: DeserializeOwned>(
+        self: &Arc<Self>,
+        from: u32,
+        bytes: &[u8],
+        bulk: Bytes,
+    ) -> std::result::Result<(T, Vec<ForkId>), String> {
+        let cx = DeCtx {
+            agent: self.clone(),
+            from,
+            bulk,
+            new_users: Vec::new(),
+            error: None,
+        };
+        let prev = DE.with(|c| c.borrow_mut().replace(cx));
+        let r = wire::decode::<T>(bytes);
+        let cx = DE
+            .with(|c| std::mem::replace(&mut *c.borrow_mut(), prev))
+            .expect("context set");
+        match r {
+            Ok(v) => Ok((v, cx.new_users)),
+            Err(e) => Err(cx.error.unwrap_or(e)),
+        }
+    }
+
+    // ---- calling ----
+
+    /// Sends `req` with encoded `args` to `to` and waits for the answer.
+    async fn call_raw(
+        self: &Arc<Self>,
+        to: u32,
+        req: Request,
+        args: Encoded,
+        timeout: Option<Duration>,
+    ) -> Result<(Vec<u8>, Bytes)> {
+        let _active = Active::new(self);
+        let what = req.describe();
+        let worker = self.name_of(to);
+        if self.closed.load(Ordering::SeqCst) {
+            self.rrefs.cancel_children(&args.forks);
+            return Err(Error::Shutdown(self.me.name.clone()));
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        self.pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(
+                id,
+                Pending {
+                    to,
+                    what: what.clone(),
+                    tx,
+                },
+            );
+        let env = wire::encode(&Envelope::Request {
+            id,
+            req,
+            args: args.bytes,
+        })
+        .map_err(Error::Codec)?;
+        let sent = match self.transport() {
+            Ok(t) => {
+                t.send(
+                    to,
+                    Outgoing {
+                        env,
+                        bulk: args.bulk,
+                    },
+                )
+                .await
+            }
+            Err(e) => Err(e.to_string()),
+        };
+        if let Err(reason) = sent {
+            self.pending
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&id);
+            self.rrefs.cancel_children(&args.forks);
+            return Err(Error::WorkerGone {
+                worker,
+                what,
+                reason,
+            });
+        }
+        let timeout = timeout.unwrap_or(self.default_timeout);
+        let got = if timeout.is_zero() {
+            rx.await
+        } else {
+            match tokio::time::timeout(timeout, rx).await {
+                Ok(r) => r,
+                Err(_) => {
+                    self.pending
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .remove(&id);
+                    return Err(Error::Timeout {
+                        worker,
+                        what,
+                        ms: timeout.as_millis(),
+                    });
+                }
+            }
+        };
+        got.unwrap_or_else(|_| Err(Error::Shutdown(self.me.name.clone())))
+    }
+
+    /// Sends an RRef control message in the background, retried on failure
+    /// (its handler is idempotent).
+    pub(crate) fn send_control(self: &Arc<Self>, to: u32, req: Request) {
+        let a = self.clone();
+        let active = Active::new(self);
+        tokio::spawn(async move {
+            let _active = active;
+            if let Err(e) = a.control(to, req.clone()).await {
+                tracing::warn!(worker = %a.me.name, "could not deliver {}: {e}", req.describe());
+            }
+        });
+    }
+
+    /// A control message, retried like PyTorch's (5 tries, 1 s first delay,
+    /// x1.5), handled here directly when it is for this worker.
+    pub(crate) async fn control(self: &Arc<Self>, to: u32, req: Request) -> Result<()> {
+        if to == self.me.id {
+            return self.handle_control(to, &req).map_err(|m| Error::Remote {
+                worker: self.me.name.clone(),
+                what: req.describe(),
+                message: m,
+            });
+        }
+        let mut delay = Duration::from_secs(1);
+        let mut last = None;
+        for attempt in 0..5 {
+            if attempt > 0 {
+                tokio::time::sleep(delay).await;
+                delay = delay.mul_f64(1.5);
+            }
+            let args = Encoded {
+                bytes: Vec::new(),
+                bulk: Vec::new(),
+                forks: Vec::new(),
+            };
+            match self.call_raw(to, req.clone(), args, None).await {
+                Ok(_) => return Ok(()),
+                Err(e @ (Error::Remote { .. } | Error::Shutdown(_))) => return Err(e),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.expect("an attempt failed"))
+    }
+
+    /// A child's side of a fork to a third worker: ask the owner to record it,
+    /// then tell the parent.
+    pub(crate) fn fork_to_owner(
+        self: &Arc<Self>,
+        owner: u32,
+        rref: RRefId,
+        fork: ForkId,
+        parent: u32,
+    ) {
+        let a = self.clone();
+        let active = Active::new(self);
+        tokio::spawn(async move {
+            let _active = active;
+            match a.control(owner, Request::ForkRequest { rref, fork }).await {
+                Ok(()) => {
+                    a.rrefs.confirm(&a, fork, None);
+                    a.send_control(parent, Request::ChildAccept { fork });
+                }
+                Err(e) => a.rrefs.confirm(&a, fork, Some(e)),
+            }
+        });
+    }
+
+    // ---- serving ----
+
+    /// The transport's entry point.
+    pub(crate) fn deliver(self: &Arc<Self>, ev: Event) {
+        match ev {
+            Event::Message { from, env, bulk } => match wire::decode::<Envelope>(&env) {
+                Ok(Envelope::Response { id, result }) => {
+                    let p = self
+                        .pending
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .remove(&id);
+                    if let Some(p) = p {
+                        let r = result.map(|v| (v, bulk)).map_err(|f| Error::Remote {
+                            worker: self.name_of(p.to),
+                            what: p.what,
+                            message: f.message,
+                        });
+                        let _ = p.tx.send(r);
+                    }
+                }
+                Ok(Envelope::Request { id, req, args }) => {
+                    let a = self.clone();
+                    let active = Active::new(self);
+                    tokio::spawn(async move {
+                        let _active = active;
+                        a.serve(from, id, req, args, bulk).await
+                    });
+                }
+                Err(e) => {
+                    tracing::warn!(worker = %self.me.name, from, "dropped an undecodable message: {e}")
+                }
+            },
+            Event::Gone { peer, reason } => self.peer_gone(peer, &reason),
+        }
+    }
+
+    fn peer_gone(self: &Arc<Self>, peer: u32, reason: &str) {
+        let failed: Vec<Pending> = {
+            let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+            let ids: Vec<u64> = p
+                .iter()
+                .filter(|(_, v)| v.to == peer)
+                .map(|(k, _)| *k)
+                .collect();
+            ids.into_iter().filter_map(|i| p.remove(&i)).collect()
+        };
+        let worker = self.name_of(peer);
+        for p in failed {
+            let _ = p.tx.send(Err(Error::WorkerGone {
+                worker: worker.clone(),
+                what: p.what,
+                reason: reason.to_owned(),
+            }));
+        }
+        if !self.closed.load(Ordering::SeqCst) {
+            let leaks = self.rrefs.peer_gone(peer, &worker);
+            for l in &leaks {
+                tracing::warn!(worker = %self.me.name, "{l}");
+            }
+            self.leaks
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .extend(leaks);
+        }
+    }
+
+    async fn serve(self: Arc<Self>, from: u32, id: u64, req: Request, args: Vec<u8>, bulk: Bytes) {
+        let r = self.handle(from, req, args, bulk).await;
+        let (result, out_bulk) = match r {
+            Ok(e) => (Ok(e.bytes), e.bulk),
+            Err(m) => (Err(Failure { message: m }), Vec::new()),
+        };
+        let env = match wire::encode(&Envelope::Response { id, result }) {
+            Ok(e) => e,
+            Err(e) => {
+                tracing::warn!("encoding a response: {e}");
+                return;
+            }
+        };
+        if let Ok(t) = self.transport() {
+            if let Err(e) = t
+                .send(
+                    from,
+                    Outgoing {
+                        env,
+                        bulk: out_bulk,
+                    },
+                )
+                .await
+            {
+                tracing::debug!(worker = %self.me.name, "answer to {} not sent: {e}", self.name_of(from));
+            }
+        }
+    }
+
+    fn args(self: &Arc<Self>, from: u32, bytes: Vec<u8>, bulk: Bytes) -> Args {
+        Args {
+            rpc: Rpc(self.clone()),
+            from,
+            bytes,
+            bulk,
+        }
+    }
+
+    fn no_function(&self, func: &str) -> String {
+        format!(
+            "no function named {func:?} is registered on worker {}",
+            self.me.name
+        )
+    }
+
+    fn encode_value(
+        self: &Arc<Self>,
+        to: u32,
+        v: &dyn Value,
+    ) -> std::result::Result<Encoded, String> {
+        self.encode_for(to, true, || v.encode())
+    }
+
+    fn empty() -> Encoded {
+        Encoded {
+            bytes: wire::encode(&()).expect("unit"),
+            bulk: Vec::new(),
+            forks: Vec::new(),
+        }
+    }
+
+    async fn handle(
+        self: &Arc<Self>,
+        from: u32,
+        req: Request,
+        args: Vec<u8>,
+        bulk: Bytes,
+    ) -> std::result::Result<Encoded, String> {
+        match req {
+            Request::Call { func } => {
+                let h = self
+                    .functions
+                    .func(&func)
+                    .ok_or_else(|| self.no_function(&func))?;
+                let v = h(self.args(from, args, bulk)).await?;
+                self.encode_value(from, v.as_ref())
+            }
+            Request::Remote { func, rref, fork } => {
+                let what = format!("remote {func:?} from worker {}", self.name_of(from));
+                self.rrefs.remote_arrived(rref, fork, from, &what);
+                let r = match self.functions.func(&func) {
+                    Some(h) => h(self.args(from, args, bulk)).await,
+                    None => Err(self.no_function(&func)),
+                };
+                let answer = match &r {
+                    Ok(_) => Ok(Self::empty()),
+                    Err(m) => Err(m.clone()),
+                };
+                self.rrefs.set_value(rref, r);
+                self.rrefs.settle(rref);
+                answer
+            }
+            Request::Method { rref, method } => {
+                let h = self.functions.method(&method).ok_or_else(|| {
+                    format!(
+                        "no method named {method:?} is registered on worker {}",
+                        self.me.name
+                    )
+                })?;
+                let v = self
+                    .rrefs
+                    .owner_value(rref)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let r = h(self.args(from, args, bulk), v).await?;
+                self.encode_value(from, r.as_ref())
+            }
+            Request::Fetch { rref } => {
+                let v = self
+                    .rrefs
+                    .owner_value(rref)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let g = v.lock().unwrap_or_else(|e| e.into_inner());
+                self.encode_value(from, g.as_ref())
+            }
+            Request::Join {
+                info,
+                addr,
+                devices,
+            } => {
+                self.join_peer(info, &addr, &devices);
+                Ok(Self::empty())
+            }
+            Request::Leave { id } => {
+                self.remove_worker(id);
+                if let Ok(t) = self.transport() {
+                    t.remove_peer(id);
+                }
+                Ok(Self::empty())
+            }
+            Request::Ping => Ok(Self::empty()),
+            ref ctl => {
+                self.handle_control(from, ctl)?;
+                Ok(Self::empty())
+            }
+        }
+    }
+
+    fn handle_control(
+        self: &Arc<Self>,
+        from: u32,
+        req: &Request,
+    ) -> std::result::Result<(), String> {
+        match *req {
+            Request::UserDelete { rref, fork } => self.rrefs.user_delete(rref, fork),
+            Request::ForkRequest { rref, fork } => self.rrefs.fork_request(rref, fork, from),
+            Request::ChildAccept { fork } => self.rrefs.child_accept(fork),
+            _ => return Err(format!("{} is not a control message", req.describe())),
+        }
+        Ok(())
+    }
+
+    /// A worker joined (dynamic groups): learn its name, address and the
+    /// inverse of its map towards us.
+    pub(crate) fn join_peer(&self, info: WorkerInfo, addr: &str, devices: &DeviceInfo) {
+        if let Some(m) = devices.maps.get(&self.me.name) {
+            self.reverse
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(info.name.clone(), m.iter().map(|(k, v)| (*v, *k)).collect());
+        }
+        if let Ok(t) = self.transport() {
+            t.add_peer(info.id, addr);
+        }
+        self.add_worker(info);
+    }
+
+    // ---- shutdown ----
+
+    async fn wait_idle(&self, deadline: Option<Instant>) -> bool {
+        loop {
+            let n = self.idle.notified();
+            tokio::pin!(n);
+            n.as_mut().enable();
+            if self.active.load(Ordering::SeqCst) == 0 {
+                return true;
+            }
+            match deadline {
+                Some(d) => {
+                    if tokio::time::timeout_at(d, n).await.is_err() {
+                        return false;
+                    }
+                }
+                None => n.await,
+            }
+        }
+    }
+
+    /// Releases this worker's users and waits (bounded) until its children
+    /// are accepted and the users of what it owns are deleted.
+    async fn release_and_drain(self: &Arc<Self>, deadline: Option<Instant>) -> bool {
+        loop {
+            let (dels, _) = self.rrefs.release_users();
+            for (owner, rref, fork) in dels {
+                self.send_control(owner, Request::UserDelete { rref, fork });
+            }
+            let n = self.rrefs.changed.notified();
+            tokio::pin!(n);
+            n.as_mut().enable();
+            if self.rrefs.settled() {
+                return true;
+            }
+            // Confirmations and deletions arrive as messages; re-check on each
+            // change, and at least every 20 ms for confirmations.
+            let step = Instant::now() + Duration::from_millis(20);
+            let until = deadline.map_or(step, |d| d.min(step));
+            let _ = tokio::time::timeout_at(until, n).await;
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return self.rrefs.settled();
+            }
+        }
+    }
+
+    pub(crate) async fn shutdown(
+        self: &Arc<Self>,
+        graceful: bool,
+        timeout: Option<Duration>,
+    ) -> Result<ShutdownReport> {
+        let mut done = self.shut.lock().await;
+        if *done {
+            return Ok(ShutdownReport::default());
+        }
+        let deadline = timeout.filter(|t| !t.is_zero()).map(|t| Instant::now() + t);
+        let r = if graceful {
+            self.graceful(deadline).await
+        } else {
+            Ok(())
+        };
+        // Teardown runs whatever happened above.
+        self.closed.store(true, Ordering::SeqCst);
+        let left: Vec<Pending> = self
+            .pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain()
+            .map(|(_, p)| p)
+            .collect();
+        for p in left {
+            let _ = p.tx.send(Err(Error::Shutdown(self.me.name.clone())));
+        }
+        if let Ok(t) = self.transport() {
+            t.shutdown(graceful).await;
+        }
+        if let Some(Membership::Static(pg)) = self.membership.get() {
+            if !graceful {
+                pg.abort("the RPC agent shut down without waiting for the others");
+            }
+        }
+        *done = true;
+        let mut leaked = std::mem::take(&mut *self.leaks.lock().unwrap_or_else(|e| e.into_inner()));
+        if graceful {
+            leaked.extend(self.rrefs.leaks(&|id| self.name_of(id)));
+        }
+        for l in &leaked {
+            tracing::warn!(worker = %self.me.name, "leaked at shutdown: {l}");
+        }
+        match r {
+            Ok(()) => Ok(ShutdownReport { leaked }),
+            Err(Error::ShutdownIncomplete {
+                worker,
+                mut message,
+            }) if !leaked.is_empty() => {
+                let l: Vec<String> = leaked.iter().map(|l| l.to_string()).collect();
+                message.push_str(&format!("; leaked: {}", l.join("; ")));
+                Err(Error::ShutdownIncomplete { worker, message })
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn graceful(self: &Arc<Self>, deadline: Option<Instant>) -> Result<()> {
+        let left =
+            |d: Option<Instant>| d.map_or(FOREVER, |d| d.saturating_duration_since(Instant::now()));
+        let fail = |m: String| Error::ShutdownIncomplete {
+            worker: self.me.name.clone(),
+            message: m,
+        };
+        match self.membership.get() {
+            Some(Membership::Static(pg)) => {
+                // 1. Everyone has reached shutdown.
+                pg.with_timeout(left(deadline))
+                    .barrier()
+                    .await
+                    .map_err(|e| {
+                        fail(format!("waiting for every worker to reach shutdown: {e}"))
+                    })?;
+                // 2. Users released, owners drained.
+                if !self.release_and_drain(deadline).await {
+                    tracing::warn!(worker = %self.me.name, "RRefs still referenced when shutdown stopped waiting");
+                }
+                // 3. No call in flight anywhere.
+                loop {
+                    self.wait_idle(deadline).await;
+                    let mut n = [self.active.load(Ordering::SeqCst) as u64];
+                    pg.with_timeout(left(deadline))
+                        .all_reduce(&mut n, rallypoint_collectives::ReduceOp::Sum)
+                        .await
+                        .map_err(|e| {
+                            fail(format!("waiting for every worker's calls to finish: {e}"))
+                        })?;
+                    if n[0] == 0 {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+                Ok(())
+            }
+            Some(Membership::Dynamic(d)) => {
+                d.leave(self, deadline)
+                    .await
+                    .map_err(|e| fail(e.to_string()))?;
+                self.release_and_drain(deadline).await;
+                self.wait_idle(deadline).await;
+                Ok(())
+            }
+            None => Ok(()),
+        }
+    }
+
+    pub(crate) async fn request_raw(
+        self: &Arc<Self>,
+        to: u32,
+        req: Request,
+        timeout: Option<Duration>,
+    ) -> Result<()> {
+        self.call_raw(to, req, Self::empty(), timeout)
+            .await
+            .map(|_| ())
+    }
+}
+
+impl Rpc {
+    /// This worker.
+    pub fn me(&self) -> &WorkerInfo {
+        &self.0.me
+    }
+
+    /// A worker by name (PyTorch's `get_worker_info(name)`).
+    pub fn get_worker_info(&self, name: &str) -> Result<WorkerInfo> {
+        self.0.worker_by_id(self.0.id_of(name)?)
+    }
+
+    /// Every worker this one knows, by id.
+    pub fn workers(&self) -> Vec<WorkerInfo> {
+        self.0
+            .workers
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .by_id
+            .values()
+            .cloned()
+            .collect()
+    }
+
+    /// The functions this worker serves (to add more after init).
+    pub fn functions(&self) -> &Functions {
+        &self.0.functions
+    }
+
+    /// The devices this worker uses (declared, or derived from the maps).
+    pub fn devices(&self) -> Vec<Device> {
+        self.0
+            .devices
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// The inverse of each peer's device map towards this worker.
+    pub fn reverse_device_maps(&self) -> BTreeMap<String, DeviceMap> {
+        self.0
+            .reverse
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Where this worker's transport listens (empty if it has no address).
+    pub fn address(&self) -> String {
+        self.0
+            .transport
+            .get()
+            .map(|t| t.address())
+            .unwrap_or_default()
+    }
+
+    /// The default timeout for calls.
+    pub fn default_timeout(&self) -> Duration {
+        self.0.default_timeout
+    }
+
+    pub(crate) async fn request<A: Serialize, R: DeserializeOwned>(
+        &self,
+        to: u32,
+        req: Request,
+        args: &A,
+        timeout: Option<Duration>,
+    ) -> Result<R> {
+        let a = &self.0;
+        let enc = a
+            .encode_for(to, false, || wire::encode(args))
+            .map_err(Error::Codec)?;
+        let (bytes, bulk) = a.call_raw(to, req, enc, timeout).await?;
+        a.decode_from::<R>(to, &bytes, bulk)
+            .map(|(r, _)| r)
+            .map_err(|e| {
+                Error::Codec(format!(
+                    "decoding the answer of worker {}: {e}",
+                    a.name_of(to)
+                ))
+            })
+    }
+
+    /// Calls `func` on `to` and waits for its result (the default timeout).
+    pub async fn rpc_sync<A: Serialize, R: DeserializeOwned>(
+        &self,
+        to: impl ToWorker,
+        func: &str,
+        args: &A,
+    ) -> Result<R> {
+        self.rpc_sync_timeout(to, func, args, None).await
+    }
+
+    /// [`Rpc::rpc_sync`] with a timeout: `None` is the default,
+    /// `Some(Duration::ZERO)` never expires.
+    pub async fn rpc_sync_timeout<A: Serialize, R: DeserializeOwned>(
+        &self,
+        to: impl ToWorker,
+        func: &str,
+        args: &A,
+        timeout: Option<Duration>,
+    ) -> Result<R> {
+        let to = to.worker_id(&self.0)?;
+        self.request(
+            to,
+            Request::Call {
+                func: func.to_owned(),
+            },
+            args,
+            timeout,
+        )
+        .await
+    }
+
+    /// Starts a call of `func` on `to` and returns at once; await the handle
+    /// for the result.
+    pub fn rpc_async<A: Serialize, R: DeserializeOwned + Send + 'static>(
+        &self,
+        to: impl ToWorker,
+        func: &str,
+        args: &A,
+    ) -> RpcFuture<R> {
+        self.rpc_async_timeout(to, func, args, None)
+    }
+
+    /// [`Rpc::rpc_async`] with a timeout (as [`Rpc::rpc_sync_timeout`]).
+    pub fn rpc_async_timeout<A: Serialize, R: DeserializeOwned + Send + 'static>(
+        &self,
+        to: impl ToWorker,
+        func: &str,
+        args: &A,
+        timeout: Option<Duration>,
+    ) -> RpcFuture<R> {
+        let a = self.0.clone();
+        let start = (|| {
+            let to = to.worker_id(&a)?;
+            let enc = a
+                .encode_for(to, false, || wire::encode(args))
+                .map_err(Error::Codec)?;
+            Ok((to, enc))
+        })();
+        let func = func.to_owned();
+        RpcFuture(tokio::spawn(async move {
+            let (to, enc) = start?;
+            let (bytes, bulk) = a.call_raw(to, Request::Call { func }, enc, timeout).await?;
+            a.decode_from::<R>(to, &bytes, bulk)
+                .map(|(r, _)| r)
+                .map_err(|e| {
+                    Error::Codec(format!(
+                        "decoding the answer of worker {}: {e}",
+                        a.name_of(to)
+                    ))
+                })
+        }))
+    }
+
+    /// Runs `func` on `to` and keeps its result there, returning a reference
+    /// owned by `to` (PyTorch's `rpc.remote`). Returns at once; a failure is
+    /// recorded on the RRef and reported by its next use.
+    pub fn remote<A: Serialize, T: Serialize + DeserializeOwned + Send + 'static>(
+        &self,
+        to: impl ToWorker,
+        func: &str,
+        args: &A,
+    ) -> Result<RRef<T>> {
+        self.remote_timeout(to, func, args, None)
+    }
+
+    /// [`Rpc::remote`] with a timeout for the creation.
+    pub fn remote_timeout<A: Serialize, T: Serialize + DeserializeOwned + Send + 'static>(
+        &self,
+        to: impl ToWorker,
+        func: &str,
+        args: &A,
+        timeout: Option<Duration>,
+    ) -> Result<RRef<T>> {
+        let a = &self.0;
+        let to = to.worker_id(a)?;
+        let type_name = std::any::type_name::<T>();
+        let enc = a
+            .encode_for(to, false, || wire::encode(args))
+            .map_err(Error::Codec)?;
+        if to == a.me.id {
+            let what = format!("remote {func:?} on worker {} itself", a.me.name);
+            let h = a.rrefs.new_owned(a, what, type_name);
+            let (rref, a2, func) = (h.id, a.clone(), func.to_owned());
+            let active = Active::new(a);
+            tokio::spawn(async move {
+                let _active = active;
+                let r = match a2.functions.func(&func) {
+                    Some(f) => f(a2.args(a2.me.id, enc.bytes, concat(enc.bulk))).await,
+                    None => Err(a2.no_function(&func)),
+                };
+                a2.rrefs.set_value(rref, r);
+                a2.rrefs.settle(rref);
+            });
+            return Ok(RRef::from_handle(h));
+        }
+        let what = format!(
+            "remote {func:?} on worker {} from {}",
+            a.name_of(to),
+            a.me.name
+        );
+        let h = a.rrefs.new_user(a, to, what, type_name);
+        let (rref, fork) = (h.id, h.fork.expect("a user"));
+        let (a2, func) = (a.clone(), func.to_owned());
+        tokio::spawn(async move {
+            let r = a2
+                .call_raw(to, Request::Remote { func, rref, fork }, enc, timeout)
+                .await;
+            let err = match r {
+                Ok(_) => None,
+                Err(Error::Timeout { worker, ms, .. }) => Some(Error::Timeout {
+                    worker,
+                    what: "RRef creation via rpc.remote()".into(),
+                    ms,
+                }),
+                Err(e) => Some(e),
+            };
+            a2.rrefs.confirm(&a2, fork, err);
+        });
+        Ok(RRef::from_handle(h))
+    }
+
+    /// A local value behind an RRef owned by this worker (PyTorch's
+    /// `RRef(value)`), to pass to others.
+    pub fn rref<T: Serialize + DeserializeOwned + Send + 'static>(&self, value: T) -> RRef<T> {
+        let a = &self.0;
+        let h = a.rrefs.new_owned(
+            a,
+            format!("a local value of worker {}", a.me.name),
+            std::any::type_name::<T>(),
+        );
+        a.rrefs.set_value(h.id, Ok(Box::new(value)));
+        RRef::from_handle(h)
+    }
+
+    /// Sends an empty request to every worker, opening connections ahead of use.
+    pub async fn ping_all(&self) -> Result<()> {
+        for w in self.workers() {
+            self.0.request_raw(w.id, Request::Ping, None).await?;
+        }
+        Ok(())
+    }
+
+    /// Shuts the agent down. `graceful`: wait for every worker, release
+    /// references and let calls in flight everywhere finish, then tear down;
+    /// otherwise tear down at once. `timeout` bounds the graceful part
+    /// (`None` or zero: unbounded); teardown always runs.
+    pub async fn shutdown(
+        &self,
+        graceful: bool,
+        timeout: Option<Duration>,
+    ) -> Result<ShutdownReport> {
+        self.0.shutdown(graceful, timeout).await
+    }
+
+    /// Counts of RRef bookkeeping on this worker: (owned values, users,
+    /// parents waiting for their children). For tests and diagnostics.
+    pub fn rref_counts(&self) -> (usize, usize, usize) {
+        self.0.rrefs.counts()
+    }
+
+    /// Calls in flight on this worker (outgoing, being served, control).
+    pub fn active_calls(&self) -> usize {
+        self.0.active.load(Ordering::SeqCst)
+    }
+}
+
+fn concat(parts: Vec<Bytes>) -> Bytes {
+    match parts.len() {
+        0 => Bytes::new(),
+        1 => parts.into_iter().next().expect("one"),
+        _ => {
+            let mut v = Vec::with_capacity(parts.iter().map(|p| p.len()).sum());
+            for p in parts {
+                v.extend_from_slice(&p);
+            }
+            v.into()
+        }
+    }
+}
+
+/// The result of [`Rpc::rpc_async`], which is already under way.
+pub struct RpcFuture<R>(tokio::task::JoinHandle<Result<R>>);
+
+impl<R> Future for RpcFuture<R> {
+    type Output = Result<R>;
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<R>> {
+        std::pin::Pin::new(&mut self.0).poll(cx).map(|r| match r {
+            Ok(r) => r,
+            Err(e) => Err(Error::Shutdown(format!("(call task ended: {e})"))),
+        })
+    }
+}

@@ -1,0 +1,146 @@
+//! The PROCESS_GROUP backend: RPC over the process group's send and receive,
+//! as PyTorch had up to 1.9.
+//!
+//! Each message is two point-to-point sends under fixed tags: a 16-byte head
+//! (envelope and bulk lengths) and the body. One task per peer receives from it
+//! in a loop, with no deadline (an idle agent is not an error, unlike PyTorch's,
+//! whose process-group timeout killed idle RPC, #38531). Sends to one peer are
+//! serialised so heads and bodies pair up. Static groups only. A dead worker
+//! aborts the process group, which fails every call in flight, naming it: the
+//! group cannot go on without a member, as PyTorch's agent could not.
+
+use std::sync::Mutex;
+
+use bytes::Bytes;
+use rallypoint_collectives::ProcessGroup;
+use tokio::task::JoinHandle;
+
+use crate::agent::FOREVER;
+use crate::transport::{BoxFuture, Deliver, Event, Outgoing, Transport};
+
+const TAG_HEAD: u32 = 0x5250_0001;
+const TAG_BODY: u32 = 0x5250_0002;
+const CLOSE: u64 = u64::MAX;
+
+/// The process-group transport.
+pub struct PgTransport {
+    pg: ProcessGroup,
+    sends: Vec<tokio::sync::Mutex<()>>,
+    loops: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl PgTransport {
+    pub fn start(pg: ProcessGroup, deliver: Deliver) -> PgTransport {
+        let pg = pg.with_timeout(FOREVER);
+        let me = pg.rank();
+        let loops = (0..pg.size())
+            .filter(|&p| p != me)
+            .map(|p| tokio::spawn(recv_loop(pg.clone(), p, deliver.clone())))
+            .collect();
+        PgTransport {
+            sends: (0..pg.size())
+                .map(|_| tokio::sync::Mutex::new(()))
+                .collect(),
+            pg,
+            loops: Mutex::new(loops),
+        }
+    }
+}
+
+async fn recv_loop(pg: ProcessGroup, src: usize, deliver: Deliver) {
+    let reason = loop {
+        let mut head = [0u64; 2];
+        if let Err(e) = pg.recv(&mut head, src, TAG_HEAD).await {
+            break e.to_string();
+        }
+        if head[0] == CLOSE {
+            return;
+        }
+        let Some(len) = head[0].checked_add(head[1]).filter(|l| *l <= 1 << 40) else {
+            break format!("it announced a message of {} + {} bytes", head[0], head[1]);
+        };
+        let mut body = vec![0u8; len as usize];
+        if let Err(e) = pg.recv(&mut body, src, TAG_BODY).await {
+            break e.to_string();
+        }
+        let bulk = Bytes::from(body);
+        let env = bulk.slice(..head[0] as usize).to_vec();
+        deliver(Event::Message {
+            from: src as u32,
+            env,
+            bulk: bulk.slice(head[0] as usize..),
+        });
+    };
+    deliver(Event::Gone {
+        peer: src as u32,
+        reason,
+    });
+}
+
+impl Transport for PgTransport {
+    fn address(&self) -> String {
+        String::new()
+    }
+
+    fn add_peer(&self, _id: u32, _addr: &str) {}
+
+    fn remove_peer(&self, _id: u32) {}
+
+    fn send(&self, to: u32, msg: Outgoing) -> BoxFuture<'_, Result<(), String>> {
+        Box::pin(async move {
+            let to = to as usize;
+            if to == self.pg.rank() {
+                return Err("the PROCESS_GROUP backend does not send to itself".into());
+            }
+            let lock = self
+                .sends
+                .get(to)
+                .ok_or_else(|| format!("no worker {to}"))?;
+            let _g = lock.lock().await;
+            let mut body = Vec::with_capacity(msg.env.len() + msg.bulk_len() as usize);
+            body.extend_from_slice(&msg.env);
+            for b in &msg.bulk {
+                body.extend_from_slice(b);
+            }
+            let head = [msg.env.len() as u64, msg.bulk_len()];
+            self.pg
+                .send(&head, to, TAG_HEAD)
+                .await
+                .map_err(|e| e.to_string())?;
+            self.pg
+                .send(&body, to, TAG_BODY)
+                .await
+                .map_err(|e| e.to_string())
+        })
+    }
+
+    fn shutdown(&self, graceful: bool) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            if graceful {
+                for p in (0..self.pg.size()).filter(|&p| p != self.pg.rank()) {
+                    let _g = self.sends[p].lock().await;
+                    let _ = tokio::time::timeout(
+                        std::time::Duration::from_secs(5),
+                        self.pg.send(&[CLOSE, 0], p, TAG_HEAD),
+                    )
+                    .await;
+                }
+                let loops =
+                    std::mem::take(&mut *self.loops.lock().unwrap_or_else(|e| e.into_inner()));
+                for l in loops {
+                    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), l).await;
+                }
+            } else {
+                self.pg.abort("the RPC agent shut down");
+                for l in self
+                    .loops
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .drain(..)
+                {
+                    l.abort();
+                }
+            }
+        })
+    }
+}

@@ -1,0 +1,58 @@
+//! What a backend provides: moving messages between workers.
+//!
+//! Everything else (calls, remote references, shutdown, device maps) is the
+//! agent's, shared by every backend, so a third-party backend implements only
+//! [`Transport`] and gets the rest.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// A message to send: the encoded envelope and its out-of-band bulk.
+#[derive(Debug, Clone, Default)]
+pub struct Outgoing {
+    pub env: Vec<u8>,
+    pub bulk: Vec<Bytes>,
+}
+
+impl Outgoing {
+    pub fn bulk_len(&self) -> u64 {
+        self.bulk.iter().map(|b| b.len() as u64).sum()
+    }
+}
+
+/// What a transport hands to the agent.
+#[derive(Debug)]
+pub enum Event {
+    /// A whole message from worker `from`.
+    Message {
+        from: u32,
+        env: Vec<u8>,
+        bulk: Bytes,
+    },
+    /// Worker `peer` can no longer be reached (its connection closed or
+    /// failed); calls waiting on it fail with `reason`.
+    Gone { peer: u32, reason: String },
+}
+
+/// The agent's entry point for events; transports call it from their tasks.
+pub type Deliver = Arc<dyn Fn(Event) + Send + Sync>;
+
+/// Moves messages between workers.
+pub trait Transport: Send + Sync + 'static {
+    /// Where peers reach this worker (published at init; may be empty for
+    /// transports that need no address).
+    fn address(&self) -> String;
+    /// Worker `id` listens at `addr` (static groups at init, dynamic ones on join).
+    fn add_peer(&self, id: u32, addr: &str);
+    /// Worker `id` left: drop its connections.
+    fn remove_peer(&self, id: u32);
+    /// Sends one message; returns once it is handed to the network or failed.
+    fn send(&self, to: u32, msg: Outgoing) -> BoxFuture<'_, Result<(), String>>;
+    /// Closes everything. Called once, at the end of shutdown.
+    fn shutdown(&self, graceful: bool) -> BoxFuture<'_, ()>;
+}

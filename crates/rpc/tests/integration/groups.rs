@@ -1,0 +1,221 @@
+//! The registry, names, dynamic groups.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use rallypoint_rpc::registry::{BackendContext, OptionsArgs};
+use rallypoint_rpc::transport::{BoxFuture, Outgoing, Transport};
+use rallypoint_rpc::{
+    backend_registered, backends, construct_rpc_backend_options, init_rpc_with_store,
+    register_backend, BackendType, Error, RpcBackendOptions,
+};
+use rallypoint_store::{MemoryStore, Store};
+
+use crate::harness::*;
+
+/// A third-party backend: TCP underneath, counting what it sends.
+struct Counting {
+    inner: Arc<dyn Transport>,
+    sent: Arc<AtomicUsize>,
+}
+
+impl Transport for Counting {
+    fn address(&self) -> String {
+        self.inner.address()
+    }
+    fn add_peer(&self, id: u32, addr: &str) {
+        self.inner.add_peer(id, addr)
+    }
+    fn remove_peer(&self, id: u32) {
+        self.inner.remove_peer(id)
+    }
+    fn send(&self, to: u32, msg: Outgoing) -> BoxFuture<'_, Result<(), String>> {
+        self.sent.fetch_add(1, Ordering::SeqCst);
+        self.inner.send(to, msg)
+    }
+    fn shutdown(&self, graceful: bool) -> BoxFuture<'_, ()> {
+        self.inner.shutdown(graceful)
+    }
+}
+
+static SENT: std::sync::OnceLock<Arc<AtomicUsize>> = std::sync::OnceLock::new();
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_third_party_backend_registers_and_works() {
+    let sent = SENT.get_or_init(Default::default).clone();
+    let ty = register_backend(
+        "COUNTING",
+        Arc::new(|a: OptionsArgs| {
+            Ok(RpcBackendOptions {
+                rpc_timeout: a.rpc_timeout,
+                init_method: a.init_method,
+                ..Default::default()
+            })
+        }),
+        Arc::new(|cx: BackendContext| {
+            Box::pin(async move {
+                let mut cx = cx;
+                cx.options.tcp.listen = Some(std::net::Ipv4Addr::LOCALHOST.into());
+                let inner = rallypoint_rpc::init_backend(&BackendType::tcp(), cx).await?;
+                Ok(Arc::new(Counting {
+                    inner,
+                    sent: SENT.get().unwrap().clone(),
+                }) as Arc<dyn Transport>)
+            })
+        }),
+    )
+    .unwrap();
+    assert!(backend_registered("COUNTING"));
+    assert!(backends().contains(&ty));
+    assert!(
+        backends().contains(&BackendType::tcp())
+            && backends().contains(&BackendType::process_group())
+    );
+    let e = register_backend(
+        "COUNTING",
+        Arc::new(|_| unreachable!()),
+        Arc::new(|_| unreachable!()),
+    )
+    .unwrap_err();
+    assert_eq!(e.to_string(), "RPC backend COUNTING: already registered");
+    let o = construct_rpc_backend_options(
+        &ty,
+        std::time::Duration::from_secs(5),
+        "env://",
+        Default::default(),
+    )
+    .unwrap();
+    assert_eq!(o.rpc_timeout, std::time::Duration::from_secs(5));
+
+    let ws = group(2, ty).await;
+    let before = sent.load(Ordering::SeqCst);
+    let v: i64 = ws[0].rpc_sync("w1", "add", &(1i64, 1i64)).await.unwrap();
+    assert_eq!(v, 2);
+    assert!(
+        sent.load(Ordering::SeqCst) >= before + 2,
+        "the request and its answer went through it"
+    );
+    shutdown_all(ws).await;
+}
+
+#[tokio::test]
+async fn unknown_backends_and_options_are_named() {
+    let e = construct_rpc_backend_options(
+        &"NOPE".into(),
+        Default::default(),
+        "env://",
+        Default::default(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("no RPC backend named \"NOPE\"") && e.contains("TCP"),
+        "{e}"
+    );
+    let extra = [("num_stream".to_owned(), "2".to_owned())].into();
+    let e = construct_rpc_backend_options(&BackendType::tcp(), Default::default(), "env://", extra)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("unknown TCP backend option \"num_stream\""),
+        "{e}"
+    );
+    let extra = [("num_streams".to_owned(), "8".to_owned())].into();
+    let o = construct_rpc_backend_options(&BackendType::tcp(), Default::default(), "env://", extra)
+        .unwrap();
+    assert_eq!(o.tcp.streams, 8);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn names_follow_pytorch_rules_and_must_be_unique() {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    for bad in ["", "a b", "x/y", &"n".repeat(128)] {
+        let e = init_rpc_with_store(
+            store.clone(),
+            bad,
+            BackendType::tcp(),
+            0,
+            Some(1),
+            options(),
+        )
+        .await
+        .err()
+        .unwrap();
+        assert!(matches!(e, Error::Invalid(_)), "{bad:?}: {e}");
+    }
+    // Two workers named alike: both fail, naming both ranks.
+    let tasks: Vec<_> = (0..2u32)
+        .map(|r| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                init_rpc_with_store(
+                    store,
+                    "same:name-1",
+                    BackendType::tcp(),
+                    r,
+                    Some(2),
+                    options(),
+                )
+                .await
+            })
+        })
+        .collect();
+    for t in tasks {
+        let e = t
+            .await
+            .unwrap()
+            .err()
+            .expect("duplicate names fail")
+            .to_string();
+        assert!(
+            e.contains("\"same:name-1\" is not unique: ranks 0 and 1"),
+            "{e}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dynamic_workers_join_and_leave() {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let join = |name: &'static str, rank: u32| {
+        init_rpc_with_store(
+            store.clone(),
+            name,
+            BackendType::tcp(),
+            rank,
+            None,
+            options(),
+        )
+    };
+    let a = join("a", 0).await.unwrap();
+    let b = join("b", 1).await.unwrap();
+    assert_eq!(a.workers().len(), 2, "a learned of b");
+    let v: i64 = a.rpc_sync("b", "add", &(1i64, 2i64)).await.unwrap();
+    assert_eq!(v, 3);
+    let v: i64 = b.rpc_sync("a", "add", &(3i64, 4i64)).await.unwrap();
+    assert_eq!(v, 7);
+    // A name already in the group is refused, naming both ranks.
+    let e = join("a", 5).await.err().unwrap().to_string();
+    assert!(e.contains("\"a\" is not unique: ranks 0 and 5"), "{e}");
+    // A static member cannot join a dynamic group.
+    let e = init_rpc_with_store(
+        store.clone(),
+        "s",
+        BackendType::tcp(),
+        0,
+        Some(3),
+        options(),
+    )
+    .await
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(e.contains("cannot mix static and dynamic members"), "{e}");
+    b.shutdown(true, None).await.unwrap();
+    assert_eq!(a.workers().len(), 1, "b's leave reached a");
+    let c = join("c", 2).await.unwrap();
+    let v: i64 = c.rpc_sync("a", "add", &(1i64, 1i64)).await.unwrap();
+    assert_eq!(v, 2);
+    c.shutdown(true, None).await.unwrap();
+    a.shutdown(true, None).await.unwrap();
+}

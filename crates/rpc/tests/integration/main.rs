@@ -1,0 +1,9 @@
+//! In-process RPC groups over real TCP (and the process-group backend).
+
+mod harness;
+
+mod calls;
+mod devices;
+mod groups;
+mod rrefs;
+mod shutdown;
