@@ -384,7 +384,7 @@ fn raw_tcp(bytes: u64) -> Result<(f64, f64)> {
     Ok((one, both))
 }
 
-fn raw_pair(bytes: u64, duplex: bool) -> Result<f64> {
+pub(crate) fn raw_pair(bytes: u64, duplex: bool) -> Result<f64> {
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let port = listener.local_addr()?.port();
     drop(listener);

@@ -16,7 +16,8 @@
 //! `rallypoint-bench launch` compares our launcher with PyTorch's `start_processes`
 //! (see `launch.rs`); `rallypoint-bench agent` compares `rally run` with torchrun
 //! (see `agent.rs`); `rallypoint-bench collectives` compares our process group
-//! with torch's gloo (see `collectives.rs`).
+//! with torch's gloo (see `collectives.rs`); `rallypoint-bench rpc` compares our
+//! RPC with PyTorch's TensorPipe agent (see `rpc.rs`).
 
 use std::io::{Read, Write};
 use std::net::SocketAddr;
@@ -37,6 +38,7 @@ mod agent;
 mod collectives;
 mod launch;
 mod rendezvous;
+mod rpc;
 
 pub use launch::LaunchArgs;
 
@@ -58,6 +60,14 @@ enum Cmd {
     Rendezvous(rendezvous::RendezvousArgs),
     /// Collectives: our process group against torch's gloo, and the raw TCP ceiling.
     Collectives(collectives::CollectivesArgs),
+    /// RPC: ours against PyTorch's (TensorPipe), and the raw TCP ceilings.
+    Rpc(rpc::RpcArgs),
+    /// (internal) One of our RPC workers.
+    #[command(hide = true)]
+    RpcWorker { mode: String },
+    /// (internal) The echoing side of the raw TCP ping-pong.
+    #[command(hide = true)]
+    RpcPing { port: u16, rounds: usize },
     /// (internal) One of our collectives ranks.
     #[command(hide = true)]
     CollRank {
@@ -148,6 +158,9 @@ fn main() -> Result<()> {
         Cmd::Rendezvous(args) => rendezvous::run(args),
         Cmd::Echo { req, reply } => async_echo(req, reply),
         Cmd::Collectives(args) => collectives::run(args),
+        Cmd::Rpc(args) => rpc::run(args),
+        Cmd::RpcWorker { mode } => rpc::worker(&mode),
+        Cmd::RpcPing { port, rounds } => rpc::ping(port, rounds),
         Cmd::CollRank {
             port,
             prefix,

@@ -487,7 +487,7 @@ impl RRefContext {
             u.confirmed = true;
             u.error = error;
             u.notify.notify_waiters();
-            u.dropped.then(|| (u.owner, u.rref))
+            u.dropped.then_some((u.owner, u.rref))
         };
         if let Some((owner, rref)) = delete {
             self.lock().users.remove(&fork);

@@ -1,0 +1,306 @@
+//! `rallypoint-bench rpc`: our RPC against PyTorch's (TensorPipe), in the same
+//! run, each worker in its own process, both sides on one of our store servers
+//! (env:// with `TORCHELASTIC_USE_AGENT_STORE=True`: every worker a client).
+//!
+//! Figures, per side: the round trip of an empty call (worker 0 to worker 1,
+//! one at a time), calls per second with 64 in flight (in batches of 64, as
+//! `torch.futures.wait_all` does them), a 256 MiB payload sent as an argument
+//! (bytes per second; the answer is its length), and `init_rpc` plus graceful
+//! shutdown for 2, 8 and 32 workers (from the moment the last worker starts
+//! `init_rpc` to the moment the last one returns from shutdown). The ceilings
+//! come from the same run: a raw TCP ping-pong of 64-byte messages between two
+//! processes (blocking sockets), and raw one-way TCP bandwidth.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use rallypoint_rpc::{init_rpc, Payload, RpcBackendOptions};
+
+#[derive(clap::Args, Clone)]
+pub struct RpcArgs {
+    /// World sizes for the init + shutdown measurement.
+    #[arg(long, value_delimiter = ',', default_value = "2,8,32")]
+    workers: Vec<usize>,
+    /// Sides: rally, torch.
+    #[arg(long, value_delimiter = ',', default_value = "rally,torch")]
+    sides: Vec<String>,
+    /// Sequential round trips timed (calls per second uses 5x as many calls).
+    #[arg(long, default_value_t = 2000)]
+    rounds: usize,
+    /// Payload size in bytes.
+    #[arg(long, default_value_t = 256 << 20)]
+    payload_bytes: usize,
+    /// Repetitions of the whole comparison.
+    #[arg(long, default_value_t = 1)]
+    repeat: usize,
+}
+
+const WINDOW: usize = 64;
+
+struct StoreServer {
+    rt: tokio::runtime::Runtime,
+    port: u16,
+    _server: Box<dyn std::any::Any>,
+}
+
+fn store_server() -> Result<StoreServer> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    let server = rt.block_on(rallypoint_store::server::Server::bind(
+        "127.0.0.1:0".parse()?,
+        Default::default(),
+    ))?;
+    let port = server.local_addr().port();
+    let handle = rt.block_on(async { server.spawn() });
+    Ok(StoreServer {
+        rt,
+        port,
+        _server: Box::new(handle),
+    })
+}
+
+/// Runs `n` workers of `side` in `mode`; returns every worker's RESULT pairs.
+fn workers(side: &str, mode: &str, n: usize, args: &RpcArgs) -> Result<Vec<Vec<(String, f64)>>> {
+    let server = store_server()?;
+    let mut children = Vec::new();
+    for r in 0..n {
+        let mut c = match side {
+            "rally" => {
+                let mut c = Command::new(std::env::current_exe()?);
+                c.args(["rpc-worker", mode]);
+                c
+            }
+            "torch" => {
+                let mut c = Command::new(crate::python());
+                c.arg(crate::repo_root().join("crates/bench/py/rpc_bench.py"))
+                    .arg(mode);
+                c
+            }
+            other => bail!("unknown side {other}"),
+        };
+        c.env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", server.port.to_string())
+            .env("TORCHELASTIC_USE_AGENT_STORE", "True")
+            .env("RANK", r.to_string())
+            .env("WORLD_SIZE", n.to_string())
+            .env("RALLY_BENCH_ROUNDS", args.rounds.to_string())
+            .env("RALLY_BENCH_PAYLOAD", args.payload_bytes.to_string())
+            .env("OMP_NUM_THREADS", "1")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        children.push(c.spawn().with_context(|| format!("starting {side} worker {r}"))?);
+    }
+    let mut out = Vec::new();
+    for (r, c) in children.into_iter().enumerate() {
+        let o = c.wait_with_output()?;
+        if !o.status.success() {
+            bail!("{side} worker {r} ({mode}) exited with {}", o.status);
+        }
+        out.push(
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .filter_map(|l| l.strip_prefix("RESULT "))
+                .filter_map(|l| {
+                    let (k, v) = l.split_once(' ')?;
+                    Some((k.to_owned(), v.trim().parse().ok()?))
+                })
+                .collect(),
+        );
+    }
+    drop(server.rt);
+    Ok(out)
+}
+
+fn get(r: &[(String, f64)], k: &str) -> Option<f64> {
+    r.iter().find(|(x, _)| x == k).map(|(_, v)| *v)
+}
+
+pub fn run(args: RpcArgs) -> Result<()> {
+    for rep in 0..args.repeat {
+        let rtt = raw_rtt(20_000)?;
+        let bw = crate::collectives::raw_pair(1 << 30, false)?;
+        println!(
+            "\n# repetition {}: raw TCP, same run: 64-byte ping-pong round trip {:.1} us; one-way bandwidth {:.2} GB/s",
+            rep + 1,
+            rtt * 1e6,
+            bw / 1e9
+        );
+        let mut calls = std::collections::BTreeMap::new();
+        for side in &args.sides {
+            let r = workers(side, "calls", 2, &args)?;
+            calls.insert(side.clone(), r[0].clone());
+        }
+        let (ours, torch) = (calls.get("rally"), calls.get("torch"));
+        let f = |s: Option<&Vec<(String, f64)>>, k: &str| s.and_then(|s| get(s, k));
+        println!("\n| figure | ours | PyTorch (TensorPipe) | ours vs PyTorch | ours vs raw TCP |");
+        println!("|---|---:|---:|---:|---:|");
+        let (a, b) = (f(ours, "rtt"), f(torch, "rtt"));
+        println!(
+            "| empty call round trip | {} | {} | {} faster | {} of raw |",
+            a.map_or("-".into(), |v| format!("{:.1} us", v * 1e6)),
+            b.map_or("-".into(), |v| format!("{:.1} us", v * 1e6)),
+            ratio(b, a),
+            a.map_or("-".into(), |v| format!("{:.2}x", v / rtt)),
+        );
+        let (a, b) = (f(ours, "calls_per_s"), f(torch, "calls_per_s"));
+        println!(
+            "| small calls per second, {WINDOW} in flight | {} | {} | {} | - |",
+            a.map_or("-".into(), |v| format!("{v:.0}")),
+            b.map_or("-".into(), |v| format!("{v:.0}")),
+            ratio(a, b),
+        );
+        let (a, b) = (f(ours, "payload_bytes_per_s"), f(torch, "payload_bytes_per_s"));
+        println!(
+            "| {} MiB payload | {} | {} | {} | {} of raw |",
+            args.payload_bytes >> 20,
+            a.map_or("-".into(), |v| format!("{:.2} GB/s", v / 1e9)),
+            b.map_or("-".into(), |v| format!("{:.2} GB/s", v / 1e9)),
+            ratio(a, b),
+            a.map_or("-".into(), |v| format!("{:.0}%", v / bw * 100.0)),
+        );
+        for &n in &args.workers {
+            let mut t = std::collections::BTreeMap::new();
+            for side in &args.sides {
+                let r = workers(side, "init", n, &args)?;
+                let start = r.iter().filter_map(|w| get(w, "start")).fold(0.0, f64::max);
+                let end = r.iter().filter_map(|w| get(w, "end")).fold(0.0, f64::max);
+                t.insert(side.clone(), end - start);
+            }
+            let (a, b) = (t.get("rally").copied(), t.get("torch").copied());
+            println!(
+                "| init_rpc + graceful shutdown, {n} workers | {} | {} | {} faster | - |",
+                a.map_or("-".into(), |v| format!("{:.3} s", v)),
+                b.map_or("-".into(), |v| format!("{:.3} s", v)),
+                ratio(b, a),
+            );
+        }
+    }
+    Ok(())
+}
+
+fn ratio(num: Option<f64>, den: Option<f64>) -> String {
+    match (num, den) {
+        (Some(a), Some(b)) if b > 0.0 => format!("{:.1}x", a / b),
+        _ => "-".into(),
+    }
+}
+
+/// A raw TCP ping-pong between this process and a child: seconds per round trip.
+fn raw_rtt(rounds: usize) -> Result<f64> {
+    let l = TcpListener::bind("127.0.0.1:0")?;
+    let port = l.local_addr()?.port();
+    let child = Command::new(std::env::current_exe()?)
+        .args(["rpc-ping", &port.to_string(), &rounds.to_string()])
+        .spawn()?;
+    let (mut s, _) = l.accept()?;
+    s.set_nodelay(true)?;
+    let mut b = [0u8; 64];
+    let mut t0 = Instant::now();
+    for i in 0..rounds + 1000 {
+        if i == 1000 {
+            t0 = Instant::now();
+        }
+        s.write_all(&b)?;
+        s.read_exact(&mut b)?;
+    }
+    let dt = t0.elapsed().as_secs_f64() / rounds as f64;
+    drop(s);
+    child.wait_with_output()?;
+    Ok(dt)
+}
+
+/// The echoing side of [`raw_rtt`].
+pub fn ping(port: u16, rounds: usize) -> Result<()> {
+    let mut s = TcpStream::connect(("127.0.0.1", port))?;
+    s.set_nodelay(true)?;
+    let mut b = [0u8; 64];
+    for _ in 0..rounds + 1000 {
+        s.read_exact(&mut b)?;
+        s.write_all(&b)?;
+    }
+    Ok(())
+}
+
+/// One of our workers: the same loop as `py/rpc_bench.py`.
+pub fn worker(mode: &str) -> Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(worker_main(mode))
+}
+
+async fn worker_main(mode: &str) -> Result<()> {
+    let rank: u32 = std::env::var("RANK")?.parse()?;
+    let opts = RpcBackendOptions {
+        rpc_timeout: Duration::from_secs(600),
+        ..Default::default()
+    };
+    opts.functions.register("nothing", |(): ()| ())?;
+    opts.functions
+        .register("size_of", |p: Payload| p.data.len() as u64)?;
+    let name = format!("w{rank}");
+    if mode == "init" {
+        let t0 = now();
+        let rpc = init_rpc(&name, None, None, Some(env_n()?), Some(opts)).await?;
+        rpc.shutdown(true, None).await?;
+        println!("RESULT start {t0:.6}\nRESULT end {:.6}", now());
+        return Ok(());
+    }
+    let rpc = init_rpc(&name, None, None, Some(env_n()?), Some(opts)).await?;
+    if rank == 0 {
+        let rounds: usize = std::env::var("RALLY_BENCH_ROUNDS")?.parse()?;
+        for _ in 0..200 {
+            rpc.rpc_sync::<_, ()>("w1", "nothing", &()).await?;
+        }
+        let t0 = Instant::now();
+        for _ in 0..rounds {
+            rpc.rpc_sync::<_, ()>("w1", "nothing", &()).await?;
+        }
+        println!("RESULT rtt {:.9}", t0.elapsed().as_secs_f64() / rounds as f64);
+
+        let batches = (rounds * 5 / WINDOW).max(1);
+        let t0 = Instant::now();
+        for _ in 0..batches {
+            let fs: Vec<_> = (0..WINDOW)
+                .map(|_| rpc.rpc_async::<_, ()>("w1", "nothing", &()))
+                .collect();
+            for f in fs {
+                f.await?;
+            }
+        }
+        println!(
+            "RESULT calls_per_s {:.3}",
+            (batches * WINDOW) as f64 / t0.elapsed().as_secs_f64()
+        );
+
+        let size: usize = std::env::var("RALLY_BENCH_PAYLOAD")?.parse()?;
+        let p = Payload::cpu(vec![1u8; size]);
+        let got: u64 = rpc.rpc_sync("w1", "size_of", &p).await?;
+        anyhow::ensure!(got as usize == size, "payload size {got}");
+        let reps = 3;
+        let t0 = Instant::now();
+        for _ in 0..reps {
+            rpc.rpc_sync::<_, u64>("w1", "size_of", &p).await?;
+        }
+        println!(
+            "RESULT payload_bytes_per_s {:.3}",
+            (size * reps) as f64 / t0.elapsed().as_secs_f64()
+        );
+    }
+    rpc.shutdown(true, None).await?;
+    Ok(())
+}
+
+fn env_n() -> Result<u32> {
+    Ok(std::env::var("WORLD_SIZE")?.parse()?)
+}
+
+fn now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_secs_f64()
+}
