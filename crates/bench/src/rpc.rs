@@ -91,6 +91,7 @@ fn workers(side: &str, mode: &str, n: usize, args: &RpcArgs) -> Result<Vec<Vec<(
             .env("RALLY_BENCH_ROUNDS", args.rounds.to_string())
             .env("RALLY_BENCH_PAYLOAD", args.payload_bytes.to_string())
             .env("OMP_NUM_THREADS", "1")
+            .env("PYTHONWARNINGS", "ignore")
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
         children.push(c.spawn().with_context(|| format!("starting {side} worker {r}"))?);
@@ -227,17 +228,24 @@ pub fn ping(port: u16, rounds: usize) -> Result<()> {
 }
 
 /// One of our workers: the same loop as `py/rpc_bench.py`.
+/// `RALLY_BENCH_RT=0` runs it on a current-thread runtime.
 pub fn worker(mode: &str) -> Result<()> {
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let rt = match std::env::var("RALLY_BENCH_RT").as_deref() {
+        Ok("0") => tokio::runtime::Builder::new_current_thread().enable_all().build()?,
+        _ => tokio::runtime::Builder::new_multi_thread().enable_all().build()?,
+    };
     rt.block_on(worker_main(mode))
 }
 
 async fn worker_main(mode: &str) -> Result<()> {
     let rank: u32 = std::env::var("RANK")?.parse()?;
-    let opts = RpcBackendOptions {
+    let mut opts = RpcBackendOptions {
         rpc_timeout: Duration::from_secs(600),
         ..Default::default()
     };
+    if let Some(n) = std::env::var("RALLY_BENCH_STREAMS").ok().and_then(|s| s.parse().ok()) {
+        opts.tcp.streams = n;
+    }
     opts.functions.register("nothing", |(): ()| ())?;
     opts.functions
         .register("size_of", |p: Payload| p.data.len() as u64)?;
