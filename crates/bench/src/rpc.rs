@@ -94,7 +94,10 @@ fn workers(side: &str, mode: &str, n: usize, args: &RpcArgs) -> Result<Vec<Vec<(
             .env("PYTHONWARNINGS", "ignore")
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
-        children.push(c.spawn().with_context(|| format!("starting {side} worker {r}"))?);
+        children.push(
+            c.spawn()
+                .with_context(|| format!("starting {side} worker {r}"))?,
+        );
     }
     let mut out = Vec::new();
     for (r, c) in children.into_iter().enumerate() {
@@ -155,7 +158,10 @@ pub fn run(args: RpcArgs) -> Result<()> {
             b.map_or("-".into(), |v| format!("{v:.0}")),
             ratio(a, b),
         );
-        let (a, b) = (f(ours, "payload_bytes_per_s"), f(torch, "payload_bytes_per_s"));
+        let (a, b) = (
+            f(ours, "payload_bytes_per_s"),
+            f(torch, "payload_bytes_per_s"),
+        );
         println!(
             "| {} MiB payload | {} | {} | {} | {} of raw |",
             args.payload_bytes >> 20,
@@ -231,8 +237,12 @@ pub fn ping(port: u16, rounds: usize) -> Result<()> {
 /// `RALLY_BENCH_RT=0` runs it on a current-thread runtime.
 pub fn worker(mode: &str) -> Result<()> {
     let rt = match std::env::var("RALLY_BENCH_RT").as_deref() {
-        Ok("0") => tokio::runtime::Builder::new_current_thread().enable_all().build()?,
-        _ => tokio::runtime::Builder::new_multi_thread().enable_all().build()?,
+        Ok("0") => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?,
+        _ => tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()?,
     };
     rt.block_on(worker_main(mode))
 }
@@ -243,7 +253,10 @@ async fn worker_main(mode: &str) -> Result<()> {
         rpc_timeout: Duration::from_secs(600),
         ..Default::default()
     };
-    if let Some(n) = std::env::var("RALLY_BENCH_STREAMS").ok().and_then(|s| s.parse().ok()) {
+    if let Some(n) = std::env::var("RALLY_BENCH_STREAMS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+    {
         opts.tcp.streams = n;
     }
     opts.functions.register("nothing", |(): ()| ())?;
@@ -267,7 +280,10 @@ async fn worker_main(mode: &str) -> Result<()> {
         for _ in 0..rounds {
             rpc.rpc_sync::<_, ()>("w1", "nothing", &()).await?;
         }
-        println!("RESULT rtt {:.9}", t0.elapsed().as_secs_f64() / rounds as f64);
+        println!(
+            "RESULT rtt {:.9}",
+            t0.elapsed().as_secs_f64() / rounds as f64
+        );
 
         let batches = (rounds * 5 / WINDOW).max(1);
         let t0 = Instant::now();

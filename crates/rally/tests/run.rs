@@ -686,3 +686,5 @@ mod agent_failures;
 mod collectives;
 #[path = "run/dropin.rs"]
 mod dropin;
+#[path = "run/rpc.rs"]
+mod rpc;

@@ -88,13 +88,18 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
         })?;
-    opts.functions.register_method("weights", |m: &mut Model, (): ()| {
-        Ok::<Vec<f32>, String>(m.w.clone())
-    })?;
+    opts.functions
+        .register_method("weights", |m: &mut Model, (): ()| {
+            Ok::<Vec<f32>, String>(m.w.clone())
+        })?;
     opts.functions
         .register_method("apply", |m: &mut Model, g: Vec<f32>| {
             if g.len() != m.w.len() {
-                return Err(format!("gradient of {} for a model of {}", g.len(), m.w.len()));
+                return Err(format!(
+                    "gradient of {} for a model of {}",
+                    g.len(),
+                    m.w.len()
+                ));
             }
             for (w, g) in m.w.iter_mut().zip(&g) {
                 *w -= LR * g;
@@ -102,7 +107,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             m.updates += 1;
             Ok(m.updates)
         })?;
-    let name = if rank == 0 { "ps".to_owned() } else { format!("trainer{rank}") };
+    let name = if rank == 0 {
+        "ps".to_owned()
+    } else {
+        format!("trainer{rank}")
+    };
     let rpc = init_rpc(&name, None, None, Some(world), Some(opts)).await?;
 
     if rank == 0 {
@@ -115,7 +124,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         rpc.shutdown(true, None).await?;
         let (w, updates) = model.with_local_value(|m| (m.w.clone(), m.updates)).await?;
         let l = loss(&w, &batch(&mut 12345));
-        println!("ps: {updates} updates from {} trainers; loss on fresh data {l:.5}", world - 1);
+        println!(
+            "ps: {updates} updates from {} trainers; loss on fresh data {l:.5}",
+            world - 1
+        );
         if l > 0.05 {
             return Err(format!("the model did not learn (loss {l})").into());
         }

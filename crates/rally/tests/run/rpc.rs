@@ -1,0 +1,147 @@
+//! Our RPC in real processes: the parameter-server example under `rally run`,
+//! and a worker SIGKILLed in the middle of a call, reported by its caller with
+//! an error naming it and the function (no hang).
+//!
+//! The workers are this test binary, re-executed with `RALLY_RPC_WORKER` set.
+
+use std::io::{BufRead, BufReader};
+use std::process::Stdio;
+
+use rallypoint_rpc::{init_rpc, Rpc, RpcBackendOptions};
+
+use super::*;
+
+const WORKER: &str = "RALLY_RPC_WORKER";
+
+fn worker_args() -> [&'static str; 4] {
+    ["--exact", "rpc::worker", "--nocapture", "--test-threads=1"]
+}
+
+/// The worker side: does nothing unless started as a worker. Worker 0 calls
+/// worker 1's `sleep_ms` for a minute; worker 1 is killed meanwhile. Worker 0
+/// prints `ERROR <error>` and exits 3 when its call fails.
+#[test]
+fn worker() {
+    if std::env::var(WORKER).is_err() {
+        return;
+    }
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let rank: u32 = std::env::var("RANK").unwrap().parse().unwrap();
+        let opts = RpcBackendOptions::default();
+        opts.functions
+            .register_async("sleep_ms", |_rpc: Rpc, ms: u64| async move {
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+                Ok::<u64, String>(ms)
+            })
+            .unwrap();
+        let rpc = init_rpc(&format!("w{rank}"), None, None, Some(3), Some(opts))
+            .await
+            .expect("init_rpc");
+        println!("READY");
+        if rank == 0 {
+            match rpc.rpc_sync::<_, u64>("w1", "sleep_ms", &60_000u64).await {
+                Ok(_) => println!("the call returned"),
+                Err(e) => {
+                    eprintln!("ERROR {e}");
+                    std::process::exit(3);
+                }
+            }
+        } else {
+            tokio::time::sleep(Duration::from_secs(60)).await;
+        }
+    });
+}
+
+#[test]
+fn a_worker_killed_mid_call_is_named_by_its_caller() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let server = rt
+        .block_on(rallypoint_store::server::Server::bind(
+            "127.0.0.1:0".parse().unwrap(),
+            Default::default(),
+        ))
+        .unwrap();
+    let port = server.local_addr().port();
+    let _server = rt.block_on(async { server.spawn() });
+    let mut children: Vec<Child> = (0..3)
+        .map(|r| {
+            Command::new(std::env::current_exe().unwrap())
+                .args(worker_args())
+                .env(WORKER, "1")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("RANK", r.to_string())
+                .env("WORLD_SIZE", "3")
+                .env("TORCHELASTIC_USE_AGENT_STORE", "True")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for c in &mut children {
+        let mut out = BufReader::new(c.stdout.take().unwrap());
+        let mut line = String::new();
+        while !line.contains("READY") {
+            line.clear();
+            assert!(
+                out.read_line(&mut line).unwrap() > 0,
+                "a worker ended before it was ready"
+            );
+        }
+    }
+    // Let the call reach worker 1, then kill it.
+    std::thread::sleep(Duration::from_millis(300));
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(children[1].id() as i32, libc::SIGKILL) };
+    let mut err = String::new();
+    let mut e = children[0].stderr.take().unwrap();
+    let status = wait_or_kill(&mut children[0], Duration::from_secs(30), String::new);
+    std::io::Read::read_to_string(&mut e, &mut err).unwrap();
+    for c in &mut children[1..] {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    assert_eq!(
+        status.code(),
+        Some(3),
+        "the caller must fail, not hang: {err}"
+    );
+    let line = err.lines().find(|l| l.starts_with("ERROR ")).expect(&err);
+    assert!(
+        line.contains("worker w1 is unreachable") && line.contains("sleep_ms"),
+        "{line}"
+    );
+}
+
+#[test]
+fn the_parameter_server_example_trains_under_rally_run() {
+    let exe = std::env::current_exe().unwrap();
+    let example = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples/param_server");
+    assert!(
+        example.exists(),
+        "build the example first: cargo build --example param_server ({})",
+        example.display()
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let ex = example.display().to_string();
+    let mut job = Job::spawn(
+        rally(&["--standalone", "--nproc-per-node", "3", "--no-python", &ex]),
+        dir.path(),
+        "ps",
+    );
+    let status = job.wait(Duration::from_secs(120));
+    let out = job.output();
+    assert!(status.success(), "{out}");
+    assert!(out.contains("ps: 400 updates from 2 trainers"), "{out}");
+}
