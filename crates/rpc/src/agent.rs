@@ -34,7 +34,7 @@ use tokio::sync::{oneshot, Notify};
 use tokio::time::Instant;
 
 use crate::device::{Device, DeviceInfo, DeviceMap};
-use crate::rref::{self, ForkData, ForkId, Handle, RRefContext, RRefId};
+use crate::rref::{self, Adopted, ForkData, ForkId, Handle, RRefContext, RRefId};
 use crate::transport::{BoxFuture, Event, Outgoing, Transport};
 use crate::wire::{self, Envelope, Failure, Request};
 use crate::{Error, Leak, RRef, Result, WorkerInfo};
@@ -70,6 +70,8 @@ pub(crate) struct SerCtx {
     bulk: Vec<Bytes>,
     off: u64,
     forks: Vec<(ForkId, RRefId, bool)>,
+    /// What the message carries of those forks (see [`ForkData`]).
+    fork_data: Vec<ForkData>,
     /// The first error, kept here because postcard drops serde's messages.
     error: Option<String>,
 }
@@ -110,16 +112,15 @@ impl SerCtx {
             Err(e) => return self.fail(e),
         };
         self.forks.push((d.fork, d.rref, h.fork.is_none()));
+        self.fork_data.push(d.clone());
         Ok(d)
     }
 }
 
-/// Set while decoding a message from worker `from`.
+/// Set while decoding a message: the handles its forks became on arrival.
 pub(crate) struct DeCtx {
-    agent: Arc<AgentInner>,
-    from: u32,
     bulk: Bytes,
-    new_users: Vec<ForkId>,
+    adopted: HashMap<ForkId, Arc<Handle>>,
     error: Option<String>,
 }
 
@@ -139,14 +140,14 @@ impl DeCtx {
         }
     }
 
-    pub(crate) fn adopt(
-        &mut self,
-        data: ForkData,
-        type_name: &'static str,
-    ) -> std::result::Result<Arc<Handle>, String> {
-        match rref::adopt(&self.agent, self.from, data, type_name, &mut self.new_users) {
-            Ok(h) => Ok(h),
-            Err(e) => self.fail(e),
+    /// The handle fork `d` became when its message arrived.
+    pub(crate) fn take(&mut self, d: &ForkData) -> std::result::Result<Arc<Handle>, String> {
+        match self.adopted.remove(&d.fork) {
+            Some(h) => Ok(h),
+            None => self.fail(format!(
+                "RRef {} (fork {}) is not among the forks its message declared",
+                d.rref, d.fork
+            )),
         }
     }
 }
@@ -164,11 +165,12 @@ pub(crate) fn with_de<R>(f: impl FnOnce(&mut DeCtx) -> R) -> Option<R> {
     DE.with(|c| c.borrow_mut().as_mut().map(f))
 }
 
-/// Bytes plus bulk plus the forks they made.
+/// Bytes plus bulk plus the forks they made (and carry).
 pub(crate) struct Encoded {
     pub bytes: Vec<u8>,
     pub bulk: Vec<Bytes>,
     pub forks: Vec<(ForkId, RRefId, bool)>,
+    pub fork_data: Vec<ForkData>,
 }
 
 // ---- functions --------------------------------------------------------------
@@ -176,26 +178,23 @@ pub(crate) struct Encoded {
 /// A request's arguments, still encoded.
 pub struct Args {
     rpc: Rpc,
-    from: u32,
     bytes: Vec<u8>,
     bulk: Bytes,
+    adopted: Adopted,
 }
 
 impl Args {
     /// Decodes the arguments; waits until every RRef among them is confirmed
     /// by its owner (user functions run only then).
     async fn decode<A: DeserializeOwned>(self) -> std::result::Result<A, String> {
-        let (a, users) = self
+        let Adopted { handles, new_users } = self.adopted;
+        let a = self
             .rpc
             .0
-            .decode_from::<A>(self.from, &self.bytes, self.bulk)?;
-        for u in users {
-            self.rpc
-                .0
-                .rrefs
-                .user_usable(&self.rpc.0, u)
-                .await
-                .map_err(|e| e.to_string())?;
+            .decode_from::<A>(&self.bytes, self.bulk, handles)?;
+        for u in new_users {
+            let a = &self.rpc.0;
+            a.rrefs.user_usable(a, u).await.map_err(|e| e.to_string())?;
         }
         Ok(a)
     }
@@ -365,7 +364,7 @@ impl Functions {
 struct Pending {
     to: u32,
     what: String,
-    tx: oneshot::Sender<Result<(Vec<u8>, Bytes)>>,
+    tx: oneshot::Sender<Result<(Vec<u8>, Bytes, Adopted)>>,
 }
 
 #[derive(Default)]
@@ -401,6 +400,9 @@ pub struct AgentInner {
     pub(crate) devices: RwLock<Vec<Device>>,
     pub(crate) device_info: DeviceInfo,
     leaks: Mutex<Vec<Leak>>,
+    /// The runtime the agent was started on: every task it starts goes there,
+    /// so dropping an RRef off the runtime cannot panic.
+    rt: tokio::runtime::Handle,
 }
 
 /// A worker's handle on its RPC agent (cheap to clone).
@@ -494,6 +496,7 @@ impl AgentInner {
             devices: RwLock::default(),
             device_info,
             leaks: Mutex::default(),
+            rt: tokio::runtime::Handle::current(),
         })
     }
 
@@ -579,6 +582,7 @@ impl AgentInner {
             bulk: Vec::new(),
             off: 0,
             forks: Vec::new(),
+            fork_data: Vec::new(),
             error: None,
         };
         let prev = SER.with(|c| c.borrow_mut().replace(cx));
@@ -591,6 +595,7 @@ impl AgentInner {
                 bytes,
                 bulk: cx.bulk,
                 forks: cx.forks,
+                fork_data: cx.fork_data,
             }),
             Err(e) => {
                 self.rrefs.cancel_children(&cx.forks);
@@ -599,17 +604,17 @@ impl AgentInner {
         }
     }
 
+    /// Decodes `bytes` with the handles its message's forks became; the
+    /// ones it does not use are dropped (released) with the map.
     fn decode_from<T: DeserializeOwned>(
         self: &Arc<Self>,
-        from: u32,
         bytes: &[u8],
         bulk: Bytes,
-    ) -> std::result::Result<(T, Vec<ForkId>), String> {
+        adopted: HashMap<ForkId, Arc<Handle>>,
+    ) -> std::result::Result<T, String> {
         let cx = DeCtx {
-            agent: self.clone(),
-            from,
             bulk,
-            new_users: Vec::new(),
+            adopted,
             error: None,
         };
         let prev = DE.with(|c| c.borrow_mut().replace(cx));
@@ -617,9 +622,22 @@ impl AgentInner {
         let cx = DE
             .with(|c| std::mem::replace(&mut *c.borrow_mut(), prev))
             .expect("context set");
-        match r {
-            Ok(v) => Ok((v, cx.new_users)),
-            Err(e) => Err(cx.error.unwrap_or(e)),
+        r.map_err(|e| cx.error.clone().unwrap_or(e))
+    }
+
+    /// Sends a message; to this worker itself without the transport.
+    async fn send_to(self: &Arc<Self>, to: u32, msg: Outgoing) -> std::result::Result<(), String> {
+        if to == self.me.id {
+            self.deliver(Event::Message {
+                from: to,
+                env: msg.env,
+                bulk: concat(msg.bulk),
+            });
+            return Ok(());
+        }
+        match self.transport() {
+            Ok(t) => t.send(to, msg).await,
+            Err(e) => Err(e.to_string()),
         }
     }
 
@@ -632,7 +650,7 @@ impl AgentInner {
         req: Request,
         args: Encoded,
         timeout: Option<Duration>,
-    ) -> Result<(Vec<u8>, Bytes)> {
+    ) -> Result<(Vec<u8>, Bytes, Adopted)> {
         let _active = Active::new(self);
         let what = req.describe();
         let worker = self.name_of(to);
@@ -640,8 +658,23 @@ impl AgentInner {
             self.rrefs.cancel_children(&args.forks);
             return Err(Error::Shutdown(self.me.name.clone()));
         }
+        let timeout = timeout.unwrap_or(self.default_timeout);
+        // The deadline covers the send too: a peer that stops reading must
+        // not hold a call past its timeout.
+        let deadline = (!timeout.is_zero()).then(|| Instant::now() + timeout);
+        let expired = |worker: String, what: String| Error::Timeout {
+            worker,
+            what,
+            ms: timeout.as_millis(),
+        };
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
+        let forget = |a: &Self| {
+            a.pending
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&id);
+        };
         self.pending
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -657,26 +690,28 @@ impl AgentInner {
             id,
             req,
             args: args.bytes,
+            forks: args.fork_data,
         })
         .map_err(Error::Codec)?;
-        let sent = match self.transport() {
-            Ok(t) => {
-                t.send(
-                    to,
-                    Outgoing {
-                        env,
-                        bulk: args.bulk,
-                    },
-                )
-                .await
-            }
-            Err(e) => Err(e.to_string()),
+        let send = self.send_to(
+            to,
+            Outgoing {
+                env,
+                bulk: args.bulk,
+            },
+        );
+        let sent = match deadline {
+            Some(d) => match tokio::time::timeout_at(d, send).await {
+                Ok(r) => r,
+                Err(_) => {
+                    forget(self);
+                    return Err(expired(worker, what));
+                }
+            },
+            None => send.await,
         };
         if let Err(reason) = sent {
-            self.pending
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(&id);
+            forget(self);
             self.rrefs.cancel_children(&args.forks);
             return Err(Error::WorkerGone {
                 worker,
@@ -684,24 +719,15 @@ impl AgentInner {
                 reason,
             });
         }
-        let timeout = timeout.unwrap_or(self.default_timeout);
-        let got = if timeout.is_zero() {
-            rx.await
-        } else {
-            match tokio::time::timeout(timeout, rx).await {
+        let got = match deadline {
+            None => rx.await,
+            Some(d) => match tokio::time::timeout_at(d, rx).await {
                 Ok(r) => r,
                 Err(_) => {
-                    self.pending
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .remove(&id);
-                    return Err(Error::Timeout {
-                        worker,
-                        what,
-                        ms: timeout.as_millis(),
-                    });
+                    forget(self);
+                    return Err(expired(worker, what));
                 }
-            }
+            },
         };
         got.unwrap_or_else(|_| Err(Error::Shutdown(self.me.name.clone())))
     }
@@ -711,7 +737,7 @@ impl AgentInner {
     pub(crate) fn send_control(self: &Arc<Self>, to: u32, req: Request) {
         let a = self.clone();
         let active = Active::new(self);
-        tokio::spawn(async move {
+        self.rt.spawn(async move {
             let _active = active;
             if let Err(e) = a.control(to, req.clone()).await {
                 tracing::warn!(worker = %a.me.name, "could not deliver {}: {e}", req.describe());
@@ -740,6 +766,7 @@ impl AgentInner {
                 bytes: Vec::new(),
                 bulk: Vec::new(),
                 forks: Vec::new(),
+                fork_data: Vec::new(),
             };
             match self.call_raw(to, req.clone(), args, None).await {
                 Ok(_) => return Ok(()),
@@ -761,7 +788,7 @@ impl AgentInner {
     ) {
         let a = self.clone();
         let active = Active::new(self);
-        tokio::spawn(async move {
+        self.rt.spawn(async move {
             let _active = active;
             match a.control(owner, Request::ForkRequest { rref, fork }).await {
                 Ok(()) => {
@@ -779,27 +806,38 @@ impl AgentInner {
     pub(crate) fn deliver(self: &Arc<Self>, ev: Event) {
         match ev {
             Event::Message { from, env, bulk } => match wire::decode::<Envelope>(&env) {
-                Ok(Envelope::Response { id, result }) => {
-                    let p = self
-                        .pending
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .remove(&id);
+                Ok(Envelope::Response { id, result, forks }) => {
+                    let adopted = rref::adopt_all(self, forks);
+                    let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+                    // Only the worker asked may answer.
+                    let p = match pending.get(&id) {
+                        Some(p) if p.to == from => pending.remove(&id),
+                        _ => None,
+                    };
+                    drop(pending);
                     if let Some(p) = p {
-                        let r = result.map(|v| (v, bulk)).map_err(|f| Error::Remote {
-                            worker: self.name_of(p.to),
-                            what: p.what,
-                            message: f.message,
-                        });
+                        let r = result
+                            .map(|v| (v, bulk, adopted))
+                            .map_err(|f| Error::Remote {
+                                worker: self.name_of(p.to),
+                                what: p.what,
+                                message: f.message,
+                            });
                         let _ = p.tx.send(r);
                     }
                 }
-                Ok(Envelope::Request { id, req, args }) => {
+                Ok(Envelope::Request {
+                    id,
+                    req,
+                    args,
+                    forks,
+                }) => {
+                    let adopted = rref::adopt_all(self, forks);
                     let a = self.clone();
                     let active = Active::new(self);
-                    tokio::spawn(async move {
+                    self.rt.spawn(async move {
                         let _active = active;
-                        a.serve(from, id, req, args, bulk).await
+                        a.serve(from, id, req, args, bulk, adopted).await
                     });
                 }
                 Err(e) => {
@@ -840,41 +878,53 @@ impl AgentInner {
         }
     }
 
-    async fn serve(self: Arc<Self>, from: u32, id: u64, req: Request, args: Vec<u8>, bulk: Bytes) {
-        let r = self.handle(from, req, args, bulk).await;
-        let (result, out_bulk) = match r {
-            Ok(e) => (Ok(e.bytes), e.bulk),
-            Err(m) => (Err(Failure { message: m }), Vec::new()),
+    async fn serve(
+        self: Arc<Self>,
+        from: u32,
+        id: u64,
+        req: Request,
+        args: Vec<u8>,
+        bulk: Bytes,
+        adopted: Adopted,
+    ) {
+        let r = self.handle(from, req, args, bulk, adopted).await;
+        let (result, out_bulk, forks, fork_data) = match r {
+            Ok(e) => (Ok(e.bytes), e.bulk, e.forks, e.fork_data),
+            Err(m) => (
+                Err(Failure { message: m }),
+                Vec::new(),
+                Vec::new(),
+                Vec::new(),
+            ),
         };
-        let env = match wire::encode(&Envelope::Response { id, result }) {
+        let env = match wire::encode(&Envelope::Response {
+            id,
+            result,
+            forks: fork_data,
+        }) {
             Ok(e) => e,
             Err(e) => {
                 tracing::warn!("encoding a response: {e}");
+                self.rrefs.cancel_children(&forks);
                 return;
             }
         };
-        if let Ok(t) = self.transport() {
-            if let Err(e) = t
-                .send(
-                    from,
-                    Outgoing {
-                        env,
-                        bulk: out_bulk,
-                    },
-                )
-                .await
-            {
-                tracing::debug!(worker = %self.me.name, "answer to {} not sent: {e}", self.name_of(from));
-            }
+        let msg = Outgoing {
+            env,
+            bulk: out_bulk,
+        };
+        if let Err(e) = self.send_to(from, msg).await {
+            self.rrefs.cancel_children(&forks);
+            tracing::debug!(worker = %self.me.name, "answer to {} not sent: {e}", self.name_of(from));
         }
     }
 
-    fn args(self: &Arc<Self>, from: u32, bytes: Vec<u8>, bulk: Bytes) -> Args {
+    fn args(self: &Arc<Self>, bytes: Vec<u8>, bulk: Bytes, adopted: Adopted) -> Args {
         Args {
             rpc: Rpc(self.clone()),
-            from,
             bytes,
             bulk,
+            adopted,
         }
     }
 
@@ -898,6 +948,7 @@ impl AgentInner {
             bytes: wire::encode(&()).expect("unit"),
             bulk: Vec::new(),
             forks: Vec::new(),
+            fork_data: Vec::new(),
         }
     }
 
@@ -907,21 +958,41 @@ impl AgentInner {
         req: Request,
         args: Vec<u8>,
         bulk: Bytes,
+        adopted: Adopted,
     ) -> std::result::Result<Encoded, String> {
+        // An owned value the request waits for is bounded by the default
+        // timeout: the caller has given up by then.
+        let owned = |rref: RRefId| {
+            let a = self.clone();
+            async move {
+                let wait = a.rrefs.owner_value(rref);
+                if a.default_timeout.is_zero() {
+                    return wait.await.map_err(|e| e.to_string());
+                }
+                match tokio::time::timeout(a.default_timeout, wait).await {
+                    Ok(r) => r.map_err(|e| e.to_string()),
+                    Err(_) => Err(format!(
+                        "RRef {rref} is not known on worker {} (waited {} ms for its creation)",
+                        a.me.name,
+                        a.default_timeout.as_millis()
+                    )),
+                }
+            }
+        };
         match req {
             Request::Call { func } => {
                 let h = self
                     .functions
                     .func(&func)
                     .ok_or_else(|| self.no_function(&func))?;
-                let v = h(self.args(from, args, bulk)).await?;
+                let v = h(self.args(args, bulk, adopted)).await?;
                 self.encode_value(from, v.as_ref())
             }
             Request::Remote { func, rref, fork } => {
                 let what = format!("remote {func:?} from worker {}", self.name_of(from));
                 self.rrefs.remote_arrived(rref, fork, from, &what);
                 let r = match self.functions.func(&func) {
-                    Some(h) => h(self.args(from, args, bulk)).await,
+                    Some(h) => h(self.args(args, bulk, adopted)).await,
                     None => Err(self.no_function(&func)),
                 };
                 let answer = match &r {
@@ -939,20 +1010,13 @@ impl AgentInner {
                         self.me.name
                     )
                 })?;
-                let v = self
-                    .rrefs
-                    .owner_value(rref)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                let r = h(self.args(from, args, bulk), v).await?;
+                let v = owned(rref).await?;
+                let r = h(self.args(args, bulk, adopted), v).await?;
                 self.encode_value(from, r.as_ref())
             }
             Request::Fetch { rref } => {
-                let v = self
-                    .rrefs
-                    .owner_value(rref)
-                    .await
-                    .map_err(|e| e.to_string())?;
+                drop(adopted);
+                let v = owned(rref).await?;
                 let g = v.lock().unwrap_or_else(|e| e.into_inner());
                 self.encode_value(from, g.as_ref())
             }
@@ -1031,7 +1095,7 @@ impl AgentInner {
 
     /// Releases this worker's users and waits (bounded) until its children
     /// are accepted and the users of what it owns are deleted.
-    async fn release_and_drain(self: &Arc<Self>, deadline: Option<Instant>) -> bool {
+    async fn release_and_drain(self: &Arc<Self>, deadline: Option<Instant>, owners: bool) -> bool {
         loop {
             let (dels, _) = self.rrefs.release_users();
             for (owner, rref, fork) in dels {
@@ -1040,7 +1104,7 @@ impl AgentInner {
             let n = self.rrefs.changed.notified();
             tokio::pin!(n);
             n.as_mut().enable();
-            if self.rrefs.settled() {
+            if self.rrefs.settled(owners) {
                 return true;
             }
             // Confirmations and deletions arrive as messages; re-check on each
@@ -1049,7 +1113,7 @@ impl AgentInner {
             let until = deadline.map_or(step, |d| d.min(step));
             let _ = tokio::time::timeout_at(until, n).await;
             if deadline.is_some_and(|d| Instant::now() >= d) {
-                return self.rrefs.settled();
+                return self.rrefs.settled(owners);
             }
         }
     }
@@ -1128,7 +1192,7 @@ impl AgentInner {
                         fail(format!("waiting for every worker to reach shutdown: {e}"))
                     })?;
                 // 2. Users released, owners drained.
-                if !self.release_and_drain(deadline).await {
+                if !self.release_and_drain(deadline, true).await {
                     tracing::warn!(worker = %self.me.name, "RRefs still referenced when shutdown stopped waiting");
                 }
                 // 3. No call in flight anywhere.
@@ -1149,11 +1213,13 @@ impl AgentInner {
                 Ok(())
             }
             Some(Membership::Dynamic(d)) => {
+                // Release while the others can still answer, then leave. The
+                // others go on, so values they still hold here are reported.
+                self.release_and_drain(deadline, false).await;
+                self.wait_idle(deadline).await;
                 d.leave(self, deadline)
                     .await
                     .map_err(|e| fail(e.to_string()))?;
-                self.release_and_drain(deadline).await;
-                self.wait_idle(deadline).await;
                 Ok(())
             }
             None => Ok(()),
@@ -1243,9 +1309,8 @@ impl Rpc {
         let enc = a
             .encode_for(to, false, || wire::encode(args))
             .map_err(Error::Codec)?;
-        let (bytes, bulk) = a.call_raw(to, req, enc, timeout).await?;
-        a.decode_from::<R>(to, &bytes, bulk)
-            .map(|(r, _)| r)
+        let (bytes, bulk, adopted) = a.call_raw(to, req, enc, timeout).await?;
+        a.decode_from::<R>(&bytes, bulk, adopted.handles)
             .map_err(|e| {
                 Error::Codec(format!(
                     "decoding the answer of worker {}: {e}",
@@ -1313,11 +1378,12 @@ impl Rpc {
             Ok((to, enc))
         })();
         let func = func.to_owned();
-        RpcFuture(tokio::spawn(async move {
+        let rt = a.rt.clone();
+        RpcFuture(rt.spawn(async move {
             let (to, enc) = start?;
-            let (bytes, bulk) = a.call_raw(to, Request::Call { func }, enc, timeout).await?;
-            a.decode_from::<R>(to, &bytes, bulk)
-                .map(|(r, _)| r)
+            let (bytes, bulk, adopted) =
+                a.call_raw(to, Request::Call { func }, enc, timeout).await?;
+            a.decode_from::<R>(&bytes, bulk, adopted.handles)
                 .map_err(|e| {
                     Error::Codec(format!(
                         "decoding the answer of worker {}: {e}",
@@ -1358,10 +1424,17 @@ impl Rpc {
             let h = a.rrefs.new_owned(a, what, type_name);
             let (rref, a2, func) = (h.id, a.clone(), func.to_owned());
             let active = Active::new(a);
-            tokio::spawn(async move {
+            a.rt.spawn(async move {
                 let _active = active;
                 let r = match a2.functions.func(&func) {
-                    Some(f) => f(a2.args(a2.me.id, enc.bytes, concat(enc.bulk))).await,
+                    Some(f) => {
+                        f(a2.args(
+                            enc.bytes,
+                            concat(enc.bulk),
+                            rref::adopt_all(&a2, enc.fork_data),
+                        ))
+                        .await
+                    }
                     None => Err(a2.no_function(&func)),
                 };
                 a2.rrefs.set_value(rref, r);
@@ -1377,7 +1450,7 @@ impl Rpc {
         let h = a.rrefs.new_user(a, to, what, type_name);
         let (rref, fork) = (h.id, h.fork.expect("a user"));
         let (a2, func) = (a.clone(), func.to_owned());
-        tokio::spawn(async move {
+        a.rt.spawn(async move {
             let r = a2
                 .call_raw(to, Request::Remote { func, rref, fork }, enc, timeout)
                 .await;

@@ -61,15 +61,18 @@ impl fmt::Display for Gid {
     }
 }
 
-/// What a fork carries on the wire.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub(crate) struct ForkData {
-    pub(crate) owner: u32,
-    pub(crate) rref: RRefId,
-    pub(crate) fork: ForkId,
-    pub(crate) parent: u32,
-    pub(crate) type_name: String,
-    pub(crate) what: String,
+/// What a fork carries on the wire. Every message lists the forks it carries
+/// beside its arguments, so the receiver adopts (and, if it never decodes
+/// them, releases) each one: a fork can never be lost with an undecodable or
+/// unanswered message.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ForkData {
+    pub owner: u32,
+    pub rref: RRefId,
+    pub fork: ForkId,
+    pub parent: u32,
+    pub type_name: String,
+    pub what: String,
 }
 
 /// One local handle (an owner's or a user's); dropping the last clone of an
@@ -81,7 +84,7 @@ pub(crate) struct Handle {
     /// `None` on the owner.
     pub(crate) fork: Option<ForkId>,
     pub(crate) what: String,
-    pub(crate) type_name: &'static str,
+    pub(crate) type_name: String,
 }
 
 impl Drop for Handle {
@@ -271,7 +274,7 @@ impl<'de, T: 'static> Deserialize<'de> for RRef<T> {
             let _ = with_de(|cx| cx.fail::<()>(m.clone()));
             return Err(serde::de::Error::custom(m));
         }
-        let h = with_de(|cx| cx.adopt(data, want))
+        let h = with_de(|cx| cx.take(&data))
             .ok_or_else(|| {
                 serde::de::Error::custom("an RRef can only be deserialised from an RPC message")
             })?
@@ -325,6 +328,33 @@ struct State {
     owners: HashMap<RRefId, OwnerEntry>,
     users: HashMap<ForkId, UserEntry>,
     children: HashMap<ForkId, Child>,
+    /// Deleted values and released handles, dropped only after the lock is
+    /// released: a value may hold RRefs, whose drop comes back here.
+    dead: Vec<Box<dyn Send>>,
+}
+
+/// The state's lock; drops what was deleted under it after unlocking.
+struct Guard<'a>(Option<std::sync::MutexGuard<'a, State>>);
+
+impl std::ops::Deref for Guard<'_> {
+    type Target = State;
+    fn deref(&self) -> &State {
+        self.0.as_ref().expect("locked")
+    }
+}
+
+impl std::ops::DerefMut for Guard<'_> {
+    fn deref_mut(&mut self) -> &mut State {
+        self.0.as_mut().expect("locked")
+    }
+}
+
+impl Drop for Guard<'_> {
+    fn drop(&mut self) {
+        let dead = self.0.as_mut().map(|g| std::mem::take(&mut g.dead));
+        self.0 = None;
+        drop(dead);
+    }
 }
 
 /// One worker's RRef bookkeeping.
@@ -358,8 +388,8 @@ impl fmt::Display for Leak {
 }
 
 impl RRefContext {
-    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        self.st.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> Guard<'_> {
+        Guard(Some(self.st.lock().unwrap_or_else(|e| e.into_inner())))
     }
 
     /// The owner's entry for `rref`, created pending if a message about it
@@ -391,19 +421,23 @@ impl RRefContext {
             owner: a.me.id,
             fork: None,
             what,
-            type_name,
+            type_name: type_name.to_owned(),
         })
     }
 
     /// The value of `rref` is ready (or failed).
     pub(crate) fn set_value(&self, rref: RRefId, v: std::result::Result<Box<dyn Value>, String>) {
         let mut st = self.lock();
-        if let Some(e) = st.owners.get_mut(&rref) {
-            e.state = match v {
+        let old = st.owners.get_mut(&rref).map(|e| {
+            let new = match v {
                 Ok(v) => OwnerState::Ready(Arc::new(Mutex::new(v))),
                 Err(m) => OwnerState::Failed(m),
             };
             e.ready.notify_waiters();
+            std::mem::replace(&mut e.state, new)
+        });
+        if let Some(OwnerState::Ready(v)) = old {
+            st.dead.push(Box::new(v));
         }
     }
 
@@ -473,7 +507,7 @@ impl RRefContext {
             owner,
             fork: Some(fork),
             what,
-            type_name,
+            type_name: type_name.to_owned(),
         })
     }
 
@@ -575,7 +609,8 @@ impl RRefContext {
         if st.owners.get(&rref).is_some_and(|e| {
             e.forks.is_empty() && e.local == 0 && !matches!(e.state, OwnerState::Pending)
         }) {
-            st.owners.remove(&rref);
+            let e = st.owners.remove(&rref).expect("present");
+            st.dead.push(Box::new(e));
             self.changed.notify_waiters();
         }
     }
@@ -583,10 +618,11 @@ impl RRefContext {
     /// USER_DELETE at the owner. Idempotent.
     pub(crate) fn user_delete(&self, rref: RRefId, fork: ForkId) {
         let mut st = self.lock();
-        if let Some(e) = st.owners.get_mut(&rref) {
-            e.forks.remove(&fork);
-            e.deleted.insert(fork);
-        }
+        // Requests run as tasks, so a deletion may be handled before the
+        // REMOTE_CALL that creates the value: remember it either way.
+        let e = Self::entry(&mut st, rref, "deleted before its creation arrived");
+        e.forks.remove(&fork);
+        e.deleted.insert(fork);
         self.maybe_delete(&mut st, rref);
     }
 
@@ -719,8 +755,14 @@ impl RRefContext {
         let mut st = self.lock();
         let mut out = Vec::new();
         let mut unconfirmed = 0;
+        // G2: a parent is released only once its children are accepted.
+        let parents: HashSet<ForkId> = st
+            .children
+            .values()
+            .filter_map(|c| c._parent.fork)
+            .collect();
         for (f, u) in st.users.iter_mut() {
-            if u.released {
+            if u.released || parents.contains(f) {
                 continue;
             }
             if !u.confirmed {
@@ -736,11 +778,11 @@ impl RRefContext {
 
     /// Shutdown: is anything still waiting on others (children unaccepted,
     /// users unconfirmed, owned values with remote users)?
-    pub(crate) fn settled(&self) -> bool {
+    pub(crate) fn settled(&self, owners: bool) -> bool {
         let st = self.lock();
         st.children.is_empty()
             && st.users.values().all(|u| u.confirmed)
-            && st.owners.values().all(|e| e.forks.is_empty())
+            && (!owners || st.owners.values().all(|e| e.forks.is_empty()))
     }
 
     /// What is still referenced, by name.
@@ -785,15 +827,28 @@ impl RRefContext {
     }
 }
 
-/// Deserialising side of a fork.
-pub(crate) fn adopt(
-    a: &Arc<AgentInner>,
-    from: u32,
-    data: ForkData,
-    type_name: &'static str,
-    new_users: &mut Vec<ForkId>,
-) -> std::result::Result<Arc<Handle>, String> {
-    let _ = from;
+/// The handles adopted from one message, by fork id, and the users among them
+/// still to be confirmed by their owner.
+#[derive(Default)]
+pub(crate) struct Adopted {
+    pub(crate) handles: HashMap<ForkId, Arc<Handle>>,
+    pub(crate) new_users: Vec<ForkId>,
+}
+
+/// The receiving side of every fork a message carries, done on arrival:
+/// whatever the message's fate (decoded or not, answered or not), each fork
+/// becomes a handle here, and dropping an unused one releases it properly.
+pub(crate) fn adopt_all(a: &Arc<AgentInner>, forks: Vec<ForkData>) -> Adopted {
+    let mut out = Adopted::default();
+    for d in forks {
+        let f = d.fork;
+        let h = adopt(a, d, &mut out.new_users);
+        out.handles.insert(f, h);
+    }
+    out
+}
+
+fn adopt(a: &Arc<AgentInner>, data: ForkData, new_users: &mut Vec<ForkId>) -> Arc<Handle> {
     let ctx = &a.rrefs;
     if data.owner == a.me.id {
         // Sent to its owner: a local handle. A fork the owner itself made is
@@ -812,14 +867,14 @@ pub(crate) fn adopt(
                 crate::wire::Request::ChildAccept { fork: data.fork },
             );
         }
-        return Ok(Arc::new(Handle {
+        return Arc::new(Handle {
             agent: Arc::downgrade(a),
             id: data.rref,
             owner: data.owner,
             fork: None,
             what: data.what,
-            type_name,
-        }));
+            type_name: data.type_name,
+        });
     }
     let parent_is_owner = data.parent == data.owner;
     ctx.lock().users.insert(
@@ -844,12 +899,12 @@ pub(crate) fn adopt(
         new_users.push(data.fork);
         a.fork_to_owner(data.owner, data.rref, data.fork, data.parent);
     }
-    Ok(Arc::new(Handle {
+    Arc::new(Handle {
         agent: Arc::downgrade(a),
         id: data.rref,
         owner: data.owner,
         fork: Some(data.fork),
         what: data.what,
-        type_name,
-    }))
+        type_name: data.type_name,
+    })
 }

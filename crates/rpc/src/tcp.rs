@@ -377,12 +377,18 @@ impl Shared {
         env: &[u8],
         bulk: &[Bytes],
     ) -> Result<(), String> {
-        let mut w = peer.streams[stream].lock().await;
-        if w.is_none() {
-            let addr = (*peer.addr.lock().unwrap_or_else(|e| e.into_inner()))
-                .ok_or_else(|| format!("worker {to} has left"))?;
-            *w = Some(connect(self, to, addr, stream as u16).await?);
-        }
+        let mut slot = peer.streams[stream].lock().await;
+        // The writer is out of its slot while a frame is written: if the
+        // caller gives up mid-frame (its timeout), the connection is dropped
+        // rather than left with half a frame on it.
+        let mut w = match slot.take() {
+            Some(w) => w,
+            None => {
+                let addr = (*peer.addr.lock().unwrap_or_else(|e| e.into_inner()))
+                    .ok_or_else(|| format!("worker {to} has left"))?;
+                connect(self, to, addr, stream as u16).await?
+            }
+        };
         let hb = head.encode();
         let mut slices: Vec<IoSlice> = Vec::with_capacity(bulk.len() + 2);
         slices.push(IoSlice::new(&hb));
@@ -390,11 +396,10 @@ impl Shared {
             slices.push(IoSlice::new(env));
         }
         slices.extend(bulk.iter().map(|b| IoSlice::new(b)));
-        let r = write_vectored_all(w.as_mut().expect("connected"), &mut slices).await;
-        if let Err(e) = r {
-            *w = None;
-            return Err(format!("writing to worker {to}: {e}"));
-        }
+        write_vectored_all(&mut w, &mut slices)
+            .await
+            .map_err(|e| format!("writing to worker {to}: {e}"))?;
+        *slot = Some(w);
         Ok(())
     }
 }

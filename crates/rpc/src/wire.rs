@@ -17,22 +17,25 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::rref::{ForkId, RRefId};
+use crate::rref::{ForkData, ForkId, RRefId};
 use crate::WorkerInfo;
 
 /// One RPC message.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub enum Envelope {
-    /// A request; `args` is the postcard encoding of the arguments.
+    /// A request; `args` is the postcard encoding of the arguments, and
+    /// `forks` every RRef they carry.
     Request {
         id: u64,
         req: Request,
         args: Vec<u8>,
+        forks: Vec<ForkData>,
     },
-    /// The answer to request `id`; on success `value` holds the encoded result.
+    /// The answer to request `id`: the encoded result, and every RRef it carries.
     Response {
         id: u64,
         result: Result<Vec<u8>, Failure>,
+        forks: Vec<ForkData>,
     },
 }
 
@@ -302,7 +305,7 @@ mod tests {
 
         #[test]
         fn envelopes_round_trip(id in any::<u64>(), func in "[a-z_]{0,20}", args in proptest::collection::vec(any::<u8>(), 0..64)) {
-            let e = Envelope::Request { id, req: Request::Call { func }, args };
+            let e = Envelope::Request { id, req: Request::Call { func }, args, forks: vec![] };
             prop_assert_eq!(decode::<Envelope>(&encode(&e).unwrap()).unwrap(), e);
         }
     }

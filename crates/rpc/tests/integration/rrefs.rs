@@ -135,3 +135,39 @@ async fn rrefs_over_the_process_group_backend() {
     all_clear(&ws).await;
     shutdown_all(ws).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_value_holding_an_rref_is_deleted_without_deadlock() {
+    let ws = group(2, BackendType::tcp()).await;
+    let inner: RRef<i64> = ws[0].remote("w1", "counter", &4i64).unwrap();
+    assert_eq!(inner.to_here().await.unwrap(), 4);
+    // The outer value owns the only handle of `inner`: deleting it drops that
+    // handle, which reports back to the same bookkeeping.
+    let outer: RRef<Vec<RRef<i64>>> = ws[0].rref(vec![inner]);
+    drop(outer);
+    all_clear(&ws).await;
+    shutdown_all(ws).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forks_in_messages_never_decoded_are_released() {
+    let ws = group(3, BackendType::tcp()).await;
+    let r: RRef<i64> = ws[0].remote("w1", "counter", &9i64).unwrap();
+    // An unknown function never decodes its arguments; a wrong type fails
+    // half-way. Either way the fork sent to w2 must be released.
+    let e = ws[0]
+        .rpc_sync::<_, ()>("w2", "typo", &r)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("no function named \"typo\""), "{e}");
+    let e = ws[0]
+        .rpc_sync::<_, String>("w2", "echo", &r)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("w2"), "{e}");
+    drop(r);
+    all_clear(&ws).await;
+    shutdown_all(ws).await;
+}
