@@ -1379,7 +1379,11 @@ impl Rpc {
         })();
         let func = func.to_owned();
         let rt = a.rt.clone();
+        // Counted from the call, not from when its task first runs: a
+        // shutdown right after `rpc_async` still waits for it.
+        let active = Active::new(&a);
         RpcFuture(rt.spawn(async move {
+            let _active = active;
             let (to, enc) = start?;
             let (bytes, bulk, adopted) =
                 a.call_raw(to, Request::Call { func }, enc, timeout).await?;
@@ -1450,7 +1454,9 @@ impl Rpc {
         let h = a.rrefs.new_user(a, to, what, type_name);
         let (rref, fork) = (h.id, h.fork.expect("a user"));
         let (a2, func) = (a.clone(), func.to_owned());
+        let active = Active::new(a);
         a.rt.spawn(async move {
+            let _active = active;
             let r = a2
                 .call_raw(to, Request::Remote { func, rref, fork }, enc, timeout)
                 .await;
