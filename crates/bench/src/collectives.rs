@@ -92,16 +92,8 @@ fn bus_factor(op: &str, n: usize) -> f64 {
 type Results = BTreeMap<(String, usize), f64>;
 
 pub fn run(args: CollectivesArgs) -> Result<()> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()?;
-    let server = rt.block_on(rallypoint_store::server::Server::bind(
-        "127.0.0.1:0".parse()?,
-        Default::default(),
-    ))?;
-    let port = server.local_addr().port();
-    let _server = rt.block_on(async { server.spawn() });
+    let server = crate::rpc::store_server()?;
+    let port = server.port;
     let sizes: Vec<usize> = sizes(args.max_bytes)
         .into_iter()
         .filter(|&s| s >= args.min_bytes)

@@ -40,13 +40,14 @@ pub struct RpcArgs {
 
 const WINDOW: usize = 64;
 
-struct StoreServer {
+/// One of our store servers on its own runtime, for a measurement's workers.
+pub(crate) struct StoreServer {
     rt: tokio::runtime::Runtime,
-    port: u16,
+    pub(crate) port: u16,
     _server: Box<dyn std::any::Any>,
 }
 
-fn store_server() -> Result<StoreServer> {
+pub(crate) fn store_server() -> Result<StoreServer> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()

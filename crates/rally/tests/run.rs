@@ -680,6 +680,24 @@ fn the_status_endpoint_reports_round_workers_and_metrics() {
     assert!(job.wait(LIMIT).success(), "{}", job.output());
 }
 
+/// An example of this workspace, built by cargo beside this test binary's deps/.
+fn built_example(name: &str) -> String {
+    let exe = std::env::current_exe().unwrap();
+    let example = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples")
+        .join(name);
+    assert!(
+        example.exists(),
+        "build the example first: cargo build --example {name} ({})",
+        example.display()
+    );
+    example.display().to_string()
+}
+
 #[path = "run/agent_failures.rs"]
 mod agent_failures;
 #[path = "run/collectives.rs"]

@@ -213,21 +213,8 @@ fn a_rank_killed_mid_all_reduce_is_named_by_every_other_rank() {
 
 #[test]
 fn the_sgd_example_trains_under_rally_run() {
-    // The example is built by cargo for this workspace's tests; find it beside deps/.
-    let exe = std::env::current_exe().unwrap();
-    let example = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples/dp_sgd");
-    assert!(
-        example.exists(),
-        "build the example first: cargo build --example dp_sgd ({})",
-        example.display()
-    );
     let dir = tempfile::tempdir().unwrap();
-    let ex = example.display().to_string();
+    let ex = built_example("dp_sgd");
     let mut job = Job::spawn(
         rally(&["--standalone", "--nproc-per-node", "4", "--no-python", &ex]),
         dir.path(),

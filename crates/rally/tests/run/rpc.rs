@@ -121,20 +121,8 @@ fn a_worker_killed_mid_call_is_named_by_its_caller() {
 
 #[test]
 fn the_parameter_server_example_trains_under_rally_run() {
-    let exe = std::env::current_exe().unwrap();
-    let example = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples/param_server");
-    assert!(
-        example.exists(),
-        "build the example first: cargo build --example param_server ({})",
-        example.display()
-    );
     let dir = tempfile::tempdir().unwrap();
-    let ex = example.display().to_string();
+    let ex = built_example("param_server");
     let mut job = Job::spawn(
         rally(&["--standalone", "--nproc-per-node", "3", "--no-python", &ex]),
         dir.path(),
