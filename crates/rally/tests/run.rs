@@ -680,6 +680,65 @@ fn the_status_endpoint_reports_round_workers_and_metrics() {
     assert!(job.wait(LIMIT).success(), "{}", job.output());
 }
 
+/// Workers of a real-process scenario: `n` copies of this test binary (with
+/// `args` as the test filter and `var=value` set), on a fresh store server
+/// they reach through env:// as clients, each past the `READY` line it
+/// prints. Keep the returned store (runtime and server) while they run.
+fn ready_workers(
+    args: &[&str],
+    (var, value): (&str, &str),
+    n: usize,
+) -> (
+    (
+        tokio::runtime::Runtime,
+        rallypoint_store::server::ServerHandle,
+    ),
+    Vec<Child>,
+) {
+    use std::io::{BufRead, BufReader};
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let server = rt
+        .block_on(rallypoint_store::server::Server::bind(
+            "127.0.0.1:0".parse().unwrap(),
+            Default::default(),
+        ))
+        .unwrap();
+    let port = server.local_addr().port();
+    let handle = rt.block_on(async { server.spawn() });
+    let mut children: Vec<Child> = (0..n)
+        .map(|r| {
+            Command::new(std::env::current_exe().unwrap())
+                .args(args)
+                .env(var, value)
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("RANK", r.to_string())
+                .env("WORLD_SIZE", n.to_string())
+                .env("TORCHELASTIC_USE_AGENT_STORE", "True")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for c in &mut children {
+        let mut out = BufReader::new(c.stdout.take().unwrap());
+        let mut line = String::new();
+        while !line.contains("READY") {
+            line.clear();
+            assert!(
+                out.read_line(&mut line).unwrap() > 0,
+                "a worker ended before it was ready"
+            );
+        }
+    }
+    ((rt, handle), children)
+}
+
 /// An example of this workspace, built by cargo beside this test binary's deps/.
 fn built_example(name: &str) -> String {
     let exe = std::env::current_exe().unwrap();

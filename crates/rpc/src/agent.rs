@@ -259,21 +259,10 @@ impl Functions {
     where
         A: DeserializeOwned + Send + 'static,
         R: Serialize + Send + 'static,
-        E: Display,
+        E: Display + Send + 'static,
         F: Fn(A) -> std::result::Result<R, E> + Send + Sync + 'static,
     {
-        let f = Arc::new(f);
-        self.add(
-            name,
-            Arc::new(move |args: Args| {
-                let f = f.clone();
-                Box::pin(async move {
-                    let a: A = args.decode().await?;
-                    f(a).map(|r| Box::new(r) as Box<dyn Value>)
-                        .map_err(|e| e.to_string())
-                })
-            }),
-        )
+        self.register_async(name, move |_rpc: Rpc, a: A| std::future::ready(f(a)))
     }
 
     /// Registers an async function; it gets this worker's [`Rpc`] to make

@@ -5,9 +5,6 @@
 //! The workers are this test binary itself, re-executed with `RALLY_COLL_WORKER`
 //! set to a scenario and `--exact collectives::worker` as the test filter.
 
-use std::io::{BufRead, BufReader};
-use std::process::Stdio;
-
 use rallypoint_collectives::blocking::BlockingGroup;
 use rallypoint_collectives::{bf16, Options, ReduceOp};
 
@@ -136,47 +133,7 @@ fn a_rank_killed_mid_all_reduce_is_named_by_every_other_rank() {
     let n = 4;
     let victim = 2;
     // The job's store: a TCPStore server the workers reach through env://.
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
-    let server = rt
-        .block_on(rallypoint_store::server::Server::bind(
-            "127.0.0.1:0".parse().unwrap(),
-            Default::default(),
-        ))
-        .unwrap();
-    let port = server.local_addr().port();
-    let _server = rt.block_on(async { server.spawn() });
-    let mut children: Vec<Child> = (0..n)
-        .map(|r| {
-            Command::new(self_exe())
-                .args(worker_args())
-                .env(WORKER, "loop")
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env("RANK", r.to_string())
-                .env("WORLD_SIZE", n.to_string())
-                .env("TORCHELASTIC_USE_AGENT_STORE", "True")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    // Wait until every rank has finished a few all-reduces: the kill lands mid-stream.
-    for c in &mut children {
-        let mut out = BufReader::new(c.stdout.take().unwrap());
-        let mut line = String::new();
-        while !line.contains("READY") {
-            line.clear();
-            assert!(
-                out.read_line(&mut line).unwrap() > 0,
-                "a worker ended before it was ready"
-            );
-        }
-    }
+    let (_store, mut children) = ready_workers(&worker_args(), (WORKER, "loop"), n);
     // SAFETY: signalling our own child.
     unsafe { libc::kill(children[victim].id() as i32, libc::SIGKILL) };
     let killed_at = std::time::SystemTime::now()

@@ -4,9 +4,6 @@
 //!
 //! The workers are this test binary, re-executed with `RALLY_RPC_WORKER` set.
 
-use std::io::{BufRead, BufReader};
-use std::process::Stdio;
-
 use rallypoint_rpc::{init_rpc, Rpc, RpcBackendOptions};
 
 use super::*;
@@ -55,46 +52,7 @@ fn worker() {
 
 #[test]
 fn a_worker_killed_mid_call_is_named_by_its_caller() {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
-    let server = rt
-        .block_on(rallypoint_store::server::Server::bind(
-            "127.0.0.1:0".parse().unwrap(),
-            Default::default(),
-        ))
-        .unwrap();
-    let port = server.local_addr().port();
-    let _server = rt.block_on(async { server.spawn() });
-    let mut children: Vec<Child> = (0..3)
-        .map(|r| {
-            Command::new(std::env::current_exe().unwrap())
-                .args(worker_args())
-                .env(WORKER, "1")
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env("RANK", r.to_string())
-                .env("WORLD_SIZE", "3")
-                .env("TORCHELASTIC_USE_AGENT_STORE", "True")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    for c in &mut children {
-        let mut out = BufReader::new(c.stdout.take().unwrap());
-        let mut line = String::new();
-        while !line.contains("READY") {
-            line.clear();
-            assert!(
-                out.read_line(&mut line).unwrap() > 0,
-                "a worker ended before it was ready"
-            );
-        }
-    }
+    let (_store, mut children) = ready_workers(&worker_args(), (WORKER, "1"), 3);
     // Let the call reach worker 1, then kill it.
     std::thread::sleep(Duration::from_millis(300));
     // SAFETY: signalling our own child.
