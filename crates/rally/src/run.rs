@@ -620,8 +620,12 @@ impl EventSink for Console {
                 "rally run: round {round} formed: node {group_rank} of {group_world_size}, ranks {}..{} of {world_size}, job store {master_addr}:{master_port}",
                 ranks.start, ranks.end
             ),
-            AgentEvent::MembershipChanged { nodes_waiting, .. } => eprintln!(
-                "rally run: membership changed ({nodes_waiting} node(s) waiting or lost); re-forming the group"
+            AgentEvent::MembershipChanged {
+                nodes_waiting,
+                members_dead,
+                ..
+            } => eprintln!(
+                "rally run: membership changed ({nodes_waiting} node(s) waiting, {members_dead} lost); re-forming the group"
             ),
             AgentEvent::GroupRestarting {
                 failed_rounds,

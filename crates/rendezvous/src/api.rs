@@ -105,6 +105,28 @@ pub trait RendezvousHandler: Send + Sync {
     /// Nodes waiting to join, which the agent reacts to by re-forming the group.
     async fn num_nodes_waiting(&self) -> Result<usize, RendezvousError>;
 
+    /// How this node's round changed: nodes waiting to join, and members found
+    /// dead (that stopped keeping alive without leaving). Backends that do not
+    /// watch members report every change as waiting.
+    async fn membership(&self) -> Result<MembershipChange, RendezvousError> {
+        Ok(MembershipChange {
+            waiting: self.num_nodes_waiting().await?,
+            dead: 0,
+        })
+    }
+
+    /// Whether [`Self::membership`] notices members that died.
+    fn detects_dead_members(&self) -> bool {
+        false
+    }
+
+    /// This node leaves its round for good (it is ending): it stops keeping
+    /// alive and says so, so the others do not count it dead. Does not close
+    /// the rendezvous.
+    async fn leave(&self) -> Result<(), RendezvousError> {
+        Ok(())
+    }
+
     /// The run id shared by every node of the job.
     fn run_id(&self) -> &str;
 
@@ -132,6 +154,15 @@ pub trait RendezvousHandler: Send + Sync {
     fn use_agent_store(&self) -> bool {
         true
     }
+}
+
+/// How a round's membership changed since it formed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MembershipChange {
+    /// Nodes waiting to join (or members coming back).
+    pub waiting: usize,
+    /// Members that stopped keeping alive without leaving.
+    pub dead: usize,
 }
 
 /// What a backend is created from (torchrun's `--rdzv-*` flags).

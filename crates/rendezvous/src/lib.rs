@@ -23,4 +23,6 @@ pub mod registry;
 pub mod static_tcp;
 pub mod url;
 
-pub use api::{RendezvousError, RendezvousHandler, RendezvousInfo, RendezvousParameters};
+pub use api::{
+    MembershipChange, RendezvousError, RendezvousHandler, RendezvousInfo, RendezvousParameters,
+};

@@ -1,9 +1,15 @@
 //! The `static` backend: a fixed number of nodes (`max_nodes`), each told its rank
 //! (`rank` option, torchrun's `--node-rank`), with a TCP store hosted by rank 0 at the
 //! endpoint (`--master-addr:--master-port`), which is also the workers' store
-//! (`MASTER_ADDR`/`MASTER_PORT`), as under torchrun. It never re-forms, never closes, and
-//! nobody waits: a restart returns the same store and ranks. Agents' keys live under
+//! (`MASTER_ADDR`/`MASTER_PORT`), as under torchrun. It never re-forms and nobody
+//! waits: a restart returns the same store and ranks. Agents' keys live under
 //! `PrefixStore(run_id)`, as in PyTorch, so one store can serve several runs.
+//!
+//! The agent watches it like any backend: the run store is the same prefixed
+//! store, so a failure another node publishes stops this node's workers, and a
+//! lost host shows as an unreachable store. Rank 0 hosts the store
+//! ([`RendezvousHandler::hosts_store`]), so it keeps it up at the end until the
+//! other nodes have finished.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -159,5 +165,9 @@ impl RendezvousHandler for StaticTcpRendezvous {
 
     fn job_store_at_bootstrap(&self) -> bool {
         true
+    }
+
+    fn hosts_store(&self) -> bool {
+        self.rank == 0
     }
 }

@@ -56,6 +56,7 @@ pub enum AgentEvent {
     MembershipChanged {
         round: u64,
         nodes_waiting: usize,
+        members_dead: usize,
     },
     /// Another node closed the run after success: no more rounds; workers go on.
     RunClosedAfterSuccess {
@@ -167,7 +168,10 @@ impl AgentEvent {
             AgentEvent::MembershipChanged {
                 round,
                 nodes_waiting,
-            } => json!({ "round": round, "nodes_waiting": nodes_waiting }),
+                members_dead,
+            } => json!({
+                "round": round, "nodes_waiting": nodes_waiting, "members_dead": members_dead,
+            }),
             AgentEvent::RunClosedAfterSuccess { round } => json!({ "round": round }),
             AgentEvent::SignalReceived { signal, phase } => json!({
                 "signal": crate::multiprocessing::signal_name(*signal), "phase": phase,

@@ -64,6 +64,7 @@
 pub mod events;
 pub mod policy;
 pub mod ranks;
+pub mod run_store;
 pub mod status;
 
 use std::ffi::OsString;
@@ -73,7 +74,6 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use rallypoint_rendezvous::{RendezvousError, RendezvousHandler, RendezvousInfo};
 use rallypoint_store::server::{Server, ServerConfig, ServerHandle};
 use rallypoint_store::{Store, StoreError};
-use serde_json::{json, Value};
 use tokio::sync::{watch, Notify};
 
 use crate::multiprocessing::{
@@ -81,7 +81,8 @@ use crate::multiprocessing::{
     StartSpec,
 };
 use events::{AgentEvent, Discard, EventSink};
-use policy::{Action, Barrier, Event, Limits, Observation, Phase, Policy, Verdict};
+use policy::{Action, Event, Failure, Limits, Observation, Phase, Policy, Verdict};
+pub use run_store::{format_time, FailureRecord, NOT_AVAILABLE, TRACEBACK_MAX};
 use status::{Status, WorkerStatus};
 
 /// What the agent runs, and how.
@@ -115,149 +116,6 @@ pub struct AgentSpec {
     /// outlives its round, even one that called `setsid`; see
     /// [`crate::multiprocessing::watchdog`].
     pub mark: Option<String>,
-}
-
-/// A worker failure, as recorded in the run's failure log (one JSON line each).
-#[derive(Debug, Clone, PartialEq)]
-pub struct FailureRecord {
-    /// Seconds since the epoch.
-    pub time: f64,
-    pub host: String,
-    pub group_rank: usize,
-    pub rank: usize,
-    pub local_rank: usize,
-    pub round: u64,
-    pub pid: u32,
-    /// torchrun's convention: the exit code, or minus the signal number.
-    pub exitcode: i32,
-    /// "exit code 3" or "signal SIGKILL".
-    pub exit: String,
-    /// The error file's message, or a description of the exit.
-    pub message: String,
-    /// The error file's traceback (at most [`TRACEBACK_MAX`] bytes), if it had one.
-    pub traceback: String,
-    /// The worker's error file, or `<N/A>` if it wrote none (as torchrun).
-    pub error_file: String,
-}
-
-/// Longest traceback kept in the failure log (its tail: the raise is at the end).
-pub const TRACEBACK_MAX: usize = 16 * 1024;
-
-/// What torchrun shows for a missing error file.
-pub const NOT_AVAILABLE: &str = "<N/A>";
-
-impl FailureRecord {
-    pub fn to_json(&self) -> Value {
-        json!({
-            "time": self.time, "host": self.host, "group_rank": self.group_rank,
-            "rank": self.rank, "local_rank": self.local_rank, "round": self.round,
-            "pid": self.pid, "exitcode": self.exitcode, "exit": self.exit,
-            "message": self.message, "traceback": self.traceback,
-            "error_file": self.error_file,
-        })
-    }
-
-    pub fn from_json(v: &Value) -> Option<FailureRecord> {
-        let s = |k: &str| v.get(k).and_then(Value::as_str).unwrap_or("").to_owned();
-        let n = |k: &str| v.get(k).and_then(Value::as_u64).unwrap_or(0);
-        Some(FailureRecord {
-            time: v.get("time")?.as_f64()?,
-            host: s("host"),
-            group_rank: n("group_rank") as usize,
-            rank: n("rank") as usize,
-            local_rank: n("local_rank") as usize,
-            round: n("round"),
-            pid: n("pid") as u32,
-            exitcode: v.get("exitcode").and_then(Value::as_i64).unwrap_or(1) as i32,
-            exit: s("exit"),
-            message: s("message"),
-            traceback: s("traceback"),
-            error_file: s("error_file"),
-        })
-    }
-
-    /// The earliest failure in a failure log.
-    pub fn first_in(log: &[u8]) -> Option<FailureRecord> {
-        String::from_utf8_lossy(log)
-            .lines()
-            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-            .filter_map(|v| FailureRecord::from_json(&v))
-            .min_by(|a, b| a.time.total_cmp(&b.time))
-    }
-
-    /// The error-file JSON a launcher writes for this failure (torchrun's
-    /// `dump_error_file` layout, with `errorCode`), so a scheduler reading the
-    /// launcher's `TORCHELASTIC_ERROR_FILE` sees the root cause.
-    pub fn error_json(&self) -> Value {
-        let callstack = if self.traceback.is_empty() {
-            &self.message
-        } else {
-            &self.traceback
-        };
-        let when = UNIX_EPOCH + Duration::from_secs_f64(self.time.max(0.0));
-        let mut v = crate::errors::error_json(&self.message, callstack, when);
-        v["message"]["errorCode"] = json!(self.exitcode);
-        v
-    }
-}
-
-/// torchrun's layout of one failure (`_FAILURE_FORMAT_TEMPLATE`), with the node
-/// and attempt added; the traceback indented under `traceback :`.
-impl std::fmt::Display for FailureRecord {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        writeln!(
-            f,
-            "  time      : {}",
-            format_time(self.time).replace(' ', "_")
-        )?;
-        writeln!(f, "  host      : {}", self.host)?;
-        writeln!(
-            f,
-            "  rank      : {} (local_rank: {}, node: {})",
-            self.rank, self.local_rank, self.group_rank
-        )?;
-        let signal = self
-            .exit
-            .strip_prefix("signal ")
-            .map(|s| format!(" ({s})"))
-            .unwrap_or_default();
-        writeln!(
-            f,
-            "  exitcode  : {} (pid: {}){signal}",
-            self.exitcode, self.pid
-        )?;
-        writeln!(f, "  attempt   : {}", self.round)?;
-        writeln!(f, "  error_file: {}", self.error_file)?;
-        let tb = if self.traceback.is_empty() {
-            &self.message
-        } else {
-            &self.traceback
-        };
-        write!(f, "  traceback : {}", tb.trim_end().replace('\n', "\n  "))
-    }
-}
-
-/// UTC `YYYY-MM-DD HH:MM:SS.mmm`.
-pub fn format_time(secs: f64) -> String {
-    let total = secs.max(0.0);
-    let days = (total / 86400.0).floor() as i64;
-    let rem = total - days as f64 * 86400.0;
-    let (h, m, s) = (
-        (rem / 3600.0) as u32,
-        ((rem % 3600.0) / 60.0) as u32,
-        rem % 60.0,
-    );
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let mo = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(mo <= 2);
-    format!("{y:04}-{mo:02}-{d:02} {h:02}:{m:02}:{s:06.3} UTC")
 }
 
 /// How a run ended.
@@ -311,19 +169,12 @@ impl Outcome {
 
 /// How often the agent says it is still waiting for the rendezvous.
 const PROGRESS_EVERY: Duration = Duration::from_secs(10);
-/// Bounds one rendezvous check (closed? nodes waiting?) and each store call at
-/// the end of a run: a store that does not answer in this time counts as
+/// Bounds one rendezvous check (verdict? membership changed?) and each store
+/// call at the end of a run: a store that does not answer in this time counts as
 /// unreachable.
 const CHECK_TIMEOUT: Duration = Duration::from_secs(2);
-
-/// Keys of the run store (see the module doc).
-const FAILURE_LOG: &str = "agent/failures";
-const FAILURE_COUNT: &str = "agent/failed_rounds";
-const OUTCOME: &str = "agent/outcome";
-
-fn finished_key(round: u64) -> String {
-    format!("agent/r{round}/finished")
-}
+/// How often a lingering host looks whether the others finished.
+const LINGER_POLL: Duration = Duration::from_millis(50);
 
 /// The agent of one node.
 pub struct Agent {
@@ -338,13 +189,14 @@ struct Round {
     info: RendezvousInfo,
     ranks: ranks::NodeRanks,
     /// The job store this node hosts for the round (rank 0 with an agent store).
+    /// Kept until the run ends or the round is left: other nodes' workers may
+    /// still use it after this node's workers finished.
     server: Option<ServerHandle>,
     workers: Option<ProcessContext>,
     started: Instant,
     /// Failures of the last stopped group, to record and report.
     failures: Vec<FailureRecord>,
 }
-
 impl Agent {
     pub fn new(spec: AgentSpec, handler: Arc<dyn RendezvousHandler>) -> Agent {
         let status = Status::new(handler.run_id(), &spec.role, spec.max_restarts);
@@ -385,10 +237,7 @@ impl Agent {
             Ok(l) => l,
             Err(e) => return Outcome::Error(e.to_string()),
         };
-        let (policy, first) = Policy::start(Limits {
-            max_restarts: self.spec.max_restarts,
-            lost_grace: self.spec.lost_grace,
-        });
+        let (policy, first) = Policy::start(self.limits());
         let mut run = Run {
             policy,
             signals: &mut signals,
@@ -417,6 +266,15 @@ impl Agent {
                 Action::Kill => Vec::new(),
                 Action::RecordFailure { .. } => self.record_failure(&mut run).await,
                 Action::EnterBarrier { .. } => self.barrier(&mut run).await,
+                Action::Publish(p) => self.publish(&mut run, &p).await,
+                Action::ReadVerdict => self.read_verdict(&mut run).await,
+                Action::CloseRendezvous => self.close_rendezvous(&mut run).await,
+                Action::MarkFinished { round } => self.mark_finished(&mut run, round).await,
+                Action::Linger {
+                    round,
+                    nodes,
+                    bound,
+                } => self.linger(&mut run, round, nodes, bound).await,
                 Action::NoteClosedAfterSuccess { round } => {
                     self.emit(AgentEvent::RunClosedAfterSuccess { round });
                     Vec::new()
@@ -425,10 +283,15 @@ impl Agent {
                     self.emit(AgentEvent::RendezvousUnreachable { error });
                     Vec::new()
                 }
-                Action::NoteReform { round, waiting } => {
+                Action::NoteReform {
+                    round,
+                    waiting,
+                    dead,
+                } => {
                     self.emit(AgentEvent::MembershipChanged {
                         round,
                         nodes_waiting: waiting,
+                        members_dead: dead,
                     });
                     Vec::new()
                 }
@@ -445,6 +308,13 @@ impl Agent {
                     });
                     Vec::new()
                 }
+                Action::NoteRecordRetry { error } => {
+                    self.emit(AgentEvent::CleanupFailed {
+                        what: "recording the failure (retrying)",
+                        error,
+                    });
+                    Vec::new()
+                }
                 Action::Finish(verdict) => {
                     let outcome = self.finish(verdict, &mut run).await;
                     let code = outcome.exit_code();
@@ -458,6 +328,24 @@ impl Agent {
                 }
             };
             queue.extend(more);
+        }
+    }
+
+    /// The policy's knobs, from the spec and the backend.
+    fn limits(&self) -> Limits {
+        Limits {
+            max_restarts: self.spec.max_restarts,
+            lost_grace: self.spec.lost_grace,
+            hosts_rendezvous: self.handler.hosts_store(),
+            // The others stop their workers within the shutdown grace once they
+            // see the failure (one check away), then count themselves.
+            linger_after_failure: self.spec.shutdown_timeout
+                + self.spec.monitor_interval
+                + CHECK_TIMEOUT * 2,
+            // Without liveness, a node that died silently would be waited for
+            // forever: one more exit-barrier timeout, then the host goes.
+            linger_after_success: (!self.handler.detects_dead_members())
+                .then_some(self.spec.exit_barrier_timeout),
         }
     }
 
@@ -527,7 +415,10 @@ impl Agent {
                     group_world_size: info.world_size,
                     duration: started.elapsed(),
                 });
-                let e = Event::Joined { round: info.round };
+                let e = Event::Joined {
+                    round: info.round,
+                    nodes: info.world_size,
+                };
                 run.last_run_store = Some(info.run_store.clone());
                 run.round = Some(Round {
                     info,
@@ -541,8 +432,9 @@ impl Agent {
             }
             Ok(Err(e)) => {
                 let event = match &e {
-                    RendezvousError::GracefulExit { .. } => Event::JoinNotNeeded,
-                    RendezvousError::Closed { .. } => Event::JoinClosed,
+                    RendezvousError::GracefulExit { .. } | RendezvousError::Closed { .. } => {
+                        Event::JoinClosed
+                    }
                     other => {
                         self.emit(AgentEvent::RendezvousFailed {
                             error: other.to_string(),
@@ -558,9 +450,11 @@ impl Agent {
         self.decide(&mut run.policy, event)
     }
 
-    /// Ranks, the job store, then the workers.
+    /// Ranks, the job store, then the workers; the rendezvous is watched
+    /// meanwhile, so a member lost after the round formed re-forms the group at
+    /// once instead of costing the store's timeout.
     async fn start(&self, run: &mut Run<'_>, run_logs: &RunLogs) -> Vec<Action> {
-        let r = run.round.as_mut().expect("started after a join");
+        let r = run.round.as_ref().expect("started after a join");
         let prefix = format!("rally.agent/r{}", r.info.round);
         let setup = async {
             let ranks = ranks::assign(
@@ -579,21 +473,52 @@ impl Agent {
                 .map_err(|e| format!("job store: {e}"))?;
             Ok::<_, String>((ranks, job))
         };
-        let setup = tokio::select! {
-            s = setup => s,
-            s = run.signals.recv() => return self.decide(&mut run.policy, Event::Signal(s)),
+        let mut tick = self.monitor_tick();
+        let setup = async {
+            tokio::pin!(setup);
+            loop {
+                tokio::select! {
+                    s = &mut setup => return Ok(s),
+                    s = run.signals.recv() => return Err(self.decide(&mut run.policy, Event::Signal(s))),
+                    _ = tick.tick() => {
+                        let seen = tokio::select! {
+                            o = observe(&*self.handler, &*r.info.run_store, r.info.round) => Event::Checked(o),
+                            s = run.signals.recv() => Event::Signal(s),
+                        };
+                        let actions = self.decide(&mut run.policy, seen);
+                        if !actions.is_empty() {
+                            return Err(actions);
+                        }
+                    }
+                }
+            }
         };
+        let setup = match setup.await {
+            Ok(s) => s,
+            Err(actions) => return actions,
+        };
+        let r = run.round.as_mut().expect("started after a join");
         let (ranks, (master_addr, master_port, server)) = match setup {
             Ok(s) => s,
-            Err(e) => return self.decide(&mut run.policy, Event::StartFailed(e)),
+            Err(e) => {
+                return self.decide(
+                    &mut run.policy,
+                    Event::StartFailed(policy::StartError::Store(e)),
+                )
+            }
         };
         r.ranks = ranks;
+        let hosts_job_store = server.is_some();
         r.server = server;
         let event =
             match self.spawn_workers(r, run_logs, &master_addr, master_port, run.failed_rounds) {
-                Ok(()) => Event::Started,
-                Err(e) => Event::StartFailed(e),
+                Ok(()) => Event::Started { hosts_job_store },
+                Err(e) => Event::StartFailed(policy::StartError::Local(e)),
             };
+        if let Event::StartFailed(policy::StartError::Local(e)) = &event {
+            // The failure others read as the root cause.
+            r.failures = vec![self.start_failure(r, e)];
+        }
         self.decide(&mut run.policy, event)
     }
 
@@ -613,7 +538,7 @@ impl Agent {
                 _ = tick.tick() => {
                     // Signals still interrupt a slow check.
                     tokio::select! {
-                        o = observe(&*self.handler, &*r.info.run_store) => Event::Checked(o),
+                        o = observe(&*self.handler, &*r.info.run_store, r.info.round) => Event::Checked(o),
                         s = run.signals.recv() => Event::Signal(s),
                     }
                 }
@@ -636,7 +561,7 @@ impl Agent {
     async fn stop(&self, run: &mut Run<'_>, signal: i32) -> Vec<Action> {
         let r = run.round.as_mut().expect("stopping a round");
         let Some(workers) = r.workers.as_mut() else {
-            return self.decide(&mut run.policy, Event::Stopped);
+            return self.decide(&mut run.policy, Event::Stopped { failure: None });
         };
         let hurry = Notify::new();
         let stuck = {
@@ -658,12 +583,14 @@ impl Agent {
         }
         let result = workers.outcome();
         self.finish_workers(&result);
-        let failures = self.failure_records(r, &result);
+        let mut failures = self.failure_records(r, &result);
+        failures.sort_by(|a, b| a.time.total_cmp(&b.time));
         for f in &failures {
             self.emit(AgentEvent::WorkerFailed(Box::new(f.clone())));
         }
+        let failure = failures.first().cloned().map(Box::new);
         r.failures = failures;
-        self.decide(&mut run.policy, Event::Stopped)
+        self.decide(&mut run.policy, Event::Stopped { failure })
     }
 
     /// Kills whatever carries this agent's mark: descendants of workers that
@@ -680,34 +607,24 @@ impl Agent {
         }
     }
 
-    /// Appends the round's failures to the run's log and counts the round once,
-    /// job-wide.
+    /// Records the round's failures in the run store and counts the round once,
+    /// job-wide. One bounded attempt; the policy retries within `lost_grace`.
     async fn record_failure(&self, run: &mut Run<'_>) -> Vec<Action> {
         let r = run.round.as_ref().expect("a failed round");
-        let store = &r.info.run_store;
-        let round = r.info.round;
-        let mut lines = String::new();
-        for f in &r.failures {
-            lines.push_str(&f.to_json().to_string());
-            lines.push('\n');
-        }
-        let record = async {
-            store.append(FAILURE_LOG, lines.as_bytes()).await?;
-            // The first node to report a failure in this round counts it.
-            let n = if store.add(&format!("agent/failed/{round}"), 1).await? == 1 {
-                store.add(FAILURE_COUNT, 1).await?
-            } else {
-                store.add(FAILURE_COUNT, 0).await?
-            };
-            Ok::<u64, StoreError>(n.max(0) as u64)
-        };
+        let record =
+            run_store::record_failure(&*r.info.run_store, r.info.round, r.info.rank, &r.failures);
         let event = tokio::select! {
             n = tokio::time::timeout(CHECK_TIMEOUT, record) => match n {
                 Ok(Ok(n)) => Event::FailureRecorded { failed_rounds: n },
-                _ => Event::FailureNotRecorded,
+                Ok(Err(e)) => Event::FailureNotRecorded(e.to_string()),
+                Err(_) => Event::FailureNotRecorded(format!("no answer within {CHECK_TIMEOUT:?}")),
             },
             s = run.signals.recv() => Event::Signal(s),
         };
+        if let Event::FailureNotRecorded(_) = event {
+            // Do not hammer a store that just failed.
+            tokio::time::sleep(self.spec.monitor_interval).await;
+        }
         if let Event::FailureRecorded { failed_rounds } = event {
             run.failed_rounds = failed_rounds;
             self.status.send_modify(|s| s.failed_rounds = failed_rounds);
@@ -715,14 +632,13 @@ impl Agent {
         self.decide(&mut run.policy, event)
     }
 
-    /// Local workers succeeded: wait for every node, while still watching for a
-    /// failure elsewhere or a lost store, and for signals.
+    /// Local workers succeeded: say that the round is finishing, then wait for
+    /// every node, while still watching for a failure elsewhere or a lost store,
+    /// and for signals. The round's job store stays up (other nodes' workers may
+    /// still use it).
     async fn barrier(&self, run: &mut Run<'_>) -> Vec<Action> {
         let r = run.round.as_mut().expect("a round");
-        if let Some(server) = r.server.take() {
-            // The workers are gone: their job store is no longer needed.
-            server.shutdown().await;
-        }
+        let _ = bounded(run_store::mark_finishing(&*r.info.run_store, r.info.round)).await;
         let prefix = format!("rally.agent/r{}/terminal_state", r.info.round);
         let wait = rallypoint_store::util::barrier(
             &*r.info.store,
@@ -735,25 +651,28 @@ impl Agent {
         let mut tick = self.monitor_tick();
         loop {
             let event = tokio::select! {
-                done = &mut wait => Event::Barrier(match done {
-                    Ok(()) => Barrier::Passed,
-                    Err(e) => match observe(&*self.handler, &*r.info.run_store).await {
-                        Observation::Unreachable(why) => Barrier::Lost(format!("{e}; {why}")),
-                        _ if e.is_timeout() => Barrier::TimedOut(e.to_string()),
-                        _ => Barrier::Lost(e.to_string()),
-                    },
-                }),
+                done = &mut wait => match done {
+                    Ok(()) => Event::BarrierPassed,
+                    Err(e) => {
+                        // What the rendezvous says decides (the policy's table):
+                        // a failure published meanwhile is never a timeout.
+                        let seen = observe(&*self.handler, &*r.info.run_store, r.info.round).await;
+                        if e.is_timeout() {
+                            self.emit(AgentEvent::ExitBarrierTimedOut { error: e.to_string() });
+                        }
+                        Event::BarrierFailed {
+                            error: e.to_string(),
+                            timed_out: e.is_timeout(),
+                            seen,
+                        }
+                    }
+                },
                 s = run.signals.recv() => Event::Signal(s),
                 _ = tick.tick() => tokio::select! {
-                    o = observe(&*self.handler, &*r.info.run_store) => Event::Checked(o),
+                    o = observe(&*self.handler, &*r.info.run_store, r.info.round) => Event::Checked(o),
                     s = run.signals.recv() => Event::Signal(s),
                 },
             };
-            if let Event::Barrier(Barrier::TimedOut(error)) = &event {
-                self.emit(AgentEvent::ExitBarrierTimedOut {
-                    error: error.clone(),
-                });
-            }
             let actions = self.decide(&mut run.policy, event);
             if !actions.is_empty() {
                 return actions;
@@ -761,223 +680,199 @@ impl Agent {
         }
     }
 
-    /// The end: publish the outcome if this node decides it, read the root
-    /// cause, count this node as finished, keep a hosted rendezvous store up
-    /// until the others have seen the outcome, and let the rendezvous go.
-    async fn finish(&self, verdict: Verdict, run: &mut Run<'_>) -> Outcome {
-        let round = run.round.take();
-        let attempts = round.as_ref().map_or(0, |r| r.info.round + 1);
-        let local = round
+    /// The run store of this node's round (or of its last one).
+    fn run_store(run: &Run<'_>) -> Option<Arc<dyn Store>> {
+        run.round
             .as_ref()
-            .and_then(|r| r.failures.first().cloned())
-            .map(Box::new);
-        let run_store = round.as_ref().map(|r| r.info.run_store.clone());
-        let outcome = match verdict {
-            Verdict::Succeeded { barrier, .. } => {
-                if let Some(s) = &run_store {
-                    // Do not overwrite a failure another node published.
-                    let _ = bounded(s.compare_set(OUTCOME, b"", b"succeeded")).await;
-                }
-                // Closed before lingering, so the others see the outcome; the
-                // rendezvous's shutdown below closes it otherwise.
-                if self.lingers(round.as_ref()) {
-                    self.close_run().await;
-                }
-                Outcome::Succeeded { attempts, barrier }
-            }
-            Verdict::OutOfRestarts { failed_rounds } => {
-                if let Some(s) = &run_store {
-                    let error = match bounded(s.set(OUTCOME, b"failed")).await {
-                        Some(Ok(())) => None,
-                        Some(Err(e)) => Some(e.to_string()),
-                        None => Some(format!("no answer within {CHECK_TIMEOUT:?}")),
-                    };
-                    if let Some(error) = error {
-                        self.emit(AgentEvent::CleanupFailed {
-                            what: "publishing the failure",
-                            error,
-                        });
-                    }
-                }
-                self.close_run().await;
-                Outcome::Failed {
-                    reason: format!(
-                        "workers failed {failed_rounds} time(s); --max-restarts is {}",
-                        self.spec.max_restarts
-                    ),
-                    root_cause: self.root_cause(run_store.as_deref()).await.or(local),
-                    failures: failed_rounds,
-                }
-            }
-            Verdict::Unrecorded => Outcome::Failed {
-                reason: "workers failed and the run store is unreachable".into(),
-                root_cause: local,
-                failures: run.failed_rounds,
-            },
-            Verdict::FailedElsewhere(root) => Outcome::Failed {
-                reason: "another node ended the run after a failure".into(),
-                root_cause: match root {
-                    Some(r) => Some(r),
-                    None => self.root_cause(run_store.as_deref()).await,
-                },
-                failures: self.failed_rounds(run_store.as_deref(), run.failed_rounds).await,
-            },
-            Verdict::LostRendezvous { during } => Outcome::Failed {
-                reason: format!(
-                    "lost the rendezvous host during {during}: its store stopped answering for {:?}",
-                    self.spec.lost_grace
-                ),
-                root_cause: local,
-                failures: run.failed_rounds,
-            },
-            Verdict::Signaled(signal) => Outcome::Signaled { signal },
-            Verdict::NotNeeded => Outcome::NotNeeded,
-            Verdict::ClosedWhileJoining => {
-                // The run ended while we joined: failed if anyone recorded a failure.
-                let store = run.last_run_store.clone();
-                match (
-                    self.root_cause(store.as_deref()).await,
-                    self.failed_rounds(store.as_deref(), 0).await,
-                ) {
-                    (None, 0) => Outcome::NotNeeded,
-                    (root_cause, failures) => Outcome::Failed {
-                        reason: "another node ended the run".into(),
-                        root_cause,
-                        failures,
-                    },
-                }
-            }
-            Verdict::JoinFailed(e) => match run.join_error.take() {
-                Some(e) => Outcome::Rendezvous(e),
-                None => Outcome::Error(e),
-            },
-            Verdict::StartFailed(e) => Outcome::Error(e),
-        };
-        if let Some(r) = round {
-            // Left open after a signal, as torchrun, so the node can come back.
-            let close = !matches!(outcome, Outcome::Signaled { .. });
-            let hosting = self.lingers(Some(&r));
-            // A node that does not host the store closes the rendezvous before
-            // it counts itself finished: once every node has counted, the host
-            // may take the store down, and a close after that would fail.
-            if close && !hosting {
-                self.shutdown_rendezvous().await;
-            }
-            if close {
-                self.linger(&r, &outcome, run.signals).await;
-            }
-            self.end_round(r).await;
-            if close && hosting {
-                self.shutdown_rendezvous().await;
-            }
-        }
-        outcome
+            .map(|r| r.info.run_store.clone())
+            .or_else(|| run.last_run_store.clone())
     }
 
-    /// Closes the rendezvous for every node and stops this node's part in it.
-    async fn shutdown_rendezvous(&self) {
-        if let Some(Err(e)) = bounded(self.handler.shutdown()).await {
+    /// Writes the verdict; answers with what the store holds afterwards.
+    async fn publish(&self, run: &mut Run<'_>, p: &policy::Publish) -> Vec<Action> {
+        let event = match Self::run_store(run) {
+            None => Event::NotPublished("no run store".into()),
+            Some(store) => match bounded(run_store::publish(&*store, p)).await {
+                Some(Ok(closed)) => Event::Published(closed),
+                Some(Err(e)) => Event::NotPublished(e.to_string()),
+                None => Event::NotPublished(format!("no answer within {CHECK_TIMEOUT:?}")),
+            },
+        };
+        if let Event::NotPublished(error) = &event {
             self.emit(AgentEvent::CleanupFailed {
-                what: "closing the rendezvous",
-                error: e.to_string(),
+                what: "publishing the verdict",
+                error: error.clone(),
             });
         }
+        self.decide(&mut run.policy, event)
     }
 
-    /// Closes the run so no node starts another round.
-    async fn close_run(&self) {
-        match tokio::time::timeout(CHECK_TIMEOUT, self.handler.set_closed()).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => self.emit(AgentEvent::CleanupFailed {
+    /// Reads the verdict after the run closed while this node joined.
+    async fn read_verdict(&self, run: &mut Run<'_>) -> Vec<Action> {
+        let event = match Self::run_store(run) {
+            // Never a member: nothing it could have failed.
+            None => Event::VerdictRead(None),
+            Some(store) => match bounded(run_store::read_verdict(&*store)).await {
+                Some(Ok(v)) => Event::VerdictRead(v),
+                Some(Err(e)) => Event::NotPublished(e.to_string()),
+                None => Event::NotPublished(format!("no answer within {CHECK_TIMEOUT:?}")),
+            },
+        };
+        self.decide(&mut run.policy, event)
+    }
+
+    /// Closes the rendezvous so no node starts another round.
+    async fn close_rendezvous(&self, run: &mut Run<'_>) -> Vec<Action> {
+        let error = match bounded(self.handler.set_closed()).await {
+            Some(Ok(())) => None,
+            Some(Err(e)) => Some(e.to_string()),
+            None => Some(format!("no answer within {CHECK_TIMEOUT:?}")),
+        };
+        if let Some(error) = error {
+            self.emit(AgentEvent::CleanupFailed {
                 what: "closing the rendezvous",
-                error: e.to_string(),
-            }),
-            Err(_) => self.emit(AgentEvent::CleanupFailed {
-                what: "closing the rendezvous",
-                error: format!("no answer within {CHECK_TIMEOUT:?}"),
-            }),
+                error,
+            });
         }
+        self.decide(&mut run.policy, Event::RendezvousClosed)
     }
 
-    /// The earliest failure in the run's log.
-    async fn root_cause(&self, store: Option<&dyn Store>) -> Option<Box<FailureRecord>> {
-        let log = tokio::time::timeout(CHECK_TIMEOUT, store?.get_now(FAILURE_LOG))
-            .await
-            .ok()?
-            .ok()?;
-        FailureRecord::first_in(&log).map(Box::new)
+    /// Counts this node finished in `round` (after it read the verdict).
+    async fn mark_finished(&self, run: &mut Run<'_>, round: u64) -> Vec<Action> {
+        if let Some(store) = Self::run_store(run) {
+            let _ = bounded(run_store::mark_finished(&*store, round)).await;
+        }
+        self.decide(&mut run.policy, Event::MarkedFinished)
     }
 
-    async fn failed_rounds(&self, store: Option<&dyn Store>, known: u64) -> u64 {
-        let Some(store) = store else { return known };
-        match tokio::time::timeout(CHECK_TIMEOUT, store.add(FAILURE_COUNT, 0)).await {
-            Ok(Ok(n)) => (n.max(0) as u64).max(known),
-            _ => known,
-        }
-    }
-
-    /// Whether this node keeps the rendezvous store up at the end of `round`.
-    fn lingers(&self, round: Option<&Round>) -> bool {
-        self.handler.hosts_store() && round.is_some_and(|r| r.info.world_size > 1)
-    }
-
-    /// Counts this node as finished; the node hosting the rendezvous store then
-    /// keeps it up until every node of the round has (bounded when the run
-    /// failed; while the others run, when it succeeded), so they can read the
-    /// outcome and the failure log.
-    async fn linger(&self, r: &Round, outcome: &Outcome, signals: &mut Signals) {
-        let key = finished_key(r.info.round);
-        let store = &r.info.run_store;
-        if tokio::time::timeout(CHECK_TIMEOUT, store.add(&key, 1))
-            .await
-            .is_err()
-        {
-            return;
-        }
-        if !self.lingers(Some(r)) {
-            return;
-        }
-        let failed = !matches!(outcome, Outcome::Succeeded { .. });
-        let bound = failed.then(|| {
-            tokio::time::Instant::now()
-                + self.spec.shutdown_timeout
-                + self.spec.monitor_interval
-                + CHECK_TIMEOUT * 2
-        });
+    /// Keeps this node's stores up until every node of `round` counted itself
+    /// finished or was found dead (a node that left counted itself first), or
+    /// `bound` passed; a signal cuts it short.
+    async fn linger(
+        &self,
+        run: &mut Run<'_>,
+        round: u64,
+        nodes: usize,
+        bound: Option<Duration>,
+    ) -> Vec<Action> {
+        let Some(store) = Self::run_store(run) else {
+            return self.decide(&mut run.policy, Event::Lingered);
+        };
+        let until = bound.map(|b| tokio::time::Instant::now() + b);
         let mut said = false;
         loop {
-            let finished = match tokio::time::timeout(CHECK_TIMEOUT, store.add(&key, 0)).await {
-                Ok(Ok(n)) => n.max(0) as usize,
-                _ => return,
+            let look = async {
+                let finished = run_store::finished(&*store, round)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let dead = self
+                    .handler
+                    .membership()
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .dead;
+                Ok::<_, String>(finished + dead)
             };
-            if finished >= r.info.world_size {
-                return;
-            }
-            // A node that died will never count itself.
-            if !failed
-                && matches!(
-                    tokio::time::timeout(CHECK_TIMEOUT, self.handler.num_nodes_waiting()).await,
-                    Ok(Ok(n)) if n > 0
-                )
-            {
-                return;
+            let gone = match bounded(look).await {
+                Some(Ok(n)) => n,
+                // Our own store does not answer: nobody can use it.
+                _ => break,
+            };
+            if gone >= nodes {
+                break;
             }
             if !said {
                 said = true;
                 self.emit(AgentEvent::HostLingering {
-                    nodes_left: r.info.world_size - finished,
+                    nodes_left: nodes - gone,
                 });
             }
-            let nap = tokio::time::sleep(Duration::from_millis(50));
+            let nap = tokio::time::sleep(LINGER_POLL);
             tokio::select! {
                 _ = nap => {}
-                _ = signals.recv() => return,
+                s = run.signals.recv() => return self.decide(&mut run.policy, Event::Signal(s)),
                 _ = async {
-                    match bound {
+                    match until {
                         Some(b) => tokio::time::sleep_until(b).await,
                         None => std::future::pending().await,
                     }
-                } => return,
+                } => break,
+            }
+        }
+        self.decide(&mut run.policy, Event::Lingered)
+    }
+
+    /// The end: turn the verdict into the outcome, leave the rendezvous (never
+    /// closing it: the policy closed it if, and only if, a verdict was
+    /// published), and release the round.
+    async fn finish(&self, verdict: Verdict, run: &mut Run<'_>) -> Outcome {
+        let round = run.round.take();
+        let attempts = round.as_ref().map_or(0, |r| r.info.round + 1);
+        let store = Self::run_store(run);
+        let outcome = match verdict {
+            Verdict::Succeeded { barrier, .. } => Outcome::Succeeded { attempts, barrier },
+            Verdict::Failed {
+                why: Failure::StartFailed(e),
+                ..
+            } => Outcome::Error(e),
+            Verdict::Failed { why, root } => {
+                let failures = match &store {
+                    Some(s) => bounded(run_store::failed_rounds(&**s))
+                        .await
+                        .and_then(Result::ok)
+                        .unwrap_or(0)
+                        .max(run.failed_rounds),
+                    None => run.failed_rounds,
+                };
+                Outcome::Failed {
+                    reason: self.reason(&why),
+                    root_cause: root,
+                    failures,
+                }
+            }
+            Verdict::Signaled(signal) => Outcome::Signaled { signal },
+            Verdict::NotNeeded => Outcome::NotNeeded,
+            Verdict::JoinFailed(e) => match run.join_error.take() {
+                Some(e) => Outcome::Rendezvous(e),
+                None => Outcome::Error(e),
+            },
+        };
+        if let Some(Err(e)) = bounded(self.handler.leave()).await {
+            self.emit(AgentEvent::CleanupFailed {
+                what: "leaving the rendezvous",
+                error: e.to_string(),
+            });
+        }
+        if let Some(r) = round {
+            self.end_round(r).await;
+        }
+        outcome
+    }
+
+    fn reason(&self, why: &Failure) -> String {
+        match why {
+            Failure::OutOfRestarts { failed_rounds } => format!(
+                "workers failed {failed_rounds} time(s); --max-restarts is {}",
+                self.spec.max_restarts
+            ),
+            Failure::AfterClose => {
+                "workers failed after the run was closed (no more rounds to restart in)".into()
+            }
+            Failure::MemberLostAfterClose => {
+                "a node died after the run was closed (no more rounds to replace it)".into()
+            }
+            Failure::Unrecorded => format!(
+                "workers failed and the run store did not take the failure for {:?}",
+                self.spec.lost_grace
+            ),
+            Failure::Elsewhere => "another node ended the run after a failure".into(),
+            Failure::LostRendezvous { during } => format!(
+                "lost the rendezvous host during {during}: its store stopped answering for {:?}",
+                self.spec.lost_grace
+            ),
+            Failure::StartFailed(e) => e.clone(),
+            Failure::Unpublished(e) => {
+                format!("the run's verdict could not be read or written (outcome unknown): {e}")
             }
         }
     }
@@ -998,6 +893,23 @@ impl Agent {
         }
     }
 
+    /// The failure record of a start that failed on this node.
+    fn start_failure(&self, r: &Round, error: &str) -> FailureRecord {
+        FailureRecord {
+            time: now_secs(),
+            host: self.spec.hostname.clone(),
+            group_rank: r.info.rank,
+            rank: r.ranks.base_rank,
+            local_rank: 0,
+            round: r.info.round,
+            pid: 0,
+            exitcode: 1,
+            exit: "not started".into(),
+            message: error.to_owned(),
+            traceback: String::new(),
+            error_file: NOT_AVAILABLE.to_owned(),
+        }
+    }
     /// Where this round's workers find their store. With an agent store, the node
     /// with rank 0 hosts a fresh server for every round, so no attempt ever reads
     /// keys an earlier one left (PyTorch reuses one server across attempts, and a
@@ -1213,35 +1125,38 @@ struct Run<'s> {
     /// Why the last join failed, for the outcome.
     join_error: Option<RendezvousError>,
     failed_rounds: u64,
-    /// The run store of the latest round, to read the outcome after the run
+    /// The run store of the latest round, to read the verdict after the run
     /// closed while joining.
     last_run_store: Option<Arc<dyn Store>>,
 }
 
-/// One bounded look at the rendezvous from a node whose workers run: closed
-/// (after a failure, or not), nodes waiting or lost, or unreachable.
-async fn observe(handler: &dyn RendezvousHandler, run_store: &dyn Store) -> Observation {
+/// One bounded look at the run from a node whose round is under way: the
+/// verdict if one is published (whatever the backend), else how the membership
+/// changed, else healthy; unreachable if the look fails.
+async fn observe(
+    handler: &dyn RendezvousHandler,
+    run_store: &dyn Store,
+    round: u64,
+) -> Observation {
     let look = async {
-        if handler.is_closed().await.map_err(|e| e.to_string())? {
-            let outcome = run_store
-                .get_now(OUTCOME)
+        if let Some(closed) = run_store::read_verdict(run_store)
+            .await
+            .map_err(|e| e.to_string())?
+        {
+            return Ok(Observation::Closed(closed));
+        }
+        let m = handler.membership().await.map_err(|e| e.to_string())?;
+        if m.waiting == 0 && m.dead == 0 {
+            return Ok(Observation::Healthy);
+        }
+        let finishing = m.waiting > 0
+            && run_store::finishing(run_store, round)
                 .await
                 .map_err(|e| e.to_string())?;
-            if outcome == b"failed" {
-                let log = run_store
-                    .get_now(FAILURE_LOG)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                return Ok(Observation::ClosedAfterFailure(
-                    FailureRecord::first_in(&log).map(Box::new),
-                ));
-            }
-            return Ok(Observation::ClosedAfterSuccess);
-        }
-        Ok::<_, String>(match handler.num_nodes_waiting().await {
-            Ok(0) => Observation::Healthy,
-            Ok(n) => Observation::NodesWaiting(n),
-            Err(e) => return Err(e.to_string()),
+        Ok::<_, String>(Observation::Changed {
+            waiting: m.waiting,
+            dead: m.dead,
+            finishing,
         })
     };
     match tokio::time::timeout(CHECK_TIMEOUT, look).await {
@@ -1250,7 +1165,6 @@ async fn observe(handler: &dyn RendezvousHandler, run_store: &dyn Store) -> Obse
         Err(_) => Observation::Unreachable(format!("no answer within {CHECK_TIMEOUT:?}")),
     }
 }
-
 /// The trapped signals, as one stream (armed for the agent's whole life).
 pub struct Signals {
     streams: Vec<(i32, tokio::signal::unix::Signal)>,

@@ -3,41 +3,70 @@
 //! The driver in `mod.rs` performs every [`Action`] (a store round trip, a start,
 //! a stop), reports what happened as an [`Event`] with the time, and applies what
 //! [`Policy::on`] returns. Nothing here blocks, reads a clock or touches a store,
-//! so every row of the table below is tested with simulated time.
+//! so every row of the table below is tested with simulated time, and the seeded
+//! simulator (`agent::sim`) drives many agents' policies through random failure
+//! orders.
 //!
 //! | phase | event | actions | next phase |
 //! |---|---|---|---|
 //! | `Rendezvous` | joined round r | start workers | `Starting` |
-//! | `Rendezvous` | join failed: closed, spare not needed, error | finish | `Done` |
+//! | `Rendezvous` | join ended: run closed, or spare not needed | read the verdict | `Ending(reading)` |
+//! | `Rendezvous` | join failed (timeout, store gone) | finish | `Done` |
 //! | `Starting` | started | | `Running` |
-//! | `Starting` | start failed | finish (error) | `Done` |
+//! | `Starting` | start failed on the stores (a member lost) | join | `Rendezvous` |
+//! | `Starting` | start failed here (cannot spawn) | publish *failed* | `Ending` |
+//! | `Starting` | check: members lost or waiting | join (re-form) | `Rendezvous` |
+//! | `Starting` | check: closed after a failure | publish nothing, close | `Ending` |
 //! | `Running` | all workers succeeded | enter the exit barrier | `ExitBarrier` |
 //! | `Running` | a worker failed | stop the rest (SIGTERM) | `Stopping(failure)` |
-//! | `Running` | nodes waiting, member dead | stop (SIGTERM) | `Stopping(re-form)` |
-//! | `Running` | run closed after a success elsewhere | none: the workers go on, no more rounds | `Running` |
-//! | `Running` | run closed after a failure elsewhere | stop (SIGTERM) | `Stopping(failed elsewhere)` |
-//! | `Running` | rendezvous unreachable for `lost_grace` | stop (SIGTERM) | `Stopping(lost)` |
+//! | `Running` | check: a member died, or nodes wait and no member finished | stop | `Stopping(re-form)` |
+//! | `Running` | check: nodes wait but a member already finished | none (they wait for a next round) | `Running` |
+//! | `Running` | check: run closed after a success elsewhere | none: the workers go on, no more rounds | `Running(closed)` |
+//! | `Running(closed)` | check: a member died | stop | `Stopping(member lost)` |
+//! | `Running` | check: run closed after a failure elsewhere | stop (SIGTERM) | `Stopping(failed elsewhere)` |
+//! | `Running` | check: unreachable for `lost_grace` | stop (SIGTERM) | `Stopping(lost)` |
 //! | `Running` | signal N | stop with N | `Stopping(signal N)` |
 //! | `Stopping(failure)` | stopped | record the failure | `RecordingFailure` |
 //! | `Stopping(re-form)` | stopped | join | `Rendezvous` |
-//! | `Stopping(other)` | stopped | finish | `Done` |
-//! | `Stopping(..)` | signal N | finish as signalled once stopped; a second signal kills | `Stopping(signal N)` |
-//! | `RecordingFailure` | recorded, budget left | join | `Rendezvous` |
-//! | `RecordingFailure` | recorded, budget spent; or the store is gone | close the run as failed, finish | `Done` |
-//! | `ExitBarrier` | passed, or timed out with the store reachable | close the run as succeeded, finish | `Done` |
-//! | `ExitBarrier` | rendezvous store lost | finish (failed: outcome unknown) | `Done` |
-//! | `ExitBarrier` | run closed after a failure elsewhere | finish (failed) | `Done` |
-//! | any but `Running`/`Stopping` | signal N | finish (signalled; nothing runs) | `Done` |
+//! | `Stopping(other)` | stopped | end with that verdict | `Ending` |
+//! | `Stopping(..)` | signal N | end as signalled once stopped; a second signal kills | `Stopping(signal N)` |
+//! | `RecordingFailure` | recorded, budget left, run open | join | `Rendezvous` |
+//! | `RecordingFailure` | recorded, budget spent or run closed | publish *failed* | `Ending` |
+//! | `RecordingFailure` | not recorded, within `lost_grace` | record again | `RecordingFailure` |
+//! | `RecordingFailure` | not recorded for `lost_grace` | finish failed, without closing | `Done` |
+//! | `ExitBarrier` | passed | publish *succeeded* | `Ending` |
+//! | `ExitBarrier` | failed: timed out, the run not failed | publish *succeeded* (noting the barrier) | `Ending` |
+//! | `ExitBarrier` | failed: the run failed elsewhere | close | `Ending` |
+//! | `ExitBarrier` | failed: store unreachable | finish failed (outcome unknown) | `Done` |
+//! | `ExitBarrier` | check: closed after a failure | close | `Ending` |
+//! | `Ending(publish)` | published: the store holds *failed* | close (the verdict is the store's) | `Ending(close)` |
+//! | `Ending(publish)` | published: *succeeded* | close | `Ending(close)` |
+//! | `Ending(publish)` | not published | finish failed, without closing | `Done` |
+//! | `Ending(read)` | verdict read | finish: failed if the run failed, else not needed | `Done` |
+//! | `Ending(close)` | closed | count this node finished | `Ending(mark)` |
+//! | `Ending(mark)` | marked | linger if this node hosts a store others use | `Ending(linger)` or `Done` |
+//! | `Ending(linger)` | every node finished, left or dead (or the bound) | finish | `Done` |
+//! | `Ending(..)` | signal N | finish with the verdict decided | `Done` |
 //!
-//! A worker that exits while the group re-forms (`Stopping(re-form)`) is part of
-//! the stop; the round is restarted whatever it returned. A closed run is never
-//! a reason by itself to stop healthy workers: only a failure recorded by the node
-//! that closed it is (torchrun stops the workers of a node whose exit barrier ran
-//! out while another node closed the run after success).
+//! Rules the table keeps:
+//!
+//! - A run is closed only once its verdict is in the run store (*failed* or
+//!   *succeeded*, one key), so no node reads a close as a success that was not
+//!   one; a verdict that cannot be published is never followed by a close.
+//! - A closed run is never a reason by itself to stop healthy workers: only a
+//!   published failure is (torchrun stops the workers of a node whose exit
+//!   barrier ran out while another node closed the run after success).
+//! - A worker failure after the run closed cannot be retried (no more rounds):
+//!   it fails the job, and the failure is published.
+//! - Every store that another node's workers may use outlives them: the job store
+//!   and the rendezvous store stay up until every node of the round counted itself
+//!   finished, left, or was found dead.
+//! - A worker that exits while the group re-forms is part of the stop; the round
+//!   is restarted whatever it returned.
 
 use std::time::{Duration, Instant};
 
-use super::FailureRecord;
+use super::run_store::{Closed, FailureRecord};
 
 /// Why the workers are being stopped.
 #[derive(Debug, Clone, PartialEq)]
@@ -46,12 +75,41 @@ pub enum StopReason {
     WorkerFailed,
     /// Nodes are waiting or a member died: the group re-forms.
     Reform,
-    /// Another node closed the run after a failure.
+    /// Another node published the run's failure.
     FailedElsewhere(Option<Box<FailureRecord>>),
+    /// A member died after the run was closed: no round can replace it.
+    MemberLostAfterClose,
     /// The rendezvous store has been unreachable for the grace period.
     LostRendezvous,
     /// A trapped signal (forwarded to the workers).
     Signal(i32),
+}
+
+/// The phase in which the rendezvous store was lost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum During {
+    Running,
+    ExitBarrier,
+}
+
+impl std::fmt::Display for During {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            During::Running => "running",
+            During::ExitBarrier => "the exit barrier",
+        })
+    }
+}
+
+/// The round this node is (or was last) a member of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Membership {
+    pub round: u64,
+    /// Nodes in the round.
+    pub nodes: usize,
+    /// This node serves a store the round's other nodes use (the job store, or
+    /// the rendezvous store).
+    pub hosts: bool,
 }
 
 /// Where the agent is.
@@ -59,7 +117,7 @@ pub enum StopReason {
 pub enum Phase {
     /// Joining the next round.
     Rendezvous,
-    /// Ranks, the job store, spawning.
+    /// Ranks, the job store, spawning; the rendezvous is watched meanwhile.
     Starting {
         round: u64,
     },
@@ -73,16 +131,40 @@ pub enum Phase {
     Stopping {
         round: u64,
         why: StopReason,
+        closed: bool,
     },
-    /// Appending the failure to the run's log and counting the round.
+    /// Recording the failure in the run store and counting the round; retried
+    /// until `lost_grace` after `since`.
     RecordingFailure {
         round: u64,
+        closed: bool,
+        since: Instant,
     },
     /// Local workers succeeded; waiting for every node.
     ExitBarrier {
         round: u64,
     },
+    /// The verdict is decided; publishing it, closing the run, lingering.
+    Ending {
+        verdict: Verdict,
+        step: EndStep,
+    },
     Done(Verdict),
+}
+
+/// The steps of the end of a run, in order (each may be skipped).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EndStep {
+    /// Writing the verdict to the run store.
+    Publish,
+    /// Reading the verdict (the run closed while this node joined).
+    ReadVerdict,
+    /// Closing the rendezvous (no more rounds).
+    Close,
+    /// Counting this node as finished in its round.
+    MarkFinished,
+    /// Keeping hosted stores up for the other nodes.
+    Linger,
 }
 
 impl Phase {
@@ -95,13 +177,34 @@ impl Phase {
             Phase::Stopping { .. } => "stopping",
             Phase::RecordingFailure { .. } => "recording_failure",
             Phase::ExitBarrier { .. } => "exit_barrier",
+            Phase::Ending { .. } => "ending",
             Phase::Done(v) => v.name(),
         }
     }
 }
 
-/// How the run ended for this node, as the policy sees it (the driver adds what
-/// it read from the stores).
+/// Why the job failed, as this node knows it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Failure {
+    /// Workers failed beyond the restart budget (job-wide count).
+    OutOfRestarts { failed_rounds: u64 },
+    /// Workers failed after the run was closed: no more rounds to retry in.
+    AfterClose,
+    /// A member died after the run was closed.
+    MemberLostAfterClose,
+    /// Workers failed and the failure could not be recorded (store gone).
+    Unrecorded,
+    /// Another node published the failure.
+    Elsewhere,
+    /// The rendezvous store went away.
+    LostRendezvous { during: During },
+    /// Workers could not be started here.
+    StartFailed(String),
+    /// The verdict could not be published (store gone).
+    Unpublished(String),
+}
+
+/// How the run ended for this node.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Verdict {
     Succeeded {
@@ -109,26 +212,16 @@ pub enum Verdict {
         /// Set when the exit barrier did not complete (with why).
         barrier: Option<String>,
     },
-    /// Workers failed beyond the restart budget here.
-    OutOfRestarts {
-        failed_rounds: u64,
-    },
-    /// Workers failed and the failure could not be recorded (store gone).
-    Unrecorded,
-    FailedElsewhere(Option<Box<FailureRecord>>),
-    /// The rendezvous store went away while the job ran.
-    LostRendezvous {
-        during: &'static str,
+    Failed {
+        why: Failure,
+        /// The root cause, from the published verdict (or this node's own).
+        root: Option<Box<FailureRecord>>,
     },
     Signaled(i32),
-    /// A spare, not needed.
+    /// A spare, or a node whose join ended when the run closed after success.
     NotNeeded,
-    /// The run was closed while joining.
-    ClosedWhileJoining,
     /// The join failed (timeout, unreachable, ...).
     JoinFailed(String),
-    /// Workers could not be started (or ranks not assigned).
-    StartFailed(String),
 }
 
 impl Verdict {
@@ -137,50 +230,96 @@ impl Verdict {
             Verdict::Succeeded { .. } => "succeeded",
             Verdict::NotNeeded => "not_needed",
             Verdict::Signaled(_) => "signaled",
-            _ => "failed",
+            Verdict::Failed { .. } | Verdict::JoinFailed(_) => "failed",
         }
+    }
+
+    fn failed(why: Failure) -> Verdict {
+        Verdict::Failed { why, root: None }
     }
 }
 
-/// What the rendezvous looks like from a running node.
+/// What the rendezvous looks like from a node whose round is under way.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Observation {
     Healthy,
-    /// Nodes waiting to join, or members found dead.
-    NodesWaiting(usize),
-    ClosedAfterSuccess,
-    ClosedAfterFailure(Option<Box<FailureRecord>>),
+    /// The membership changed: `waiting` nodes want to join, `dead` members
+    /// stopped keeping alive; `finishing` when a member of the round already
+    /// finished (is in the exit barrier or gone after success).
+    Changed {
+        waiting: usize,
+        dead: usize,
+        finishing: bool,
+    },
+    /// The run's verdict is published.
+    Closed(Closed),
     /// A check failed or did not answer in time.
     Unreachable(String),
 }
 
-/// How the exit barrier ended.
+/// Why starting failed.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Barrier {
-    Passed,
-    /// Some nodes did not arrive in time; the store was reachable.
-    TimedOut(String),
-    /// The store went away.
-    Lost(String),
+pub enum StartError {
+    /// A store step (ranks, the job store's address) failed: a member or the
+    /// store went away; the group re-forms.
+    Store(String),
+    /// This node cannot start its workers (no such program, log directory).
+    Local(String),
 }
 
 /// What the driver observed.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
-    Joined { round: u64 },
+    Joined {
+        round: u64,
+        nodes: usize,
+    },
+    /// The join ended because the run closed (`spare`: it never was needed).
     JoinClosed,
-    JoinNotNeeded,
     JoinFailed(String),
-    Started,
-    StartFailed(String),
+    /// Workers started; `hosts_job_store` when this node serves the round's store.
+    Started {
+        hosts_job_store: bool,
+    },
+    StartFailed(StartError),
     WorkersSucceeded,
     WorkerFailed,
     Checked(Observation),
-    Stopped,
-    FailureRecorded { failed_rounds: u64 },
-    FailureNotRecorded,
-    Barrier(Barrier),
+    Stopped {
+        /// The first failure of the stopped group, if a worker failed.
+        failure: Option<Box<FailureRecord>>,
+    },
+    FailureRecorded {
+        failed_rounds: u64,
+    },
+    FailureNotRecorded(String),
+    BarrierPassed,
+    /// The barrier ended in error; `seen` is the rendezvous looked at right after.
+    BarrierFailed {
+        error: String,
+        timed_out: bool,
+        seen: Observation,
+    },
+    /// The verdict the run store holds after this node's write.
+    Published(Closed),
+    NotPublished(String),
+    /// The verdict read after the run closed (`None`: none published).
+    VerdictRead(Option<Closed>),
+    // (A verdict that cannot be read or written answers `NotPublished`.)
+    RendezvousClosed,
+    MarkedFinished,
+    Lingered,
     Signal(i32),
+}
+
+/// The verdict to write to the run store.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Publish {
+    /// Only if nothing is published yet.
+    Succeeded,
+    /// Over a success, never over an earlier failure; the root cause is the
+    /// earliest recorded failure, or `local`.
+    Failed { local: Option<Box<FailureRecord>> },
 }
 
 /// What the driver must do.
@@ -202,6 +341,19 @@ pub enum Action {
     EnterBarrier {
         round: u64,
     },
+    Publish(Publish),
+    ReadVerdict,
+    CloseRendezvous,
+    MarkFinished {
+        round: u64,
+    },
+    /// Keep this node's stores up until every node of `round` finished, left or
+    /// died, or `bound` passed.
+    Linger {
+        round: u64,
+        nodes: usize,
+        bound: Option<Duration>,
+    },
     /// Another node closed the run after success: no more rounds.
     NoteClosedAfterSuccess {
         round: u64,
@@ -214,10 +366,15 @@ pub enum Action {
     NoteReform {
         round: u64,
         waiting: usize,
+        dead: usize,
     },
     /// A failure within the budget: the group restarts.
     NoteRestart {
         failed_rounds: u64,
+    },
+    /// Recording the failure failed; trying again.
+    NoteRecordRetry {
+        error: String,
     },
     Finish(Verdict),
 }
@@ -226,8 +383,16 @@ pub enum Action {
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
     pub max_restarts: u32,
-    /// How long the rendezvous may stay unreachable while workers run.
+    /// How long the rendezvous may stay unreachable while workers run, and how
+    /// long recording a failure is retried.
     pub lost_grace: Duration,
+    /// This node serves the rendezvous store (every round's nodes use it).
+    pub hosts_rendezvous: bool,
+    /// How long a host lingers for the others after a failure (their stop).
+    pub linger_after_failure: Duration,
+    /// How long after a success; `None` where the rendezvous notices dead
+    /// members, so the host waits exactly as long as some node still runs.
+    pub linger_after_success: Option<Duration>,
 }
 
 /// The policy of one agent.
@@ -235,6 +400,10 @@ pub struct Limits {
 pub struct Policy {
     limits: Limits,
     phase: Phase,
+    /// The round this node last joined.
+    member: Option<Membership>,
+    /// The first failure of this node's last failed round.
+    local_failure: Option<Box<FailureRecord>>,
 }
 
 impl Policy {
@@ -244,6 +413,8 @@ impl Policy {
             Policy {
                 limits,
                 phase: Phase::Rendezvous,
+                member: None,
+                local_failure: None,
             },
             Action::Join,
         )
@@ -253,62 +424,145 @@ impl Policy {
         &self.phase
     }
 
+    /// The round this node last joined.
+    pub fn member(&self) -> Option<Membership> {
+        self.member
+    }
+
     /// The actions after `event`, observed at `now`.
     pub fn on(&mut self, event: Event, now: Instant) -> Vec<Action> {
+        let phase = std::mem::replace(&mut self.phase, Phase::Rendezvous);
+        let (next, actions) = self.transition(phase, event, now);
+        self.phase = next;
+        actions
+    }
+
+    fn transition(&mut self, phase: Phase, event: Event, now: Instant) -> (Phase, Vec<Action>) {
         use Action as A;
         use Event as E;
-        let phase = std::mem::replace(&mut self.phase, Phase::Rendezvous);
-        let (next, actions) = match (phase, event) {
-            // A signal where no worker runs ends the agent at once.
-            (
-                Phase::Rendezvous
-                | Phase::Starting { .. }
-                | Phase::RecordingFailure { .. }
-                | Phase::ExitBarrier { .. },
-                E::Signal(s),
-            ) => finish(Verdict::Signaled(s)),
-            (Phase::Running { round, .. }, E::Signal(s)) => (
-                Phase::Stopping {
+        match (phase, event) {
+            // ---- Rendezvous
+            (Phase::Rendezvous, E::Joined { round, nodes }) => {
+                self.member = Some(Membership {
                     round,
-                    why: StopReason::Signal(s),
-                },
-                vec![A::Stop { signal: s }],
-            ),
-            // Already stopping: end as signalled; a second signal kills.
-            (Phase::Stopping { round, why }, E::Signal(s)) => {
-                let again = matches!(why, StopReason::Signal(_));
-                (
-                    Phase::Stopping {
-                        round,
-                        why: StopReason::Signal(s),
-                    },
-                    if again { vec![A::Kill] } else { vec![] },
-                )
-            }
-
-            (Phase::Rendezvous, E::Joined { round }) => {
+                    nodes,
+                    hosts: self.limits.hosts_rendezvous,
+                });
                 (Phase::Starting { round }, vec![A::Start { round }])
             }
-            (Phase::Rendezvous, E::JoinClosed) => finish(Verdict::ClosedWhileJoining),
-            (Phase::Rendezvous, E::JoinNotNeeded) => finish(Verdict::NotNeeded),
-            (Phase::Rendezvous, E::JoinFailed(e)) => finish(Verdict::JoinFailed(e)),
-
-            (Phase::Starting { round }, E::Started) => (
-                Phase::Running {
-                    round,
-                    closed: false,
-                    unreachable_since: None,
+            (Phase::Rendezvous, E::JoinClosed) => (
+                Phase::Ending {
+                    verdict: Verdict::NotNeeded,
+                    step: EndStep::ReadVerdict,
                 },
-                vec![],
+                vec![A::ReadVerdict],
             ),
-            (Phase::Starting { .. }, E::StartFailed(e)) => finish(Verdict::StartFailed(e)),
+            (Phase::Rendezvous, E::JoinFailed(e)) => finish(Verdict::JoinFailed(e)),
+            (Phase::Rendezvous, E::Signal(s)) => finish(Verdict::Signaled(s)),
+            (
+                p @ Phase::Rendezvous,
+                e @ (E::Started { .. }
+                | E::StartFailed(_)
+                | E::WorkersSucceeded
+                | E::WorkerFailed
+                | E::Checked(_)
+                | E::Stopped { .. }
+                | E::FailureRecorded { .. }
+                | E::FailureNotRecorded(_)
+                | E::BarrierPassed
+                | E::BarrierFailed { .. }
+                | E::Published(_)
+                | E::NotPublished(_)
+                | E::VerdictRead(_)
+                | E::RendezvousClosed
+                | E::MarkedFinished
+                | E::Lingered),
+            ) => stale(p, e),
 
-            (Phase::Running { round, .. }, E::WorkersSucceeded) => (
-                Phase::ExitBarrier { round },
-                vec![A::EnterBarrier { round }],
+            // ---- Starting
+            (Phase::Starting { round }, E::Started { hosts_job_store }) => {
+                if let Some(m) = &mut self.member {
+                    m.hosts |= hosts_job_store;
+                }
+                (
+                    Phase::Running {
+                        round,
+                        closed: false,
+                        unreachable_since: None,
+                    },
+                    vec![],
+                )
+            }
+            (Phase::Starting { round }, E::StartFailed(StartError::Store(e))) => (
+                Phase::Rendezvous,
+                vec![
+                    A::NoteReform {
+                        round,
+                        waiting: 0,
+                        dead: 0,
+                    },
+                    A::NoteUnreachable { error: e },
+                    A::Join,
+                ],
             ),
-            (Phase::Running { round, .. }, E::WorkerFailed) => {
-                stop(round, StopReason::WorkerFailed)
+            (Phase::Starting { .. }, E::StartFailed(StartError::Local(e))) => {
+                self.end_publishing_failure(Failure::StartFailed(e))
+            }
+            (Phase::Starting { round }, E::Checked(obs)) => match obs {
+                Observation::Changed { waiting, dead, .. } if dead > 0 || waiting > 0 => (
+                    Phase::Rendezvous,
+                    vec![
+                        A::NoteReform {
+                            round,
+                            waiting,
+                            dead,
+                        },
+                        A::Join,
+                    ],
+                ),
+                Observation::Closed(Closed::Failed(root)) => self.end_closing(Verdict::Failed {
+                    why: Failure::Elsewhere,
+                    root,
+                }),
+                // A success closed elsewhere does not stop a start (the workers
+                // will run to their end, as on a running node); unreachable
+                // stores show in the start itself, which is bounded.
+                Observation::Healthy
+                | Observation::Changed { .. }
+                | Observation::Closed(Closed::Succeeded)
+                | Observation::Unreachable(_) => (Phase::Starting { round }, vec![]),
+            },
+            (Phase::Starting { .. }, E::Signal(s)) => finish(Verdict::Signaled(s)),
+            (
+                p @ Phase::Starting { .. },
+                e @ (E::Joined { .. }
+                | E::JoinClosed
+                | E::JoinFailed(_)
+                | E::WorkersSucceeded
+                | E::WorkerFailed
+                | E::Stopped { .. }
+                | E::FailureRecorded { .. }
+                | E::FailureNotRecorded(_)
+                | E::BarrierPassed
+                | E::BarrierFailed { .. }
+                | E::Published(_)
+                | E::NotPublished(_)
+                | E::VerdictRead(_)
+                | E::RendezvousClosed
+                | E::MarkedFinished
+                | E::Lingered),
+            ) => stale(p, e),
+
+            // ---- Running
+            (Phase::Running { round, closed, .. }, E::WorkersSucceeded) => {
+                let _ = closed;
+                (
+                    Phase::ExitBarrier { round },
+                    vec![A::EnterBarrier { round }],
+                )
+            }
+            (Phase::Running { round, closed, .. }, E::WorkerFailed) => {
+                stop(round, StopReason::WorkerFailed, closed)
             }
             (
                 Phase::Running {
@@ -318,64 +572,380 @@ impl Policy {
                 },
                 E::Checked(obs),
             ) => self.running_checked(round, closed, unreachable_since, obs, now),
+            (Phase::Running { round, closed, .. }, E::Signal(s)) => (
+                Phase::Stopping {
+                    round,
+                    why: StopReason::Signal(s),
+                    closed,
+                },
+                vec![A::Stop { signal: s }],
+            ),
+            (
+                p @ Phase::Running { .. },
+                e @ (E::Joined { .. }
+                | E::JoinClosed
+                | E::JoinFailed(_)
+                | E::Started { .. }
+                | E::StartFailed(_)
+                | E::Stopped { .. }
+                | E::FailureRecorded { .. }
+                | E::FailureNotRecorded(_)
+                | E::BarrierPassed
+                | E::BarrierFailed { .. }
+                | E::Published(_)
+                | E::NotPublished(_)
+                | E::VerdictRead(_)
+                | E::RendezvousClosed
+                | E::MarkedFinished
+                | E::Lingered),
+            ) => stale(p, e),
 
-            (Phase::Stopping { round, why }, E::Stopped) => match why {
-                StopReason::WorkerFailed => (
-                    Phase::RecordingFailure { round },
-                    vec![A::RecordFailure { round }],
-                ),
-                StopReason::Reform => (Phase::Rendezvous, vec![A::Join]),
-                StopReason::FailedElsewhere(r) => finish(Verdict::FailedElsewhere(r)),
-                StopReason::LostRendezvous => finish(Verdict::LostRendezvous { during: "running" }),
-                StopReason::Signal(s) => finish(Verdict::Signaled(s)),
-            },
-            // Workers exiting while being stopped are part of the stop.
-            (p @ Phase::Stopping { .. }, E::WorkerFailed | E::WorkersSucceeded | E::Checked(_)) => {
-                (p, vec![])
+            // ---- Stopping
+            (Phase::Stopping { round, why, closed }, E::Stopped { failure }) => {
+                if failure.is_some() {
+                    self.local_failure = failure;
+                }
+                match why {
+                    StopReason::WorkerFailed => (
+                        Phase::RecordingFailure {
+                            round,
+                            closed,
+                            since: now,
+                        },
+                        vec![A::RecordFailure { round }],
+                    ),
+                    StopReason::Reform => (Phase::Rendezvous, vec![A::Join]),
+                    StopReason::FailedElsewhere(root) => self.end_closing(Verdict::Failed {
+                        why: Failure::Elsewhere,
+                        root,
+                    }),
+                    StopReason::MemberLostAfterClose => {
+                        self.end_publishing_failure(Failure::MemberLostAfterClose)
+                    }
+                    StopReason::LostRendezvous => finish(Verdict::Failed {
+                        why: Failure::LostRendezvous {
+                            during: During::Running,
+                        },
+                        root: self.local_failure.clone(),
+                    }),
+                    StopReason::Signal(s) => finish(Verdict::Signaled(s)),
+                }
             }
-
-            (Phase::RecordingFailure { .. }, E::FailureRecorded { failed_rounds })
-                if failed_rounds <= u64::from(self.limits.max_restarts) =>
-            {
+            // Already stopping: end as signalled; a second signal kills.
+            (
+                Phase::Stopping {
+                    round, why, closed, ..
+                },
+                E::Signal(s),
+            ) => {
+                let again = matches!(why, StopReason::Signal(_));
                 (
-                    Phase::Rendezvous,
-                    vec![A::NoteRestart { failed_rounds }, A::Join],
+                    Phase::Stopping {
+                        round,
+                        why: StopReason::Signal(s),
+                        closed,
+                    },
+                    if again { vec![A::Kill] } else { vec![] },
                 )
             }
-            (Phase::RecordingFailure { .. }, E::FailureRecorded { failed_rounds }) => {
-                finish(Verdict::OutOfRestarts { failed_rounds })
-            }
-            (Phase::RecordingFailure { .. }, E::FailureNotRecorded) => finish(Verdict::Unrecorded),
+            // Workers exiting while being stopped are part of the stop.
+            (
+                p @ Phase::Stopping { .. },
+                e @ (E::Joined { .. }
+                | E::JoinClosed
+                | E::JoinFailed(_)
+                | E::Started { .. }
+                | E::StartFailed(_)
+                | E::WorkersSucceeded
+                | E::WorkerFailed
+                | E::Checked(_)
+                | E::FailureRecorded { .. }
+                | E::FailureNotRecorded(_)
+                | E::BarrierPassed
+                | E::BarrierFailed { .. }
+                | E::Published(_)
+                | E::NotPublished(_)
+                | E::VerdictRead(_)
+                | E::RendezvousClosed
+                | E::MarkedFinished
+                | E::Lingered),
+            ) => stale(p, e),
 
-            (Phase::ExitBarrier { round }, E::Barrier(Barrier::Passed)) => {
-                finish(Verdict::Succeeded {
+            // ---- RecordingFailure
+            (Phase::RecordingFailure { closed, .. }, E::FailureRecorded { failed_rounds }) => {
+                if closed {
+                    self.end_publishing_failure(Failure::AfterClose)
+                } else if failed_rounds <= u64::from(self.limits.max_restarts) {
+                    (
+                        Phase::Rendezvous,
+                        vec![A::NoteRestart { failed_rounds }, A::Join],
+                    )
+                } else {
+                    self.end_publishing_failure(Failure::OutOfRestarts { failed_rounds })
+                }
+            }
+            (
+                Phase::RecordingFailure {
+                    round,
+                    closed,
+                    since,
+                },
+                E::FailureNotRecorded(error),
+            ) => {
+                if now.saturating_duration_since(since) < self.limits.lost_grace {
+                    (
+                        Phase::RecordingFailure {
+                            round,
+                            closed,
+                            since,
+                        },
+                        vec![A::NoteRecordRetry { error }, A::RecordFailure { round }],
+                    )
+                } else {
+                    // Never closed without a verdict: the others notice this node
+                    // gone (heartbeats) or fail on their own.
+                    finish(Verdict::Failed {
+                        why: Failure::Unrecorded,
+                        root: self.local_failure.clone(),
+                    })
+                }
+            }
+            (Phase::RecordingFailure { .. }, E::Signal(s)) => finish(Verdict::Signaled(s)),
+            (
+                p @ Phase::RecordingFailure { .. },
+                e @ (E::Joined { .. }
+                | E::JoinClosed
+                | E::JoinFailed(_)
+                | E::Started { .. }
+                | E::StartFailed(_)
+                | E::WorkersSucceeded
+                | E::WorkerFailed
+                | E::Checked(_)
+                | E::Stopped { .. }
+                | E::BarrierPassed
+                | E::BarrierFailed { .. }
+                | E::Published(_)
+                | E::NotPublished(_)
+                | E::VerdictRead(_)
+                | E::RendezvousClosed
+                | E::MarkedFinished
+                | E::Lingered),
+            ) => stale(p, e),
+
+            // ---- ExitBarrier
+            (Phase::ExitBarrier { round }, E::BarrierPassed) => self.end_publishing(
+                Verdict::Succeeded {
                     round,
                     barrier: None,
+                },
+                Publish::Succeeded,
+            ),
+            (
+                Phase::ExitBarrier { round },
+                E::BarrierFailed {
+                    error,
+                    timed_out,
+                    seen,
+                },
+            ) => match seen {
+                Observation::Closed(Closed::Failed(root)) => self.end_closing(Verdict::Failed {
+                    why: Failure::Elsewhere,
+                    root,
+                }),
+                Observation::Unreachable(why) => {
+                    let _ = why;
+                    finish(Verdict::Failed {
+                        why: Failure::LostRendezvous {
+                            during: During::ExitBarrier,
+                        },
+                        root: None,
+                    })
+                }
+                Observation::Healthy
+                | Observation::Changed { .. }
+                | Observation::Closed(Closed::Succeeded) => {
+                    if timed_out {
+                        // torchrun's exit barrier: this node's workers succeeded;
+                        // the publish re-reads the verdict, so a failure published
+                        // meanwhile still wins.
+                        self.end_publishing(
+                            Verdict::Succeeded {
+                                round,
+                                barrier: Some(error),
+                            },
+                            Publish::Succeeded,
+                        )
+                    } else {
+                        finish(Verdict::Failed {
+                            why: Failure::LostRendezvous {
+                                during: During::ExitBarrier,
+                            },
+                            root: None,
+                        })
+                    }
+                }
+            },
+            (Phase::ExitBarrier { .. }, E::Checked(Observation::Closed(Closed::Failed(root)))) => {
+                self.end_closing(Verdict::Failed {
+                    why: Failure::Elsewhere,
+                    root,
                 })
-            }
-            (Phase::ExitBarrier { round }, E::Barrier(Barrier::TimedOut(why))) => {
-                finish(Verdict::Succeeded {
-                    round,
-                    barrier: Some(why),
-                })
-            }
-            (Phase::ExitBarrier { .. }, E::Barrier(Barrier::Lost(_))) => {
-                finish(Verdict::LostRendezvous {
-                    during: "the exit barrier",
-                })
-            }
-            (Phase::ExitBarrier { .. }, E::Checked(Observation::ClosedAfterFailure(r))) => {
-                finish(Verdict::FailedElsewhere(r))
             }
             // Membership changes after this node finished do not concern it; a
             // lost store shows in the barrier itself.
-            (p @ Phase::ExitBarrier { .. }, E::Checked(_)) => (p, vec![]),
+            (
+                p @ Phase::ExitBarrier { .. },
+                E::Checked(
+                    Observation::Healthy
+                    | Observation::Changed { .. }
+                    | Observation::Closed(Closed::Succeeded)
+                    | Observation::Unreachable(_),
+                ),
+            ) => (p, vec![]),
+            (Phase::ExitBarrier { .. }, E::Signal(s)) => finish(Verdict::Signaled(s)),
+            (
+                p @ Phase::ExitBarrier { .. },
+                e @ (E::Joined { .. }
+                | E::JoinClosed
+                | E::JoinFailed(_)
+                | E::Started { .. }
+                | E::StartFailed(_)
+                | E::WorkersSucceeded
+                | E::WorkerFailed
+                | E::Stopped { .. }
+                | E::FailureRecorded { .. }
+                | E::FailureNotRecorded(_)
+                | E::Published(_)
+                | E::NotPublished(_)
+                | E::VerdictRead(_)
+                | E::RendezvousClosed
+                | E::MarkedFinished
+                | E::Lingered),
+            ) => stale(p, e),
 
-            // Anything else is stale (e.g. a check that raced a phase change).
-            (p, _) => (p, vec![]),
-        };
-        self.phase = next;
-        actions
+            // ---- Ending
+            (
+                Phase::Ending {
+                    verdict,
+                    step: EndStep::Publish,
+                },
+                E::Published(closed),
+            ) => {
+                let verdict = match (verdict, closed) {
+                    // Someone published a failure first: the run failed.
+                    (Verdict::Succeeded { .. }, Closed::Failed(root)) => Verdict::Failed {
+                        why: Failure::Elsewhere,
+                        root,
+                    },
+                    (Verdict::Failed { why, root }, Closed::Failed(published)) => Verdict::Failed {
+                        why,
+                        root: published.or(root),
+                    },
+                    (v, _) => v,
+                };
+                self.end_closing(verdict)
+            }
+            (
+                Phase::Ending {
+                    verdict,
+                    step: EndStep::Publish | EndStep::ReadVerdict,
+                },
+                E::NotPublished(e),
+            ) => finish(match verdict {
+                Verdict::Failed { why, root } => Verdict::Failed {
+                    why,
+                    root: root.or_else(|| self.local_failure.clone()),
+                },
+                // A success that cannot be published is not known to be one.
+                _ => Verdict::failed(Failure::Unpublished(e)),
+            }),
+            (
+                Phase::Ending {
+                    verdict,
+                    step: EndStep::ReadVerdict,
+                },
+                E::VerdictRead(read),
+            ) => match read {
+                Some(Closed::Failed(root)) => self.end_after_close(Verdict::Failed {
+                    why: Failure::Elsewhere,
+                    root,
+                }),
+                // Nothing failed: a node not needed (exits 0).
+                Some(Closed::Succeeded) | None => self.end_after_close(verdict),
+            },
+            (
+                Phase::Ending {
+                    verdict,
+                    step: EndStep::Close,
+                },
+                E::RendezvousClosed,
+            ) => self.end_after_close(verdict),
+            (
+                Phase::Ending {
+                    verdict,
+                    step: EndStep::MarkFinished,
+                },
+                E::MarkedFinished,
+            ) => self.end_lingering(verdict),
+            (
+                Phase::Ending {
+                    verdict,
+                    step: EndStep::Linger,
+                },
+                E::Lingered,
+            ) => finish(verdict),
+            (Phase::Ending { verdict, .. }, E::Signal(_)) => finish(verdict),
+            // An answer to another step of the end: stale.
+            (
+                p @ Phase::Ending { .. },
+                e @ (E::Published(_)
+                | E::NotPublished(_)
+                | E::VerdictRead(_)
+                | E::RendezvousClosed
+                | E::MarkedFinished
+                | E::Lingered),
+            ) => stale(p, e),
+            (
+                p @ Phase::Ending { .. },
+                e @ (E::Joined { .. }
+                | E::JoinClosed
+                | E::JoinFailed(_)
+                | E::Started { .. }
+                | E::StartFailed(_)
+                | E::WorkersSucceeded
+                | E::WorkerFailed
+                | E::Checked(_)
+                | E::Stopped { .. }
+                | E::FailureRecorded { .. }
+                | E::FailureNotRecorded(_)
+                | E::BarrierPassed
+                | E::BarrierFailed { .. }),
+            ) => stale(p, e),
+
+            (
+                p @ Phase::Done(_),
+                e @ (E::Joined { .. }
+                | E::JoinClosed
+                | E::JoinFailed(_)
+                | E::Started { .. }
+                | E::StartFailed(_)
+                | E::WorkersSucceeded
+                | E::WorkerFailed
+                | E::Checked(_)
+                | E::Stopped { .. }
+                | E::FailureRecorded { .. }
+                | E::FailureNotRecorded(_)
+                | E::BarrierPassed
+                | E::BarrierFailed { .. }
+                | E::Published(_)
+                | E::NotPublished(_)
+                | E::VerdictRead(_)
+                | E::RendezvousClosed
+                | E::MarkedFinished
+                | E::Lingered
+                | E::Signal(_)),
+            ) => stale(p, e),
+        }
     }
 
     fn running_checked(
@@ -393,29 +963,121 @@ impl Policy {
         };
         match obs {
             Observation::Healthy => (running(closed, None), vec![]),
-            // No more rounds once the run is closed: nobody re-forms.
-            Observation::NodesWaiting(_) if closed => (running(closed, None), vec![]),
-            Observation::NodesWaiting(n) => {
-                let (p, mut a) = stop(round, StopReason::Reform);
-                a.insert(0, Action::NoteReform { round, waiting: n });
+            // No more rounds once the run is closed: a dead member cannot be
+            // replaced, and the job cannot complete.
+            Observation::Changed { dead, .. } if closed && dead > 0 => {
+                stop(round, StopReason::MemberLostAfterClose, closed)
+            }
+            Observation::Changed {
+                waiting,
+                dead,
+                finishing,
+            } if dead > 0 || (waiting > 0 && !finishing && !closed) => {
+                let (p, mut a) = stop(round, StopReason::Reform, closed);
+                a.insert(
+                    0,
+                    Action::NoteReform {
+                        round,
+                        waiting,
+                        dead,
+                    },
+                );
                 (p, a)
             }
-            Observation::ClosedAfterSuccess if closed => (running(true, None), vec![]),
-            Observation::ClosedAfterSuccess => (
+            // Nodes waiting while a member already finished (or the run is
+            // closed): the round is ending; they wait for a next round.
+            Observation::Changed { .. } => (running(closed, None), vec![]),
+            Observation::Closed(Closed::Succeeded) if closed => (running(true, None), vec![]),
+            Observation::Closed(Closed::Succeeded) => (
                 running(true, None),
                 vec![Action::NoteClosedAfterSuccess { round }],
             ),
-            Observation::ClosedAfterFailure(r) => stop(round, StopReason::FailedElsewhere(r)),
+            Observation::Closed(Closed::Failed(r)) => {
+                stop(round, StopReason::FailedElsewhere(r), closed)
+            }
             Observation::Unreachable(error) => match unreachable_since {
                 None => (
                     running(closed, Some(now)),
                     vec![Action::NoteUnreachable { error }],
                 ),
-                Some(since) if now.duration_since(since) >= self.limits.lost_grace => {
-                    stop(round, StopReason::LostRendezvous)
+                Some(since) if now.saturating_duration_since(since) >= self.limits.lost_grace => {
+                    stop(round, StopReason::LostRendezvous, closed)
                 }
                 Some(since) => (running(closed, Some(since)), vec![]),
             },
+        }
+    }
+
+    /// Ends with a failure this node publishes.
+    fn end_publishing_failure(&self, why: Failure) -> (Phase, Vec<Action>) {
+        let local = self.local_failure.clone();
+        self.end_publishing(
+            Verdict::Failed {
+                why,
+                root: local.clone(),
+            },
+            Publish::Failed { local },
+        )
+    }
+
+    fn end_publishing(&self, verdict: Verdict, publish: Publish) -> (Phase, Vec<Action>) {
+        (
+            Phase::Ending {
+                verdict,
+                step: EndStep::Publish,
+            },
+            vec![Action::Publish(publish)],
+        )
+    }
+
+    /// The verdict is in the store: close the rendezvous.
+    fn end_closing(&self, verdict: Verdict) -> (Phase, Vec<Action>) {
+        (
+            Phase::Ending {
+                verdict,
+                step: EndStep::Close,
+            },
+            vec![Action::CloseRendezvous],
+        )
+    }
+
+    /// Closed: count this node finished in its round, if it has one.
+    fn end_after_close(&self, verdict: Verdict) -> (Phase, Vec<Action>) {
+        match self.member {
+            Some(m) => (
+                Phase::Ending {
+                    verdict,
+                    step: EndStep::MarkFinished,
+                },
+                vec![Action::MarkFinished { round: m.round }],
+            ),
+            None => finish(verdict),
+        }
+    }
+
+    /// Counted: linger if others use a store this node serves.
+    fn end_lingering(&self, verdict: Verdict) -> (Phase, Vec<Action>) {
+        match self.member {
+            Some(m) if m.hosts && m.nodes > 1 => {
+                let bound = match verdict {
+                    Verdict::Succeeded { .. } | Verdict::NotNeeded => {
+                        self.limits.linger_after_success
+                    }
+                    _ => Some(self.limits.linger_after_failure),
+                };
+                (
+                    Phase::Ending {
+                        verdict,
+                        step: EndStep::Linger,
+                    },
+                    vec![Action::Linger {
+                        round: m.round,
+                        nodes: m.nodes,
+                        bound,
+                    }],
+                )
+            }
+            _ => finish(verdict),
         }
     }
 }
@@ -424,9 +1086,15 @@ fn finish(v: Verdict) -> (Phase, Vec<Action>) {
     (Phase::Done(v.clone()), vec![Action::Finish(v)])
 }
 
-fn stop(round: u64, why: StopReason) -> (Phase, Vec<Action>) {
+/// An event that does not concern `phase` (a check that raced a phase change,
+/// a worker exiting during a stop): ignored.
+fn stale(phase: Phase, _event: Event) -> (Phase, Vec<Action>) {
+    (phase, vec![])
+}
+
+fn stop(round: u64, why: StopReason, closed: bool) -> (Phase, Vec<Action>) {
     (
-        Phase::Stopping { round, why },
+        Phase::Stopping { round, why, closed },
         vec![Action::Stop {
             signal: libc::SIGTERM,
         }],
@@ -434,375 +1102,4 @@ fn stop(round: u64, why: StopReason) -> (Phase, Vec<Action>) {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use Action as A;
-    use Event as E;
-
-    const GRACE: Duration = Duration::from_secs(5);
-
-    fn policy(max_restarts: u32) -> (Policy, Instant) {
-        let (p, first) = Policy::start(Limits {
-            max_restarts,
-            lost_grace: GRACE,
-        });
-        assert_eq!(first, A::Join);
-        (p, Instant::now())
-    }
-
-    /// Drives `events` (each at `t0 + secs`) and returns every action in order.
-    fn drive(p: &mut Policy, t0: Instant, events: &[(f64, Event)]) -> Vec<Action> {
-        events
-            .iter()
-            .flat_map(|(s, e)| p.on(e.clone(), t0 + Duration::from_secs_f64(*s)))
-            .collect()
-    }
-
-    fn running(p: &mut Policy, t0: Instant, round: u64) {
-        drive(p, t0, &[(0.0, E::Joined { round }), (0.0, E::Started)]);
-        assert!(
-            matches!(p.phase(), Phase::Running { .. }),
-            "{:?}",
-            p.phase()
-        );
-    }
-
-    fn term() -> Action {
-        A::Stop {
-            signal: libc::SIGTERM,
-        }
-    }
-
-    #[test]
-    fn success_goes_through_the_exit_barrier() {
-        let (mut p, t0) = policy(0);
-        running(&mut p, t0, 0);
-        let a = drive(
-            &mut p,
-            t0,
-            &[
-                (1.0, E::WorkersSucceeded),
-                (2.0, E::Barrier(Barrier::Passed)),
-            ],
-        );
-        assert_eq!(
-            a,
-            [
-                A::EnterBarrier { round: 0 },
-                A::Finish(Verdict::Succeeded {
-                    round: 0,
-                    barrier: None
-                })
-            ]
-        );
-    }
-
-    #[test]
-    fn a_failure_within_budget_stops_records_and_rejoins() {
-        let (mut p, t0) = policy(2);
-        running(&mut p, t0, 0);
-        let a = drive(
-            &mut p,
-            t0,
-            &[
-                (1.0, E::WorkerFailed),
-                (1.1, E::Stopped),
-                (1.2, E::FailureRecorded { failed_rounds: 2 }),
-            ],
-        );
-        assert_eq!(
-            a,
-            [
-                term(),
-                A::RecordFailure { round: 0 },
-                A::NoteRestart { failed_rounds: 2 },
-                A::Join
-            ]
-        );
-        assert_eq!(p.phase(), &Phase::Rendezvous);
-    }
-
-    #[test]
-    fn a_failure_beyond_the_budget_fails_the_job() {
-        let (mut p, t0) = policy(2);
-        running(&mut p, t0, 3);
-        let a = drive(
-            &mut p,
-            t0,
-            &[
-                (1.0, E::WorkerFailed),
-                (1.1, E::Stopped),
-                (1.2, E::FailureRecorded { failed_rounds: 3 }),
-            ],
-        );
-        assert_eq!(
-            a.last(),
-            Some(&A::Finish(Verdict::OutOfRestarts { failed_rounds: 3 }))
-        );
-    }
-
-    #[test]
-    fn a_failure_that_cannot_be_recorded_fails_the_job() {
-        let (mut p, t0) = policy(5);
-        running(&mut p, t0, 0);
-        let a = drive(
-            &mut p,
-            t0,
-            &[
-                (1.0, E::WorkerFailed),
-                (1.1, E::Stopped),
-                (1.2, E::FailureNotRecorded),
-            ],
-        );
-        assert_eq!(a.last(), Some(&A::Finish(Verdict::Unrecorded)));
-    }
-
-    #[test]
-    fn nodes_waiting_or_a_dead_member_re_form_without_spending_the_budget() {
-        let (mut p, t0) = policy(0);
-        running(&mut p, t0, 0);
-        let a = drive(
-            &mut p,
-            t0,
-            &[
-                (1.0, E::Checked(Observation::NodesWaiting(1))),
-                // A worker exiting during the re-form is part of the stop.
-                (1.1, E::WorkerFailed),
-                (1.2, E::Stopped),
-            ],
-        );
-        assert_eq!(
-            a,
-            [
-                A::NoteReform {
-                    round: 0,
-                    waiting: 1
-                },
-                term(),
-                A::Join
-            ]
-        );
-    }
-
-    #[test]
-    fn a_run_closed_after_success_elsewhere_never_stops_healthy_workers() {
-        let (mut p, t0) = policy(3);
-        running(&mut p, t0, 0);
-        let a = drive(
-            &mut p,
-            t0,
-            &[
-                (1.0, E::Checked(Observation::ClosedAfterSuccess)),
-                (2.0, E::Checked(Observation::ClosedAfterSuccess)),
-                // The node that finished stops heartbeating: not a re-form.
-                (3.0, E::Checked(Observation::NodesWaiting(1))),
-                // 300 s later our workers finish too.
-                (300.0, E::WorkersSucceeded),
-                (300.0, E::Barrier(Barrier::Passed)),
-            ],
-        );
-        assert_eq!(
-            a,
-            [
-                A::NoteClosedAfterSuccess { round: 0 },
-                A::EnterBarrier { round: 0 },
-                A::Finish(Verdict::Succeeded {
-                    round: 0,
-                    barrier: None
-                })
-            ]
-        );
-    }
-
-    #[test]
-    fn a_run_closed_after_failure_elsewhere_stops_the_workers() {
-        let (mut p, t0) = policy(3);
-        running(&mut p, t0, 0);
-        let a = drive(
-            &mut p,
-            t0,
-            &[
-                (1.0, E::Checked(Observation::ClosedAfterFailure(None))),
-                (1.5, E::Stopped),
-            ],
-        );
-        assert_eq!(a, [term(), A::Finish(Verdict::FailedElsewhere(None))]);
-    }
-
-    #[test]
-    fn an_unreachable_rendezvous_is_tolerated_for_the_grace_then_fails() {
-        let (mut p, t0) = policy(3);
-        running(&mut p, t0, 0);
-        let gone = || E::Checked(Observation::Unreachable("refused".into()));
-        let a = drive(&mut p, t0, &[(1.0, gone()), (5.9, gone())]);
-        assert_eq!(
-            a,
-            [A::NoteUnreachable {
-                error: "refused".into()
-            }]
-        );
-        // Back in time: the grace starts afresh.
-        let a = drive(
-            &mut p,
-            t0,
-            &[
-                (6.0, E::Checked(Observation::Healthy)),
-                (7.0, gone()),
-                (11.9, gone()),
-            ],
-        );
-        assert_eq!(a.len(), 1, "{a:?}");
-        let a = drive(&mut p, t0, &[(12.0, gone()), (12.5, E::Stopped)]);
-        assert_eq!(
-            a,
-            [
-                term(),
-                A::Finish(Verdict::LostRendezvous { during: "running" })
-            ]
-        );
-    }
-
-    #[test]
-    fn a_signal_in_each_phase() {
-        let sig = libc::SIGINT;
-        let cases: Vec<(&str, Vec<Event>, Vec<Action>)> = vec![
-            (
-                "rendezvous",
-                vec![],
-                vec![A::Finish(Verdict::Signaled(sig))],
-            ),
-            (
-                "starting",
-                vec![E::Joined { round: 0 }],
-                vec![A::Finish(Verdict::Signaled(sig))],
-            ),
-            (
-                "running",
-                vec![E::Joined { round: 0 }, E::Started],
-                vec![A::Stop { signal: sig }],
-            ),
-            (
-                "recording a failure",
-                vec![
-                    E::Joined { round: 0 },
-                    E::Started,
-                    E::WorkerFailed,
-                    E::Stopped,
-                ],
-                vec![A::Finish(Verdict::Signaled(sig))],
-            ),
-            (
-                "exit barrier",
-                vec![E::Joined { round: 0 }, E::Started, E::WorkersSucceeded],
-                vec![A::Finish(Verdict::Signaled(sig))],
-            ),
-            (
-                "stopping for a re-form",
-                vec![
-                    E::Joined { round: 0 },
-                    E::Started,
-                    E::Checked(Observation::NodesWaiting(1)),
-                ],
-                vec![],
-            ),
-        ];
-        for (name, before, expected) in cases {
-            let (mut p, t0) = policy(1);
-            for e in before {
-                p.on(e, t0);
-            }
-            assert_eq!(p.on(E::Signal(sig), t0), expected, "signal during {name}");
-        }
-    }
-
-    #[test]
-    fn a_signal_while_stopping_ends_as_signalled_and_a_second_kills() {
-        let (mut p, t0) = policy(1);
-        running(&mut p, t0, 0);
-        p.on(E::Checked(Observation::NodesWaiting(1)), t0);
-        assert_eq!(p.on(E::Signal(libc::SIGTERM), t0), []);
-        assert_eq!(p.on(E::Signal(libc::SIGTERM), t0), [A::Kill]);
-        assert_eq!(
-            p.on(E::Stopped, t0),
-            [A::Finish(Verdict::Signaled(libc::SIGTERM))]
-        );
-        // Running: the signal is forwarded, then the agent ends with it.
-        let (mut p, t0) = policy(1);
-        running(&mut p, t0, 0);
-        assert_eq!(
-            p.on(E::Signal(libc::SIGINT), t0),
-            [A::Stop {
-                signal: libc::SIGINT
-            }]
-        );
-        assert_eq!(p.on(E::Signal(libc::SIGINT), t0), [A::Kill]);
-        assert_eq!(
-            p.on(E::Stopped, t0),
-            [A::Finish(Verdict::Signaled(libc::SIGINT))]
-        );
-    }
-
-    #[test]
-    fn exit_barrier_outcomes() {
-        for (barrier, verdict) in [
-            (
-                Barrier::TimedOut("node 1 never came".into()),
-                Verdict::Succeeded {
-                    round: 2,
-                    barrier: Some("node 1 never came".into()),
-                },
-            ),
-            (
-                Barrier::Lost("refused".into()),
-                Verdict::LostRendezvous {
-                    during: "the exit barrier",
-                },
-            ),
-        ] {
-            let (mut p, t0) = policy(0);
-            running(&mut p, t0, 2);
-            p.on(E::WorkersSucceeded, t0);
-            // Membership changes after we finished do not matter.
-            assert_eq!(p.on(E::Checked(Observation::NodesWaiting(2)), t0), []);
-            assert_eq!(p.on(E::Barrier(barrier), t0), [A::Finish(verdict)]);
-        }
-        // A failure elsewhere while we wait at the barrier fails the job.
-        let (mut p, t0) = policy(0);
-        running(&mut p, t0, 0);
-        p.on(E::WorkersSucceeded, t0);
-        assert_eq!(
-            p.on(E::Checked(Observation::ClosedAfterFailure(None)), t0),
-            [A::Finish(Verdict::FailedElsewhere(None))]
-        );
-    }
-
-    #[test]
-    fn join_outcomes() {
-        for (event, verdict) in [
-            (E::JoinClosed, Verdict::ClosedWhileJoining),
-            (E::JoinNotNeeded, Verdict::NotNeeded),
-            (
-                E::JoinFailed("timed out".into()),
-                Verdict::JoinFailed("timed out".into()),
-            ),
-        ] {
-            let (mut p, t0) = policy(0);
-            assert_eq!(p.on(event, t0), [A::Finish(verdict)]);
-        }
-        let (mut p, t0) = policy(0);
-        p.on(E::Joined { round: 4 }, t0);
-        assert_eq!(
-            p.on(E::StartFailed("no such program".into()), t0),
-            [A::Finish(Verdict::StartFailed("no such program".into()))]
-        );
-    }
-
-    #[test]
-    fn stale_events_are_ignored() {
-        let (mut p, t0) = policy(0);
-        // A check result arriving after the agent left Running.
-        assert_eq!(p.on(E::Checked(Observation::Healthy), t0), []);
-        assert_eq!(p.on(E::Stopped, t0), []);
-        assert_eq!(p.phase(), &Phase::Rendezvous);
-    }
-}
+mod tests;

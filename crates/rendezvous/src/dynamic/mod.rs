@@ -15,6 +15,7 @@
 //! | `r/rank/<i>`, `r/assigned` | arrival 1, for all members | rank of each member; `assigned` is `abandoned` when the members gave the round up |
 //! | `r/waiting`, `r/dead`, `r/changed` | late arrivals and members coming back; heartbeat watchers | the group should re-form |
 //! | `r/hb/<rank>` | each member, every keep-alive interval | its heartbeat counter |
+//! | `r/left/<rank>` | a member ending for good | it stopped keeping alive on purpose: not dead |
 //! | `r/reform` | the first member to re-join | round `r+1` may form |
 //! | `ranks` | arrival 1 | `node=rank` lines of the last round, so nodes keep their ranks |
 //! | `closed` | `set_closed` | the run is over |
@@ -24,9 +25,12 @@
 //! (woken by the store, never sleep-and-poll); only arrival 1 reads the K node ids
 //! (one `multi_get`) and writes the K ranks (one `multi_set`), so a round moves O(K)
 //! bytes in all, not O(K²). Each member heartbeats and watches only its successor
-//! in rank order; a dead successor marks the round changed, which
-//! [`RendezvousHandler::num_nodes_waiting`] reports at once, so survivors re-form
-//! without waiting for a collective to time out. A join can stop at any step (a
+//! in rank order; a dead successor marks the round changed (and counts in
+//! `r/dead`), which [`RendezvousHandler::membership`] reports at once, so
+//! survivors re-form without waiting for a collective to time out. A member that
+//! ends on purpose says so (`r/left/<rank>`, [`RendezvousHandler::leave`]); its
+//! watcher then skips it and watches the next member, so a finished node is never
+//! counted dead and the ring of watchers stays closed. A join can stop at any step (a
 //! signal, a crash): a completed round whose ranks are not assigned within
 //! `keep_alive_interval * keep_alive_max_attempt` (a member took an arrival index
 //! and never published its id, or arrival 1 never assigned) is abandoned by its
@@ -57,7 +61,8 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::api::{
-    BootstrapStoreInfo, RendezvousError, RendezvousHandler, RendezvousInfo, RendezvousParameters,
+    BootstrapStoreInfo, MembershipChange, RendezvousError, RendezvousHandler, RendezvousInfo,
+    RendezvousParameters,
 };
 use crate::registry::Created;
 use state::{Bounds, Event, Join, JoinFailure, Liveness, Step};
@@ -166,25 +171,49 @@ pub struct Beat {
 impl Beat {
     /// The rank this member watches: its successor in rank order (`None` alone).
     pub fn successor(&self) -> Option<usize> {
-        (self.members > 1).then(|| (self.rank + 1) % self.members)
+        self.after(self.rank)
     }
 
-    /// Records that the successor is dead: the round should re-form.
-    pub async fn successor_died(&self) {
+    /// The member after `rank` in the ring, `None` once it is this member.
+    pub fn after(&self, rank: usize) -> Option<usize> {
+        let next = (rank + 1) % self.members.max(1);
+        (next != self.rank).then_some(next)
+    }
+
+    /// Whether member `rank` left on purpose (see [`RendezvousHandler::leave`]).
+    pub async fn left(&self, rank: usize) -> bool {
+        self.store
+            .check(&[&format!("r{}/left/{rank}", self.round)])
+            .await
+            .unwrap_or(false)
+    }
+
+    /// Records that member `rank` is dead: the round should re-form.
+    pub async fn died(&self, rank: usize) {
         tracing::warn!(
             round = self.round,
-            rank = ?self.successor(),
+            rank,
             "rendezvous peer stopped keeping alive; marking the round for re-forming"
         );
         if let Err(e) = mark_changed(&*self.store, &format!("r{}", self.round), "dead").await {
             tracing::warn!(error = %e, "could not mark the round changed");
         }
     }
+
+    /// `watched` stopped keeping alive: unless it left, marks it dead; returns
+    /// the member to watch next (`None`: nobody else is left to watch).
+    pub async fn watched_stopped(&self, watched: usize) -> Option<usize> {
+        if !self.left(watched).await {
+            self.died(watched).await;
+        }
+        self.after(watched)
+    }
 }
 
 /// How members show they are alive and notice a dead successor. Each member runs
-/// one for its round, until the round ends; it must call
-/// [`Beat::successor_died`] when the successor stops keeping alive.
+/// one for its round, until the round ends; when the member it watches stops
+/// keeping alive it must call [`Beat::watched_stopped`] and watch the member
+/// that returns.
 pub trait Keepalive: Send + Sync {
     fn spawn(&self, beat: Beat) -> JoinHandle<()>;
 }
@@ -200,34 +229,36 @@ impl Keepalive for CounterKeepalive {
             let timing = beat.timing;
             let r = format!("r{}", beat.round);
             let mine = format!("{r}/hb/{}", beat.rank);
-            let theirs = beat.successor().map(|s| format!("{r}/hb/{s}"));
+            let mut watched = beat.successor();
             let store = beat.store.clone();
-            let mut watch = Liveness::new(
-                timing.keep_alive,
-                timing.max_misses,
-                std::time::Instant::now(),
-            );
+            let fresh = || {
+                Liveness::new(
+                    timing.keep_alive,
+                    timing.max_misses,
+                    std::time::Instant::now(),
+                )
+            };
+            let mut watch = fresh();
             // Watch at a finer grain than the beat, so detection lands within
             // interval * misses plus a fraction of an interval.
             let tick = (timing.keep_alive / 4).max(Duration::from_millis(10));
             let mut next_beat = Instant::now();
-            let mut watching = theirs.is_some();
             loop {
                 if Instant::now() >= next_beat {
                     let _ = store.add(&mine, 1).await;
                     next_beat += timing.keep_alive;
                 }
-                if let (true, Some(theirs)) = (watching, &theirs) {
-                    if let Ok(v) = store.add(theirs, 0).await {
+                if let Some(w) = watched {
+                    if let Ok(v) = store.add(&format!("{r}/hb/{w}"), 0).await {
                         if watch.observe(v, std::time::Instant::now()) {
-                            beat.successor_died().await;
-                            // Keep beating ourselves, but stop watching.
-                            watching = false;
+                            // Dead or left: either way watch the next one.
+                            watched = beat.watched_stopped(w).await;
+                            watch = fresh();
                         }
                     }
                 }
                 let until_beat = next_beat.saturating_duration_since(Instant::now());
-                let nap = if watching {
+                let nap = if watched.is_some() {
                     tick.min(until_beat)
                 } else {
                     until_beat
@@ -829,8 +860,13 @@ impl RendezvousHandler for DynamicRendezvous {
     /// Late arrivals waiting to join, plus members found dead: either way the group
     /// should re-form.
     async fn num_nodes_waiting(&self) -> Result<usize, RendezvousError> {
+        let m = self.membership().await?;
+        Ok(m.waiting + m.dead)
+    }
+
+    async fn membership(&self) -> Result<MembershipChange, RendezvousError> {
         let Some((round, _, _)) = self.node.lock().await.member_of else {
-            return Ok(0);
+            return Ok(MembershipChange::default());
         };
         let waiting = self
             .store
@@ -842,7 +878,30 @@ impl RendezvousHandler for DynamicRendezvous {
             .add(&format!("r{round}/dead"), 0)
             .await
             .map_err(self.err())?;
-        Ok((waiting + dead).max(0) as usize)
+        Ok(MembershipChange {
+            waiting: waiting.max(0) as usize,
+            dead: dead.max(0) as usize,
+        })
+    }
+
+    fn detects_dead_members(&self) -> bool {
+        true
+    }
+
+    /// Stops keeping alive and says so (`r/left/<rank>`), so the member watching
+    /// this one skips it instead of counting it dead.
+    async fn leave(&self) -> Result<(), RendezvousError> {
+        let mut node = self.node.lock().await;
+        if let Some(h) = node.heartbeat.take() {
+            h.abort();
+        }
+        if let Some((round, rank, _)) = node.member_of {
+            self.store
+                .set(&format!("r{round}/left/{rank}"), b"1")
+                .await
+                .map_err(self.err())?;
+        }
+        Ok(())
     }
 
     fn run_id(&self) -> &str {

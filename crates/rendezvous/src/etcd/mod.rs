@@ -144,7 +144,11 @@ async fn keep_alive(store: &EtcdStore, beat: &Beat) -> Result<(), etcd_client::E
             }
             dead = successor_died(&mut watch, grace) => {
                 dead?;
-                beat.successor_died().await;
+                // Counted dead unless it left on purpose. The etcd keep-alive
+                // then stops watching (it does not move on to the next member).
+                if let Some(s) = beat.successor() {
+                    beat.watched_stopped(s).await;
+                }
                 watch = None;
             }
         }
