@@ -115,6 +115,12 @@ pub trait RendezvousHandler: Send + Sync {
         })
     }
 
+    /// The run store ([`RendezvousInfo::run_store`]) before any round formed, so a
+    /// node whose join ended when the run closed can read how it ended.
+    fn run_store(&self) -> Option<Arc<dyn Store>> {
+        None
+    }
+
     /// Whether [`Self::membership`] notices members that died.
     fn detects_dead_members(&self) -> bool {
         false

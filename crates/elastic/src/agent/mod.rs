@@ -65,6 +65,8 @@ pub mod events;
 pub mod policy;
 pub mod ranks;
 pub mod run_store;
+#[cfg(test)]
+mod sim;
 pub mod status;
 
 use std::ffi::OsString;
@@ -376,12 +378,28 @@ impl Agent {
         }
     }
 
-    /// Joins the next round (ending the previous one), noting progress every
-    /// 10 s; a signal aborts the join.
+    /// Joins the next round (ending the previous one). The previous round's job
+    /// store stays up until the join ends: a member that has not yet noticed the
+    /// re-form still runs workers on it, and a store gone under them would read
+    /// as their failure.
     async fn join(&self, run: &mut Run<'_>) -> Vec<Action> {
-        if let Some(r) = run.round.take() {
-            self.end_round(r).await;
+        let previous = match run.round.take() {
+            Some(mut r) => {
+                let server = r.server.take();
+                self.end_round(r).await;
+                server
+            }
+            None => None,
+        };
+        let actions = self.join_next(run).await;
+        if let Some(server) = previous {
+            server.shutdown().await;
         }
+        actions
+    }
+
+    /// Joins the next round, noting progress every 10 s; a signal aborts it.
+    async fn join_next(&self, run: &mut Run<'_>) -> Vec<Action> {
         let started = Instant::now();
         let run_id = self.handler.run_id().to_owned();
         self.emit(AgentEvent::RendezvousStarted {
@@ -681,16 +699,17 @@ impl Agent {
     }
 
     /// The run store of this node's round (or of its last one).
-    fn run_store(run: &Run<'_>) -> Option<Arc<dyn Store>> {
+    fn run_store(&self, run: &Run<'_>) -> Option<Arc<dyn Store>> {
         run.round
             .as_ref()
             .map(|r| r.info.run_store.clone())
             .or_else(|| run.last_run_store.clone())
+            .or_else(|| self.handler.run_store())
     }
 
     /// Writes the verdict; answers with what the store holds afterwards.
     async fn publish(&self, run: &mut Run<'_>, p: &policy::Publish) -> Vec<Action> {
-        let event = match Self::run_store(run) {
+        let event = match self.run_store(run) {
             None => Event::NotPublished("no run store".into()),
             Some(store) => match bounded(run_store::publish(&*store, p)).await {
                 Some(Ok(closed)) => Event::Published(closed),
@@ -709,8 +728,8 @@ impl Agent {
 
     /// Reads the verdict after the run closed while this node joined.
     async fn read_verdict(&self, run: &mut Run<'_>) -> Vec<Action> {
-        let event = match Self::run_store(run) {
-            // Never a member: nothing it could have failed.
+        let event = match self.run_store(run) {
+            // No run store to read (a backend without one before a round).
             None => Event::VerdictRead(None),
             Some(store) => match bounded(run_store::read_verdict(&*store)).await {
                 Some(Ok(v)) => Event::VerdictRead(v),
@@ -739,7 +758,7 @@ impl Agent {
 
     /// Counts this node finished in `round` (after it read the verdict).
     async fn mark_finished(&self, run: &mut Run<'_>, round: u64) -> Vec<Action> {
-        if let Some(store) = Self::run_store(run) {
+        if let Some(store) = self.run_store(run) {
             let _ = bounded(run_store::mark_finished(&*store, round)).await;
         }
         self.decide(&mut run.policy, Event::MarkedFinished)
@@ -755,8 +774,8 @@ impl Agent {
         nodes: usize,
         bound: Option<Duration>,
     ) -> Vec<Action> {
-        let Some(store) = Self::run_store(run) else {
-            return self.decide(&mut run.policy, Event::Lingered);
+        let Some(store) = self.run_store(run) else {
+            return self.decide(&mut run.policy, Event::Lingered(None));
         };
         let until = bound.map(|b| tokio::time::Instant::now() + b);
         let mut said = false;
@@ -773,14 +792,13 @@ impl Agent {
                     .dead;
                 Ok::<_, String>(finished + dead)
             };
-            let gone = match bounded(look).await {
-                Some(Ok(n)) => n,
-                // Our own store does not answer: nobody can use it.
-                _ => break,
-            };
-            if gone >= nodes {
+            // A store that does not answer now may be stalled: keep it up and
+            // look again (the bound, if any, still ends the wait).
+            let gone = bounded(look).await.and_then(Result::ok);
+            if gone.is_some_and(|n| n >= nodes) {
                 break;
             }
+            let gone = gone.unwrap_or(0).min(nodes);
             if !said {
                 said = true;
                 self.emit(AgentEvent::HostLingering {
@@ -799,7 +817,11 @@ impl Agent {
                 } => break,
             }
         }
-        self.decide(&mut run.policy, Event::Lingered)
+        let seen = bounded(run_store::read_verdict(&*store))
+            .await
+            .and_then(Result::ok)
+            .flatten();
+        self.decide(&mut run.policy, Event::Lingered(seen))
     }
 
     /// The end: turn the verdict into the outcome, leave the rendezvous (never
@@ -808,7 +830,7 @@ impl Agent {
     async fn finish(&self, verdict: Verdict, run: &mut Run<'_>) -> Outcome {
         let round = run.round.take();
         let attempts = round.as_ref().map_or(0, |r| r.info.round + 1);
-        let store = Self::run_store(run);
+        let store = self.run_store(run);
         let outcome = match verdict {
             Verdict::Succeeded { barrier, .. } => Outcome::Succeeded { attempts, barrier },
             Verdict::Failed {

@@ -45,7 +45,7 @@
 //! | `Ending(read)` | verdict read | finish: failed if the run failed, else not needed | `Done` |
 //! | `Ending(close)` | closed | count this node finished | `Ending(mark)` |
 //! | `Ending(mark)` | marked | linger if this node hosts a store others use | `Ending(linger)` or `Done` |
-//! | `Ending(linger)` | every node finished, left or dead (or the bound) | finish | `Done` |
+//! | `Ending(linger)` | every node finished, left or dead (or the bound) | finish (failed if a failure was published meanwhile) | `Done` |
 //! | `Ending(..)` | signal N | finish with the verdict decided | `Done` |
 //!
 //! Rules the table keeps:
@@ -308,7 +308,9 @@ pub enum Event {
     // (A verdict that cannot be read or written answers `NotPublished`.)
     RendezvousClosed,
     MarkedFinished,
-    Lingered,
+    /// Lingering ended; the verdict read at its end (a failure published while
+    /// this node lingered after a success fails it too).
+    Lingered(Option<Closed>),
     Signal(i32),
 }
 
@@ -476,7 +478,7 @@ impl Policy {
                 | E::VerdictRead(_)
                 | E::RendezvousClosed
                 | E::MarkedFinished
-                | E::Lingered),
+                | E::Lingered(_)),
             ) => stale(p, e),
 
             // ---- Starting
@@ -550,7 +552,7 @@ impl Policy {
                 | E::VerdictRead(_)
                 | E::RendezvousClosed
                 | E::MarkedFinished
-                | E::Lingered),
+                | E::Lingered(_)),
             ) => stale(p, e),
 
             // ---- Running
@@ -597,7 +599,7 @@ impl Policy {
                 | E::VerdictRead(_)
                 | E::RendezvousClosed
                 | E::MarkedFinished
-                | E::Lingered),
+                | E::Lingered(_)),
             ) => stale(p, e),
 
             // ---- Stopping
@@ -668,7 +670,7 @@ impl Policy {
                 | E::VerdictRead(_)
                 | E::RendezvousClosed
                 | E::MarkedFinished
-                | E::Lingered),
+                | E::Lingered(_)),
             ) => stale(p, e),
 
             // ---- RecordingFailure
@@ -729,7 +731,7 @@ impl Policy {
                 | E::VerdictRead(_)
                 | E::RendezvousClosed
                 | E::MarkedFinished
-                | E::Lingered),
+                | E::Lingered(_)),
             ) => stale(p, e),
 
             // ---- ExitBarrier
@@ -820,7 +822,7 @@ impl Policy {
                 | E::VerdictRead(_)
                 | E::RendezvousClosed
                 | E::MarkedFinished
-                | E::Lingered),
+                | E::Lingered(_)),
             ) => stale(p, e),
 
             // ---- Ending
@@ -892,8 +894,16 @@ impl Policy {
                     verdict,
                     step: EndStep::Linger,
                 },
-                E::Lingered,
-            ) => finish(verdict),
+                E::Lingered(seen),
+            ) => finish(match (verdict, seen) {
+                (Verdict::Succeeded { .. } | Verdict::NotNeeded, Some(Closed::Failed(root))) => {
+                    Verdict::Failed {
+                        why: Failure::Elsewhere,
+                        root,
+                    }
+                }
+                (v, _) => v,
+            }),
             (Phase::Ending { verdict, .. }, E::Signal(_)) => finish(verdict),
             // An answer to another step of the end: stale.
             (
@@ -903,7 +913,7 @@ impl Policy {
                 | E::VerdictRead(_)
                 | E::RendezvousClosed
                 | E::MarkedFinished
-                | E::Lingered),
+                | E::Lingered(_)),
             ) => stale(p, e),
             (
                 p @ Phase::Ending { .. },
@@ -942,7 +952,7 @@ impl Policy {
                 | E::VerdictRead(_)
                 | E::RendezvousClosed
                 | E::MarkedFinished
-                | E::Lingered
+                | E::Lingered(_)
                 | E::Signal(_)),
             ) => stale(p, e),
         }

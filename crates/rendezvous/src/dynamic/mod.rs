@@ -790,10 +790,7 @@ impl DynamicRendezvous {
                     ));
                     return Ok(RendezvousInfo {
                         round,
-                        run_store: Arc::new(PrefixStore::new(
-                            format!("rally.run.{}", self.run_id),
-                            self.base.clone(),
-                        )),
+                        run_store: self.run_store_of_run(),
                         store: job,
                         rank,
                         world_size: members,
@@ -803,6 +800,14 @@ impl DynamicRendezvous {
             };
             step = machine.on(event, std::time::Instant::now());
         }
+    }
+
+    /// The store every node of the run shares across rounds.
+    fn run_store_of_run(&self) -> Arc<dyn Store> {
+        Arc::new(PrefixStore::new(
+            format!("rally.run.{}", self.run_id),
+            self.base.clone(),
+        ))
     }
 
     /// The member count round `r` completed with.
@@ -886,6 +891,10 @@ impl RendezvousHandler for DynamicRendezvous {
 
     fn detects_dead_members(&self) -> bool {
         true
+    }
+
+    fn run_store(&self) -> Option<Arc<dyn Store>> {
+        Some(self.run_store_of_run())
     }
 
     /// Stops keeping alive and says so (`r/left/<rank>`), so the member watching

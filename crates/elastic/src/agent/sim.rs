@@ -1,0 +1,1229 @@
+//! A seeded simulator of whole runs: N agents' real [`Policy`] machines over a
+//! simulated run store, rendezvous, clock, network and workers, driven through
+//! random schedules of failures, with the run's invariants checked after every
+//! step. In the spirit of FoundationDB's simulation and TigerBeetle's VOPR: one
+//! `u64` seed decides everything (the run's shape, every latency and every
+//! fault), so a failing seed replays exactly:
+//!
+//! ```text
+//! RALLY_SIM_SEED=<seed> cargo nextest run -p rallypoint-elastic --lib agent::sim::tests::replay --no-capture
+//! ```
+//!
+//! # Why our own executor, not turmoil
+//!
+//! The decisions live in pure machines (events in, actions out), so simulating
+//! them needs no network stack at all: a discrete-event loop over a priority
+//! queue of timed events runs a 64-node run in microseconds, 10,000 seeds in
+//! seconds, fully deterministically (no tokio scheduler, no wall clock). turmoil
+//! would run the real async driver over simulated TCP, which needs the real
+//! workers (processes) and their signals, which it cannot simulate. What the
+//! simulator models instead of running is stated here, so a reader can judge it:
+//!
+//! - **The driver's actions.** Each [`Action`] is performed as the driver in
+//!   `mod.rs` performs it, against the modelled store, with a latency; a store
+//!   call that cannot reach the store answers its error after the driver's bound
+//!   ([`CHECK_MS`]); rank assignment waits for every member, up to the store
+//!   timeout; the job store is rank 0's and goes away when that node ends its
+//!   round; the run store lives with the rendezvous host (node 0).
+//! - **The run store protocol** of `run_store.rs`: the verdict's
+//!   compare-and-set (a failure is never overwritten), the root cause lowered to
+//!   the earliest record, the failed-round count, `finishing` and `finished`.
+//! - **The rendezvous**: `c10d` (rounds form with every live node, or `min`
+//!   nodes after a last call; a member coming back marks the round waiting; a
+//!   killed member is marked dead by its watcher after the keep-alive expiry; a
+//!   member that leaves is skipped) or `static` (fixed nodes, each restart a
+//!   new round number, never re-formed, deaths never noticed).
+//! - **Workers**: each round's group on each node runs for a random time, then
+//!   succeeds or fails; when one group fails or is stopped, the others of the
+//!   round fail soon after (a broken collective) unless the run drew
+//!   independent workers.
+//!
+//! # Faults
+//!
+//! Worker failures in any phase, nodes killed at any moment (the host
+//! included), the store stalled for everyone or one node partitioned from it for
+//! a while, slow nodes, signals, nodes arriving late (c10d), short exit-barrier
+//! timeouts.
+//!
+//! # Invariants (checked after every event)
+//!
+//! 1. No node exits 0 if the run's failure was published before it last read
+//!    the verdict (its decision: the publish, the read after a closed join, the
+//!    end of its linger). A node that decided success earlier is right to exit
+//!    0: torchrun's exit-barrier timeout lets a node finish before another fails.
+//! 2. No running worker is stopped in a run that has had no fault at all
+//!    (another node finishing is not a reason).
+//! 3. A job store is never shut by its host while another node's workers of
+//!    that round still run and have not been told to stop, unless the host was
+//!    signalled (a user stopping that node takes its store with it).
+//! 4. Every node ends: within a bound after a failure is published, and by the
+//!    end of the simulated time otherwise (no hang).
+//! 5. Every node that reports the published failure reports the same root
+//!    cause, and it is the earliest failure recorded when it was published.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
+use std::time::{Duration, Instant};
+
+use super::policy::{
+    Action, Event, Failure, Limits, Observation, Phase, Policy, Publish, StartError, Verdict,
+};
+use super::run_store::{Closed, FailureRecord};
+
+/// The driver's bound on one store call at the end of a run (`CHECK_TIMEOUT`).
+const CHECK_MS: u64 = 2_000;
+/// The store client's timeout (rank assignment, the job store's address).
+const STORE_TIMEOUT_MS: u64 = 60_000;
+/// Simulated time after which a node still running is a hang.
+const HORIZON_MS: u64 = 3_600_000;
+
+/// A small, fast, seedable generator (splitmix64).
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `lo..=hi`.
+    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next_u64() % (hi - lo + 1)
+    }
+
+    pub fn chance(&mut self, p: f64) -> bool {
+        ((self.next_u64() >> 11) as f64 / (1u64 << 53) as f64) < p
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Static,
+    C10d,
+}
+
+/// The shape of one simulated run, drawn from the seed.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub seed: u64,
+    pub backend: Backend,
+    /// Nodes started at time 0.
+    pub nodes: usize,
+    /// Nodes that arrive later (c10d only).
+    pub late: usize,
+    pub min_nodes: usize,
+    pub max_restarts: u32,
+    pub monitor_ms: u64,
+    pub lost_grace_ms: u64,
+    pub shutdown_ms: u64,
+    pub exit_barrier_ms: u64,
+    pub keep_alive_ms: u64,
+    pub misses: u64,
+    pub last_call_ms: u64,
+    /// Workers whose failure does not bring down the other nodes' workers.
+    pub independent_workers: bool,
+}
+
+impl Config {
+    pub fn from_seed(seed: u64) -> Config {
+        let mut r = Rng::new(seed ^ 0x5151_5151);
+        let backend = if r.chance(0.4) {
+            Backend::Static
+        } else {
+            Backend::C10d
+        };
+        let nodes = match r.range(0, 9) {
+            0 => r.range(9, 64) as usize,
+            1..=3 => 2,
+            _ => r.range(3, 8) as usize,
+        };
+        let late = match backend {
+            Backend::C10d if r.chance(0.2) => r.range(1, 2) as usize,
+            _ => 0,
+        };
+        let min_nodes = match backend {
+            Backend::Static => nodes,
+            Backend::C10d => r.range(1, nodes as u64) as usize,
+        };
+        Config {
+            seed,
+            backend,
+            nodes,
+            late,
+            min_nodes,
+            max_restarts: r.range(0, 3) as u32,
+            monitor_ms: [100, 500, 1000][r.range(0, 2) as usize],
+            lost_grace_ms: [2_000, 5_000, 10_000][r.range(0, 2) as usize],
+            shutdown_ms: [100, 1_000, 5_000][r.range(0, 2) as usize],
+            exit_barrier_ms: if r.chance(0.3) { 1_000 } else { 300_000 },
+            keep_alive_ms: [200, 1_000, 5_000][r.range(0, 2) as usize],
+            misses: r.range(1, 3),
+            last_call_ms: [100, 1_000][r.range(0, 1) as usize],
+            independent_workers: r.chance(0.2),
+        }
+    }
+}
+
+/// One worker group (a node's workers in one round).
+#[derive(Debug, Clone)]
+struct Workers {
+    round: u64,
+    /// Running; `told` once the agent signalled them to stop.
+    running: bool,
+    told: bool,
+    failure: Option<Box<FailureRecord>>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Life {
+    NotStarted,
+    Alive,
+    Killed,
+    Exited(Verdict),
+}
+
+#[derive(Debug, Clone)]
+struct Node {
+    policy: Policy,
+    queue: VecDeque<Action>,
+    life: Life,
+    /// Bumped whenever the node's pending waits become stale (an action
+    /// completes, the phase changes); a timed event carries the value it saw.
+    gen: u64,
+    latency: u64,
+    partitioned: (u64, u64),
+    /// The round it is a member of, with its rank and the member count.
+    round: Option<(u64, usize, usize)>,
+    /// Static: the node's own count of rounds.
+    local_round: u64,
+    workers: Option<Workers>,
+    /// The round whose job store this node serves, while it does.
+    job_store: Option<u64>,
+    /// In a join, waiting for the round to form.
+    joining: bool,
+    exited_at: Option<u64>,
+    /// When it last read or wrote the verdict (its decision, invariant 1).
+    decided_at: Option<u64>,
+}
+
+#[derive(Debug, Clone)]
+enum Ev {
+    Boot(usize),
+    /// Perform the node's next queued action.
+    Act(usize),
+    Deliver(usize, Event),
+    Tick(usize, u64),
+    WorkersEnd(usize, u64, bool),
+    Kill(usize),
+    Signal(usize, i32),
+    LastCall(u64),
+    DeadCheck(usize, u64),
+    BarrierTimeout(usize, u64, u64),
+    StartTimeout(usize, u64, u64),
+    LingerPoll(usize, u64, u64, usize, Option<u64>),
+}
+
+/// The shared run store and rendezvous.
+#[derive(Debug, Default)]
+struct Shared {
+    verdict: Option<Closed>,
+    /// When a failure was first published, and the earliest recorded failure then.
+    failed_at: Option<u64>,
+    root_at_publish: Option<Box<FailureRecord>>,
+    root: Option<Box<FailureRecord>>,
+    failed_round: BTreeSet<u64>,
+    failed_rounds: u64,
+    finishing: BTreeSet<u64>,
+    finished: BTreeMap<u64, usize>,
+    // Rendezvous.
+    closed: bool,
+    next_round: u64,
+    joiners: Vec<usize>,
+    last_call_armed: bool,
+    members: BTreeMap<u64, Vec<usize>>,
+    waiting: BTreeMap<u64, usize>,
+    dead: BTreeMap<u64, BTreeSet<usize>>,
+    left: BTreeMap<u64, BTreeSet<usize>>,
+    started: BTreeMap<u64, BTreeSet<usize>>,
+    barrier: BTreeMap<u64, BTreeSet<usize>>,
+    /// Store stalls: (from, until).
+    stalls: Vec<(u64, u64)>,
+}
+
+/// A simulated run.
+pub struct Sim {
+    pub cfg: Config,
+    rng: Rng,
+    now: u64,
+    seq: u64,
+    queue: BinaryHeap<Reverse<(u64, u64, usize)>>,
+    events: Vec<Option<Ev>>,
+    nodes: Vec<Node>,
+    s: Shared,
+    base: Instant,
+    /// Faults so far (invariant 2).
+    faults: u64,
+    pub trace: Vec<String>,
+    keep_trace: bool,
+    /// The first broken invariant.
+    broken: Option<String>,
+    /// The invariants enforced (by number); the others are not checked.
+    enforced: Vec<u8>,
+}
+
+/// A broken invariant, with the trace that led to it.
+#[derive(Debug)]
+pub struct Violation {
+    pub seed: u64,
+    pub what: String,
+    pub trace: Vec<String>,
+}
+
+impl std::fmt::Display for Violation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "seed {}: {}", self.seed, self.what)?;
+        writeln!(
+            f,
+            "replay: RALLY_SIM_SEED={} cargo nextest run -p rallypoint-elastic --lib agent::sim::tests::replay --no-capture",
+            self.seed
+        )?;
+        for l in self.trace.iter().rev().take(40).rev() {
+            writeln!(f, "  {l}")?;
+        }
+        Ok(())
+    }
+}
+
+impl Sim {
+    pub fn new(seed: u64, keep_trace: bool) -> Sim {
+        let cfg = Config::from_seed(seed);
+        let mut rng = Rng::new(seed);
+        let total = cfg.nodes + cfg.late;
+        let limits = |i: usize| Limits {
+            max_restarts: cfg.max_restarts,
+            lost_grace: Duration::from_millis(cfg.lost_grace_ms),
+            hosts_rendezvous: i == 0,
+            linger_after_failure: Duration::from_millis(
+                cfg.shutdown_ms + cfg.monitor_ms + 2 * CHECK_MS,
+            ),
+            linger_after_success: match cfg.backend {
+                Backend::Static => Some(Duration::from_millis(cfg.exit_barrier_ms)),
+                Backend::C10d => None,
+            },
+        };
+        let nodes = (0..total)
+            .map(|i| {
+                let (policy, first) = Policy::start(limits(i));
+                Node {
+                    policy,
+                    queue: VecDeque::from([first]),
+                    life: Life::NotStarted,
+                    gen: 0,
+                    latency: if rng.chance(0.1) {
+                        rng.range(20, 200)
+                    } else {
+                        rng.range(1, 5)
+                    },
+                    partitioned: (0, 0),
+                    round: None,
+                    local_round: 0,
+                    workers: None,
+                    job_store: None,
+                    joining: false,
+                    exited_at: None,
+                    decided_at: None,
+                }
+            })
+            .collect();
+        let mut sim = Sim {
+            cfg,
+            rng,
+            now: 0,
+            seq: 0,
+            queue: BinaryHeap::new(),
+            events: Vec::new(),
+            nodes,
+            s: Shared::default(),
+            base: Instant::now(),
+            faults: 0,
+            trace: Vec::new(),
+            keep_trace,
+            broken: None,
+            enforced: vec![1, 2, 3, 4, 5],
+        };
+        sim.schedule_faults();
+        sim
+    }
+
+    fn at(&mut self, t: u64, ev: Ev) {
+        self.seq += 1;
+        self.events.push(Some(ev));
+        self.queue
+            .push(Reverse((t, self.seq, self.events.len() - 1)));
+    }
+
+    fn note(&mut self, f: impl FnOnce() -> String) {
+        if self.keep_trace {
+            let line = format!("{:>9} ms  {}", self.now, f());
+            self.trace.push(line);
+        }
+    }
+
+    fn schedule_faults(&mut self) {
+        let n = self.cfg.nodes;
+        for i in 0..n {
+            let t = self.rng.range(0, 50);
+            self.at(t, Ev::Boot(i));
+        }
+        for i in n..n + self.cfg.late {
+            let t = self.rng.range(1_000, 60_000);
+            self.at(t, Ev::Boot(i));
+        }
+        let total = n + self.cfg.late;
+        let faults = self.rng.range(0, 4);
+        for _ in 0..faults {
+            let t = self.rng.range(0, 120_000);
+            match self.rng.range(0, 3) {
+                0 => {
+                    let who = self.rng.range(0, total as u64 - 1) as usize;
+                    self.at(t, Ev::Kill(who));
+                }
+                1 => {
+                    let d = self.rng.range(100, 2 * self.cfg.lost_grace_ms);
+                    self.s.stalls.push((t, t + d));
+                }
+                2 => {
+                    let who = self.rng.range(0, total as u64 - 1) as usize;
+                    let d = self.rng.range(100, 2 * self.cfg.lost_grace_ms);
+                    self.nodes[who].partitioned = (t, t + d);
+                }
+                _ => {
+                    let who = self.rng.range(0, total as u64 - 1) as usize;
+                    let sig = if self.rng.chance(0.5) {
+                        libc::SIGTERM
+                    } else {
+                        libc::SIGINT
+                    };
+                    self.at(t, Ev::Signal(who, sig));
+                }
+            }
+        }
+        if !self.s.stalls.is_empty() {
+            self.faults += 1;
+        }
+        if self.nodes.iter().any(|n| n.partitioned.1 > 0) || self.cfg.late > 0 {
+            self.faults += 1;
+        }
+    }
+
+    fn instant(&self) -> Instant {
+        self.base + Duration::from_millis(self.now)
+    }
+
+    /// Whether node `i` reaches the run store (on node 0) now.
+    fn reaches(&self, i: usize) -> bool {
+        let host = &self.nodes[0];
+        if matches!(host.life, Life::Killed) || host.exited_at.is_some() {
+            return false;
+        }
+        let t = self.now;
+        if self.s.stalls.iter().any(|&(a, b)| a <= t && t < b) {
+            return false;
+        }
+        let (a, b) = self.nodes[i].partitioned;
+        !(a <= t && t < b)
+    }
+
+    fn alive(&self, i: usize) -> bool {
+        self.nodes[i].life == Life::Alive
+    }
+
+    /// Feeds `event` to node `i`'s policy and queues what it answers.
+    fn deliver(&mut self, i: usize, event: Event) {
+        if !self.alive(i) {
+            return;
+        }
+        self.note(|| format!("node {i} <- {event:?}"));
+        let before = self.nodes[i].policy.phase().name();
+        let now = self.instant();
+        let actions = self.nodes[i].policy.on(event, now);
+        if self.nodes[i].policy.phase().name() != before {
+            self.nodes[i].gen += 1;
+        }
+        let empty = self.nodes[i].queue.is_empty();
+        self.nodes[i].queue.extend(actions);
+        if empty && !self.nodes[i].queue.is_empty() {
+            let t = self.now;
+            self.at(t, Ev::Act(i));
+        }
+    }
+
+    /// Answers `event` to node `i` after its latency, unless its phase moved on.
+    fn reply(&mut self, i: usize, delay: u64, event: Event) {
+        let t = self.now + delay;
+        self.at(t, Ev::Deliver(i, event));
+    }
+
+    fn observe(&self, i: usize) -> Observation {
+        if !self.reaches(i) {
+            return Observation::Unreachable("store unreachable".into());
+        }
+        if let Some(v) = &self.s.verdict {
+            return Observation::Closed(v.clone());
+        }
+        let Some((round, _, _)) = self.nodes[i].round else {
+            return Observation::Healthy;
+        };
+        let (waiting, dead) = match self.cfg.backend {
+            Backend::Static => (0, 0),
+            Backend::C10d => (
+                self.s.waiting.get(&round).copied().unwrap_or(0),
+                self.s.dead.get(&round).map_or(0, BTreeSet::len),
+            ),
+        };
+        if waiting == 0 && dead == 0 {
+            return Observation::Healthy;
+        }
+        Observation::Changed {
+            waiting,
+            dead,
+            finishing: waiting > 0 && self.s.finishing.contains(&round),
+        }
+    }
+
+    /// Performs node `i`'s next action.
+    fn act(&mut self, i: usize) {
+        if !self.alive(i) {
+            return;
+        }
+        let Some(action) = self.nodes[i].queue.pop_front() else {
+            return;
+        };
+        self.note(|| format!("node {i} -> {action:?}"));
+        let lat = self.nodes[i].latency;
+        let reach = self.reaches(i);
+        // The next queued action runs once this one has answered (or at once
+        // for the notes, which answer nothing).
+        let mut next_now = false;
+        match action {
+            Action::Join => self.join(i),
+            Action::Start { round } => self.start(i, round),
+            Action::Stop { .. } => self.stop(i),
+            Action::Kill => next_now = true,
+            Action::RecordFailure { round } => {
+                if reach {
+                    let rank = self.nodes[i].round.map_or(0, |r| r.1);
+                    let failure = self.nodes[i]
+                        .workers
+                        .as_ref()
+                        .and_then(|w| w.failure.clone())
+                        .unwrap_or_else(|| record(self.now, i, rank, round));
+                    if self.s.root.as_ref().is_none_or(|r| failure.time < r.time) {
+                        self.s.root = Some(failure);
+                    }
+                    if self.s.failed_round.insert(round) {
+                        self.s.failed_rounds += 1;
+                    }
+                    let n = self.s.failed_rounds;
+                    self.reply(i, lat, Event::FailureRecorded { failed_rounds: n });
+                } else {
+                    self.reply(i, CHECK_MS, Event::FailureNotRecorded("unreachable".into()));
+                }
+            }
+            Action::EnterBarrier { round } => self.barrier(i, round),
+            Action::Publish(p) => {
+                if reach {
+                    self.nodes[i].decided_at = Some(self.now);
+                    let closed = self.publish(&p);
+                    self.reply(i, lat, Event::Published(closed));
+                } else {
+                    self.reply(i, CHECK_MS, Event::NotPublished("unreachable".into()));
+                }
+            }
+            Action::ReadVerdict => {
+                // The handler's run store: readable before any round.
+                if reach {
+                    self.nodes[i].decided_at = Some(self.now);
+                    let v = self.s.verdict.clone();
+                    self.reply(i, lat, Event::VerdictRead(v));
+                } else {
+                    self.reply(i, CHECK_MS, Event::NotPublished("unreachable".into()));
+                }
+            }
+            Action::CloseRendezvous => {
+                if reach {
+                    self.close();
+                }
+                self.reply(
+                    i,
+                    if reach { lat } else { CHECK_MS },
+                    Event::RendezvousClosed,
+                );
+            }
+            Action::MarkFinished { round } => {
+                if reach {
+                    *self.s.finished.entry(round).or_default() += 1;
+                }
+                self.reply(i, if reach { lat } else { CHECK_MS }, Event::MarkedFinished);
+            }
+            Action::Linger {
+                round,
+                nodes,
+                bound,
+            } => {
+                let until = bound.map(|b| self.now + b.as_millis() as u64);
+                let gen = self.nodes[i].gen;
+                let t = self.now;
+                self.at(t, Ev::LingerPoll(i, gen, round, nodes, until));
+            }
+            Action::NoteClosedAfterSuccess { .. }
+            | Action::NoteUnreachable { .. }
+            | Action::NoteReform { .. }
+            | Action::NoteRestart { .. }
+            | Action::NoteRecordRetry { .. } => next_now = true,
+            Action::Finish(v) => self.finish(i, v),
+        }
+        if next_now && !self.nodes[i].queue.is_empty() {
+            let t = self.now;
+            self.at(t, Ev::Act(i));
+        }
+    }
+
+    fn publish(&mut self, p: &Publish) -> Closed {
+        match (&self.s.verdict, p) {
+            (Some(c @ Closed::Failed(_)), _) => c.clone(),
+            (Some(Closed::Succeeded), Publish::Succeeded) => Closed::Succeeded,
+            (None, Publish::Succeeded) => {
+                self.s.verdict = Some(Closed::Succeeded);
+                Closed::Succeeded
+            }
+            (_, Publish::Failed { local }) => {
+                let root = match (self.s.root.clone(), local.clone()) {
+                    (Some(a), Some(b)) => Some(if b.time < a.time { b } else { a }),
+                    (a, b) => a.or(b),
+                };
+                self.s.verdict = Some(Closed::Failed(root.clone()));
+                self.s.failed_at = Some(self.now);
+                self.s.root_at_publish = root.clone();
+                Closed::Failed(root)
+            }
+        }
+    }
+
+    /// Closes the rendezvous: every node waiting in a join learns it.
+    fn close(&mut self) {
+        self.s.closed = true;
+        for j in std::mem::take(&mut self.s.joiners) {
+            self.nodes[j].joining = false;
+            let lat = self.nodes[j].latency;
+            self.reply(j, lat, Event::JoinClosed);
+        }
+    }
+
+    fn join(&mut self, i: usize) {
+        let lat = self.nodes[i].latency;
+        // The previous round ends: workers gone (the stop already happened);
+        // the job store stays up until this join ends.
+        if !self.reaches(i) {
+            // The store client's timeout (defect 7: not yet bounded by the grace).
+            self.reply(
+                i,
+                STORE_TIMEOUT_MS,
+                Event::JoinFailed("store unreachable".into()),
+            );
+            return;
+        }
+        if self.s.closed {
+            self.reply(i, lat, Event::JoinClosed);
+            return;
+        }
+        match self.cfg.backend {
+            Backend::Static => {
+                let round = self.nodes[i].local_round;
+                self.nodes[i].local_round += 1;
+                let n = self.cfg.nodes;
+                self.end_job_store(i);
+                self.nodes[i].round = Some((round, i, n));
+                self.reply(i, lat, Event::Joined { round, nodes: n });
+            }
+            Backend::C10d => {
+                if let Some((r, _, _)) = self.nodes[i].round {
+                    *self.s.waiting.entry(r).or_default() += 1;
+                }
+                self.nodes[i].joining = true;
+                self.s.joiners.push(i);
+                self.try_form(false);
+            }
+        }
+    }
+
+    /// Forms the next c10d round if it can: with every live node that could
+    /// join, at once; with `min` after the last call.
+    fn try_form(&mut self, last_call: bool) {
+        let joiners = self.s.joiners.len();
+        let live = (0..self.nodes.len())
+            .filter(|&j| self.alive(j) && self.nodes[j].exited_at.is_none())
+            .count();
+        let max = self.cfg.nodes + self.cfg.late;
+        if joiners < self.cfg.min_nodes.max(1) {
+            return;
+        }
+        if !(joiners >= max || joiners >= live || last_call) {
+            if !self.s.last_call_armed {
+                self.s.last_call_armed = true;
+                let round = self.s.next_round;
+                let t = self.now + self.cfg.last_call_ms;
+                self.at(t, Ev::LastCall(round));
+            }
+            return;
+        }
+        let round = self.s.next_round;
+        self.s.next_round += 1;
+        self.s.last_call_armed = false;
+        let mut members = std::mem::take(&mut self.s.joiners);
+        members.sort();
+        let n = members.len();
+        self.s.members.insert(round, members.clone());
+        for (rank, &j) in members.iter().enumerate() {
+            self.nodes[j].joining = false;
+            self.end_job_store(j);
+            self.nodes[j].round = Some((round, rank, n));
+            let lat = self.nodes[j].latency;
+            self.reply(j, lat, Event::Joined { round, nodes: n });
+        }
+    }
+
+    /// Node `j`'s job store of an earlier round goes (after its next join).
+    fn end_job_store(&mut self, j: usize) {
+        if let Some(r) = self.nodes[j].job_store.take() {
+            self.job_store_gone(j, r, true);
+        }
+    }
+
+    /// The job store of round `r` on node `j` goes away; `voluntary` when its
+    /// agent shut it (invariant 3), not a crash.
+    fn job_store_gone(&mut self, j: usize, r: u64, voluntary: bool) {
+        self.note(|| format!("job store of round {r} on node {j} goes"));
+        for k in 0..self.nodes.len() {
+            if k == j || !self.alive(k) {
+                continue;
+            }
+            let Some(w) = &self.nodes[k].workers else {
+                continue;
+            };
+            if w.round == r && w.running && !w.told {
+                if voluntary {
+                    self.violation(format!(
+                        "invariant 3: node {j} shut the job store of round {r} while node {k}'s workers of that round run"
+                    ));
+                }
+                // Either way the workers lose their store: they fail.
+                let t = self.now + self.rng.range(1, 500);
+                self.at(t, Ev::WorkersEnd(k, r, false));
+            }
+        }
+    }
+
+    fn start(&mut self, i: usize, round: u64) {
+        let Some((_, rank, n)) = self.nodes[i].round else {
+            return;
+        };
+        if !self.reaches(i) {
+            self.reply(
+                i,
+                STORE_TIMEOUT_MS,
+                Event::StartFailed(StartError::Store("unreachable".into())),
+            );
+            return;
+        }
+        // Monitoring during the start.
+        let gen = self.nodes[i].gen;
+        let t = self.now + self.cfg.monitor_ms;
+        self.at(t, Ev::Tick(i, gen));
+        let arrived = self.s.started.entry(round).or_default();
+        arrived.insert(i);
+        if arrived.len() < n {
+            let t = self.now + STORE_TIMEOUT_MS;
+            self.at(t, Ev::StartTimeout(i, gen, round));
+            return;
+        }
+        // The last to arrive releases everyone.
+        let everyone: Vec<usize> = arrived.iter().copied().collect();
+        let _ = rank;
+        for j in everyone {
+            if !self.alive(j) || self.nodes[j].policy.phase() != &(Phase::Starting { round }) {
+                continue;
+            }
+            self.spawn_workers(j, round);
+        }
+    }
+
+    fn spawn_workers(&mut self, j: usize, round: u64) {
+        let rank = self.nodes[j].round.map_or(0, |r| r.1);
+        let hosts = rank == 0 && self.cfg.backend == Backend::C10d;
+        if hosts {
+            self.nodes[j].job_store = Some(round);
+        }
+        self.nodes[j].workers = Some(Workers {
+            round,
+            running: true,
+            told: false,
+            failure: None,
+        });
+        let lat = self.nodes[j].latency;
+        let gen = self.nodes[j].gen;
+        self.at(
+            self.now + lat,
+            Ev::Deliver(
+                j,
+                Event::Started {
+                    hosts_job_store: hosts,
+                },
+            ),
+        );
+        let fails = self.rng.chance(0.15);
+        let d = self.rng.range(500, 60_000);
+        if fails {
+            self.faults += 1;
+        }
+        let t = self.now + lat + d;
+        self.at(t, Ev::WorkersEnd(j, round, !fails));
+        let t = self.now + lat + self.cfg.monitor_ms;
+        self.at(t, Ev::Tick(j, gen + 1));
+    }
+
+    fn stop(&mut self, i: usize) {
+        let shutdown = self.cfg.shutdown_ms;
+        let lat = self.nodes[i].latency;
+        let (round, failure) = match &mut self.nodes[i].workers {
+            Some(w) => {
+                w.told = true;
+                (Some(w.round), w.failure.clone())
+            }
+            None => (None, None),
+        };
+        if let Some(w) = &self.nodes[i].workers {
+            if w.running && self.faults == 0 {
+                self.violation(format!(
+                    "invariant 2: node {i} stops healthy workers in a run without any fault"
+                ));
+            }
+        }
+        let was_running = self.nodes[i].workers.as_ref().is_some_and(|w| w.running);
+        if let Some(w) = &mut self.nodes[i].workers {
+            w.running = false;
+        }
+        if let (Some(r), true) = (round, was_running) {
+            self.coupled_failure(i, r);
+        }
+        let d = self.rng.range(0, shutdown);
+        self.reply(i, lat + d, Event::Stopped { failure });
+    }
+
+    /// A group of round `r` went down: the others' collectives break.
+    fn coupled_failure(&mut self, from: usize, r: u64) {
+        if self.cfg.independent_workers {
+            return;
+        }
+        for k in 0..self.nodes.len() {
+            if k == from || !self.alive(k) {
+                continue;
+            }
+            if self.nodes[k]
+                .workers
+                .as_ref()
+                .is_some_and(|w| w.round == r && w.running)
+            {
+                let t = self.now + self.rng.range(10, 2_000);
+                self.at(t, Ev::WorkersEnd(k, r, false));
+            }
+        }
+    }
+
+    fn barrier(&mut self, i: usize, round: u64) {
+        if self.reaches(i) {
+            self.s.finishing.insert(round);
+        }
+        let n = self.nodes[i].round.map_or(1, |r| r.2);
+        let gen = self.nodes[i].gen;
+        let t = self.now + self.cfg.monitor_ms;
+        self.at(t, Ev::Tick(i, gen));
+        let arrived = self.s.barrier.entry(round).or_default();
+        arrived.insert(i);
+        if arrived.len() >= n {
+            let everyone: Vec<usize> = arrived.iter().copied().collect();
+            for j in everyone {
+                if self.alive(j) && self.nodes[j].policy.phase() == &(Phase::ExitBarrier { round })
+                {
+                    let lat = self.nodes[j].latency;
+                    self.reply(j, lat, Event::BarrierPassed);
+                }
+            }
+            return;
+        }
+        let t = self.now + self.cfg.exit_barrier_ms;
+        self.at(t, Ev::BarrierTimeout(i, gen, round));
+    }
+
+    fn finish(&mut self, i: usize, v: Verdict) {
+        self.note(|| format!("node {i} FINISHES {v:?}"));
+        // Invariant 1.
+        if matches!(v, Verdict::Succeeded { .. } | Verdict::NotNeeded) {
+            let decided = self.nodes[i].decided_at.unwrap_or(self.now);
+            if self.s.failed_at.is_some_and(|f| f <= decided) {
+                self.violation(format!(
+                    "invariant 1: node {i} exits 0 ({}) though it read the run's failure",
+                    v.name()
+                ));
+            }
+        }
+        // Invariant 5.
+        if let Verdict::Failed {
+            why: Failure::Elsewhere | Failure::OutOfRestarts { .. } | Failure::AfterClose,
+            root,
+        } = &v
+        {
+            if let Some(Closed::Failed(published)) = &self.s.verdict {
+                if root != published {
+                    self.violation(format!(
+                        "invariant 5: node {i} reports root cause {root:?}, the run published {published:?}"
+                    ));
+                }
+            }
+        }
+        if let Some(w) = &self.nodes[i].workers {
+            if w.running {
+                self.violation(format!("node {i} finished with its workers running"));
+            }
+        }
+        let voluntary = !matches!(v, Verdict::Signaled(_));
+        self.nodes[i].life = Life::Exited(v);
+        self.nodes[i].exited_at = Some(self.now);
+        if self.cfg.backend == Backend::C10d {
+            if let Some((r, rank, _)) = self.nodes[i].round {
+                self.s.left.entry(r).or_default().insert(rank);
+            }
+        }
+        if let Some(r) = self.nodes[i].job_store.take() {
+            self.job_store_gone(i, r, voluntary);
+        }
+        if i == 0 {
+            self.host_gone(voluntary);
+        }
+        self.s.joiners.retain(|&j| j != i);
+    }
+
+    /// The rendezvous host (node 0) is gone: the run store with it.
+    fn host_gone(&mut self, voluntary: bool) {
+        for k in 1..self.nodes.len() {
+            if !self.alive(k) {
+                continue;
+            }
+            if voluntary
+                && self.nodes[k]
+                    .workers
+                    .as_ref()
+                    .is_some_and(|w| w.running && !w.told)
+                && self.cfg.backend == Backend::Static
+            {
+                // Static: the run store is the workers' store too.
+                let r = self.nodes[k].workers.as_ref().map_or(0, |w| w.round);
+                self.violation(format!(
+                    "invariant 3: the static host left while node {k}'s workers of round {r} run"
+                ));
+            }
+        }
+    }
+
+    fn kill(&mut self, i: usize) {
+        if !self.alive(i) {
+            return;
+        }
+        self.faults += 1;
+        self.note(|| format!("node {i} KILLED"));
+        self.nodes[i].life = Life::Killed;
+        let round = self.nodes[i].round;
+        let was_running = self.nodes[i].workers.as_ref().is_some_and(|w| w.running);
+        if let Some(w) = &mut self.nodes[i].workers {
+            w.running = false;
+        }
+        if let Some(r) = self.nodes[i].job_store.take() {
+            self.job_store_gone(i, r, false);
+        }
+        self.s.joiners.retain(|&j| j != i);
+        if let (Some((r, _, _)), true) = (round, was_running) {
+            self.coupled_failure(i, r);
+        }
+        if let (Backend::C10d, Some((r, _, _))) = (self.cfg.backend, round) {
+            let t =
+                self.now + self.cfg.keep_alive_ms * self.cfg.misses + self.cfg.keep_alive_ms / 4;
+            self.at(t, Ev::DeadCheck(i, r));
+        }
+        // A join waiting for everyone may now complete with the live nodes.
+        if self.cfg.backend == Backend::C10d {
+            self.try_form(false);
+        }
+    }
+
+    /// Checks only `invariants` (by number).
+    pub fn enforcing(mut self, invariants: &[u8]) -> Sim {
+        self.enforced = invariants.to_vec();
+        self
+    }
+
+    fn violation(&mut self, what: String) {
+        let n = what
+            .strip_prefix("invariant ")
+            .and_then(|w| w.split(':').next())
+            .and_then(|n| n.parse::<u8>().ok());
+        if n.is_some_and(|n| !self.enforced.contains(&n)) {
+            return;
+        }
+        self.note(|| format!("VIOLATION {what}"));
+        if self.broken.is_none() {
+            self.broken = Some(what);
+        }
+    }
+
+    /// Runs to the end; the first broken invariant, if any.
+    pub fn run(mut self) -> Result<Sim, Violation> {
+        while let Some(Reverse((t, _, idx))) = self.queue.pop() {
+            if t > HORIZON_MS {
+                break;
+            }
+            self.now = t;
+            let ev = self.events[idx].take().expect("each event runs once");
+            self.step(ev);
+            self.check_bounds();
+            if let Some(what) = self.broken.take() {
+                return Err(Violation {
+                    seed: self.cfg.seed,
+                    what,
+                    trace: std::mem::take(&mut self.trace),
+                });
+            }
+        }
+        // Invariant 4: nobody hangs.
+        for i in 0..self.nodes.len() {
+            if self.nodes[i].life == Life::Alive && self.enforced.contains(&4) {
+                let phase = format!("{:?}", self.nodes[i].policy.phase());
+                return Err(Violation {
+                    seed: self.cfg.seed,
+                    what: format!(
+                        "invariant 4: node {i} still runs at the horizon ({} s), in {phase}",
+                        HORIZON_MS / 1000
+                    ),
+                    trace: std::mem::take(&mut self.trace),
+                });
+            }
+        }
+        Ok(self)
+    }
+
+    /// Invariant 4 after a published failure.
+    fn check_bounds(&mut self) {
+        let Some(at) = self.s.failed_at else { return };
+        let c = &self.cfg;
+        let bound = at
+            + 2 * c.monitor_ms
+            + c.shutdown_ms
+            + c.lost_grace_ms
+            + STORE_TIMEOUT_MS
+            + 4 * CHECK_MS
+            + c.exit_barrier_ms.min(STORE_TIMEOUT_MS)
+            + 1_000;
+        if self.now > bound {
+            if let Some(i) = (0..self.nodes.len()).find(|&i| self.alive(i)) {
+                let phase = format!("{:?}", self.nodes[i].policy.phase());
+                self.violation(format!(
+                    "invariant 4: node {i} still runs {} ms after the failure was published, in {phase}",
+                    self.now - at
+                ));
+            }
+        }
+    }
+
+    fn step(&mut self, ev: Ev) {
+        match ev {
+            Ev::Boot(i) => {
+                if self.nodes[i].life == Life::NotStarted {
+                    self.nodes[i].life = Life::Alive;
+                    self.act(i);
+                }
+            }
+            Ev::Act(i) => self.act(i),
+            // A reply is never stale for the action it answers (the policy
+            // ignores what no longer concerns its phase); the generation only
+            // filters the timers of a phase left.
+            Ev::Deliver(i, e) => self.deliver(i, e),
+            Ev::Tick(i, gen) => {
+                if !self.alive(i) || gen != self.nodes[i].gen {
+                    return;
+                }
+                let watched = matches!(
+                    self.nodes[i].policy.phase(),
+                    Phase::Starting { .. } | Phase::Running { .. } | Phase::ExitBarrier { .. }
+                );
+                if !watched {
+                    return;
+                }
+                let o = self.observe(i);
+                let t = self.now + self.cfg.monitor_ms;
+                self.at(t, Ev::Tick(i, gen));
+                self.deliver(i, Event::Checked(o));
+            }
+            Ev::WorkersEnd(i, round, ok) => {
+                if !self.alive(i) {
+                    return;
+                }
+                let Some(w) = &mut self.nodes[i].workers else {
+                    return;
+                };
+                if w.round != round || !w.running {
+                    return;
+                }
+                w.running = false;
+                if !ok {
+                    let rank = self.nodes[i].round.map_or(0, |r| r.1);
+                    let rec = record(self.now, i, rank, round);
+                    if let Some(w) = &mut self.nodes[i].workers {
+                        w.failure = Some(rec);
+                    }
+                    self.coupled_failure(i, round);
+                }
+                self.deliver(
+                    i,
+                    if ok {
+                        Event::WorkersSucceeded
+                    } else {
+                        Event::WorkerFailed
+                    },
+                );
+            }
+            Ev::Kill(i) => self.kill(i),
+            Ev::Signal(i, s) => {
+                if self.alive(i) {
+                    self.faults += 1;
+                    self.deliver(i, Event::Signal(s));
+                }
+            }
+            Ev::LastCall(round) => {
+                if self.s.next_round == round && self.s.last_call_armed && !self.s.closed {
+                    self.try_form(true);
+                }
+            }
+            Ev::DeadCheck(i, r) => {
+                // The watcher of `i` (any live member of round r) marks it dead,
+                // unless it left.
+                let left = self.nodes[i].round.is_some_and(|(rr, rank, _)| {
+                    rr == r && self.s.left.get(&r).is_some_and(|l| l.contains(&rank))
+                });
+                let watcher = self.s.members.get(&r).is_some_and(|m| {
+                    m.iter()
+                        .any(|&k| k != i && self.alive(k) && self.reaches(k))
+                });
+                if !left && watcher {
+                    self.s.dead.entry(r).or_default().insert(i);
+                } else if !left {
+                    // Nobody could watch now: try again later.
+                    let t = self.now + self.cfg.keep_alive_ms;
+                    if self
+                        .s
+                        .members
+                        .get(&r)
+                        .is_some_and(|m| m.iter().any(|&k| k != i && self.alive(k)))
+                    {
+                        self.at(t, Ev::DeadCheck(i, r));
+                    }
+                }
+            }
+            Ev::BarrierTimeout(i, gen, round) => {
+                if !self.alive(i) || gen != self.nodes[i].gen {
+                    return;
+                }
+                if self.nodes[i].policy.phase() != &(Phase::ExitBarrier { round }) {
+                    return;
+                }
+                let seen = self.observe(i);
+                self.deliver(
+                    i,
+                    Event::BarrierFailed {
+                        error: "timed out".into(),
+                        timed_out: true,
+                        seen,
+                    },
+                );
+            }
+            Ev::StartTimeout(i, gen, round) => {
+                if !self.alive(i) || gen != self.nodes[i].gen {
+                    return;
+                }
+                if self.nodes[i].policy.phase() != &(Phase::Starting { round }) {
+                    return;
+                }
+                if let Some(a) = self.s.started.get_mut(&round) {
+                    a.remove(&i);
+                }
+                self.deliver(
+                    i,
+                    Event::StartFailed(StartError::Store("rank assignment timed out".into())),
+                );
+            }
+            Ev::LingerPoll(i, gen, round, nodes, until) => {
+                if !self.alive(i) || gen != self.nodes[i].gen {
+                    return;
+                }
+                // An unreachable store may be stalled: keep lingering.
+                let done = self.reaches(i) && {
+                    let finished = self.s.finished.get(&round).copied().unwrap_or(0);
+                    let dead = match self.cfg.backend {
+                        Backend::C10d => self.s.dead.get(&round).map_or(0, BTreeSet::len),
+                        Backend::Static => 0,
+                    };
+                    finished + dead >= nodes
+                };
+                if done || until.is_some_and(|u| self.now >= u) {
+                    let seen = if self.reaches(i) {
+                        self.nodes[i].decided_at = Some(self.now);
+                        self.s.verdict.clone()
+                    } else {
+                        None
+                    };
+                    self.deliver(i, Event::Lingered(seen));
+                } else {
+                    let t = self.now + 50;
+                    self.at(t, Ev::LingerPoll(i, gen, round, nodes, until));
+                }
+            }
+        }
+    }
+}
+
+/// A failure record at `now` on node `i`.
+fn record(now: u64, i: usize, rank: usize, round: u64) -> Box<FailureRecord> {
+    Box::new(FailureRecord {
+        time: now as f64 / 1000.0,
+        host: format!("node{i}"),
+        group_rank: rank,
+        rank,
+        local_rank: 0,
+        round,
+        pid: i as u32,
+        exitcode: 1,
+        exit: "exit code 1".into(),
+        message: "simulated failure".into(),
+        traceback: String::new(),
+        error_file: "<N/A>".into(),
+    })
+}
+
+#[cfg(test)]
+mod tests;
