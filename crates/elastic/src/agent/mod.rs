@@ -26,29 +26,29 @@
 //!
 //! # The run store
 //!
-//! Every node of the run shares a run store (from the rendezvous) with:
+//! Every node of the run shares a run store (from the rendezvous); the keys and
+//! the protocol are in [`run_store`]. The run's verdict is one key written by
+//! compare-and-set (*succeeded* only over nothing, *failed* over nothing or a
+//! success), and the policy closes the rendezvous only after the verdict is
+//! there, so no node reads a close as a success that was not one. A published
+//! failure stops every node's workers, whatever the backend (`static` too); a
+//! run closed after success only means "no more rounds": healthy workers
+//! elsewhere run to the end.
 //!
-//! | key | meaning |
-//! |---|---|
-//! | `agent/failures` | one JSON [`FailureRecord`] per line, appended by the failing node |
-//! | `agent/failed/<round>`, `agent/failed_rounds` | each failed round counted once, job-wide |
-//! | `agent/outcome` | `failed` or `succeeded`, written by the node that closes the run |
-//! | `agent/r<round>/finished` | nodes that have seen how the run ended |
+//! # Stores outlive the workers that use them
 //!
-//! A run closed with `agent/outcome = failed` stops every node's workers; a run
-//! closed after success only means "no more rounds": healthy workers elsewhere
-//! run to the end.
+//! A node that serves a store other nodes use (the round's job store, rank 0's
+//! with an agent store; the `c10d` rendezvous store; the `static` store on node
+//! rank 0) keeps it up at the end until every node of its round counted itself
+//! finished, left, or was found dead: bounded by the shutdown grace after a
+//! failure, for as long as the others live after a success (where the backend
+//! notices deaths; `static` waits one more exit-barrier timeout). A node whose
+//! rendezvous checks fail for `lost_grace` while its workers run stops them and
+//! fails with "lost the rendezvous host": never "succeeded". A failed exit
+//! barrier is classified by what the run store says, not by the error alone.
 //!
-//! # Outcomes survive the rendezvous host
-//!
-//! With the `c10d` backend one agent hosts the rendezvous store. When the run
-//! ends, that node keeps the store up until every other node has counted itself
-//! in `agent/r<round>/finished` (after reading the outcome and the failure log),
-//! bounded by the shutdown timeout when the run failed, and for as long as the
-//! others are alive and running when it succeeded. A node whose rendezvous checks
-//! fail for `lost_grace` while its workers run stops them and fails with "lost
-//! the rendezvous host": never "succeeded". A failed exit barrier is reported as
-//! such.
+//! The policy's failure orders are tried by the seeded simulator in `sim.rs`
+//! (tests only), which checks the run's invariants after every event.
 //!
 //! # Where torchrun differs
 //!
