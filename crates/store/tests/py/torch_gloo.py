@@ -21,3 +21,5 @@ assert t2.tolist() == [float(world)] * 3
 dist.barrier()
 dist.destroy_process_group()
 print(f"rank {rank} OK sum={t.item()}", flush=True)
+# The PyPI wheel sometimes aborts at exit after destroy_process_group.
+os._exit(0)
