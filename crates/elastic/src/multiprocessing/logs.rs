@@ -26,14 +26,24 @@
 //! so such a grandchild never hangs the launcher.
 //!
 //! The console is written by its own thread behind a bounded queue, so a slow
-//! console never stalls the pump (and with it every worker): output that does
-//! not fit in the queue is dropped from the console only (it is in the file),
-//! counted in [`console_lines_dropped`], and a notice says how many segments were
-//! dropped once the console keeps up again.
+//! console never stalls the pump (and with it every worker). When the queue is
+//! full the stream falls *behind*: its bytes still go to the log file at once,
+//! but no longer to the console; the pump remembers how far into the file the
+//! console got and, whenever the queue has room, reads the file back from there
+//! and cuts it into segments exactly as it would have cut the live stream, until
+//! it has caught up and goes live again. So the console lags, as torchrun's tail
+//! of the file does, but never drops a line, and the launcher's memory stays
+//! bounded (one read-back chunk per stream, plus the queue) however far behind
+//! the console is. At the end of a stream the pump waits for the console to
+//! take the rest; only a console that takes nothing for [`CONSOLE_STALL`] is
+//! given up on (the lines are in the file; their number is in
+//! [`console_lines_dropped`]), so a console nobody reads cannot hang the
+//! launcher.
 
 use std::fs::File;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -263,11 +273,20 @@ pub const MAX_LINE: usize = 64 * 1024;
 /// How often the pump wakes when nothing arrives (idle partial lines, exits).
 const TICK_MS: libc::c_int = 20;
 
+/// How often it wakes while a console is behind, to feed it from the file.
+const BEHIND_TICK_MS: libc::c_int = 5;
+
 struct Active {
     /// Identifies the stream to the console thread.
     id: u64,
     src: File,
     file: Option<File>,
+    /// Where `file` is, to read it back when the console falls behind.
+    path: PathBuf,
+    /// Bytes written to `file` so far.
+    written: u64,
+    /// Set while the console lags behind the file.
+    behind: Option<Behind>,
     console: Console,
     lines: Lines,
     exited: Arc<AtomicBool>,
@@ -275,9 +294,25 @@ struct Active {
     quiet_since: Option<Instant>,
     /// Since when part of the current line has waited to be shown.
     pending_since: Option<Instant>,
-    /// Segments dropped since the last notice, because the console fell behind.
-    dropped: u64,
 }
+
+/// A teed stream whose console fell behind its log file.
+struct Behind {
+    /// The log file, read back from `cursor`.
+    reader: File,
+    /// Bytes of the file already cut into console segments.
+    cursor: u64,
+    /// Segments cut but not yet taken by the console queue.
+    held: Option<ConsoleMsg>,
+}
+
+/// How much of the file one catch-up step reads back.
+const CATCH_UP_CHUNK: usize = 256 * 1024;
+
+/// At the end of a stream, a console that takes nothing for this long is given
+/// up on (its lines are in the file): a console nobody reads must not hang the
+/// launcher.
+pub const CONSOLE_STALL: Duration = Duration::from_secs(5);
 
 /// A run of console output from one stream.
 struct Segments {
@@ -305,29 +340,108 @@ enum ConsoleMsg {
 static CONSOLE_DROPPED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// Console segments (lines, `\r` updates, pieces of partial or over-long lines)
-/// dropped so far in this process because the console fell behind. Every one of
-/// them is in its log file: only teed streams, which have a file, ever drop.
+/// not shown so far in this process because the console took nothing for
+/// [`CONSOLE_STALL`] at the end of a stream. A console that is only slow never
+/// loses one; every one of them is in its log file.
 pub fn console_lines_dropped() -> u64 {
     CONSOLE_DROPPED.load(Ordering::Relaxed)
 }
 
-/// Messages (each up to ~1 MiB of output) the console queue holds.
-const CONSOLE_QUEUE: usize = 64;
+/// Bytes of output the console queue holds at most; past it, a stream falls
+/// behind and is read back from its file (so the launcher's memory does not
+/// grow with a slow console).
+const CONSOLE_QUEUE_BYTES: usize = 4 << 20;
+
+/// The process-wide console: a writer thread behind a queue bounded in bytes.
+struct ConsoleQueue {
+    tx: std::sync::mpsc::SyncSender<ConsoleMsg>,
+    /// Bytes queued and not yet written.
+    queued: Arc<std::sync::atomic::AtomicUsize>,
+    /// Messages the writer finished, to tell a slow console from a stuck one.
+    done: Arc<std::sync::atomic::AtomicU64>,
+    /// `done + 1` when a wait gave up on the console; while `done` has not
+    /// moved since, the console is still stuck and nobody waits again.
+    stuck_at: std::sync::atomic::AtomicU64,
+}
+
+impl ConsoleMsg {
+    fn len(&self) -> usize {
+        match self {
+            ConsoleMsg::Out(s) => s.bytes.len(),
+            ConsoleMsg::Flush(_) => 0,
+        }
+    }
+}
+
+impl ConsoleQueue {
+    /// Queues `msg` if the byte budget has room (a queue holding nothing takes
+    /// any message); else hands it back.
+    fn offer(&self, msg: ConsoleMsg) -> Result<(), ConsoleMsg> {
+        let n = msg.len();
+        let before = self.queued.fetch_add(n, Ordering::AcqRel);
+        if before > 0 && before + n > CONSOLE_QUEUE_BYTES {
+            self.queued.fetch_sub(n, Ordering::AcqRel);
+            return Err(msg);
+        }
+        match self.tx.try_send(msg) {
+            Ok(()) => Ok(()),
+            Err(
+                std::sync::mpsc::TrySendError::Full(m)
+                | std::sync::mpsc::TrySendError::Disconnected(m),
+            ) => {
+                self.queued.fetch_sub(n, Ordering::AcqRel);
+                Err(m)
+            }
+        }
+    }
+
+    /// Queues `msg`, waiting for room as long as the console makes progress:
+    /// false if it took nothing for [`CONSOLE_STALL`].
+    fn send(&self, mut msg: ConsoleMsg) -> bool {
+        let mut seen = self.done.load(Ordering::Acquire);
+        let mut since = Instant::now();
+        loop {
+            match self.offer(msg) {
+                Ok(()) => return true,
+                Err(m) => msg = m,
+            }
+            if self.still_stuck() {
+                return false;
+            }
+            let now = self.done.load(Ordering::Acquire);
+            if now != seen {
+                (seen, since) = (now, Instant::now());
+            } else if since.elapsed() >= CONSOLE_STALL {
+                self.stuck_at.store(now + 1, Ordering::Release);
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// A wait gave up on the console and it has written nothing since.
+    fn still_stuck(&self) -> bool {
+        self.stuck_at.load(Ordering::Acquire) == self.done.load(Ordering::Acquire) + 1
+    }
+}
 
 /// The process-wide console writer. It tracks, per console stream, which worker
 /// stream left a line open, so that the rest of that line is written without a
 /// second prefix, and a line of another worker in between gets its own.
-fn console() -> &'static std::sync::mpsc::SyncSender<ConsoleMsg> {
-    static TX: std::sync::OnceLock<std::sync::mpsc::SyncSender<ConsoleMsg>> =
-        std::sync::OnceLock::new();
-    TX.get_or_init(|| {
-        let (tx, rx) = std::sync::mpsc::sync_channel::<ConsoleMsg>(CONSOLE_QUEUE);
+fn console() -> &'static ConsoleQueue {
+    static QUEUE: std::sync::OnceLock<ConsoleQueue> = std::sync::OnceLock::new();
+    QUEUE.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<ConsoleMsg>(1024);
+        let queued = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let done = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let (q, d) = (queued.clone(), done.clone());
         std::thread::Builder::new()
             .name("rally-console".into())
             .spawn(move || {
                 // The stream whose line is open on stdout, and on stderr.
                 let mut open: [Option<u64>; 2] = [None, None];
                 for msg in rx {
+                    let n = msg.len();
                     match msg {
                         ConsoleMsg::Out(s) => {
                             let slot = &mut open[s.console as usize];
@@ -337,8 +451,7 @@ fn console() -> &'static std::sync::mpsc::SyncSender<ConsoleMsg> {
                                 Console::Stderr => Box::new(std::io::stderr().lock()),
                             };
                             // Another line is open here (a partial line of
-                            // another worker, or one this stream left before a
-                            // notice): end it, so this starts a line.
+                            // another worker): end it, so this starts a line.
                             if slot.is_some() && !cont {
                                 let _ = w.write_all(b"\n");
                             }
@@ -354,31 +467,45 @@ fn console() -> &'static std::sync::mpsc::SyncSender<ConsoleMsg> {
                             let _ = ack.send(());
                         }
                     }
+                    q.fetch_sub(n, Ordering::AcqRel);
+                    d.fetch_add(1, Ordering::AcqRel);
                 }
             })
             .expect("cannot start the console thread");
-        tx
+        ConsoleQueue {
+            tx,
+            queued,
+            done,
+            stuck_at: Default::default(),
+        }
     })
 }
 
-/// Waits (up to a second: a console nobody reads must not hang the launcher) until
-/// every console line queued so far is written.
+/// Waits until every console line queued so far is written, as long as the
+/// console makes progress (one that takes nothing for [`CONSOLE_STALL`] is
+/// given up on: a console nobody reads must not hang the launcher).
 pub(crate) fn flush_console() {
-    let (ack, done) = std::sync::mpsc::sync_channel(1);
-    let deadline = Instant::now() + Duration::from_secs(1);
-    let mut msg = ConsoleMsg::Flush(ack);
-    // The queue may be full: keep offering until the deadline.
+    let (ack, acked) = std::sync::mpsc::sync_channel(1);
+    let q = console();
+    if !q.send(ConsoleMsg::Flush(ack)) {
+        return;
+    }
+    let mut seen = q.done.load(Ordering::Acquire);
+    let mut since = Instant::now();
     loop {
-        match console().try_send(msg) {
-            Ok(()) => {
-                let _ = done.recv_timeout(deadline.saturating_duration_since(Instant::now()));
-                return;
-            }
-            Err(std::sync::mpsc::TrySendError::Full(m)) if Instant::now() < deadline => {
-                msg = m;
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            Err(_) => return,
+        match acked.recv_timeout(Duration::from_millis(50)) {
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+            _ => return,
+        }
+        if q.still_stuck() {
+            return;
+        }
+        let now = q.done.load(Ordering::Acquire);
+        if now != seen {
+            (seen, since) = (now, Instant::now());
+        } else if since.elapsed() >= CONSOLE_STALL {
+            q.stuck_at.store(now + 1, Ordering::Release);
+            return;
         }
     }
 }
@@ -397,12 +524,14 @@ impl Pump {
                 id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
                 src: File::from(s.pipe),
                 file: Some(File::create(&s.file)?),
+                path: s.file,
+                written: 0,
+                behind: None,
                 console: s.console,
                 lines: Lines::new(&s.prefix),
                 exited: s.exited,
                 quiet_since: None,
                 pending_since: None,
-                dropped: 0,
             });
         }
         let abandon = Arc::new(AtomicBool::new(false));
@@ -451,16 +580,27 @@ fn pump(mut streams: Vec<Active>, abandon: &AtomicBool) {
             events: libc::POLLIN,
             revents: 0,
         }));
+        // A stream behind its console retries soon; otherwise wake each tick.
+        let tick = if streams.iter().any(|s| s.behind.is_some()) {
+            BEHIND_TICK_MS
+        } else {
+            TICK_MS
+        };
         // SAFETY: `fds` holds one valid pollfd per open stream.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, TICK_MS) };
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, tick) };
         if n < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
             return;
         }
         let mut done = vec![false; streams.len()];
         for (i, s) in streams.iter_mut().enumerate() {
+            // A console that fell behind takes what it has room for.
+            if s.behind.is_some() {
+                s.catch_up(false);
+            }
             // A partial line shows once it is PARTIAL_AFTER old, busy or not.
-            if s.pending_since
-                .is_some_and(|t| t.elapsed() >= PARTIAL_AFTER)
+            if s.behind.is_none()
+                && s.pending_since
+                    .is_some_and(|t| t.elapsed() >= PARTIAL_AFTER)
             {
                 s.flush_partial();
             }
@@ -503,14 +643,32 @@ fn pump(mut streams: Vec<Active>, abandon: &AtomicBool) {
 
 impl Active {
     fn write(&mut self, chunk: &[u8]) {
-        if let Some(f) = &mut self.file {
-            if f.write_all(chunk).is_err() {
-                self.file = None;
+        let wrote = match &mut self.file {
+            Some(f) => f.write_all(chunk).is_ok(),
+            None => false,
+        };
+        if wrote {
+            self.written += chunk.len() as u64;
+        } else {
+            self.file = None;
+        }
+        if self.behind.is_some() {
+            if wrote {
+                // In the file: the console reads it from there when it has room.
+                return;
             }
+            // The file failed: the console is all there is now. Show what the
+            // file holds first, waiting for the console.
+            self.catch_up(true);
         }
         if let Some(out) = self.lines.feed(chunk) {
             self.send_to_console(out);
         }
+        self.note_pending();
+    }
+
+    /// Starts (or stops) the partial-line clock after new input was cut.
+    fn note_pending(&mut self) {
         if self.lines.pending.is_empty() {
             self.pending_since = None;
         } else if self.pending_since.is_none() {
@@ -526,58 +684,115 @@ impl Active {
         }
     }
 
-    /// Queues output for the console without waiting: if the console is behind,
-    /// it is dropped from the console (it is in the file) and counted, and a
-    /// notice says so once the console keeps up again. After a failed file write
-    /// the console is all there is, so then it waits.
+    fn message(&self, out: Out) -> ConsoleMsg {
+        ConsoleMsg::Out(Segments {
+            console: self.console,
+            stream: self.id,
+            prefix: self.lines.prefix.clone(),
+            bytes: out.bytes,
+            continues: out.continues,
+            open: out.open,
+            count: out.count,
+        })
+    }
+
+    /// Queues output for the console without waiting. If the queue is full,
+    /// the stream falls behind: what follows goes to the file only, and
+    /// [`Active::catch_up`] feeds the console from the file later. After a
+    /// failed file write the console is all there is, so then it waits.
     fn send_to_console(&mut self, out: Out) {
-        let tx = console();
-        let msg = |out: Out| {
-            ConsoleMsg::Out(Segments {
-                console: self.console,
-                stream: self.id,
-                prefix: self.lines.prefix.clone(),
-                bytes: out.bytes,
-                continues: out.continues,
-                open: out.open,
-                count: out.count,
-            })
-        };
+        let msg = self.message(out);
         if self.file.is_none() {
-            let _ = tx.send(msg(out));
+            self.send_waiting(msg);
             return;
         }
-        if self.dropped > 0 {
-            let notice = format!(
-                "{} [rally] console fell behind: {} lines dropped here (they are in the log file)\n",
-                String::from_utf8_lossy(&self.lines.prefix),
-                self.dropped
-            );
-            // The console thread ends any open line before it.
-            let notice = Out {
-                bytes: notice.into_bytes(),
-                continues: false,
-                open: false,
-                count: 1,
-            };
-            if tx.try_send(msg(notice)).is_err() {
-                self.dropped += out.count;
-                CONSOLE_DROPPED.fetch_add(out.count, Ordering::Relaxed);
-                return;
+        let Err(msg) = console().offer(msg) else {
+            return;
+        };
+        // Everything written so far was cut already: read back from there.
+        match File::open(&self.path) {
+            Ok(reader) => {
+                self.behind = Some(Behind {
+                    reader,
+                    cursor: self.written,
+                    held: Some(msg),
+                })
             }
-            self.dropped = 0;
-        }
-        if let Err(std::sync::mpsc::TrySendError::Full(ConsoleMsg::Out(s))) = tx.try_send(msg(out))
-        {
-            self.dropped += s.count;
-            CONSOLE_DROPPED.fetch_add(s.count, Ordering::Relaxed);
+            // No way back into the file: wait for the console instead.
+            Err(_) => self.send_waiting(msg),
         }
     }
 
-    /// Shows an unterminated last line, ended with a newline.
+    /// Queues `msg` as long as the console makes progress; counts it as not
+    /// shown if the console is stuck.
+    fn send_waiting(&mut self, msg: ConsoleMsg) {
+        let count = match &msg {
+            ConsoleMsg::Out(s) => s.count,
+            ConsoleMsg::Flush(_) => 0,
+        };
+        if !console().send(msg) {
+            CONSOLE_DROPPED.fetch_add(count, Ordering::Relaxed);
+        }
+    }
+
+    /// Feeds the console from the file while it has room (`wait`: until it
+    /// took everything, unless it takes nothing for [`CONSOLE_STALL`]). Back
+    /// to live once caught up.
+    fn catch_up(&mut self, wait: bool) {
+        let q = console();
+        let mut buf = Vec::new();
+        let mut gave_up = false;
+        loop {
+            let Some(b) = &mut self.behind else { return };
+            if let Some(msg) = b.held.take() {
+                let count = match &msg {
+                    ConsoleMsg::Out(s) => s.count,
+                    ConsoleMsg::Flush(_) => 0,
+                };
+                if gave_up {
+                    CONSOLE_DROPPED.fetch_add(count, Ordering::Relaxed);
+                } else if wait {
+                    if !q.send(msg) {
+                        CONSOLE_DROPPED.fetch_add(count, Ordering::Relaxed);
+                        gave_up = true;
+                    }
+                } else if let Err(msg) = q.offer(msg) {
+                    b.held = Some(msg);
+                    return;
+                }
+            }
+            if b.cursor >= self.written {
+                self.behind = None;
+                self.note_pending();
+                return;
+            }
+            let n = (self.written - b.cursor).min(CATCH_UP_CHUNK as u64) as usize;
+            buf.resize(n, 0);
+            let n = match b.reader.read_at(&mut buf, b.cursor) {
+                Ok(n) if n > 0 => n,
+                // The file was cut short under us: what it lost cannot be shown.
+                _ => {
+                    self.behind = None;
+                    return;
+                }
+            };
+            b.cursor += n as u64;
+            if let Some(out) = self.lines.feed(&buf[..n]) {
+                let msg = self.message(out);
+                if let Some(b) = &mut self.behind {
+                    b.held = Some(msg);
+                }
+            }
+        }
+    }
+
+    /// Shows the rest: what the console has not caught up with, then an
+    /// unterminated last line, ended with a newline.
     fn finish(&mut self) {
+        self.catch_up(true);
         if let Some(out) = self.lines.flush(true) {
             self.send_to_console(out);
+            self.catch_up(true);
         }
     }
 }
