@@ -126,6 +126,12 @@ pub trait RendezvousHandler: Send + Sync {
         false
     }
 
+    /// Whether a round can re-form with other members (a dead member replaced
+    /// or dropped). `static` cannot: its nodes are fixed.
+    fn reforms(&self) -> bool {
+        true
+    }
+
     /// This node leaves its round for good (it is ending): it stops keeping
     /// alive and says so, so the others do not count it dead. Does not close
     /// the rendezvous.

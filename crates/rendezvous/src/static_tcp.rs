@@ -9,17 +9,29 @@
 //! store, so a failure another node publishes stops this node's workers, and a
 //! lost host shows as an unreachable store. Rank 0 hosts the store
 //! ([`RendezvousHandler::hosts_store`]), so it keeps it up at the end until the
-//! other nodes have finished.
+//! other nodes have finished, left or died.
+//!
+//! Unlike PyTorch's static handler, nodes keep alive as `c10d` members do (a
+//! heartbeat counter per node, each watching the next: `r0/hb/<rank>`,
+//! `r0/left/<rank>`, `r0/dead`; `keep_alive_interval` and
+//! `keep_alive_max_attempt` in `--rdzv-conf`), so a node that dies silently is
+//! noticed. A static group cannot re-form without it
+//! ([`RendezvousHandler::reforms`] is false): the agent fails the job at once
+//! instead of waiting for a collective to time out, and rank 0 does not wait
+//! for a dead node before it takes the store down.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rallypoint_store::{PrefixStore, Store, TcpStore};
 use tokio::sync::OnceCell;
+use tokio::task::JoinHandle;
 
 use crate::api::{
-    BootstrapStoreInfo, RendezvousError, RendezvousHandler, RendezvousInfo, RendezvousParameters,
+    BootstrapStoreInfo, MembershipChange, RendezvousError, RendezvousHandler, RendezvousInfo,
+    RendezvousParameters,
 };
+use crate::dynamic::{Beat, CounterKeepalive, Keepalive, Timing};
 use crate::registry::Created;
 
 /// PyTorch's default timeout for the static backend when none is given.
@@ -36,7 +48,15 @@ pub struct StaticTcpRendezvous {
     store: OnceCell<Arc<dyn Store>>,
     /// Rounds so far: every node restarts together, so counting locally agrees.
     rounds: std::sync::atomic::AtomicU64,
+    /// The keep-alive period and misses (`keep_alive_interval`,
+    /// `keep_alive_max_attempt`).
+    timing: Timing,
+    /// This node's keep-alive, from its first round until it leaves.
+    heartbeat: Mutex<Option<JoinHandle<()>>>,
 }
+
+/// The keys of the keep-alive: one "round" for the whole run.
+const ROUND: u64 = 0;
 
 impl StaticTcpRendezvous {
     /// Checks the parameters: an endpoint with a port, and a rank below max_nodes.
@@ -69,6 +89,8 @@ impl StaticTcpRendezvous {
             timeout: p.get_as_secs("timeout", DEFAULT_TIMEOUT)?,
             store: OnceCell::new(),
             rounds: Default::default(),
+            timing: Timing::from_params(p)?,
+            heartbeat: Mutex::new(None),
         })
     }
 }
@@ -124,6 +146,15 @@ impl RendezvousHandler for StaticTcpRendezvous {
                     })?;
                 let prefixed: Arc<dyn Store> =
                     Arc::new(PrefixStore::new(self.run_id.clone(), Arc::new(tcp)));
+                *self.heartbeat.lock().unwrap_or_else(|e| e.into_inner()) =
+                    Some(CounterKeepalive.spawn(Beat {
+                        store: prefixed.clone(),
+                        namespace: format!("{}/", self.run_id),
+                        round: ROUND,
+                        rank: self.rank,
+                        members: self.world_size,
+                        timing: self.timing,
+                    }));
                 Ok::<_, RendezvousError>(prefixed)
             })
             .await?;
@@ -155,11 +186,54 @@ impl RendezvousHandler for StaticTcpRendezvous {
         Ok(0)
     }
 
+    /// Nobody ever waits; dead nodes are counted by the keep-alive watchers.
+    async fn membership(&self) -> Result<MembershipChange, RendezvousError> {
+        let Some(store) = self.store.get() else {
+            return Ok(MembershipChange::default());
+        };
+        let dead = store
+            .add(&format!("r{ROUND}/dead"), 0)
+            .await
+            .map_err(|source| RendezvousError::Connection {
+                run_id: self.run_id.clone(),
+                source: Box::new(source),
+            })?;
+        Ok(MembershipChange {
+            waiting: 0,
+            dead: dead.max(0) as usize,
+        })
+    }
+
+    fn detects_dead_members(&self) -> bool {
+        true
+    }
+
+    fn reforms(&self) -> bool {
+        false
+    }
+
+    /// Stops keeping alive and says so, so the node watching this one does not
+    /// count it dead.
+    async fn leave(&self) -> Result<(), RendezvousError> {
+        self.stop_heartbeat();
+        if let Some(store) = self.store.get() {
+            store
+                .set(&format!("r{ROUND}/left/{}", self.rank), b"1")
+                .await
+                .map_err(|source| RendezvousError::Connection {
+                    run_id: self.run_id.clone(),
+                    source: Box::new(source),
+                })?;
+        }
+        Ok(())
+    }
+
     fn run_id(&self) -> &str {
         &self.run_id
     }
 
     async fn shutdown(&self) -> Result<bool, RendezvousError> {
+        self.stop_heartbeat();
         Ok(true)
     }
 
@@ -169,5 +243,24 @@ impl RendezvousHandler for StaticTcpRendezvous {
 
     fn hosts_store(&self) -> bool {
         self.rank == 0
+    }
+}
+
+impl StaticTcpRendezvous {
+    fn stop_heartbeat(&self) {
+        if let Some(h) = self
+            .heartbeat
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            h.abort();
+        }
+    }
+}
+
+impl Drop for StaticTcpRendezvous {
+    fn drop(&mut self) {
+        self.stop_heartbeat();
     }
 }

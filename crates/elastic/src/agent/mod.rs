@@ -348,6 +348,7 @@ impl Agent {
             // forever: one more exit-barrier timeout, then the host goes.
             linger_after_success: (!self.handler.detects_dead_members())
                 .then_some(self.spec.exit_barrier_timeout),
+            reforms: self.handler.reforms(),
         }
     }
 
@@ -629,11 +630,16 @@ impl Agent {
     /// job-wide. One bounded attempt; the policy retries within `lost_grace`.
     async fn record_failure(&self, run: &mut Run<'_>) -> Vec<Action> {
         let r = run.round.as_ref().expect("a failed round");
-        let record =
-            run_store::record_failure(&*r.info.run_store, r.info.round, r.info.rank, &r.failures);
+        let store = &*r.info.run_store;
+        let record = async {
+            let n =
+                run_store::record_failure(store, r.info.round, r.info.rank, &r.failures).await?;
+            let finishing = run_store::finishing(store, r.info.round).await?;
+            Ok::<_, StoreError>((n, finishing))
+        };
         let event = tokio::select! {
             n = tokio::time::timeout(CHECK_TIMEOUT, record) => match n {
-                Ok(Ok(n)) => Event::FailureRecorded { failed_rounds: n },
+                Ok(Ok((n, finishing))) => Event::FailureRecorded { failed_rounds: n, finishing },
                 Ok(Err(e)) => Event::FailureNotRecorded(e.to_string()),
                 Err(_) => Event::FailureNotRecorded(format!("no answer within {CHECK_TIMEOUT:?}")),
             },
@@ -643,7 +649,7 @@ impl Agent {
             // Do not hammer a store that just failed.
             tokio::time::sleep(self.spec.monitor_interval).await;
         }
-        if let Event::FailureRecorded { failed_rounds } = event {
+        if let Event::FailureRecorded { failed_rounds, .. } = event {
             run.failed_rounds = failed_rounds;
             self.status.send_modify(|s| s.failed_rounds = failed_rounds);
         }
@@ -883,6 +889,18 @@ impl Agent {
             Failure::MemberLostAfterClose => {
                 "a node died after the run was closed (no more rounds to replace it)".into()
             }
+            Failure::FixedGroupFinished => format!(
+                "workers failed after another node's workers had finished, and the {} rendezvous cannot restart without them",
+                self.handler.backend()
+            ),
+            Failure::FixedGroupStart(e) => format!(
+                "the group could not start ({e}), and the {} rendezvous cannot re-form",
+                self.handler.backend()
+            ),
+            Failure::MemberLostFixedGroup => format!(
+                "a node stopped keeping alive, and the {} rendezvous cannot re-form without it",
+                self.handler.backend()
+            ),
             Failure::Unrecorded => format!(
                 "workers failed and the run store did not take the failure for {:?}",
                 self.spec.lost_grace

@@ -14,8 +14,10 @@
 //! | `Rendezvous` | join failed (timeout, store gone) | finish | `Done` |
 //! | `Starting` | started | | `Running` |
 //! | `Starting` | start failed on the stores (a member lost) | join | `Rendezvous` |
+//! | `Starting` | start failed on the stores, fixed group (`static`) | publish *failed* | `Ending` |
 //! | `Starting` | start failed here (cannot spawn) | publish *failed* | `Ending` |
 //! | `Starting` | check: members lost or waiting | join (re-form) | `Rendezvous` |
+//! | `Starting` | check: a member lost in a fixed group (`static`) | publish *failed* | `Ending` |
 //! | `Starting` | check: closed after a failure | publish nothing, close | `Ending` |
 //! | `Running` | all workers succeeded | enter the exit barrier | `ExitBarrier` |
 //! | `Running` | a worker failed | stop the rest (SIGTERM) | `Stopping(failure)` |
@@ -23,6 +25,7 @@
 //! | `Running` | check: nodes wait but a member already finished | none (they wait for a next round) | `Running` |
 //! | `Running` | check: run closed after a success elsewhere | none: the workers go on, no more rounds | `Running(closed)` |
 //! | `Running(closed)` | check: a member died | stop | `Stopping(member lost)` |
+//! | `Running` | check: a member died in a fixed group (`static`) | stop | `Stopping(member lost)` |
 //! | `Running` | check: run closed after a failure elsewhere | stop (SIGTERM) | `Stopping(failed elsewhere)` |
 //! | `Running` | check: unreachable for `lost_grace` | stop (SIGTERM) | `Stopping(lost)` |
 //! | `Running` | signal N | stop with N | `Stopping(signal N)` |
@@ -30,6 +33,7 @@
 //! | `Stopping(re-form)` | stopped | join | `Rendezvous` |
 //! | `Stopping(other)` | stopped | end with that verdict | `Ending` |
 //! | `Stopping(..)` | signal N | end as signalled once stopped; a second signal kills | `Stopping(signal N)` |
+//! | `RecordingFailure` | recorded, a member finished, fixed group (`static`) | publish *failed* | `Ending` |
 //! | `RecordingFailure` | recorded, budget left, run open | join | `Rendezvous` |
 //! | `RecordingFailure` | recorded, budget spent or run closed | publish *failed* | `Ending` |
 //! | `RecordingFailure` | not recorded, within `lost_grace` | record again | `RecordingFailure` |
@@ -79,6 +83,8 @@ pub enum StopReason {
     FailedElsewhere(Option<Box<FailureRecord>>),
     /// A member died after the run was closed: no round can replace it.
     MemberLostAfterClose,
+    /// A member died and the group cannot re-form (`static`).
+    MemberLostFixedGroup,
     /// The rendezvous store has been unreachable for the grace period.
     LostRendezvous,
     /// A trapped signal (forwarded to the workers).
@@ -192,6 +198,13 @@ pub enum Failure {
     AfterClose,
     /// A member died after the run was closed.
     MemberLostAfterClose,
+    /// A member died and the group cannot re-form without it (`static`).
+    MemberLostFixedGroup,
+    /// Workers failed after another member's had finished, in a group that
+    /// cannot re-form without it (`static`).
+    FixedGroupFinished,
+    /// A fixed group's round could not start (a member did not come).
+    FixedGroupStart(String),
     /// Workers failed and the failure could not be recorded (store gone).
     Unrecorded,
     /// Another node published the failure.
@@ -291,6 +304,9 @@ pub enum Event {
     },
     FailureRecorded {
         failed_rounds: u64,
+        /// A member of the round had already finished (entered the exit
+        /// barrier): it will not join a next round.
+        finishing: bool,
     },
     FailureNotRecorded(String),
     BarrierPassed,
@@ -395,6 +411,9 @@ pub struct Limits {
     /// How long after a success; `None` where the rendezvous notices dead
     /// members, so the host waits exactly as long as some node still runs.
     pub linger_after_success: Option<Duration>,
+    /// The group can re-form with other members; `false` for a fixed group
+    /// (`static`), where a dead member fails the job.
+    pub reforms: bool,
 }
 
 /// The policy of one agent.
@@ -495,6 +514,11 @@ impl Policy {
                     vec![],
                 )
             }
+            (Phase::Starting { .. }, E::StartFailed(StartError::Store(e)))
+                if !self.limits.reforms =>
+            {
+                self.end_publishing_failure(Failure::FixedGroupStart(e))
+            }
             (Phase::Starting { round }, E::StartFailed(StartError::Store(e))) => (
                 Phase::Rendezvous,
                 vec![
@@ -511,6 +535,9 @@ impl Policy {
                 self.end_publishing_failure(Failure::StartFailed(e))
             }
             (Phase::Starting { round }, E::Checked(obs)) => match obs {
+                Observation::Changed { dead, .. } if dead > 0 && !self.limits.reforms => {
+                    self.end_publishing_failure(Failure::MemberLostFixedGroup)
+                }
                 Observation::Changed { waiting, dead, .. } if dead > 0 || waiting > 0 => (
                     Phase::Rendezvous,
                     vec![
@@ -624,6 +651,9 @@ impl Policy {
                     StopReason::MemberLostAfterClose => {
                         self.end_publishing_failure(Failure::MemberLostAfterClose)
                     }
+                    StopReason::MemberLostFixedGroup => {
+                        self.end_publishing_failure(Failure::MemberLostFixedGroup)
+                    }
                     StopReason::LostRendezvous => finish(Verdict::Failed {
                         why: Failure::LostRendezvous {
                             during: During::Running,
@@ -674,9 +704,17 @@ impl Policy {
             ) => stale(p, e),
 
             // ---- RecordingFailure
-            (Phase::RecordingFailure { closed, .. }, E::FailureRecorded { failed_rounds }) => {
+            (
+                Phase::RecordingFailure { closed, .. },
+                E::FailureRecorded {
+                    failed_rounds,
+                    finishing,
+                },
+            ) => {
                 if closed {
                     self.end_publishing_failure(Failure::AfterClose)
+                } else if finishing && !self.limits.reforms {
+                    self.end_publishing_failure(Failure::FixedGroupFinished)
                 } else if failed_rounds <= u64::from(self.limits.max_restarts) {
                     (
                         Phase::Rendezvous,
@@ -977,6 +1015,11 @@ impl Policy {
             // replaced, and the job cannot complete.
             Observation::Changed { dead, .. } if closed && dead > 0 => {
                 stop(round, StopReason::MemberLostAfterClose, closed)
+            }
+            // A fixed group (`static`) cannot replace a dead member: the job
+            // fails now, not when a collective times out.
+            Observation::Changed { dead, .. } if dead > 0 && !self.limits.reforms => {
+                stop(round, StopReason::MemberLostFixedGroup, closed)
             }
             Observation::Changed {
                 waiting,

@@ -32,7 +32,8 @@
 //!   nodes after a last call; a member coming back marks the round waiting; a
 //!   killed member is marked dead by its watcher after the keep-alive expiry; a
 //!   member that leaves is skipped) or `static` (fixed nodes, each restart a
-//!   new round number, never re-formed, deaths never noticed).
+//!   new round number, never re-formed; a killed node is marked dead by its
+//!   watcher after the keep-alive expiry unless it left).
 //! - **Workers**: each round's group on each node runs for a random time, then
 //!   succeeds or fails; when one group fails or is stopped, the others of the
 //!   round fail soon after (a broken collective) unless the run drew
@@ -210,7 +211,9 @@ struct Node {
     /// In a join, waiting for the round to form.
     joining: bool,
     exited_at: Option<u64>,
-    /// When it last read or wrote the verdict (its decision, invariant 1).
+    /// The step at which it last read or wrote the verdict (its decision,
+    /// invariant 1). Steps, not milliseconds: two events of one millisecond
+    /// still happen in an order.
     decided_at: Option<u64>,
 }
 
@@ -226,6 +229,8 @@ enum Ev {
     Signal(usize, i32),
     LastCall(u64),
     DeadCheck(usize, u64),
+    /// Static: the keep-alive watcher of node `i` looks at its heartbeat.
+    StaticDeadCheck(usize),
     BarrierTimeout(usize, u64, u64),
     StartTimeout(usize, u64, u64),
     LingerPoll(usize, u64, u64, usize, Option<u64>),
@@ -237,6 +242,8 @@ struct Shared {
     verdict: Option<Closed>,
     /// When a failure was first published, and the earliest recorded failure then.
     failed_at: Option<u64>,
+    /// The step at which the failure was published.
+    failed_step: Option<u64>,
     root_at_publish: Option<Box<FailureRecord>>,
     root: Option<Box<FailureRecord>>,
     failed_round: BTreeSet<u64>,
@@ -252,6 +259,9 @@ struct Shared {
     waiting: BTreeMap<u64, usize>,
     dead: BTreeMap<u64, BTreeSet<usize>>,
     left: BTreeMap<u64, BTreeSet<usize>>,
+    /// Static: nodes found dead by their watcher, and nodes that left.
+    static_dead: BTreeSet<usize>,
+    static_left: BTreeSet<usize>,
     started: BTreeMap<u64, BTreeSet<usize>>,
     barrier: BTreeMap<u64, BTreeSet<usize>>,
     /// Store stalls: (from, until).
@@ -263,6 +273,8 @@ pub struct Sim {
     pub cfg: Config,
     rng: Rng,
     now: u64,
+    /// Events handled so far: the order of everything that happens.
+    steps: u64,
     seq: u64,
     queue: BinaryHeap<Reverse<(u64, u64, usize)>>,
     events: Vec<Option<Ev>>,
@@ -314,10 +326,8 @@ impl Sim {
             linger_after_failure: Duration::from_millis(
                 cfg.shutdown_ms + cfg.monitor_ms + 2 * CHECK_MS,
             ),
-            linger_after_success: match cfg.backend {
-                Backend::Static => Some(Duration::from_millis(cfg.exit_barrier_ms)),
-                Backend::C10d => None,
-            },
+            linger_after_success: None,
+            reforms: cfg.backend == Backend::C10d,
         };
         let nodes = (0..total)
             .map(|i| {
@@ -347,6 +357,7 @@ impl Sim {
             cfg,
             rng,
             now: 0,
+            steps: 0,
             seq: 0,
             queue: BinaryHeap::new(),
             events: Vec::new(),
@@ -483,7 +494,7 @@ impl Sim {
             return Observation::Healthy;
         };
         let (waiting, dead) = match self.cfg.backend {
-            Backend::Static => (0, 0),
+            Backend::Static => (0, self.s.static_dead.len()),
             Backend::C10d => (
                 self.s.waiting.get(&round).copied().unwrap_or(0),
                 self.s.dead.get(&round).map_or(0, BTreeSet::len),
@@ -533,7 +544,15 @@ impl Sim {
                         self.s.failed_rounds += 1;
                     }
                     let n = self.s.failed_rounds;
-                    self.reply(i, lat, Event::FailureRecorded { failed_rounds: n });
+                    let finishing = self.s.finishing.contains(&round);
+                    self.reply(
+                        i,
+                        lat,
+                        Event::FailureRecorded {
+                            failed_rounds: n,
+                            finishing,
+                        },
+                    );
                 } else {
                     self.reply(i, CHECK_MS, Event::FailureNotRecorded("unreachable".into()));
                 }
@@ -541,7 +560,7 @@ impl Sim {
             Action::EnterBarrier { round } => self.barrier(i, round),
             Action::Publish(p) => {
                 if reach {
-                    self.nodes[i].decided_at = Some(self.now);
+                    self.nodes[i].decided_at = Some(self.steps);
                     let closed = self.publish(&p);
                     self.reply(i, lat, Event::Published(closed));
                 } else {
@@ -551,7 +570,7 @@ impl Sim {
             Action::ReadVerdict => {
                 // The handler's run store: readable before any round.
                 if reach {
-                    self.nodes[i].decided_at = Some(self.now);
+                    self.nodes[i].decided_at = Some(self.steps);
                     let v = self.s.verdict.clone();
                     self.reply(i, lat, Event::VerdictRead(v));
                 } else {
@@ -612,6 +631,7 @@ impl Sim {
                 };
                 self.s.verdict = Some(Closed::Failed(root.clone()));
                 self.s.failed_at = Some(self.now);
+                self.s.failed_step = Some(self.steps);
                 self.s.root_at_publish = root.clone();
                 Closed::Failed(root)
             }
@@ -877,8 +897,8 @@ impl Sim {
         self.note(|| format!("node {i} FINISHES {v:?}"));
         // Invariant 1.
         if matches!(v, Verdict::Succeeded { .. } | Verdict::NotNeeded) {
-            let decided = self.nodes[i].decided_at.unwrap_or(self.now);
-            if self.s.failed_at.is_some_and(|f| f <= decided) {
+            let decided = self.nodes[i].decided_at.unwrap_or(self.steps);
+            if self.s.failed_step.is_some_and(|f| f <= decided) {
                 self.violation(format!(
                     "invariant 1: node {i} exits 0 ({}) though it read the run's failure",
                     v.name()
@@ -907,9 +927,14 @@ impl Sim {
         let voluntary = !matches!(v, Verdict::Signaled(_));
         self.nodes[i].life = Life::Exited(v);
         self.nodes[i].exited_at = Some(self.now);
-        if self.cfg.backend == Backend::C10d {
-            if let Some((r, rank, _)) = self.nodes[i].round {
-                self.s.left.entry(r).or_default().insert(rank);
+        match self.cfg.backend {
+            Backend::C10d => {
+                if let Some((r, rank, _)) = self.nodes[i].round {
+                    self.s.left.entry(r).or_default().insert(rank);
+                }
+            }
+            Backend::Static => {
+                self.s.static_left.insert(i);
             }
         }
         if let Some(r) = self.nodes[i].job_store.take() {
@@ -962,10 +987,11 @@ impl Sim {
         if let (Some((r, _, _)), true) = (round, was_running) {
             self.coupled_failure(i, r);
         }
-        if let (Backend::C10d, Some((r, _, _))) = (self.cfg.backend, round) {
-            let t =
-                self.now + self.cfg.keep_alive_ms * self.cfg.misses + self.cfg.keep_alive_ms / 4;
-            self.at(t, Ev::DeadCheck(i, r));
+        let t = self.now + self.cfg.keep_alive_ms * self.cfg.misses + self.cfg.keep_alive_ms / 4;
+        match (self.cfg.backend, round) {
+            (Backend::C10d, Some((r, _, _))) => self.at(t, Ev::DeadCheck(i, r)),
+            (Backend::Static, Some(_)) => self.at(t, Ev::StaticDeadCheck(i)),
+            _ => {}
         }
         // A join waiting for everyone may now complete with the live nodes.
         if self.cfg.backend == Backend::C10d {
@@ -1000,6 +1026,7 @@ impl Sim {
                 break;
             }
             self.now = t;
+            self.steps += 1;
             let ev = self.events[idx].take().expect("each event runs once");
             self.step(ev);
             self.check_bounds();
@@ -1145,6 +1172,20 @@ impl Sim {
                     }
                 }
             }
+            Ev::StaticDeadCheck(i) => {
+                // Unless it left, its watcher (any live node that reaches the
+                // store) marks it dead; with none now, look again later.
+                if self.s.static_left.contains(&i) {
+                    return;
+                }
+                let others = (0..self.nodes.len()).filter(|&k| k != i && self.alive(k));
+                if others.clone().any(|k| self.reaches(k)) {
+                    self.s.static_dead.insert(i);
+                } else if others.count() > 0 {
+                    let t = self.now + self.cfg.keep_alive_ms;
+                    self.at(t, Ev::StaticDeadCheck(i));
+                }
+            }
             Ev::BarrierTimeout(i, gen, round) => {
                 if !self.alive(i) || gen != self.nodes[i].gen {
                     return;
@@ -1186,13 +1227,13 @@ impl Sim {
                     let finished = self.s.finished.get(&round).copied().unwrap_or(0);
                     let dead = match self.cfg.backend {
                         Backend::C10d => self.s.dead.get(&round).map_or(0, BTreeSet::len),
-                        Backend::Static => 0,
+                        Backend::Static => self.s.static_dead.len(),
                     };
                     finished + dead >= nodes
                 };
                 if done || until.is_some_and(|u| self.now >= u) {
                     let seen = if self.reaches(i) {
-                        self.nodes[i].decided_at = Some(self.now);
+                        self.nodes[i].decided_at = Some(self.steps);
                         self.s.verdict.clone()
                     } else {
                         None

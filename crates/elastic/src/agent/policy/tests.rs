@@ -15,6 +15,7 @@ fn limits(max_restarts: u32, hosts_rendezvous: bool) -> Limits {
         hosts_rendezvous,
         linger_after_failure: LINGER_FAILED,
         linger_after_success: None,
+        reforms: true,
     }
 }
 
@@ -133,7 +134,13 @@ fn a_failure_within_budget_stops_records_and_rejoins() {
                     failure: Some(record(0, 1.0)),
                 },
             ),
-            (1.2, E::FailureRecorded { failed_rounds: 2 }),
+            (
+                1.2,
+                E::FailureRecorded {
+                    failed_rounds: 2,
+                    finishing: false,
+                },
+            ),
         ],
     );
     assert_eq!(
@@ -165,7 +172,13 @@ fn a_failure_beyond_the_budget_publishes_the_failure_then_closes() {
                     failure: Some(local.clone()),
                 },
             ),
-            (1.2, E::FailureRecorded { failed_rounds: 3 }),
+            (
+                1.2,
+                E::FailureRecorded {
+                    failed_rounds: 3,
+                    finishing: false,
+                },
+            ),
             // The store's root cause is an earlier failure on another node.
             (1.3, E::Published(Closed::Failed(Some(earlier.clone())))),
             (1.4, E::RendezvousClosed),
@@ -269,7 +282,13 @@ fn defect_3_a_worker_failure_after_a_close_on_success_publishes_the_failure() {
                 },
             ),
             // Budget left, but there are no more rounds.
-            (2.2, E::FailureRecorded { failed_rounds: 1 }),
+            (
+                2.2,
+                E::FailureRecorded {
+                    failed_rounds: 1,
+                    finishing: false,
+                },
+            ),
         ],
     );
     assert_eq!(
@@ -309,7 +328,13 @@ fn defect_3_an_unpublished_verdict_is_never_followed_by_a_close() {
                 &[
                     (1.0, E::WorkerFailed),
                     (1.1, E::Stopped { failure: None }),
-                    (1.2, E::FailureRecorded { failed_rounds: 1 }),
+                    (
+                        1.2,
+                        E::FailureRecorded {
+                            failed_rounds: 1,
+                            finishing: false,
+                        },
+                    ),
                     (1.3, E::NotPublished("refused".into())),
                 ],
             ),
@@ -458,7 +483,13 @@ fn defect_1_and_2_hosts_linger_until_every_node_finished() {
         &[
             (1.0, E::WorkerFailed),
             (1.1, E::Stopped { failure: None }),
-            (1.2, E::FailureRecorded { failed_rounds: 1 }),
+            (
+                1.2,
+                E::FailureRecorded {
+                    failed_rounds: 1,
+                    finishing: false,
+                },
+            ),
             (1.3, E::Published(Closed::Failed(None))),
             (1.4, E::RendezvousClosed),
             (1.5, E::MarkedFinished),
