@@ -126,6 +126,14 @@ pub trait RendezvousHandler: Send + Sync {
         false
     }
 
+    /// Nodes of the run still running besides this one: every node that was a
+    /// member of a round, less those that left and those found dead. A node
+    /// serving a store the others use keeps it up until this is 0. Backends
+    /// that do not count answer 0.
+    async fn remaining(&self) -> Result<usize, RendezvousError> {
+        Ok(0)
+    }
+
     /// Whether a round can re-form with other members (a dead member replaced
     /// or dropped). `static` cannot: its nodes are fixed.
     fn reforms(&self) -> bool {

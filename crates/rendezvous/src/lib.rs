@@ -15,6 +15,7 @@
 //!   (cargo feature `etcd`) the same protocol on an etcd v3 server.
 
 pub mod api;
+mod census;
 pub mod dynamic;
 #[cfg(feature = "etcd")]
 pub mod etcd;

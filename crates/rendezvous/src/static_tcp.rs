@@ -53,6 +53,8 @@ pub struct StaticTcpRendezvous {
     timing: Timing,
     /// This node's keep-alive, from its first round until it leaves.
     heartbeat: Mutex<Option<JoinHandle<()>>>,
+    /// Left the run (counted out of the census).
+    left: tokio::sync::Mutex<bool>,
 }
 
 /// The keys of the keep-alive: one "round" for the whole run.
@@ -91,6 +93,7 @@ impl StaticTcpRendezvous {
             rounds: Default::default(),
             timing: Timing::from_params(p)?,
             heartbeat: Mutex::new(None),
+            left: tokio::sync::Mutex::new(false),
         })
     }
 }
@@ -146,6 +149,9 @@ impl RendezvousHandler for StaticTcpRendezvous {
                     })?;
                 let prefixed: Arc<dyn Store> =
                     Arc::new(PrefixStore::new(self.run_id.clone(), Arc::new(tcp)));
+                crate::census::joined(&*prefixed)
+                    .await
+                    .map_err(|e| self.connection(e))?;
                 *self.heartbeat.lock().unwrap_or_else(|e| e.into_inner()) =
                     Some(CounterKeepalive.spawn(Beat {
                         store: prefixed.clone(),
@@ -194,10 +200,7 @@ impl RendezvousHandler for StaticTcpRendezvous {
         let dead = store
             .add(&format!("r{ROUND}/dead"), 0)
             .await
-            .map_err(|source| RendezvousError::Connection {
-                run_id: self.run_id.clone(),
-                source: Box::new(source),
-            })?;
+            .map_err(|e| self.connection(e))?;
         Ok(MembershipChange {
             waiting: 0,
             dead: dead.max(0) as usize,
@@ -214,18 +217,37 @@ impl RendezvousHandler for StaticTcpRendezvous {
 
     /// Stops keeping alive and says so, so the node watching this one does not
     /// count it dead.
+    /// Once: later calls do nothing.
     async fn leave(&self) -> Result<(), RendezvousError> {
-        self.stop_heartbeat();
-        if let Some(store) = self.store.get() {
-            store
-                .set(&format!("r{ROUND}/left/{}", self.rank), b"1")
-                .await
-                .map_err(|source| RendezvousError::Connection {
-                    run_id: self.run_id.clone(),
-                    source: Box::new(source),
-                })?;
+        let mut left = self.left.lock().await;
+        let Some(store) = self.store.get() else {
+            return Ok(());
+        };
+        if *left {
+            return Ok(());
         }
+        // Said before the heartbeat stops, so the watcher never sees it stop
+        // without the reason.
+        let said = store
+            .set(&format!("r{ROUND}/left/{}", self.rank), b"1")
+            .await;
+        self.stop_heartbeat();
+        said.map_err(|e| self.connection(e))?;
+        crate::census::gone(&**store)
+            .await
+            .map_err(|e| self.connection(e))?;
+        *left = true;
         Ok(())
+    }
+
+    async fn remaining(&self) -> Result<usize, RendezvousError> {
+        let Some(store) = self.store.get() else {
+            return Ok(0);
+        };
+        let counted_in = !*self.left.lock().await;
+        crate::census::remaining(&**store, counted_in)
+            .await
+            .map_err(|e| self.connection(e))
     }
 
     fn run_id(&self) -> &str {
@@ -247,6 +269,13 @@ impl RendezvousHandler for StaticTcpRendezvous {
 }
 
 impl StaticTcpRendezvous {
+    fn connection(&self, source: rallypoint_store::StoreError) -> RendezvousError {
+        RendezvousError::Connection {
+            run_id: self.run_id.clone(),
+            source: Box::new(source),
+        }
+    }
+
     fn stop_heartbeat(&self) {
         if let Some(h) = self
             .heartbeat

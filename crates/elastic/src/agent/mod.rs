@@ -39,10 +39,12 @@
 //!
 //! A node that serves a store other nodes use (the round's job store, rank 0's
 //! with an agent store; the `c10d` rendezvous store; the `static` store on node
-//! rank 0) keeps it up at the end until every node of its round counted itself
-//! finished, left, or was found dead: bounded by the shutdown grace after a
-//! failure, for as long as the others live after a success (where the backend
-//! notices deaths; `static` waits one more exit-barrier timeout). A node whose
+//! rank 0) keeps it up at the end until every other node of the run has left
+//! the rendezvous or was found dead by the keep-alive (the rendezvous' census:
+//! nodes counted in at their first round, out when they leave, on every way
+//! out; a node of a later round that re-formed without this one counts too):
+//! bounded by the shutdown grace after a failure, for as long as the others
+//! live after a success. A node whose
 //! rendezvous checks fail for `lost_grace` while its workers run stops them and
 //! fails with "lost the rendezvous host": never "succeeded". A failed exit
 //! barrier is classified by what the run store says, not by the error alone.
@@ -762,22 +764,27 @@ impl Agent {
         self.decide(&mut run.policy, Event::RendezvousClosed)
     }
 
-    /// Counts this node finished in `round` (after it read the verdict).
-    async fn mark_finished(&self, run: &mut Run<'_>, round: u64) -> Vec<Action> {
-        if let Some(store) = self.run_store(run) {
-            let _ = bounded(run_store::mark_finished(&*store, round)).await;
+    /// Leaves the rendezvous for good (after it read the verdict): stops
+    /// keeping alive and counts this node out of the run, so a host lingering
+    /// for it stops waiting.
+    async fn mark_finished(&self, run: &mut Run<'_>, _round: u64) -> Vec<Action> {
+        if let Some(Err(e)) = bounded(self.handler.leave()).await {
+            self.emit(AgentEvent::CleanupFailed {
+                what: "leaving the rendezvous",
+                error: e.to_string(),
+            });
         }
         self.decide(&mut run.policy, Event::MarkedFinished)
     }
 
-    /// Keeps this node's stores up until every node of `round` counted itself
-    /// finished or was found dead (a node that left counted itself first), or
-    /// `bound` passed; a signal cuts it short.
+    /// Keeps this node's stores up until every other node of the run left or
+    /// was found dead ([`RendezvousHandler::remaining`] is 0), or `bound`
+    /// passed; a signal cuts it short.
     async fn linger(
         &self,
         run: &mut Run<'_>,
-        round: u64,
-        nodes: usize,
+        _round: u64,
+        _nodes: usize,
         bound: Option<Duration>,
     ) -> Vec<Action> {
         let Some(store) = self.run_store(run) else {
@@ -785,31 +792,25 @@ impl Agent {
         };
         let until = bound.map(|b| tokio::time::Instant::now() + b);
         let mut said = false;
+        let mut unreachable_since: Option<Instant> = None;
         loop {
-            let look = async {
-                let finished = run_store::finished(&*store, round)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                let dead = self
-                    .handler
-                    .membership()
-                    .await
-                    .map_err(|e| e.to_string())?
-                    .dead;
-                Ok::<_, String>(finished + dead)
-            };
             // A store that does not answer now may be stalled: keep it up and
-            // look again (the bound, if any, still ends the wait).
-            let gone = bounded(look).await.and_then(Result::ok);
-            if gone.is_some_and(|n| n >= nodes) {
+            // look again, for `lost_grace` (nobody can count itself out of a
+            // store that is gone; the bound, if any, still ends the wait).
+            let remaining = bounded(self.handler.remaining()).await.and_then(Result::ok);
+            if remaining == Some(0) {
                 break;
             }
-            let gone = gone.unwrap_or(0).min(nodes);
-            if !said {
+            if remaining.is_some() {
+                unreachable_since = None;
+            } else if unreachable_since.get_or_insert_with(Instant::now).elapsed()
+                >= self.spec.lost_grace
+            {
+                break;
+            }
+            if let (false, Some(n)) = (said, remaining) {
                 said = true;
-                self.emit(AgentEvent::HostLingering {
-                    nodes_left: nodes - gone,
-                });
+                self.emit(AgentEvent::HostLingering { nodes_left: n });
             }
             let nap = tokio::time::sleep(LINGER_POLL);
             tokio::select! {

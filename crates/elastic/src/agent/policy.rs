@@ -47,9 +47,9 @@
 //! | `Ending(publish)` | published: *succeeded* | close | `Ending(close)` |
 //! | `Ending(publish)` | not published | finish failed, without closing | `Done` |
 //! | `Ending(read)` | verdict read | finish: failed if the run failed, else not needed | `Done` |
-//! | `Ending(close)` | closed | count this node finished | `Ending(mark)` |
+//! | `Ending(close)` | closed | leave the rendezvous (counted out of the run) | `Ending(mark)` |
 //! | `Ending(mark)` | marked | linger if this node hosts a store others use | `Ending(linger)` or `Done` |
-//! | `Ending(linger)` | every node finished, left or dead (or the bound) | finish (failed if a failure was published meanwhile) | `Done` |
+//! | `Ending(linger)` | every other node of the run left or dead (or the bound) | finish (failed if a failure was published meanwhile) | `Done` |
 //! | `Ending(..)` | signal N | finish with the verdict decided | `Done` |
 //!
 //! Rules the table keeps:
@@ -167,7 +167,7 @@ pub enum EndStep {
     ReadVerdict,
     /// Closing the rendezvous (no more rounds).
     Close,
-    /// Counting this node as finished in its round.
+    /// Leaving the rendezvous: counted out of the run.
     MarkFinished,
     /// Keeping hosted stores up for the other nodes.
     Linger,
@@ -365,8 +365,9 @@ pub enum Action {
     MarkFinished {
         round: u64,
     },
-    /// Keep this node's stores up until every node of `round` finished, left or
-    /// died, or `bound` passed.
+    /// Keep this node's stores up until every other node of the run left or
+    /// died, or `bound` passed (`round` and `nodes`: its last round, for
+    /// reports).
     Linger {
         round: u64,
         nodes: usize,
@@ -1094,7 +1095,8 @@ impl Policy {
         )
     }
 
-    /// Closed: count this node finished in its round, if it has one.
+    /// Closed: leave the rendezvous (counted out of the run), if this node
+    /// was ever a member.
     fn end_after_close(&self, verdict: Verdict) -> (Phase, Vec<Action>) {
         match self.member {
             Some(m) => (
@@ -1104,34 +1106,34 @@ impl Policy {
                 },
                 vec![Action::MarkFinished { round: m.round }],
             ),
-            None => finish(verdict),
+            None => self.end_lingering(verdict),
         }
     }
 
-    /// Counted: linger if others use a store this node serves.
+    /// Left: linger if others use a store this node serves. The rendezvous
+    /// store's host lingers even if it never was a member (a spare that came
+    /// first): every node uses its store to the end.
     fn end_lingering(&self, verdict: Verdict) -> (Phase, Vec<Action>) {
-        match self.member {
-            Some(m) if m.hosts && m.nodes > 1 => {
-                let bound = match verdict {
-                    Verdict::Succeeded { .. } | Verdict::NotNeeded => {
-                        self.limits.linger_after_success
-                    }
-                    _ => Some(self.limits.linger_after_failure),
-                };
-                (
-                    Phase::Ending {
-                        verdict,
-                        step: EndStep::Linger,
-                    },
-                    vec![Action::Linger {
-                        round: m.round,
-                        nodes: m.nodes,
-                        bound,
-                    }],
-                )
-            }
-            _ => finish(verdict),
+        let job_store = self.member.is_some_and(|m| m.hosts && m.nodes > 1);
+        if !(job_store || self.limits.hosts_rendezvous) {
+            return finish(verdict);
         }
+        let bound = match verdict {
+            Verdict::Succeeded { .. } | Verdict::NotNeeded => self.limits.linger_after_success,
+            _ => Some(self.limits.linger_after_failure),
+        };
+        let (round, nodes) = self.member.map_or((0, 0), |m| (m.round, m.nodes));
+        (
+            Phase::Ending {
+                verdict,
+                step: EndStep::Linger,
+            },
+            vec![Action::Linger {
+                round,
+                nodes,
+                bound,
+            }],
+        )
     }
 }
 

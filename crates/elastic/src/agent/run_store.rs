@@ -10,7 +10,6 @@
 //! | `agent/failures/<round>/<node>` | the failing node | its failures in that round (JSON lines) |
 //! | `agent/failed/<round>`, `agent/failed_rounds` | the first node to fail in a round | each failed round counted once, job-wide |
 //! | `agent/r<round>/finishing` | a node entering the exit barrier | a member of the round finished: nodes arriving now wait for a next round |
-//! | `agent/r<round>/finished` | every node at its end | nodes that have read how the run ended |
 //!
 //! The verdict is written with compare-and-set: *succeeded* only where nothing is
 //! published yet, *failed* over nothing or over a success, never over an earlier
@@ -82,10 +81,6 @@ pub mod keys {
 
     pub fn finishing(round: u64) -> String {
         format!("agent/r{round}/finishing")
-    }
-
-    pub fn finished(round: u64) -> String {
-        format!("agent/r{round}/finished")
     }
 }
 
@@ -203,16 +198,6 @@ pub async fn mark_finishing(store: &dyn Store, round: u64) -> Result<(), StoreEr
 /// Whether a member of `round` finished its workers.
 pub async fn finishing(store: &dyn Store, round: u64) -> Result<bool, StoreError> {
     store.check(&[&keys::finishing(round)]).await
-}
-
-/// Counts this node finished in `round`; returns how many are.
-pub async fn mark_finished(store: &dyn Store, round: u64) -> Result<usize, StoreError> {
-    Ok(store.add(&keys::finished(round), 1).await?.max(0) as usize)
-}
-
-/// Nodes of `round` that have finished.
-pub async fn finished(store: &dyn Store, round: u64) -> Result<usize, StoreError> {
-    Ok(store.add(&keys::finished(round), 0).await?.max(0) as usize)
 }
 
 /// A worker failure, as recorded in the run store (one JSON line each).

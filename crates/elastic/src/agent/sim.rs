@@ -211,6 +211,9 @@ struct Node {
     /// In a join, waiting for the round to form.
     joining: bool,
     exited_at: Option<u64>,
+    /// Counted in the census; left the rendezvous (counted out).
+    counted_in: bool,
+    left: bool,
     /// The step at which it last read or wrote the verdict (its decision,
     /// invariant 1). Steps, not milliseconds: two events of one millisecond
     /// still happen in an order.
@@ -233,7 +236,8 @@ enum Ev {
     StaticDeadCheck(usize),
     BarrierTimeout(usize, u64, u64),
     StartTimeout(usize, u64, u64),
-    LingerPoll(usize, u64, u64, usize, Option<u64>),
+    /// Node, generation, round, nodes, the bound, unreachable since.
+    LingerPoll(usize, u64, u64, usize, Option<u64>, Option<u64>),
 }
 
 /// The shared run store and rendezvous.
@@ -249,7 +253,6 @@ struct Shared {
     failed_round: BTreeSet<u64>,
     failed_rounds: u64,
     finishing: BTreeSet<u64>,
-    finished: BTreeMap<u64, usize>,
     // Rendezvous.
     closed: bool,
     next_round: u64,
@@ -259,6 +262,10 @@ struct Shared {
     waiting: BTreeMap<u64, usize>,
     dead: BTreeMap<u64, BTreeSet<usize>>,
     left: BTreeMap<u64, BTreeSet<usize>>,
+    /// The rendezvous' census: nodes counted in, out, and found dead.
+    census_joined: i64,
+    census_gone: i64,
+    census_dead: i64,
     /// Static: nodes found dead by their watcher, and nodes that left.
     static_dead: BTreeSet<usize>,
     static_left: BTreeSet<usize>,
@@ -350,6 +357,8 @@ impl Sim {
                     joining: false,
                     exited_at: None,
                     decided_at: None,
+                    counted_in: false,
+                    left: false,
                 }
             })
             .collect();
@@ -587,10 +596,8 @@ impl Sim {
                     Event::RendezvousClosed,
                 );
             }
-            Action::MarkFinished { round } => {
-                if reach {
-                    *self.s.finished.entry(round).or_default() += 1;
-                }
+            Action::MarkFinished { .. } => {
+                self.leave(i);
                 self.reply(i, if reach { lat } else { CHECK_MS }, Event::MarkedFinished);
             }
             Action::Linger {
@@ -601,7 +608,7 @@ impl Sim {
                 let until = bound.map(|b| self.now + b.as_millis() as u64);
                 let gen = self.nodes[i].gen;
                 let t = self.now;
-                self.at(t, Ev::LingerPoll(i, gen, round, nodes, until));
+                self.at(t, Ev::LingerPoll(i, gen, round, nodes, until, None));
             }
             Action::NoteClosedAfterSuccess { .. }
             | Action::NoteUnreachable { .. }
@@ -672,6 +679,7 @@ impl Sim {
                 let n = self.cfg.nodes;
                 self.end_job_store(i);
                 self.nodes[i].round = Some((round, i, n));
+                self.count_in(i);
                 self.reply(i, lat, Event::Joined { round, nodes: n });
             }
             Backend::C10d => {
@@ -716,6 +724,7 @@ impl Sim {
             self.nodes[j].joining = false;
             self.end_job_store(j);
             self.nodes[j].round = Some((round, rank, n));
+            self.count_in(j);
             let lat = self.nodes[j].latency;
             self.reply(j, lat, Event::Joined { round, nodes: n });
         }
@@ -927,15 +936,10 @@ impl Sim {
         let voluntary = !matches!(v, Verdict::Signaled(_));
         self.nodes[i].life = Life::Exited(v);
         self.nodes[i].exited_at = Some(self.now);
-        match self.cfg.backend {
-            Backend::C10d => {
-                if let Some((r, rank, _)) = self.nodes[i].round {
-                    self.s.left.entry(r).or_default().insert(rank);
-                }
-            }
-            Backend::Static => {
-                self.s.static_left.insert(i);
-            }
+        // The driver leaves on every way out; a leave that cannot reach the
+        // store leaves a node its watcher will find dead.
+        if !self.leave(i) {
+            self.watch_for_death(i);
         }
         if let Some(r) = self.nodes[i].job_store.take() {
             self.job_store_gone(i, r, voluntary);
@@ -987,16 +991,54 @@ impl Sim {
         if let (Some((r, _, _)), true) = (round, was_running) {
             self.coupled_failure(i, r);
         }
-        let t = self.now + self.cfg.keep_alive_ms * self.cfg.misses + self.cfg.keep_alive_ms / 4;
-        match (self.cfg.backend, round) {
-            (Backend::C10d, Some((r, _, _))) => self.at(t, Ev::DeadCheck(i, r)),
-            (Backend::Static, Some(_)) => self.at(t, Ev::StaticDeadCheck(i)),
-            _ => {}
-        }
+        self.watch_for_death(i);
         // A join waiting for everyone may now complete with the live nodes.
         if self.cfg.backend == Backend::C10d {
             self.try_form(false);
         }
+    }
+
+    /// Node `i` stopped keeping alive: its watcher looks after the expiry.
+    fn watch_for_death(&mut self, i: usize) {
+        let t = self.now + self.cfg.keep_alive_ms * self.cfg.misses + self.cfg.keep_alive_ms / 4;
+        match (self.cfg.backend, self.nodes[i].round) {
+            (Backend::C10d, Some((r, _, _))) => self.at(t, Ev::DeadCheck(i, r)),
+            (Backend::Static, Some(_)) => self.at(t, Ev::StaticDeadCheck(i)),
+            _ => {}
+        }
+    }
+
+    /// The census counts node `i` in at its first round.
+    fn count_in(&mut self, i: usize) {
+        if !self.nodes[i].counted_in {
+            self.nodes[i].counted_in = true;
+            self.s.census_joined += 1;
+        }
+    }
+
+    /// `RendezvousHandler::leave`, once: says it left (its watcher skips it)
+    /// and counts it out. False if the store could not be reached.
+    fn leave(&mut self, i: usize) -> bool {
+        if self.nodes[i].left {
+            return true;
+        }
+        if !self.reaches(i) {
+            return false;
+        }
+        match (self.cfg.backend, self.nodes[i].round) {
+            (Backend::C10d, Some((r, rank, _))) => {
+                self.s.left.entry(r).or_default().insert(rank);
+            }
+            (Backend::Static, Some(_)) => {
+                self.s.static_left.insert(i);
+            }
+            _ => {}
+        }
+        if self.nodes[i].counted_in {
+            self.s.census_gone += 1;
+        }
+        self.nodes[i].left = true;
+        true
     }
 
     /// Checks only `invariants` (by number).
@@ -1158,7 +1200,10 @@ impl Sim {
                         .any(|&k| k != i && self.alive(k) && self.reaches(k))
                 });
                 if !left && watcher {
-                    self.s.dead.entry(r).or_default().insert(i);
+                    if self.s.dead.entry(r).or_default().insert(i) {
+                        self.s.census_dead += 1;
+                        self.note(|| format!("node {i} found dead in round {r}"));
+                    }
                 } else if !left {
                     // Nobody could watch now: try again later.
                     let t = self.now + self.cfg.keep_alive_ms;
@@ -1180,7 +1225,10 @@ impl Sim {
                 }
                 let others = (0..self.nodes.len()).filter(|&k| k != i && self.alive(k));
                 if others.clone().any(|k| self.reaches(k)) {
-                    self.s.static_dead.insert(i);
+                    if self.s.static_dead.insert(i) {
+                        self.s.census_dead += 1;
+                        self.note(|| format!("node {i} found dead"));
+                    }
                 } else if others.count() > 0 {
                     let t = self.now + self.cfg.keep_alive_ms;
                     self.at(t, Ev::StaticDeadCheck(i));
@@ -1218,20 +1266,28 @@ impl Sim {
                     Event::StartFailed(StartError::Store("rank assignment timed out".into())),
                 );
             }
-            Ev::LingerPoll(i, gen, round, nodes, until) => {
+            Ev::LingerPoll(i, gen, round, nodes, until, unreachable_since) => {
                 if !self.alive(i) || gen != self.nodes[i].gen {
                     return;
                 }
                 // An unreachable store may be stalled: keep lingering.
+                let _ = (round, nodes);
                 let done = self.reaches(i) && {
-                    let finished = self.s.finished.get(&round).copied().unwrap_or(0);
-                    let dead = match self.cfg.backend {
-                        Backend::C10d => self.s.dead.get(&round).map_or(0, BTreeSet::len),
-                        Backend::Static => self.s.static_dead.len(),
-                    };
-                    finished + dead >= nodes
+                    let me = i64::from(self.nodes[i].counted_in && !self.nodes[i].left);
+                    let s = &self.s;
+                    s.census_joined - s.census_gone - s.census_dead - me <= 0
                 };
-                if done || until.is_some_and(|u| self.now >= u) {
+                let unreachable_since = if self.reaches(i) {
+                    None
+                } else {
+                    Some(unreachable_since.unwrap_or(self.now))
+                };
+                let lost =
+                    unreachable_since.is_some_and(|t| self.now - t >= self.cfg.lost_grace_ms);
+                if done || lost || until.is_some_and(|u| self.now >= u) {
+                    let s = &self.s;
+                    let (j, g, d) = (s.census_joined, s.census_gone, s.census_dead);
+                    self.note(|| format!("node {i} lingered: joined {j}, gone {g}, dead {d}"));
                     let seen = if self.reaches(i) {
                         self.nodes[i].decided_at = Some(self.steps);
                         self.s.verdict.clone()
@@ -1241,7 +1297,10 @@ impl Sim {
                     self.deliver(i, Event::Lingered(seen));
                 } else {
                     let t = self.now + 50;
-                    self.at(t, Ev::LingerPoll(i, gen, round, nodes, until));
+                    self.at(
+                        t,
+                        Ev::LingerPoll(i, gen, round, nodes, until, unreachable_since),
+                    );
                 }
             }
         }

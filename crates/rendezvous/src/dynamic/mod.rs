@@ -127,6 +127,9 @@ struct Node {
     /// The round it was a member of, with its rank and the member count.
     member_of: Option<(u64, usize, usize)>,
     heartbeat: Option<JoinHandle<()>>,
+    /// Counted in the run's census (at its first round), and out (it left).
+    counted_in: bool,
+    left: bool,
 }
 
 /// A dynamic rendezvous of one run, for one node.
@@ -188,7 +191,8 @@ impl Beat {
             .unwrap_or(false)
     }
 
-    /// Records that member `rank` is dead: the round should re-form.
+    /// Records that member `rank` is dead: the round should re-form, and the
+    /// run has one node fewer.
     pub async fn died(&self, rank: usize) {
         tracing::warn!(
             round = self.round,
@@ -197,6 +201,9 @@ impl Beat {
         );
         if let Err(e) = mark_changed(&*self.store, &format!("r{}", self.round), "dead").await {
             tracing::warn!(error = %e, "could not mark the round changed");
+        }
+        if let Err(e) = crate::census::dead(&*self.store).await {
+            tracing::warn!(error = %e, "could not count the dead node");
         }
     }
 
@@ -775,6 +782,12 @@ impl DynamicRendezvous {
                         continue;
                     };
                     let bootstrap = self.bootstrap_for(round, rank, deadline).await?;
+                    if !node.counted_in {
+                        crate::census::joined(&*self.store)
+                            .await
+                            .map_err(self.err())?;
+                        node.counted_in = true;
+                    }
                     node.member_of = Some((round, rank, members));
                     node.heartbeat = Some(self.keepalive.spawn(Beat {
                         store: self.store.clone(),
@@ -899,18 +912,40 @@ impl RendezvousHandler for DynamicRendezvous {
 
     /// Stops keeping alive and says so (`r/left/<rank>`), so the member watching
     /// this one skips it instead of counting it dead.
+    /// Once: later calls do nothing.
     async fn leave(&self) -> Result<(), RendezvousError> {
         let mut node = self.node.lock().await;
+        if node.left {
+            return Ok(());
+        }
+        // Said before the heartbeat stops, so the watcher never sees it stop
+        // without the reason.
+        let said = match node.member_of {
+            Some((round, rank, _)) => self
+                .store
+                .set(&format!("r{round}/left/{rank}"), b"1")
+                .await
+                .map_err(self.err()),
+            None => Ok(()),
+        };
         if let Some(h) = node.heartbeat.take() {
             h.abort();
         }
-        if let Some((round, rank, _)) = node.member_of {
-            self.store
-                .set(&format!("r{round}/left/{rank}"), b"1")
+        said?;
+        if node.counted_in {
+            crate::census::gone(&*self.store)
                 .await
                 .map_err(self.err())?;
         }
+        node.left = true;
         Ok(())
+    }
+
+    async fn remaining(&self) -> Result<usize, RendezvousError> {
+        let node = self.node.lock().await;
+        crate::census::remaining(&*self.store, node.counted_in && !node.left)
+            .await
+            .map_err(self.err())
     }
 
     fn run_id(&self) -> &str {

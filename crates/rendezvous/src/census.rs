@@ -1,0 +1,46 @@
+//! How many nodes of a run still run, for a node that serves a store the others
+//! use and must not take it down under them.
+//!
+//! Three counters in the rendezvous store, each bumped once per node: a node
+//! counts itself *joined* when it first becomes a member of a round, and
+//! *gone* when it leaves the run ([`RendezvousHandler::leave`], on every way
+//! out: success, failure, signal); the keep-alive watcher of a node that
+//! stopped without leaving counts it *dead*. What remains is
+//! `joined - gone - dead`. Reading it costs three counter reads whatever the
+//! number of nodes.
+//!
+//! A node marked dead that was only partitioned and later leaves is counted
+//! twice, so `remaining` can reach 0 one node early; that node had already
+//! been given up on by its round (which re-formed without it).
+//!
+//! [`RendezvousHandler::leave`]: crate::RendezvousHandler::leave
+
+use rallypoint_store::{Store, StoreError};
+
+const JOINED: &str = "nodes/joined";
+const GONE: &str = "nodes/gone";
+const DEAD: &str = "nodes/dead";
+
+/// Counts this node in (once, at its first round).
+pub(crate) async fn joined(store: &dyn Store) -> Result<(), StoreError> {
+    store.add(JOINED, 1).await.map(drop)
+}
+
+/// Counts this node out (once, as it leaves the run).
+pub(crate) async fn gone(store: &dyn Store) -> Result<(), StoreError> {
+    store.add(GONE, 1).await.map(drop)
+}
+
+/// Counts a node found dead by its watcher.
+pub(crate) async fn dead(store: &dyn Store) -> Result<(), StoreError> {
+    store.add(DEAD, 1).await.map(drop)
+}
+
+/// Nodes still running besides this one; `counted_in`: this node counted
+/// itself joined and not yet gone.
+pub(crate) async fn remaining(store: &dyn Store, counted_in: bool) -> Result<usize, StoreError> {
+    let joined = store.add(JOINED, 0).await?;
+    let gone = store.add(GONE, 0).await?;
+    let dead = store.add(DEAD, 0).await?;
+    Ok((joined - gone - dead - i64::from(counted_in)).max(0) as usize)
+}
