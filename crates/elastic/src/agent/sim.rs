@@ -27,13 +27,16 @@
 //!   round; the run store lives with the rendezvous host (node 0).
 //! - **The run store protocol** of `run_store.rs`: the verdict's
 //!   compare-and-set (a failure is never overwritten), the root cause lowered to
-//!   the earliest record, the failed-round count, `finishing` and `finished`.
-//! - **The rendezvous**: `c10d` (rounds form with every live node, or `min`
-//!   nodes after a last call; a member coming back marks the round waiting; a
-//!   killed member is marked dead by its watcher after the keep-alive expiry; a
-//!   member that leaves is skipped) or `static` (fixed nodes, each restart a
-//!   new round number, never re-formed; a killed node is marked dead by its
-//!   watcher after the keep-alive expiry unless it left).
+//!   the earliest record, the failed-round count, `finishing`.
+//! - **The rendezvous**: `c10d` (a round forms at `max` nodes at once, or with
+//!   `min` or more after a last call, and only once no member of the last
+//!   round is still in it; a node arriving meanwhile, or a member coming back,
+//!   marks the round waiting; a killed member is marked dead by its watcher
+//!   after the keep-alive expiry; a member that leaves is skipped; a join ends
+//!   at `join_timeout`) or `static` (fixed nodes, each restart a new round
+//!   number, never re-formed; a killed node is marked dead by its watcher after
+//!   the keep-alive expiry unless it left). Both keep the census (nodes in,
+//!   out, dead) that hosts linger on.
 //! - **Workers**: each round's group on each node runs for a random time, then
 //!   succeeds or fails; when one group fails or is stopped, the others of the
 //!   round fail soon after (a broken collective) unless the run drew
@@ -75,6 +78,8 @@ use super::run_store::{Closed, FailureRecord};
 const CHECK_MS: u64 = 2_000;
 /// The store client's timeout (rank assignment, the job store's address).
 const STORE_TIMEOUT_MS: u64 = 60_000;
+/// The rendezvous' bound on one join (`join_timeout`, PyTorch's 600 s).
+const JOIN_TIMEOUT_MS: u64 = 600_000;
 /// Simulated time after which a node still running is a hang.
 const HORIZON_MS: u64 = 3_600_000;
 
@@ -210,6 +215,8 @@ struct Node {
     job_store: Option<u64>,
     /// In a join, waiting for the round to form.
     joining: bool,
+    /// Joins so far (tells a join's timeout from a later join's).
+    joins: u64,
     exited_at: Option<u64>,
     /// Counted in the census; left the rendezvous (counted out).
     counted_in: bool,
@@ -232,6 +239,8 @@ enum Ev {
     Signal(usize, i32),
     LastCall(u64),
     DeadCheck(usize, u64),
+    /// Join number `n` of node `i` reaches `join_timeout`.
+    JoinTimeout(usize, u64),
     /// Static: the keep-alive watcher of node `i` looks at its heartbeat.
     StaticDeadCheck(usize),
     BarrierTimeout(usize, u64, u64),
@@ -355,6 +364,7 @@ impl Sim {
                     workers: None,
                     job_store: None,
                     joining: false,
+                    joins: 0,
                     exited_at: None,
                     decided_at: None,
                     counted_in: false,
@@ -683,10 +693,16 @@ impl Sim {
                 self.reply(i, lat, Event::Joined { round, nodes: n });
             }
             Backend::C10d => {
-                if let Some((r, _, _)) = self.nodes[i].round {
+                // A node arriving while the latest round still has members
+                // (or a member coming back) waits for the next one: the
+                // members see it as waiting.
+                if let Some((&r, _)) = self.s.members.iter().next_back() {
                     *self.s.waiting.entry(r).or_default() += 1;
                 }
                 self.nodes[i].joining = true;
+                self.nodes[i].joins += 1;
+                let t = self.now + JOIN_TIMEOUT_MS;
+                self.at(t, Ev::JoinTimeout(i, self.nodes[i].joins));
                 self.s.joiners.push(i);
                 self.try_form(false);
             }
@@ -696,15 +712,18 @@ impl Sim {
     /// Forms the next c10d round if it can: with every live node that could
     /// join, at once; with `min` after the last call.
     fn try_form(&mut self, last_call: bool) {
+        // A round forms only once the last one has no member still in it (as
+        // the real state machine: late nodes wait for the members to re-join).
+        if self.round_active() {
+            return;
+        }
+        // At `max` at once; at `min` or more after the last call.
         let joiners = self.s.joiners.len();
-        let live = (0..self.nodes.len())
-            .filter(|&j| self.alive(j) && self.nodes[j].exited_at.is_none())
-            .count();
         let max = self.cfg.nodes + self.cfg.late;
         if joiners < self.cfg.min_nodes.max(1) {
             return;
         }
-        if !(joiners >= max || joiners >= live || last_call) {
+        if !(joiners >= max || last_call) {
             if !self.s.last_call_armed {
                 self.s.last_call_armed = true;
                 let round = self.s.next_round;
@@ -728,6 +747,19 @@ impl Sim {
             let lat = self.nodes[j].latency;
             self.reply(j, lat, Event::Joined { round, nodes: n });
         }
+    }
+
+    /// Whether a member of the latest round is still in it (alive, not
+    /// joining again, not ended).
+    fn round_active(&self) -> bool {
+        let Some((&r, members)) = self.s.members.iter().next_back() else {
+            return false;
+        };
+        members.iter().any(|&k| {
+            self.alive(k)
+                && !self.nodes[k].joining
+                && self.nodes[k].round.is_some_and(|(rk, _, _)| rk == r)
+        })
     }
 
     /// Node `j`'s job store of an earlier round goes (after its next join).
@@ -948,6 +980,10 @@ impl Sim {
             self.host_gone(voluntary);
         }
         self.s.joiners.retain(|&j| j != i);
+        // The last member of a round gone: the nodes waiting may form the next.
+        if self.cfg.backend == Backend::C10d && !self.s.closed {
+            self.try_form(false);
+        }
     }
 
     /// The rendezvous host (node 0) is gone: the run store with it.
@@ -1216,6 +1252,15 @@ impl Sim {
                         self.at(t, Ev::DeadCheck(i, r));
                     }
                 }
+            }
+            Ev::JoinTimeout(i, n) => {
+                let node = &self.nodes[i];
+                if !self.alive(i) || !node.joining || node.joins != n {
+                    return;
+                }
+                self.nodes[i].joining = false;
+                self.s.joiners.retain(|&j| j != i);
+                self.deliver(i, Event::JoinFailed("join timed out".into()));
             }
             Ev::StaticDeadCheck(i) => {
                 // Unless it left, its watcher (any live node that reaches the
