@@ -795,16 +795,19 @@ impl Agent {
         let mut unreachable_since: Option<Instant> = None;
         loop {
             // A store that does not answer now may be stalled: keep it up and
-            // look again, for `lost_grace` (nobody can count itself out of a
-            // store that is gone; the bound, if any, still ends the wait).
+            // look again. A node whose rendezvous store is another's gives up
+            // after `lost_grace` (nobody can count itself out of a store that
+            // is gone); the host of that store never does, its store is the
+            // one the others need. The bound, if any, still ends the wait.
             let remaining = bounded(self.handler.remaining()).await.and_then(Result::ok);
             if remaining == Some(0) {
                 break;
             }
             if remaining.is_some() {
                 unreachable_since = None;
-            } else if unreachable_since.get_or_insert_with(Instant::now).elapsed()
-                >= self.spec.lost_grace
+            } else if !self.handler.hosts_store()
+                && unreachable_since.get_or_insert_with(Instant::now).elapsed()
+                    >= self.spec.lost_grace
             {
                 break;
             }

@@ -31,21 +31,21 @@
 //! | `Running` | signal N | stop with N | `Stopping(signal N)` |
 //! | `Stopping(failure)` | stopped | record the failure | `RecordingFailure` |
 //! | `Stopping(re-form)` | stopped | join | `Rendezvous` |
-//! | `Stopping(other)` | stopped | end with that verdict | `Ending` |
+//! | `Stopping(other)` | stopped | end with that verdict (lost rendezvous: a host lingers first) | `Ending` |
 //! | `Stopping(..)` | signal N | end as signalled once stopped; a second signal kills | `Stopping(signal N)` |
 //! | `RecordingFailure` | recorded, a member finished, fixed group (`static`) | publish *failed* | `Ending` |
 //! | `RecordingFailure` | recorded, budget left, run open | join | `Rendezvous` |
 //! | `RecordingFailure` | recorded, budget spent or run closed | publish *failed* | `Ending` |
 //! | `RecordingFailure` | not recorded, within `lost_grace` | record again | `RecordingFailure` |
-//! | `RecordingFailure` | not recorded for `lost_grace` | finish failed, without closing | `Done` |
+//! | `RecordingFailure` | not recorded for `lost_grace` | finish failed, without closing (a host lingers first) | `Done` or `Ending(linger)` |
 //! | `ExitBarrier` | passed | publish *succeeded* | `Ending` |
 //! | `ExitBarrier` | failed: timed out, the run not failed | publish *succeeded* (noting the barrier) | `Ending` |
 //! | `ExitBarrier` | failed: the run failed elsewhere | close | `Ending` |
-//! | `ExitBarrier` | failed: store unreachable | finish failed (outcome unknown) | `Done` |
+//! | `ExitBarrier` | failed: store unreachable | finish failed, outcome unknown (a host lingers first) | `Done` or `Ending(linger)` |
 //! | `ExitBarrier` | check: closed after a failure | close | `Ending` |
 //! | `Ending(publish)` | published: the store holds *failed* | close (the verdict is the store's) | `Ending(close)` |
 //! | `Ending(publish)` | published: *succeeded* | close | `Ending(close)` |
-//! | `Ending(publish)` | not published | finish failed, without closing | `Done` |
+//! | `Ending(publish)` | not published | finish failed, without closing (a host lingers first) | `Done` or `Ending(linger)` |
 //! | `Ending(read)` | verdict read | finish: failed if the run failed, else not needed | `Done` |
 //! | `Ending(close)` | closed | leave the rendezvous (counted out of the run) | `Ending(mark)` |
 //! | `Ending(mark)` | marked | linger if this node hosts a store others use | `Ending(linger)` or `Done` |
@@ -655,7 +655,7 @@ impl Policy {
                     StopReason::MemberLostFixedGroup => {
                         self.end_publishing_failure(Failure::MemberLostFixedGroup)
                     }
-                    StopReason::LostRendezvous => finish(Verdict::Failed {
+                    StopReason::LostRendezvous => self.end_lingering(Verdict::Failed {
                         why: Failure::LostRendezvous {
                             during: During::Running,
                         },
@@ -745,7 +745,7 @@ impl Policy {
                 } else {
                     // Never closed without a verdict: the others notice this node
                     // gone (heartbeats) or fail on their own.
-                    finish(Verdict::Failed {
+                    self.end_lingering(Verdict::Failed {
                         why: Failure::Unrecorded,
                         root: self.local_failure.clone(),
                     })
@@ -795,7 +795,7 @@ impl Policy {
                 }),
                 Observation::Unreachable(why) => {
                     let _ = why;
-                    finish(Verdict::Failed {
+                    self.end_lingering(Verdict::Failed {
                         why: Failure::LostRendezvous {
                             during: During::ExitBarrier,
                         },
@@ -817,7 +817,7 @@ impl Policy {
                             Publish::Succeeded,
                         )
                     } else {
-                        finish(Verdict::Failed {
+                        self.end_lingering(Verdict::Failed {
                             why: Failure::LostRendezvous {
                                 during: During::ExitBarrier,
                             },
@@ -892,7 +892,7 @@ impl Policy {
                     step: EndStep::Publish | EndStep::ReadVerdict,
                 },
                 E::NotPublished(e),
-            ) => finish(match verdict {
+            ) => self.end_lingering(match verdict {
                 Verdict::Failed { why, root } => Verdict::Failed {
                     why,
                     root: root.or_else(|| self.local_failure.clone()),
@@ -1112,7 +1112,9 @@ impl Policy {
 
     /// Left: linger if others use a store this node serves. The rendezvous
     /// store's host lingers even if it never was a member (a spare that came
-    /// first): every node uses its store to the end.
+    /// first): every node uses its store to the end. Also the way out when
+    /// this node cannot reach the run store: for a host that is its own store
+    /// stalled, which the others still need once it answers again.
     fn end_lingering(&self, verdict: Verdict) -> (Phase, Vec<Action>) {
         let job_store = self.member.is_some_and(|m| m.hosts && m.nodes > 1);
         if !(job_store || self.limits.hosts_rendezvous) {

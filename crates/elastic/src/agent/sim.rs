@@ -468,8 +468,9 @@ impl Sim {
         if self.s.stalls.iter().any(|&(a, b)| a <= t && t < b) {
             return false;
         }
+        // The host is never partitioned from its own store.
         let (a, b) = self.nodes[i].partitioned;
-        !(a <= t && t < b)
+        i == 0 || !(a <= t && t < b)
     }
 
     fn alive(&self, i: usize) -> bool {
@@ -1327,8 +1328,9 @@ impl Sim {
                 } else {
                     Some(unreachable_since.unwrap_or(self.now))
                 };
-                let lost =
-                    unreachable_since.is_some_and(|t| self.now - t >= self.cfg.lost_grace_ms);
+                // Node 0 hosts the rendezvous store: it never gives up on it.
+                let lost = i != 0
+                    && unreachable_since.is_some_and(|t| self.now - t >= self.cfg.lost_grace_ms);
                 if done || lost || until.is_some_and(|u| self.now >= u) {
                     let s = &self.s;
                     let (j, g, d) = (s.census_joined, s.census_gone, s.census_dead);
