@@ -342,10 +342,13 @@ impl Agent {
             lost_grace: self.spec.lost_grace,
             hosts_rendezvous: self.handler.hosts_store(),
             // The others stop their workers within the shutdown grace once they
-            // see the failure (one check away), then count themselves.
+            // see the failure (one check away), then count themselves out; one
+            // that cannot see it stops them once the store has been gone for
+            // `lost_grace`.
             linger_after_failure: self.spec.shutdown_timeout
                 + self.spec.monitor_interval
-                + CHECK_TIMEOUT * 2,
+                + CHECK_TIMEOUT * 2
+                + self.spec.lost_grace,
             // Without liveness, a node that died silently would be waited for
             // forever: one more exit-barrier timeout, then the host goes.
             linger_after_success: (!self.handler.detects_dead_members())

@@ -340,7 +340,7 @@ impl Sim {
             lost_grace: Duration::from_millis(cfg.lost_grace_ms),
             hosts_rendezvous: i == 0,
             linger_after_failure: Duration::from_millis(
-                cfg.shutdown_ms + cfg.monitor_ms + 2 * CHECK_MS,
+                cfg.shutdown_ms + cfg.monitor_ms + 2 * CHECK_MS + cfg.lost_grace_ms,
             ),
             linger_after_success: None,
             reforms: cfg.backend == Backend::C10d,
