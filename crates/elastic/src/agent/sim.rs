@@ -217,6 +217,8 @@ struct Node {
     joining: bool,
     /// Joins so far (tells a join's timeout from a later join's).
     joins: u64,
+    /// A signal reached it.
+    signalled: bool,
     exited_at: Option<u64>,
     /// Counted in the census; left the rendezvous (counted out).
     counted_in: bool,
@@ -365,6 +367,7 @@ impl Sim {
                     job_store: None,
                     joining: false,
                     joins: 0,
+                    signalled: false,
                     exited_at: None,
                     decided_at: None,
                     counted_in: false,
@@ -966,7 +969,9 @@ impl Sim {
                 self.violation(format!("node {i} finished with its workers running"));
             }
         }
-        let voluntary = !matches!(v, Verdict::Signaled(_));
+        // A user stopping a node (a signal, in any phase) takes its stores
+        // with it: invariant 3 is about the agent's own decisions.
+        let voluntary = !self.nodes[i].signalled;
         self.nodes[i].life = Life::Exited(v);
         self.nodes[i].exited_at = Some(self.now);
         // The driver leaves on every way out; a leave that cannot reach the
@@ -1218,6 +1223,7 @@ impl Sim {
             Ev::Signal(i, s) => {
                 if self.alive(i) {
                     self.faults += 1;
+                    self.nodes[i].signalled = true;
                     self.deliver(i, Event::Signal(s));
                 }
             }
