@@ -43,6 +43,7 @@
 //! | `ExitBarrier` | failed: the run failed elsewhere | close | `Ending` |
 //! | `ExitBarrier` | failed: store unreachable | finish failed, outcome unknown (a host lingers first) | `Done` or `Ending(linger)` |
 //! | `ExitBarrier` | check: closed after a failure | close | `Ending` |
+//! | `ExitBarrier` | check: unreachable for `lost_grace` | finish failed, outcome unknown (a host lingers first) | `Done` or `Ending(linger)` |
 //! | `Ending(publish)` | published: the store holds *failed* | close (the verdict is the store's) | `Ending(close)` |
 //! | `Ending(publish)` | published: *succeeded* | close | `Ending(close)` |
 //! | `Ending(publish)` | not published | finish failed, without closing (a host lingers first) | `Done` or `Ending(linger)` |
@@ -149,6 +150,8 @@ pub enum Phase {
     /// Local workers succeeded; waiting for every node.
     ExitBarrier {
         round: u64,
+        /// Since when the rendezvous cannot be read.
+        unreachable_since: Option<Instant>,
     },
     /// The verdict is decided; publishing it, closing the run, lingering.
     Ending {
@@ -587,7 +590,10 @@ impl Policy {
             (Phase::Running { round, closed, .. }, E::WorkersSucceeded) => {
                 let _ = closed;
                 (
-                    Phase::ExitBarrier { round },
+                    Phase::ExitBarrier {
+                        round,
+                        unreachable_since: None,
+                    },
                     vec![A::EnterBarrier { round }],
                 )
             }
@@ -774,7 +780,7 @@ impl Policy {
             ) => stale(p, e),
 
             // ---- ExitBarrier
-            (Phase::ExitBarrier { round }, E::BarrierPassed) => self.end_publishing(
+            (Phase::ExitBarrier { round, .. }, E::BarrierPassed) => self.end_publishing(
                 Verdict::Succeeded {
                     round,
                     barrier: None,
@@ -782,7 +788,7 @@ impl Policy {
                 Publish::Succeeded,
             ),
             (
-                Phase::ExitBarrier { round },
+                Phase::ExitBarrier { round, .. },
                 E::BarrierFailed {
                     error,
                     timed_out,
@@ -832,17 +838,53 @@ impl Policy {
                     root,
                 })
             }
-            // Membership changes after this node finished do not concern it; a
-            // lost store shows in the barrier itself.
+            // A store gone for `lost_grace` ends the wait (the barrier's own
+            // timeout may be far longer): the outcome is unknown.
             (
-                p @ Phase::ExitBarrier { .. },
+                Phase::ExitBarrier {
+                    round,
+                    unreachable_since,
+                },
+                E::Checked(Observation::Unreachable(error)),
+            ) => match unreachable_since {
+                None => (
+                    Phase::ExitBarrier {
+                        round,
+                        unreachable_since: Some(now),
+                    },
+                    vec![A::NoteUnreachable { error }],
+                ),
+                Some(since) if now.saturating_duration_since(since) >= self.limits.lost_grace => {
+                    self.end_lingering(Verdict::Failed {
+                        why: Failure::LostRendezvous {
+                            during: During::ExitBarrier,
+                        },
+                        root: None,
+                    })
+                }
+                Some(since) => (
+                    Phase::ExitBarrier {
+                        round,
+                        unreachable_since: Some(since),
+                    },
+                    vec![],
+                ),
+            },
+            // Membership changes after this node finished do not concern it.
+            (
+                Phase::ExitBarrier { round, .. },
                 E::Checked(
                     Observation::Healthy
                     | Observation::Changed { .. }
-                    | Observation::Closed(Closed::Succeeded)
-                    | Observation::Unreachable(_),
+                    | Observation::Closed(Closed::Succeeded),
                 ),
-            ) => (p, vec![]),
+            ) => (
+                Phase::ExitBarrier {
+                    round,
+                    unreachable_since: None,
+                },
+                vec![],
+            ),
             (Phase::ExitBarrier { .. }, E::Signal(s)) => finish(Verdict::Signaled(s)),
             (
                 p @ Phase::ExitBarrier { .. },

@@ -926,7 +926,8 @@ impl Sim {
         if arrived.len() >= n {
             let everyone: Vec<usize> = arrived.iter().copied().collect();
             for j in everyone {
-                if self.alive(j) && self.nodes[j].policy.phase() == &(Phase::ExitBarrier { round })
+                if self.alive(j)
+                    && matches!(self.nodes[j].policy.phase(), Phase::ExitBarrier { round: r, .. } if *r == round)
                 {
                     let lat = self.nodes[j].latency;
                     self.reply(j, lat, Event::BarrierPassed);
@@ -1290,7 +1291,8 @@ impl Sim {
                 if !self.alive(i) || gen != self.nodes[i].gen {
                     return;
                 }
-                if self.nodes[i].policy.phase() != &(Phase::ExitBarrier { round }) {
+                if !matches!(self.nodes[i].policy.phase(), Phase::ExitBarrier { round: r, .. } if *r == round)
+                {
                     return;
                 }
                 let seen = self.observe(i);
