@@ -179,6 +179,9 @@ const PROGRESS_EVERY: Duration = Duration::from_secs(10);
 const CHECK_TIMEOUT: Duration = Duration::from_secs(2);
 /// How often a lingering host looks whether the others finished.
 const LINGER_POLL: Duration = Duration::from_millis(50);
+/// How often a join looks at the run store, to notice it gone: a join fails
+/// once it has not answered for `lost_grace` (plus at most one probe).
+const JOIN_PROBE: Duration = Duration::from_secs(1);
 
 /// The agent of one node.
 pub struct Agent {
@@ -415,9 +418,46 @@ impl Agent {
         let mut join = tokio::spawn(async move { handler.next_rendezvous().await });
         let mut note =
             tokio::time::interval_at(tokio::time::Instant::now() + PROGRESS_EVERY, PROGRESS_EVERY);
+        // The run store, probed while the join waits: the join itself would
+        // wait out the store client's retries and the join timeout.
+        let probed = run
+            .last_run_store
+            .clone()
+            .or_else(|| self.handler.run_store());
+        let mut probe =
+            tokio::time::interval_at(tokio::time::Instant::now() + JOIN_PROBE, JOIN_PROBE);
+        let mut unreachable_since: Option<Instant> = None;
         let joined = loop {
             tokio::select! {
                 r = &mut join => break r,
+                _ = probe.tick(), if probed.is_some() => {
+                    let store = probed.as_ref().expect("probed only with a store");
+                    let answer = tokio::time::timeout(
+                        JOIN_PROBE,
+                        store.check(&[run_store::keys::CLOSED]),
+                    )
+                    .await;
+                    let error = match answer {
+                        Ok(Ok(_)) => None,
+                        Ok(Err(e)) => Some(e.to_string()),
+                        Err(_) => Some(format!("no answer within {JOIN_PROBE:?}")),
+                    };
+                    match error {
+                        None => unreachable_since = None,
+                        Some(e) => {
+                            let since = *unreachable_since.get_or_insert_with(Instant::now);
+                            if since.elapsed() >= self.spec.lost_grace {
+                                join.abort();
+                                let error = format!(
+                                    "the rendezvous store of run {run_id} stopped answering for {:?} while joining (--rdzv-lost-timeout): {e}",
+                                    since.elapsed()
+                                );
+                                self.emit(AgentEvent::RendezvousFailed { error: error.clone() });
+                                return self.decide(&mut run.policy, Event::JoinFailed(error));
+                            }
+                        }
+                    }
+                }
                 s = run.signals.recv() => {
                     // Dropping the join mid-way is safe: the rendezvous never
                     // waits for a node that stopped between its steps.

@@ -78,6 +78,8 @@ use super::run_store::{Closed, FailureRecord};
 const CHECK_MS: u64 = 2_000;
 /// The store client's timeout (rank assignment, the job store's address).
 const STORE_TIMEOUT_MS: u64 = 60_000;
+/// How often a join probes the run store (`JOIN_PROBE`).
+const JOIN_PROBE_MS: u64 = 1_000;
 /// The rendezvous' bound on one join (`join_timeout`, PyTorch's 600 s).
 const JOIN_TIMEOUT_MS: u64 = 600_000;
 /// Simulated time after which a node still running is a hang.
@@ -243,6 +245,8 @@ enum Ev {
     DeadCheck(usize, u64),
     /// Join number `n` of node `i` reaches `join_timeout`.
     JoinTimeout(usize, u64),
+    /// Join number `n` of node `i` probes the run store (unreachable since).
+    JoinProbe(usize, u64, Option<u64>),
     /// Static: the keep-alive watcher of node `i` looks at its heartbeat.
     StaticDeadCheck(usize),
     BarrierTimeout(usize, u64, u64),
@@ -674,10 +678,10 @@ impl Sim {
         // The previous round ends: workers gone (the stop already happened);
         // the job store stays up until this join ends.
         if !self.reaches(i) {
-            // The store client's timeout (defect 7: not yet bounded by the grace).
+            // The driver's probes give up after `lost_grace`, plus one probe.
             self.reply(
                 i,
-                STORE_TIMEOUT_MS,
+                self.cfg.lost_grace_ms + JOIN_PROBE_MS,
                 Event::JoinFailed("store unreachable".into()),
             );
             return;
@@ -707,6 +711,8 @@ impl Sim {
                 self.nodes[i].joins += 1;
                 let t = self.now + JOIN_TIMEOUT_MS;
                 self.at(t, Ev::JoinTimeout(i, self.nodes[i].joins));
+                let t = self.now + JOIN_PROBE_MS;
+                self.at(t, Ev::JoinProbe(i, self.nodes[i].joins, None));
                 self.s.joiners.push(i);
                 self.try_form(false);
             }
@@ -1259,6 +1265,25 @@ impl Sim {
                     {
                         self.at(t, Ev::DeadCheck(i, r));
                     }
+                }
+            }
+            Ev::JoinProbe(i, n, since) => {
+                let node = &self.nodes[i];
+                if !self.alive(i) || !node.joining || node.joins != n {
+                    return;
+                }
+                let since = if self.reaches(i) {
+                    None
+                } else {
+                    Some(since.unwrap_or(self.now))
+                };
+                if since.is_some_and(|s| self.now - s >= self.cfg.lost_grace_ms) {
+                    self.nodes[i].joining = false;
+                    self.s.joiners.retain(|&j| j != i);
+                    self.deliver(i, Event::JoinFailed("store unreachable".into()));
+                } else {
+                    let t = self.now + JOIN_PROBE_MS;
+                    self.at(t, Ev::JoinProbe(i, n, since));
                 }
             }
             Ev::JoinTimeout(i, n) => {
