@@ -836,22 +836,26 @@ impl Agent {
         let until = bound.map(|b| tokio::time::Instant::now() + b);
         let mut said = false;
         let mut unreachable_since: Option<Instant> = None;
+        // By then every other node has stopped its workers on its own.
+        let give_up = if self.handler.hosts_store() {
+            self.limits().linger_after_failure
+        } else {
+            self.spec.lost_grace
+        };
         loop {
             // A store that does not answer now may be stalled: keep it up and
             // look again. A node whose rendezvous store is another's gives up
             // after `lost_grace` (nobody can count itself out of a store that
-            // is gone); the host of that store never does, its store is the
-            // one the others need. The bound, if any, still ends the wait.
+            // is gone); the host of that store waits until the others, who
+            // cannot reach it either, have stopped their workers on their own.
+            // The bound, if any, still ends the wait.
             let remaining = bounded(self.handler.remaining()).await.and_then(Result::ok);
             if remaining == Some(0) {
                 break;
             }
             if remaining.is_some() {
                 unreachable_since = None;
-            } else if !self.handler.hosts_store()
-                && unreachable_since.get_or_insert_with(Instant::now).elapsed()
-                    >= self.spec.lost_grace
-            {
+            } else if unreachable_since.get_or_insert_with(Instant::now).elapsed() >= give_up {
                 break;
             }
             if let (false, Some(n)) = (said, remaining) {

@@ -661,7 +661,7 @@ impl Policy {
                     StopReason::MemberLostFixedGroup => {
                         self.end_publishing_failure(Failure::MemberLostFixedGroup)
                     }
-                    StopReason::LostRendezvous => self.end_lingering(Verdict::Failed {
+                    StopReason::LostRendezvous => self.end_lingering_unpublished(Verdict::Failed {
                         why: Failure::LostRendezvous {
                             during: During::Running,
                         },
@@ -751,7 +751,7 @@ impl Policy {
                 } else {
                     // Never closed without a verdict: the others notice this node
                     // gone (heartbeats) or fail on their own.
-                    self.end_lingering(Verdict::Failed {
+                    self.end_lingering_unpublished(Verdict::Failed {
                         why: Failure::Unrecorded,
                         root: self.local_failure.clone(),
                     })
@@ -801,7 +801,7 @@ impl Policy {
                 }),
                 Observation::Unreachable(why) => {
                     let _ = why;
-                    self.end_lingering(Verdict::Failed {
+                    self.end_lingering_unpublished(Verdict::Failed {
                         why: Failure::LostRendezvous {
                             during: During::ExitBarrier,
                         },
@@ -823,7 +823,7 @@ impl Policy {
                             Publish::Succeeded,
                         )
                     } else {
-                        self.end_lingering(Verdict::Failed {
+                        self.end_lingering_unpublished(Verdict::Failed {
                             why: Failure::LostRendezvous {
                                 during: During::ExitBarrier,
                             },
@@ -855,7 +855,7 @@ impl Policy {
                     vec![A::NoteUnreachable { error }],
                 ),
                 Some(since) if now.saturating_duration_since(since) >= self.limits.lost_grace => {
-                    self.end_lingering(Verdict::Failed {
+                    self.end_lingering_unpublished(Verdict::Failed {
                         why: Failure::LostRendezvous {
                             during: During::ExitBarrier,
                         },
@@ -934,7 +934,7 @@ impl Policy {
                     step: EndStep::Publish | EndStep::ReadVerdict,
                 },
                 E::NotPublished(e),
-            ) => self.end_lingering(match verdict {
+            ) => self.end_lingering_unpublished(match verdict {
                 Verdict::Failed { why, root } => Verdict::Failed {
                     why,
                     root: root.or_else(|| self.local_failure.clone()),
@@ -1158,13 +1158,24 @@ impl Policy {
     /// this node cannot reach the run store: for a host that is its own store
     /// stalled, which the others still need once it answers again.
     fn end_lingering(&self, verdict: Verdict) -> (Phase, Vec<Action>) {
+        self.linger(verdict, true)
+    }
+
+    /// [`Self::end_lingering`] with a failure the others were not told of (the
+    /// store did not answer): a host waits for them as after a success, since
+    /// nothing tells them to stop.
+    fn end_lingering_unpublished(&self, verdict: Verdict) -> (Phase, Vec<Action>) {
+        self.linger(verdict, false)
+    }
+
+    fn linger(&self, verdict: Verdict, published: bool) -> (Phase, Vec<Action>) {
         let job_store = self.member.is_some_and(|m| m.hosts && m.nodes > 1);
         if !(job_store || self.limits.hosts_rendezvous) {
             return finish(verdict);
         }
         let bound = match verdict {
-            Verdict::Succeeded { .. } | Verdict::NotNeeded => self.limits.linger_after_success,
-            _ => Some(self.limits.linger_after_failure),
+            Verdict::Failed { .. } if published => Some(self.limits.linger_after_failure),
+            _ => self.limits.linger_after_success,
         };
         let (round, nodes) = self.member.map_or((0, 0), |m| (m.round, m.nodes));
         (

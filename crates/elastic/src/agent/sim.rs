@@ -1361,9 +1361,15 @@ impl Sim {
                 } else {
                     Some(unreachable_since.unwrap_or(self.now))
                 };
-                // Node 0 hosts the rendezvous store: it never gives up on it.
-                let lost = i != 0
-                    && unreachable_since.is_some_and(|t| self.now - t >= self.cfg.lost_grace_ms);
+                // Node 0 hosts the rendezvous store: it gives up on it only
+                // once the others must have stopped their workers.
+                let c = &self.cfg;
+                let give_up = if i == 0 {
+                    c.shutdown_ms + c.monitor_ms + 2 * CHECK_MS + c.lost_grace_ms
+                } else {
+                    c.lost_grace_ms
+                };
+                let lost = unreachable_since.is_some_and(|t| self.now - t >= give_up);
                 if done || lost || until.is_some_and(|u| self.now >= u) {
                     let s = &self.s;
                     let (j, g, d) = (s.census_joined, s.census_gone, s.census_dead);
