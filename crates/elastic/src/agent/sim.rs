@@ -243,6 +243,8 @@ enum Ev {
     Signal(usize, i32),
     LastCall(u64),
     DeadCheck(usize, u64),
+    /// Node `i` spawns the workers of `round`, if it still starts it.
+    Spawn(usize, u64),
     /// Join number `n` of node `i` reaches `join_timeout`.
     JoinTimeout(usize, u64),
     /// Join number `n` of node `i` probes the run store (unreachable since).
@@ -830,10 +832,10 @@ impl Sim {
         let everyone: Vec<usize> = arrived.iter().copied().collect();
         let _ = rank;
         for j in everyone {
-            if !self.alive(j) || self.nodes[j].policy.phase() != &(Phase::Starting { round }) {
-                continue;
-            }
-            self.spawn_workers(j, round);
+            // Each finishes its setup (the job store's address) after its
+            // latency, then spawns.
+            let t = self.now + self.nodes[j].latency;
+            self.at(t, Ev::Spawn(j, round));
         }
     }
 
@@ -849,26 +851,23 @@ impl Sim {
             told: false,
             failure: None,
         });
-        let lat = self.nodes[j].latency;
-        let gen = self.nodes[j].gen;
-        self.at(
-            self.now + lat,
-            Ev::Deliver(
-                j,
-                Event::Started {
-                    hosts_job_store: hosts,
-                },
-            ),
-        );
         let fails = self.rng.chance(0.15);
         let d = self.rng.range(500, 60_000);
         if fails {
             self.faults += 1;
         }
-        let t = self.now + lat + d;
+        let t = self.now + d;
         self.at(t, Ev::WorkersEnd(j, round, !fails));
-        let t = self.now + lat + self.cfg.monitor_ms;
-        self.at(t, Ev::Tick(j, gen + 1));
+        // As the driver: spawned, then `Started` at once (no signal between).
+        self.deliver(
+            j,
+            Event::Started {
+                hosts_job_store: hosts,
+            },
+        );
+        let gen = self.nodes[j].gen;
+        let t = self.now + self.cfg.monitor_ms;
+        self.at(t, Ev::Tick(j, gen));
     }
 
     fn stop(&mut self, i: usize) {
@@ -1265,6 +1264,11 @@ impl Sim {
                     {
                         self.at(t, Ev::DeadCheck(i, r));
                     }
+                }
+            }
+            Ev::Spawn(j, round) => {
+                if self.alive(j) && self.nodes[j].policy.phase() == &(Phase::Starting { round }) {
+                    self.spawn_workers(j, round);
                 }
             }
             Ev::JoinProbe(i, n, since) => {
