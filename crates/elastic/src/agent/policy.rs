@@ -920,9 +920,11 @@ impl Policy {
                         why: Failure::Elsewhere,
                         root,
                     },
-                    (Verdict::Failed { why, root }, Closed::Failed(published)) => Verdict::Failed {
+                    // The store's root cause is the run's, even none (a node
+                    // lost): every node reports the same one.
+                    (Verdict::Failed { why, .. }, Closed::Failed(published)) => Verdict::Failed {
                         why,
-                        root: published.or(root),
+                        root: published,
                     },
                     (v, _) => v,
                 };
