@@ -985,6 +985,10 @@ impl Policy {
                         root,
                     }
                 }
+                // The run's root cause, as every node reports it.
+                (Verdict::Failed { why, .. }, Some(Closed::Failed(root))) => {
+                    Verdict::Failed { why, root }
+                }
                 (v, _) => v,
             }),
             (Phase::Ending { verdict, .. }, E::Signal(_)) => finish(verdict),
