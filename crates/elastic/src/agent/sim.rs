@@ -223,6 +223,8 @@ struct Node {
     /// A signal reached it.
     signalled: bool,
     exited_at: Option<u64>,
+    /// The step at which an answer carrying the verdict reached it.
+    read_at: Option<u64>,
     /// Counted in the census; left the rendezvous (counted out).
     counted_in: bool,
     left: bool,
@@ -377,6 +379,7 @@ impl Sim {
                     signalled: false,
                     exited_at: None,
                     decided_at: None,
+                    read_at: None,
                     counted_in: false,
                     left: false,
                 }
@@ -493,6 +496,12 @@ impl Sim {
             return;
         }
         self.note(|| format!("node {i} <- {event:?}"));
+        if matches!(
+            event,
+            Event::Published(_) | Event::VerdictRead(Some(_)) | Event::Lingered(Some(_))
+        ) {
+            self.nodes[i].read_at = Some(self.steps);
+        }
         let before = self.nodes[i].policy.phase().name();
         let now = self.instant();
         let actions = self.nodes[i].policy.on(event, now);
@@ -960,7 +969,7 @@ impl Sim {
         // Invariant 5: a node that read the published failure reports its
         // root cause (one that could not reach the store reports its own).
         let read_it = self.nodes[i]
-            .decided_at
+            .read_at
             .zip(self.s.failed_step)
             .is_some_and(|(d, f)| d >= f);
         if let (Verdict::Failed { root, .. }, true) = (&v, read_it) {
