@@ -11,7 +11,7 @@
 //! |---|---|---|---|
 //! | `Rendezvous` | joined round r | start workers | `Starting` |
 //! | `Rendezvous` | join ended: run closed, or spare not needed | read the verdict | `Ending(reading)` |
-//! | `Rendezvous` | join failed (timeout, store gone) | finish | `Done` |
+//! | `Rendezvous` | join failed (timeout, store gone) | finish (a host lingers first) | `Done` or `Ending(linger)` |
 //! | `Starting` | started | | `Running` |
 //! | `Starting` | start failed on the stores (a member lost) | join | `Rendezvous` |
 //! | `Starting` | start failed on the stores, fixed group (`static`) | publish *failed* | `Ending` |
@@ -482,7 +482,10 @@ impl Policy {
                 },
                 vec![A::ReadVerdict],
             ),
-            (Phase::Rendezvous, E::JoinFailed(e)) => finish(Verdict::JoinFailed(e)),
+            // A host whose own store stalls keeps it up for the others.
+            (Phase::Rendezvous, E::JoinFailed(e)) => {
+                self.end_lingering_unpublished(Verdict::JoinFailed(e))
+            }
             (Phase::Rendezvous, E::Signal(s)) => finish(Verdict::Signaled(s)),
             (
                 p @ Phase::Rendezvous,
