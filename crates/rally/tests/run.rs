@@ -763,5 +763,7 @@ mod agent_failures;
 mod collectives;
 #[path = "run/dropin.rs"]
 mod dropin;
+#[path = "run/rendezvous_failures.rs"]
+mod rendezvous_failures;
 #[path = "run/rpc.rs"]
 mod rpc;

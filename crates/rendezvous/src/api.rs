@@ -134,6 +134,11 @@ pub trait RendezvousHandler: Send + Sync {
         Ok(0)
     }
 
+    /// Where the rendezvous store is (`host:port`, a path), for errors.
+    fn endpoint(&self) -> Option<String> {
+        None
+    }
+
     /// Whether a round can re-form with other members (a dead member replaced
     /// or dropped). `static` cannot: its nodes are fixed.
     fn reforms(&self) -> bool {

@@ -215,6 +215,10 @@ impl RendezvousHandler for StaticTcpRendezvous {
         false
     }
 
+    fn endpoint(&self) -> Option<String> {
+        Some(format!("{}:{}", self.host, self.port))
+    }
+
     /// Stops keeping alive and says so, so the node watching this one does not
     /// count it dead.
     /// Once: later calls do nothing.

@@ -448,8 +448,12 @@ impl Agent {
                             let since = *unreachable_since.get_or_insert_with(Instant::now);
                             if since.elapsed() >= self.spec.lost_grace {
                                 join.abort();
+                                let at = self
+                                    .handler
+                                    .endpoint()
+                                    .map_or(String::new(), |e| format!(" at {e}"));
                                 let error = format!(
-                                    "the rendezvous store of run {run_id} stopped answering for {:?} while joining (--rdzv-lost-timeout): {e}",
+                                    "the rendezvous store{at} of run {run_id} stopped answering for {:?} while joining (--rdzv-lost-timeout): {e}",
                                     since.elapsed()
                                 );
                                 self.emit(AgentEvent::RendezvousFailed { error: error.clone() });

@@ -146,6 +146,8 @@ pub struct DynamicRendezvous {
     node: Mutex<Node>,
     /// This node serves the rendezvous store (the first `c10d` node).
     hosts_store: bool,
+    /// Where the rendezvous store is, for errors.
+    endpoint: Option<String>,
 }
 
 /// How workers reach the job's store.
@@ -326,7 +328,14 @@ impl DynamicRendezvous {
             keepalive: Arc::new(CounterKeepalive),
             node: Mutex::new(Node::default()),
             hosts_store: false,
+            endpoint: None,
         }
+    }
+
+    /// Names where the rendezvous store is (for errors).
+    pub fn with_endpoint(mut self, endpoint: String) -> Self {
+        self.endpoint = Some(endpoint);
+        self
     }
 
     /// Reports `name` as the backend (for backends built on this one).
@@ -960,6 +969,10 @@ impl RendezvousHandler for DynamicRendezvous {
         self.hosts_store
     }
 
+    fn endpoint(&self) -> Option<String> {
+        self.endpoint.clone()
+    }
+
     async fn shutdown(&self) -> Result<bool, RendezvousError> {
         if let Some(h) = self.node.lock().await.heartbeat.take() {
             h.abort();
@@ -1025,6 +1038,7 @@ pub fn create(p: RendezvousParameters) -> Created {
             },
             false => connect(false).await.map_err(conn(&p.run_id))?,
         };
+        let endpoint = format!("{host}:{port}");
         let port = store.port();
         let hosts = store.server().is_some();
         let addr = advertised_addr(&p);
@@ -1045,7 +1059,7 @@ pub fn create(p: RendezvousParameters) -> Created {
         if hosts {
             h = h.hosting_store();
         }
-        Ok(Box::new(h) as Box<dyn RendezvousHandler>)
+        Ok(Box::new(h.with_endpoint(endpoint)) as Box<dyn RendezvousHandler>)
     })
 }
 

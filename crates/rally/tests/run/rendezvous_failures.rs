@@ -1,0 +1,196 @@
+//! The defects of issue 18 where they show end to end: the static backend
+//! watched (a failure elsewhere stops this node's workers, a node that dies is
+//! noticed), the job store outliving the host's own workers, and a join whose
+//! rendezvous store is gone. Included by `run.rs` (one test binary).
+
+use super::*;
+
+/// Flags of node `rank` of a two-node static job whose rank 0 hosts the
+/// store on `port`, keeping alive every 0.5 s (dead after two misses).
+fn static_node(rank: usize, port: u16) -> Vec<String> {
+    [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--node-rank",
+        &rank.to_string(),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        &port.to_string(),
+        "--max-restarts",
+        "0",
+        "--monitor-interval",
+        "0.1",
+        "--rdzv-conf",
+        "keep_alive_interval=0.5,keep_alive_max_attempt=2",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+fn sh(args: &[String], shell: &str, dir: &Path, name: &str) -> Job {
+    let mut c = rally(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    c.args(["--no-python", "sh", "-c", shell]);
+    Job::spawn(c, dir, name)
+}
+
+/// Waits until `path` exists.
+fn wait_file(path: &Path) {
+    let t0 = Instant::now();
+    while !path.exists() {
+        assert!(t0.elapsed() < LIMIT, "{} never appeared", path.display());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Defect 5: under the default backend a failure on one node used to leave
+/// the other node's workers running until a collective timed out (here:
+/// forever, the workers never talk). Now the published failure stops them, and
+/// both nodes report the same root cause.
+#[test]
+fn static_a_failure_on_one_node_stops_the_other_nodes_workers() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let started = dir.path().join("started");
+    let mut a = sh(
+        &static_node(0, port),
+        &format!("touch {}; sleep 600", started.display()),
+        dir.path(),
+        "a",
+    );
+    let mut b = sh(
+        &static_node(1, port),
+        &format!(
+            "while [ ! -e {} ]; do sleep 0.05; done; echo broke on purpose >&2; exit 3",
+            started.display()
+        ),
+        dir.path(),
+        "b",
+    );
+    let t0 = Instant::now();
+    let (sa, sb) = (a.wait(LIMIT), b.wait(LIMIT));
+    let took = t0.elapsed();
+    let both = format!("{}\n---\n{}", a.output(), b.output());
+    assert_eq!((sa.code(), sb.code()), (Some(1), Some(1)), "{both}");
+    for out in [a.output(), b.output()] {
+        assert!(out.contains("exitcode  : 3"), "{both}");
+    }
+    assert!(took < Duration::from_secs(30), "{took:?}: {both}");
+}
+
+/// Defect 5, the other half: a static node killed outright (its agent and
+/// workers) is noticed through the keep-alive, and the survivor fails at once
+/// naming why, instead of waiting forever (PyTorch's static handler never
+/// notices).
+#[test]
+fn static_a_killed_node_fails_the_job_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let started = dir.path().join("b.started");
+    let mut a = sh(&static_node(0, port), "sleep 600", dir.path(), "a");
+    let mut b = sh(
+        &static_node(1, port),
+        &format!("touch {}; sleep 600", started.display()),
+        dir.path(),
+        "b",
+    );
+    wait_file(&started);
+    b.signal(libc::SIGKILL);
+    let t0 = Instant::now();
+    let sa = a.wait(LIMIT);
+    let took = t0.elapsed();
+    assert_eq!(sa.code(), Some(1), "{}", a.output());
+    assert!(
+        a.output().contains("stopped keeping alive"),
+        "{}",
+        a.output()
+    );
+    assert!(took < Duration::from_secs(20), "{took:?}: {}", a.output());
+    b.wait(LIMIT);
+}
+
+/// Defect 1: the round's job store used to go away as soon as the host
+/// node's own workers exited; a worker elsewhere that used it later (a final
+/// barrier, a checkpoint handshake) then failed. Real PyTorch clients.
+#[test]
+fn the_job_store_outlives_the_host_nodes_workers() {
+    let dir = tempfile::tempdir().unwrap();
+    let endpoint = format!("127.0.0.1:{}", free_port());
+    let args = [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        &endpoint,
+        "--rdzv-id",
+        "late-store",
+        "--max-restarts",
+        "0",
+    ];
+    let job = |name: &str| {
+        let mut c = rally(&args);
+        c.arg(script("late_store_user.py")).env("LATE", "3");
+        Job::spawn(c, dir.path(), name)
+    };
+    let mut a = job("a");
+    std::thread::sleep(Duration::from_millis(300));
+    let mut b = job("b");
+    let (sa, sb) = (a.wait(LIMIT), b.wait(LIMIT));
+    let both = format!("{}\n---\n{}", a.output(), b.output());
+    assert!(sa.success() && sb.success(), "{both}");
+    assert!(
+        both.contains("rank 1 used the job store after rank 0 exited"),
+        "{both}"
+    );
+}
+
+/// Defect 7: a node waiting in a join whose rendezvous store stopped answering
+/// (its host stopped: a hung machine, a partition; a closed connection fails at
+/// once) used to wait for the join timeout (600 s). It fails within
+/// `--rdzv-lost-timeout` plus a probe, naming the run.
+#[test]
+fn a_join_whose_rendezvous_store_is_gone_fails_within_the_lost_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let endpoint = format!("127.0.0.1:{}", free_port());
+    let args = [
+        "--nnodes",
+        "3",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        &endpoint,
+        "--rdzv-id",
+        "gone",
+        "--rdzv-lost-timeout",
+        "2",
+    ]
+    .map(String::from);
+    // The host and one more node wait for a third that never comes.
+    let mut host = sh(&args, "true", dir.path(), "host");
+    std::thread::sleep(Duration::from_millis(300));
+    let mut waiting = sh(&args, "true", dir.path(), "waiting");
+    // Let the second node reach its wait, then stop the store's host.
+    std::thread::sleep(Duration::from_secs(2));
+    host.signal(libc::SIGSTOP);
+    let t0 = Instant::now();
+    let s = waiting.wait(LIMIT);
+    let took = t0.elapsed();
+    let out = waiting.output();
+    assert!(!s.success(), "{out}");
+    assert!(out.contains("stopped answering"), "{out}");
+    assert!(
+        out.contains(&format!("rendezvous store at {endpoint} of run gone")),
+        "{out}"
+    );
+    assert!(took < Duration::from_secs(10), "{took:?}: {out}");
+    host.signal(libc::SIGKILL);
+    host.signal(libc::SIGCONT);
+    host.wait(LIMIT);
+}
