@@ -19,6 +19,7 @@
 //! | `Starting` | check: members lost or waiting | join (re-form) | `Rendezvous` |
 //! | `Starting` | check: a member lost in a fixed group (`static`) | publish *failed* | `Ending` |
 //! | `Starting` | check: closed after a failure | publish nothing, close | `Ending` |
+//! | `Starting` | check: unreachable for `lost_grace` | finish failed, outcome unknown (a host lingers first) | `Done` or `Ending(linger)` |
 //! | `Running` | all workers succeeded | enter the exit barrier | `ExitBarrier` |
 //! | `Running` | a worker failed | stop the rest (SIGTERM) | `Stopping(failure)` |
 //! | `Running` | check: a member died, or nodes wait and no member finished | stop | `Stopping(re-form)` |
@@ -95,6 +96,7 @@ pub enum StopReason {
 /// The phase in which the rendezvous store was lost.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum During {
+    Starting,
     Running,
     ExitBarrier,
 }
@@ -102,6 +104,7 @@ pub enum During {
 impl std::fmt::Display for During {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
+            During::Starting => "the start",
             During::Running => "running",
             During::ExitBarrier => "the exit barrier",
         })
@@ -127,6 +130,8 @@ pub enum Phase {
     /// Ranks, the job store, spawning; the rendezvous is watched meanwhile.
     Starting {
         round: u64,
+        /// Since when the rendezvous cannot be read.
+        unreachable_since: Option<Instant>,
     },
     /// Workers running. `closed` once another node closed the run after success
     /// (no more rounds); `unreachable_since` while the rendezvous cannot be read.
@@ -473,7 +478,13 @@ impl Policy {
                     nodes,
                     hosts: self.limits.hosts_rendezvous,
                 });
-                (Phase::Starting { round }, vec![A::Start { round }])
+                (
+                    Phase::Starting {
+                        round,
+                        unreachable_since: None,
+                    },
+                    vec![A::Start { round }],
+                )
             }
             (Phase::Rendezvous, E::JoinClosed) => (
                 Phase::Ending {
@@ -508,7 +519,7 @@ impl Policy {
             ) => stale(p, e),
 
             // ---- Starting
-            (Phase::Starting { round }, E::Started { hosts_job_store }) => {
+            (Phase::Starting { round, .. }, E::Started { hosts_job_store }) => {
                 if let Some(m) = &mut self.member {
                     m.hosts |= hosts_job_store;
                 }
@@ -526,7 +537,7 @@ impl Policy {
             {
                 self.end_publishing_failure(Failure::FixedGroupStart(e))
             }
-            (Phase::Starting { round }, E::StartFailed(StartError::Store(e))) => (
+            (Phase::Starting { round, .. }, E::StartFailed(StartError::Store(e))) => (
                 Phase::Rendezvous,
                 vec![
                     A::NoteReform {
@@ -541,7 +552,13 @@ impl Policy {
             (Phase::Starting { .. }, E::StartFailed(StartError::Local(e))) => {
                 self.end_publishing_failure(Failure::StartFailed(e))
             }
-            (Phase::Starting { round }, E::Checked(obs)) => match obs {
+            (
+                Phase::Starting {
+                    round,
+                    unreachable_since,
+                },
+                E::Checked(obs),
+            ) => match obs {
                 Observation::Changed { dead, .. } if dead > 0 && !self.limits.reforms => {
                     self.end_publishing_failure(Failure::MemberLostFixedGroup)
                 }
@@ -560,13 +577,45 @@ impl Policy {
                     why: Failure::Elsewhere,
                     root,
                 }),
+                // The start's own store calls wait up to the store's timeout:
+                // a store gone for `lost_grace` ends it sooner.
+                Observation::Unreachable(error) => match unreachable_since {
+                    None => (
+                        Phase::Starting {
+                            round,
+                            unreachable_since: Some(now),
+                        },
+                        vec![A::NoteUnreachable { error }],
+                    ),
+                    Some(since)
+                        if now.saturating_duration_since(since) >= self.limits.lost_grace =>
+                    {
+                        self.end_lingering_unpublished(Verdict::Failed {
+                            why: Failure::LostRendezvous {
+                                during: During::Starting,
+                            },
+                            root: None,
+                        })
+                    }
+                    Some(since) => (
+                        Phase::Starting {
+                            round,
+                            unreachable_since: Some(since),
+                        },
+                        vec![],
+                    ),
+                },
                 // A success closed elsewhere does not stop a start (the workers
-                // will run to their end, as on a running node); unreachable
-                // stores show in the start itself, which is bounded.
+                // will run to their end, as on a running node).
                 Observation::Healthy
                 | Observation::Changed { .. }
-                | Observation::Closed(Closed::Succeeded)
-                | Observation::Unreachable(_) => (Phase::Starting { round }, vec![]),
+                | Observation::Closed(Closed::Succeeded) => (
+                    Phase::Starting {
+                        round,
+                        unreachable_since: None,
+                    },
+                    vec![],
+                ),
             },
             (Phase::Starting { .. }, E::Signal(s)) => finish(Verdict::Signaled(s)),
             (

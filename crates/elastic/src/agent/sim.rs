@@ -819,6 +819,10 @@ impl Sim {
         let Some((_, rank, n)) = self.nodes[i].round else {
             return;
         };
+        // Monitoring during the start.
+        let gen = self.nodes[i].gen;
+        let t = self.now + self.cfg.monitor_ms;
+        self.at(t, Ev::Tick(i, gen));
         if !self.reaches(i) {
             self.reply(
                 i,
@@ -827,10 +831,6 @@ impl Sim {
             );
             return;
         }
-        // Monitoring during the start.
-        let gen = self.nodes[i].gen;
-        let t = self.now + self.cfg.monitor_ms;
-        self.at(t, Ev::Tick(i, gen));
         let arrived = self.s.started.entry(round).or_default();
         arrived.insert(i);
         if arrived.len() < n {
@@ -1278,7 +1278,9 @@ impl Sim {
                 }
             }
             Ev::Spawn(j, round) => {
-                if self.alive(j) && self.nodes[j].policy.phase() == &(Phase::Starting { round }) {
+                if self.alive(j)
+                    && matches!(self.nodes[j].policy.phase(), Phase::Starting { round: r, .. } if *r == round)
+                {
                     self.spawn_workers(j, round);
                 }
             }
@@ -1349,7 +1351,8 @@ impl Sim {
                 if !self.alive(i) || gen != self.nodes[i].gen {
                     return;
                 }
-                if self.nodes[i].policy.phase() != &(Phase::Starting { round }) {
+                if !matches!(self.nodes[i].policy.phase(), Phase::Starting { round: r, .. } if *r == round)
+                {
                     return;
                 }
                 if let Some(a) = self.s.started.get_mut(&round) {

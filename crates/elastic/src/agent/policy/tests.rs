@@ -723,6 +723,44 @@ fn an_unreachable_rendezvous_is_tolerated_for_the_grace_then_fails() {
     );
 }
 
+/// Defect 7's kin: every wait on the store ends within the grace, not the
+/// store's or the barrier's own timeout.
+#[test]
+fn an_unreachable_rendezvous_ends_a_start_and_an_exit_barrier_after_the_grace() {
+    let gone = || E::Checked(Observation::Unreachable("refused".into()));
+    let lost = |during| {
+        A::Finish(Verdict::Failed {
+            why: Failure::LostRendezvous { during },
+            root: None,
+        })
+    };
+    // Starting.
+    let (mut p, t0) = policy(3);
+    drive(&mut p, t0, &[(0.0, E::Joined { round: 0, nodes: 2 })]);
+    let a = drive(&mut p, t0, &[(1.0, gone()), (5.9, gone())]);
+    assert_eq!(a.len(), 1, "{a:?}");
+    assert_eq!(
+        drive(&mut p, t0, &[(6.0, gone())]),
+        [lost(During::Starting)]
+    );
+    // The exit barrier (its own timeout is 300 s).
+    let (mut p, t0) = policy(3);
+    running(&mut p, t0, 0);
+    drive(&mut p, t0, &[(1.0, E::WorkersSucceeded)]);
+    let a = drive(
+        &mut p,
+        t0,
+        &[(2.0, gone()), (4.0, E::Checked(Observation::Healthy))],
+    );
+    assert_eq!(a.len(), 1, "{a:?}");
+    let a = drive(&mut p, t0, &[(5.0, gone()), (9.9, gone())]);
+    assert_eq!(a.len(), 1, "back in time: the grace starts afresh: {a:?}");
+    assert_eq!(
+        drive(&mut p, t0, &[(10.0, gone())]),
+        [lost(During::ExitBarrier)]
+    );
+}
+
 #[test]
 fn a_signal_in_each_phase() {
     let sig = libc::SIGINT;
