@@ -219,15 +219,13 @@ pub struct RunArgs {
         default_value_t = 300.0
     )]
     exit_barrier_timeout: f64,
-    /// (rallypoint) Seconds the rendezvous store may stay unreachable while
-    /// workers run before this node gives the job up as failed ("lost the
-    /// rendezvous host").
-    #[arg(
-        long = "rdzv-lost-timeout",
-        env = "RALLY_RDZV_LOST_TIMEOUT",
-        default_value_t = 5.0
-    )]
-    rdzv_lost_timeout: f64,
+    /// (rallypoint) Seconds the rendezvous store may stay unreachable (in a
+    /// join, a start, while workers run, at the exit barrier) before this node
+    /// gives up on it ("lost the rendezvous host"). Default: the store's read
+    /// timeout (`--rdzv-conf read_timeout`, 60 s), so a busy store is never
+    /// taken for a lost one.
+    #[arg(long = "rdzv-lost-timeout", env = "RALLY_RDZV_LOST_TIMEOUT")]
+    rdzv_lost_timeout: Option<f64>,
     /// (rallypoint) Write events as JSON lines to this file (`-`: stderr).
     #[arg(long, env = "RALLY_EVENTS")]
     events: Option<PathBuf>,
@@ -389,7 +387,7 @@ fn plan(a: &RunArgs) -> anyhow::Result<Plan> {
     for (flag, v) in [
         ("--monitor-interval", a.monitor_interval),
         ("--exit-barrier-timeout", a.exit_barrier_timeout),
-        ("--rdzv-lost-timeout", a.rdzv_lost_timeout),
+        ("--rdzv-lost-timeout", a.rdzv_lost_timeout.unwrap_or(1.0)),
     ] {
         if !(v.is_finite() && v > 0.0) {
             bail!("{flag} {v}: expected a positive number of seconds");
@@ -429,6 +427,18 @@ fn plan(a: &RunArgs) -> anyhow::Result<Plan> {
         };
     }
     let mut config = RendezvousParameters::parse_conf(&a.rdzv_conf)?;
+    let lost_grace = match a.rdzv_lost_timeout {
+        Some(s) => Duration::from_secs_f64(s),
+        None => match config.get("read_timeout") {
+            Some(v) => v
+                .parse::<f64>()
+                .ok()
+                .filter(|s| s.is_finite() && *s > 0.0)
+                .map(Duration::from_secs_f64)
+                .with_context(|| format!("--rdzv-conf read_timeout={v}: expected seconds"))?,
+            None => Duration::from_secs(60),
+        },
+    };
     if backend == "static" {
         if endpoint.is_empty() {
             endpoint = format!("{}:{}", a.master_addr, a.master_port.unwrap_or(29500));
@@ -494,7 +504,7 @@ fn plan(a: &RunArgs) -> anyhow::Result<Plan> {
         signals,
         shutdown_timeout: Duration::from_secs(shutdown),
         exit_barrier_timeout: Duration::from_secs_f64(a.exit_barrier_timeout),
-        lost_grace: Duration::from_secs_f64(a.rdzv_lost_timeout),
+        lost_grace,
         virtual_local_rank: a.virtual_local_rank,
         hostname: rallypoint_elastic::multiprocessing::hostname(),
         local_addr: a.local_addr.clone(),

@@ -206,6 +206,17 @@ pub struct RendezvousParameters {
 }
 
 /// A [`RendezvousError::Config`] naming the option.
+/// What a backend's creator returns (the backend contract; the registry
+/// holds creators by name, and the backends depend only on this module).
+pub type Created = std::pin::Pin<
+    Box<
+        dyn std::future::Future<Output = Result<Box<dyn RendezvousHandler>, RendezvousError>>
+            + Send,
+    >,
+>;
+/// Makes a handler from parameters.
+pub type Creator = fn(RendezvousParameters) -> Created;
+
 pub(crate) fn config_error(option: &str, value: &str, expected: &str) -> RendezvousError {
     RendezvousError::Config {
         option: option.to_owned(),

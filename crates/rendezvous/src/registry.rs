@@ -5,17 +5,10 @@
 //! and a created handler must report the name it was asked for.
 
 use std::collections::BTreeMap;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Mutex;
 
+pub use crate::api::{Created, Creator};
 use crate::api::{RendezvousError, RendezvousHandler, RendezvousParameters};
-
-/// What a creator returns.
-pub type Created =
-    Pin<Box<dyn Future<Output = Result<Box<dyn RendezvousHandler>, RendezvousError>> + Send>>;
-/// Makes a handler from parameters.
-pub type Creator = fn(RendezvousParameters) -> Created;
 
 /// Backend name → creator.
 #[derive(Default)]

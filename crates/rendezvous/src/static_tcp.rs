@@ -27,12 +27,12 @@ use rallypoint_store::{PrefixStore, Store, TcpStore};
 use tokio::sync::OnceCell;
 use tokio::task::JoinHandle;
 
+use crate::api::Created;
 use crate::api::{
     BootstrapStoreInfo, MembershipChange, RendezvousError, RendezvousHandler, RendezvousInfo,
     RendezvousParameters,
 };
 use crate::dynamic::{Beat, CounterKeepalive, Keepalive, Timing};
-use crate::registry::Created;
 
 /// PyTorch's default timeout for the static backend when none is given.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);

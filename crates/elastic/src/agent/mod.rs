@@ -87,7 +87,7 @@ use crate::multiprocessing::{
 use events::{AgentEvent, Discard, EventSink};
 use policy::{Action, Event, Failure, Limits, Observation, Phase, Policy, Verdict};
 pub use run_store::{format_time, FailureRecord, NOT_AVAILABLE, TRACEBACK_MAX};
-use status::{Status, WorkerStatus};
+use status::{AgentState, Status, WorkerState, WorkerStatus};
 
 /// What the agent runs, and how.
 #[derive(Debug, Clone)]
@@ -161,12 +161,12 @@ impl Outcome {
         }
     }
 
-    fn state(&self) -> &'static str {
+    fn state(&self) -> AgentState {
         match self {
-            Outcome::Succeeded { .. } => "succeeded",
-            Outcome::NotNeeded => "not_needed",
-            Outcome::Signaled { .. } => "signaled",
-            _ => "failed",
+            Outcome::Succeeded { .. } => AgentState::Succeeded,
+            Outcome::NotNeeded => AgentState::NotNeeded,
+            Outcome::Signaled { .. } => AgentState::Signaled,
+            _ => AgentState::Failed,
         }
     }
 }
@@ -264,7 +264,7 @@ impl Agent {
                 }
             };
             self.status
-                .send_modify(|s| s.state = run.policy.phase().name().into());
+                .send_modify(|s| s.state = run.policy.phase().state());
             let more = match action {
                 Action::Join => self.join(&mut run).await,
                 Action::Start { .. } => self.start(&mut run, &run_logs).await,
@@ -325,10 +325,9 @@ impl Agent {
                 Action::Finish(verdict) => {
                     let outcome = self.finish(verdict, &mut run).await;
                     let code = outcome.exit_code();
-                    self.status
-                        .send_modify(|s| s.state = outcome.state().into());
+                    self.status.send_modify(|s| s.state = outcome.state());
                     self.emit(AgentEvent::Finished {
-                        state: outcome.state(),
+                        state: outcome.state().name(),
                         exit_code: code,
                     });
                     return outcome;
@@ -1142,7 +1141,7 @@ impl Agent {
                     local_rank: lr,
                     rank: base + lr,
                     pid: pids.get(&lr).copied().unwrap_or(0),
-                    state: "running".into(),
+                    state: WorkerState::Running,
                 })
                 .collect();
         });
@@ -1153,9 +1152,8 @@ impl Agent {
         self.status.send_modify(|s| {
             for w in &mut s.workers {
                 w.state = match result.exits.get(&w.local_rank) {
-                    Some(Exit::Code(0)) => "succeeded".into(),
-                    Some(e) => format!("{e}"),
-                    None => "unknown".into(),
+                    Some(&e) => WorkerState::Ended(e),
+                    None => WorkerState::Unknown,
                 };
             }
         });

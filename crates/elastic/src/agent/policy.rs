@@ -73,6 +73,7 @@
 use std::time::{Duration, Instant};
 
 use super::run_store::{Closed, FailureRecord};
+use super::status::AgentState;
 
 /// Why the workers are being stopped.
 #[derive(Debug, Clone, PartialEq)]
@@ -184,15 +185,20 @@ pub enum EndStep {
 impl Phase {
     /// A short name, for status and events.
     pub fn name(&self) -> &'static str {
+        self.state().name()
+    }
+
+    /// What the status endpoint shows.
+    pub fn state(&self) -> AgentState {
         match self {
-            Phase::Rendezvous => "rendezvous",
-            Phase::Starting { .. } => "starting",
-            Phase::Running { .. } => "running",
-            Phase::Stopping { .. } => "stopping",
-            Phase::RecordingFailure { .. } => "recording_failure",
-            Phase::ExitBarrier { .. } => "exit_barrier",
-            Phase::Ending { .. } => "ending",
-            Phase::Done(v) => v.name(),
+            Phase::Rendezvous => AgentState::Rendezvous,
+            Phase::Starting { .. } => AgentState::Starting,
+            Phase::Running { .. } => AgentState::Running,
+            Phase::Stopping { .. } => AgentState::Stopping,
+            Phase::RecordingFailure { .. } => AgentState::RecordingFailure,
+            Phase::ExitBarrier { .. } => AgentState::ExitBarrier,
+            Phase::Ending { .. } => AgentState::Ending,
+            Phase::Done(v) => v.state(),
         }
     }
 }
@@ -247,11 +253,15 @@ pub enum Verdict {
 
 impl Verdict {
     pub fn name(&self) -> &'static str {
+        self.state().name()
+    }
+
+    pub fn state(&self) -> AgentState {
         match self {
-            Verdict::Succeeded { .. } => "succeeded",
-            Verdict::NotNeeded => "not_needed",
-            Verdict::Signaled(_) => "signaled",
-            Verdict::Failed { .. } | Verdict::JoinFailed(_) => "failed",
+            Verdict::Succeeded { .. } => AgentState::Succeeded,
+            Verdict::NotNeeded => AgentState::NotNeeded,
+            Verdict::Signaled(_) => AgentState::Signaled,
+            Verdict::Failed { .. } | Verdict::JoinFailed(_) => AgentState::Failed,
         }
     }
 

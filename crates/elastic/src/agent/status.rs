@@ -11,14 +11,72 @@ use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
+use crate::multiprocessing::Exit;
+
+/// What the agent is doing: a phase while it runs, how it ended after.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AgentState {
+    Starting,
+    Rendezvous,
+    Running,
+    Stopping,
+    RecordingFailure,
+    ExitBarrier,
+    Ending,
+    Succeeded,
+    Failed,
+    Signaled,
+    NotNeeded,
+}
+
+impl AgentState {
+    /// The name in `/status`, `/metrics` and events.
+    pub fn name(self) -> &'static str {
+        match self {
+            AgentState::Starting => "starting",
+            AgentState::Rendezvous => "rendezvous",
+            AgentState::Running => "running",
+            AgentState::Stopping => "stopping",
+            AgentState::RecordingFailure => "recording_failure",
+            AgentState::ExitBarrier => "exit_barrier",
+            AgentState::Ending => "ending",
+            AgentState::Succeeded => "succeeded",
+            AgentState::Failed => "failed",
+            AgentState::Signaled => "signaled",
+            AgentState::NotNeeded => "not_needed",
+        }
+    }
+}
+
+/// One worker's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkerState {
+    Running,
+    /// Ended: exit code 0 is success.
+    Ended(Exit),
+    /// Gone without a known exit.
+    Unknown,
+}
+
+impl std::fmt::Display for WorkerState {
+    /// `running`, `succeeded`, or how it ended (`exit code 1`, `signal 9 (SIGKILL)`).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            WorkerState::Running => f.write_str("running"),
+            WorkerState::Ended(Exit::Code(0)) => f.write_str("succeeded"),
+            WorkerState::Ended(e) => write!(f, "{e}"),
+            WorkerState::Unknown => f.write_str("unknown"),
+        }
+    }
+}
+
 /// One worker.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WorkerStatus {
     pub local_rank: usize,
     pub rank: usize,
     pub pid: u32,
-    /// `running`, `succeeded`, or how it ended (`exit code 1`, `signal 9 (SIGKILL)`).
-    pub state: String,
+    pub state: WorkerState,
 }
 
 /// What the agent is doing.
@@ -26,8 +84,7 @@ pub struct WorkerStatus {
 pub struct Status {
     pub run_id: String,
     pub role: String,
-    /// `rendezvous`, `running`, `succeeded`, `failed`, `signaled`, `not needed`.
-    pub state: String,
+    pub state: AgentState,
     pub round: u64,
     pub group_rank: usize,
     pub nodes: usize,
@@ -43,7 +100,7 @@ impl Status {
         Status {
             run_id: run_id.to_owned(),
             role: role.to_owned(),
-            state: "starting".into(),
+            state: AgentState::Starting,
             round: 0,
             group_rank: 0,
             nodes: 0,
@@ -56,12 +113,13 @@ impl Status {
 
     pub fn to_json(&self) -> Value {
         json!({
-            "run_id": self.run_id, "role": self.role, "state": self.state,
+            "run_id": self.run_id, "role": self.role, "state": self.state.name(),
             "round": self.round, "group_rank": self.group_rank, "nodes": self.nodes,
             "world_size": self.world_size, "restarts": self.failed_rounds,
             "max_restarts": self.max_restarts,
             "workers": self.workers.iter().map(|w| json!({
-                "local_rank": w.local_rank, "rank": w.rank, "pid": w.pid, "state": w.state,
+                "local_rank": w.local_rank, "rank": w.rank, "pid": w.pid,
+                "state": w.state.to_string(),
             })).collect::<Vec<_>>(),
         })
     }
@@ -73,7 +131,11 @@ impl Status {
             esc(&self.run_id),
             esc(&self.role)
         );
-        let running = self.workers.iter().filter(|w| w.state == "running").count();
+        let running = self
+            .workers
+            .iter()
+            .filter(|w| w.state == WorkerState::Running)
+            .count();
         let mut out = String::new();
         for (name, help, value) in [
             (

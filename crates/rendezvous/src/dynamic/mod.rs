@@ -60,11 +60,11 @@ use tokio::sync::Mutex;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use crate::api::Created;
 use crate::api::{
     BootstrapStoreInfo, MembershipChange, RendezvousError, RendezvousHandler, RendezvousInfo,
     RendezvousParameters,
 };
-use crate::registry::Created;
 use state::{Bounds, Event, Join, JoinFailure, Liveness, Step};
 
 /// The value of `r/assigned` for a round given up before its ranks were assigned.

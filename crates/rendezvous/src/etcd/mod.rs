@@ -35,9 +35,9 @@ use tokio::time::Instant;
 
 pub use store::EtcdStore;
 
+use crate::api::Created;
 use crate::api::{RendezvousError, RendezvousHandler, RendezvousParameters};
 use crate::dynamic::{Beat, DynamicRendezvous, Keepalive, Timing};
-use crate::registry::Created;
 
 /// Default etcd client port.
 pub const DEFAULT_PORT: u16 = 2379;
