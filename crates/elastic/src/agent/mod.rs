@@ -282,44 +282,12 @@ impl Agent {
                     nodes,
                     bound,
                 } => self.linger(&mut run, round, nodes, bound).await,
-                Action::NoteClosedAfterSuccess { round } => {
-                    self.emit(AgentEvent::RunClosedAfterSuccess { round });
-                    Vec::new()
-                }
-                Action::NoteUnreachable { error } => {
-                    self.emit(AgentEvent::RendezvousUnreachable { error });
-                    Vec::new()
-                }
-                Action::NoteReform {
-                    round,
-                    waiting,
-                    dead,
-                } => {
-                    self.emit(AgentEvent::MembershipChanged {
-                        round,
-                        nodes_waiting: waiting,
-                        members_dead: dead,
-                    });
-                    Vec::new()
-                }
-                Action::NoteRestart { failed_rounds } => {
-                    let cause = run
-                        .round
-                        .as_ref()
-                        .and_then(|r| r.failures.first())
-                        .map(|f| format!("rank {} {}", f.rank, f.exit));
-                    self.emit(AgentEvent::GroupRestarting {
-                        failed_rounds,
-                        max_restarts: self.spec.max_restarts,
-                        cause,
-                    });
-                    Vec::new()
-                }
-                Action::NoteRecordRetry { error } => {
-                    self.emit(AgentEvent::CleanupFailed {
-                        what: "recording the failure (retrying)",
-                        error,
-                    });
+                Action::NoteClosedAfterSuccess { .. }
+                | Action::NoteUnreachable { .. }
+                | Action::NoteReform { .. }
+                | Action::NoteRestart { .. }
+                | Action::NoteRecordRetry { .. } => {
+                    self.tell(action, run.round.as_ref());
                     Vec::new()
                 }
                 Action::Finish(verdict) => {
@@ -338,6 +306,53 @@ impl Agent {
     }
 
     /// The policy's knobs, from the spec and the backend.
+    /// Emits what a note action tells; hands back any other action.
+    fn tell(&self, action: Action, round: Option<&Round>) -> Option<Action> {
+        match action {
+            Action::NoteClosedAfterSuccess { round } => {
+                self.emit(AgentEvent::RunClosedAfterSuccess { round })
+            }
+            Action::NoteUnreachable { error } => {
+                self.emit(AgentEvent::RendezvousUnreachable { error })
+            }
+            Action::NoteReform {
+                round,
+                waiting,
+                dead,
+            } => self.emit(AgentEvent::MembershipChanged {
+                round,
+                nodes_waiting: waiting,
+                members_dead: dead,
+            }),
+            Action::NoteRestart { failed_rounds } => {
+                let cause = round
+                    .and_then(|r| r.failures.first())
+                    .map(|f| format!("rank {} {}", f.rank, f.exit));
+                self.emit(AgentEvent::GroupRestarting {
+                    failed_rounds,
+                    max_restarts: self.spec.max_restarts,
+                    cause,
+                });
+            }
+            Action::NoteRecordRetry { error } => self.emit(AgentEvent::CleanupFailed {
+                what: "recording the failure (retrying)",
+                error,
+            }),
+            other => return Some(other),
+        }
+        None
+    }
+
+    /// Tells the notes among `actions` at once and returns the rest: a phase
+    /// that waits on something under way (a start, the exit barrier) goes on
+    /// waiting after a note instead of abandoning the wait.
+    fn tell_notes(&self, actions: Vec<Action>, round: Option<&Round>) -> Vec<Action> {
+        actions
+            .into_iter()
+            .filter_map(|a| self.tell(a, round))
+            .collect()
+    }
+
     fn limits(&self) -> Limits {
         Limits {
             max_restarts: self.spec.max_restarts,
@@ -552,7 +567,7 @@ impl Agent {
                             o = observe(&*self.handler, &*r.info.run_store, r.info.round) => Event::Checked(o),
                             s = run.signals.recv() => Event::Signal(s),
                         };
-                        let actions = self.decide(&mut run.policy, seen);
+                        let actions = self.tell_notes(self.decide(&mut run.policy, seen), None);
                         if !actions.is_empty() {
                             return Err(actions);
                         }
@@ -745,7 +760,7 @@ impl Agent {
                     s = run.signals.recv() => Event::Signal(s),
                 },
             };
-            let actions = self.decide(&mut run.policy, event);
+            let actions = self.tell_notes(self.decide(&mut run.policy, event), None);
             if !actions.is_empty() {
                 return actions;
             }

@@ -194,3 +194,50 @@ fn a_join_whose_rendezvous_store_is_gone_fails_within_the_lost_timeout() {
     host.signal(libc::SIGCONT);
     host.wait(LIMIT);
 }
+
+/// A rendezvous store that stalls for a few seconds (its host stopped, then
+/// resumed) while a node waits at the exit barrier: the node notes that the
+/// store does not answer and goes on waiting; both nodes succeed. (The note
+/// once made the driver abandon the barrier and panic.)
+#[test]
+fn a_store_that_stalls_during_the_exit_barrier_is_waited_for() {
+    let dir = tempfile::tempdir().unwrap();
+    let endpoint = format!("127.0.0.1:{}", free_port());
+    let args = [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        &endpoint,
+        "--rdzv-id",
+        "stall",
+        "--monitor-interval",
+        "0.1",
+        "--rdzv-lost-timeout",
+        "30",
+    ]
+    .map(String::from);
+    let started = dir.path().join("host.started");
+    let mut host = sh(
+        &args,
+        &format!("touch {}; sleep 7", started.display()),
+        dir.path(),
+        "host",
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    let mut other = sh(&args, "true", dir.path(), "other");
+    wait_file(&started);
+    // The other node is at the exit barrier; stop the store's host for longer
+    // than a check's bound (2 s).
+    std::thread::sleep(Duration::from_secs(1));
+    host.signal(libc::SIGSTOP);
+    std::thread::sleep(Duration::from_secs(4));
+    host.signal(libc::SIGCONT);
+    let (sh_, so) = (host.wait(LIMIT), other.wait(LIMIT));
+    let both = format!("{}\n---\n{}", host.output(), other.output());
+    assert!(sh_.success() && so.success(), "{both}");
+    assert!(!both.contains("panicked"), "{both}");
+}
