@@ -153,14 +153,7 @@ impl RendezvousHandler for StaticTcpRendezvous {
                     .await
                     .map_err(|e| self.connection(e))?;
                 *self.heartbeat.lock().unwrap_or_else(|e| e.into_inner()) =
-                    Some(CounterKeepalive.spawn(Beat {
-                        store: prefixed.clone(),
-                        namespace: format!("{}/", self.run_id),
-                        round: ROUND,
-                        rank: self.rank,
-                        members: self.world_size,
-                        timing: self.timing,
-                    }));
+                    Some(self.keep_alive(prefixed.clone()));
                 Ok::<_, RendezvousError>(prefixed)
             })
             .await?;
@@ -272,7 +265,46 @@ impl RendezvousHandler for StaticTcpRendezvous {
     }
 }
 
+/// Set by rank 0 once every node connected (its store waits for them all).
+const ALL_IN: &str = "r0/all_in";
+
+/// Aborts the task when dropped (with the task that owns it).
+struct AbortOnDrop(JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 impl StaticTcpRendezvous {
+    /// The keep-alive, from the moment every node is in: a client's connect
+    /// returns before the others have come (only rank 0 waits for them), and
+    /// a node that has not come yet must not be watched as one that died.
+    fn keep_alive(&self, store: Arc<dyn Store>) -> JoinHandle<()> {
+        let beat = Beat {
+            store: store.clone(),
+            namespace: format!("{}/", self.run_id),
+            round: ROUND,
+            rank: self.rank,
+            members: self.world_size,
+            timing: self.timing,
+        };
+        let host = self.rank == 0;
+        tokio::spawn(async move {
+            if host && store.set(ALL_IN, b"1").await.is_err() {
+                return;
+            }
+            // The store's timeout bounds the wait; a node that never comes
+            // fails the start (rank assignment), not the keep-alive.
+            if store.wait(&[ALL_IN]).await.is_err() {
+                return;
+            }
+            let mut beating = AbortOnDrop(CounterKeepalive.spawn(beat));
+            let _ = (&mut beating.0).await;
+        })
+    }
+
     fn connection(&self, source: rallypoint_store::StoreError) -> RendezvousError {
         RendezvousError::Connection {
             run_id: self.run_id.clone(),

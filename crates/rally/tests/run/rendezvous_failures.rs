@@ -8,9 +8,13 @@ use super::*;
 /// Flags of node `rank` of a two-node static job whose rank 0 hosts the
 /// store on `port`, keeping alive every 0.5 s (dead after two misses).
 fn static_node(rank: usize, port: u16) -> Vec<String> {
+    static_node_of(2, rank, port)
+}
+
+fn static_node_of(nodes: usize, rank: usize, port: u16) -> Vec<String> {
     [
         "--nnodes",
-        "2",
+        &nodes.to_string(),
         "--nproc-per-node",
         "1",
         "--node-rank",
@@ -109,6 +113,23 @@ fn static_a_killed_node_fails_the_job_at_once() {
     );
     assert!(took < Duration::from_secs(20), "{took:?}: {}", a.output());
     b.wait(LIMIT);
+}
+
+/// A static node that comes late (PyTorch allows minutes) is waited for, not
+/// taken for dead by the keep-alive of a node that came before it (found by
+/// review: the watchers started before every node was in).
+#[test]
+fn static_a_late_node_is_not_taken_for_dead() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let mut a = sh(&static_node_of(3, 0, port), "sleep 1", dir.path(), "a");
+    let mut b = sh(&static_node_of(3, 1, port), "sleep 1", dir.path(), "b");
+    // Four keep-alive expiries (1 s each) before the third node comes.
+    std::thread::sleep(Duration::from_secs(4));
+    let mut c = sh(&static_node_of(3, 2, port), "sleep 1", dir.path(), "c");
+    let (sa, sb, sc) = (a.wait(LIMIT), b.wait(LIMIT), c.wait(LIMIT));
+    let all = format!("{}\n---\n{}\n---\n{}", a.output(), b.output(), c.output());
+    assert!(sa.success() && sb.success() && sc.success(), "{all}");
 }
 
 /// Defect 1: the round's job store used to go away as soon as the host
