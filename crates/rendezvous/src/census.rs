@@ -39,8 +39,45 @@ pub(crate) async fn dead(store: &dyn Store) -> Result<(), StoreError> {
 /// Nodes still running besides this one; `counted_in`: this node counted
 /// itself joined and not yet gone.
 pub(crate) async fn remaining(store: &dyn Store, counted_in: bool) -> Result<usize, StoreError> {
-    let joined = store.add(JOINED, 0).await?;
+    // `joined` last: a node joining and leaving between the reads can only
+    // make this too large (a longer wait), never too small.
     let gone = store.add(GONE, 0).await?;
     let dead = store.add(DEAD, 0).await?;
+    let joined = store.add(JOINED, 0).await?;
     Ok((joined - gone - dead - i64::from(counted_in)).max(0) as usize)
+}
+
+/// Whether any of some heartbeat counters moved lately. The census cannot
+/// count out a node that vanished where nobody watched it (killed while
+/// joining, or in a round whose watchers had all moved on); a host waiting on
+/// the census stops once no member it could be waiting for beats any more.
+#[derive(Debug, Default)]
+pub(crate) struct Pulse {
+    seen: std::collections::BTreeMap<String, i64>,
+    moved: Option<std::time::Instant>,
+    read: Option<std::time::Instant>,
+}
+
+impl Pulse {
+    /// Reads `keys` (at most once per `every`); true while one of them moved
+    /// less than `expiry` ago (the first read counts as a move).
+    pub(crate) async fn beating(
+        &mut self,
+        store: &dyn Store,
+        keys: &[String],
+        every: std::time::Duration,
+        expiry: std::time::Duration,
+    ) -> Result<bool, StoreError> {
+        let now = std::time::Instant::now();
+        if self.read.is_none_or(|t| now - t >= every) {
+            self.read = Some(now);
+            for k in keys {
+                let v = store.add(k, 0).await?;
+                if self.seen.insert(k.clone(), v) != Some(v) {
+                    self.moved = Some(now);
+                }
+            }
+        }
+        Ok(self.moved.is_some_and(|t| now - t < expiry))
+    }
 }

@@ -51,10 +51,14 @@ pub struct StaticTcpRendezvous {
     /// The keep-alive period and misses (`keep_alive_interval`,
     /// `keep_alive_max_attempt`).
     timing: Timing,
-    /// This node's keep-alive, from its first round until it leaves.
+    /// This node's keep-alive, from its first round until it is shut down.
     heartbeat: Mutex<Option<JoinHandle<()>>>,
+    /// Cleared when it leaves: no more beats, the watching goes on.
+    beating: Arc<std::sync::atomic::AtomicBool>,
     /// Left the run (counted out of the census).
     left: tokio::sync::Mutex<bool>,
+    /// The heartbeats a lingering rank 0 looks at.
+    pulse: tokio::sync::Mutex<crate::census::Pulse>,
 }
 
 /// The keys of the keep-alive: one "round" for the whole run.
@@ -93,7 +97,9 @@ impl StaticTcpRendezvous {
             rounds: Default::default(),
             timing: Timing::from_params(p)?,
             heartbeat: Mutex::new(None),
+            beating: Arc::new(std::sync::atomic::AtomicBool::new(true)),
             left: tokio::sync::Mutex::new(false),
+            pulse: Default::default(),
         })
     }
 }
@@ -212,9 +218,8 @@ impl RendezvousHandler for StaticTcpRendezvous {
         Some(format!("{}:{}", self.host, self.port))
     }
 
-    /// Stops keeping alive and says so, so the node watching this one does not
-    /// count it dead.
-    /// Once: later calls do nothing.
+    /// Stops beating and says so, so the node watching this one does not count
+    /// it dead. Once: later calls do nothing.
     async fn leave(&self) -> Result<(), RendezvousError> {
         let mut left = self.left.lock().await;
         let Some(store) = self.store.get() else {
@@ -223,17 +228,19 @@ impl RendezvousHandler for StaticTcpRendezvous {
         if *left {
             return Ok(());
         }
-        // Said before the heartbeat stops, so the watcher never sees it stop
-        // without the reason.
-        let said = store
+        // Said before the beats stop, so the watcher never sees them stop
+        // without the reason; the watching goes on (a lingering rank 0 still
+        // notices the last nodes die). Counted out at most once.
+        store
             .set(&format!("r{ROUND}/left/{}", self.rank), b"1")
-            .await;
-        self.stop_heartbeat();
-        said.map_err(|e| self.connection(e))?;
-        crate::census::gone(&**store)
             .await
             .map_err(|e| self.connection(e))?;
         *left = true;
+        self.beating
+            .store(false, std::sync::atomic::Ordering::Release);
+        crate::census::gone(&**store)
+            .await
+            .map_err(|e| self.connection(e))?;
         Ok(())
     }
 
@@ -242,9 +249,31 @@ impl RendezvousHandler for StaticTcpRendezvous {
             return Ok(0);
         };
         let counted_in = !*self.left.lock().await;
-        crate::census::remaining(&**store, counted_in)
+        let n = crate::census::remaining(&**store, counted_in)
             .await
-            .map_err(|e| self.connection(e))
+            .map_err(|e| self.connection(e))?;
+        if n == 0 {
+            return Ok(0);
+        }
+        // Nobody else beating for an expiry: the rest vanished unwatched.
+        let keys: Vec<String> = (0..self.world_size)
+            .filter(|&r| r != self.rank)
+            .map(|r| format!("r{ROUND}/hb/{r}"))
+            .collect();
+        let t = self.timing;
+        let beating = self
+            .pulse
+            .lock()
+            .await
+            .beating(
+                &**store,
+                &keys,
+                t.keep_alive / 2,
+                t.keep_alive * (t.max_misses + 1),
+            )
+            .await
+            .map_err(|e| self.connection(e))?;
+        Ok(if beating { n } else { 0 })
     }
 
     fn run_id(&self) -> &str {
@@ -289,6 +318,7 @@ impl StaticTcpRendezvous {
             rank: self.rank,
             members: self.world_size,
             timing: self.timing,
+            beating: self.beating.clone(),
         };
         let host = self.rank == 0;
         tokio::spawn(async move {

@@ -1243,6 +1243,10 @@ impl Policy {
         }
         let bound = match verdict {
             Verdict::Failed { .. } if published => Some(self.limits.linger_after_failure),
+            // The exit barrier passed: every member's workers are done, and no
+            // later round formed; the others only read how the run ended. A
+            // node that vanished without leaving cannot hold the host then.
+            Verdict::Succeeded { barrier: None, .. } => Some(self.limits.linger_after_failure),
             _ => self.limits.linger_after_success,
         };
         let (round, nodes) = self.member.map_or((0, 0), |m| (m.round, m.nodes));

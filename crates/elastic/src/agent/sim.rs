@@ -257,7 +257,16 @@ enum Ev {
     BarrierTimeout(usize, u64, u64),
     StartTimeout(usize, u64, u64),
     /// Node, generation, round, nodes, the bound, unreachable since.
-    LingerPoll(usize, u64, u64, usize, Option<u64>, Option<u64>),
+    /// ..., and since when no member it could wait for beats.
+    LingerPoll(
+        usize,
+        u64,
+        u64,
+        usize,
+        Option<u64>,
+        Option<u64>,
+        Option<u64>,
+    ),
 }
 
 /// The shared run store and rendezvous.
@@ -638,7 +647,7 @@ impl Sim {
                 let until = bound.map(|b| self.now + b.as_millis() as u64);
                 let gen = self.nodes[i].gen;
                 let t = self.now;
-                self.at(t, Ev::LingerPoll(i, gen, round, nodes, until, None));
+                self.at(t, Ev::LingerPoll(i, gen, round, nodes, until, None, None));
             }
             Action::NoteClosedAfterSuccess { .. }
             | Action::NoteUnreachable { .. }
@@ -718,6 +727,11 @@ impl Sim {
                 // members see it as waiting.
                 if let Some((&r, _)) = self.s.members.iter().next_back() {
                     *self.s.waiting.entry(r).or_default() += 1;
+                }
+                // Leaving its round for the next: said, so it is not counted
+                // dead there.
+                if let Some((r, rank, _)) = self.nodes[i].round {
+                    self.s.left.entry(r).or_default().insert(rank);
                 }
                 self.nodes[i].joining = true;
                 self.nodes[i].joins += 1;
@@ -1255,10 +1269,18 @@ impl Sim {
                 let left = self.nodes[i].round.is_some_and(|(rr, rank, _)| {
                     rr == r && self.s.left.get(&r).is_some_and(|l| l.contains(&rank))
                 });
-                let watcher = self.s.members.get(&r).is_some_and(|m| {
-                    m.iter()
-                        .any(|&k| k != i && self.alive(k) && self.reaches(k))
-                });
+                // A watcher is a live member still in round r (a member
+                // re-joining stopped its watch of r; one that left goes on).
+                let in_r = |k: usize| {
+                    self.alive(k)
+                        && !self.nodes[k].joining
+                        && self.nodes[k].round.is_some_and(|(rk, _, _)| rk == r)
+                };
+                let watcher = self
+                    .s
+                    .members
+                    .get(&r)
+                    .is_some_and(|m| m.iter().any(|&k| k != i && in_r(k) && self.reaches(k)));
                 if !left && watcher {
                     if self.s.dead.entry(r).or_default().insert(i) {
                         self.s.census_dead += 1;
@@ -1363,17 +1385,38 @@ impl Sim {
                     Event::StartFailed(StartError::Store("rank assignment timed out".into())),
                 );
             }
-            Ev::LingerPoll(i, gen, round, nodes, until, unreachable_since) => {
+            Ev::LingerPoll(i, gen, round, nodes, until, unreachable_since, quiet_since) => {
                 if !self.alive(i) || gen != self.nodes[i].gen {
                     return;
                 }
                 // An unreachable store may be stalled: keep lingering.
                 let _ = (round, nodes);
-                let done = self.reaches(i) && {
+                let census_zero = {
                     let me = i64::from(self.nodes[i].counted_in && !self.nodes[i].left);
                     let s = &self.s;
                     s.census_joined - s.census_gone - s.census_dead - me <= 0
                 };
+                // The pulse: a member of this node's round, or of the newest
+                // one, still beats (alive, in that round, not left or joining).
+                let own = self.nodes[i].round.map(|r| r.0);
+                let latest = self.s.members.keys().next_back().copied();
+                // Static nodes keep one heartbeat for the whole run.
+                let fixed = self.cfg.backend == Backend::Static;
+                let beating = (0..self.nodes.len()).any(|k| {
+                    let n = &self.nodes[k];
+                    let in_watched_round = !n.joining
+                        && n.round
+                            .is_some_and(|(r, _, _)| Some(r) == own || Some(r) == latest);
+                    k != i && self.alive(k) && !n.left && (fixed || in_watched_round)
+                });
+                let quiet_since = if beating {
+                    None
+                } else {
+                    Some(quiet_since.unwrap_or(self.now))
+                };
+                let expiry = self.cfg.keep_alive_ms * (self.cfg.misses + 1);
+                let quiet = quiet_since.is_some_and(|t| self.now - t >= expiry);
+                let done = self.reaches(i) && (census_zero || quiet);
                 let unreachable_since = if self.reaches(i) {
                     None
                 } else {
@@ -1403,7 +1446,7 @@ impl Sim {
                     let t = self.now + 50;
                     self.at(
                         t,
-                        Ev::LingerPoll(i, gen, round, nodes, until, unreachable_since),
+                        Ev::LingerPoll(i, gen, round, nodes, until, unreachable_since, quiet_since),
                     );
                 }
             }

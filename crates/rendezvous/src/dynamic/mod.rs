@@ -127,9 +127,13 @@ struct Node {
     /// The round it was a member of, with its rank and the member count.
     member_of: Option<(u64, usize, usize)>,
     heartbeat: Option<JoinHandle<()>>,
+    /// Cleared to stop the heartbeat's beats (the watching goes on).
+    beating: Option<Arc<std::sync::atomic::AtomicBool>>,
     /// Counted in the run's census (at its first round), and out (it left).
     counted_in: bool,
     left: bool,
+    /// The heartbeats a lingering host looks at (see [`crate::census::Pulse`]).
+    pulse: crate::census::Pulse,
 }
 
 /// A dynamic rendezvous of one run, for one node.
@@ -171,6 +175,9 @@ pub struct Beat {
     pub rank: usize,
     pub members: usize,
     pub timing: Timing,
+    /// Cleared when this member leaves: it stops beating but goes on
+    /// watching, so a host that lingers still notices the last members die.
+    pub beating: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Beat {
@@ -254,7 +261,9 @@ impl Keepalive for CounterKeepalive {
             let mut next_beat = Instant::now();
             loop {
                 if Instant::now() >= next_beat {
-                    let _ = store.add(&mine, 1).await;
+                    if beat.beating.load(Ordering::Acquire) {
+                        let _ = store.add(&mine, 1).await;
+                    }
                     next_beat += timing.keep_alive;
                 }
                 if let Some(w) = watched {
@@ -642,6 +651,11 @@ impl DynamicRendezvous {
     async fn join(&self) -> Result<RendezvousInfo, RendezvousError> {
         let started = Instant::now();
         let mut node = self.node.lock().await;
+        // Leaving the last round for the next: said first, so a member still
+        // in it (slow to stop its workers) does not count this node dead.
+        if let (Some((round, rank, _)), Some(_)) = (node.member_of, &node.heartbeat) {
+            let _ = self.store.set(&format!("r{round}/left/{rank}"), b"1").await;
+        }
         if let Some(h) = node.heartbeat.take() {
             h.abort();
         }
@@ -798,6 +812,8 @@ impl DynamicRendezvous {
                         node.counted_in = true;
                     }
                     node.member_of = Some((round, rank, members));
+                    let beating = Arc::new(std::sync::atomic::AtomicBool::new(true));
+                    node.beating = Some(beating.clone());
                     node.heartbeat = Some(self.keepalive.spawn(Beat {
                         store: self.store.clone(),
                         namespace: format!("rally.rendezvous.{}/", self.run_id),
@@ -805,6 +821,7 @@ impl DynamicRendezvous {
                         rank,
                         members,
                         timing: self.timing,
+                        beating,
                     }));
                     let job: Arc<dyn Store> = Arc::new(PrefixStore::new(
                         format!("torch.rendezvous.{}.{round}", self.run_id),
@@ -919,42 +936,90 @@ impl RendezvousHandler for DynamicRendezvous {
         Some(self.run_store_of_run())
     }
 
-    /// Stops keeping alive and says so (`r/left/<rank>`), so the member watching
-    /// this one skips it instead of counting it dead.
-    /// Once: later calls do nothing.
+    /// Stops beating and says so (`r/left/<rank>`), so the member watching
+    /// this one skips it instead of counting it dead; goes on watching its
+    /// successor until shut down (a lingering host notices the last members
+    /// die). Counted out of the census at most once, even if a call is cut
+    /// short: a lost count keeps a host waiting, a double one could take its
+    /// store from under a running node.
     async fn leave(&self) -> Result<(), RendezvousError> {
         let mut node = self.node.lock().await;
         if node.left {
             return Ok(());
         }
-        // Said before the heartbeat stops, so the watcher never sees it stop
+        // Said before the beats stop, so the watcher never sees them stop
         // without the reason.
-        let said = match node.member_of {
-            Some((round, rank, _)) => self
-                .store
+        if let Some((round, rank, _)) = node.member_of {
+            self.store
                 .set(&format!("r{round}/left/{rank}"), b"1")
                 .await
-                .map_err(self.err()),
-            None => Ok(()),
-        };
-        if let Some(h) = node.heartbeat.take() {
-            h.abort();
+                .map_err(self.err())?;
         }
-        said?;
+        node.left = true;
+        if let Some(b) = &node.beating {
+            b.store(false, Ordering::Release);
+        }
         if node.counted_in {
             crate::census::gone(&*self.store)
                 .await
                 .map_err(self.err())?;
         }
-        node.left = true;
         Ok(())
     }
 
+    /// The census; 0 also once no member of this node's round, or of a newer
+    /// one, has beaten for a keep-alive expiry (those counted in are then gone
+    /// where nobody could count them out).
     async fn remaining(&self) -> Result<usize, RendezvousError> {
-        let node = self.node.lock().await;
-        crate::census::remaining(&*self.store, node.counted_in && !node.left)
+        let mut node = self.node.lock().await;
+        let n = crate::census::remaining(&*self.store, node.counted_in && !node.left)
             .await
-            .map_err(self.err())
+            .map_err(self.err())?;
+        if n == 0 {
+            return Ok(0);
+        }
+        let mut keys = Vec::new();
+        let mut own = None;
+        if let Some((r, rank, members)) = node.member_of {
+            own = Some(r);
+            keys.extend(
+                (0..members)
+                    .filter(|&m| m != rank)
+                    .map(|m| format!("r{r}/hb/{m}")),
+            );
+        }
+        // A round formed after this node's (others re-formed without it).
+        if let Ok(v) = self.store.get_now("round").await {
+            if let Ok(latest) = String::from_utf8_lossy(&v).parse::<u64>() {
+                for r in [latest, latest.saturating_sub(1)] {
+                    if own.is_some_and(|o| r <= o) {
+                        continue;
+                    }
+                    if self
+                        .store
+                        .check(&[&format!("r{r}/complete")])
+                        .await
+                        .unwrap_or(false)
+                    {
+                        let members = self.members(&format!("r{r}")).await?;
+                        keys.extend((0..members).map(|m| format!("r{r}/hb/{m}")));
+                        break;
+                    }
+                }
+            }
+        }
+        let t = self.timing;
+        let beating = node
+            .pulse
+            .beating(
+                &*self.store,
+                &keys,
+                t.keep_alive / 2,
+                t.keep_alive * (t.max_misses + 1),
+            )
+            .await
+            .map_err(self.err())?;
+        Ok(if beating { n } else { 0 })
     }
 
     fn run_id(&self) -> &str {

@@ -78,6 +78,9 @@ pub fn lease_ttl(timing: &Timing) -> i64 {
     secs.max(2)
 }
 
+/// Leaving ([`Beat::beating`] cleared) does not end the lease here: the key
+/// stays until the agent shuts the handler down, and its predecessor reads the
+/// `left` mark when it goes.
 impl Keepalive for LeaseKeepalive {
     fn spawn(&self, beat: Beat) -> JoinHandle<()> {
         let store = self.store.clone();

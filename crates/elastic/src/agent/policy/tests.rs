@@ -452,7 +452,37 @@ fn a_barrier_lost_store_fails_without_closing() {
 #[test]
 fn defect_1_and_2_hosts_linger_until_every_node_finished() {
     // The job store's host (rank 0 of the round) lingers even though it does
-    // not host the rendezvous; unbounded after success (the backend sees deaths).
+    // not host the rendezvous; unbounded after a barrier that timed out (others
+    // may still run; the backend sees deaths).
+    let (mut p, t0) = policy(0);
+    running_as(&mut p, t0, 0, 3, true);
+    let a = drive(
+        &mut p,
+        t0,
+        &[
+            (1.0, E::WorkersSucceeded),
+            (
+                2.0,
+                E::BarrierFailed {
+                    error: "timed out".into(),
+                    timed_out: true,
+                    seen: Observation::Healthy,
+                },
+            ),
+            (2.1, E::Published(Closed::Succeeded)),
+            (2.2, E::RendezvousClosed),
+            (2.3, E::MarkedFinished),
+        ],
+    );
+    assert_eq!(
+        a.last(),
+        Some(&A::Linger {
+            round: 0,
+            nodes: 3,
+            bound: None
+        })
+    );
+    // After a barrier that passed, every member's workers are done: bounded.
     let (mut p, t0) = policy(0);
     running_as(&mut p, t0, 0, 3, true);
     let a = drive(
@@ -471,7 +501,7 @@ fn defect_1_and_2_hosts_linger_until_every_node_finished() {
         Some(&A::Linger {
             round: 0,
             nodes: 3,
-            bound: None
+            bound: Some(LINGER_FAILED)
         })
     );
     // After a failure, bounded.

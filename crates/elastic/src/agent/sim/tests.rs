@@ -67,6 +67,9 @@ const FOUND: &[(u64, &str)] = &[
     (3740, "two events of one millisecond compared as simultaneous (model)"),
     (0, "a lingering host ignored the published root cause"),
     (76845, "a host whose re-join failed on its own stalled store left"),
+    (74, "nodes gone where nobody watched them (killed while joining) held the host forever"),
+    (72, "a spare host lingered forever for nodes that vanished unwatched"),
+    (35530, "static nodes' one heartbeat for the whole run (model of the pulse)"),
 ];
 
 #[test]
