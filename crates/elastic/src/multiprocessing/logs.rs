@@ -281,8 +281,10 @@ struct Active {
     id: u64,
     src: File,
     file: Option<File>,
-    /// Where `file` is, to read it back when the console falls behind.
-    path: PathBuf,
+    /// `file` opened for reading at the start (not later by path: the next
+    /// attempt may have replaced the directory), to read it back when the
+    /// console falls behind.
+    reader: Option<File>,
     /// Bytes written to `file` so far.
     written: u64,
     /// Set while the console lags behind the file.
@@ -524,7 +526,7 @@ impl Pump {
                 id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
                 src: File::from(s.pipe),
                 file: Some(File::create(&s.file)?),
-                path: s.file,
+                reader: File::open(&s.file).ok(),
                 written: 0,
                 behind: None,
                 console: s.console,
@@ -710,8 +712,8 @@ impl Active {
             return;
         };
         // Everything written so far was cut already: read back from there.
-        match File::open(&self.path) {
-            Ok(reader) => {
+        match self.reader.as_ref().and_then(|r| r.try_clone().ok()) {
+            Some(reader) => {
                 self.behind = Some(Behind {
                     reader,
                     cursor: self.written,
@@ -719,7 +721,7 @@ impl Active {
                 })
             }
             // No way back into the file: wait for the console instead.
-            Err(_) => self.send_waiting(msg),
+            None => self.send_waiting(msg),
         }
     }
 
