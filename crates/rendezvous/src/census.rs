@@ -11,7 +11,10 @@
 //!
 //! A node marked dead that was only partitioned and later leaves is counted
 //! twice, so `remaining` can reach 0 one node early; that node had already
-//! been given up on by its round (which re-formed without it).
+//! been given up on by its round (which re-formed without it). A node that
+//! vanished where nobody watched it (killed while joining, or in a round every
+//! watcher of which had moved on) is never counted out: [`Pulse`] ends the
+//! wait once no member the host could be waiting for beats any more.
 //!
 //! [`RendezvousHandler::leave`]: crate::RendezvousHandler::leave
 
