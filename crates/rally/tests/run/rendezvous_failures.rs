@@ -262,3 +262,50 @@ fn a_store_that_stalls_during_the_exit_barrier_is_waited_for() {
     assert!(sh_.success() && so.success(), "{both}");
     assert!(!both.contains("panicked"), "{both}");
 }
+
+/// Defect 2: with three nodes, the rendezvous host used to stop lingering
+/// once a finished node stopped keeping alive (counted dead), taking the store
+/// from a third node still training. It now lingers until that node leaves.
+#[test]
+fn the_host_lingers_for_a_third_node_still_running() {
+    let dir = tempfile::tempdir().unwrap();
+    let endpoint = format!("127.0.0.1:{}", free_port());
+    let args = [
+        "--nnodes",
+        "3",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        &endpoint,
+        "--rdzv-id",
+        "third",
+        "--exit-barrier-timeout",
+        "1",
+        "--rdzv-conf",
+        "keep_alive_interval=0.5,keep_alive_max_attempt=2",
+    ]
+    .map(String::from);
+    let done = dir.path().join("slow.done");
+    // Whichever node gets rank 2 trains for 6 s (six keep-alive expiries);
+    // the others finish at once and leave the exit barrier after 1 s.
+    let worker = format!(
+        "if [ \"$RANK\" = 2 ]; then sleep 6 && touch {}; fi",
+        done.display()
+    );
+    let mut host = sh(&args, &worker, dir.path(), "host");
+    std::thread::sleep(Duration::from_millis(300));
+    let mut b = sh(&args, &worker, dir.path(), "b");
+    let mut c = sh(&args, &worker, dir.path(), "c");
+    let (sh_, sb, sc) = (host.wait(LIMIT), b.wait(LIMIT), c.wait(LIMIT));
+    let all = format!(
+        "{}\n---\n{}\n---\n{}",
+        host.output(),
+        b.output(),
+        c.output()
+    );
+    assert!(sh_.success() && sb.success() && sc.success(), "{all}");
+    assert!(done.exists(), "the slow worker did not finish: {all}");
+    assert!(!all.contains("lost the rendezvous host"), "{all}");
+}
