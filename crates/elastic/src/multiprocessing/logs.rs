@@ -571,8 +571,10 @@ fn pump(mut streams: Vec<Active>, abandon: &AtomicBool) {
     let mut fds: Vec<libc::pollfd> = Vec::with_capacity(streams.len());
     while !streams.is_empty() {
         if abandon.load(Ordering::Acquire) {
+            // Ended within a tick: what the console has no room for now is
+            // not shown (it is in the file) and counted.
             for s in &mut streams {
-                s.finish();
+                s.finish(CatchUp::Drop);
             }
             return;
         }
@@ -597,7 +599,7 @@ fn pump(mut streams: Vec<Active>, abandon: &AtomicBool) {
         for (i, s) in streams.iter_mut().enumerate() {
             // A console that fell behind takes what it has room for.
             if s.behind.is_some() {
-                s.catch_up(false);
+                s.catch_up(CatchUp::Room);
             }
             // A partial line shows once it is PARTIAL_AFTER old, busy or not.
             if s.behind.is_none()
@@ -636,7 +638,7 @@ fn pump(mut streams: Vec<Active>, abandon: &AtomicBool) {
             let keep = !done[i];
             i += 1;
             if !keep {
-                s.finish();
+                s.finish(CatchUp::Wait);
             }
             keep
         });
@@ -661,7 +663,7 @@ impl Active {
             }
             // The file failed: the console is all there is now. Show what the
             // file holds first, waiting for the console.
-            self.catch_up(true);
+            self.catch_up(CatchUp::Wait);
         }
         if let Some(out) = self.lines.feed(chunk) {
             self.send_to_console(out);
@@ -737,10 +739,9 @@ impl Active {
         }
     }
 
-    /// Feeds the console from the file while it has room (`wait`: until it
-    /// took everything, unless it takes nothing for [`CONSOLE_STALL`]). Back
-    /// to live once caught up.
-    fn catch_up(&mut self, wait: bool) {
+    /// Feeds the console from the file, as `mode` says. Back to live once
+    /// caught up.
+    fn catch_up(&mut self, mode: CatchUp) {
         let q = console();
         let mut buf = Vec::new();
         let mut gave_up = false;
@@ -753,14 +754,27 @@ impl Active {
                 };
                 if gave_up {
                     CONSOLE_DROPPED.fetch_add(count, Ordering::Relaxed);
-                } else if wait {
-                    if !q.send(msg) {
-                        CONSOLE_DROPPED.fetch_add(count, Ordering::Relaxed);
-                        gave_up = true;
+                } else {
+                    match mode {
+                        CatchUp::Wait => {
+                            if !q.send(msg) {
+                                CONSOLE_DROPPED.fetch_add(count, Ordering::Relaxed);
+                                gave_up = true;
+                            }
+                        }
+                        CatchUp::Room => {
+                            if let Err(msg) = q.offer(msg) {
+                                b.held = Some(msg);
+                                return;
+                            }
+                        }
+                        CatchUp::Drop => {
+                            if q.offer(msg).is_err() {
+                                CONSOLE_DROPPED.fetch_add(count, Ordering::Relaxed);
+                                gave_up = true;
+                            }
+                        }
                     }
-                } else if let Err(msg) = q.offer(msg) {
-                    b.held = Some(msg);
-                    return;
                 }
             }
             if b.cursor >= self.written {
@@ -790,13 +804,25 @@ impl Active {
 
     /// Shows the rest: what the console has not caught up with, then an
     /// unterminated last line, ended with a newline.
-    fn finish(&mut self) {
-        self.catch_up(true);
+    fn finish(&mut self, mode: CatchUp) {
+        self.catch_up(mode);
         if let Some(out) = self.lines.flush(true) {
             self.send_to_console(out);
-            self.catch_up(true);
+            self.catch_up(mode);
         }
     }
+}
+
+/// How far [`Active::catch_up`] goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum CatchUp {
+    /// What the console queue has room for now; the rest waits for later.
+    Room,
+    /// Everything, waiting for the console while it makes progress (one that
+    /// takes nothing for [`CONSOLE_STALL`] is given up on).
+    Wait,
+    /// What the queue has room for now; the rest is not shown (counted).
+    Drop,
 }
 
 /// Console output cut from a stream, ready to queue.
