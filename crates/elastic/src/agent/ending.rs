@@ -1,0 +1,265 @@
+//! The end of a run: the exit barrier, the verdict published or read, the
+//! rendezvous closed and left, the linger of a node serving a store others
+//! use, and the outcome.
+
+use super::*;
+
+impl Agent {
+    /// Local workers succeeded: say that the round is finishing, then wait for
+    /// every node, while still watching for a failure elsewhere or a lost store,
+    /// and for signals. The round's job store stays up (other nodes' workers may
+    /// still use it).
+    pub(super) async fn barrier(&self, run: &mut Run<'_>) -> Vec<Action> {
+        let r = run.round.as_mut().expect("a round");
+        let _ = bounded(run_store::mark_finishing(&*r.info.run_store, r.info.round)).await;
+        let prefix = format!("rally.agent/r{}/terminal_state", r.info.round);
+        let wait = rallypoint_store::util::barrier(
+            &*r.info.store,
+            r.info.world_size,
+            &prefix,
+            self.spec.exit_barrier_timeout,
+            None,
+        );
+        tokio::pin!(wait);
+        let mut tick = self.monitor_tick();
+        loop {
+            let event = tokio::select! {
+                done = &mut wait => match done {
+                    Ok(()) => Event::BarrierPassed,
+                    Err(e) => {
+                        // What the rendezvous says decides (the policy's table):
+                        // a failure published meanwhile is never a timeout.
+                        let seen = observe(&*self.handler, &*r.info.run_store, r.info.round).await;
+                        if e.is_timeout() {
+                            self.emit(AgentEvent::ExitBarrierTimedOut { error: e.to_string() });
+                        }
+                        Event::BarrierFailed {
+                            error: e.to_string(),
+                            timed_out: e.is_timeout(),
+                            seen,
+                        }
+                    }
+                },
+                s = run.signals.recv() => Event::Signal(s),
+                _ = tick.tick() => tokio::select! {
+                    o = observe(&*self.handler, &*r.info.run_store, r.info.round) => Event::Checked(o),
+                    s = run.signals.recv() => Event::Signal(s),
+                },
+            };
+            let actions = self.tell_notes(self.decide(&mut run.policy, event), None);
+            if !actions.is_empty() {
+                return actions;
+            }
+        }
+    }
+
+    /// Writes the verdict; answers with what the store holds afterwards.
+    pub(super) async fn publish(&self, run: &mut Run<'_>, p: &policy::Publish) -> Vec<Action> {
+        let event = match self.run_store(run) {
+            None => Event::NotPublished("no run store".into()),
+            Some(store) => match bounded(run_store::publish(&*store, p)).await {
+                Some(Ok(closed)) => Event::Published(closed),
+                Some(Err(e)) => Event::NotPublished(e.to_string()),
+                None => Event::NotPublished(format!("no answer within {CHECK_TIMEOUT:?}")),
+            },
+        };
+        if let Event::NotPublished(error) = &event {
+            self.emit(AgentEvent::CleanupFailed {
+                what: "publishing the verdict",
+                error: error.clone(),
+            });
+        }
+        self.decide(&mut run.policy, event)
+    }
+
+    /// Reads the verdict after the run closed while this node joined.
+    pub(super) async fn read_verdict(&self, run: &mut Run<'_>) -> Vec<Action> {
+        let event = match self.run_store(run) {
+            // No run store to read (a backend without one before a round).
+            None => Event::VerdictRead(None),
+            Some(store) => match bounded(run_store::read_verdict(&*store)).await {
+                Some(Ok(v)) => Event::VerdictRead(v),
+                Some(Err(e)) => Event::NotPublished(e.to_string()),
+                None => Event::NotPublished(format!("no answer within {CHECK_TIMEOUT:?}")),
+            },
+        };
+        self.decide(&mut run.policy, event)
+    }
+
+    /// Closes the rendezvous so no node starts another round.
+    pub(super) async fn close_rendezvous(&self, run: &mut Run<'_>) -> Vec<Action> {
+        let error = match bounded(self.handler.set_closed()).await {
+            Some(Ok(())) => None,
+            Some(Err(e)) => Some(e.to_string()),
+            None => Some(format!("no answer within {CHECK_TIMEOUT:?}")),
+        };
+        if let Some(error) = error {
+            self.emit(AgentEvent::CleanupFailed {
+                what: "closing the rendezvous",
+                error,
+            });
+        }
+        self.decide(&mut run.policy, Event::RendezvousClosed)
+    }
+
+    /// Leaves the rendezvous for good (after it read the verdict): stops
+    /// keeping alive and counts this node out of the run, so a host lingering
+    /// for it stops waiting.
+    pub(super) async fn mark_finished(&self, run: &mut Run<'_>, _round: u64) -> Vec<Action> {
+        if let Some(Err(e)) = bounded(self.handler.leave()).await {
+            self.emit(AgentEvent::CleanupFailed {
+                what: "leaving the rendezvous",
+                error: e.to_string(),
+            });
+        }
+        self.decide(&mut run.policy, Event::MarkedFinished)
+    }
+
+    /// Keeps this node's stores up until every other node of the run left or
+    /// was found dead ([`RendezvousHandler::remaining`] is 0), or `bound`
+    /// passed; a signal cuts it short.
+    pub(super) async fn linger(
+        &self,
+        run: &mut Run<'_>,
+        _round: u64,
+        _nodes: usize,
+        bound: Option<Duration>,
+    ) -> Vec<Action> {
+        let Some(store) = self.run_store(run) else {
+            return self.decide(&mut run.policy, Event::Lingered(None));
+        };
+        let until = bound.map(|b| tokio::time::Instant::now() + b);
+        let mut said = false;
+        let mut unreachable_since: Option<Instant> = None;
+        // By then every other node has stopped its workers on its own.
+        let give_up = if self.handler.hosts_store() {
+            self.limits().linger_after_failure
+        } else {
+            self.spec.lost_grace
+        };
+        loop {
+            // A store that does not answer now may be stalled: keep it up and
+            // look again. A node whose rendezvous store is another's gives up
+            // after `lost_grace` (nobody can count itself out of a store that
+            // is gone); the host of that store waits until the others, who
+            // cannot reach it either, have stopped their workers on their own.
+            // The bound, if any, still ends the wait.
+            let remaining = bounded(self.handler.remaining()).await.and_then(Result::ok);
+            if remaining == Some(0) {
+                break;
+            }
+            if remaining.is_some() {
+                unreachable_since = None;
+            } else if unreachable_since.get_or_insert_with(Instant::now).elapsed() >= give_up {
+                break;
+            }
+            if let (false, Some(n)) = (said, remaining) {
+                said = true;
+                self.emit(AgentEvent::HostLingering { nodes_left: n });
+            }
+            let nap = tokio::time::sleep(LINGER_POLL);
+            tokio::select! {
+                _ = nap => {}
+                s = run.signals.recv() => return self.decide(&mut run.policy, Event::Signal(s)),
+                _ = async {
+                    match until {
+                        Some(b) => tokio::time::sleep_until(b).await,
+                        None => std::future::pending().await,
+                    }
+                } => break,
+            }
+        }
+        let seen = bounded(run_store::read_verdict(&*store))
+            .await
+            .and_then(Result::ok)
+            .flatten();
+        self.decide(&mut run.policy, Event::Lingered(seen))
+    }
+
+    /// The end: turn the verdict into the outcome, leave the rendezvous (never
+    /// closing it: the policy closed it if, and only if, a verdict was
+    /// published), and release the round.
+    pub(super) async fn finish(&self, verdict: Verdict, run: &mut Run<'_>) -> Outcome {
+        let round = run.round.take();
+        let attempts = round.as_ref().map_or(0, |r| r.info.round + 1);
+        let store = self.run_store(run);
+        let outcome = match verdict {
+            Verdict::Succeeded { barrier, .. } => Outcome::Succeeded { attempts, barrier },
+            Verdict::Failed {
+                why: Failure::StartFailed(e),
+                ..
+            } => Outcome::Error(e),
+            Verdict::Failed { why, root } => {
+                let failures = match &store {
+                    Some(s) => bounded(run_store::failed_rounds(&**s))
+                        .await
+                        .and_then(Result::ok)
+                        .unwrap_or(0)
+                        .max(run.failed_rounds),
+                    None => run.failed_rounds,
+                };
+                Outcome::Failed {
+                    reason: self.reason(&why),
+                    root_cause: root,
+                    failures,
+                }
+            }
+            Verdict::Signaled(signal) => Outcome::Signaled { signal },
+            Verdict::NotNeeded => Outcome::NotNeeded,
+            Verdict::JoinFailed(e) => match run.join_error.take() {
+                Some(e) => Outcome::Rendezvous(e),
+                None => Outcome::Error(e),
+            },
+        };
+        if let Some(Err(e)) = bounded(self.handler.leave()).await {
+            self.emit(AgentEvent::CleanupFailed {
+                what: "leaving the rendezvous",
+                error: e.to_string(),
+            });
+        }
+        if let Some(r) = round {
+            self.end_round(r).await;
+        }
+        outcome
+    }
+
+    pub(super) fn reason(&self, why: &Failure) -> String {
+        match why {
+            Failure::OutOfRestarts { failed_rounds } => format!(
+                "workers failed {failed_rounds} time(s); --max-restarts is {}",
+                self.spec.max_restarts
+            ),
+            Failure::AfterClose => {
+                "workers failed after the run was closed (no more rounds to restart in)".into()
+            }
+            Failure::MemberLostAfterClose => {
+                "a node died after the run was closed (no more rounds to replace it)".into()
+            }
+            Failure::FixedGroupFinished => format!(
+                "workers failed after another node's workers had finished, and the {} rendezvous cannot restart without them",
+                self.handler.backend()
+            ),
+            Failure::FixedGroupStart(e) => format!(
+                "the group could not start ({e}), and the {} rendezvous cannot re-form",
+                self.handler.backend()
+            ),
+            Failure::MemberLostFixedGroup => format!(
+                "a node stopped keeping alive, and the {} rendezvous cannot re-form without it",
+                self.handler.backend()
+            ),
+            Failure::Unrecorded => format!(
+                "workers failed and the run store did not take the failure for {:?}",
+                self.spec.lost_grace
+            ),
+            Failure::Elsewhere => "another node ended the run after a failure".into(),
+            Failure::LostRendezvous { during } => format!(
+                "lost the rendezvous host during {during}: its store stopped answering for {:?}",
+                self.spec.lost_grace
+            ),
+            Failure::StartFailed(e) => e.clone(),
+            Failure::Unpublished(e) => {
+                format!("the run's verdict could not be read or written (outcome unknown): {e}")
+            }
+        }
+    }
+}
