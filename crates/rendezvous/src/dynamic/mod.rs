@@ -48,78 +48,36 @@
 //! per round); ranks follow string order (`node10` before `node2`) and are not
 //! kept across rounds; a silent participant of a completed round is not noticed.
 
+mod c10d;
+mod keepalive;
 pub mod state;
+mod timing;
+
+pub use c10d::{advertised_addr, create, default_node_id};
+pub use keepalive::{Beat, CounterKeepalive, Keepalive};
+pub use timing::Timing;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rallypoint_store::{PrefixStore, Store, StoreError, TcpStore};
+use rallypoint_store::{PrefixStore, Store, StoreError};
 use tokio::sync::Mutex;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use crate::api::Created;
 use crate::api::{
     BootstrapStoreInfo, MembershipChange, RendezvousError, RendezvousHandler, RendezvousInfo,
     RendezvousParameters,
 };
-use state::{Bounds, Event, Join, JoinFailure, Liveness, Step};
+use state::{Bounds, Event, Join, JoinFailure, Step};
 
 /// The value of `r/assigned` for a round given up before its ranks were assigned.
 const ABANDONED: &[u8] = b"abandoned";
 
 /// Default port of the c10d rendezvous store.
 pub const DEFAULT_PORT: u16 = 29400;
-
-/// Timing of a dynamic rendezvous (PyTorch's defaults).
-#[derive(Debug, Clone, Copy)]
-pub struct Timing {
-    /// Bounds a whole `next_rendezvous` (`join_timeout`, 600 s).
-    pub join: Duration,
-    /// How long a round stays open after reaching `min_nodes` (`last_call_timeout`, 30 s).
-    pub last_call: Duration,
-    /// Heartbeat period (`keep_alive_interval`, 5 s).
-    pub keep_alive: Duration,
-    /// Missed heartbeats before a peer counts as dead (`keep_alive_max_attempt`, 3).
-    pub max_misses: u32,
-}
-
-impl Timing {
-    /// The timing options of `--rdzv-conf` (`join_timeout`, `last_call_timeout`,
-    /// `keep_alive_interval`, `keep_alive_max_attempt`), with the defaults.
-    pub fn from_params(p: &RendezvousParameters) -> Result<Self, RendezvousError> {
-        let d = Timing::default();
-        Ok(Timing {
-            join: p.get_as_secs("join_timeout", d.join)?,
-            last_call: p.get_as_secs("last_call_timeout", d.last_call)?,
-            keep_alive: p.get_as_secs("keep_alive_interval", d.keep_alive)?,
-            max_misses: p
-                .get_as_int("keep_alive_max_attempt")?
-                .map_or(Ok(d.max_misses), |v| {
-                    u32::try_from(v).ok().filter(|v| *v > 0).ok_or_else(|| {
-                        crate::api::config_error(
-                            "keep_alive_max_attempt",
-                            &v.to_string(),
-                            "a positive integer",
-                        )
-                    })
-                })?,
-        })
-    }
-}
-
-impl Default for Timing {
-    fn default() -> Self {
-        Timing {
-            join: Duration::from_secs(600),
-            last_call: Duration::from_secs(30),
-            keep_alive: Duration::from_secs(5),
-            max_misses: 3,
-        }
-    }
-}
 
 /// This node's place in its latest round.
 #[derive(Default)]
@@ -165,128 +123,6 @@ enum Bootstrap {
     Worker { advertise: String },
 }
 
-/// What a member of a round keeps alive and watches.
-pub struct Beat {
-    /// The run's own store (keys such as `r3/hb/0`).
-    pub store: Arc<dyn Store>,
-    /// The run's key prefix in the underlying store, with its trailing `/`.
-    pub namespace: String,
-    pub round: u64,
-    pub rank: usize,
-    pub members: usize,
-    pub timing: Timing,
-    /// Cleared when this member leaves: it stops beating but goes on
-    /// watching, so a host that lingers still notices the last members die.
-    pub beating: Arc<std::sync::atomic::AtomicBool>,
-}
-
-impl Beat {
-    /// The rank this member watches: its successor in rank order (`None` alone).
-    pub fn successor(&self) -> Option<usize> {
-        self.after(self.rank)
-    }
-
-    /// The member after `rank` in the ring, `None` once it is this member.
-    pub fn after(&self, rank: usize) -> Option<usize> {
-        let next = (rank + 1) % self.members.max(1);
-        (next != self.rank).then_some(next)
-    }
-
-    /// Whether member `rank` left on purpose (see [`RendezvousHandler::leave`]).
-    pub async fn left(&self, rank: usize) -> bool {
-        self.store
-            .check(&[&format!("r{}/left/{rank}", self.round)])
-            .await
-            .unwrap_or(false)
-    }
-
-    /// Records that member `rank` is dead: the round should re-form, and the
-    /// run has one node fewer.
-    pub async fn died(&self, rank: usize) {
-        tracing::warn!(
-            round = self.round,
-            rank,
-            "rendezvous peer stopped keeping alive; marking the round for re-forming"
-        );
-        if let Err(e) = mark_changed(&*self.store, &format!("r{}", self.round), "dead").await {
-            tracing::warn!(error = %e, "could not mark the round changed");
-        }
-        if let Err(e) = crate::census::dead(&*self.store).await {
-            tracing::warn!(error = %e, "could not count the dead node");
-        }
-    }
-
-    /// `watched` stopped keeping alive: unless it left, marks it dead; returns
-    /// the member to watch next (`None`: nobody else is left to watch).
-    pub async fn watched_stopped(&self, watched: usize) -> Option<usize> {
-        if !self.left(watched).await {
-            self.died(watched).await;
-        }
-        self.after(watched)
-    }
-}
-
-/// How members show they are alive and notice a dead successor. Each member runs
-/// one for its round, until the round ends; when the member it watches stops
-/// keeping alive it must call [`Beat::watched_stopped`] and watch the member
-/// that returns.
-pub trait Keepalive: Send + Sync {
-    fn spawn(&self, beat: Beat) -> JoinHandle<()>;
-}
-
-/// The default keep-alive: a heartbeat counter per member in the store, bumped
-/// every interval; the watcher reads its successor's counter a few times per
-/// interval and declares it dead after `max_misses` intervals without a change.
-pub struct CounterKeepalive;
-
-impl Keepalive for CounterKeepalive {
-    fn spawn(&self, beat: Beat) -> JoinHandle<()> {
-        tokio::spawn(async move {
-            let timing = beat.timing;
-            let r = format!("r{}", beat.round);
-            let mine = format!("{r}/hb/{}", beat.rank);
-            let mut watched = beat.successor();
-            let store = beat.store.clone();
-            let fresh = || {
-                Liveness::new(
-                    timing.keep_alive,
-                    timing.max_misses,
-                    std::time::Instant::now(),
-                )
-            };
-            let mut watch = fresh();
-            // Watch at a finer grain than the beat, so detection lands within
-            // interval * misses plus a fraction of an interval.
-            let tick = (timing.keep_alive / 4).max(Duration::from_millis(10));
-            let mut next_beat = Instant::now();
-            loop {
-                if Instant::now() >= next_beat {
-                    if beat.beating.load(Ordering::Acquire) {
-                        let _ = store.add(&mine, 1).await;
-                    }
-                    next_beat += timing.keep_alive;
-                }
-                if let Some(w) = watched {
-                    if let Ok(v) = store.add(&format!("{r}/hb/{w}"), 0).await {
-                        if watch.observe(v, std::time::Instant::now()) {
-                            // Dead or left: either way watch the next one.
-                            watched = beat.watched_stopped(w).await;
-                            watch = fresh();
-                        }
-                    }
-                }
-                let until_beat = next_beat.saturating_duration_since(Instant::now());
-                let nap = if watched.is_some() {
-                    tick.min(until_beat)
-                } else {
-                    until_beat
-                };
-                tokio::time::sleep(nap.max(Duration::from_millis(1))).await;
-            }
-        })
-    }
-}
-
 fn conn(run_id: &str) -> impl Fn(StoreError) -> RendezvousError + '_ {
     move |source| RendezvousError::Connection {
         run_id: run_id.to_owned(),
@@ -299,16 +135,6 @@ fn conn(run_id: &str) -> impl Fn(StoreError) -> RendezvousError + '_ {
 async fn mark_changed(store: &dyn Store, r: &str, counter: &str) -> Result<(), StoreError> {
     store.add(&format!("{r}/{counter}"), 1).await?;
     store.set(&format!("{r}/changed"), b"1").await
-}
-
-/// A node id unique within this process: `<addr>:<pid>:<n>`.
-pub fn default_node_id(addr: &str) -> String {
-    static LOCAL: AtomicU64 = AtomicU64::new(0);
-    format!(
-        "{addr}:{}:{}",
-        std::process::id(),
-        LOCAL.fetch_add(1, Ordering::Relaxed)
-    )
 }
 
 impl DynamicRendezvous {
@@ -1060,92 +886,4 @@ impl Drop for DynamicRendezvous {
             }
         }
     }
-}
-
-/// The address this node advertises: `--local-addr`, else `$HOSTNAME`, else
-/// `localhost`.
-pub fn advertised_addr(p: &RendezvousParameters) -> String {
-    p.local_addr
-        .clone()
-        .unwrap_or_else(|| std::env::var("HOSTNAME").unwrap_or_else(|_| "localhost".into()))
-}
-
-/// The registry's creator for `c10d`: a TCP store at the endpoint (default port
-/// 29400), hosted by this node when `is_host` says so (or the endpoint is this
-/// machine and the port is free), else a client.
-pub fn create(p: RendezvousParameters) -> Created {
-    Box::pin(async move {
-        match p.get("store_type").map(str::to_ascii_lowercase).as_deref() {
-            None | Some("tcp") => {}
-            Some("file") => return create_on_file(p).await,
-            Some(other) => {
-                return Err(crate::api::config_error("store_type", other, "tcp or file"))
-            }
-        }
-        let (host, port) = p.endpoint_host_port()?;
-        let port = port.unwrap_or(DEFAULT_PORT);
-        let timing = Timing::from_params(&p)?;
-        let read_timeout = p.get_as_secs("read_timeout", Duration::from_secs(60))?;
-        let local = matches!(host.as_str(), "localhost" | "127.0.0.1" | "::1" | "")
-            || std::env::var("HOSTNAME").is_ok_and(|h| h == host);
-        let is_host = p.get_as_bool("is_host")?.unwrap_or(local);
-        let connect = |master: bool| {
-            TcpStore::builder(host.clone(), port)
-                .is_master(master)
-                .timeout(read_timeout)
-                .connect()
-        };
-        let store = match is_host {
-            true => match connect(true).await {
-                Ok(s) => s,
-                // Somebody else hosts it (or the port is taken): be a client.
-                Err(_) => connect(false).await.map_err(conn(&p.run_id))?,
-            },
-            false => connect(false).await.map_err(conn(&p.run_id))?,
-        };
-        let endpoint = format!("{host}:{port}");
-        let port = store.port();
-        let hosts = store.server().is_some();
-        let addr = advertised_addr(&p);
-        let mut h = DynamicRendezvous::new(
-            Arc::new(store),
-            &p.run_id,
-            default_node_id(&addr),
-            Bounds {
-                min: p.min_nodes,
-                max: p.max_nodes,
-            },
-            timing,
-            BootstrapStoreInfo {
-                master_addr: host,
-                master_port: port,
-            },
-        );
-        if hosts {
-            h = h.hosting_store();
-        }
-        Ok(Box::new(h.with_endpoint(endpoint)) as Box<dyn RendezvousHandler>)
-    })
-}
-
-/// `store_type=file`: the rendezvous on a file store shared by every node (the
-/// endpoint is its path; empty: a file in the temporary directory named after
-/// the run). Workers cannot use a file store as their job store, so rank 0's
-/// worker hosts one, as with etcd.
-async fn create_on_file(
-    p: RendezvousParameters,
-) -> Result<Box<dyn RendezvousHandler>, RendezvousError> {
-    let timing = Timing::from_params(&p)?;
-    let path = match p.endpoint.as_str() {
-        "" => std::env::temp_dir().join(format!("rally-rendezvous-{}", p.run_id)),
-        e => std::path::PathBuf::from(e),
-    };
-    let store = rallypoint_store::FileStore::open(&path, -1)
-        .await
-        .map_err(conn(&p.run_id))?;
-    Ok(Box::new(DynamicRendezvous::worker_hosted(
-        Arc::new(store),
-        &p,
-        timing,
-    )))
 }
