@@ -349,6 +349,10 @@ pub fn console_lines_dropped() -> u64 {
     CONSOLE_DROPPED.load(Ordering::Relaxed)
 }
 
+/// A console that writes this much in [`CONSOLE_STALL`] (13 KB/s) is slow,
+/// not stuck.
+const PROGRESS_PIECE: usize = 64 * 1024;
+
 /// Bytes of output the console queue holds at most; past it, a stream falls
 /// behind and is read back from its file (so the launcher's memory does not
 /// grow with a slow console).
@@ -359,7 +363,8 @@ struct ConsoleQueue {
     tx: std::sync::mpsc::SyncSender<ConsoleMsg>,
     /// Bytes queued and not yet written.
     queued: Arc<std::sync::atomic::AtomicUsize>,
-    /// Messages the writer finished, to tell a slow console from a stuck one.
+    /// Pieces the writer finished (messages, and [`PROGRESS_PIECE`]s of long
+    /// ones), to tell a slow console from a stuck one.
     done: Arc<std::sync::atomic::AtomicU64>,
     /// `done + 1` when a wait gave up on the console; while `done` has not
     /// moved since, the console is still stuck and nobody waits again.
@@ -460,8 +465,13 @@ fn console() -> &'static ConsoleQueue {
                             if s.continues && !cont {
                                 let _ = w.write_all(&s.prefix);
                             }
-                            let _ = w.write_all(&s.bytes);
-                            let _ = w.flush();
+                            // In pieces, each counted as progress: a slow
+                            // console is not taken for a stuck one.
+                            for piece in s.bytes.chunks(PROGRESS_PIECE) {
+                                let _ = w.write_all(piece);
+                                let _ = w.flush();
+                                d.fetch_add(1, Ordering::AcqRel);
+                            }
                             *slot = s.open.then_some(s.stream);
                         }
                         ConsoleMsg::Flush(ack) => {
