@@ -64,7 +64,7 @@ fn sh_job(args: &[&str], shell: &str, dir: &Path, name: &str) -> Job {
     Job::spawn(c, dir, name)
 }
 
-fn c10d(endpoint: &str, nnodes: &str, id: &str) -> Vec<String> {
+pub(super) fn c10d(endpoint: &str, nnodes: &str, id: &str) -> Vec<String> {
     [
         "--nnodes",
         nnodes,
@@ -81,7 +81,7 @@ fn c10d(endpoint: &str, nnodes: &str, id: &str) -> Vec<String> {
     .to_vec()
 }
 
-fn strs(v: &[String]) -> Vec<&str> {
+pub(super) fn strs(v: &[String]) -> Vec<&str> {
     v.iter().map(String::as_str).collect()
 }
 

@@ -3,6 +3,7 @@
 //! noticed), the job store outliving the host's own workers, and a join whose
 //! rendezvous store is gone. Included by `run.rs` (one test binary).
 
+use super::agent_failures::{c10d, strs};
 use super::*;
 
 /// Flags of node `rank` of a two-node static job whose rank 0 hosts the
@@ -139,22 +140,10 @@ fn static_a_late_node_is_not_taken_for_dead() {
 fn the_job_store_outlives_the_host_nodes_workers() {
     let dir = tempfile::tempdir().unwrap();
     let endpoint = format!("127.0.0.1:{}", free_port());
-    let args = [
-        "--nnodes",
-        "2",
-        "--nproc-per-node",
-        "1",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        &endpoint,
-        "--rdzv-id",
-        "late-store",
-        "--max-restarts",
-        "0",
-    ];
+    let mut args = c10d(&endpoint, "2", "late-store");
+    args.extend(["--nproc-per-node", "1", "--max-restarts", "0"].map(String::from));
     let job = |name: &str| {
-        let mut c = rally(&args);
+        let mut c = rally(&strs(&args));
         c.arg(script("late_store_user.py")).env("LATE", "3");
         Job::spawn(c, dir.path(), name)
     };
@@ -178,21 +167,8 @@ fn the_job_store_outlives_the_host_nodes_workers() {
 fn a_join_whose_rendezvous_store_is_gone_fails_within_the_lost_timeout() {
     let dir = tempfile::tempdir().unwrap();
     let endpoint = format!("127.0.0.1:{}", free_port());
-    let args = [
-        "--nnodes",
-        "3",
-        "--nproc-per-node",
-        "1",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        &endpoint,
-        "--rdzv-id",
-        "gone",
-        "--rdzv-lost-timeout",
-        "2",
-    ]
-    .map(String::from);
+    let mut args = c10d(&endpoint, "3", "gone");
+    args.extend(["--nproc-per-node", "1", "--rdzv-lost-timeout", "2"].map(String::from));
     // The host and one more node wait for a third that never comes.
     let mut host = sh(&args, "true", dir.path(), "host");
     std::thread::sleep(Duration::from_millis(300));
@@ -224,23 +200,8 @@ fn a_join_whose_rendezvous_store_is_gone_fails_within_the_lost_timeout() {
 fn a_store_that_stalls_during_the_exit_barrier_is_waited_for() {
     let dir = tempfile::tempdir().unwrap();
     let endpoint = format!("127.0.0.1:{}", free_port());
-    let args = [
-        "--nnodes",
-        "2",
-        "--nproc-per-node",
-        "1",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        &endpoint,
-        "--rdzv-id",
-        "stall",
-        "--monitor-interval",
-        "0.1",
-        "--rdzv-lost-timeout",
-        "30",
-    ]
-    .map(String::from);
+    let mut args = c10d(&endpoint, "2", "stall");
+    args.extend(["--nproc-per-node", "1", "--rdzv-lost-timeout", "30"].map(String::from));
     let started = dir.path().join("host.started");
     let mut host = sh(
         &args,
@@ -270,23 +231,18 @@ fn a_store_that_stalls_during_the_exit_barrier_is_waited_for() {
 fn the_host_lingers_for_a_third_node_still_running() {
     let dir = tempfile::tempdir().unwrap();
     let endpoint = format!("127.0.0.1:{}", free_port());
-    let args = [
-        "--nnodes",
-        "3",
-        "--nproc-per-node",
-        "1",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        &endpoint,
-        "--rdzv-id",
-        "third",
-        "--exit-barrier-timeout",
-        "1",
-        "--rdzv-conf",
-        "keep_alive_interval=0.5,keep_alive_max_attempt=2",
-    ]
-    .map(String::from);
+    let mut args = c10d(&endpoint, "3", "third");
+    args.extend(
+        [
+            "--nproc-per-node",
+            "1",
+            "--exit-barrier-timeout",
+            "1",
+            "--rdzv-conf",
+            "keep_alive_interval=0.5,keep_alive_max_attempt=2",
+        ]
+        .map(String::from),
+    );
     let done = dir.path().join("slow.done");
     // Whichever node gets rank 2 trains for 6 s (six keep-alive expiries);
     // the others finish at once and leave the exit barrier after 1 s.
