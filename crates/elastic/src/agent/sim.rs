@@ -35,8 +35,12 @@
 //!   after the keep-alive expiry; a member that leaves is skipped; a join ends
 //!   at `join_timeout`) or `static` (fixed nodes, each restart a new round
 //!   number, never re-formed; a killed node is marked dead by its watcher after
-//!   the keep-alive expiry unless it left). Both keep the census (nodes in,
-//!   out, dead) that hosts linger on.
+//!   the keep-alive expiry unless it left). A watcher is a live member still in
+//!   the round (one that re-joins stops watching it; one that left goes on);
+//!   nobody watching, nobody marks. Both keep the census (nodes in, out, dead)
+//!   that hosts linger on, and the pulse: a lingering host stops once no member
+//!   of its round or the newest one has beaten for an expiry. A join probes the
+//!   store and fails after `lost_grace` without it.
 //! - **Workers**: each round's group on each node runs for a random time, then
 //!   succeeds or fails; when one group fails or is stopped, the others of the
 //!   round fail soon after (a broken collective) unless the run drew
