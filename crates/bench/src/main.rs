@@ -36,6 +36,7 @@ use tokio::net::TcpStream;
 
 mod agent;
 mod collectives;
+mod idle;
 mod launch;
 mod rendezvous;
 mod rpc;
@@ -58,6 +59,8 @@ enum Cmd {
     Agent(agent::AgentArgs),
     /// Dynamic rendezvous: N nodes through one round, ours and PyTorch's c10d.
     Rendezvous(rendezvous::RendezvousArgs),
+    /// Store requests per node per second of idle agents (running phase).
+    Idle(idle::IdleArgs),
     /// Collectives: our process group against torch's gloo, and the raw TCP ceiling.
     Collectives(collectives::CollectivesArgs),
     /// RPC: ours against PyTorch's (TensorPipe), and the raw TCP ceilings.
@@ -156,6 +159,7 @@ fn main() -> Result<()> {
         Cmd::Launch(args) => launch::run(args),
         Cmd::Agent(args) => agent::run(args),
         Cmd::Rendezvous(args) => rendezvous::run(args),
+        Cmd::Idle(args) => idle::run(args),
         Cmd::Echo { req, reply } => async_echo(req, reply),
         Cmd::Collectives(args) => collectives::run(args),
         Cmd::Rpc(args) => rpc::run(args),

@@ -232,6 +232,10 @@ impl Connection {
     }
 
     fn handle(&mut self, ks: &mut Keyspace, req: Request) -> Result<(), Close> {
+        self.shared
+            .stats
+            .requests
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let max_value = self.shared.limits.max_value_len;
         let out = &mut self.out;
         match req {

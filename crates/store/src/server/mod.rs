@@ -63,6 +63,7 @@ pub struct Stats {
     accepted: AtomicU64,
     closed: AtomicU64,
     protocol_errors: AtomicU64,
+    requests: AtomicU64,
 }
 
 /// A snapshot of [`Stats`].
@@ -72,6 +73,8 @@ pub struct StatsSnapshot {
     pub open: u64,
     /// Connections closed because of bad input.
     pub protocol_errors: u64,
+    /// Requests handled (after the handshake), over all connections.
+    pub requests: u64,
 }
 
 impl Stats {
@@ -82,6 +85,7 @@ impl Stats {
             accepted,
             open: accepted.saturating_sub(closed),
             protocol_errors: self.protocol_errors.load(Ordering::Relaxed),
+            requests: self.requests.load(Ordering::Relaxed),
         }
     }
 }
