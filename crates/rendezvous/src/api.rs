@@ -33,6 +33,10 @@ pub enum RendezvousError {
         #[source]
         source: Box<StoreError>,
     },
+    /// The store stopped answering while this node waited on it (its beats
+    /// failed).
+    #[error("rendezvous {run_id:?} cannot reach its store: {reason}")]
+    Unreachable { run_id: String, reason: String },
     /// The shared state is not what the protocol allows.
     #[error("rendezvous {run_id:?} is in an invalid state: {reason}")]
     State { run_id: String, reason: String },
@@ -113,6 +117,16 @@ pub trait RendezvousHandler: Send + Sync {
             waiting: self.num_nodes_waiting().await?,
             dead: 0,
         })
+    }
+
+    /// Waits until this node's round may have changed after wake `seen` (0 at
+    /// first, then what the last call returned) and returns the new mark: the
+    /// caller then reads [`Self::membership`] again. Fails when the store stops
+    /// answering meanwhile. Backends that are not woken by their store wait
+    /// `poll` and return (the caller polls).
+    async fn changed(&self, seen: u64, poll: Duration) -> Result<u64, RendezvousError> {
+        tokio::time::sleep(poll).await;
+        Ok(seen.wrapping_add(1))
     }
 
     /// The run store ([`RendezvousInfo::run_store`]) before any round formed, so a

@@ -23,6 +23,9 @@ pub mod init;
 pub mod registry;
 pub mod static_tcp;
 pub mod url;
+mod wake;
+
+pub use wake::Health;
 
 pub use api::{
     MembershipChange, RendezvousError, RendezvousHandler, RendezvousInfo, RendezvousParameters,

@@ -59,6 +59,8 @@ pub struct StaticTcpRendezvous {
     left: tokio::sync::Mutex<bool>,
     /// The heartbeats a lingering rank 0 looks at.
     pulse: tokio::sync::Mutex<crate::census::Pulse>,
+    /// Whether this node's beats reach the store.
+    health: crate::Health,
 }
 
 /// The keys of the keep-alive: one "round" for the whole run.
@@ -100,6 +102,7 @@ impl StaticTcpRendezvous {
             beating: Arc::new(std::sync::atomic::AtomicBool::new(true)),
             left: tokio::sync::Mutex::new(false),
             pulse: Default::default(),
+            health: Default::default(),
         })
     }
 }
@@ -189,6 +192,21 @@ impl RendezvousHandler for StaticTcpRendezvous {
 
     async fn num_nodes_waiting(&self) -> Result<usize, RendezvousError> {
         Ok(0)
+    }
+
+    /// Blocks on the wake key ([`crate::wake`]) that a watcher finding a dead
+    /// node sets.
+    async fn changed(&self, seen: u64, poll: Duration) -> Result<u64, RendezvousError> {
+        let Some(store) = self.store.get() else {
+            tokio::time::sleep(poll).await;
+            return Ok(seen);
+        };
+        crate::wake::wait(&**store, &format!("r{ROUND}"), seen, &self.health)
+            .await
+            .map_err(|reason| RendezvousError::Unreachable {
+                run_id: self.run_id.clone(),
+                reason,
+            })
     }
 
     /// Nobody ever waits; dead nodes are counted by the keep-alive watchers.
@@ -319,10 +337,19 @@ impl StaticTcpRendezvous {
             members: self.world_size,
             timing: self.timing,
             beating: self.beating.clone(),
+            health: self.health.clone(),
         };
         let host = self.rank == 0;
         tokio::spawn(async move {
-            if host && store.set(ALL_IN, b"1").await.is_err() {
+            // Every counter exists before anyone watches it.
+            let beats: Vec<String> = (0..beat.members)
+                .map(|r| format!("r{ROUND}/hb/{r}"))
+                .collect();
+            let zeros: Vec<(&str, &[u8])> = beats.iter().map(|k| (k.as_str(), &b"0"[..])).collect();
+            if host
+                && (store.multi_set(&zeros).await.is_err()
+                    || store.set(ALL_IN, b"1").await.is_err())
+            {
                 return;
             }
             // The store's timeout bounds the wait; a node that never comes

@@ -21,7 +21,7 @@ impl Agent {
             None,
         );
         tokio::pin!(wait);
-        let mut tick = self.monitor_tick();
+        let watch = r.watch.as_mut().expect("watched from the join");
         loop {
             let event = tokio::select! {
                 done = &mut wait => match done {
@@ -29,7 +29,7 @@ impl Agent {
                     Err(e) => {
                         // What the rendezvous says decides (the policy's table):
                         // a failure published meanwhile is never a timeout.
-                        let seen = observe(&*self.handler, &*r.info.run_store, r.info.round).await;
+                        let seen = watcher::observe(&*self.handler, &*r.info.run_store, r.info.round).await;
                         if e.is_timeout() {
                             self.emit(AgentEvent::ExitBarrierTimedOut { error: e.to_string() });
                         }
@@ -41,10 +41,7 @@ impl Agent {
                     }
                 },
                 s = run.signals.recv() => Event::Signal(s),
-                _ = tick.tick() => tokio::select! {
-                    o = observe(&*self.handler, &*r.info.run_store, r.info.round) => Event::Checked(o),
-                    s = run.signals.recv() => Event::Signal(s),
-                },
+                o = watch.next() => Event::Checked(o),
             };
             let actions = self.tell_notes(self.decide(&mut run.policy, event), None);
             if !actions.is_empty() {

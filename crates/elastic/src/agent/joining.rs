@@ -106,7 +106,14 @@ impl Agent {
                     nodes: info.world_size,
                 };
                 run.last_run_store = Some(info.run_store.clone());
+                let watch = watcher::Watch::spawn(
+                    self.handler.clone(),
+                    info.run_store.clone(),
+                    info.round,
+                    self.spec.monitor_interval,
+                );
                 run.round = Some(Round {
+                    watch: Some(watch),
                     info,
                     ranks: ranks::NodeRanks::default(),
                     server: None,

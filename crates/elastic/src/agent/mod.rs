@@ -10,11 +10,11 @@
 //! | phase | waits on |
 //! |---|---|
 //! | `rendezvous` | the join, signals, a note every 10 s |
-//! | `starting` | rank assignment and the job store's address, signals |
-//! | `running` | worker exits (pidfds), rendezvous checks every `monitor_interval`, signals |
+//! | `starting` | rank assignment and the job store's address, the rendezvous watch, signals |
+//! | `running` | worker exits (pidfds), the rendezvous watch ([`watcher`]: woken by the store, no polling), signals |
 //! | `stopping` | the stop (signal, grace, SIGKILL, orphans), signals (a second one kills at once) |
 //! | `recording_failure` | the run store, signals |
-//! | `exit_barrier` | the barrier, rendezvous checks, signals |
+//! | `exit_barrier` | the barrier, the rendezvous watch, signals |
 //!
 //! What it waited on becomes a [`policy::Event`]; [`policy::Policy`] — pure, with
 //! its table of every transition and tests in simulated time — answers with
@@ -83,6 +83,7 @@ mod running;
 mod sim;
 mod starting;
 pub mod status;
+mod watcher;
 
 use std::ffi::OsString;
 use std::sync::Arc;
@@ -98,7 +99,7 @@ use crate::multiprocessing::{
     StartSpec,
 };
 use events::{AgentEvent, Discard, EventSink};
-use policy::{Action, Event, Failure, Limits, Observation, Phase, Policy, Verdict};
+use policy::{Action, Event, Failure, Limits, Phase, Policy, Verdict};
 pub use run_store::{format_time, FailureRecord, NOT_AVAILABLE, TRACEBACK_MAX};
 use status::{AgentState, Status, WorkerState, WorkerStatus};
 
@@ -112,6 +113,9 @@ pub struct AgentSpec {
     /// Arguments of every worker; `${local_rank}` is replaced per worker.
     pub args: Vec<OsString>,
     pub max_restarts: u32,
+    /// How often the rendezvous is looked at while its store does not answer
+    /// (and by backends that cannot wake the agent); otherwise the agent is
+    /// woken by the store and does not poll.
     pub monitor_interval: Duration,
     pub logs: LogsSpec,
     /// Signals trapped and forwarded to the workers.
@@ -216,6 +220,8 @@ struct Round {
     started: Instant,
     /// Failures of the last stopped group, to record and report.
     failures: Vec<FailureRecord>,
+    /// The rendezvous watch, from the start to the end of the round.
+    watch: Option<watcher::Watch>,
 }
 impl Agent {
     pub fn new(spec: AgentSpec, handler: Arc<dyn RendezvousHandler>) -> Agent {
@@ -398,14 +404,6 @@ impl Agent {
         policy.on(event, Instant::now())
     }
 
-    /// Ticks every `monitor_interval`, the first one interval from now.
-    fn monitor_tick(&self) -> tokio::time::Interval {
-        let every = self.spec.monitor_interval;
-        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        tick
-    }
-
     /// Waits in the current phase when the policy had nothing to do.
     async fn resume(&self, run: &mut Run<'_>) -> Vec<Action> {
         match run.policy.phase() {
@@ -458,41 +456,6 @@ struct Run<'s> {
     last_run_store: Option<Arc<dyn Store>>,
 }
 
-/// One bounded look at the run from a node whose round is under way: the
-/// verdict if one is published (whatever the backend), else how the membership
-/// changed, else healthy; unreachable if the look fails.
-async fn observe(
-    handler: &dyn RendezvousHandler,
-    run_store: &dyn Store,
-    round: u64,
-) -> Observation {
-    let look = async {
-        if let Some(closed) = run_store::read_verdict(run_store)
-            .await
-            .map_err(|e| e.to_string())?
-        {
-            return Ok(Observation::Closed(closed));
-        }
-        let m = handler.membership().await.map_err(|e| e.to_string())?;
-        if m.waiting == 0 && m.dead == 0 {
-            return Ok(Observation::Healthy);
-        }
-        let finishing = m.waiting > 0
-            && run_store::finishing(run_store, round)
-                .await
-                .map_err(|e| e.to_string())?;
-        Ok::<_, String>(Observation::Changed {
-            waiting: m.waiting,
-            dead: m.dead,
-            finishing,
-        })
-    };
-    match tokio::time::timeout(CHECK_TIMEOUT, look).await {
-        Ok(Ok(o)) => o,
-        Ok(Err(e)) => Observation::Unreachable(e),
-        Err(_) => Observation::Unreachable(format!("no answer within {CHECK_TIMEOUT:?}")),
-    }
-}
 /// The trapped signals, as one stream (armed for the agent's whole life).
 pub struct Signals {
     streams: Vec<(i32, tokio::signal::unix::Signal)>,

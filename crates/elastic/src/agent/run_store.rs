@@ -6,6 +6,7 @@
 //! | key | written by | meaning |
 //! |---|---|---|
 //! | `agent/closed` | the node that decides the run's verdict | `succeeded`, or `failed` and the root cause (JSON): one key, so a close always carries its verdict |
+//! | `agent/closed_failed` | every node that published or read a failed verdict | set once the verdict is a failure: what a node that read a success waits on |
 //! | `agent/root` | every failing node, by compare-and-set | the earliest failure recorded so far |
 //! | `agent/failures/<round>/<node>` | the failing node | its failures in that round (JSON lines) |
 //! | `agent/failed/<round>`, `agent/failed_rounds` | the first node to fail in a round | each failed round counted once, job-wide |
@@ -68,6 +69,7 @@ impl Closed {
 /// The keys (see the module doc).
 pub mod keys {
     pub const CLOSED: &str = "agent/closed";
+    pub const FAILED: &str = "agent/closed_failed";
     pub const ROOT: &str = "agent/root";
     pub const FAILED_ROUNDS: &str = "agent/failed_rounds";
 
@@ -178,12 +180,19 @@ pub async fn publish(
     // At most two rounds: none -> succeeded -> failed.
     loop {
         match Closed::decode(&current) {
-            Some(c @ Closed::Failed(_)) => return Ok(c),
+            Some(c @ Closed::Failed(_)) => {
+                // Again, in case the node that wrote it stopped before this.
+                store.set(keys::FAILED, b"1").await?;
+                return Ok(c);
+            }
             Some(Closed::Succeeded) if mine == Closed::Succeeded => return Ok(Closed::Succeeded),
             Some(Closed::Succeeded) | None => {}
         }
         let now = store.compare_set(keys::CLOSED, &current, &bytes).await?;
         if now == bytes {
+            if matches!(mine, Closed::Failed(_)) {
+                store.set(keys::FAILED, b"1").await?;
+            }
             return Ok(mine);
         }
         current = now;

@@ -4,12 +4,12 @@
 use super::*;
 
 impl Agent {
-    /// Workers run: wait for their exits, check the rendezvous every
-    /// `monitor_interval`, and take signals, until the policy acts.
+    /// Workers run: wait for their exits, what the rendezvous watch sees
+    /// ([`watcher`]: no polling), and signals, until the policy acts.
     pub(super) async fn running(&self, run: &mut Run<'_>) -> Vec<Action> {
         let r = run.round.as_mut().expect("running in a round");
         let workers = r.workers.as_mut().expect("workers started");
-        let mut tick = self.monitor_tick();
+        let watch = r.watch.as_mut().expect("watched from the join");
         loop {
             let event = tokio::select! {
                 ok = workers.watch() => match ok {
@@ -17,13 +17,7 @@ impl Agent {
                     false => Event::WorkerFailed,
                 },
                 s = run.signals.recv() => Event::Signal(s),
-                _ = tick.tick() => {
-                    // Signals still interrupt a slow check.
-                    tokio::select! {
-                        o = observe(&*self.handler, &*r.info.run_store, r.info.round) => Event::Checked(o),
-                        s = run.signals.recv() => Event::Signal(s),
-                    }
-                }
+                o = watch.next() => Event::Checked(o),
             };
             if event == Event::WorkersSucceeded {
                 self.emit(AgentEvent::WorkersSucceeded {

@@ -8,6 +8,11 @@ impl Agent {
     /// meanwhile, so a member lost after the round formed re-forms the group at
     /// once instead of costing the store's timeout.
     pub(super) async fn start(&self, run: &mut Run<'_>, run_logs: &RunLogs) -> Vec<Action> {
+        let mut watch = run
+            .round
+            .as_mut()
+            .and_then(|r| r.watch.take())
+            .expect("watched from the join");
         let r = run.round.as_ref().expect("started after a join");
         let prefix = format!("rally.agent/r{}", r.info.round);
         let setup = async {
@@ -27,18 +32,14 @@ impl Agent {
                 .map_err(|e| format!("job store: {e}"))?;
             Ok::<_, String>((ranks, job))
         };
-        let mut tick = self.monitor_tick();
         let setup = async {
             tokio::pin!(setup);
             loop {
                 tokio::select! {
                     s = &mut setup => return Ok(s),
                     s = run.signals.recv() => return Err(self.decide(&mut run.policy, Event::Signal(s))),
-                    _ = tick.tick() => {
-                        let seen = tokio::select! {
-                            o = observe(&*self.handler, &*r.info.run_store, r.info.round) => Event::Checked(o),
-                            s = run.signals.recv() => Event::Signal(s),
-                        };
+                    o = watch.next() => {
+                        let seen = Event::Checked(o);
                         let actions = self.tell_notes(self.decide(&mut run.policy, seen), None);
                         if !actions.is_empty() {
                             return Err(actions);
@@ -47,11 +48,13 @@ impl Agent {
                 }
             }
         };
-        let setup = match setup.await {
+        let setup = setup.await;
+        let r = run.round.as_mut().expect("started after a join");
+        r.watch = Some(watch);
+        let setup = match setup {
             Ok(s) => s,
             Err(actions) => return actions,
         };
-        let r = run.round.as_mut().expect("started after a join");
         let (ranks, (master_addr, master_port, server)) = match setup {
             Ok(s) => s,
             Err(e) => {

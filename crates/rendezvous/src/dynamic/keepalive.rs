@@ -1,6 +1,18 @@
-//! Liveness of the members of a round: each beats and watches its successor
-//! ([`Keepalive`]; heartbeat counters here, etcd leases in the etcd backend),
-//! and a watcher that sees its successor stop without leaving marks it dead.
+//! Liveness of the members of a round ([`Keepalive`]; heartbeat counters
+//! here, etcd leases in the etcd backend).
+//!
+//! With counters, every member bumps `r/hb/<rank>` once per keep-alive
+//! interval: its one store operation per interval, which also tells it
+//! whether the store still answers ([`Health`]). Watching is split so that it
+//! costs almost nothing per member: the first [`WATCHERS`] ranks read every
+//! member's counter in one `MULTI_GET` a few times per interval (detection
+//! within `interval * misses` plus a fraction of an interval, at O(1)
+//! operations per round, not per member), and every other member reads its
+//! successor's counter once every [`RING_INTERVALS`] intervals, so that a
+//! round whose watchers all died together is still noticed, later. A watcher
+//! that sees a counter stop checks `r/left/<rank>` and, unless the member
+//! left, marks it dead; the first to mark a member counts it
+//! (`r/dead/<rank>`), so two watchers never count one death twice.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -12,6 +24,12 @@ use tokio::time::Instant;
 
 use super::state::Liveness;
 use super::{mark_changed, Timing};
+use crate::Health;
+
+/// Ranks that watch every member of their round.
+pub const WATCHERS: usize = 2;
+/// Intervals between two reads of a successor's counter by the other members.
+pub const RING_INTERVALS: u32 = 8;
 
 /// What a member of a round keeps alive and watches.
 pub struct Beat {
@@ -26,6 +44,8 @@ pub struct Beat {
     /// Cleared when this member leaves: it stops beating but goes on
     /// watching, so a host that lingers still notices the last members die.
     pub beating: Arc<std::sync::atomic::AtomicBool>,
+    /// Where each beat's outcome goes (a failed beat wakes a waiting agent).
+    pub health: Health,
 }
 
 impl Beat {
@@ -50,8 +70,20 @@ impl Beat {
     }
 
     /// Records that member `rank` is dead: the round should re-form, and the
-    /// run has one node fewer.
+    /// run has one node fewer. Counted once, by whichever watcher comes first.
     pub async fn died(&self, rank: usize) {
+        match self
+            .store
+            .add(&format!("r{}/dead/{rank}", self.round), 1)
+            .await
+        {
+            Ok(1) => {}
+            Ok(_) => return,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not mark a dead member");
+                return;
+            }
+        }
         tracing::warn!(
             round = self.round,
             rank,
@@ -83,55 +115,120 @@ pub trait Keepalive: Send + Sync {
     fn spawn(&self, beat: Beat) -> JoinHandle<()>;
 }
 
-/// The default keep-alive: a heartbeat counter per member in the store, bumped
-/// every interval; the watcher reads its successor's counter a few times per
-/// interval and declares it dead after `max_misses` intervals without a change.
+/// The default keep-alive: a heartbeat counter per member in the store (see
+/// the module doc for who reads which).
 pub struct CounterKeepalive;
 
 impl Keepalive for CounterKeepalive {
     fn spawn(&self, beat: Beat) -> JoinHandle<()> {
         tokio::spawn(async move {
-            let timing = beat.timing;
-            let r = format!("r{}", beat.round);
-            let mine = format!("{r}/hb/{}", beat.rank);
-            let mut watched = beat.successor();
-            let store = beat.store.clone();
-            let fresh = || {
-                Liveness::new(
-                    timing.keep_alive,
-                    timing.max_misses,
-                    std::time::Instant::now(),
-                )
-            };
-            let mut watch = fresh();
-            // Watch at a finer grain than the beat, so detection lands within
-            // interval * misses plus a fraction of an interval.
-            let tick = (timing.keep_alive / 4).max(Duration::from_millis(10));
+            let ka = beat.timing.keep_alive;
+            let mine = format!("r{}/hb/{}", beat.round, beat.rank);
+            let mut watch = Watch::new(&beat);
             let mut next_beat = Instant::now();
+            let mut next_look = Instant::now();
             loop {
                 if Instant::now() >= next_beat {
                     if beat.beating.load(Ordering::Acquire) {
-                        let _ = store.add(&mine, 1).await;
+                        // A beat slower than an interval is as bad as a lost one.
+                        let done = tokio::time::timeout(ka, beat.store.add(&mine, 1)).await;
+                        beat.health.report(match done {
+                            Ok(Ok(_)) => Ok(()),
+                            Ok(Err(e)) => Err(e.to_string()),
+                            Err(_) => Err(format!("a keep-alive beat got no answer within {ka:?}")),
+                        });
                     }
-                    next_beat += timing.keep_alive;
+                    next_beat += ka;
                 }
-                if let Some(w) = watched {
-                    if let Ok(v) = store.add(&format!("{r}/hb/{w}"), 0).await {
-                        if watch.observe(v, std::time::Instant::now()) {
-                            // Dead or left: either way watch the next one.
-                            watched = beat.watched_stopped(w).await;
-                            watch = fresh();
-                        }
-                    }
+                if Instant::now() >= next_look {
+                    watch.look(&beat).await;
+                    next_look += watch.every;
                 }
-                let until_beat = next_beat.saturating_duration_since(Instant::now());
-                let nap = if watched.is_some() {
-                    tick.min(until_beat)
-                } else {
-                    until_beat
-                };
+                let nap = next_beat
+                    .min(next_look)
+                    .saturating_duration_since(Instant::now());
                 tokio::time::sleep(nap.max(Duration::from_millis(1))).await;
             }
         })
+    }
+}
+
+/// What one member watches (see the module doc).
+struct Watch {
+    /// Time between two looks.
+    every: Duration,
+    /// A watcher's view of every other member (`None` once settled: dead or
+    /// left); empty for the others.
+    all: Vec<Option<Liveness>>,
+    /// The successor a non-watcher reads, and its counter's history.
+    ring: Option<(usize, Liveness)>,
+}
+
+impl Watch {
+    fn new(beat: &Beat) -> Watch {
+        let t = beat.timing;
+        let fresh = || Liveness::new(t.keep_alive, t.max_misses, std::time::Instant::now());
+        if beat.rank < WATCHERS {
+            let all = (0..beat.members)
+                .map(|m| (m != beat.rank).then(fresh))
+                .collect();
+            Watch {
+                // Finer than the beat, so detection lands within
+                // interval * misses plus a fraction of an interval.
+                every: (t.keep_alive / 4).max(Duration::from_millis(10)),
+                all,
+                ring: None,
+            }
+        } else {
+            Watch {
+                every: t.keep_alive * RING_INTERVALS,
+                all: Vec::new(),
+                ring: beat.successor().map(|s| (s, fresh())),
+            }
+        }
+    }
+
+    async fn look(&mut self, beat: &Beat) {
+        let now = std::time::Instant::now;
+        let bound = beat.timing.keep_alive;
+        if let Some((watched, live)) = &mut self.ring {
+            let key = format!("r{}/hb/{watched}", beat.round);
+            if let Ok(Ok(v)) = tokio::time::timeout(bound, beat.store.add(&key, 0)).await {
+                if live.observe(v, now()) {
+                    // Dead or left: either way watch the next one.
+                    self.ring = beat.watched_stopped(*watched).await.map(|next| {
+                        let t = beat.timing;
+                        (next, Liveness::new(t.keep_alive, t.max_misses, now()))
+                    });
+                }
+            }
+            return;
+        }
+        let ranks: Vec<usize> = (0..self.all.len())
+            .filter(|&m| self.all[m].is_some())
+            .collect();
+        if ranks.is_empty() {
+            return;
+        }
+        let keys: Vec<String> = ranks
+            .iter()
+            .map(|m| format!("r{}/hb/{m}", beat.round))
+            .collect();
+        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let Ok(Ok(values)) = tokio::time::timeout(bound, beat.store.multi_get(&refs)).await else {
+            return;
+        };
+        for (&m, v) in ranks.iter().zip(values) {
+            let v: i64 = String::from_utf8_lossy(&v).parse().unwrap_or(0);
+            let stopped = self.all[m]
+                .as_mut()
+                .is_some_and(|live| live.observe(v, now()));
+            if stopped {
+                if !beat.left(m).await {
+                    beat.died(m).await;
+                }
+                self.all[m] = None;
+            }
+        }
     }
 }

@@ -13,8 +13,10 @@
 //! | `r/min` | the `min`-th arrival | the last call has begun |
 //! | `r/complete` | the `max`-th arrival, or whoever's last call ends first (`compare_set`) | the member count `K`: arrivals `1..=K` |
 //! | `r/rank/<i>`, `r/assigned` | arrival 1, for all members | rank of each member; `assigned` is `abandoned` when the members gave the round up |
-//! | `r/waiting`, `r/dead`, `r/changed` | late arrivals and members coming back; heartbeat watchers | the group should re-form |
-//! | `r/hb/<rank>` | each member, every keep-alive interval | its heartbeat counter |
+//! | `r/waiting`, `r/dead` | late arrivals and members coming back; heartbeat watchers | the group should re-form |
+//! | `r/dead/<rank>` | the first watcher to find member `rank` dead | counts each death once |
+//! | `r/wakes`, `r/wake/<n>` | whoever counts `waiting` or `dead` | wakes the members ([`crate::wake`]) |
+//! | `r/hb/<rank>` | arrival 1 (at 0), then each member, every keep-alive interval | its heartbeat counter |
 //! | `r/left/<rank>` | a member ending for good | it stopped keeping alive on purpose: not dead |
 //! | `r/reform` | the first member to re-join | round `r+1` may form |
 //! | `ranks` | arrival 1 | `node=rank` lines of the last round, so nodes keep their ranks |
@@ -24,13 +26,14 @@
 //! A node costs O(1) store operations per round, and every wait is a store `WAIT`
 //! (woken by the store, never sleep-and-poll); only arrival 1 reads the K node ids
 //! (one `multi_get`) and writes the K ranks (one `multi_set`), so a round moves O(K)
-//! bytes in all, not O(K²). Each member heartbeats and watches only its successor
-//! in rank order; a dead successor marks the round changed (and counts in
-//! `r/dead`), which [`RendezvousHandler::membership`] reports at once, so
-//! survivors re-form without waiting for a collective to time out. A member that
-//! ends on purpose says so (`r/left/<rank>`, [`RendezvousHandler::leave`]); its
-//! watcher then skips it and watches the next member, so a finished node is never
-//! counted dead and the ring of watchers stays closed. A join can stop at any step (a
+//! bytes in all, not O(K²). Each member heartbeats once per interval; the first
+//! ranks watch everyone and the others their successor ([`keepalive`]). A dead
+//! member marks the round changed (and counts in `r/dead`), which wakes every
+//! member blocked in [`RendezvousHandler::changed`], so survivors re-form without
+//! waiting for a collective to time out, and nobody polls: a member in the
+//! running phase costs one store operation per keep-alive interval. A member
+//! that ends on purpose says so (`r/left/<rank>`, [`RendezvousHandler::leave`]);
+//! its watchers then skip it, so a finished node is never counted dead. A join can stop at any step (a
 //! signal, a crash): a completed round whose ranks are not assigned within
 //! `keep_alive_interval * keep_alive_max_attempt` (a member took an arrival index
 //! and never published its id, or arrival 1 never assigned) is abandoned by its
@@ -92,6 +95,8 @@ struct Node {
     left: bool,
     /// The heartbeats a lingering host looks at (see [`crate::census::Pulse`]).
     pulse: crate::census::Pulse,
+    /// Whether this node's beats in its round reach the store.
+    health: crate::Health,
 }
 
 /// A dynamic rendezvous of one run, for one node.
@@ -130,11 +135,11 @@ fn conn(run_id: &str) -> impl Fn(StoreError) -> RendezvousError + '_ {
     }
 }
 
-/// Counts one more reason to re-form round `r` (`waiting` or `dead`) and marks the
-/// round changed.
+/// Counts one more reason to re-form round `r` (`waiting` or `dead`) and wakes
+/// its members ([`crate::wake`]).
 async fn mark_changed(store: &dyn Store, r: &str, counter: &str) -> Result<(), StoreError> {
     store.add(&format!("{r}/{counter}"), 1).await?;
-    store.set(&format!("{r}/changed"), b"1").await
+    crate::wake::wake(store, r).await
 }
 
 impl DynamicRendezvous {
@@ -436,6 +441,10 @@ impl DynamicRendezvous {
                 .map(|(k, v)| (k.as_str(), v.as_bytes()))
                 .collect();
             pairs.push(("ranks", table.as_bytes()));
+            // Every heartbeat counter exists before anyone watches it, so a
+            // member that never beats is seen to stop like any other.
+            let beats: Vec<String> = (0..members).map(|m| format!("{r}/hb/{m}")).collect();
+            pairs.extend(beats.iter().map(|k| (k.as_str(), &b"0"[..])));
             self.store.multi_set(&pairs).await.map_err(self.err())?;
             let won = self
                 .store
@@ -640,6 +649,7 @@ impl DynamicRendezvous {
                     node.member_of = Some((round, rank, members));
                     let beating = Arc::new(std::sync::atomic::AtomicBool::new(true));
                     node.beating = Some(beating.clone());
+                    node.health = crate::Health::default();
                     node.heartbeat = Some(self.keepalive.spawn(Beat {
                         store: self.store.clone(),
                         namespace: format!("rally.rendezvous.{}/", self.run_id),
@@ -648,6 +658,7 @@ impl DynamicRendezvous {
                         members,
                         timing: self.timing,
                         beating,
+                        health: node.health.clone(),
                     }));
                     let job: Arc<dyn Store> = Arc::new(PrefixStore::new(
                         format!("torch.rendezvous.{}.{round}", self.run_id),
@@ -732,6 +743,25 @@ impl RendezvousHandler for DynamicRendezvous {
     async fn num_nodes_waiting(&self) -> Result<usize, RendezvousError> {
         let m = self.membership().await?;
         Ok(m.waiting + m.dead)
+    }
+
+    /// Blocks on the round's wake key ([`crate::wake`]): no store operation
+    /// while nothing happens.
+    async fn changed(&self, seen: u64, poll: Duration) -> Result<u64, RendezvousError> {
+        let (round, health) = {
+            let node = self.node.lock().await;
+            (node.member_of.map(|m| m.0), node.health.clone())
+        };
+        let Some(round) = round else {
+            tokio::time::sleep(poll).await;
+            return Ok(seen);
+        };
+        crate::wake::wait(&*self.store, &format!("r{round}"), seen, &health)
+            .await
+            .map_err(|reason| RendezvousError::Unreachable {
+                run_id: self.run_id.clone(),
+                reason,
+            })
     }
 
     async fn membership(&self) -> Result<MembershipChange, RendezvousError> {

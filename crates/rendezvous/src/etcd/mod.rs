@@ -86,6 +86,8 @@ impl Keepalive for LeaseKeepalive {
         let store = self.store.clone();
         tokio::spawn(async move {
             if let Err(e) = keep_alive(&store, &beat).await {
+                beat.health
+                    .report(Err(format!("etcd keep-alive failed: {e}")));
                 // Without our lease our predecessor will count us dead, and the
                 // round re-forms: the safe outcome.
                 tracing::warn!(error = %e, round = beat.round, rank = beat.rank, "etcd keep-alive failed");
@@ -135,11 +137,25 @@ async fn keep_alive(store: &EtcdStore, beat: &Beat) -> Result<(), etcd_client::E
     // first put) is as dead as one whose lease expired.
     let grace = Instant::now() + Duration::from_secs(ttl as u64) + Duration::from_millis(500);
     let mut tick = tokio::time::interval(beat.timing.keep_alive);
+    let mut acked = Instant::now();
     loop {
         tokio::select! {
-            _ = tick.tick() => keeper.keep_alive().await?,
+            _ = tick.tick() => {
+                // A stalled etcd answers nothing: two intervals without an
+                // acknowledgement say the store is not answering.
+                let silent = acked.elapsed();
+                if silent > 2 * beat.timing.keep_alive {
+                    beat.health.report(Err(format!("etcd acknowledged no keep-alive for {silent:?}")));
+                }
+                keeper.keep_alive().await?
+            }
             ack = acks.message() => {
-                if ack?.is_none_or(|a| a.ttl() <= 0) {
+                let ack = ack?;
+                if ack.as_ref().is_some_and(|a| a.ttl() > 0) {
+                    acked = Instant::now();
+                    beat.health.report(Ok(()));
+                }
+                if ack.is_none_or(|a| a.ttl() <= 0) {
                     return Err(etcd_client::Error::LeaseKeepAliveError(format!(
                         "lease {id:x} of rank {} expired", beat.rank
                     )));
