@@ -25,6 +25,13 @@
 //!   ([`CHECK_MS`]); rank assignment waits for every member, up to the store
 //!   timeout; the job store is rank 0's and goes away when that node ends its
 //!   round; the run store lives with the rendezvous host (node 0).
+//! - **The watch** (`watcher.rs`): a node looks at the run once when its round
+//!   starts, then only when woken: a verdict published, a node waiting or a
+//!   member found dead in its round, the host gone (every wait reads EOF), or
+//!   its keep-alive beat failing (the store stalled or the node partitioned:
+//!   at the next beat, within an interval, plus the beat's bound of one
+//!   interval). While the store does not answer it looks every monitor
+//!   interval. A look reaches the policy only between the node's actions.
 //! - **The run store protocol** of `run_store.rs`: the verdict's
 //!   compare-and-set (a failure is never overwritten), the root cause lowered to
 //!   the earliest record, the failed-round count, `finishing`.
@@ -37,7 +44,9 @@
 //!   number, never re-formed; a killed node is marked dead by its watcher after
 //!   the keep-alive expiry unless it left). A watcher is a live member still in
 //!   the round (one that re-joins stops watching it; one that left goes on);
-//!   nobody watching, nobody marks. Both keep the census (nodes in, out, dead)
+//!   ranks below `WATCHERS` mark at the expiry, the others only after the
+//!   ring's slow read (`RING_INTERVALS` intervals later); nobody watching,
+//!   nobody marks. Both keep the census (nodes in, out, dead)
 //!   that hosts linger on, and the pulse: a lingering host stops once no member
 //!   of its round or the newest one has beaten for an expiry. A join probes the
 //!   store and fails after `lost_grace` without it.
@@ -63,7 +72,10 @@
 //!    (another node finishing is not a reason).
 //! 3. A job store is never shut by its host while another node's workers of
 //!    that round still run and have not been told to stop, unless the host was
-//!    signalled (a user stopping that node takes its store with it).
+//!    signalled (a user stopping that node takes its store with it) or that
+//!    node is cut off from the store at the time (a partition longer than the
+//!    keep-alive expiry looks like a death to the host, and its workers cannot
+//!    use the store anyway).
 //! 4. Every node ends: within a bound after a failure is published, and by the
 //!    end of the simulated time otherwise (no hang).
 //! 5. Every node that read the published failure reports the same root cause,
@@ -78,6 +90,7 @@ use super::policy::{
     Action, Event, Limits, Observation, Phase, Policy, Publish, StartError, Verdict,
 };
 use super::run_store::{Closed, FailureRecord};
+use rallypoint_rendezvous::dynamic::{RING_INTERVALS, WATCHERS};
 
 /// The driver's bound on one store call at the end of a run (`CHECK_TIMEOUT`).
 const CHECK_MS: u64 = 2_000;
@@ -213,6 +226,8 @@ struct Node {
     gen: u64,
     latency: u64,
     partitioned: (u64, u64),
+    /// Its watch looks every monitor interval (the store did not answer).
+    polling: bool,
     /// The round it is a member of, with its rank and the member count.
     round: Option<(u64, usize, usize)>,
     /// Static: the node's own count of rounds.
@@ -244,12 +259,17 @@ enum Ev {
     /// Perform the node's next queued action.
     Act(usize),
     Deliver(usize, Event),
-    Tick(usize, u64),
+    /// The node's watch looks at the run: woken by the store (with the round
+    /// it was woken for: only while still a member of it), or its first look.
+    Wake(usize, Option<u64>),
+    /// The watch looks again while the store does not answer.
+    Poll(usize),
     WorkersEnd(usize, u64, bool),
     Kill(usize),
     Signal(usize, i32),
     LastCall(u64),
-    DeadCheck(usize, u64),
+    /// Node, round, and whether the slow ring watch already waited.
+    DeadCheck(usize, u64, bool),
     /// Node `i` spawns the workers of `round`, if it still starts it.
     Spawn(usize, u64),
     /// Join number `n` of node `i` reaches `join_timeout`.
@@ -257,7 +277,7 @@ enum Ev {
     /// Join number `n` of node `i` probes the run store (unreachable since).
     JoinProbe(usize, u64, Option<u64>),
     /// Static: the keep-alive watcher of node `i` looks at its heartbeat.
-    StaticDeadCheck(usize),
+    StaticDeadCheck(usize, bool),
     BarrierTimeout(usize, u64, u64),
     StartTimeout(usize, u64, u64),
     /// Node, generation, round, nodes, the bound, unreachable since.
@@ -383,6 +403,7 @@ impl Sim {
                         rng.range(1, 5)
                     },
                     partitioned: (0, 0),
+                    polling: false,
                     round: None,
                     local_round: 0,
                     workers: None,
@@ -455,11 +476,15 @@ impl Sim {
                 1 => {
                     let d = self.rng.range(100, 2 * self.cfg.lost_grace_ms);
                     self.s.stalls.push((t, t + d));
+                    for k in 0..total {
+                        self.beat_fails(k, t);
+                    }
                 }
                 2 => {
                     let who = self.rng.range(0, total as u64 - 1) as usize;
                     let d = self.rng.range(100, 2 * self.cfg.lost_grace_ms);
                     self.nodes[who].partitioned = (t, t + d);
+                    self.beat_fails(who, t);
                 }
                 _ => {
                     let who = self.rng.range(0, total as u64 - 1) as usize;
@@ -477,6 +502,26 @@ impl Sim {
         }
         if self.nodes.iter().any(|n| n.partitioned.1 > 0) || self.cfg.late > 0 {
             self.faults += 1;
+        }
+    }
+
+    /// The store stops answering node `k` at `t`: its next beat (within an
+    /// interval) fails after an interval's bound and wakes its watch.
+    fn beat_fails(&mut self, k: usize, t: u64) {
+        let ka = self.cfg.keep_alive_ms;
+        let when = t + self.rng.range(0, ka) + ka;
+        self.at(when, Ev::Wake(k, None));
+    }
+
+    /// Wakes the watch of every member of round `r` (a node waiting, a member
+    /// dead), or of every node (`None`: a verdict published, the store gone).
+    fn wake(&mut self, r: Option<u64>) {
+        for k in 0..self.nodes.len() {
+            let member = r.is_none_or(|r| self.nodes[k].round.is_some_and(|(rk, _, _)| rk == r));
+            if self.alive(k) && member {
+                let t = self.now + self.nodes[k].latency;
+                self.at(t, Ev::Wake(k, r));
+            }
         }
     }
 
@@ -672,6 +717,7 @@ impl Sim {
             (Some(Closed::Succeeded), Publish::Succeeded) => Closed::Succeeded,
             (None, Publish::Succeeded) => {
                 self.s.verdict = Some(Closed::Succeeded);
+                self.wake(None);
                 Closed::Succeeded
             }
             (_, Publish::Failed { local }) => {
@@ -683,6 +729,7 @@ impl Sim {
                 self.s.failed_at = Some(self.now);
                 self.s.failed_step = Some(self.steps);
                 self.s.root_at_publish = root.clone();
+                self.wake(None);
                 Closed::Failed(root)
             }
         }
@@ -731,6 +778,7 @@ impl Sim {
                 // members see it as waiting.
                 if let Some((&r, _)) = self.s.members.iter().next_back() {
                     *self.s.waiting.entry(r).or_default() += 1;
+                    self.wake(Some(r));
                 }
                 // Leaving its round for the next: said, so it is not counted
                 // dead there.
@@ -821,7 +869,11 @@ impl Sim {
                 continue;
             };
             if w.round == r && w.running && !w.told {
-                if voluntary {
+                // A node cut off from the store (partitioned) has been silent
+                // to the host for a keep-alive expiry, as a dead one would be:
+                // its workers cannot reach the job store anyway, and its agent
+                // stops them at its own `lost_grace`.
+                if voluntary && self.reaches(k) {
                     self.violation(format!(
                         "invariant 3: node {j} shut the job store of round {r} while node {k}'s workers of that round run"
                     ));
@@ -833,14 +885,40 @@ impl Sim {
         }
     }
 
+    /// The watch of node `i` looks at the run, if its phase watches it; while
+    /// the store does not answer it looks again every monitor interval.
+    fn look(&mut self, i: usize) {
+        let watched = matches!(
+            self.nodes[i].policy.phase(),
+            Phase::Starting { .. } | Phase::Running { .. } | Phase::ExitBarrier { .. }
+        );
+        if !self.alive(i) || !watched {
+            return;
+        }
+        // The driver reads the watch only between its actions (the watch
+        // keeps the latest look until then): a node with an action still to
+        // perform (a `Start` queued after `Joined`) looks once it is performed.
+        if !self.nodes[i].queue.is_empty() {
+            let t = self.now + 1;
+            self.at(t, Ev::Wake(i, None));
+            return;
+        }
+        let o = self.observe(i);
+        if matches!(o, Observation::Unreachable(_)) && !self.nodes[i].polling {
+            self.nodes[i].polling = true;
+            let t = self.now + self.cfg.monitor_ms;
+            self.at(t, Ev::Poll(i));
+        }
+        self.deliver(i, Event::Checked(o));
+    }
+
     fn start(&mut self, i: usize, round: u64) {
         let Some((_, rank, n)) = self.nodes[i].round else {
             return;
         };
-        // Monitoring during the start.
-        let gen = self.nodes[i].gen;
-        let t = self.now + self.cfg.monitor_ms;
-        self.at(t, Ev::Tick(i, gen));
+        // The round's watch: its first look, then only when woken.
+        let t = self.now + self.nodes[i].latency;
+        self.at(t, Ev::Wake(i, Some(round)));
         if !self.reaches(i) {
             self.reply(
                 i,
@@ -853,6 +931,7 @@ impl Sim {
         arrived.insert(i);
         if arrived.len() < n {
             let t = self.now + STORE_TIMEOUT_MS;
+            let gen = self.nodes[i].gen;
             self.at(t, Ev::StartTimeout(i, gen, round));
             return;
         }
@@ -893,9 +972,6 @@ impl Sim {
                 hosts_job_store: hosts,
             },
         );
-        let gen = self.nodes[j].gen;
-        let t = self.now + self.cfg.monitor_ms;
-        self.at(t, Ev::Tick(j, gen));
     }
 
     fn stop(&mut self, i: usize) {
@@ -951,9 +1027,6 @@ impl Sim {
             self.s.finishing.insert(round);
         }
         let n = self.nodes[i].round.map_or(1, |r| r.2);
-        let gen = self.nodes[i].gen;
-        let t = self.now + self.cfg.monitor_ms;
-        self.at(t, Ev::Tick(i, gen));
         let arrived = self.s.barrier.entry(round).or_default();
         arrived.insert(i);
         if arrived.len() >= n {
@@ -969,6 +1042,7 @@ impl Sim {
             return;
         }
         let t = self.now + self.cfg.exit_barrier_ms;
+        let gen = self.nodes[i].gen;
         self.at(t, Ev::BarrierTimeout(i, gen, round));
     }
 
@@ -1009,6 +1083,10 @@ impl Sim {
         let voluntary = !self.nodes[i].signalled;
         self.nodes[i].life = Life::Exited(v);
         self.nodes[i].exited_at = Some(self.now);
+        if i == 0 {
+            // The store goes with its host: every waiting watch reads EOF.
+            self.wake(None);
+        }
         // The driver leaves on every way out; a leave that cannot reach the
         // store leaves a node its watcher will find dead.
         if !self.leave(i) {
@@ -1039,6 +1117,9 @@ impl Sim {
                     .as_ref()
                     .is_some_and(|w| w.running && !w.told)
                 && self.cfg.backend == Backend::Static
+                // Cut off from the store, it was silent to the host (see
+                // invariant 3).
+                && self.reaches(k)
             {
                 // Static: the run store is the workers' store too.
                 let r = self.nodes[k].workers.as_ref().map_or(0, |w| w.round);
@@ -1056,6 +1137,10 @@ impl Sim {
         self.faults += 1;
         self.note(|| format!("node {i} KILLED"));
         self.nodes[i].life = Life::Killed;
+        if i == 0 {
+            // The store goes with its host: every waiting watch reads EOF.
+            self.wake(None);
+        }
         let round = self.nodes[i].round;
         let was_running = self.nodes[i].workers.as_ref().is_some_and(|w| w.running);
         if let Some(w) = &mut self.nodes[i].workers {
@@ -1079,8 +1164,8 @@ impl Sim {
     fn watch_for_death(&mut self, i: usize) {
         let t = self.now + self.cfg.keep_alive_ms * self.cfg.misses + self.cfg.keep_alive_ms / 4;
         match (self.cfg.backend, self.nodes[i].round) {
-            (Backend::C10d, Some((r, _, _))) => self.at(t, Ev::DeadCheck(i, r)),
-            (Backend::Static, Some(_)) => self.at(t, Ev::StaticDeadCheck(i)),
+            (Backend::C10d, Some((r, _, _))) => self.at(t, Ev::DeadCheck(i, r, false)),
+            (Backend::Static, Some(_)) => self.at(t, Ev::StaticDeadCheck(i, false)),
             _ => {}
         }
     }
@@ -1210,21 +1295,16 @@ impl Sim {
             // ignores what no longer concerns its phase); the generation only
             // filters the timers of a phase left.
             Ev::Deliver(i, e) => self.deliver(i, e),
-            Ev::Tick(i, gen) => {
-                if !self.alive(i) || gen != self.nodes[i].gen {
-                    return;
+            Ev::Wake(i, round) => {
+                let member =
+                    round.is_none_or(|r| self.nodes[i].round.is_some_and(|(rk, _, _)| rk == r));
+                if member {
+                    self.look(i);
                 }
-                let watched = matches!(
-                    self.nodes[i].policy.phase(),
-                    Phase::Starting { .. } | Phase::Running { .. } | Phase::ExitBarrier { .. }
-                );
-                if !watched {
-                    return;
-                }
-                let o = self.observe(i);
-                let t = self.now + self.cfg.monitor_ms;
-                self.at(t, Ev::Tick(i, gen));
-                self.deliver(i, Event::Checked(o));
+            }
+            Ev::Poll(i) => {
+                self.nodes[i].polling = false;
+                self.look(i);
             }
             Ev::WorkersEnd(i, round, ok) => {
                 if !self.alive(i) {
@@ -1267,9 +1347,9 @@ impl Sim {
                     self.try_form(true);
                 }
             }
-            Ev::DeadCheck(i, r) => {
-                // The watcher of `i` (any live member of round r) marks it dead,
-                // unless it left.
+            Ev::DeadCheck(i, r, slow) => {
+                // Unless it left, a watcher marks `i` dead: one of the first
+                // ranks at once, any other member after the ring's slow read.
                 let left = self.nodes[i].round.is_some_and(|(rr, rank, _)| {
                     rr == r && self.s.left.get(&r).is_some_and(|l| l.contains(&rank))
                 });
@@ -1280,13 +1360,17 @@ impl Sim {
                         && !self.nodes[k].joining
                         && self.nodes[k].round.is_some_and(|(rk, _, _)| rk == r)
                 };
-                let watcher = self
-                    .s
-                    .members
-                    .get(&r)
-                    .is_some_and(|m| m.iter().any(|&k| k != i && in_r(k) && self.reaches(k)));
-                if !left && watcher {
+                let rank = |k: usize| self.nodes[k].round.map_or(usize::MAX, |(_, rk, _)| rk);
+                let can = |k: usize| k != i && in_r(k) && self.reaches(k);
+                let members = self.s.members.get(&r);
+                let fast = members.is_some_and(|m| m.iter().any(|&k| can(k) && rank(k) < WATCHERS));
+                let ring = members.is_some_and(|m| m.iter().any(|&k| can(k)));
+                if !left && !fast && ring && !slow {
+                    let t = self.now + self.cfg.keep_alive_ms * u64::from(RING_INTERVALS);
+                    self.at(t, Ev::DeadCheck(i, r, true));
+                } else if !left && (fast || ring) {
                     if self.s.dead.entry(r).or_default().insert(i) {
+                        self.wake(Some(r));
                         self.s.census_dead += 1;
                         self.note(|| format!("node {i} found dead in round {r}"));
                     }
@@ -1299,7 +1383,7 @@ impl Sim {
                         .get(&r)
                         .is_some_and(|m| m.iter().any(|&k| k != i && self.alive(k)))
                     {
-                        self.at(t, Ev::DeadCheck(i, r));
+                        self.at(t, Ev::DeadCheck(i, r, slow));
                     }
                 }
             }
@@ -1338,21 +1422,28 @@ impl Sim {
                 self.s.joiners.retain(|&j| j != i);
                 self.deliver(i, Event::JoinFailed("join timed out".into()));
             }
-            Ev::StaticDeadCheck(i) => {
-                // Unless it left, its watcher (any live node that reaches the
-                // store) marks it dead; with none now, look again later.
+            Ev::StaticDeadCheck(i, slow) => {
+                // Unless it left, a watcher (a live node that reaches the
+                // store) marks it dead: nodes 0 and 1 at once, the others after
+                // the ring's slow read; with none now, look again later.
                 if self.s.static_left.contains(&i) {
                     return;
                 }
                 let others = (0..self.nodes.len()).filter(|&k| k != i && self.alive(k));
-                if others.clone().any(|k| self.reaches(k)) {
+                let fast = others.clone().any(|k| self.reaches(k) && k < WATCHERS);
+                let ring = others.clone().any(|k| self.reaches(k));
+                if !fast && ring && !slow {
+                    let t = self.now + self.cfg.keep_alive_ms * u64::from(RING_INTERVALS);
+                    self.at(t, Ev::StaticDeadCheck(i, true));
+                } else if ring {
                     if self.s.static_dead.insert(i) {
+                        self.wake(None);
                         self.s.census_dead += 1;
                         self.note(|| format!("node {i} found dead"));
                     }
                 } else if others.count() > 0 {
                     let t = self.now + self.cfg.keep_alive_ms;
-                    self.at(t, Ev::StaticDeadCheck(i));
+                    self.at(t, Ev::StaticDeadCheck(i, slow));
                 }
             }
             Ev::BarrierTimeout(i, gen, round) => {

@@ -57,7 +57,7 @@ pub mod state;
 mod timing;
 
 pub use c10d::{advertised_addr, create, default_node_id};
-pub use keepalive::{Beat, CounterKeepalive, Keepalive};
+pub use keepalive::{Beat, CounterKeepalive, Keepalive, RING_INTERVALS, WATCHERS};
 pub use timing::Timing;
 
 use std::collections::HashMap;

@@ -70,6 +70,9 @@ const FOUND: &[(u64, &str)] = &[
     (74, "nodes gone where nobody watched them (killed while joining) held the host forever"),
     (72, "a spare host lingered forever for nodes that vanished unwatched"),
     (35530, "static nodes' one heartbeat for the whole run (model of the pulse)"),
+    (1178, "a look delivered before the queued Start was performed stalled the node's actions behind the start (model of the watch)"),
+    (4277, "a host's pulse gave up on a partitioned member while the member's lost_grace ran: allowed, the member is cut off (invariant 3 made precise)"),
+    (10192, "the static host left while a partitioned node's workers ran (as 4277)"),
 ];
 
 #[test]
