@@ -30,6 +30,11 @@ pub struct RendezvousArgs {
     /// How long set-up or a round may take before it is reported as not finished.
     #[arg(long, default_value_t = 240)]
     torch_limit_secs: u64,
+    /// Ours only, every node a task of this one process with its own
+    /// connection to the store server (issue 18's 16,384-node figure: that
+    /// many processes do not fit on one machine).
+    #[arg(long)]
+    in_process: bool,
 }
 
 /// Counts a node's store operations.
@@ -288,7 +293,106 @@ fn round(
     Ok(Some((last - go, ops / n as f64)))
 }
 
+/// One round of `n` nodes, each a task of this process with its own
+/// connection to the store server at `port`: seconds from `go` to the last
+/// node done, store ops per node.
+fn in_process(port: u16, n: usize, run: &str) -> Result<(f64, f64)> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let ops = Arc::new(AtomicU64::new(0));
+        // Connected in batches: the listen backlog (somaxconn) is finite.
+        let mut stores = Vec::with_capacity(n);
+        while stores.len() < n {
+            let mut batch = tokio::task::JoinSet::new();
+            for _ in 0..(n - stores.len()).min(256) {
+                batch.spawn(
+                    TcpStore::builder("127.0.0.1", port)
+                        .timeout(Duration::from_secs(900))
+                        .connect(),
+                );
+            }
+            while let Some(c) = batch.join_next().await {
+                stores.push(c??);
+            }
+        }
+        let handlers: Vec<Arc<DynamicRendezvous>> = stores
+            .into_iter()
+            .enumerate()
+            .map(|(i, inner)| {
+                Arc::new(DynamicRendezvous::new(
+                    Arc::new(Counting {
+                        inner,
+                        ops: ops.clone(),
+                    }),
+                    run,
+                    format!("node{i}"),
+                    Bounds { min: n, max: n },
+                    Timing {
+                        join: Duration::from_secs(900),
+                        keep_alive: Duration::from_secs(600),
+                        ..Timing::default()
+                    },
+                    BootstrapStoreInfo {
+                        master_addr: "127.0.0.1".into(),
+                        master_port: port,
+                    },
+                ))
+            })
+            .collect();
+        let (go, _) = tokio::sync::watch::channel(false);
+        let tasks: Vec<_> = handlers
+            .iter()
+            .map(|h| {
+                let h = h.clone();
+                let mut go = go.subscribe();
+                let ops = ops.clone();
+                tokio::spawn(async move {
+                    go.wait_for(|g| *g).await?;
+                    let info = h.next_rendezvous().await?;
+                    // Heartbeats begin as the round completes: count only the
+                    // round itself.
+                    let counted = ops.load(Ordering::Relaxed);
+                    anyhow::Ok((Instant::now(), info.rank, counted))
+                })
+            })
+            .collect();
+        let t0 = Instant::now();
+        go.send_replace(true);
+        let mut ranks = Vec::with_capacity(n);
+        let mut last = t0;
+        for t in tasks {
+            let (end, rank, _) = t.await??;
+            last = last.max(end);
+            ranks.push(rank);
+        }
+        let took = (last - t0).as_secs_f64();
+        let per_node = ops.load(Ordering::Relaxed) as f64 / n as f64;
+        ranks.sort_unstable();
+        anyhow::ensure!(
+            ranks == (0..n).collect::<Vec<_>>(),
+            "ranks are not a permutation"
+        );
+        drop(handlers);
+        Ok((took, per_node))
+    })
+}
+
 pub fn run(args: RendezvousArgs) -> Result<()> {
+    if args.in_process {
+        println!("# dynamic rendezvous: one round, min = max = N, every node a task of one");
+        println!("# process with its own connection to `rally store serve` (fresh per round)");
+        println!("{:>6}  {:>12} {:>10}", "nodes", "rally (ms)", "ops/node");
+        for &n in &args.nodes {
+            let server = crate::start("rally", Some(1))?;
+            let (took, ops) = in_process(server.addr.port(), n, "bench-scale")?;
+            drop(server);
+            println!("{n:>6}  {:>12.1} {ops:>10.1}", took * 1e3);
+        }
+        return Ok(());
+    }
     println!("# dynamic rendezvous: one round, min = max = N, one process and one store");
     println!("# connection per node, ours and PyTorch's c10d handler against the same");
     println!("# `rally store serve` (a fresh one per round); time from go to the last node");
