@@ -295,8 +295,9 @@ fn round(
 
 /// One round of `n` nodes, each a task of this process with its own
 /// connection to the store server at `port`: seconds from `go` to the last
-/// node done, store ops per node.
-fn in_process(port: u16, n: usize, run: &str) -> Result<(f64, f64)> {
+/// node done, store ops per node, and when the round reached each step
+/// (`min`, `complete`, `assigned`: seconds from `go`).
+fn in_process(port: u16, n: usize, run: &str) -> Result<(f64, f64, Vec<(&'static str, f64)>)> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -360,6 +361,23 @@ fn in_process(port: u16, n: usize, run: &str) -> Result<(f64, f64)> {
             })
             .collect();
         let t0 = Instant::now();
+        // An observer on its own connection (not counted): when each step's
+        // key appears.
+        let probe = TcpStore::builder("127.0.0.1", port)
+            .timeout(Duration::from_secs(900))
+            .connect()
+            .await?;
+        let run_id = run.to_owned();
+        let marks = tokio::spawn(async move {
+            let mut seen = Vec::new();
+            for k in ["min", "complete", "assigned"] {
+                let key = format!("rally.rendezvous.{run_id}/r0/{k}");
+                if probe.wait(&[&key]).await.is_ok() {
+                    seen.push((k, t0.elapsed().as_secs_f64()));
+                }
+            }
+            seen
+        });
         go.send_replace(true);
         let mut ranks = Vec::with_capacity(n);
         let mut last = t0;
@@ -369,6 +387,7 @@ fn in_process(port: u16, n: usize, run: &str) -> Result<(f64, f64)> {
             ranks.push(rank);
         }
         let took = (last - t0).as_secs_f64();
+        let marks = marks.await?;
         let per_node = ops.load(Ordering::Relaxed) as f64 / n as f64;
         ranks.sort_unstable();
         anyhow::ensure!(
@@ -376,7 +395,7 @@ fn in_process(port: u16, n: usize, run: &str) -> Result<(f64, f64)> {
             "ranks are not a permutation"
         );
         drop(handlers);
-        Ok((took, per_node))
+        Ok((took, per_node, marks))
     })
 }
 
@@ -387,9 +406,17 @@ pub fn run(args: RendezvousArgs) -> Result<()> {
         println!("{:>6}  {:>12} {:>10}", "nodes", "rally (ms)", "ops/node");
         for &n in &args.nodes {
             let server = crate::start("rally", Some(1))?;
-            let (took, ops) = in_process(server.addr.port(), n, "bench-scale")?;
+            let (took, ops, marks) = in_process(server.addr.port(), n, "bench-scale")?;
             drop(server);
-            println!("{n:>6}  {:>12.1} {ops:>10.1}", took * 1e3);
+            let marks: Vec<String> = marks
+                .iter()
+                .map(|(k, t)| format!("{k} {:.0}", t * 1e3))
+                .collect();
+            println!(
+                "{n:>6}  {:>12.1} {ops:>10.1}   (ms from go: {})",
+                took * 1e3,
+                marks.join(", ")
+            );
         }
         return Ok(());
     }

@@ -125,8 +125,12 @@ impl Keepalive for CounterKeepalive {
             let ka = beat.timing.keep_alive;
             let mine = format!("r{}/hb/{}", beat.round, beat.rank);
             let mut watch = Watch::new(&beat);
-            let mut next_beat = Instant::now();
-            let mut next_look = Instant::now();
+            // Spread over the interval by rank: a round's members do not all
+            // beat (or look) in the same instant, and none right at the join
+            // (the counters start at 0, so the first beat is not urgent).
+            let spread = |every: Duration| every.mul_f64(spread(beat.rank));
+            let mut next_beat = Instant::now() + spread(ka);
+            let mut next_look = Instant::now() + spread(watch.every);
             loop {
                 if Instant::now() >= next_beat {
                     if beat.beating.load(Ordering::Acquire) {
@@ -151,6 +155,12 @@ impl Keepalive for CounterKeepalive {
             }
         })
     }
+}
+
+/// A fraction in [0, 1) for `rank`, evenly spread over any run of ranks (the
+/// golden-ratio sequence).
+fn spread(rank: usize) -> f64 {
+    (rank as f64 * 0.618_033_988_749_895).fract()
 }
 
 /// What one member watches (see the module doc).
