@@ -293,11 +293,14 @@ fn round(
     Ok(Some((last - go, ops / n as f64)))
 }
 
+/// When each step's key appeared: (key, seconds from `go`).
+type Marks = Vec<(&'static str, f64)>;
+
 /// One round of `n` nodes, each a task of this process with its own
 /// connection to the store server at `port`: seconds from `go` to the last
 /// node done, store ops per node, and when the round reached each step
 /// (`min`, `complete`, `assigned`: seconds from `go`).
-fn in_process(port: u16, n: usize, run: &str) -> Result<(f64, f64, Vec<(&'static str, f64)>)> {
+fn in_process(port: u16, n: usize, run: &str) -> Result<(f64, f64, Marks)> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
