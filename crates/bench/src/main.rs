@@ -36,6 +36,7 @@ use tokio::net::TcpStream;
 
 mod agent;
 mod collectives;
+mod etcd;
 mod idle;
 mod launch;
 mod rendezvous;
@@ -61,6 +62,8 @@ enum Cmd {
     Rendezvous(rendezvous::RendezvousArgs),
     /// Store requests per node per second of idle agents (running phase).
     Idle(idle::IdleArgs),
+    /// N agents' rendezvous through a real etcd (started here).
+    Etcd(etcd::EtcdArgs),
     /// Collectives: our process group against torch's gloo, and the raw TCP ceiling.
     Collectives(collectives::CollectivesArgs),
     /// RPC: ours against PyTorch's (TensorPipe), and the raw TCP ceilings.
@@ -160,6 +163,7 @@ fn main() -> Result<()> {
         Cmd::Agent(args) => agent::run(args),
         Cmd::Rendezvous(args) => rendezvous::run(args),
         Cmd::Idle(args) => idle::run(args),
+        Cmd::Etcd(args) => etcd::run(args),
         Cmd::Echo { req, reply } => async_echo(req, reply),
         Cmd::Collectives(args) => collectives::run(args),
         Cmd::Rpc(args) => rpc::run(args),

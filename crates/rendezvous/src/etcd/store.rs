@@ -2,9 +2,18 @@
 //!
 //! Keys live under `<root>k/`, queue items under `<root>q/<queue>/`, so
 //! `list_keys` and `num_keys` see only keys. Plain operations map onto etcd
-//! directly; the read-modify-write ones (`add`, `append`) are optimistic
-//! transactions that retry when the key's `mod_revision` moved under them, and
-//! `compare_set` is a single transaction.
+//! directly; `append` is an optimistic transaction that retries when the key's
+//! `mod_revision` moved under it, and `compare_set` is a single transaction.
+//!
+//! Counters need no retry. etcd counts the writes to a key (its `version`), so
+//! a counter is stored as `\0rally-counter:<base>` and its value is
+//! `base + version - 1`: `add(k, 1)` is one transaction that rewrites the key
+//! with its own value (`ignore_value`, which bumps the version) and reads it
+//! back, so N nodes counting at once cost N requests, not the O(N²) of
+//! read-then-compare-and-swap. Reads (`get`, `multi_get`, `add(k, 0)`) answer
+//! the decimal value, as the TCP store does. Only the first write of a counter,
+//! a counter overwritten with a plain number by `set`, and deltas other than 0
+//! and 1 take the compare-and-swap path (which writes the counter form).
 //!
 //! Waits never poll. A wait reads which keys exist in one transaction, noting the
 //! store revision `R`, then opens one watch from `R + 1` over the range spanning the
@@ -22,8 +31,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use etcd_client::{
-    Client, Compare, CompareOp, EventType, GetOptions, SortOrder, SortTarget, Txn, TxnOp,
-    TxnOpResponse, WatchFilterType, WatchOptions,
+    Client, Compare, CompareOp, EventType, GetOptions, PutOptions, SortOrder, SortTarget, Txn,
+    TxnOp, TxnOpResponse, WatchFilterType, WatchOptions,
 };
 use rallypoint_store::keyspace::{parse_counter, CounterError};
 use rallypoint_store::{Result, Store, StoreError, TimeoutCell};
@@ -31,6 +40,28 @@ use tokio::time::Instant;
 
 /// etcd's default `--max-txn-ops`.
 const MAX_TXN_OPS: usize = 128;
+
+/// How a counter's value starts (see the module doc): below every printable
+/// value, so one comparison tells a counter from a plain value.
+const COUNTER: &[u8] = b"\0rally-counter:";
+
+/// The value of a counter stored as `value` at `version`; `None` if `value`
+/// is not in the counter form.
+fn counter_value(value: &[u8], version: i64) -> Option<i64> {
+    let base: i64 = std::str::from_utf8(value.strip_prefix(COUNTER)?)
+        .ok()?
+        .parse()
+        .ok()?;
+    base.checked_add(version - 1)
+}
+
+/// What a reader sees of a stored value: a counter as its decimal value.
+fn visible(value: &[u8], version: i64) -> Vec<u8> {
+    match counter_value(value, version) {
+        Some(n) => n.to_string().into_bytes(),
+        None => value.to_vec(),
+    }
+}
 
 /// A store on an etcd v3 server.
 #[derive(Clone)]
@@ -44,6 +75,8 @@ pub struct EtcdStore {
     /// Bounds each request (waits are bounded by `timeout` instead).
     rpc_timeout: Duration,
     timeout: std::sync::Arc<TimeoutCell>,
+    /// Requests sent so far (shared by clones).
+    rpcs: std::sync::Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for EtcdStore {
@@ -115,6 +148,7 @@ impl EtcdStore {
             queues: format!("{root}q/"),
             rpc_timeout: timeout,
             timeout: std::sync::Arc::new(TimeoutCell::new(timeout)),
+            rpcs: Default::default(),
         }
     }
 
@@ -131,6 +165,11 @@ impl EtcdStore {
         k
     }
 
+    /// Requests this store (and its clones) sent to etcd so far.
+    pub fn rpcs(&self) -> u64 {
+        self.rpcs.load(Ordering::Relaxed)
+    }
+
     /// The server's address, for messages.
     pub fn addr(&self) -> &str {
         &self.addr
@@ -143,6 +182,7 @@ impl EtcdStore {
         fut: impl Future<Output = Result<T, etcd_client::Error>>,
     ) -> Result<T> {
         let waited = self.rpc_timeout;
+        self.rpcs.fetch_add(1, Ordering::Relaxed);
         match tokio::time::timeout(waited, fut).await {
             Ok(r) => r.map_err(|e| backend(op, &self.addr, e)),
             Err(_) => Err(StoreError::NoReply {
@@ -153,13 +193,43 @@ impl EtcdStore {
         }
     }
 
+    /// Adds 1 to the counter at `k` in one transaction; `None` if `k` is not
+    /// (yet) in the counter form.
+    async fn increment(&self, k: &[u8]) -> Result<Option<i64>> {
+        let k = k.to_vec();
+        let is_counter = vec![
+            Compare::create_revision(k.clone(), CompareOp::Greater, 0),
+            Compare::value(k.clone(), CompareOp::Greater, Vec::new()),
+            Compare::value(k.clone(), CompareOp::Less, vec![1u8]),
+        ];
+        let txn = Txn::new().when(is_counter).and_then([
+            TxnOp::put(
+                k.clone(),
+                Vec::new(),
+                Some(PutOptions::new().with_ignore_value()),
+            ),
+            TxnOp::get(k.clone(), None),
+        ]);
+        let resp = self.call("add", self.client.kv_client().txn(txn)).await?;
+        if resp.succeeded() {
+            let kv = resp.op_responses().into_iter().find_map(|r| match r {
+                TxnOpResponse::Get(g) => g.kvs().first().cloned(),
+                _ => None,
+            });
+            if let Some(n) = kv.and_then(|kv| counter_value(kv.value(), kv.version())) {
+                return Ok(Some(n));
+            }
+        }
+        Ok(None)
+    }
+
     /// Value and mod revision of `key` (revision 0: missing).
     async fn read(&self, op: &'static str, key: &[u8]) -> Result<(Option<Vec<u8>>, i64)> {
         let resp = self
             .call(op, self.client.kv_client().get(key, None))
             .await?;
         Ok(match resp.kvs().first() {
-            Some(kv) => (Some(kv.value().to_vec()), kv.mod_revision()),
+            Some(kv) => (Some(visible(kv.value(), kv.version())), kv.mod_revision()),
             None => (None, 0),
         })
     }
@@ -210,7 +280,9 @@ impl EtcdStore {
         let values = resps
             .into_iter()
             .map(|r| match r {
-                TxnOpResponse::Get(g) => g.kvs().first().map(|kv| kv.value().to_vec()),
+                TxnOpResponse::Get(g) => {
+                    g.kvs().first().map(|kv| visible(kv.value(), kv.version()))
+                }
                 _ => None,
             })
             .collect();
@@ -373,20 +445,49 @@ impl Store for EtcdStore {
     async fn add(&self, key: &str, delta: i64) -> Result<i64> {
         let k = self.etcd_key(key);
         loop {
-            let (value, revision) = self.read("add", &k).await?;
-            let current = match &value {
-                Some(v) => parse_counter(v).map_err(|e| counter_error(key, e))?,
-                None => 0,
+            if delta == 1 {
+                if let Some(n) = self.increment(&k).await? {
+                    return Ok(n);
+                }
+            }
+            let resp = self
+                .call("add", self.client.kv_client().get(k.clone(), None))
+                .await?;
+            let (current, version, revision) = match resp.kvs().first() {
+                Some(kv) => match counter_value(kv.value(), kv.version()) {
+                    // Made a counter meanwhile (another node's first write):
+                    // the one-transaction path again.
+                    Some(_) if delta == 1 => continue,
+                    Some(n) => (n, kv.version(), kv.mod_revision()),
+                    None => (
+                        parse_counter(kv.value()).map_err(|e| counter_error(key, e))?,
+                        kv.version(),
+                        kv.mod_revision(),
+                    ),
+                },
+                None => (0, 0, 0),
             };
-            if delta == 0 && value.is_some() {
+            if delta == 0 && revision != 0 {
                 return Ok(current);
             }
             let new = current
                 .checked_add(delta)
                 .ok_or_else(|| counter_error(key, CounterError::Overflow))?;
+            // After this write the version is `version + 1`.
+            let base = new - version;
+            let mut v = COUNTER.to_vec();
+            v.extend_from_slice(base.to_string().as_bytes());
+            let cond = match revision {
+                0 => Compare::create_revision(k.clone(), CompareOp::Equal, 0),
+                r => Compare::mod_revision(k.clone(), CompareOp::Equal, r),
+            };
+            let txn = Txn::new()
+                .when([cond])
+                .and_then([TxnOp::put(k.clone(), v, None)]);
             if self
-                .put_if_unchanged("add", &k, revision, new.to_string().into_bytes())
+                .call("add", self.client.kv_client().txn(txn))
                 .await?
+                .succeeded()
             {
                 return Ok(new);
             }
