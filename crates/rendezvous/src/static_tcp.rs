@@ -12,8 +12,9 @@
 //! other nodes have finished, left or died.
 //!
 //! Unlike PyTorch's static handler, nodes keep alive as `c10d` members do (a
-//! heartbeat counter per node, each watching the next: `r0/hb/<rank>`,
-//! `r0/left/<rank>`, `r0/dead`; `keep_alive_interval` and
+//! heartbeat counter per node, watched as [`crate::dynamic::Keepalive`] says:
+//! `r0/hb/<rank>`, `r0/left/<rank>`, `r0/dead`, and the wake keys the agent
+//! blocks on, [`crate::wake`]; `keep_alive_interval` and
 //! `keep_alive_max_attempt` in `--rdzv-conf`), so a node that dies silently is
 //! noticed. A static group cannot re-form without it
 //! ([`RendezvousHandler::reforms`] is false): the agent fails the job at once

@@ -25,8 +25,8 @@
 //!   ([`CHECK_MS`]); rank assignment waits for every member, up to the store
 //!   timeout; the job store is rank 0's and goes away when that node ends its
 //!   round; the run store lives with the rendezvous host (node 0).
-//! - **The watch** (`watcher.rs`): a node looks at the run once when its round
-//!   starts, then only when woken: a verdict published, a node waiting or a
+//! - **The watch** (`watcher.rs`): a node looks at the run one monitor interval
+//!   after its round starts, then only when woken: a verdict published, a node waiting or a
 //!   member found dead in its round, the host gone (every wait reads EOF), or
 //!   its keep-alive beat failing (the store stalled or the node partitioned:
 //!   at the next beat, within an interval, plus the beat's bound of one
@@ -916,8 +916,10 @@ impl Sim {
         let Some((_, rank, n)) = self.nodes[i].round else {
             return;
         };
-        // The round's watch: its first look, then only when woken.
-        let t = self.now + self.nodes[i].latency;
+        // The round's watch, armed one monitor interval later: a look then
+        // (what the arming finds if anything changed before), then only when
+        // woken.
+        let t = self.now + self.cfg.monitor_ms;
         self.at(t, Ev::Wake(i, Some(round)));
         if !self.reaches(i) {
             self.reply(

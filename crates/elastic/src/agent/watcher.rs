@@ -7,7 +7,9 @@
 //! published (a `WAIT` on [`run_store::keys::CLOSED`], then on
 //! [`run_store::keys::FAILED`] once a success was read). Each wake costs one
 //! bounded look ([`observe`]); while nothing happens the node makes no store
-//! operation besides its keep-alive. While the store does not answer, the task
+//! operation besides its keep-alive. The waits are armed one monitor interval
+//! after the join (as torchrun's first check), so a round shorter than that
+//! costs the store nothing. While the store does not answer, the task
 //! looks again every `poll` (the agent's monitor interval), so the policy sees
 //! time pass towards its `lost_grace`, and sees the store come back.
 //!
@@ -53,19 +55,12 @@ impl Watch {
         let task = tokio::spawn(async move {
             let mut woken = 0;
             let mut verdict = None;
+            // Armed after one monitor interval, as torchrun's first check: a
+            // round shorter than that costs the store nothing. A change made
+            // before the arming is not missed: the wait returns at once when
+            // the round was woken or the verdict is there.
+            tokio::time::sleep(poll).await;
             loop {
-                let o = observe(&*handler, &*run_store, round).await;
-                let unreachable = matches!(o, Observation::Unreachable(_));
-                if let Observation::Closed(c) = &o {
-                    verdict = Some(c.clone());
-                }
-                if tx.send(Some(o)).is_err() {
-                    return;
-                }
-                if unreachable {
-                    tokio::time::sleep(poll).await;
-                    continue;
-                }
                 let key = match verdict {
                     None => Some(run_store::keys::CLOSED),
                     Some(Closed::Succeeded) => Some(run_store::keys::FAILED),
@@ -81,11 +76,25 @@ impl Watch {
                     w = handler.changed(woken, poll) => w.map(|w| woken = w).map_err(|e| e.to_string()).err(),
                     p = published => p.err().map(|e| e.to_string()),
                 };
-                if let Some(e) = failed {
-                    if tx.send(Some(Observation::Unreachable(e))).is_err() {
+                let mut o = match failed {
+                    Some(e) => Observation::Unreachable(e),
+                    None => observe(&*handler, &*run_store, round).await,
+                };
+                // While the store does not answer, look every `poll` until it
+                // does (the policy counts the time towards its `lost_grace`).
+                loop {
+                    if let Observation::Closed(c) = &o {
+                        verdict = Some(c.clone());
+                    }
+                    let unreachable = matches!(o, Observation::Unreachable(_));
+                    if tx.send(Some(o)).is_err() {
                         return;
                     }
+                    if !unreachable {
+                        break;
+                    }
                     tokio::time::sleep(poll).await;
+                    o = observe(&*handler, &*run_store, round).await;
                 }
             }
         });
