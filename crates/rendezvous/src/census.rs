@@ -2,7 +2,12 @@
 //! use and must not take it down under them.
 //!
 //! Three counters in the rendezvous store, each bumped once per node: a node
-//! counts itself *joined* when it first becomes a member of a round, and
+//! is counted *joined* when it first becomes a member of a round (a `static`
+//! node counts itself; in a dynamic round, arrival 1 counts every member not
+//! counted before, from a table of the run's node ids that it alone reads and
+//! writes, so a round costs one count, not one per node; a table entry lost
+//! to a crash only counts a node twice, which makes a host wait longer, never
+//! shorter), and
 //! *gone* when it leaves the run ([`RendezvousHandler::leave`], on every way
 //! out: success, failure, signal); the keep-alive watcher of a node that
 //! stopped without leaving counts it *dead*. What remains is
@@ -23,10 +28,35 @@ use rallypoint_store::{Store, StoreError};
 const JOINED: &str = "nodes/joined";
 const GONE: &str = "nodes/gone";
 const DEAD: &str = "nodes/dead";
+/// The node ids counted joined so far (dynamic rounds), one per line.
+const IDS: &str = "nodes/ids";
 
 /// Counts this node in (once, at its first round).
 pub(crate) async fn joined(store: &dyn Store) -> Result<(), StoreError> {
     store.add(JOINED, 1).await.map(drop)
+}
+
+/// Counts in those of `members` (node ids) not counted before; arrival 1 of
+/// a round, before the round's ranks are published.
+pub(crate) async fn joined_members(
+    store: &dyn Store,
+    members: &[String],
+) -> Result<(), StoreError> {
+    let table = store.get_now(IDS).await?;
+    let known: std::collections::HashSet<&[u8]> = table.split(|&b| b == b'\n').collect();
+    let mut new = Vec::new();
+    for m in members.iter().filter(|m| !known.contains(m.as_bytes())) {
+        new.extend_from_slice(m.as_bytes());
+        new.push(b'\n');
+    }
+    let count = new.iter().filter(|&&b| b == b'\n').count();
+    if count == 0 {
+        return Ok(());
+    }
+    // Counted first: a crash between the two counts a node twice later (a
+    // longer wait), never not at all.
+    store.add(JOINED, count as i64).await?;
+    store.append(IDS, &new).await
 }
 
 /// Counts this node out (once, as it leaves the run).

@@ -426,6 +426,9 @@ impl DynamicRendezvous {
                 })
                 .collect();
             let ranks = state::assign_ranks(&nodes, &previous);
+            crate::census::joined_members(&*self.store, &nodes)
+                .await
+                .map_err(self.err())?;
             let rank_keys: Vec<String> = (1..=members).map(|i| format!("{r}/rank/{i}")).collect();
             let values: Vec<String> = ranks.iter().map(usize::to_string).collect();
             let mut table = String::new();
@@ -640,12 +643,8 @@ impl DynamicRendezvous {
                         continue;
                     };
                     let bootstrap = self.bootstrap_for(round, rank, deadline).await?;
-                    if !node.counted_in {
-                        crate::census::joined(&*self.store)
-                            .await
-                            .map_err(self.err())?;
-                        node.counted_in = true;
-                    }
+                    // Arrival 1 counted every member in (crate::census).
+                    node.counted_in = true;
                     node.member_of = Some((round, rank, members));
                     let beating = Arc::new(std::sync::atomic::AtomicBool::new(true));
                     node.beating = Some(beating.clone());

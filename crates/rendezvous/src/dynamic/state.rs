@@ -267,6 +267,14 @@ impl Join {
         (j, Step::Arrive { round })
     }
 
+    /// `min` arrived: the last call runs (bounded by the join deadline).
+    fn min_reached(&self, now: Instant) -> Step {
+        let last_call = now + self.last_call;
+        Step::WaitComplete {
+            until: self.deadline.map_or(last_call, |d| d.min(last_call)),
+        }
+    }
+
     /// The round this node is in.
     pub fn round(&self) -> u64 {
         self.round
@@ -290,14 +298,20 @@ impl Join {
                     completes_with: a.completes.then_some(self.bounds.max),
                 }
             }
-            Event::Announced => Step::WaitMin {
-                until: self.deadline,
+            Event::Announced => match self.deadline {
+                // It marked `min` itself (it arrived at or past it).
+                _ if self.index >= self.bounds.min => self.min_reached(now),
+                // With min = max the max-th arrival marks `min` and completes
+                // the round in one step: wait for the completion alone, until
+                // the join deadline (one store wait less per node).
+                Some(until) if self.bounds.min == self.bounds.max => Step::WaitComplete { until },
+                until => Step::WaitMin { until },
             },
-            Event::MinReached => {
-                let last_call = now + self.last_call;
-                Step::WaitComplete {
-                    until: self.deadline.map_or(last_call, |d| d.min(last_call)),
-                }
+            Event::MinReached => self.min_reached(now),
+            // Only without `min` reached (min = max, at the join deadline): too
+            // few nodes came.
+            Event::LastCallEnded { arrivals } if arrivals < self.bounds.min => {
+                Step::Fail(JoinFailure::Timeout { round: self.round })
             }
             Event::LastCallEnded { arrivals } => Step::Complete {
                 members: members_at_last_call(arrivals, self.bounds),
@@ -456,6 +470,25 @@ mod tests {
     }
 
     #[test]
+    fn with_min_equal_to_max_a_node_waits_for_completion_alone_until_its_deadline() {
+        let t0 = Instant::now();
+        let b = Bounds { min: 3, max: 3 };
+        let (mut j, _) = Join::start(b, 1000 * MS, 100 * MS, 0, t0);
+        j.on(Event::Arrived { index: 1 }, t0);
+        assert_eq!(
+            j.on(Event::Announced, t0),
+            Step::WaitComplete {
+                until: t0 + 1000 * MS
+            }
+        );
+        // The deadline passed with 2 of 3: a timeout, never a round of 2.
+        assert_eq!(
+            j.on(Event::LastCallEnded { arrivals: 2 }, t0 + 1000 * MS),
+            Step::Fail(JoinFailure::Timeout { round: 0 })
+        );
+    }
+
+    #[test]
     fn the_max_th_arrival_completes_the_round_at_once() {
         let t0 = Instant::now();
         let (mut j, step) = join(7, t0);
@@ -467,14 +500,9 @@ mod tests {
                 completes_with: Some(4)
             }
         );
+        // It marked `min` itself: no wait for it.
         assert_eq!(
             j.on(Event::Announced, t0),
-            Step::WaitMin {
-                until: Some(t0 + 1000 * MS)
-            }
-        );
-        assert_eq!(
-            j.on(Event::MinReached, t0),
             Step::WaitComplete {
                 until: t0 + 100 * MS
             }
