@@ -113,9 +113,9 @@ pub struct AgentSpec {
     /// Arguments of every worker; `${local_rank}` is replaced per worker.
     pub args: Vec<OsString>,
     pub max_restarts: u32,
-    /// How often the rendezvous is looked at while its store does not answer
-    /// (and by backends that cannot wake the agent); otherwise the agent is
-    /// woken by the store and does not poll.
+    /// How often backends that cannot wake the agent are polled, and (kept
+    /// within 0.1–1 s) how often a store that does not answer is looked at;
+    /// otherwise the agent is woken by the store and does not poll.
     pub monitor_interval: Duration,
     pub logs: LogsSpec,
     /// Signals trapped and forwarded to the workers.

@@ -25,13 +25,13 @@
 //!   ([`CHECK_MS`]); rank assignment waits for every member, up to the store
 //!   timeout; the job store is rank 0's and goes away when that node ends its
 //!   round; the run store lives with the rendezvous host (node 0).
-//! - **The watch** (`watcher.rs`): a node looks at the run one monitor interval
-//!   after its round starts, then only when woken: a verdict published, a node waiting or a
+//! - **The watch** (`watcher.rs`): a node looks at the run 0.1 s (or one
+//!   monitor interval) after its round starts, then only when woken: a verdict published, a node waiting or a
 //!   member found dead in its round, the host gone (every wait reads EOF), or
 //!   its keep-alive beat failing (the store stalled or the node partitioned:
 //!   at the next beat, within an interval, plus the beat's bound of one
 //!   interval). While the store does not answer it looks every monitor
-//!   interval. A look reaches the policy only between the node's actions.
+//!   interval, kept within 0.1–1 s. A look reaches the policy only between the node's actions.
 //! - **The run store protocol** of `run_store.rs`: the verdict's
 //!   compare-and-set (a failure is never overwritten), the root cause lowered to
 //!   the earliest record, the failed-round count, `finishing`.
@@ -906,7 +906,7 @@ impl Sim {
         let o = self.observe(i);
         if matches!(o, Observation::Unreachable(_)) && !self.nodes[i].polling {
             self.nodes[i].polling = true;
-            let t = self.now + self.cfg.monitor_ms;
+            let t = self.now + self.cfg.monitor_ms.clamp(100, 1000);
             self.at(t, Ev::Poll(i));
         }
         self.deliver(i, Event::Checked(o));
@@ -916,10 +916,10 @@ impl Sim {
         let Some((_, rank, n)) = self.nodes[i].round else {
             return;
         };
-        // The round's watch, armed one monitor interval later: a look then
-        // (what the arming finds if anything changed before), then only when
-        // woken.
-        let t = self.now + self.cfg.monitor_ms;
+        // The round's watch, armed 0.1 s (or one monitor interval) later: a
+        // look then (what the arming finds if anything changed before), then
+        // only when woken.
+        let t = self.now + self.cfg.monitor_ms.min(100);
         self.at(t, Ev::Wake(i, Some(round)));
         if !self.reaches(i) {
             self.reply(

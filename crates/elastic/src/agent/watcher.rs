@@ -7,11 +7,13 @@
 //! published (a `WAIT` on [`run_store::keys::CLOSED`], then on
 //! [`run_store::keys::FAILED`] once a success was read). Each wake costs one
 //! bounded look ([`observe`]); while nothing happens the node makes no store
-//! operation besides its keep-alive. The waits are armed one monitor interval
-//! after the join (as torchrun's first check), so a round shorter than that
-//! costs the store nothing. While the store does not answer, the task
-//! looks again every `poll` (the agent's monitor interval), so the policy sees
-//! time pass towards its `lost_grace`, and sees the store come back.
+//! operation besides its keep-alive. The waits are armed 0.1 s after the join
+//! (or one monitor interval, if shorter), so a round shorter than that costs
+//! the store nothing. While the store does not answer, the task looks again
+//! every monitor interval (kept within 0.1–1 s), so the policy sees time pass
+//! towards its `lost_grace`, and sees the store come back. A long monitor
+//! interval therefore no longer delays what the rendezvous reports (under
+//! torchrun it does: it is the period of every check).
 //!
 //! The drivers read the latest observation (`tokio::sync::watch`): one that
 //! arrives while a driver is busy elsewhere (stopping workers) is not queued
@@ -27,6 +29,14 @@ use tokio::task::JoinHandle;
 use super::policy::Observation;
 use super::run_store::{self, Closed};
 use super::CHECK_TIMEOUT;
+
+/// The waits are armed this long after the join at most (the monitor
+/// interval, when shorter).
+const ARM_AFTER: Duration = Duration::from_millis(100);
+/// Bounds of the interval between looks while the store does not answer (the
+/// monitor interval, within them).
+const RELOOK_MIN: Duration = Duration::from_millis(100);
+const RELOOK_MAX: Duration = Duration::from_secs(1);
 
 /// How long one verdict `WAIT` may sit on the server: the run's whole life.
 const FOREVER: Duration = Duration::from_secs(365 * 24 * 3600);
@@ -52,14 +62,17 @@ impl Watch {
         poll: Duration,
     ) -> Watch {
         let (tx, seen) = tokio::sync::watch::channel(None);
+        // Looks at a store that does not answer: often enough for the policy's
+        // `lost_grace`, not so often that many nodes hammer a store coming back.
+        let relook = poll.clamp(RELOOK_MIN, RELOOK_MAX);
         let task = tokio::spawn(async move {
             let mut woken = 0;
             let mut verdict = None;
-            // Armed after one monitor interval, as torchrun's first check: a
-            // round shorter than that costs the store nothing. A change made
-            // before the arming is not missed: the wait returns at once when
-            // the round was woken or the verdict is there.
-            tokio::time::sleep(poll).await;
+            // Armed a moment after the join (a round shorter than that costs
+            // the store nothing). A change made before the arming is not
+            // missed: the wait returns at once when the round was woken or the
+            // verdict is there.
+            tokio::time::sleep(poll.min(ARM_AFTER)).await;
             loop {
                 let key = match verdict {
                     None => Some(run_store::keys::CLOSED),
@@ -93,7 +106,7 @@ impl Watch {
                     if !unreachable {
                         break;
                     }
-                    tokio::time::sleep(poll).await;
+                    tokio::time::sleep(relook).await;
                     o = observe(&*handler, &*run_store, round).await;
                 }
             }

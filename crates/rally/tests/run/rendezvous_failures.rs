@@ -265,3 +265,54 @@ fn the_host_lingers_for_a_third_node_still_running() {
     assert!(done.exists(), "the slow worker did not finish: {all}");
     assert!(!all.contains("lost the rendezvous host"), "{all}");
 }
+
+/// Scale (no polling): an agent is woken by the store, not by its monitor
+/// tick. With a monitor interval of ten minutes, a failure published by the
+/// other node still stops this node's workers at once (the agent of e2f1960
+/// looked only every monitor interval, so it ran on for ten minutes).
+#[test]
+fn a_failure_elsewhere_wakes_an_agent_whose_monitor_interval_is_ten_minutes() {
+    let dir = tempfile::tempdir().unwrap();
+    let endpoint = format!("127.0.0.1:{}", free_port());
+    let started = dir.path().join("started");
+    let args: Vec<String> = [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "0",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        &endpoint,
+        "--rdzv-id",
+        "woken",
+        "--monitor-interval",
+        "600",
+    ]
+    .map(String::from)
+    .to_vec();
+    let mut a = sh(
+        &args,
+        &format!("touch {}; sleep 600", started.display()),
+        dir.path(),
+        "a",
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    let mut b = sh(
+        &args,
+        &format!(
+            "while [ ! -e {} ]; do sleep 0.05; done; sleep 1; echo broke on purpose >&2; exit 3",
+            started.display()
+        ),
+        dir.path(),
+        "b",
+    );
+    let (sa, sb) = (a.wait(LIMIT), b.wait(LIMIT));
+    let both = format!("{}\n---\n{}", a.output(), b.output());
+    assert_eq!((sa.code(), sb.code()), (Some(1), Some(1)), "{both}");
+    for out in [a.output(), b.output()] {
+        assert!(out.contains("exitcode  : 3"), "{both}");
+    }
+}
