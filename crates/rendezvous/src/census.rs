@@ -4,8 +4,9 @@
 //! Three counters in the rendezvous store, each bumped once per node: a node
 //! is counted *joined* when it first becomes a member of a round (a `static`
 //! node counts itself; in a dynamic round, arrival 1 counts every member not
-//! counted before, from a table of the run's node ids that it alone reads and
-//! writes, so a round costs one count, not one per node; a table entry lost
+//! counted before, from the table of the run's nodes that it alone reads and
+//! writes (the dynamic backend's `ranks` key), so a round costs one count, not
+//! one per node; a table entry lost
 //! to a crash only counts a node twice, which makes a host wait longer, never
 //! shorter), and
 //! *gone* when it leaves the run ([`RendezvousHandler::leave`], on every way
@@ -28,35 +29,19 @@ use rallypoint_store::{Store, StoreError};
 const JOINED: &str = "nodes/joined";
 const GONE: &str = "nodes/gone";
 const DEAD: &str = "nodes/dead";
-/// The node ids counted joined so far (dynamic rounds), one per line.
-const IDS: &str = "nodes/ids";
 
 /// Counts this node in (once, at its first round).
 pub(crate) async fn joined(store: &dyn Store) -> Result<(), StoreError> {
     store.add(JOINED, 1).await.map(drop)
 }
 
-/// Counts in those of `members` (node ids) not counted before; arrival 1 of
-/// a round, before the round's ranks are published.
-pub(crate) async fn joined_members(
-    store: &dyn Store,
-    members: &[String],
-) -> Result<(), StoreError> {
-    let table = store.get_now(IDS).await?;
-    let known: std::collections::HashSet<&[u8]> = table.split(|&b| b == b'\n').collect();
-    let mut new = Vec::new();
-    for m in members.iter().filter(|m| !known.contains(m.as_bytes())) {
-        new.extend_from_slice(m.as_bytes());
-        new.push(b'\n');
-    }
-    let count = new.iter().filter(|&&b| b == b'\n').count();
-    if count == 0 {
+/// Counts `n` nodes in at once (arrival 1 of a dynamic round, for the members
+/// its table of the run's nodes does not list yet).
+pub(crate) async fn joined_many(store: &dyn Store, n: usize) -> Result<(), StoreError> {
+    if n == 0 {
         return Ok(());
     }
-    // Counted first: a crash between the two counts a node twice later (a
-    // longer wait), never not at all.
-    store.add(JOINED, count as i64).await?;
-    store.append(IDS, &new).await
+    store.add(JOINED, n as i64).await.map(drop)
 }
 
 /// Counts this node out (once, as it leaves the run).

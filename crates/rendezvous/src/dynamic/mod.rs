@@ -19,7 +19,7 @@
 //! | `r/hb/<rank>` | arrival 1 (at 0), then each member, every keep-alive interval | its heartbeat counter |
 //! | `r/left/<rank>` | a member ending for good | it stopped keeping alive on purpose: not dead |
 //! | `r/reform` | the first member to re-join | round `r+1` may form |
-//! | `ranks` | arrival 1 | `node=rank` lines of the last round, so nodes keep their ranks |
+//! | `ranks` | arrival 1 | `node=rank` lines of the last round, so nodes keep their ranks, and `node=` for the run's other nodes counted in the census |
 //! | `closed` | `set_closed` | the run is over |
 //! | `r/master` | rank 0, when workers host the job's store (etcd) | its `addr:port` |
 //!
@@ -415,29 +415,50 @@ impl DynamicRendezvous {
                 .into_iter()
                 .map(|v| String::from_utf8_lossy(&v).into_owned())
                 .collect();
-            // Previous ranks: one key holding `node=rank` lines, read and written
-            // once per round by arrival 1 alone.
+            // The run's nodes: one key read and written once per round by
+            // arrival 1 alone, `node=rank` for the last round's members and
+            // `node=` for nodes counted in before. It keeps ranks across
+            // rounds, and arrival 1 counts the members it does not list into
+            // the census (crate::census), first, so a crash before the write
+            // can only count a node twice.
             let table = self.store.get_now("ranks").await.map_err(self.err())?;
-            let previous: HashMap<String, usize> = String::from_utf8_lossy(&table)
+            let table = String::from_utf8_lossy(&table);
+            let known: Vec<(&str, Option<usize>)> = table
                 .lines()
                 .filter_map(|l| {
                     let (n, r) = l.rsplit_once('=')?;
-                    Some((n.to_owned(), r.parse().ok()?))
+                    Some((n, r.parse().ok()))
                 })
                 .collect();
+            let previous: HashMap<String, usize> = known
+                .iter()
+                .filter_map(|&(n, r)| Some((n.to_owned(), r?)))
+                .collect();
             let ranks = state::assign_ranks(&nodes, &previous);
-            crate::census::joined_members(&*self.store, &nodes)
+            let listed: std::collections::HashSet<&str> = known.iter().map(|k| k.0).collect();
+            let new = nodes
+                .iter()
+                .filter(|n| !listed.contains(n.as_str()))
+                .count();
+            crate::census::joined_many(&*self.store, new)
                 .await
                 .map_err(self.err())?;
             let rank_keys: Vec<String> = (1..=members).map(|i| format!("{r}/rank/{i}")).collect();
             let values: Vec<String> = ranks.iter().map(usize::to_string).collect();
-            let mut table = String::new();
+            let mut table_out = String::new();
             for (n, v) in nodes.iter().zip(&values) {
-                table.push_str(n);
-                table.push('=');
-                table.push_str(v);
-                table.push('\n');
+                table_out.push_str(n);
+                table_out.push('=');
+                table_out.push_str(v);
+                table_out.push('\n');
             }
+            let members_now: std::collections::HashSet<&str> =
+                nodes.iter().map(String::as_str).collect();
+            for (n, _) in known.iter().filter(|k| !members_now.contains(k.0)) {
+                table_out.push_str(n);
+                table_out.push_str("=\n");
+            }
+            let table = table_out;
             let mut pairs: Vec<(&str, &[u8])> = rank_keys
                 .iter()
                 .zip(&values)

@@ -473,3 +473,38 @@ async fn a_waiting_node_gives_up_at_the_join_timeout_naming_the_run() {
     );
     drop(first);
 }
+
+/// Issue 18: a member blocks in `changed` (one store wait, no polling) and is
+/// woken when a node arrives; arrival 1 counts each node into the census once,
+/// however many rounds it is a member of.
+#[tokio::test]
+async fn a_member_is_woken_by_an_arrival_and_the_census_counts_each_node_once() {
+    let store = MemoryStore::new();
+    let members: Vec<_> = ["n1", "n2"]
+        .iter()
+        .map(|id| node(&store, id, 2, 3, timing()))
+        .collect();
+    join_ok(&members).await;
+    assert_eq!(members[0].remaining().await.unwrap(), 1);
+    let m = members[0].clone();
+    let woken = tokio::spawn(async move { m.changed(0, Duration::from_secs(3600)).await });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(!woken.is_finished(), "nothing happened: no wake");
+    let late = node(&store, "n3", 2, 3, timing());
+    let l = late.clone();
+    let late_join = tokio::spawn(async move { l.next_rendezvous().await });
+    let mark = tokio::time::timeout(Duration::from_secs(5), woken)
+        .await
+        .expect("the arrival woke the member")
+        .unwrap()
+        .unwrap();
+    assert_eq!(mark, 1);
+    assert_eq!(members[0].membership().await.unwrap().waiting, 1);
+    let again = join_ok(&members).await;
+    late_join.await.unwrap().unwrap();
+    assert_eq!(again[0].world_size, 3);
+    // n1, n2 counted at round 0, n3 at round 1: three nodes, not five.
+    assert_eq!(members[0].remaining().await.unwrap(), 2);
+    members[1].leave().await.unwrap();
+    assert_eq!(members[0].remaining().await.unwrap(), 1);
+}
