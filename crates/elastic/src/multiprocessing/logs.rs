@@ -15,7 +15,9 @@
 //!
 //! The pump cuts each teed stream into segments (`Lines`): lines, `\r`-ended
 //! progress updates, a partial line once it has waited [`PARTIAL_AFTER`], and
-//! pieces of [`MAX_LINE`] bytes of a line without end.
+//! pieces of [`MAX_LINE`] bytes of a line without end. `\r\n` is one line
+//! ending, even cut between two reads: an update ending a read shows at once
+//! and its `\r` goes out with the next byte.
 //! Each segment is written whole under the console's lock, so lines of different
 //! workers never interleave mid-line: a line another worker left open is ended
 //! before the next one starts, and the rest of a partial line continues it
@@ -874,8 +876,28 @@ impl Lines {
             open: false,
             count: 0,
         };
+        // A `\r` held back (it ended the last chunk): ended by `\r\n`, or a
+        // progress update of its own.
+        if self.pending.last() == Some(&b'\r') && chunk.first() != Some(&b'\n') && !chunk.is_empty()
+        {
+            self.segment(&mut out, b"", false);
+        }
         let mut start = 0;
         for end in memchr::memchr2_iter(b'\n', b'\r', chunk) {
+            if chunk[end] == b'\r' {
+                match chunk.get(end + 1) {
+                    // `\r\n` is one line ending (Windows-style output).
+                    Some(b'\n') => continue,
+                    // The chunk's last byte: the update shows now, its `\r`
+                    // waits for the next byte to say what it ends.
+                    None => {
+                        self.segment(&mut out, &chunk[start..end], true);
+                        self.pending.push(b'\r');
+                        return Some(out);
+                    }
+                    Some(_) => {}
+                }
+            }
             self.segment(&mut out, &chunk[start..=end], false);
             start = end + 1;
         }
@@ -892,7 +914,15 @@ impl Lines {
     /// Sends what is pending of the current line: as an open segment, or, at the
     /// end of the stream, ended with a newline.
     fn flush(&mut self, last: bool) -> Option<Out> {
+        // A `\r` held back stays back (a `\n` may follow), except at the end.
+        let held = !last && self.pending.last() == Some(&b'\r');
+        if held {
+            self.pending.pop();
+        }
         if self.pending.is_empty() && !(last && self.open_on_console) {
+            if held {
+                self.pending.push(b'\r');
+            }
             return None;
         }
         let mut out = Out {
@@ -901,10 +931,16 @@ impl Lines {
             open: false,
             count: 0,
         };
-        if last {
+        if last && self.pending.last() == Some(&b'\r') {
+            // Ended by its `\r`.
+            self.segment(&mut out, b"", false);
+        } else if last {
             self.segment(&mut out, b"\n", false);
         } else {
             self.segment(&mut out, b"", true);
+        }
+        if held {
+            self.pending.push(b'\r');
         }
         Some(out)
     }
@@ -949,8 +985,11 @@ mod tests {
     fn a_carriage_return_shows_a_progress_update_at_once() {
         let mut l = lines();
         let out = l.feed(b" 10%|#   |\r 20%|##  |\r").unwrap();
-        assert_eq!(out.bytes, b"[w0]: 10%|#   |\r[w0]: 20%|##  |\r");
-        assert_eq!(l.feed(b"100%"), None);
+        // The last update shows at once; its `\r` goes out with what follows
+        // (a `\n` would make `\r\n` one line ending).
+        assert_eq!(out.bytes, b"[w0]: 10%|#   |\r[w0]: 20%|##  |");
+        assert!(out.open);
+        assert_eq!(l.feed(b"100%").unwrap().bytes, b"\r");
         assert_eq!(l.flush(true).unwrap().bytes, b"[w0]:100%\n");
     }
 
@@ -992,6 +1031,24 @@ mod tests {
         assert_eq!(l.flush(true), None);
     }
 
+    #[test]
+    fn crlf_is_one_line_ending_even_cut_between_chunks() {
+        let mut l = lines();
+        let out = l.feed(b"a\r\nb\r").unwrap();
+        // `b` shows at once, its `\r` waits for the next byte.
+        assert_eq!(out.bytes, b"[w0]:a\r\n[w0]:b");
+        assert_eq!(l.flush(false), None);
+        let out = l.feed(b"\nc\r").unwrap();
+        assert!(out.continues);
+        assert_eq!(out.bytes, b"\r\n[w0]:c");
+        // Not followed by `\n`: a progress update of its own.
+        let out = l.feed(b"d\n").unwrap();
+        assert_eq!(out.bytes, b"\r[w0]:d\n");
+        // At the end, a held `\r` ends its line.
+        assert_eq!(l.feed(b"e\r").unwrap().bytes, b"[w0]:e");
+        assert_eq!(l.flush(true).unwrap().bytes, b"\r");
+    }
+
     proptest! {
         /// Whatever the chunking and flushes, the console shows every byte, in
         /// order, each line starting with one prefix.
@@ -1027,12 +1084,13 @@ mod tests {
             // Expected: the data, a prefix at the start of every line.
             let mut want = Vec::new();
             let mut at_start = true;
-            for &b in &data {
+            for (i, &b) in data.iter().enumerate() {
                 if at_start {
                     want.extend_from_slice(b"[w0]:");
                 }
                 want.push(b);
-                at_start = b == b'\n' || b == b'\r';
+                // `\r\n` is one line ending.
+                at_start = b == b'\n' || (b == b'\r' && data.get(i + 1) != Some(&b'\n'));
             }
             if !at_start {
                 want.push(b'\n');

@@ -129,7 +129,9 @@ pub fn expand_prefix(
     // Python's idpattern: `[_a-z][_a-z0-9]*`, ASCII, any case.
     let ident = |s: &str| {
         let b = s.as_bytes();
-        if b.first().is_some_and(|c| c.is_ascii_alphabetic() || *c == b'_') {
+        if b.first()
+            .is_some_and(|c| c.is_ascii_alphabetic() || *c == b'_')
+        {
             b.iter()
                 .position(|c| !(c.is_ascii_alphanumeric() || *c == b'_'))
                 .unwrap_or(b.len())

@@ -224,6 +224,35 @@ fn a_prefix_template_with_hostname_applies_to_teed_lines() {
     }
 }
 
+/// Issue 19: `$name` and `$$` expand as in torchrun's `string.Template`, and
+/// a worker's `\r\n` is one line ending on the teed console, even when the
+/// `\r` and the `\n` arrive in two reads.
+#[test]
+fn teed_crlf_is_one_line_ending_and_dollar_templates_expand() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = rally(&[
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+        "--tee",
+        "1",
+        "--log-line-prefix-template",
+        "$$r$rank: ",
+        "--no-python",
+        "sh",
+        "-c",
+        r"printf 'one\r\n'; printf 'two\r'; sleep 0.3; printf '\nthree\r\n'",
+    ]);
+    c.env_remove("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE");
+    let mut job = Job::spawn(c, dir.path(), "job");
+    assert!(job.wait(LIMIT).success(), "{}", job.output());
+    let log = job.output();
+    assert!(
+        log.contains("$r0: one\r\n$r0: two\r\n$r0: three\r\n"),
+        "{log:?}"
+    );
+}
+
 #[test]
 fn static_backend_workers_get_the_master_address_and_port_and_the_store_listens_there() {
     let dir = tempfile::tempdir().unwrap();
