@@ -729,16 +729,41 @@ fn script_name(a: &RunArgs) -> String {
 /// or an outer launcher), puts the root cause there as torchrun's `@record`
 /// does: a copy of the worker's error file with `errorCode` added, or, when the
 /// worker wrote none (or it is on another node), the failure described in the
-/// same layout.
+/// same layout. Stopped by a signal, it writes what torchrun writes then: a
+/// `SignalException` (`Process <pid> got signal: <n>`), so a scheduler reads
+/// the same thing whichever launcher ran (the exit code stays 128+N).
 fn write_launcher_error_file(outcome: &Outcome) -> anyhow::Result<()> {
-    use rallypoint_elastic::errors::{copy_with_exit_code, write_error_file, ErrorReport};
-    let (Some(path), Outcome::Failed { root_cause, .. }) = (
-        std::env::var_os(rallypoint_elastic::errors::ERROR_FILE_ENV).filter(|p| !p.is_empty()),
-        outcome,
-    ) else {
+    use rallypoint_elastic::errors::{
+        copy_with_exit_code, error_json, write_error_file, ErrorReport,
+    };
+    let Some(path) =
+        std::env::var_os(rallypoint_elastic::errors::ERROR_FILE_ENV).filter(|p| !p.is_empty())
+    else {
         return Ok(());
     };
     let path = PathBuf::from(path);
+    let cannot = || {
+        format!(
+            "cannot write the launcher's error file ({})",
+            path.display()
+        )
+    };
+    let root_cause = match outcome {
+        Outcome::Failed { root_cause, .. } => root_cause,
+        Outcome::Signaled { signal } => {
+            let message = format!(
+                "SignalException: Process {} got signal: {signal}",
+                std::process::id()
+            );
+            let stack = format!(
+                "rally run received {} ({signal}) and sent it to its workers, as torchrun does\n",
+                rallypoint_elastic::multiprocessing::signal_name(*signal)
+            );
+            let value = error_json(&message, &stack, std::time::SystemTime::now());
+            return write_error_file(&path, &value).with_context(cannot);
+        }
+        _ => return Ok(()),
+    };
     let Some(root) = root_cause else {
         return Ok(());
     };
@@ -753,12 +778,7 @@ fn write_launcher_error_file(outcome: &Outcome) -> anyhow::Result<()> {
         Some(report) => copy_with_exit_code(&report, Some(root.exitcode), &path),
         None => write_error_file(&path, &root.error_json()),
     }
-    .with_context(|| {
-        format!(
-            "cannot write the launcher's error file ({})",
-            path.display()
-        )
-    })
+    .with_context(cannot)
 }
 
 /// An error and its causes, `: `-separated.

@@ -224,6 +224,57 @@ fn a_prefix_template_with_hostname_applies_to_teed_lines() {
     }
 }
 
+/// Issue 19: Ctrl-C keeps exit code 130 and, when the launcher was given
+/// `TORCHELASTIC_ERROR_FILE`, leaves torchrun's `SignalException` record there.
+/// Real torchrun is stopped the same way, and both files have the same layout.
+#[test]
+fn ctrl_c_leaves_torchruns_signal_exception_in_the_launchers_error_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let record = |mut c: Command, name: &str| {
+        let file = dir.path().join(format!("{name}.json"));
+        let started = dir.path().join(format!("{name}.started"));
+        c.env("TORCHELASTIC_ERROR_FILE", &file).args([
+            "sh",
+            "-c",
+            &format!("touch {}; sleep 600", started.display()),
+        ]);
+        let mut job = Job::spawn(c, dir.path(), name);
+        let t0 = Instant::now();
+        while !started.exists() {
+            assert!(t0.elapsed() < LIMIT, "{}", job.output());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        job.signal(libc::SIGINT);
+        let status = job.wait(LIMIT);
+        let text = std::fs::read_to_string(&file)
+            .unwrap_or_else(|e| panic!("{name}: no error file ({e}): {}", job.output()));
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        (status, v)
+    };
+    let base = ["--standalone", "--nproc-per-node", "1", "--no-python"];
+    let (ours, mine) = record(rally(&base), "rally");
+    let (_, theirs) = record(torchrun(&base), "torchrun");
+    assert_eq!(ours.code(), Some(130));
+    let keys = |v: &serde_json::Value| {
+        let m = &v["message"];
+        let mut k: Vec<String> = m.as_object().unwrap().keys().cloned().collect();
+        k.extend(m["extraInfo"].as_object().unwrap().keys().cloned());
+        k.sort();
+        k
+    };
+    assert_eq!(keys(&mine), keys(&theirs), "{mine}\n{theirs}");
+    for v in [&mine, &theirs] {
+        let msg = v["message"]["message"].as_str().unwrap();
+        let (pid, sig) = msg
+            .strip_prefix("SignalException: Process ")
+            .and_then(|r| r.split_once(" got signal: "))
+            .unwrap_or_else(|| panic!("{msg}"));
+        assert!(pid.parse::<u32>().is_ok() && sig == "2", "{msg}");
+        let ts = v["message"]["extraInfo"]["timestamp"].as_str().unwrap();
+        assert!(ts.parse::<u64>().is_ok(), "{v}");
+    }
+}
+
 /// Issue 19: `$name` and `$$` expand as in torchrun's `string.Template`, and
 /// a worker's `\r\n` is one line ending on the teed console, even when the
 /// `\r` and the `\n` arrive in two reads.
