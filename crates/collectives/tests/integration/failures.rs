@@ -28,8 +28,15 @@ async fn with_victim(
         .build()
         .unwrap();
     let (vs, vo) = (store.clone(), o.clone());
+    // The victim dies as a member: after its group formed (its address
+    // published). `ProcessGroup::new` does not wait for the others, so under
+    // load the survivors' could return first, and a victim stopped then never
+    // joined at all (the survivors then rightly wait for it until the timeout:
+    // this test once did, 1 run in 8 with two CPU-bound processes beside it).
+    let (joined, formed) = tokio::sync::oneshot::channel();
     vrt.spawn(async move {
         let pg = ProcessGroup::new(vs, victim, n, vo).await.unwrap();
+        let _ = joined.send(());
         victim_work(pg).await;
     });
     let tasks: Vec<_> = (0..n)
@@ -40,6 +47,7 @@ async fn with_victim(
     for t in tasks {
         pgs.push(t.await.unwrap().unwrap());
     }
+    formed.await.expect("the victim formed its group");
     (pgs, vrt)
 }
 
