@@ -125,6 +125,36 @@ impl Store for Counting {
 const READY: &str = "bench/ready";
 const GO: &str = "bench/go";
 
+/// Node `index` of a round of `n` over `inner`, its store operations counted
+/// in `ops`. The keep-alive is slow, so the round is all that is counted.
+fn bench_node(
+    inner: TcpStore,
+    ops: &Arc<AtomicU64>,
+    run: &str,
+    index: usize,
+    n: usize,
+    port: u16,
+) -> DynamicRendezvous {
+    DynamicRendezvous::new(
+        Arc::new(Counting {
+            inner,
+            ops: ops.clone(),
+        }),
+        run,
+        format!("node{index}"),
+        Bounds { min: n, max: n },
+        Timing {
+            join: Duration::from_secs(900),
+            keep_alive: Duration::from_secs(600),
+            ..Timing::default()
+        },
+        BootstrapStoreInfo {
+            master_addr: "127.0.0.1".into(),
+            master_port: port,
+        },
+    )
+}
+
 /// One of our nodes, in its own process (`rallypoint-bench rdzv-node`).
 pub fn node(port: u16, run: &str, n: usize, index: usize) -> Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -140,24 +170,7 @@ pub fn node(port: u16, run: &str, n: usize, index: usize) -> Result<()> {
             .timeout(Duration::from_secs(900))
             .connect()
             .await?;
-        let handler = DynamicRendezvous::new(
-            Arc::new(Counting {
-                inner,
-                ops: ops.clone(),
-            }),
-            run,
-            format!("node{index}"),
-            Bounds { min: n, max: n },
-            Timing {
-                join: Duration::from_secs(900),
-                keep_alive: Duration::from_secs(60),
-                ..Timing::default()
-            },
-            BootstrapStoreInfo {
-                master_addr: "127.0.0.1".into(),
-                master_port: port,
-            },
-        );
+        let handler = bench_node(inner, &ops, run, index, n, port);
         control.add(READY, 1).await?;
         control.wait(&[GO]).await?;
         let rank = handler.next_rendezvous().await?.rank;
@@ -325,26 +338,7 @@ fn in_process(port: u16, n: usize, run: &str) -> Result<(f64, f64, Marks)> {
         let handlers: Vec<Arc<DynamicRendezvous>> = stores
             .into_iter()
             .enumerate()
-            .map(|(i, inner)| {
-                Arc::new(DynamicRendezvous::new(
-                    Arc::new(Counting {
-                        inner,
-                        ops: ops.clone(),
-                    }),
-                    run,
-                    format!("node{i}"),
-                    Bounds { min: n, max: n },
-                    Timing {
-                        join: Duration::from_secs(900),
-                        keep_alive: Duration::from_secs(600),
-                        ..Timing::default()
-                    },
-                    BootstrapStoreInfo {
-                        master_addr: "127.0.0.1".into(),
-                        master_port: port,
-                    },
-                ))
-            })
+            .map(|(i, inner)| Arc::new(bench_node(inner, &ops, run, i, n, port)))
             .collect();
         let (go, _) = tokio::sync::watch::channel(false);
         let tasks: Vec<_> = handlers
