@@ -167,6 +167,42 @@ pub fn copy_with_exit_code(
     write_error_file(parent_file, &value)
 }
 
+/// The last Python traceback in `text` (the tail of a worker's stderr) and its
+/// exception line, e.g. `ModuleNotFoundError: No module named 'x'`: how a
+/// worker that wrote no error file (no `@record`, or a failure before it ran,
+/// such as an import at the top of the script) is still described. A
+/// `SyntaxError` in the script itself has no `Traceback` header; its block is
+/// found from the `File` line of the script. `None` when there is no
+/// traceback, or nothing unindented after its header.
+pub fn last_python_traceback(text: &str) -> Option<(String, String)> {
+    const HEADER: &str = "Traceback (most recent call last):";
+    let start = text
+        .rfind(HEADER)
+        .filter(|&i| i == 0 || text[..i].ends_with('\n'))
+        .or_else(|| {
+            // An uncompilable script: `  File "x.py", line N` starts the block.
+            let i = text
+                .rfind("\n  File \"")
+                .map(|i| i + 1)
+                .or_else(|| text.starts_with("  File \"").then_some(0))?;
+            text[i..].contains("Error: ").then_some(i)
+        })?;
+    let block = &text[start..];
+    let mut end = 0;
+    let mut message = None;
+    for line in block.split_inclusive('\n').skip(1) {
+        end += line.len();
+        let l = line.trim_end();
+        if !l.is_empty() && !l.starts_with(' ') && !l.starts_with('\t') {
+            message = Some(l.to_owned());
+            break;
+        }
+    }
+    let first = block.split_inclusive('\n').next().map_or(0, str::len);
+    let message = message?;
+    Some((message, block[..first + end].trim_end().to_owned()))
+}
+
 /// Installs a panic hook that writes the panic into `$TORCHELASTIC_ERROR_FILE` (when
 /// set) before the default hook runs: `@record` for Rust workers.
 pub fn install_panic_hook() {
@@ -231,6 +267,57 @@ mod tests {
             ("plain", Some(UNIX_EPOCH + Duration::from_secs(7)))
         );
         assert_eq!(ErrorReport::from_json(json!({})).message, "<NONE>");
+    }
+
+    #[test]
+    fn the_last_traceback_in_stderr_and_its_exception_line() {
+        let text = "loading\nTraceback (most recent call last):\n  File \"/t/a.py\", line 1, in <module>\n    import foo\nModuleNotFoundError: No module named 'foo'\n";
+        let (m, tb) = last_python_traceback(text).unwrap();
+        assert_eq!(m, "ModuleNotFoundError: No module named 'foo'");
+        assert!(tb.starts_with("Traceback (most recent call last):\n  File"));
+        assert!(tb.ends_with("'foo'"));
+        // Chained: the last block is the one that ended the process.
+        let chained = format!("{text}\nDuring handling of the above exception, another exception occurred:\n\nTraceback (most recent call last):\n  File \"/t/a.py\", line 3, in <module>\n    raise SystemError(\"x\")\n    ^^^^\nSystemError: x\nexiting\n");
+        let (m, tb) = last_python_traceback(&chained).unwrap();
+        assert_eq!(m, "SystemError: x");
+        assert!(!tb.contains("exiting") && tb.contains("^^^^"));
+        // A script that does not compile has no header.
+        let syntax =
+            "  File \"/t/a.py\", line 2\n    x = \n        ^\nSyntaxError: invalid syntax\n";
+        assert_eq!(
+            last_python_traceback(syntax).unwrap().0,
+            "SyntaxError: invalid syntax"
+        );
+        assert_eq!(last_python_traceback("just output\n"), None);
+        assert_eq!(
+            last_python_traceback("Traceback (most recent call last):\n  File \"a\""),
+            None
+        );
+        // A header inside a line is not a traceback.
+        assert_eq!(
+            last_python_traceback("print('Traceback (most recent call last):')\nX: y\n"),
+            None
+        );
+    }
+
+    proptest::proptest! {
+        /// Any stderr tail (cut anywhere, mixed with tracebacks) is read
+        /// without a panic, and what is found is text of the input.
+        #[test]
+        fn any_stderr_tail_is_read_safely(parts in proptest::collection::vec(
+            proptest::prop_oneof![
+                proptest::strategy::Just("Traceback (most recent call last):\n".to_owned()),
+                proptest::strategy::Just("  File \"a.py\", line 1\n".to_owned()),
+                proptest::strategy::Just("Error: x\n".to_owned()),
+                "[ -~\n\té]{0,12}",
+            ], 0..12)) {
+            let text = parts.concat();
+            if let Some((message, tb)) = last_python_traceback(&text) {
+                proptest::prop_assert!(text.contains(&tb));
+                proptest::prop_assert!(tb.ends_with(&message));
+                proptest::prop_assert!(!message.starts_with(' '));
+            }
+        }
     }
 
     #[test]

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use rallypoint_elastic::agent::events::{AgentEvent, EventSink, Fanout, JsonLines};
-use rallypoint_elastic::agent::{status, Agent, AgentSpec, Outcome};
+use rallypoint_elastic::agent::{status, Agent, AgentSpec, FailureRecord, Outcome};
 use rallypoint_elastic::multiprocessing::signals::{parse_signals, DEFAULT_SIGNALS};
 use rallypoint_elastic::multiprocessing::watchdog;
 use rallypoint_elastic::multiprocessing::{Entrypoint, LogsSpec, PerRank, DEFAULT_PREFIX_TEMPLATE};
@@ -315,6 +315,20 @@ fn random_run_id() -> String {
     )
 }
 
+/// Whether the workers run under a Python interpreter rally chose.
+fn runs_python(a: &RunArgs) -> bool {
+    let Some(script) = a.command.first() else {
+        return false;
+    };
+    let is_py = Path::new(script).extension().is_some_and(|e| e == "py");
+    // A file that is neither .py nor executable is a Python script too.
+    let not_executable = || {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::metadata(script).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 == 0)
+    };
+    a.module || a.run_path || (!a.no_python && (is_py || not_executable()))
+}
+
 /// The worker entrypoint and its arguments.
 fn entrypoint(a: &RunArgs) -> anyhow::Result<(Entrypoint, Vec<OsString>)> {
     let (script, rest) = a
@@ -324,14 +338,7 @@ fn entrypoint(a: &RunArgs) -> anyhow::Result<(Entrypoint, Vec<OsString>)> {
     if a.module && a.no_python {
         bail!("--module and --no-python cannot be used together");
     }
-    let is_py = Path::new(script).extension().is_some_and(|e| e == "py");
-    // A file that is neither .py nor executable is a Python script too.
-    let not_executable = || {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::metadata(script).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 == 0)
-    };
-    let under_python = a.module || a.run_path || (!a.no_python && (is_py || not_executable()));
-    if !under_python {
+    if !runs_python(a) {
         return Ok((Entrypoint::Program(script.clone()), rest.to_vec()));
     }
     let exe = python();
@@ -349,16 +356,86 @@ fn entrypoint(a: &RunArgs) -> anyhow::Result<(Entrypoint, Vec<OsString>)> {
 /// a venv's `rally` works without activating the venv, as its `torchrun` does;
 /// else `python3` from `PATH`.
 fn python() -> OsString {
+    python_choice().0
+}
+
+/// [`python`] and why it was chosen (for the failure summary).
+fn python_choice() -> (OsString, String) {
     if let Some(p) = std::env::var_os("PYTHON_EXEC").filter(|p| !p.is_empty()) {
-        return p;
+        let why = "PYTHON_EXEC is set".to_owned();
+        return (p, why);
     }
-    let beside = std::env::current_exe()
-        .ok()
+    let exe = std::env::current_exe().ok();
+    let beside = exe
+        .as_ref()
         .and_then(|exe| Some(exe.parent()?.join("python")));
     match beside {
-        Some(p) if is_executable(&p) => p.into_os_string(),
-        _ => "python3".into(),
+        Some(p) if is_executable(&p) => {
+            let why = format!(
+                "PYTHON_EXEC is not set, and it is the python beside this rally ({})",
+                exe.as_deref().unwrap_or(Path::new("?")).display()
+            );
+            (p.into_os_string(), why)
+        }
+        _ => {
+            let why = format!(
+                "PYTHON_EXEC is not set, and there is no python beside this rally ({}), so python3 was taken from PATH",
+                exe.as_deref().unwrap_or(Path::new("?")).display()
+            );
+            ("python3".into(), why)
+        }
     }
+}
+
+/// `name` as `PATH` resolves it, for messages.
+fn on_path(name: &OsString) -> PathBuf {
+    let p = Path::new(name);
+    if p.components().count() > 1 {
+        return p.to_owned();
+    }
+    std::env::var_os("PATH")
+        .iter()
+        .flat_map(std::env::split_paths)
+        .map(|d| d.join(p))
+        .find(|c| is_executable(c))
+        .unwrap_or_else(|| p.to_owned())
+}
+
+/// What to tell a user whose Python worker failed (`root`, on this host) in
+/// a way a wrong interpreter explains: a `ModuleNotFoundError` seen in its
+/// error file or stderr names the interpreter, why it was chosen and how to
+/// choose another; a failure whose traceback rally could not see (stderr on
+/// the terminal) names the interpreter in one line. Nothing when
+/// `PYTHON_EXEC` chose it: the user did.
+fn interpreter_hint(root: &FailureRecord) -> Option<String> {
+    let (exe, why) = python_choice();
+    if std::env::var_os("PYTHON_EXEC").is_some_and(|p| !p.is_empty()) {
+        return None;
+    }
+    let exe = on_path(&exe);
+    let text = format!("{}\n{}", root.message, root.traceback);
+    let missing = text.lines().rev().find_map(|l| {
+        l.trim()
+            .strip_prefix("ModuleNotFoundError: No module named ")
+    });
+    if let Some(module) = missing {
+        return Some(format!(
+            "rally run: the workers ran {} ({why}), and it has no module {module}. \
+             Choose the interpreter with PYTHON_EXEC (e.g. PYTHON_EXEC=/path/to/venv/bin/python rally run ...), \
+             or run the rally installed in the environment that has the module (/path/to/venv/bin/rally).",
+            exe.display()
+        ));
+    }
+    let unseen = root.exitcode == 1
+        && root.traceback.is_empty()
+        && root.error_file == rallypoint_elastic::agent::NOT_AVAILABLE
+        && root.host == rallypoint_elastic::multiprocessing::hostname();
+    unseen.then(|| {
+        format!(
+            "rally run: the workers ran {} ({why}); if the traceback above is a ModuleNotFoundError, set PYTHON_EXEC to the interpreter that has the module.",
+            exe.display()
+        )
+    })
 }
 
 fn is_executable(p: &Path) -> bool {
@@ -598,6 +675,18 @@ pub fn run(a: RunArgs) -> anyhow::Result<i32> {
         }
     }
     report(&outcome, &script_name(&a));
+    if let (
+        Outcome::Failed {
+            root_cause: Some(root),
+            ..
+        },
+        true,
+    ) = (&outcome, runs_python(&a))
+    {
+        if let Some(hint) = interpreter_hint(root) {
+            eprintln!("{hint}");
+        }
+    }
     if let Err(e) = write_launcher_error_file(&outcome) {
         eprintln!("rally run: {e:#}");
     }

@@ -136,7 +136,14 @@ impl Agent {
                 let traceback = f
                     .error
                     .as_ref()
-                    .and_then(|e| e.callstack.as_deref())
+                    .and_then(|e| e.callstack.clone())
+                    .or_else(|| {
+                        let (_, tb, path) = f.stderr_traceback.as_ref()?;
+                        Some(format!(
+                            "(the last traceback in {}; the worker wrote no error file)\n{tb}",
+                            path.display()
+                        ))
+                    })
                     .map(|t| {
                         let mut cut = t.len().saturating_sub(TRACEBACK_MAX);
                         while !t.is_char_boundary(cut) {

@@ -81,6 +81,10 @@ pub struct ProcessFailure {
     /// What the worker wrote to its error file, if anything.
     pub error: Option<ErrorReport>,
     pub error_file: PathBuf,
+    /// With no error file: the last Python traceback in the worker's
+    /// `stderr.log` (when its stderr went to a file), as (exception line,
+    /// traceback), and the file's path.
+    pub stderr_traceback: Option<(String, String, PathBuf)>,
     /// When it failed: the error file's timestamp, else when the exit was seen.
     pub timestamp: SystemTime,
 }
@@ -90,6 +94,10 @@ impl ProcessFailure {
     pub fn message(&self) -> String {
         match (&self.error, self.exit) {
             (Some(e), _) => e.message.clone(),
+            (None, _) if self.stderr_traceback.is_some() => {
+                let (line, _, _) = self.stderr_traceback.as_ref().expect("checked");
+                line.clone()
+            }
             (None, Exit::Signal(s)) => {
                 format!(
                     "Signal {s} ({}) received by PID {}",
@@ -259,7 +267,15 @@ impl Worker {
             }
         };
         let timestamp = error.as_ref().and_then(|e| e.timestamp).unwrap_or(seen);
+        let stderr_traceback = match error {
+            Some(_) => None,
+            None => stderr_tail(&self.logs.stderr).and_then(|tail| {
+                let (line, tb) = crate::errors::last_python_traceback(&tail)?;
+                Some((line, tb, self.logs.stderr.clone()))
+            }),
+        };
         Some(ProcessFailure {
+            stderr_traceback,
             local_rank: self.local_rank,
             pid: self.pid,
             exit,
@@ -269,6 +285,25 @@ impl Worker {
         })
     }
 }
+
+/// The last [`STDERR_TAIL`] bytes of a worker's stderr file, if its stderr
+/// went to one (not inherited, not `/dev/null`).
+fn stderr_tail(path: &std::path::Path) -> Option<String> {
+    use std::io::{Read, Seek, SeekFrom};
+    if path == std::path::Path::new(super::logs::DEV_NULL) {
+        return None;
+    }
+    let mut f = std::fs::File::open(path).ok()?;
+    let len = f.metadata().ok()?.len();
+    f.seek(SeekFrom::Start(len.saturating_sub(STDERR_TAIL)))
+        .ok()?;
+    let mut buf = Vec::new();
+    f.take(STDERR_TAIL).read_to_end(&mut buf).ok()?;
+    Some(String::from_utf8_lossy(&buf).into_owned())
+}
+
+/// How much of a failed worker's stderr is searched for its traceback.
+const STDERR_TAIL: u64 = 16 * 1024;
 
 /// A running group of workers.
 pub struct ProcessContext {

@@ -436,6 +436,74 @@ fn without_python_exec_a_python_beside_rally_runs_the_script() {
 }
 
 #[test]
+fn a_missing_module_names_the_interpreter_why_it_was_chosen_and_how_to_choose_another() {
+    let dir = tempfile::tempdir().unwrap();
+    // python3 on PATH is the only interpreter rally can find.
+    let bin = dir.path().join("bin");
+    std::fs::create_dir(&bin).unwrap();
+    std::os::unix::fs::symlink(python(), bin.join("python3")).unwrap();
+    let train = dir.path().join("train.py");
+    std::fs::write(&train, "import os\nimport no_such_module_xyz\n").unwrap();
+    let run = |flags: &[&str], python_exec: bool, name: &str| {
+        let mut c = rally(&["--standalone", "--max-restarts", "0"]);
+        if !flags.is_empty() {
+            c.arg("--log-dir")
+                .arg(dir.path().join(format!("logs-{name}")));
+        }
+        c.args(flags).arg(&train);
+        if python_exec {
+            c.env("PYTHON_EXEC", bin.join("python3"));
+        } else {
+            c.env_remove("PYTHON_EXEC").env("PATH", &bin);
+        }
+        let mut job = Job::spawn(c, dir.path(), name);
+        let status = job.wait(LIMIT);
+        let log = job.output();
+        assert_eq!(status.code(), Some(1), "{log}");
+        log
+    };
+    let chosen = format!(
+        "the workers ran {} (PYTHON_EXEC is not set, and there is no python beside this rally ({}), so python3 was taken from PATH)",
+        bin.join("python3").display(),
+        env!("CARGO_BIN_EXE_rally")
+    );
+    // stderr in a file (-r) or teed (-t): rally reads the traceback itself.
+    for (flags, name) in [(["-r", "3"], "r"), (["-t", "3"], "t")] {
+        let log = run(&flags, false, name);
+        assert!(
+            log.contains("traceback : (the last traceback in ")
+                && log.contains("stderr.log; the worker wrote no error file)"),
+            "{log}"
+        );
+        assert!(log.contains("    import no_such_module_xyz"), "{log}");
+        assert!(
+            log.contains(&format!("{chosen}, and it has no module 'no_such_module_xyz'. Choose the interpreter with PYTHON_EXEC")),
+            "{log}"
+        );
+    }
+    // stderr on the console: rally cannot see the traceback; it names the
+    // interpreter and leaves the reading to the user.
+    let log = run(&[], false, "inherit");
+    assert!(
+        log.contains("ModuleNotFoundError: No module named 'no_such_module_xyz'"),
+        "{log}"
+    );
+    assert!(
+        log.contains(&format!(
+            "{chosen}; if the traceback above is a ModuleNotFoundError, set PYTHON_EXEC"
+        )),
+        "{log}"
+    );
+    // The user chose: no advice.
+    let log = run(&["-r", "3"], true, "chosen");
+    assert!(
+        log.contains("No module named 'no_such_module_xyz'"),
+        "{log}"
+    );
+    assert!(!log.contains("the workers ran"), "{log}");
+}
+
+#[test]
 fn flags_torchrun_has_are_listed_completed_or_refused_clearly() {
     let help = Command::new(env!("CARGO_BIN_EXE_rally"))
         .args(["run", "--help"])
