@@ -2,6 +2,7 @@
 //! calls into the libraries.
 
 mod run;
+mod stacks;
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
@@ -27,6 +28,9 @@ enum Command {
     /// Run a distributed job: a drop-in for torchrun (same flags, same worker
     /// environment).
     Run(Box<run::RunArgs>),
+    /// Print the Python stacks of a running job's workers without stopping
+    /// them (a worker's pid, an agent's pid, or a run id).
+    Stacks(stacks::StacksArgs),
     /// The key-value store.
     Store {
         #[command(subcommand)]
@@ -66,7 +70,8 @@ fn main() -> anyhow::Result<()> {
         .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("RALLY_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                // py-spy narrates every read at info.
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,py_spy=warn")),
         )
         .with_writer(std::io::stderr)
         .init();
@@ -80,6 +85,13 @@ fn main() -> anyhow::Result<()> {
             Ok(code) => std::process::exit(code),
             Err(e) => {
                 eprintln!("rally run: {e:#}");
+                std::process::exit(2)
+            }
+        },
+        Command::Stacks(args) => match stacks::run(args) {
+            Ok(code) => std::process::exit(code),
+            Err(e) => {
+                eprintln!("rally stacks: {e:#}");
                 std::process::exit(2)
             }
         },

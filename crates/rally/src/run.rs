@@ -18,6 +18,7 @@ use anyhow::{bail, Context};
 use rallypoint_elastic::agent::events::{AgentEvent, EventSink, Fanout, JsonLines};
 use rallypoint_elastic::agent::{status, Agent, AgentSpec, FailureRecord, Outcome};
 use rallypoint_elastic::multiprocessing::signals::{parse_signals, DEFAULT_SIGNALS};
+use rallypoint_elastic::multiprocessing::stacks::WorkerStacks;
 use rallypoint_elastic::multiprocessing::watchdog;
 use rallypoint_elastic::multiprocessing::{Entrypoint, LogsSpec, PerRank, DEFAULT_PREFIX_TEMPLATE};
 use rallypoint_rendezvous::registry::Registry;
@@ -193,6 +194,14 @@ pub struct RunArgs {
     #[arg(long = "numa-binding", visible_alias = "numa_binding",
           value_parser = ["node", "socket", "exclusive", "core-complex"])]
     numa_binding: Option<String>,
+    /// (rallypoint) Do not read the Python stacks of workers before stopping
+    /// them (by default each is written to `stacks.txt` in its log directory
+    /// and summarised in the failure report).
+    #[arg(long = "no-stack-dump")]
+    no_stack_dump: bool,
+    /// (rallypoint) Seconds the stack dump may take, for all workers together.
+    #[arg(long = "stack-dump-timeout", default_value_t = 5.0)]
+    stack_dump_timeout: f64,
     /// Signals trapped and forwarded to the workers.
     #[arg(long = "signals-to-handle", visible_alias = "signals_to_handle", env = "PET_SIGNALS_TO_HANDLE", default_value = DEFAULT_SIGNALS)]
     signals_to_handle: String,
@@ -465,6 +474,7 @@ fn plan(a: &RunArgs) -> anyhow::Result<Plan> {
         ("--monitor-interval", a.monitor_interval),
         ("--exit-barrier-timeout", a.exit_barrier_timeout),
         ("--rdzv-lost-timeout", a.rdzv_lost_timeout.unwrap_or(1.0)),
+        ("--stack-dump-timeout", a.stack_dump_timeout),
     ] {
         if !(v.is_finite() && v > 0.0) {
             bail!("{flag} {v}: expected a positive number of seconds");
@@ -586,6 +596,7 @@ fn plan(a: &RunArgs) -> anyhow::Result<Plan> {
         hostname: rallypoint_elastic::multiprocessing::hostname(),
         local_addr: a.local_addr.clone(),
         mark: Some(watchdog::new_mark()),
+        stack_dump: (!a.no_stack_dump).then(|| Duration::from_secs_f64(a.stack_dump_timeout)),
     };
     Ok(Plan {
         spec,
@@ -744,6 +755,13 @@ impl EventSink for Console {
                 "rally run: {} received during {phase}; stopping",
                 rallypoint_elastic::multiprocessing::signal_name(*signal)
             ),
+            AgentEvent::StacksDumped { workers, took, .. } => {
+                let read = workers.iter().filter(|(.., error)| error.is_none()).count();
+                eprintln!(
+                    "rally run: read the stacks of {read} of {} running worker(s) in {took:.0?} before stopping them",
+                    workers.len()
+                );
+            }
             AgentEvent::StopIncomplete { pids } => eprintln!(
                 "rally run: processes {pids:?} did not die after SIGKILL (stuck in the kernel?)"
             ),
@@ -779,6 +797,7 @@ fn report(outcome: &Outcome, name: &str) {
             reason,
             root_cause,
             failures,
+            stopped,
         } => {
             eprintln!("rally run: job FAILED: {reason} (failed rounds: {failures})");
             // torchrun's ChildFailedError layout; the root cause is job-wide here
@@ -789,18 +808,60 @@ fn report(outcome: &Outcome, name: &str) {
                 Some(r) => format!("[0]:\n{r}"),
                 None => "  <unknown: no worker failure was recorded>".to_owned(),
             };
+            let stopped = match stopped.is_empty() {
+                true => String::new(),
+                false => format!(
+                    "\n{section}\nStopped on this node (where each worker was):\n{}",
+                    where_stopped(stopped)
+                ),
+            };
             eprintln!(
-                "{border}\n{name} FAILED\n{section}\nRoot Cause (first observed failure, across all nodes):\n{root}\n{border}"
+                "{border}\n{name} FAILED\n{section}\nRoot Cause (first observed failure, across all nodes):\n{root}{stopped}\n{border}"
             );
         }
-        Outcome::Signaled { signal } => eprintln!(
-            "rally run: stopped by {}; workers were sent the signal",
-            rallypoint_elastic::multiprocessing::signal_name(*signal)
-        ),
+        Outcome::Signaled { signal, stopped } => {
+            eprintln!(
+                "rally run: stopped by {}; workers were sent the signal",
+                rallypoint_elastic::multiprocessing::signal_name(*signal)
+            );
+            if !stopped.is_empty() {
+                eprintln!(
+                    "rally run: where each worker was:\n{}",
+                    where_stopped(stopped)
+                );
+            }
+        }
         Outcome::Rendezvous(e) => eprintln!("rally run: rendezvous failed: {}", chain(e)),
         Outcome::Error(e) => eprintln!("rally run: {e}"),
     }
 }
+
+/// The few frames of each stopped worker, and where its whole dump is.
+fn where_stopped(stopped: &[WorkerStacks]) -> String {
+    stopped
+        .iter()
+        .map(|w| {
+            let t = &w.target;
+            let file = match &w.written {
+                Some(f) => format!(", stacks in {}", f.display()),
+                None => String::new(),
+            };
+            let frames: String = w
+                .stuck_frames(STUCK_FRAMES)
+                .iter()
+                .map(|l| format!("\n    {l}"))
+                .collect();
+            format!(
+                "  rank {} (local_rank: {}, pid: {}){file}:{frames}",
+                t.rank, t.local_rank, t.pid
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Innermost frames of each stopped worker in the failure summary.
+const STUCK_FRAMES: usize = 3;
 
 /// The name torchrun titles its failure summary with: the script, module or
 /// program.
@@ -839,7 +900,7 @@ fn write_launcher_error_file(outcome: &Outcome) -> anyhow::Result<()> {
     };
     let root_cause = match outcome {
         Outcome::Failed { root_cause, .. } => root_cause,
-        Outcome::Signaled { signal } => {
+        Outcome::Signaled { signal, .. } => {
             let message = format!(
                 "SignalException: Process {} got signal: {signal}",
                 std::process::id()

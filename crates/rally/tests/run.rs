@@ -767,3 +767,5 @@ mod dropin;
 mod rendezvous_failures;
 #[path = "run/rpc.rs"]
 mod rpc;
+#[path = "run/stacks.rs"]
+mod stacks;

@@ -177,7 +177,11 @@ impl Agent {
     /// closing it: the policy closed it if, and only if, a verdict was
     /// published), and release the round.
     pub(super) async fn finish(&self, verdict: Verdict, run: &mut Run<'_>) -> Outcome {
-        let round = run.round.take();
+        let mut round = run.round.take();
+        let stopped = round
+            .as_mut()
+            .map(|r| std::mem::take(&mut r.stopped))
+            .unwrap_or_default();
         let attempts = round.as_ref().map_or(0, |r| r.info.round + 1);
         let store = self.run_store(run);
         let outcome = match verdict {
@@ -199,9 +203,10 @@ impl Agent {
                     reason: self.reason(&why),
                     root_cause: root,
                     failures,
+                    stopped,
                 }
             }
-            Verdict::Signaled(signal) => Outcome::Signaled { signal },
+            Verdict::Signaled(signal) => Outcome::Signaled { signal, stopped },
             Verdict::NotNeeded => Outcome::NotNeeded,
             Verdict::JoinFailed(e) => match run.join_error.take() {
                 Some(e) => Outcome::Rendezvous(e),

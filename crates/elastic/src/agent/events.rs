@@ -69,6 +69,17 @@ pub enum AgentEvent {
         signal: i32,
         phase: &'static str,
     },
+    /// The Python stacks of the workers about to be stopped were read (see
+    /// [`crate::multiprocessing::stacks`]).
+    StacksDumped {
+        round: u64,
+        /// Why the workers are being stopped.
+        why: String,
+        /// One per worker still running: rank, pid, the file it was written
+        /// to (none with logs off), why it could not be read.
+        workers: Vec<(usize, u32, Option<std::path::PathBuf>, Option<String>)>,
+        took: Duration,
+    },
     /// Processes that did not die after SIGKILL (stuck in the kernel).
     StopIncomplete {
         pids: Vec<u32>,
@@ -108,6 +119,7 @@ impl AgentEvent {
             AgentEvent::RunClosedAfterSuccess { .. } => "run.closed_after_success",
             AgentEvent::RendezvousUnreachable { .. } => "rendezvous.unreachable",
             AgentEvent::SignalReceived { .. } => "agent.signaled",
+            AgentEvent::StacksDumped { .. } => "workers.stacks_dumped",
             AgentEvent::StopIncomplete { .. } => "workers.stop_incomplete",
             AgentEvent::ExitBarrierTimedOut { .. } => "exit_barrier.timed_out",
             AgentEvent::HostLingering { .. } => "host.lingering",
@@ -175,6 +187,18 @@ impl AgentEvent {
             AgentEvent::RunClosedAfterSuccess { round } => json!({ "round": round }),
             AgentEvent::SignalReceived { signal, phase } => json!({
                 "signal": crate::multiprocessing::signal_name(*signal), "phase": phase,
+            }),
+            AgentEvent::StacksDumped {
+                round,
+                why,
+                workers,
+                took,
+            } => json!({
+                "round": round, "why": why, "took_ms": ms(took),
+                "workers": workers.iter().map(|(rank, pid, file, error)| json!({
+                    "rank": rank, "pid": pid,
+                    "file": file.as_ref().map(|f| f.display().to_string()), "error": error,
+                })).collect::<Vec<_>>(),
             }),
             AgentEvent::StopIncomplete { pids } => json!({ "pids": pids }),
             AgentEvent::HostLingering { nodes_left } => json!({ "nodes_left": nodes_left }),

@@ -120,6 +120,7 @@ impl Agent {
                     workers: None,
                     started: Instant::now(),
                     failures: Vec::new(),
+                    stopped: Vec::new(),
                 });
                 e
             }

@@ -94,6 +94,7 @@ use rallypoint_store::server::{Server, ServerConfig, ServerHandle};
 use rallypoint_store::{Store, StoreError};
 use tokio::sync::{watch, Notify};
 
+use crate::multiprocessing::stacks::WorkerStacks;
 use crate::multiprocessing::{
     signal_name, start_processes, Entrypoint, Exit, LogsSpec, ProcessContext, RunLogs, RunResult,
     StartSpec,
@@ -137,6 +138,10 @@ pub struct AgentSpec {
     /// outlives its round, even one that called `setsid`; see
     /// [`crate::multiprocessing::watchdog`].
     pub mark: Option<String>,
+    /// Before stopping workers for any reason but their own exit, read the
+    /// Python stacks of those still running, within this budget for all of
+    /// them together (`None`: do not); see [`crate::multiprocessing::stacks`].
+    pub stack_dump: Option<Duration>,
 }
 
 /// How a run ended.
@@ -154,9 +159,15 @@ pub enum Outcome {
         reason: String,
         root_cause: Option<Box<FailureRecord>>,
         failures: u64,
+        /// Where this node's workers were when the agent stopped them (the
+        /// last stop of the run's last round; empty when none was running).
+        stopped: Vec<WorkerStacks>,
     },
-    /// A trapped signal stopped this node.
-    Signaled { signal: i32 },
+    /// A trapped signal stopped this node; `stopped` as in `Failed`.
+    Signaled {
+        signal: i32,
+        stopped: Vec<WorkerStacks>,
+    },
     /// This node was a spare and the job ended without it.
     NotNeeded,
     /// The rendezvous failed (timeout, unreachable store, ...).
@@ -174,7 +185,7 @@ impl Outcome {
             Outcome::Failed { .. } => 1,
             Outcome::Rendezvous(_) => 3,
             Outcome::Error(_) => 4,
-            Outcome::Signaled { signal } => 128 + signal,
+            Outcome::Signaled { signal, .. } => 128 + signal,
         }
     }
 
@@ -220,6 +231,8 @@ struct Round {
     started: Instant,
     /// Failures of the last stopped group, to record and report.
     failures: Vec<FailureRecord>,
+    /// Where the workers were when the agent stopped them.
+    stopped: Vec<WorkerStacks>,
     /// The rendezvous watch, from the start to the end of the round.
     watch: Option<watcher::Watch>,
 }

@@ -1,7 +1,9 @@
 //! The running phase and what follows a failure: watching the workers and
 //! the rendezvous, stopping the group, recording the failure in the run store.
 
+use super::policy::StopReason;
 use super::*;
+use crate::multiprocessing::stacks;
 
 impl Agent {
     /// Workers run: wait for their exits, what the rendezvous watch sees
@@ -39,6 +41,50 @@ impl Agent {
         let Some(workers) = r.workers.as_mut() else {
             return self.decide(&mut run.policy, Event::Stopped { failure: None });
         };
+        if let Some(budget) = self.spec.stack_dump {
+            let why = stop_reason(run.policy.phase(), workers);
+            let base = r.ranks.base_rank;
+            let targets = workers.stack_targets(|local| base + local);
+            if !targets.is_empty() {
+                let t0 = Instant::now();
+                let reading = tokio::task::spawn_blocking({
+                    let why = why.clone();
+                    move || stacks::dump(targets, budget, &format!("before it was stopped: {why}"))
+                });
+                tokio::pin!(reading);
+                // A second signal while reading (Kill) stops at once: the reads
+                // go on in the background, their results dropped.
+                let read = loop {
+                    tokio::select! {
+                        read = &mut reading => break read.ok(),
+                        s = run.signals.recv() => {
+                            if self.decide(&mut run.policy, Event::Signal(s)).contains(&Action::Kill) {
+                                break None;
+                            }
+                        }
+                    }
+                };
+                if let Some(read) = read {
+                    self.emit(AgentEvent::StacksDumped {
+                        round: r.info.round,
+                        why,
+                        workers: read
+                            .iter()
+                            .map(|w| {
+                                (
+                                    w.target.rank,
+                                    w.target.pid,
+                                    w.written.clone(),
+                                    w.stacks.as_ref().err().cloned(),
+                                )
+                            })
+                            .collect(),
+                        took: t0.elapsed(),
+                    });
+                    r.stopped = read;
+                }
+            }
+        }
         let hurry = Notify::new();
         let stuck = {
             let stopping = workers.stop(signal, self.spec.shutdown_timeout, &hurry);
@@ -174,5 +220,31 @@ impl Agent {
                 }
             })
             .collect()
+    }
+}
+
+/// Why the agent is stopping the group, for the stack dumps.
+fn stop_reason(phase: &Phase, workers: &mut ProcessContext) -> String {
+    let Phase::Stopping { why, .. } = phase else {
+        return "the agent stopped the group".to_owned();
+    };
+    match why {
+        StopReason::WorkerFailed => match workers.first_failure() {
+            Some((local_rank, exit)) => {
+                format!("local rank {local_rank} on this node failed ({exit})")
+            }
+            None => "a worker on this node failed".to_owned(),
+        },
+        StopReason::Reform => "the group re-forms (nodes joined or a member died)".to_owned(),
+        StopReason::FailedElsewhere(Some(f)) => {
+            format!("rank {} on {} failed ({})", f.rank, f.host, f.exit)
+        }
+        StopReason::FailedElsewhere(None) => "another node failed".to_owned(),
+        StopReason::MemberLostAfterClose => "a member died after the run was closed".to_owned(),
+        StopReason::MemberLostFixedGroup => {
+            "a member died and the static group cannot re-form".to_owned()
+        }
+        StopReason::LostRendezvous => "the rendezvous store was lost".to_owned(),
+        StopReason::Signal(s) => format!("rally run received {}", signal_name(*s)),
     }
 }

@@ -367,6 +367,37 @@ impl ProcessContext {
         Some(self.result(&failed))
     }
 
+    /// The workers still running, to read their stacks before a stop: each
+    /// dump goes to `stacks.txt` in the worker's log directory (none with
+    /// logs off). `rank` maps a local rank to the job-wide one.
+    pub fn stack_targets(&mut self, rank: impl Fn(usize) -> usize) -> Vec<super::stacks::Target> {
+        self.workers
+            .iter_mut()
+            .filter_map(|w| {
+                w.reap().is_none().then(|| super::stacks::Target {
+                    local_rank: w.local_rank,
+                    rank: rank(w.local_rank),
+                    pid: w.pid,
+                    file: (w.logs.dir != std::path::Path::new(super::logs::DEV_NULL))
+                        .then(|| w.logs.dir.join("stacks.txt")),
+                })
+            })
+            .collect()
+    }
+
+    /// The first worker that failed by itself (not stopped by us), and how.
+    pub fn first_failure(&mut self) -> Option<(usize, Exit)> {
+        self.workers
+            .iter_mut()
+            .filter_map(|w| {
+                w.reap();
+                let (exit, at) = w.exit?;
+                (!exit.success() && !w.signalled).then_some((at, w.local_rank, exit))
+            })
+            .min_by_key(|(at, ..)| *at)
+            .map(|(_, local_rank, exit)| (local_rank, exit))
+    }
+
     /// Stops also kill every process carrying `mark` in its environment
     /// (`RALLY_AGENT_MARK`, which the caller put in the workers' environment).
     pub fn set_mark(&mut self, mark: Option<String>) {

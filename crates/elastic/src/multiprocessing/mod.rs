@@ -22,6 +22,7 @@ pub mod functions;
 pub mod logs;
 pub mod signals;
 pub mod spec;
+pub mod stacks;
 pub mod watchdog;
 
 use std::collections::BTreeMap;
