@@ -43,6 +43,7 @@ fn spec(program: &str, args: &[&str], n: usize) -> StartSpec {
             .collect(),
         envs: (0..n).map(|i| (i, BTreeMap::new())).collect(),
         global_ranks: BTreeMap::new(),
+        bindings: Default::default(),
     }
 }
 

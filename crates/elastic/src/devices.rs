@@ -23,29 +23,54 @@ pub fn physical_gpus(root: &Path) -> Vec<String> {
     let Ok(dir) = std::fs::read_dir(root.join("proc/driver/nvidia/gpus")) else {
         return Vec::new();
     };
-    let mut buses: Vec<_> = dir.filter_map(|e| e.ok()).map(|e| e.path()).collect();
+    let mut buses: Vec<String> = dir
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .collect();
     buses.sort();
-    buses
-        .iter()
-        .map(|b| {
-            std::fs::read_to_string(b.join("information"))
-                .ok()
-                .and_then(|info| {
-                    info.lines().find_map(|l| {
-                        let (k, v) = l.split_once(':')?;
-                        (k.trim() == "GPU UUID").then(|| v.trim().to_owned())
-                    })
-                })
-                .unwrap_or_default()
+    buses.iter().map(|b| uuid_of(root, b)).collect()
+}
+
+/// The UUID the NVIDIA driver gives the GPU at PCI address `bus` (empty
+/// when it has none, or the GPU is not NVIDIA's).
+pub fn uuid_of(root: &Path, bus: &str) -> String {
+    let info = root
+        .join("proc/driver/nvidia/gpus")
+        .join(bus)
+        .join("information");
+    std::fs::read_to_string(info)
+        .ok()
+        .and_then(|info| {
+            info.lines().find_map(|l| {
+                let (k, v) = l.split_once(':')?;
+                (k.trim() == "GPU UUID").then(|| v.trim().to_owned())
+            })
         })
-        .collect()
+        .unwrap_or_default()
+}
+
+/// Which GPUs `CUDA_VISIBLE_DEVICES` lets a process see.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Visible {
+    /// Indices into the physical GPUs, in the order the process numbers them.
+    Gpus(Vec<usize>),
+    /// This many MIG instances (not matched to physical GPUs here).
+    Mig(usize),
 }
 
 /// How many of `gpus` (UUIDs, from [`physical_gpus`]) a process with
 /// `CUDA_VISIBLE_DEVICES=visible` sees.
 pub fn visible_count(visible: Option<&str>, gpus: &[String]) -> usize {
+    match visible_set(visible, gpus) {
+        Visible::Gpus(v) => v.len(),
+        Visible::Mig(n) => n,
+    }
+}
+
+/// Which of `gpus` (UUIDs, in PCI order) a process with
+/// `CUDA_VISIBLE_DEVICES=visible` sees, and in which order.
+pub fn visible_set(visible: Option<&str>, gpus: &[String]) -> Visible {
     let Some(var) = visible else {
-        return gpus.len();
+        return Visible::Gpus((0..gpus.len()).collect());
     };
     for prefix in ["GPU-", "MIG-"] {
         if !var.starts_with(prefix) {
@@ -54,7 +79,7 @@ pub fn visible_count(visible: Option<&str>, gpus: &[String]) -> usize {
         let mut seen: Vec<&str> = Vec::new();
         for elem in var.split(',') {
             if seen.contains(&elem) {
-                return 0;
+                return Visible::Gpus(Vec::new());
             }
             if !elem.starts_with(prefix) {
                 break;
@@ -62,7 +87,7 @@ pub fn visible_count(visible: Option<&str>, gpus: &[String]) -> usize {
             seen.push(elem);
         }
         if prefix == "MIG-" {
-            return seen.len();
+            return Visible::Mig(seen.len());
         }
         let mut ordinals: Vec<usize> = Vec::new();
         for uuid in seen {
@@ -71,11 +96,11 @@ pub fn visible_count(visible: Option<&str>, gpus: &[String]) -> usize {
                 break;
             };
             if ordinals.contains(&i) {
-                return 0;
+                return Visible::Gpus(Vec::new());
             }
             ordinals.push(i);
         }
-        return ordinals.len();
+        return Visible::Gpus(ordinals);
     }
     let mut ordinals: Vec<u64> = Vec::new();
     for elem in var.split(',') {
@@ -83,14 +108,17 @@ pub fn visible_count(visible: Option<&str>, gpus: &[String]) -> usize {
             break;
         };
         if ordinals.contains(&x) {
-            return 0;
+            return Visible::Gpus(Vec::new());
         }
         ordinals.push(x);
     }
-    ordinals
-        .iter()
-        .position(|&x| x >= gpus.len() as u64)
-        .unwrap_or(ordinals.len())
+    Visible::Gpus(
+        ordinals
+            .iter()
+            .take_while(|&&x| x < gpus.len() as u64)
+            .map(|&x| x as usize)
+            .collect(),
+    )
 }
 
 /// The GPUs this process sees: under `/`, with its `CUDA_VISIBLE_DEVICES`.

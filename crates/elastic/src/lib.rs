@@ -12,3 +12,4 @@ pub mod agent;
 pub mod devices;
 pub mod errors;
 pub mod multiprocessing;
+pub mod numa;

@@ -47,6 +47,7 @@ fn run(
             .collect(),
         envs: (0..args.len()).map(|i| (i, BTreeMap::new())).collect(),
         global_ranks: BTreeMap::new(),
+        bindings: Default::default(),
     };
     let run = RunLogs::create(&logs, "fn")?;
     let mut ctx = start_processes(&spec, &logs, &run.attempt(0, args.len())?)?;

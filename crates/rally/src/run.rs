@@ -21,6 +21,7 @@ use rallypoint_elastic::multiprocessing::signals::{parse_signals, DEFAULT_SIGNAL
 use rallypoint_elastic::multiprocessing::stacks::WorkerStacks;
 use rallypoint_elastic::multiprocessing::watchdog;
 use rallypoint_elastic::multiprocessing::{Entrypoint, LogsSpec, PerRank, DEFAULT_PREFIX_TEMPLATE};
+use rallypoint_elastic::numa;
 use rallypoint_rendezvous::registry::Registry;
 use rallypoint_rendezvous::RendezvousParameters;
 
@@ -189,8 +190,11 @@ pub struct RunArgs {
     /// Python entry points; not available here (an error if given).
     #[arg(long = "logs-specs", visible_alias = "logs_specs")]
     logs_specs: Option<String>,
-    /// Bind workers to the NUMA node of their GPU (torchrun 2.8+). Not
-    /// implemented by rally run: refused with an error rather than ignored.
+    /// Bind each local rank to the CPUs nearest its GPU (GPU i serves local
+    /// rank i), memory preferred on the same nodes: node (the GPU's NUMA
+    /// node), socket (every node of its socket), exclusive (the node's cores
+    /// split among its GPUs), core-complex (one L3 complex per GPU). Without a
+    /// GPU, workers run unbound (said on the console).
     #[arg(long = "numa-binding", visible_alias = "numa_binding",
           value_parser = ["node", "socket", "exclusive", "core-complex"])]
     numa_binding: Option<String>,
@@ -467,9 +471,6 @@ fn plan(a: &RunArgs) -> anyhow::Result<Plan> {
     if let Some(s) = &a.logs_specs {
         bail!("--logs-specs {s:?}: Python entry points cannot be loaded by rally run; use --log-dir, -r and -t");
     }
-    if let Some(mode) = &a.numa_binding {
-        bail!("--numa-binding {mode}: rally run does not bind workers to NUMA nodes; run each worker under numactl instead (e.g. --no-python numactl --cpunodebind=N --membind=N python -u train.py)");
-    }
     for (flag, v) in [
         ("--monitor-interval", a.monitor_interval),
         ("--exit-barrier-timeout", a.exit_barrier_timeout),
@@ -580,6 +581,10 @@ fn plan(a: &RunArgs) -> anyhow::Result<Plan> {
             .unwrap_or_else(|| DEFAULT_PREFIX_TEMPLATE.into()),
     };
     let (entrypoint, args) = entrypoint(a)?;
+    let numa = match &a.numa_binding {
+        Some(mode) => numa_bindings(mode, nproc)?,
+        None => Vec::new(),
+    };
     let spec = AgentSpec {
         role: a.role.clone(),
         local_world_size: nproc,
@@ -597,6 +602,7 @@ fn plan(a: &RunArgs) -> anyhow::Result<Plan> {
         local_addr: a.local_addr.clone(),
         mark: Some(watchdog::new_mark()),
         stack_dump: (!a.no_stack_dump).then(|| Duration::from_secs_f64(a.stack_dump_timeout)),
+        numa,
     };
     Ok(Plan {
         spec,
@@ -604,6 +610,51 @@ fn plan(a: &RunArgs) -> anyhow::Result<Plan> {
         min_nodes,
         max_nodes,
     })
+}
+
+/// Where each of `nproc` local ranks runs under `--numa-binding mode`, from
+/// this machine's sysfs (`RALLY_SYSFS_ROOT`, for tests, holds another
+/// machine's); printed on the console. No GPU: said, and unbound.
+fn numa_bindings(mode: &str, nproc: usize) -> anyhow::Result<Vec<numa::Binding>> {
+    let flag = || format!("--numa-binding {mode}");
+    let parsed: numa::Mode = mode
+        .parse()
+        .map_err(|e: String| anyhow::anyhow!(e))
+        .with_context(flag)?;
+    let root = std::env::var_os("RALLY_SYSFS_ROOT").unwrap_or_else(|| "/".into());
+    let topo = numa::Topology::new(root);
+    let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+    let allowed = numa::allowed_cpus();
+    let Some(mut bindings) =
+        numa::plan(&topo, parsed, nproc, &allowed, visible.as_deref()).with_context(flag)?
+    else {
+        eprintln!(
+            "rally run: {}: this machine has no GPU to bind near; the workers run unbound",
+            flag()
+        );
+        return Ok(Vec::new());
+    };
+    let memory = numa::memory_policy_allowed();
+    for (rank, b) in bindings.iter_mut().enumerate() {
+        if !memory {
+            b.mem_nodes.clear();
+        }
+        eprintln!(
+            "rally run: {}: local rank {rank} (GPU {}, NUMA node {}) on CPUs {}{}",
+            flag(),
+            b.gpu,
+            b.node,
+            numa::format_list(&b.cpus),
+            match b.mem_nodes.is_empty() {
+                true => ", memory unbound (set_mempolicy is not permitted here)".to_owned(),
+                false => format!(
+                    ", memory preferred on node(s) {}",
+                    numa::format_list(&b.mem_nodes)
+                ),
+            }
+        );
+    }
+    Ok(bindings)
 }
 
 /// Runs the job; returns the process exit code.

@@ -142,6 +142,9 @@ pub struct AgentSpec {
     /// Python stacks of those still running, within this budget for all of
     /// them together (`None`: do not); see [`crate::multiprocessing::stacks`].
     pub stack_dump: Option<Duration>,
+    /// Where each local rank runs (`--numa-binding`, see [`crate::numa`]); empty:
+    /// unbound.
+    pub numa: Vec<crate::numa::Binding>,
 }
 
 /// How a run ended.

@@ -184,6 +184,7 @@ impl Agent {
                 })
                 .collect(),
             global_ranks: (0..n).map(|lr| (lr, base + lr)).collect(),
+            bindings: spec.numa.iter().cloned().enumerate().collect(),
         };
         let logs = run_logs
             .attempt(info.round.min(u32::MAX as u64) as u32, n)

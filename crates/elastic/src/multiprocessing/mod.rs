@@ -65,6 +65,9 @@ pub struct StartSpec {
     pub envs: BTreeMap<usize, BTreeMap<String, String>>,
     /// Global rank per local rank, for the `${rank}` prefix (defaults to local rank).
     pub global_ranks: BTreeMap<usize, usize>,
+    /// CPUs and memory nodes per local rank (see [`crate::numa`]), applied in
+    /// the child before exec; a rank not in the map runs unbound.
+    pub bindings: BTreeMap<usize, crate::numa::Binding>,
 }
 
 /// Why workers could not be started. Nothing is left running after any of these.
@@ -248,9 +251,16 @@ fn spawn_one(
         .env(ERROR_FILE_ENV, &logs.error_file)
         .stdout(out)
         .stderr(err);
+    let binding = spec
+        .bindings
+        .get(&local_rank)
+        .map(crate::numa::Binding::prepare);
     // SAFETY: only async-signal-safe calls between fork and exec.
     unsafe {
         cmd.pre_exec(move || {
+            if let Some(b) = &binding {
+                b.apply()?;
+            }
             // A session of its own, as torchrun's `start_new_session=True`: the
             // worker's process group is signalled as one, and the terminal's job
             // control leaves it alone (reading an inherited terminal never stops

@@ -35,6 +35,7 @@ fn sh(scripts: &[&str]) -> StartSpec {
             .collect(),
         envs: (0..scripts.len()).map(|i| (i, BTreeMap::new())).collect(),
         global_ranks: BTreeMap::new(),
+        bindings: Default::default(),
     }
 }
 
@@ -468,6 +469,7 @@ fn a_rust_panic_arrives_in_the_failure_report() {
         .into(),
         envs: [(0, [(ROLE.to_owned(), "panicker".to_owned())].into())].into(),
         global_ranks: BTreeMap::new(),
+        bindings: Default::default(),
     };
     let (mut ctx, _run) = start(&spec, &redirected(dir.path()));
     let r = ctx
@@ -501,6 +503,7 @@ fn a_python_record_exception_arrives_in_the_failure_report() {
         args: [(0, vec![OsString::from("-c"), OsString::from(script)])].into(),
         envs: [(0, BTreeMap::new())].into(),
         global_ranks: BTreeMap::new(),
+        bindings: Default::default(),
     };
     let (mut ctx, _run) = start(&spec, &redirected(dir.path()));
     let r = ctx
