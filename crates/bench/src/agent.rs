@@ -6,6 +6,10 @@
 //! - restart: a worker fails (recording the time); the group is stopped and
 //!   restarted; the figure is the time until the last restarted worker started
 //!   (`sh/restart_worker.sh`).
+//! - what the stack dump adds to a stop (`--stacks-only`): SIGTERM to exit
+//!   with N Python workers waiting in a function, `rally run` with its dump,
+//!   `rally run --no-stack-dump` and torchrun, interleaved run by run; the
+//!   dump's own time is read from the agent's `workers.stacks_dumped` event.
 //! - signal to exit: SIGTERM to the launcher in a phase, until it has exited
 //!   (workers obey SIGTERM): waiting for a rendezvous that needs a second node,
 //!   running 8 sleeping workers, and at the exit barrier of a two-node job
@@ -38,6 +42,9 @@ pub struct AgentArgs {
     /// Measure only signal-to-exit.
     #[arg(long)]
     signals_only: bool,
+    /// Measure only what the stack dump adds to signal-to-exit.
+    #[arg(long)]
+    stacks_only: bool,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -255,6 +262,9 @@ pub fn run(a: AgentArgs) -> Result<()> {
     if a.signals_only {
         return signals(&a);
     }
+    if a.stacks_only {
+        return stacks(&a);
+    }
     let worker = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("sh/restart_worker.sh");
     println!(
         "launch-to-exit, --standalone --nproc-per-node N --no-python true (median of {})",
@@ -332,6 +342,86 @@ fn signals(a: &AgentArgs) -> Result<()> {
             _ => "-".into(),
         };
         println!("{phase:>14} {:>12} {:>12} {ratio:>8}", show(o), show(t));
+    }
+    Ok(())
+}
+
+/// One stop of N Python workers waiting in a function: milliseconds from
+/// SIGTERM to exit, and the dump's own time from the events (rally with the
+/// dump only).
+fn stop_python_workers(
+    a: &AgentArgs,
+    l: Launcher,
+    n: usize,
+    dump: bool,
+) -> Result<(Option<f64>, Option<f64>)> {
+    let dir = tempfile::tempdir()?;
+    let events = dir.path().join("events.jsonl");
+    let worker = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("py/stuck_worker.py");
+    let n_s = n.to_string();
+    let mut args = vec!["--standalone", "--nproc-per-node", &n_s];
+    if matches!(l, Launcher::Rally) && !dump {
+        args.push("--no-stack-dump");
+    }
+    let events_s = events.display().to_string();
+    if matches!(l, Launcher::Rally) {
+        args.extend(["--events", &events_s]);
+    }
+    let mut c = l.command(a, &args);
+    c.arg(&worker)
+        .env("BENCH_DIR", dir.path())
+        .env("PYTHON_EXEC", &a.python);
+    let mut child = c.spawn()?;
+    let t0 = Instant::now();
+    while (0..n).any(|r| !dir.path().join(format!("ready.{r}")).exists()) {
+        if t0.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            bail!("{l:?}: {n} workers not ready after 60 s");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let ms = term_to_exit(&mut child)?;
+    let took = std::fs::read_to_string(&events)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|v| v["event"] == "workers.stacks_dumped")
+        .and_then(|v| v["took_ms"].as_f64());
+    Ok((ms, took))
+}
+
+fn stacks(a: &AgentArgs) -> Result<()> {
+    println!(
+        "SIGTERM to exit with N Python workers waiting in a function, median of {} (ms)",
+        a.reps
+    );
+    println!(
+        "{:>4} {:>14} {:>12} {:>12} {:>10} {:>10} {:>12}",
+        "N", "rally (dump)", "rally (off)", "torchrun", "added", "dump took", "torchrun/ours"
+    );
+    for &n in &a.nprocs {
+        let (mut on, mut off, mut theirs, mut took) = (vec![], vec![], vec![], vec![]);
+        for _ in 0..a.reps {
+            let (ms, t) = stop_python_workers(a, Launcher::Rally, n, true)?;
+            on.push(ms.context("rally with the dump was cut off")?);
+            took.push(t.context("no workers.stacks_dumped event")?);
+            off.push(
+                stop_python_workers(a, Launcher::Rally, n, false)?
+                    .0
+                    .context("rally without the dump was cut off")?,
+            );
+            theirs.push(
+                stop_python_workers(a, Launcher::Torchrun, n, false)?
+                    .0
+                    .context("torchrun was cut off")?,
+            );
+        }
+        let (on, off, theirs, took) = (median(on), median(off), median(theirs), median(took));
+        println!(
+            "{n:>4} {on:>14.1} {off:>12.1} {theirs:>12.1} {:>10.1} {took:>10.1} {:>12.1}x",
+            on - off,
+            theirs / on
+        );
     }
     Ok(())
 }

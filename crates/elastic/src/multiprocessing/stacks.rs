@@ -83,6 +83,9 @@ pub struct WorkerStacks {
 /// Reads the Python stacks of process `pid` (blocking; the process is
 /// suspended while its memory is read).
 pub fn read(pid: u32) -> Result<Stacks, String> {
+    if !maps_python(pid)? {
+        return Err("not a Python process (no python binary or libpython in its memory map)".into());
+    }
     let config = py_spy::Config {
         blocking: py_spy::config::LockingStrategy::Lock,
         native: false,
@@ -113,6 +116,19 @@ pub fn read(pid: u32) -> Result<Stacks, String> {
         python: spy.version.to_string(),
         threads,
     })
+}
+
+/// Whether `pid` has a Python interpreter mapped (its executable or a
+/// `libpython`): a cheap look that spares py-spy's parse of the binaries of
+/// workers that are not Python.
+fn maps_python(pid: u32) -> Result<bool, String> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))
+        .map_err(|e| format!("cannot read its memory map: {e}"))?;
+    Ok(maps.lines().any(|l| {
+        l.rsplit('/')
+            .next()
+            .is_some_and(|name| name.starts_with("python") || name.starts_with("libpython"))
+    }))
 }
 
 /// Reads every target in parallel and writes each dump to its file, returning
@@ -391,7 +407,10 @@ mod tests {
         let _ = child.kill();
         let _ = child.wait();
         let err = got[0].stacks.as_ref().unwrap_err();
-        assert!(!err.is_empty());
+        assert_eq!(
+            err,
+            "not a Python process (no python binary or libpython in its memory map)"
+        );
         assert_eq!(got[0].written.as_deref(), Some(file.as_path()));
         assert!(std::fs::read_to_string(&file)
             .unwrap()
