@@ -7,6 +7,8 @@
 //! `TORCHELASTIC_ERROR_FILE` mechanism, with PyTorch's JSON layout. [`devices`]
 //! counts the GPUs a process sees, honouring `CUDA_VISIBLE_DEVICES`. [`agent`] is
 //! the elastic agent behind `rally run`: rendezvous, start, monitor, restart.
+//! [`numa`] works out where each local rank runs under `--numa-binding`, and
+//! [`multiprocessing::stacks`] reads where running Python workers are.
 
 pub mod agent;
 pub mod devices;

@@ -84,7 +84,9 @@ pub struct WorkerStacks {
 /// suspended while its memory is read).
 pub fn read(pid: u32) -> Result<Stacks, String> {
     if !maps_python(pid)? {
-        return Err("not a Python process (no python binary or libpython in its memory map)".into());
+        return Err(
+            "not a Python process (no python binary or libpython in its memory map)".into(),
+        );
     }
     let config = py_spy::Config {
         blocking: py_spy::config::LockingStrategy::Lock,

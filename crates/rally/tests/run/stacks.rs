@@ -189,6 +189,29 @@ fn a_rank_blocked_in_a_gloo_all_reduce_whose_peer_died_is_dumped_and_rally_stack
         both.contains("rank 0 (local_rank 0)") && both.contains("rank 1 (local_rank 1)"),
         "{both}"
     );
+    // A run id names every worker of the run on this host.
+    let log = job.output();
+    let run_id = log
+        .split("rally run: run ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no run id in {log}"));
+    let out = Command::new(env!("CARGO_BIN_EXE_rally"))
+        .args(["stacks", run_id])
+        .output()
+        .unwrap();
+    let by_run = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        by_run.contains("rank 0 (local_rank 0)") && by_run.contains("rank 1 (local_rank 1)"),
+        "{by_run}"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_rally"))
+        .args(["stacks", "no-such-run"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr)
+        .contains("no worker of run \"no-such-run\" on this host"));
     std::fs::write(dir.path().join("go"), "").unwrap();
     let status = job.wait(LIMIT);
     let log = job.output();
