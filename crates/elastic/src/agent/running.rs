@@ -37,54 +37,13 @@ impl Agent {
     /// Stops the group: `signal`, the grace, SIGKILL, orphans. A second signal
     /// cuts the grace short. Then collects how the workers ended.
     pub(super) async fn stop(&self, run: &mut Run<'_>, signal: i32) -> Vec<Action> {
+        if let Some(budget) = self.spec.stack_dump {
+            self.read_stacks(run, budget).await;
+        }
         let r = run.round.as_mut().expect("stopping a round");
         let Some(workers) = r.workers.as_mut() else {
             return self.decide(&mut run.policy, Event::Stopped { failure: None });
         };
-        if let Some(budget) = self.spec.stack_dump {
-            let why = stop_reason(run.policy.phase(), workers);
-            let base = r.ranks.base_rank;
-            let targets = workers.stack_targets(|local| base + local);
-            if !targets.is_empty() {
-                let t0 = Instant::now();
-                let reading = tokio::task::spawn_blocking({
-                    let why = why.clone();
-                    move || stacks::dump(targets, budget, &format!("before it was stopped: {why}"))
-                });
-                tokio::pin!(reading);
-                // A second signal while reading (Kill) stops at once: the reads
-                // go on in the background, their results dropped.
-                let read = loop {
-                    tokio::select! {
-                        read = &mut reading => break read.ok(),
-                        s = run.signals.recv() => {
-                            if self.decide(&mut run.policy, Event::Signal(s)).contains(&Action::Kill) {
-                                break None;
-                            }
-                        }
-                    }
-                };
-                if let Some(read) = read {
-                    self.emit(AgentEvent::StacksDumped {
-                        round: r.info.round,
-                        why,
-                        workers: read
-                            .iter()
-                            .map(|w| {
-                                (
-                                    w.target.rank,
-                                    w.target.pid,
-                                    w.written.clone(),
-                                    w.stacks.as_ref().err().cloned(),
-                                )
-                            })
-                            .collect(),
-                        took: t0.elapsed(),
-                    });
-                    r.stopped = read;
-                }
-            }
-        }
         let hurry = Notify::new();
         let stuck = {
             let stopping = workers.stop(signal, self.spec.shutdown_timeout, &hurry);
@@ -113,6 +72,53 @@ impl Agent {
         let failure = failures.first().cloned().map(Box::new);
         r.failures = failures;
         self.decide(&mut run.policy, Event::Stopped { failure })
+    }
+
+    /// Before a stop: reads the Python stacks of the workers still running
+    /// (see [`stacks`]), within `budget`, into the round and an event. A
+    /// second signal meanwhile (Kill) stops waiting: the reads go on in the
+    /// background and their results are dropped.
+    async fn read_stacks(&self, run: &mut Run<'_>, budget: Duration) {
+        let r = run.round.as_mut().expect("stopping a round");
+        let Some(workers) = r.workers.as_mut() else {
+            return;
+        };
+        let why = stop_reason(run.policy.phase(), workers);
+        let base = r.ranks.base_rank;
+        let targets = workers.stack_targets(|local| base + local);
+        if targets.is_empty() {
+            return;
+        }
+        let t0 = Instant::now();
+        let header = format!("before it was stopped: {why}");
+        let reading = tokio::task::spawn_blocking(move || stacks::dump(targets, budget, &header));
+        tokio::pin!(reading);
+        let read = loop {
+            tokio::select! {
+                read = &mut reading => break read.ok(),
+                s = run.signals.recv() => {
+                    if self.decide(&mut run.policy, Event::Signal(s)).contains(&Action::Kill) {
+                        break None;
+                    }
+                }
+            }
+        };
+        let Some(read) = read else {
+            return;
+        };
+        self.emit(AgentEvent::StacksDumped {
+            round: r.info.round,
+            why,
+            workers: read
+                .iter()
+                .map(|w| {
+                    let error = w.stacks.as_ref().err().cloned();
+                    (w.target.rank, w.target.pid, w.written.clone(), error)
+                })
+                .collect(),
+            took: t0.elapsed(),
+        });
+        r.stopped = read;
     }
 
     /// Kills whatever carries this agent's mark: descendants of workers that
