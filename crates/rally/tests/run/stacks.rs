@@ -25,6 +25,18 @@ fn stacks_file(logs: &Path, local_rank: usize) -> PathBuf {
     run.join(format!("attempt_0/{local_rank}/stacks.txt"))
 }
 
+/// `rally run` of two workers of `py` logging under `dir/logs`, told
+/// `SYNC_DIR=dir`, with `flags`.
+fn two_workers(dir: &Path, py: &Path, flags: &[&str]) -> Command {
+    let mut c = rally(&["--standalone", "--nproc-per-node", "2"]);
+    c.args(flags)
+        .arg("--log-dir")
+        .arg(dir.join("logs"))
+        .arg(py)
+        .env("SYNC_DIR", dir);
+    c
+}
+
 #[test]
 fn a_worker_stuck_in_a_named_function_is_dumped_before_it_is_stopped() {
     let py = script("stuck_in_sleep.py");
@@ -35,18 +47,8 @@ fn a_worker_stuck_in_a_named_function_is_dumped_before_it_is_stopped() {
     let run = |flags: &[&str], name: &str| {
         let dir = tempfile::tempdir().unwrap();
         let logs = dir.path().join("logs");
-        let mut c = rally(&[
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "--max-restarts",
-            "0",
-        ]);
-        c.args(flags)
-            .arg("--log-dir")
-            .arg(&logs)
-            .arg(&py)
-            .env("SYNC_DIR", dir.path());
+        let flags = [&["--max-restarts", "0"], flags].concat();
+        let c = two_workers(dir.path(), &py, &flags);
         let mut job = Job::spawn(c, dir.path(), name);
         let status = job.wait(LIMIT);
         let log = job.output();
@@ -92,12 +94,8 @@ fn a_worker_stuck_in_a_named_function_is_dumped_before_it_is_stopped() {
 fn a_signal_dumps_every_worker_and_a_program_that_is_not_python_is_named() {
     let dir = tempfile::tempdir().unwrap();
     let logs = dir.path().join("logs");
-    let mut c = rally(&["--standalone", "--nproc-per-node", "2"]);
-    c.arg("--log-dir")
-        .arg(&logs)
-        .arg(script("stuck_in_sleep.py"))
-        .env("SYNC_DIR", dir.path())
-        .env("FAIL", "0");
+    let mut c = two_workers(dir.path(), &script("stuck_in_sleep.py"), &[]);
+    c.env("FAIL", "0");
     let mut job = Job::spawn(c, dir.path(), "signal");
     wait_for(&dir.path().join("in_wait"), LIMIT);
     job.signal(libc::SIGTERM);
@@ -142,17 +140,7 @@ fn a_rank_blocked_in_a_gloo_all_reduce_whose_peer_died_is_dumped_and_rally_stack
     let call = line_of_text(&py, "    dist.all_reduce(t)\n".trim_end());
     let dir = tempfile::tempdir().unwrap();
     let logs = dir.path().join("logs");
-    let mut c = rally(&[
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "--max-restarts",
-        "0",
-    ]);
-    c.arg("--log-dir")
-        .arg(&logs)
-        .arg(&py)
-        .env("SYNC_DIR", dir.path());
+    let c = two_workers(dir.path(), &py, &["--max-restarts", "0"]);
     let mut job = Job::spawn(c, dir.path(), "gloo");
     let pid0 = wait_for(&dir.path().join("pid0"), LIMIT);
     // Wait, with `rally stacks` itself, until rank 0 is inside the collective:
