@@ -40,7 +40,13 @@ pub enum Error {
     },
     /// The group was aborted, here or by another rank; every later op fails at once.
     #[error("group {group:?} is aborted: {reason}")]
-    Aborted { group: String, reason: Arc<str> },
+    Aborted {
+        group: String,
+        reason: Arc<str>,
+        /// The rank (of the group) that called [`crate::ProcessGroup::abort`]
+        /// and told the others, when one did (not an op failing here).
+        by: Option<usize>,
+    },
     /// A peer sent something this rank cannot accept.
     #[error("group {group:?}: rank {rank} broke the protocol: {reason}")]
     Protocol {

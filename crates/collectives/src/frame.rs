@@ -166,8 +166,10 @@ pub enum Header {
         desc: Desc,
         len: u64,
     },
-    /// The sender aborted group `comm`; the payload is the reason.
-    Abort { comm: u64, len: u64 },
+    /// The sender aborted group `comm`; the payload is the reason. `own`:
+    /// the sender itself gave up the group ([`crate::ProcessGroup::abort`]),
+    /// rather than passing on an operation's failure.
+    Abort { comm: u64, len: u64, own: bool },
 }
 
 /// Why a header was refused.
@@ -207,8 +209,9 @@ impl Header {
                 b[32..40].copy_from_slice(&desc.count.to_le_bytes());
                 b[40..48].copy_from_slice(&len.to_le_bytes());
             }
-            Header::Abort { comm, len } => {
+            Header::Abort { comm, len, own } => {
                 b[0] = KIND_ABORT;
+                b[1] = u8::from(own);
                 b[8..16].copy_from_slice(&comm.to_le_bytes());
                 b[40..48].copy_from_slice(&len.to_le_bytes());
             }
@@ -264,13 +267,17 @@ impl Header {
                 })
             }
             KIND_ABORT => {
-                if b[1..5] != [0; 4] || b[16..40] != [0; 24] {
+                if b[1] > 1 || b[2..5] != [0; 3] || b[16..40] != [0; 24] {
                     return bad("abort frame with data fields set".into());
                 }
                 if len > MAX_REASON {
                     return bad(format!("abort reason of {len} bytes exceeds {MAX_REASON}"));
                 }
-                Ok(Header::Abort { comm, len })
+                Ok(Header::Abort {
+                    comm,
+                    len,
+                    own: b[1] == 1,
+                })
             }
             k => bad(format!("frame kind {k}")),
         }
@@ -394,7 +401,8 @@ mod tests {
                     desc,
                     len: words * 8 / desc.dtype.size() as u64 * desc.dtype.size() as u64,
                 }),
-            (any::<u64>(), 0..=MAX_REASON).prop_map(|(comm, len)| Header::Abort { comm, len }),
+            (any::<u64>(), 0..=MAX_REASON, any::<bool>())
+                .prop_map(|(comm, len, own)| Header::Abort { comm, len, own }),
         ]
     }
 

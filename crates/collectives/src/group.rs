@@ -380,6 +380,7 @@ impl ProcessGroup {
         let err = Error::Aborted {
             group: self.name().to_owned(),
             reason: format!("rank {} aborted it: {reason}", self.rank()).into(),
+            by: Some(self.rank()),
         };
         self.comm.sh().abort(self.comm.id, err, true);
     }
@@ -1172,6 +1173,7 @@ impl OpCtx {
         let reason = Error::Aborted {
             group: self.comm.members.name.clone(),
             reason: e.to_string().into(),
+            by: None,
         };
         let telling = self.comm.sh().abort(self.comm.id, reason, true);
         (e, telling)
@@ -1189,6 +1191,7 @@ impl Drop for OpCtx {
                     self.name()
                 )
                 .into(),
+                by: None,
             };
             self.comm.sh().abort(self.comm.id, reason, true);
         }

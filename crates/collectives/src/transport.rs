@@ -519,6 +519,7 @@ impl Shared {
             Error::Aborted { reason, .. } => reason.to_string(),
             e => e.to_string(),
         };
+        let own = matches!(&err, Error::Aborted { by: Some(r), .. } if *r == members.group_rank(self.cfg.rank));
         let me = self.clone();
         // Aborts also run from destructors, possibly as the runtime shuts down;
         // spawning then is a no-op.
@@ -531,6 +532,7 @@ impl Shared {
                     let h = Header::Abort {
                         comm,
                         len: reason.len().min(crate::frame::MAX_REASON as usize) as u64,
+                        own,
                     };
                     let bytes = &reason.as_bytes()[..h.payload_len() as usize];
                     let _ = me.send(m, &h, bytes, 0, deadline).await;
@@ -717,7 +719,7 @@ async fn read_frames(shared: &Arc<Shared>, peer: usize, rd: &mut BufReader<Owned
             return End::Io(e);
         }
         match h {
-            Header::Abort { comm, .. } => {
+            Header::Abort { comm, own, .. } => {
                 let why = String::from_utf8_lossy(buf.bytes()).into_owned();
                 let group = shared
                     .members(comm)
@@ -726,6 +728,7 @@ async fn read_frames(shared: &Arc<Shared>, peer: usize, rd: &mut BufReader<Owned
                 let err = Error::Aborted {
                     group,
                     reason: format!("rank {grank} aborted it: {why}").into(),
+                    by: own.then_some(grank),
                 };
                 shared.abort(comm, err, false);
             }

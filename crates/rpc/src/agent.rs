@@ -681,7 +681,18 @@ impl AgentInner {
             args: args.bytes,
             forks: args.fork_data,
         })
-        .map_err(Error::Codec)?;
+        .and_then(|env| {
+            wire::check_envelope(env.len(), &format!("the arguments of {what}"))?;
+            Ok(env)
+        });
+        let env = match env {
+            Ok(env) => env,
+            Err(e) => {
+                forget(self);
+                self.rrefs.cancel_children(&args.forks);
+                return Err(Error::Invalid(format!("{e} (to worker {worker})")));
+            }
+        };
         let send = self.send_to(
             to,
             Outgoing {
@@ -876,7 +887,22 @@ impl AgentInner {
         bulk: Bytes,
         adopted: Adopted,
     ) {
+        let what = req.describe();
+        let leaving = match req {
+            Request::Leave { id } => Some(id),
+            _ => None,
+        };
         let r = self.handle(from, req, args, bulk, adopted).await;
+        // A result over the envelope limit is answered with why, not sent.
+        let r = r.and_then(|e| {
+            match wire::check_envelope(e.bytes.len(), &format!("the result of {what}")) {
+                Ok(()) => Ok(e),
+                Err(m) => {
+                    self.rrefs.cancel_children(&e.forks);
+                    Err(m)
+                }
+            }
+        });
         let (result, out_bulk, forks, fork_data) = match r {
             Ok(e) => (Ok(e.bytes), e.bulk, e.forks, e.fork_data),
             Err(m) => (
@@ -905,6 +931,12 @@ impl AgentInner {
         if let Err(e) = self.send_to(from, msg).await {
             self.rrefs.cancel_children(&forks);
             tracing::debug!(worker = %self.me.name, "answer to {} not sent: {e}", self.name_of(from));
+        }
+        if let Some(id) = leaving {
+            self.remove_worker(id);
+            if let Ok(t) = self.transport() {
+                t.remove_peer(id);
+            }
         }
     }
 
@@ -1017,13 +1049,9 @@ impl AgentInner {
                 self.join_peer(info, &addr, &devices);
                 Ok(Self::empty())
             }
-            Request::Leave { id } => {
-                self.remove_worker(id);
-                if let Ok(t) = self.transport() {
-                    t.remove_peer(id);
-                }
-                Ok(Self::empty())
-            }
+            // The worker is forgotten once it has its answer (see `serve`):
+            // forgetting it first would leave the answer nowhere to go.
+            Request::Leave { .. } => Ok(Self::empty()),
             Request::Ping => Ok(Self::empty()),
             ref ctl => {
                 self.handle_control(from, ctl)?;
@@ -1164,6 +1192,20 @@ impl AgentInner {
         }
     }
 
+    /// The process group reports that a member gave it up (its agent shut
+    /// down without waiting for the others): membership says that worker is
+    /// gone, whatever its connections still say.
+    fn group_left(self: &Arc<Self>, e: &rallypoint_collectives::Error) {
+        if let rallypoint_collectives::Error::Aborted { by: Some(r), .. } = e {
+            if *r as u32 != self.me.id {
+                self.peer_gone(
+                    *r as u32,
+                    "it shut down without waiting for the others (it gave up the group)",
+                );
+            }
+        }
+    }
+
     async fn graceful(self: &Arc<Self>, deadline: Option<Instant>) -> Result<()> {
         let left =
             |d: Option<Instant>| d.map_or(FOREVER, |d| d.saturating_duration_since(Instant::now()));
@@ -1178,6 +1220,7 @@ impl AgentInner {
                     .barrier()
                     .await
                     .map_err(|e| {
+                        self.group_left(&e);
                         fail(format!("waiting for every worker to reach shutdown: {e}"))
                     })?;
                 // 2. Users released, owners drained.
@@ -1192,6 +1235,7 @@ impl AgentInner {
                         .all_reduce(&mut n, rallypoint_collectives::ReduceOp::Sum)
                         .await
                         .map_err(|e| {
+                            self.group_left(&e);
                             fail(format!("waiting for every worker's calls to finish: {e}"))
                         })?;
                     if n[0] == 0 {

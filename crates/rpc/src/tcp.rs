@@ -12,8 +12,28 @@
 //! reaches `split_bytes` is cut into up to `streams` parts at fixed places
 //! ([`part_range`]), each written on its own connection at once and put back
 //! together by the receiver, which checks that every part is where its index
-//! says. Each outgoing connection also watches for the peer's end (EOF or
-//! reset), so a worker that dies fails the calls waiting on it at once.
+//! says.
+//!
+//! # Who owns a connection
+//!
+//! Each outgoing connection belongs to one writer task (one per peer and
+//! stream); a caller only queues its frames and waits to hear they were
+//! written. So a caller that gives up (its timeout, or a `select!` around the
+//! call) never leaves half a frame on a connection, and never closes one: a
+//! frame not yet begun is dropped from the queue, a frame begun is finished.
+//! The parts of one message are all written or none (the first writer to
+//! reach one decides for all), so the receiver is never left holding parts of
+//! a message that will not be completed.
+//!
+//! # When a peer is gone
+//!
+//! A connection that ends (EOF or reset, on either direction) is not taken
+//! for a dead peer: the writer reconnects. The peer is reported gone only
+//! when reconnecting fails: refused (nothing listens at its address: the
+//! process exited or was killed), refused at the handshake (another process
+//! holds the port), or not answered within the connect timeout. A worker that
+//! dies is still noticed at once (the kernel closes its sockets and its
+//! listener together); a partitioned one needs a heartbeat (not yet here).
 
 use std::collections::HashMap;
 use std::io::IoSlice;
@@ -26,6 +46,7 @@ use bytes::Bytes;
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
 use crate::transport::{BoxFuture, Deliver, Event, Outgoing, Transport};
@@ -56,11 +77,54 @@ impl Default for TcpOptions {
     }
 }
 
-type Writer = tokio::sync::Mutex<Option<OwnedWriteHalf>>;
+/// What a writer task is asked to do.
+enum Job {
+    /// Write one part of a message.
+    Frame(Frame),
+    /// The connection ended on the other side: reconnect now, and report the
+    /// peer gone if that fails.
+    Probe(String),
+}
+
+/// One part of a message, queued for its stream's writer.
+struct Frame {
+    head: FrameHead,
+    env: Bytes,
+    bulk: Vec<Bytes>,
+    /// The message's fate, shared by its parts: all written or none.
+    commit: Arc<std::sync::atomic::AtomicU8>,
+    done: oneshot::Sender<Result<(), String>>,
+}
+
+const PENDING: u8 = 0;
+const COMMITTED: u8 = 1;
+const CANCELLED: u8 = 2;
+
+impl Frame {
+    /// Whether to write this part: yes once any part of its message was
+    /// begun; no once its caller is gone before any was.
+    fn go(&self) -> bool {
+        let want = if self.done.is_closed() {
+            CANCELLED
+        } else {
+            COMMITTED
+        };
+        match self
+            .commit
+            .compare_exchange(PENDING, want, Ordering::AcqRel, Ordering::Acquire)
+        {
+            Ok(_) => want == COMMITTED,
+            Err(state) => state == COMMITTED,
+        }
+    }
+}
 
 struct Peer {
-    addr: Mutex<Option<SocketAddr>>,
-    streams: Vec<Writer>,
+    /// Shared with its writers, which need only the address: when the peer
+    /// is dropped (left, or shutdown), its queues close and its writers end.
+    addr: Arc<Mutex<Option<SocketAddr>>>,
+    /// One writer queue per stream.
+    streams: Vec<mpsc::UnboundedSender<Job>>,
 }
 
 struct Partial {
@@ -80,6 +144,7 @@ struct Shared {
     next_msg: AtomicU64,
     refused: AtomicU64,
     tasks: Mutex<Vec<JoinHandle<()>>>,
+    writers: Mutex<Vec<JoinHandle<()>>>,
 }
 
 /// The TCP transport.
@@ -109,6 +174,7 @@ impl Tcp {
             next_msg: AtomicU64::new(1),
             refused: AtomicU64::new(0),
             tasks: Mutex::default(),
+            writers: Mutex::default(),
         });
         let accept = tokio::spawn(accept_loop(sh.clone(), listener));
         sh.tasks
@@ -140,7 +206,7 @@ async fn accept_loop(sh: Arc<Shared>, listener: TcpListener) {
         let sh2 = sh.clone();
         spawn_tracked(&sh, async move {
             match tokio::time::timeout(Duration::from_secs(10), handshake_in(&sh2, s)).await {
-                Ok(Ok((from, rd))) => read_loop(sh2, from, rd).await,
+                Ok(Ok((from, stream, rd))) => read_loop(sh2, from, stream, rd).await,
                 Ok(Err(e)) => {
                     sh2.refused.fetch_add(1, Ordering::Relaxed);
                     tracing::debug!("refused a connection: {e}");
@@ -158,7 +224,7 @@ async fn accept_loop(sh: Arc<Shared>, listener: TcpListener) {
 async fn handshake_in(
     sh: &Shared,
     mut s: TcpStream,
-) -> Result<(u32, BufReader<TcpStream>), String> {
+) -> Result<(u32, u16, BufReader<TcpStream>), String> {
     let mut b = [0u8; HELLO_LEN];
     s.read_exact(&mut b)
         .await
@@ -182,7 +248,7 @@ async fn handshake_in(
             // This connection only carries the peer's messages to us; we keep
             // it whole (not shut for writing), since the peer reads an end of
             // it as our end (see `watch`).
-            Ok((h.from, BufReader::with_capacity(64 << 10, s)))
+            Ok((h.from, h.stream, BufReader::with_capacity(64 << 10, s)))
         }
         Err(e) => {
             let mut m = vec![1u8];
@@ -194,7 +260,7 @@ async fn handshake_in(
     }
 }
 
-async fn read_loop(sh: Arc<Shared>, from: u32, mut rd: BufReader<TcpStream>) {
+async fn read_loop(sh: Arc<Shared>, from: u32, stream: u16, mut rd: BufReader<TcpStream>) {
     let reason = loop {
         match read_frame(&sh, from, &mut rd).await {
             Ok(true) => {}
@@ -204,11 +270,18 @@ async fn read_loop(sh: Arc<Shared>, from: u32, mut rd: BufReader<TcpStream>) {
             Err(e) => break e,
         }
     };
+    // Part `i` of a message travels on stream `i`: messages still missing
+    // this stream's part will never be whole (their sender's call fails or
+    // times out); those that have it may still complete on the others.
     sh.partials
         .lock()
         .unwrap_or_else(|e| e.into_inner())
-        .retain(|(f, _), _| *f != from);
-    (sh.deliver)(Event::Gone { peer: from, reason });
+        .retain(|(f, _), p| {
+            *f != from || p.parts.get(stream as usize).is_some_and(Option::is_some)
+        });
+    // The peer's connection to us ended: whether the peer is gone is for our
+    // own connection to it to find out.
+    sh.probe(from, reason);
 }
 
 /// Reads one frame; `Ok(false)` on a clean EOF between frames.
@@ -283,9 +356,34 @@ async fn connect(
     addr: SocketAddr,
     stream: u16,
 ) -> Result<OwnedWriteHalf, String> {
-    let mut s = tokio::time::timeout(Duration::from_secs(30), TcpStream::connect(addr))
+    // One bound for the whole handshake: a peer that accepts and never
+    // answers holds nobody past it.
+    let s = tokio::time::timeout(CONNECT_TIMEOUT, handshake_out(sh, to, addr, stream))
         .await
-        .map_err(|_| format!("connecting to {addr} timed out"))?
+        .map_err(|_| {
+            format!(
+                "connecting to {addr} did not complete within {} s",
+                CONNECT_TIMEOUT.as_secs()
+            )
+        })??;
+    let (rd, wr) = s.into_split();
+    let sh2 = sh.clone();
+    spawn_tracked(sh, watch(sh2, to, rd));
+    Ok(wr)
+}
+
+/// How long a connection (connect, hello, verdict) may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Connects and greets: the hello, then the peer's verdict.
+async fn handshake_out(
+    sh: &Shared,
+    to: u32,
+    addr: SocketAddr,
+    stream: u16,
+) -> Result<TcpStream, String> {
+    let mut s = TcpStream::connect(addr)
+        .await
         .map_err(|e| format!("connecting to {addr}: {e}"))?;
     let _ = s.set_nodelay(true);
     let hello = Hello {
@@ -311,10 +409,7 @@ async fn connect(
             String::from_utf8_lossy(&m)
         ));
     }
-    let (rd, wr) = s.into_split();
-    let sh2 = sh.clone();
-    spawn_tracked(sh, watch(sh2, to, rd));
-    Ok(wr)
+    Ok(s)
 }
 
 /// The peer never writes on our outgoing connection: a read that returns means
@@ -322,11 +417,11 @@ async fn connect(
 async fn watch(sh: Arc<Shared>, peer: u32, mut rd: OwnedReadHalf) {
     let mut b = [0u8; 1];
     let reason = match rd.read(&mut b).await {
-        Ok(0) => "its connection closed (EOF): the process exited or was killed".to_owned(),
+        Ok(0) => "its connection closed (EOF)".to_owned(),
         Ok(_) => "it wrote on a connection it should only read".to_owned(),
         Err(e) => format!("its connection failed: {e}"),
     };
-    (sh.deliver)(Event::Gone { peer, reason });
+    sh.probe(peer, reason);
 }
 
 async fn write_vectored_all<W: AsyncWrite + Unpin>(
@@ -368,40 +463,88 @@ impl Shared {
             .ok_or_else(|| format!("no address known for worker {to}"))
     }
 
-    async fn write_part(
-        self: &Arc<Self>,
-        to: u32,
-        peer: &Peer,
-        stream: usize,
-        head: FrameHead,
-        env: &[u8],
-        bulk: &[Bytes],
-    ) -> Result<(), String> {
-        let mut slot = peer.streams[stream].lock().await;
-        // The writer is out of its slot while a frame is written: if the
-        // caller gives up mid-frame (its timeout), the connection is dropped
-        // rather than left with half a frame on it.
-        let mut w = match slot.take() {
-            Some(w) => w,
-            None => {
-                let addr = (*peer.addr.lock().unwrap_or_else(|e| e.into_inner()))
-                    .ok_or_else(|| format!("worker {to} has left"))?;
-                connect(self, to, addr, stream as u16).await?
+    /// Asks `peer`'s first writer to reconnect, reporting the peer gone if
+    /// that fails (see the module docs).
+    fn probe(&self, peer: u32, why: String) {
+        match self.peer(peer) {
+            Ok(p) => {
+                let _ = p.streams[0].send(Job::Probe(why));
             }
-        };
-        let hb = head.encode();
-        let mut slices: Vec<IoSlice> = Vec::with_capacity(bulk.len() + 2);
-        slices.push(IoSlice::new(&hb));
-        if !env.is_empty() {
-            slices.push(IoSlice::new(env));
+            // Not (or no longer) a peer: nothing to reconnect to.
+            Err(_) => (self.deliver)(Event::Gone { peer, reason: why }),
         }
-        slices.extend(bulk.iter().map(|b| IoSlice::new(b)));
-        write_vectored_all(&mut w, &mut slices)
-            .await
-            .map_err(|e| format!("writing to worker {to}: {e}"))?;
-        *slot = Some(w);
-        Ok(())
     }
+}
+
+/// The writer of one stream to one peer: owns its connection, writes each
+/// queued frame whole, reconnects when the connection ended.
+async fn writer(
+    sh: Arc<Shared>,
+    to: u32,
+    addr: Arc<Mutex<Option<SocketAddr>>>,
+    stream: u16,
+    mut jobs: mpsc::UnboundedReceiver<Job>,
+) {
+    let mut conn: Option<OwnedWriteHalf> = None;
+    while let Some(job) = jobs.recv().await {
+        let frame = match job {
+            Job::Probe(why) => {
+                conn = None;
+                match open(&sh, to, &addr, stream).await {
+                    Ok(w) => conn = Some(w),
+                    Err(e) => {
+                        let reason = format!("{why}, and reconnecting failed: {e}");
+                        (sh.deliver)(Event::Gone { peer: to, reason });
+                    }
+                }
+                continue;
+            }
+            Job::Frame(f) => f,
+        };
+        if !frame.go() {
+            continue;
+        }
+        let w = match &mut conn {
+            Some(w) => w,
+            None => match open(&sh, to, &addr, stream).await {
+                Ok(w) => conn.insert(w),
+                Err(e) => {
+                    let _ = frame.done.send(Err(e));
+                    continue;
+                }
+            },
+        };
+        let hb = frame.head.encode();
+        let mut slices: Vec<IoSlice> = Vec::with_capacity(frame.bulk.len() + 2);
+        slices.push(IoSlice::new(&hb));
+        if !frame.env.is_empty() {
+            slices.push(IoSlice::new(&frame.env));
+        }
+        slices.extend(frame.bulk.iter().map(|b| IoSlice::new(b)));
+        let r = write_vectored_all(w, &mut slices)
+            .await
+            .map_err(|e| format!("writing to worker {to}: {e}"));
+        if r.is_err() {
+            // Half a frame may be on it: never write on it again.
+            conn = None;
+        }
+        let _ = frame.done.send(r);
+    }
+    if let Some(mut w) = conn {
+        let _ = w.shutdown().await;
+    }
+}
+
+/// A new connection to `to` for `stream`, at its current address.
+async fn open(
+    sh: &Arc<Shared>,
+    to: u32,
+    addr: &Mutex<Option<SocketAddr>>,
+    stream: u16,
+) -> Result<OwnedWriteHalf, String> {
+    let addr = (*addr.lock().unwrap_or_else(|e| e.into_inner()))
+        .ok_or_else(|| format!("worker {to} has left"))?;
+    connect(sh, to, addr, stream).await
 }
 
 impl Transport for Tcp {
@@ -414,10 +557,18 @@ impl Transport for Tcp {
         let mut ps = self.sh.peers.lock().unwrap_or_else(|e| e.into_inner());
         let n = self.sh.opts.streams.clamp(1, MAX_PARTS as usize);
         let p = ps.entry(id).or_insert_with(|| {
-            Arc::new(Peer {
-                addr: Mutex::new(None),
-                streams: (0..n).map(|_| tokio::sync::Mutex::new(None)).collect(),
-            })
+            let (txs, rxs): (Vec<_>, Vec<_>) = (0..n).map(|_| mpsc::unbounded_channel()).unzip();
+            let p = Arc::new(Peer {
+                addr: Arc::default(),
+                streams: txs,
+            });
+            let mut ws = self.sh.writers.lock().unwrap_or_else(|e| e.into_inner());
+            ws.retain(|h| !h.is_finished());
+            for (stream, rx) in rxs.into_iter().enumerate() {
+                let f = writer(self.sh.clone(), id, p.addr.clone(), stream as u16, rx);
+                ws.push(tokio::spawn(f));
+            }
+            p
         });
         *p.addr.lock().unwrap_or_else(|e| e.into_inner()) = addr;
     }
@@ -446,37 +597,42 @@ impl Transport for Tcp {
             } else {
                 1
             };
+            let env_len = msg.env.len() as u32;
             let head = |part: u8| {
                 let r = part_range(total, parts, part);
                 FrameHead {
                     part,
                     parts,
-                    env_len: if part == 0 { msg.env.len() as u32 } else { 0 },
+                    env_len: if part == 0 { env_len } else { 0 },
                     msg: id,
                     bulk_total: total,
                     off: r.start,
                     len: r.end - r.start,
                 }
             };
-            if parts == 1 {
-                return sh
-                    .write_part(to, &peer, 0, head(0), &msg.env, &msg.bulk)
-                    .await;
-            }
-            let mut tasks = Vec::with_capacity(parts as usize);
-            for part in 1..parts {
-                let (sh, peer) = (sh.clone(), peer.clone());
+            let commit = Arc::new(std::sync::atomic::AtomicU8::new(PENDING));
+            let env = Bytes::from(msg.env);
+            let mut waits = Vec::with_capacity(parts as usize);
+            for part in 0..parts {
                 let h = head(part);
-                let bulk = slice_bulk(&msg.bulk, h.off..h.off + h.len);
-                tasks.push(tokio::spawn(async move {
-                    sh.write_part(to, &peer, part as usize, h, &[], &bulk).await
-                }));
+                let (done, wait) = oneshot::channel();
+                let frame = Frame {
+                    head: h,
+                    env: if part == 0 { env.clone() } else { Bytes::new() },
+                    bulk: slice_bulk(&msg.bulk, h.off..h.off + h.len),
+                    commit: commit.clone(),
+                    done,
+                };
+                peer.streams[part as usize]
+                    .send(Job::Frame(frame))
+                    .map_err(|_| format!("worker {to} has left"))?;
+                waits.push(wait);
             }
-            let h0 = head(0);
-            let first = slice_bulk(&msg.bulk, h0.off..h0.off + h0.len);
-            let mut r = sh.write_part(to, &peer, 0, h0, &msg.env, &first).await;
-            for t in tasks {
-                let x = t.await.unwrap_or_else(|e| Err(e.to_string()));
+            let mut r = Ok(());
+            for w in waits {
+                let x = w
+                    .await
+                    .unwrap_or_else(|_| Err(format!("the connection to worker {to} was closed")));
                 if r.is_ok() {
                     r = x;
                 }
@@ -485,28 +641,34 @@ impl Transport for Tcp {
         })
     }
 
-    fn shutdown(&self, _graceful: bool) -> BoxFuture<'_, ()> {
+    fn shutdown(&self, graceful: bool) -> BoxFuture<'_, ()> {
         Box::pin(async move {
-            let tasks =
-                std::mem::take(&mut *self.sh.tasks.lock().unwrap_or_else(|e| e.into_inner()));
-            for t in &tasks {
-                t.abort();
-            }
-            let peers: Vec<Arc<Peer>> = self
-                .sh
+            // Closing the queues ends the writers once they have written what
+            // was queued (and shut their connections); a graceful shutdown
+            // gives them a bound to, the rest are stopped.
+            self.sh
                 .peers
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .drain()
-                .map(|(_, p)| p)
-                .collect();
-            for p in peers {
-                for s in &p.streams {
-                    if let Some(mut w) = s.lock().await.take() {
-                        let _ = w.shutdown().await;
-                    }
+                .clear();
+            let writers =
+                std::mem::take(&mut *self.sh.writers.lock().unwrap_or_else(|e| e.into_inner()));
+            if graceful {
+                let deadline = tokio::time::Instant::now() + SHUTDOWN_FLUSH;
+                while writers.iter().any(|t| !t.is_finished())
+                    && tokio::time::Instant::now() < deadline
+                {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
                 }
+            }
+            let tasks =
+                std::mem::take(&mut *self.sh.tasks.lock().unwrap_or_else(|e| e.into_inner()));
+            for t in writers.iter().chain(&tasks) {
+                t.abort();
             }
         })
     }
 }
+
+/// How long a graceful shutdown lets the writers finish what is queued.
+const SHUTDOWN_FLUSH: Duration = Duration::from_secs(5);

@@ -118,6 +118,19 @@ pub fn decode<'a, T: Deserialize<'a>>(b: &'a [u8]) -> Result<T, String> {
 
 /// Largest envelope accepted (the bulk has its own limit).
 pub const MAX_ENVELOPE: u32 = 64 << 20;
+/// Refuses an envelope of `len` bytes over [`MAX_ENVELOPE`] before it is
+/// sent (the receiver would refuse it and drop the connection): `what` is
+/// "the arguments of ..." or "the result of ...".
+pub fn check_envelope(len: usize, what: &str) -> Result<(), String> {
+    if len as u64 <= u64::from(MAX_ENVELOPE) {
+        return Ok(());
+    }
+    Err(format!(
+        "{what} encode to {len} bytes, over the {} MiB limit of one message's envelope: send large data as a Payload (carried out of band, without this limit)",
+        MAX_ENVELOPE >> 20
+    ))
+}
+
 /// Most parts a message is cut into.
 pub const MAX_PARTS: u8 = 16;
 

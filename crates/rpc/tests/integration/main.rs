@@ -4,6 +4,7 @@ mod harness;
 
 mod calls;
 mod devices;
+mod faults;
 mod groups;
 mod rrefs;
 mod shutdown;

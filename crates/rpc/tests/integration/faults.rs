@@ -1,0 +1,85 @@
+//! Faults that are not a dead peer: a caller that gives up mid-send, an
+//! argument over the envelope limit. Neither may make a healthy worker look
+//! gone, fail other calls, or delete values still in use.
+
+use std::time::Duration;
+
+use rallypoint_rpc::{BackendType, Payload, RRef, Rpc};
+
+use crate::harness::*;
+
+/// Both workers still answer, and the references each holds on the other
+/// still reach their values.
+async fn still_healthy(ws: &[Rpc], refs: &[(&RRef<i64>, i64)]) {
+    for (from, to) in [(0, "w1"), (1, "w0")] {
+        let v: i64 = ws[from]
+            .rpc_sync(to, "add", &(40i64, 2i64))
+            .await
+            .unwrap_or_else(|e| panic!("w{from} -> {to}: {e}"));
+        assert_eq!(v, 42);
+    }
+    for (r, want) in refs {
+        assert_eq!(r.to_here().await.unwrap(), *want);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_given_up_mid_send_leaves_both_workers_healthy() {
+    let ws = group(2, BackendType::tcp()).await;
+    // Values each worker holds on the other.
+    let r: RRef<i64> = ws[0].remote("w1", "counter", &7i64).unwrap();
+    let s: RRef<i64> = ws[1].remote("w0", "counter", &9i64).unwrap();
+    still_healthy(&ws, &[(&r, 7), (&s, 9)]).await;
+    // Calls given up while their 64 MiB argument is on its way: by the
+    // caller (a select! or timeout around the call) and by the call's own
+    // deadline. Each call is 4 streams wide.
+    let big = Payload::cpu(vec![7u8; 64 << 20]);
+    for _ in 0..3 {
+        let call = ws[0].rpc_sync::<_, (String, u64, u64)>("w1", "payload_info", &big);
+        assert!(tokio::time::timeout(Duration::from_millis(2), call)
+            .await
+            .is_err());
+    }
+    let e = ws[0]
+        .rpc_sync_timeout::<_, (String, u64, u64)>(
+            "w1",
+            "payload_info",
+            &big,
+            Some(Duration::from_millis(2)),
+        )
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("(2 ms)"), "{e}");
+    still_healthy(&ws, &[(&r, 7), (&s, 9)]).await;
+    // A whole call of the same size still goes through.
+    let (_, len, _): (String, u64, u64) = ws[0].rpc_sync("w1", "payload_info", &big).await.unwrap();
+    assert_eq!(len, 64 << 20);
+    drop((r, s));
+    eventually("every RRef deleted everywhere", || {
+        ws.iter().all(|w| w.rref_counts() == (0, 0, 0))
+    })
+    .await;
+    for report in shutdown_all(ws).await {
+        assert!(report.leaked.is_empty(), "{:?}", report.leaked);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_argument_over_the_envelope_limit_is_refused_by_the_sender() {
+    let ws = group(2, BackendType::tcp()).await;
+    let r: RRef<i64> = ws[0].remote("w1", "counter", &7i64).unwrap();
+    let huge = "x".repeat(65 << 20);
+    let e = ws[0]
+        .rpc_sync::<_, String>("w1", "echo", &huge)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("64 MiB") && e.contains("Payload"),
+        "the error names the limit and the way around it: {e}"
+    );
+    still_healthy(&ws, &[(&r, 7)]).await;
+    drop(r);
+    shutdown_all(ws).await;
+}
