@@ -46,11 +46,14 @@ use bytes::Bytes;
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
+
+mod line;
 
 use crate::transport::{BoxFuture, Deliver, Event, Outgoing, Transport};
 use crate::wire::{part_range, FrameHead, Hello, HEAD_LEN, HELLO_LEN, MAX_PARTS};
+use line::{Commit, Frame, Line, Submitted};
 
 /// TCP backend settings.
 #[derive(Debug, Clone)]
@@ -77,54 +80,19 @@ impl Default for TcpOptions {
     }
 }
 
-/// What a writer task is asked to do.
-enum Job {
-    /// Write one part of a message.
-    Frame(Frame),
-    /// The connection ended on the other side: reconnect now, and report the
-    /// peer gone if that fails.
-    Probe(String),
-}
-
-/// One part of a message, queued for its stream's writer.
-struct Frame {
-    head: FrameHead,
-    env: Bytes,
-    bulk: Vec<Bytes>,
-    /// The message's fate, shared by its parts: all written or none.
-    commit: Arc<std::sync::atomic::AtomicU8>,
-    done: oneshot::Sender<Result<(), String>>,
-}
-
-const PENDING: u8 = 0;
-const COMMITTED: u8 = 1;
-const CANCELLED: u8 = 2;
-
-impl Frame {
-    /// Whether to write this part: yes once any part of its message was
-    /// begun; no once its caller is gone before any was.
-    fn go(&self) -> bool {
-        let want = if self.done.is_closed() {
-            CANCELLED
-        } else {
-            COMMITTED
-        };
-        match self
-            .commit
-            .compare_exchange(PENDING, want, Ordering::AcqRel, Ordering::Acquire)
-        {
-            Ok(_) => want == COMMITTED,
-            Err(state) => state == COMMITTED,
-        }
-    }
-}
-
 struct Peer {
-    /// Shared with its writers, which need only the address: when the peer
-    /// is dropped (left, or shutdown), its queues close and its writers end.
+    /// Shared with its lines' writers, which need only the address: when the
+    /// peer is dropped (it left, or shutdown), its lines close and their
+    /// writers end.
     addr: Arc<Mutex<Option<SocketAddr>>>,
-    /// One writer queue per stream.
-    streams: Vec<mpsc::UnboundedSender<Job>>,
+    /// One line per stream, started on first use.
+    lines: Vec<std::sync::OnceLock<Line>>,
+}
+
+impl Peer {
+    fn line(&self, sh: &Arc<Shared>, to: u32, stream: usize) -> &Line {
+        self.lines[stream].get_or_init(|| Line::start(sh, to, self.addr.clone(), stream as u16))
+    }
 }
 
 struct Partial {
@@ -463,88 +431,15 @@ impl Shared {
             .ok_or_else(|| format!("no address known for worker {to}"))
     }
 
-    /// Asks `peer`'s first writer to reconnect, reporting the peer gone if
+    /// Asks `peer`'s first line to reconnect, reporting the peer gone if
     /// that fails (see the module docs).
-    fn probe(&self, peer: u32, why: String) {
+    fn probe(self: &Arc<Self>, peer: u32, why: String) {
         match self.peer(peer) {
-            Ok(p) => {
-                let _ = p.streams[0].send(Job::Probe(why));
-            }
+            Ok(p) => p.line(self, peer, 0).probe(why),
             // Not (or no longer) a peer: nothing to reconnect to.
             Err(_) => (self.deliver)(Event::Gone { peer, reason: why }),
         }
     }
-}
-
-/// The writer of one stream to one peer: owns its connection, writes each
-/// queued frame whole, reconnects when the connection ended.
-async fn writer(
-    sh: Arc<Shared>,
-    to: u32,
-    addr: Arc<Mutex<Option<SocketAddr>>>,
-    stream: u16,
-    mut jobs: mpsc::UnboundedReceiver<Job>,
-) {
-    let mut conn: Option<OwnedWriteHalf> = None;
-    while let Some(job) = jobs.recv().await {
-        let frame = match job {
-            Job::Probe(why) => {
-                conn = None;
-                match open(&sh, to, &addr, stream).await {
-                    Ok(w) => conn = Some(w),
-                    Err(e) => {
-                        let reason = format!("{why}, and reconnecting failed: {e}");
-                        (sh.deliver)(Event::Gone { peer: to, reason });
-                    }
-                }
-                continue;
-            }
-            Job::Frame(f) => f,
-        };
-        if !frame.go() {
-            continue;
-        }
-        let w = match &mut conn {
-            Some(w) => w,
-            None => match open(&sh, to, &addr, stream).await {
-                Ok(w) => conn.insert(w),
-                Err(e) => {
-                    let _ = frame.done.send(Err(e));
-                    continue;
-                }
-            },
-        };
-        let hb = frame.head.encode();
-        let mut slices: Vec<IoSlice> = Vec::with_capacity(frame.bulk.len() + 2);
-        slices.push(IoSlice::new(&hb));
-        if !frame.env.is_empty() {
-            slices.push(IoSlice::new(&frame.env));
-        }
-        slices.extend(frame.bulk.iter().map(|b| IoSlice::new(b)));
-        let r = write_vectored_all(w, &mut slices)
-            .await
-            .map_err(|e| format!("writing to worker {to}: {e}"));
-        if r.is_err() {
-            // Half a frame may be on it: never write on it again.
-            conn = None;
-        }
-        let _ = frame.done.send(r);
-    }
-    if let Some(mut w) = conn {
-        let _ = w.shutdown().await;
-    }
-}
-
-/// A new connection to `to` for `stream`, at its current address.
-async fn open(
-    sh: &Arc<Shared>,
-    to: u32,
-    addr: &Mutex<Option<SocketAddr>>,
-    stream: u16,
-) -> Result<OwnedWriteHalf, String> {
-    let addr = (*addr.lock().unwrap_or_else(|e| e.into_inner()))
-        .ok_or_else(|| format!("worker {to} has left"))?;
-    connect(sh, to, addr, stream).await
 }
 
 impl Transport for Tcp {
@@ -557,18 +452,10 @@ impl Transport for Tcp {
         let mut ps = self.sh.peers.lock().unwrap_or_else(|e| e.into_inner());
         let n = self.sh.opts.streams.clamp(1, MAX_PARTS as usize);
         let p = ps.entry(id).or_insert_with(|| {
-            let (txs, rxs): (Vec<_>, Vec<_>) = (0..n).map(|_| mpsc::unbounded_channel()).unzip();
-            let p = Arc::new(Peer {
+            Arc::new(Peer {
                 addr: Arc::default(),
-                streams: txs,
-            });
-            let mut ws = self.sh.writers.lock().unwrap_or_else(|e| e.into_inner());
-            ws.retain(|h| !h.is_finished());
-            for (stream, rx) in rxs.into_iter().enumerate() {
-                let f = writer(self.sh.clone(), id, p.addr.clone(), stream as u16, rx);
-                ws.push(tokio::spawn(f));
-            }
-            p
+                lines: (0..n).map(|_| std::sync::OnceLock::new()).collect(),
+            })
         });
         *p.addr.lock().unwrap_or_else(|e| e.into_inner()) = addr;
     }
@@ -591,7 +478,7 @@ impl Transport for Tcp {
             let peer = sh.peer(to)?;
             let total = msg.bulk_len();
             let id = sh.next_msg.fetch_add(1, Ordering::Relaxed);
-            let n = peer.streams.len();
+            let n = peer.lines.len();
             let parts = if n > 1 && total >= sh.opts.split_bytes {
                 n as u8
             } else {
@@ -610,23 +497,25 @@ impl Transport for Tcp {
                     len: r.end - r.start,
                 }
             };
-            let commit = Arc::new(std::sync::atomic::AtomicU8::new(PENDING));
+            let commit = Arc::new(Commit::default());
             let env = Bytes::from(msg.env);
             let mut waits = Vec::with_capacity(parts as usize);
             for part in 0..parts {
                 let h = head(part);
                 let (done, wait) = oneshot::channel();
-                let frame = Frame {
-                    head: h,
-                    env: if part == 0 { env.clone() } else { Bytes::new() },
-                    bulk: slice_bulk(&msg.bulk, h.off..h.off + h.len),
-                    commit: commit.clone(),
+                let frame = Frame::new(
+                    h,
+                    if part == 0 { env.clone() } else { Bytes::new() },
+                    slice_bulk(&msg.bulk, h.off..h.off + h.len),
+                    commit.clone(),
                     done,
-                };
-                peer.streams[part as usize]
-                    .send(Job::Frame(frame))
-                    .map_err(|_| format!("worker {to} has left"))?;
-                waits.push(wait);
+                );
+                match peer.line(sh, to, part as usize).submit(frame) {
+                    Submitted::Written => {}
+                    Submitted::Queued => waits.push(wait),
+                    Submitted::Closed => return Err(format!("worker {to} has left")),
+                    Submitted::Failed(e) => return Err(format!("writing to worker {to}: {e}")),
+                }
             }
             let mut r = Ok(());
             for w in waits {
@@ -651,14 +540,12 @@ impl Transport for Tcp {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .clear();
-            let writers =
+            let mut writers =
                 std::mem::take(&mut *self.sh.writers.lock().unwrap_or_else(|e| e.into_inner()));
             if graceful {
                 let deadline = tokio::time::Instant::now() + SHUTDOWN_FLUSH;
-                while writers.iter().any(|t| !t.is_finished())
-                    && tokio::time::Instant::now() < deadline
-                {
-                    tokio::time::sleep(Duration::from_millis(1)).await;
+                for w in writers.iter_mut() {
+                    let _ = tokio::time::timeout_at(deadline, w).await;
                 }
             }
             let tasks =
