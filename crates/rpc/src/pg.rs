@@ -8,8 +8,13 @@
 //! serialised so heads and bodies pair up. Static groups only. A dead worker
 //! aborts the process group, which fails every call in flight, naming it: the
 //! group cannot go on without a member, as PyTorch's agent could not.
+//!
+//! A send runs in a task of its own: a caller that gives up (its deadline)
+//! leaves it to finish, because a send of the process group dropped half-way
+//! aborts the whole group (as it must: the peer would take the next message
+//! for the rest of this one).
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use rallypoint_collectives::ProcessGroup;
@@ -25,7 +30,7 @@ const CLOSE: u64 = u64::MAX;
 /// The process-group transport.
 pub struct PgTransport {
     pg: ProcessGroup,
-    sends: Vec<tokio::sync::Mutex<()>>,
+    sends: Vec<Arc<tokio::sync::Mutex<()>>>,
     loops: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -38,9 +43,7 @@ impl PgTransport {
             .map(|p| tokio::spawn(recv_loop(pg.clone(), p, deliver.clone())))
             .collect();
         PgTransport {
-            sends: (0..pg.size())
-                .map(|_| tokio::sync::Mutex::new(()))
-                .collect(),
+            sends: (0..pg.size()).map(|_| Arc::default()).collect(),
             pg,
             loops: Mutex::new(loops),
         }
@@ -95,22 +98,25 @@ impl Transport for PgTransport {
             let lock = self
                 .sends
                 .get(to)
-                .ok_or_else(|| format!("no worker {to}"))?;
-            let _g = lock.lock().await;
-            let mut body = Vec::with_capacity(msg.env.len() + msg.bulk_len() as usize);
-            body.extend_from_slice(&msg.env);
-            for b in &msg.bulk {
-                body.extend_from_slice(b);
-            }
-            let head = [msg.env.len() as u64, msg.bulk_len()];
-            self.pg
-                .send(&head, to, TAG_HEAD)
-                .await
-                .map_err(|e| e.to_string())?;
-            self.pg
-                .send(&body, to, TAG_BODY)
-                .await
-                .map_err(|e| e.to_string())
+                .ok_or_else(|| format!("no worker {to}"))?
+                .clone();
+            let pg = self.pg.clone();
+            let sending = tokio::spawn(async move {
+                let _g = lock.lock().await;
+                let mut body = Vec::with_capacity(msg.env.len() + msg.bulk_len() as usize);
+                body.extend_from_slice(&msg.env);
+                for b in &msg.bulk {
+                    body.extend_from_slice(b);
+                }
+                let head = [msg.env.len() as u64, msg.bulk_len()];
+                pg.send(&head, to, TAG_HEAD)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                pg.send(&body, to, TAG_BODY)
+                    .await
+                    .map_err(|e| e.to_string())
+            });
+            sending.await.unwrap_or_else(|e| Err(e.to_string()))
         })
     }
 

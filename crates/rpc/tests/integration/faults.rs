@@ -25,7 +25,17 @@ async fn still_healthy(ws: &[Rpc], refs: &[(&RRef<i64>, i64)]) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_given_up_mid_send_leaves_both_workers_healthy() {
-    let ws = group(2, BackendType::tcp()).await;
+    given_up_mid_send(BackendType::tcp()).await;
+}
+
+/// On PROCESS_GROUP, a send dropped mid-way used to abort the whole group.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_given_up_on_the_process_group_backend_leaves_the_group_usable() {
+    given_up_mid_send(BackendType::process_group()).await;
+}
+
+async fn given_up_mid_send(backend: BackendType) {
+    let ws = group(2, backend).await;
     // Values each worker holds on the other.
     let r: RRef<i64> = ws[0].remote("w1", "counter", &7i64).unwrap();
     let s: RRef<i64> = ws[1].remote("w0", "counter", &9i64).unwrap();
@@ -36,9 +46,8 @@ async fn a_call_given_up_mid_send_leaves_both_workers_healthy() {
     let big = Payload::cpu(vec![7u8; 64 << 20]);
     for _ in 0..3 {
         let call = ws[0].rpc_sync::<_, (String, u64, u64)>("w1", "payload_info", &big);
-        assert!(tokio::time::timeout(Duration::from_millis(2), call)
-            .await
-            .is_err());
+        let r = tokio::time::timeout(Duration::from_millis(2), call).await;
+        assert!(r.is_err(), "{r:?}");
     }
     let e = ws[0]
         .rpc_sync_timeout::<_, (String, u64, u64)>(
