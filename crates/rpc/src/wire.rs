@@ -112,8 +112,19 @@ pub fn encode<T: Serialize>(v: &T) -> Result<Vec<u8>, String> {
     postcard::to_allocvec(v).map_err(|e| e.to_string())
 }
 
+/// Decodes a whole `T` from `b`: bytes left over are an error, not ignored
+/// (postcard alone would read `(1i64, 2i64)` as the `i64` 1: a caller and a
+/// function that disagree on the type must hear of it).
 pub fn decode<'a, T: Deserialize<'a>>(b: &'a [u8]) -> Result<T, String> {
-    postcard::from_bytes(b).map_err(|e| e.to_string())
+    let (v, rest) = postcard::take_from_bytes(b).map_err(|e| e.to_string())?;
+    if !rest.is_empty() {
+        return Err(format!(
+            "{} byte(s) left over after a {}: the value sent is not of the type read",
+            rest.len(),
+            std::any::type_name::<T>()
+        ));
+    }
+    Ok(v)
 }
 
 /// Largest envelope accepted (the bulk has its own limit).
@@ -271,6 +282,15 @@ mod tests {
     use proptest::prelude::*;
 
     proptest! {
+        /// A value with anything after it is refused, whole values are read.
+        #[test]
+        fn trailing_bytes_are_refused(v in any::<(i64, String)>(), extra in proptest::collection::vec(any::<u8>(), 0..16)) {
+            let mut b = encode(&v).unwrap();
+            prop_assert_eq!(decode::<(i64, String)>(&b).unwrap(), v);
+            b.extend_from_slice(&extra);
+            prop_assert_eq!(decode::<(i64, String)>(&b).is_ok(), extra.is_empty());
+        }
+
         #[test]
         fn random_bytes_never_panic_the_decoders(b in proptest::collection::vec(any::<u8>(), 0..256)) {
             let _ = decode::<Envelope>(&b);

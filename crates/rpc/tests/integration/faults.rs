@@ -92,3 +92,29 @@ async fn an_argument_over_the_envelope_limit_is_refused_by_the_sender() {
     drop(r);
     shutdown_all(ws).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn arguments_of_another_type_are_an_error_not_a_truncation() {
+    let ws = group(2, BackendType::tcp()).await;
+    // `add` takes (i64, i64); `echo` takes a String.
+    let e = ws[0]
+        .rpc_sync::<_, i64>("w1", "add", &(1i64, 2i64, 3i64))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("left over") && e.contains("add"), "{e}");
+    let e = ws[0]
+        .rpc_sync::<_, String>("w1", "echo", &("hi".to_owned(), 5i64))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("left over"), "{e}");
+    // The answer is checked too: `add` returns an i64, read here as a u8.
+    let e = ws[0]
+        .rpc_sync::<_, u8>("w1", "add", &(200i64, 300i64))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("decoding the answer of worker w1"), "{e}");
+    shutdown_all(ws).await;
+}
