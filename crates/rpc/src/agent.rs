@@ -389,6 +389,9 @@ pub struct AgentInner {
     pub(crate) devices: RwLock<Vec<Device>>,
     pub(crate) device_info: DeviceInfo,
     leaks: Mutex<Vec<Leak>>,
+    /// Workers found gone (their transport or their process group said so),
+    /// and why: control messages to them are not retried.
+    gone: Mutex<HashMap<u32, String>>,
     /// The runtime the agent was started on: every task it starts goes there,
     /// so dropping an RRef off the runtime cannot panic.
     rt: tokio::runtime::Handle,
@@ -485,6 +488,7 @@ impl AgentInner {
             devices: RwLock::default(),
             device_info,
             leaks: Mutex::default(),
+            gone: Mutex::default(),
             rt: tokio::runtime::Handle::current(),
         })
     }
@@ -759,6 +763,15 @@ impl AgentInner {
         let mut last = None;
         for attempt in 0..5 {
             if attempt > 0 {
+                // A worker found gone will not come back for a retry.
+                if self
+                    .gone
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .contains_key(&to)
+                {
+                    break;
+                }
                 tokio::time::sleep(delay).await;
                 delay = delay.mul_f64(1.5);
             }
@@ -795,7 +808,12 @@ impl AgentInner {
                     a.rrefs.confirm(&a, fork, None);
                     a.send_control(parent, Request::ChildAccept { fork });
                 }
-                Err(e) => a.rrefs.confirm(&a, fork, Some(e)),
+                Err(e) => {
+                    a.rrefs.confirm(&a, fork, Some(e));
+                    // The parent holds its handle until this child is
+                    // accepted; it never will be: let the parent go.
+                    a.send_control(parent, Request::ChildAccept { fork });
+                }
             }
         });
     }
@@ -849,6 +867,11 @@ impl AgentInner {
     }
 
     fn peer_gone(self: &Arc<Self>, peer: u32, reason: &str) {
+        self.gone
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(peer)
+            .or_insert_with(|| reason.to_owned());
         let failed: Vec<Pending> = {
             let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
             let ids: Vec<u64> = p
@@ -1077,6 +1100,10 @@ impl AgentInner {
     /// A worker joined (dynamic groups): learn its name, address and the
     /// inverse of its map towards us.
     pub(crate) fn join_peer(&self, info: WorkerInfo, addr: &str, devices: &DeviceInfo) {
+        self.gone
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&info.id);
         if let Some(m) = devices.maps.get(&self.me.name) {
             self.reverse
                 .write()

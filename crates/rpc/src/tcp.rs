@@ -323,21 +323,37 @@ async fn connect(
     to: u32,
     addr: SocketAddr,
     stream: u16,
-) -> Result<OwnedWriteHalf, String> {
+) -> Result<OwnedWriteHalf, ConnectFailed> {
     // One bound for the whole handshake: a peer that accepts and never
     // answers holds nobody past it.
     let s = tokio::time::timeout(CONNECT_TIMEOUT, handshake_out(sh, to, addr, stream))
         .await
-        .map_err(|_| {
-            format!(
+        .map_err(|_| ConnectFailed {
+            refused: false,
+            why: format!(
                 "connecting to {addr} did not complete within {} s",
                 CONNECT_TIMEOUT.as_secs()
-            )
+            ),
         })??;
     let (rd, wr) = s.into_split();
     let sh2 = sh.clone();
     spawn_tracked(sh, watch(sh2, to, rd));
     Ok(wr)
+}
+
+/// Why a connection could not be made. `refused`: nothing listens at the
+/// peer's address, or what does refused the handshake (another process
+/// holds the port): the peer is gone, not slow.
+#[derive(Debug)]
+struct ConnectFailed {
+    refused: bool,
+    why: String,
+}
+
+impl std::fmt::Display for ConnectFailed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.why)
+    }
 }
 
 /// How long a connection (connect, hello, verdict) may take.
@@ -349,10 +365,15 @@ async fn handshake_out(
     to: u32,
     addr: SocketAddr,
     stream: u16,
-) -> Result<TcpStream, String> {
-    let mut s = TcpStream::connect(addr)
-        .await
-        .map_err(|e| format!("connecting to {addr}: {e}"))?;
+) -> Result<TcpStream, ConnectFailed> {
+    let other = |why: String| ConnectFailed {
+        refused: false,
+        why,
+    };
+    let mut s = TcpStream::connect(addr).await.map_err(|e| ConnectFailed {
+        refused: e.kind() == std::io::ErrorKind::ConnectionRefused,
+        why: format!("connecting to {addr}: {e}"),
+    })?;
     let _ = s.set_nodelay(true);
     let hello = Hello {
         generation: sh.generation,
@@ -362,20 +383,23 @@ async fn handshake_out(
     };
     s.write_all(&hello.encode())
         .await
-        .map_err(|e| format!("greeting {addr}: {e}"))?;
+        .map_err(|e| other(format!("greeting {addr}: {e}")))?;
     let mut v = [0u8; 1];
     s.read_exact(&mut v)
         .await
-        .map_err(|e| format!("waiting for {addr} to accept: {e}"))?;
+        .map_err(|e| other(format!("waiting for {addr} to accept: {e}")))?;
     if v[0] != 0 {
         let mut l = [0u8; 2];
         let _ = s.read_exact(&mut l).await;
         let mut m = vec![0u8; u16::from_le_bytes(l) as usize];
         let _ = s.read_exact(&mut m).await;
-        return Err(format!(
-            "{addr} refused the connection: {}",
-            String::from_utf8_lossy(&m)
-        ));
+        return Err(ConnectFailed {
+            refused: true,
+            why: format!(
+                "{addr} refused the connection: {}",
+                String::from_utf8_lossy(&m)
+            ),
+        });
     }
     Ok(s)
 }

@@ -26,7 +26,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::tcp::OwnedWriteHalf;
 use tokio::sync::{mpsc, oneshot};
 
-use super::{connect, write_vectored_all, Shared};
+use super::{connect, write_vectored_all, ConnectFailed, Shared};
 use crate::transport::Event;
 use crate::wire::FrameHead;
 
@@ -228,8 +228,10 @@ async fn writer(
     mut jobs: mpsc::UnboundedReceiver<Job>,
 ) {
     let open = || async {
-        let a = (*addr.lock().unwrap_or_else(|e| e.into_inner()))
-            .ok_or_else(|| format!("worker {to} has left"))?;
+        let a = (*addr.lock().unwrap_or_else(|e| e.into_inner())).ok_or_else(|| ConnectFailed {
+            refused: false,
+            why: format!("worker {to} has left"),
+        })?;
         connect(&sh, to, a, stream).await
     };
     while let Some(job) = jobs.recv().await {
@@ -258,7 +260,17 @@ async fn writer(
         let taken = lock(&state).conn.take();
         let w = match (taken, f.skip) {
             (Some(w), _) => Ok(w),
-            (None, 0) => open().await,
+            (None, 0) => match open().await {
+                Ok(w) => Ok(w),
+                Err(e) => {
+                    if e.refused {
+                        // Nothing listens there any more: the peer is gone.
+                        let reason = format!("connecting to it failed: {e}");
+                        (sh.deliver)(Event::Gone { peer: to, reason });
+                    }
+                    Err(e.why)
+                }
+            },
             // Begun on a connection that is gone: it cannot be resumed.
             (None, _) => Err("the connection failed mid-frame".to_owned()),
         };

@@ -118,3 +118,33 @@ async fn arguments_of_another_type_are_an_error_not_a_truncation() {
     assert!(e.contains("decoding the answer of worker w1"), "{e}");
     shutdown_all(ws).await;
 }
+
+/// A fork whose owner is gone can never be accepted: the parent must still
+/// be told, or its handle is held forever (and a shutdown without a
+/// deadline never ends).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fork_refused_because_the_owner_is_gone_releases_the_parent() {
+    let mut ws = group(3, BackendType::tcp()).await;
+    let r: RRef<i64> = ws[0].remote("w1", "counter", &7i64).unwrap();
+    assert_eq!(r.to_here().await.unwrap(), 7);
+    let w1 = ws.remove(1);
+    w1.shutdown(false, None).await.unwrap();
+    // w0 learns it (a call fails), then hands the reference to w2, whose
+    // fork request to the owner cannot succeed.
+    let e = ws[0].rpc_sync::<_, i64>("w1", "add", &(1i64, 1i64)).await;
+    assert!(e.is_err());
+    let e = ws[0]
+        .rpc_sync::<_, i64>("w2", "fetch", &r)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("w1"), "{e}");
+    drop(r);
+    eventually("w0 holds no child for w2, nor its own handle", || {
+        ws[0].rref_counts() == (0, 0, 0)
+    })
+    .await;
+    for w in ws {
+        w.shutdown(false, None).await.unwrap();
+    }
+}
