@@ -35,12 +35,14 @@ pub struct PgTransport {
 }
 
 impl PgTransport {
-    pub fn start(pg: ProcessGroup, deliver: Deliver) -> PgTransport {
+    /// Serves `pg`; a peer announcing a message over `max_message_bytes`
+    /// (the backend options' limit, as for TCP) is refused.
+    pub fn start(pg: ProcessGroup, deliver: Deliver, max_message_bytes: u64) -> PgTransport {
         let pg = pg.with_timeout(FOREVER);
         let me = pg.rank();
         let loops = (0..pg.size())
             .filter(|&p| p != me)
-            .map(|p| tokio::spawn(recv_loop(pg.clone(), p, deliver.clone())))
+            .map(|p| tokio::spawn(recv_loop(pg.clone(), p, deliver.clone(), max_message_bytes)))
             .collect();
         PgTransport {
             sends: (0..pg.size()).map(|_| Arc::default()).collect(),
@@ -50,7 +52,22 @@ impl PgTransport {
     }
 }
 
-async fn recv_loop(pg: ProcessGroup, src: usize, deliver: Deliver) {
+/// The body length a head announces: envelope plus bulk, each within its
+/// limit, before anything is allocated for it.
+fn announced(head: [u64; 2], max_bulk: u64) -> Result<usize, String> {
+    let [env, bulk] = head;
+    if env > u64::from(crate::wire::MAX_ENVELOPE) || bulk > max_bulk {
+        return Err(format!(
+            "it announced a message of {env} + {bulk} bytes, over this worker's limits ({} envelope, {max_bulk} bulk)",
+            crate::wire::MAX_ENVELOPE
+        ));
+    }
+    env.checked_add(bulk)
+        .and_then(|n| usize::try_from(n).ok())
+        .ok_or_else(|| format!("it announced {env} + {bulk} bytes"))
+}
+
+async fn recv_loop(pg: ProcessGroup, src: usize, deliver: Deliver, max_bulk: u64) {
     let reason = loop {
         let mut head = [0u64; 2];
         if let Err(e) = pg.recv(&mut head, src, TAG_HEAD).await {
@@ -59,10 +76,11 @@ async fn recv_loop(pg: ProcessGroup, src: usize, deliver: Deliver) {
         if head[0] == CLOSE {
             return;
         }
-        let Some(len) = head[0].checked_add(head[1]).filter(|l| *l <= 1 << 40) else {
-            break format!("it announced a message of {} + {} bytes", head[0], head[1]);
+        let len = match announced(head, max_bulk) {
+            Ok(len) => len,
+            Err(e) => break e,
         };
-        let mut body = vec![0u8; len as usize];
+        let mut body = vec![0u8; len];
         if let Err(e) = pg.recv(&mut body, src, TAG_BODY).await {
             break e.to_string();
         }
@@ -148,5 +166,21 @@ impl Transport for PgTransport {
                 }
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn announced_lengths_are_held_to_the_limits_before_allocation() {
+        assert_eq!(announced([10, 20], 100), Ok(30));
+        assert_eq!(announced([0, 100], 100), Ok(100));
+        let e = announced([0, 1 << 40], 8 << 30).unwrap_err();
+        assert!(e.contains("over this worker's limits"), "{e}");
+        assert!(announced([u64::MAX, u64::MAX], u64::MAX).is_err());
+        assert!(announced([(64 << 20) + 1, 0], u64::MAX).is_err());
+        assert!(announced([1, u64::MAX], u64::MAX).is_err());
     }
 }

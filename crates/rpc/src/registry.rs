@@ -312,5 +312,9 @@ async fn init_pg(cx: BackendContext) -> Result<Arc<dyn Transport>> {
     )
     .await
     .map_err(|e| err(format!("forming the backend's process group: {e}")))?;
-    Ok(Arc::new(crate::pg::PgTransport::start(pg, cx.deliver)))
+    Ok(Arc::new(crate::pg::PgTransport::start(
+        pg,
+        cx.deliver,
+        cx.options.tcp.max_message_bytes,
+    )))
 }
