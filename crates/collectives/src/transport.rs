@@ -97,9 +97,17 @@ struct Check {
 struct Router {
     slots: HashMap<Key, Slot>,
     checks: HashMap<(u64, u64), Check>,
+    /// The local descriptors of the last [`ENDED_KEPT`] collectives of each
+    /// group that ended here: a peer's frame for one of them that arrives
+    /// after it ended (a broadcast root that only sends ends first) is still
+    /// compared, never filed and forgotten.
+    ended: HashMap<(u64, u64), Desc>,
     gone: HashMap<usize, String>,
     aborted: HashMap<u64, Error>,
 }
+
+/// How many ended collectives per group keep their descriptor for late frames.
+const ENDED_KEPT: u64 = 64;
 
 /// A group's name and members (world ranks, in group-rank order).
 #[derive(Clone)]
@@ -243,7 +251,13 @@ impl Shared {
     }
 
     pub fn end_seq(&self, comm: u64, seq: u64) {
-        lock(&self.router).checks.remove(&(comm, seq));
+        let mut r = lock(&self.router);
+        if let Some(local) = r.checks.remove(&(comm, seq)).and_then(|c| c.local) {
+            r.ended.insert((comm, seq), local);
+        }
+        if let Some(old) = seq.checked_sub(ENDED_KEPT) {
+            r.ended.remove(&(comm, old));
+        }
     }
 
     /// Waits for the frame at `key` until `deadline`.
@@ -509,6 +523,7 @@ impl Shared {
                 }
             }
             r.checks.retain(|(c, _), _| *c != comm);
+            r.ended.retain(|(c, _), _| *c != comm);
         }
         if !tell {
             return None;
@@ -571,6 +586,16 @@ impl Shared {
                 return Ok(());
             }
             if !p2p {
+                if let Some(&l) = r.ended.get(&(comm, seq)) {
+                    // Late for an op that ended here: compare, then drop it
+                    // (nobody will ever wait for it).
+                    if l == desc {
+                        return Ok(());
+                    }
+                    mismatch = Some((None, l));
+                }
+            }
+            if !p2p && mismatch.is_none() {
                 let c = r.checks.entry((comm, seq)).or_default();
                 match (c.local, c.remote) {
                     (Some(l), _) if l != desc => mismatch = Some((None, l)),

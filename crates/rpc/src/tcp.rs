@@ -16,22 +16,25 @@
 //!
 //! # Who owns a connection
 //!
-//! Each outgoing connection belongs to one writer task (one per peer and
-//! stream); a caller only queues its frames and waits to hear they were
-//! written. So a caller that gives up (its timeout, or a `select!` around the
-//! call) never leaves half a frame on a connection, and never closes one: a
-//! frame not yet begun is dropped from the queue, a frame begun is finished.
-//! The parts of one message are all written or none (the first writer to
-//! reach one decides for all), so the receiver is never left holding parts of
-//! a message that will not be completed.
+//! Each outgoing connection belongs to a [`line::Line`] (one per peer and
+//! stream, started on first use): a caller writes its frame itself when the
+//! line is idle, with non-blocking writes (no await); what the socket does
+//! not take, and frames for a busy line, go to the line's writer task, in
+//! order. So a caller that gives
+//! up (its timeout, or a `select!` around the call) never leaves half a frame
+//! on a connection, and never closes one: a frame not yet begun is skipped, a
+//! frame begun is finished. The parts of one message are all written or none,
+//! so the receiver is never left holding parts of a message that will not be
+//! completed.
 //!
 //! # When a peer is gone
 //!
 //! A connection that ends (EOF or reset, on either direction) is not taken
 //! for a dead peer: the writer reconnects. The peer is reported gone only
-//! when reconnecting fails: refused (nothing listens at its address: the
-//! process exited or was killed), refused at the handshake (another process
-//! holds the port), or not answered within the connect timeout. A worker that
+//! when reconnecting after such an end fails (refused, refused at the
+//! handshake, or not done within the connect timeout), or when any connect
+//! is refused (nothing listens at its address: the process exited or was
+//! killed; or another process holds the port). A worker that
 //! dies is still noticed at once (the kernel closes its sockets and its
 //! listener together); a partitioned one needs a heartbeat (not yet here).
 
