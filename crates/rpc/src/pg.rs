@@ -31,13 +31,21 @@ const CLOSE: u64 = u64::MAX;
 pub struct PgTransport {
     pg: ProcessGroup,
     sends: Vec<Arc<tokio::sync::Mutex<()>>>,
+    in_flight: Arc<tokio::sync::Semaphore>,
     loops: Mutex<Vec<JoinHandle<()>>>,
 }
 
 impl PgTransport {
     /// Serves `pg`; a peer announcing a message over `max_message_bytes`
     /// (the backend options' limit, as for TCP) is refused.
-    pub fn start(pg: ProcessGroup, deliver: Deliver, max_message_bytes: u64) -> PgTransport {
+    /// At most `send_recv_threads` sends are in flight at once (PyTorch's
+    /// `num_send_recv_threads`).
+    pub fn start(
+        pg: ProcessGroup,
+        deliver: Deliver,
+        max_message_bytes: u64,
+        send_recv_threads: usize,
+    ) -> PgTransport {
         let pg = pg.with_timeout(FOREVER);
         let me = pg.rank();
         let loops = (0..pg.size())
@@ -46,6 +54,7 @@ impl PgTransport {
             .collect();
         PgTransport {
             sends: (0..pg.size()).map(|_| Arc::default()).collect(),
+            in_flight: Arc::new(tokio::sync::Semaphore::new(send_recv_threads.max(1))),
             pg,
             loops: Mutex::new(loops),
         }
@@ -118,8 +127,9 @@ impl Transport for PgTransport {
                 .get(to)
                 .ok_or_else(|| format!("no worker {to}"))?
                 .clone();
-            let pg = self.pg.clone();
+            let (pg, in_flight) = (self.pg.clone(), self.in_flight.clone());
             let sending = tokio::spawn(async move {
+                let _slot = in_flight.acquire_owned().await;
                 let _g = lock.lock().await;
                 let mut body = Vec::with_capacity(msg.env.len() + msg.bulk_len() as usize);
                 body.extend_from_slice(&msg.env);

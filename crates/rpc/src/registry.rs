@@ -1,8 +1,8 @@
 //! The backend registry, as PyTorch's `backend_registry`: a backend is a name,
 //! an options constructor and an initialiser.
 //!
-//! Two are built in: `TCP` (the default) and `PROCESS_GROUP`. Anyone may
-//! register more; a backend's initialiser returns a [`Transport`], and the
+//! Two are built in: `TCP` (the default; `TENSORPIPE`, PyTorch's default's
+//! name, is an alias of it) and `PROCESS_GROUP`. Anyone may register more; a backend's initialiser returns a [`Transport`], and the
 //! agent (calls, RRefs, shutdown, device maps) is shared by all of them.
 
 use std::collections::BTreeMap;
@@ -66,6 +66,9 @@ pub struct RpcBackendOptions {
     pub functions: Functions,
     /// The TCP backend's settings.
     pub tcp: TcpOptions,
+    /// PROCESS_GROUP: how many sends may be in flight at once (PyTorch's
+    /// `num_send_recv_threads`, default 4).
+    pub pg_send_recv_threads: usize,
     /// Backend-specific options of third-party backends.
     pub extra: BTreeMap<String, String>,
 }
@@ -80,6 +83,7 @@ impl Default for RpcBackendOptions {
             inventory: Inventory::default(),
             functions: Functions::default(),
             tcp: TcpOptions::default(),
+            pg_send_recv_threads: 4,
             extra: BTreeMap::new(),
         }
     }
@@ -94,6 +98,7 @@ impl fmt::Debug for RpcBackendOptions {
             .field("device_maps", &self.device_maps)
             .field("inventory", &self.inventory)
             .field("tcp", &self.tcp)
+            .field("pg_send_recv_threads", &self.pg_send_recv_threads)
             .field("extra", &self.extra)
             .finish_non_exhaustive()
     }
@@ -166,10 +171,18 @@ fn registry() -> &'static Mutex<BTreeMap<String, Entry>> {
                 init: Arc::new(|cx| Box::pin(init_tcp(cx))),
             },
         );
+        // PyTorch's default backend's name: the same backend here.
+        m.insert(
+            "TENSORPIPE".to_owned(),
+            Entry {
+                construct: Arc::new(construct_tcp),
+                init: Arc::new(|cx| Box::pin(init_tcp(cx))),
+            },
+        );
         m.insert(
             "PROCESS_GROUP".to_owned(),
             Entry {
-                construct: Arc::new(construct_plain),
+                construct: Arc::new(construct_pg),
                 init: Arc::new(|cx| Box::pin(init_pg(cx))),
             },
         );
@@ -235,15 +248,29 @@ pub async fn init_backend(backend: &BackendType, cx: BackendContext) -> Result<A
     init(cx).await
 }
 
-fn construct_plain(a: OptionsArgs) -> Result<RpcBackendOptions> {
-    if let Some(k) = a.extra.keys().next() {
-        return Err(Error::Invalid(format!("unknown backend option {k:?}")));
-    }
-    Ok(RpcBackendOptions {
+fn construct_pg(a: OptionsArgs) -> Result<RpcBackendOptions> {
+    let mut o = RpcBackendOptions {
         rpc_timeout: a.rpc_timeout,
         init_method: a.init_method,
         ..Default::default()
-    })
+    };
+    for (k, v) in &a.extra {
+        match k.as_str() {
+            "num_send_recv_threads" => {
+                o.pg_send_recv_threads = v.parse().ok().filter(|n| *n > 0).ok_or_else(|| {
+                    Error::Invalid(format!(
+                        "backend option {k}={v:?}: expected a positive number"
+                    ))
+                })?
+            }
+            _ => {
+                return Err(Error::Invalid(format!(
+                    "unknown PROCESS_GROUP backend option {k:?} (known: num_send_recv_threads)"
+                )))
+            }
+        }
+    }
+    Ok(o)
 }
 
 fn construct_tcp(a: OptionsArgs) -> Result<RpcBackendOptions> {
@@ -316,5 +343,6 @@ async fn init_pg(cx: BackendContext) -> Result<Arc<dyn Transport>> {
         pg,
         cx.deliver,
         cx.options.tcp.max_message_bytes,
+        cx.options.pg_send_recv_threads,
     )))
 }

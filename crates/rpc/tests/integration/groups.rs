@@ -124,6 +124,48 @@ async fn unknown_backends_and_options_are_named() {
     let o = construct_rpc_backend_options(&BackendType::tcp(), Default::default(), "env://", extra)
         .unwrap();
     assert_eq!(o.tcp.streams, 8);
+    // PROCESS_GROUP takes the seed's num_send_recv_threads, and only that.
+    let pg = BackendType::process_group();
+    let extra = [("num_send_recv_threads".to_owned(), "2".to_owned())].into();
+    let o = construct_rpc_backend_options(&pg, Default::default(), "env://", extra).unwrap();
+    assert_eq!(o.pg_send_recv_threads, 2);
+    for (k, v) in [("num_send_recv_threads", "0"), ("num_streams", "2")] {
+        let extra = [(k.to_owned(), v.to_owned())].into();
+        let e = construct_rpc_backend_options(&pg, Default::default(), "env://", extra)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(k), "{e}");
+    }
+}
+
+/// PyTorch's default backend's name works, as the default backend.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tensorpipe_is_the_default_backend_by_another_name() {
+    let ws = group(2, BackendType::from("TENSORPIPE")).await;
+    let v: i64 = ws[0].rpc_sync("w1", "add", &(2i64, 3i64)).await.unwrap();
+    assert_eq!(v, 5);
+    assert!(!ws[1].address().is_empty(), "it listens, as TCP does");
+    shutdown_all(ws).await;
+}
+
+/// num_send_recv_threads = 1 on PROCESS_GROUP: sends one at a time, all
+/// delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn process_group_sends_within_num_send_recv_threads() {
+    let ws: Vec<_> = group_with(2, BackendType::process_group(), |_, o| {
+        o.pg_send_recv_threads = 1
+    })
+    .await
+    .into_iter()
+    .map(|r| r.unwrap())
+    .collect();
+    let calls: Vec<_> = (0..32i64)
+        .map(|i| ws[0].rpc_async::<_, i64>("w1", "add", &(i, 1i64)))
+        .collect();
+    for (i, c) in calls.into_iter().enumerate() {
+        assert_eq!(c.await.unwrap(), i as i64 + 1);
+    }
+    shutdown_all(ws).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
