@@ -1573,6 +1573,12 @@ impl Rpc {
         self.0.rrefs.counts()
     }
 
+    /// Tombstones of deleted users kept by the values this worker owns (for
+    /// tests and reports: bounded, see the `rref` module).
+    pub fn rref_tombstones(&self) -> usize {
+        self.0.rrefs.tombstones()
+    }
+
     /// Calls in flight on this worker (outgoing, being served, control).
     pub fn active_calls(&self) -> usize {
         self.0.active.load(Ordering::SeqCst)

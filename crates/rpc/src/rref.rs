@@ -22,7 +22,12 @@
 //! * No ordering between workers is assumed: a FORK_REQUEST or fetch may reach
 //!   the owner before the REMOTE_CALL that creates the value, and waits for it.
 //!   Control messages are retried, so their handlers are idempotent; the owner
-//!   remembers deleted forks, so a late duplicate cannot resurrect one.
+//!   remembers a deleted fork (a tombstone) when a message that registers it
+//!   may still come: the deletion came first, or the fork was registered by
+//!   a FORK_REQUEST, which is retried. A tombstone is kept for
+//!   [`TOMBSTONE_TTL`], longer than any retry lasts; the forks the owner
+//!   makes itself (a parameter server handing out its RRef) leave none, so a
+//!   long-lived value's bookkeeping does not grow with its users.
 //! * User functions run only after every RRef among their arguments is
 //!   confirmed.
 //!
@@ -36,6 +41,7 @@ use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
@@ -295,8 +301,11 @@ pub(crate) struct OwnerEntry {
     pub(crate) state: OwnerState,
     /// Users that may still use the value, with the worker holding each.
     forks: HashMap<ForkId, u32>,
-    /// Deleted users, so that a late duplicate fork request is ignored.
-    deleted: HashSet<ForkId>,
+    /// Deleted users, so that a late duplicate fork request is ignored, and
+    /// when each was deleted (dropped after [`TOMBSTONE_TTL`]).
+    deleted: HashMap<ForkId, Instant>,
+    /// Users registered by a FORK_REQUEST (retried, so it may repeat).
+    requested: HashSet<ForkId>,
     /// Live local handles (owner `RRef`s).
     local: usize,
     pub(crate) what: String,
@@ -365,6 +374,10 @@ pub(crate) struct RRefContext {
     pub(crate) changed: Notify,
 }
 
+/// How long a deleted fork's tombstone is kept: longer than a FORK_REQUEST
+/// is retried (5 attempts, each within a call timeout of 60 s by default).
+pub(crate) const TOMBSTONE_TTL: Duration = Duration::from_secs(600);
+
 /// An RRef still referenced when shutdown gave up waiting.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Leak {
@@ -398,7 +411,8 @@ impl RRefContext {
         st.owners.entry(rref).or_insert_with(|| OwnerEntry {
             state: OwnerState::Pending,
             forks: HashMap::new(),
-            deleted: HashSet::new(),
+            deleted: HashMap::new(),
+            requested: HashSet::new(),
             local: 0,
             what: what.to_owned(),
             ready: Arc::new(Notify::new()),
@@ -445,7 +459,7 @@ impl RRefContext {
     pub(crate) fn remote_arrived(&self, rref: RRefId, fork: ForkId, from: u32, what: &str) {
         let mut st = self.lock();
         let e = Self::entry(&mut st, rref, what);
-        if !e.deleted.contains(&fork) {
+        if !e.deleted.contains_key(&fork) {
             e.forks.insert(fork, from);
         }
     }
@@ -621,8 +635,13 @@ impl RRefContext {
         // Requests run as tasks, so a deletion may be handled before the
         // REMOTE_CALL that creates the value: remember it either way.
         let e = Self::entry(&mut st, rref, "deleted before its creation arrived");
-        e.forks.remove(&fork);
-        e.deleted.insert(fork);
+        let known = e.forks.remove(&fork).is_some();
+        let repeatable = e.requested.remove(&fork);
+        if !known || repeatable {
+            // A message registering this fork may still come.
+            e.deleted.retain(|_, at| at.elapsed() < TOMBSTONE_TTL);
+            e.deleted.insert(fork, Instant::now());
+        }
         self.maybe_delete(&mut st, rref);
     }
 
@@ -630,8 +649,9 @@ impl RRefContext {
     pub(crate) fn fork_request(&self, rref: RRefId, fork: ForkId, from: u32) {
         let mut st = self.lock();
         let e = Self::entry(&mut st, rref, "forked before its creation arrived");
-        if !e.deleted.contains(&fork) {
+        if !e.deleted.contains_key(&fork) {
             e.forks.insert(fork, from);
+            e.requested.insert(fork);
         }
     }
 
@@ -730,6 +750,8 @@ impl RRefContext {
             for (id, e) in st.owners.iter_mut() {
                 let before = e.forks.len();
                 e.forks.retain(|_, w| *w != peer);
+                let forks = &e.forks;
+                e.requested.retain(|f| forks.contains_key(f));
                 if e.forks.len() != before {
                     leaks.push(Leak {
                         rref: *id,
@@ -824,6 +846,11 @@ impl RRefContext {
     pub(crate) fn counts(&self) -> (usize, usize, usize) {
         let st = self.lock();
         (st.owners.len(), st.users.len(), st.children.len())
+    }
+
+    /// Tombstones of deleted forks kept, over every owned value.
+    pub(crate) fn tombstones(&self) -> usize {
+        self.lock().owners.values().map(|e| e.deleted.len()).sum()
     }
 }
 

@@ -148,3 +148,24 @@ async fn a_fork_refused_because_the_owner_is_gone_releases_the_parent() {
         w.shutdown(false, None).await.unwrap();
     }
 }
+
+/// A parameter server hands out its own RRef on every request: its
+/// bookkeeping must not grow with the number of requests (it kept a
+/// tombstone for every deleted user, forever).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_value_handed_out_on_every_request_keeps_no_tombstones() {
+    let ws = group(2, BackendType::tcp()).await;
+    let params: RRef<i64> = ws[0].remote("w0", "counter", &5i64).unwrap();
+    assert!(params.is_owner());
+    for _ in 0..200 {
+        let v: i64 = ws[0].rpc_sync("w1", "fetch", &params).await.unwrap();
+        assert_eq!(v, 5);
+    }
+    eventually("every user deleted at the owner", || {
+        ws[0].rref_counts() == (1, 0, 0) && ws[1].rref_counts() == (0, 0, 0)
+    })
+    .await;
+    assert_eq!(ws[0].rref_tombstones(), 0);
+    drop(params);
+    shutdown_all(ws).await;
+}
