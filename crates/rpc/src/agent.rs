@@ -265,6 +265,37 @@ impl Functions {
         self.register_async(name, move |_rpc: Rpc, a: A| std::future::ready(f(a)))
     }
 
+    /// Registers a function that blocks (a long computation, blocking I/O,
+    /// a lock held for long): it runs on the runtime's blocking threads, at
+    /// most `num_worker_threads` at once (PyTorch's option, default 16; more
+    /// calls wait their turn), never on the threads that read messages and
+    /// run timers. [`Functions::register`] runs on those threads: use it for
+    /// functions that return at once.
+    pub fn register_blocking<A, R, E, F>(&self, name: &str, f: F) -> Result<()>
+    where
+        A: DeserializeOwned + Send + 'static,
+        R: Serialize + Send + 'static,
+        E: Display + Send + 'static,
+        F: Fn(A) -> std::result::Result<R, E> + Send + Sync + 'static,
+    {
+        let f = Arc::new(f);
+        self.register_async(name, move |rpc: Rpc, a: A| {
+            let f = f.clone();
+            async move {
+                let _turn = rpc
+                    .0
+                    .blocking
+                    .clone()
+                    .acquire_owned()
+                    .await
+                    .map_err(|_| "the agent is shutting down".to_owned())?;
+                tokio::task::spawn_blocking(move || f(a).map_err(|e| e.to_string()))
+                    .await
+                    .map_err(|e| format!("the function panicked: {e}"))?
+            }
+        })
+    }
+
     /// Registers an async function; it gets this worker's [`Rpc`] to make
     /// calls of its own (PyTorch's `@rpc.functions.async_execution`: the
     /// answer goes when the future completes, and no thread waits for it).
@@ -392,6 +423,9 @@ pub struct AgentInner {
     /// Workers found gone (their transport or their process group said so),
     /// and why: control messages to them are not retried.
     gone: Mutex<HashMap<u32, String>>,
+    /// Functions registered with [`Functions::register_blocking`] running at
+    /// once, at most `num_worker_threads`.
+    pub(crate) blocking: Arc<tokio::sync::Semaphore>,
     /// The runtime the agent was started on: every task it starts goes there,
     /// so dropping an RRef off the runtime cannot panic.
     rt: tokio::runtime::Handle,
@@ -467,6 +501,7 @@ impl AgentInner {
         functions: Functions,
         default_timeout: Duration,
         device_info: DeviceInfo,
+        num_worker_threads: usize,
     ) -> Arc<AgentInner> {
         Arc::new(AgentInner {
             me,
@@ -489,6 +524,7 @@ impl AgentInner {
             device_info,
             leaks: Mutex::default(),
             gone: Mutex::default(),
+            blocking: Arc::new(tokio::sync::Semaphore::new(num_worker_threads.max(1))),
             rt: tokio::runtime::Handle::current(),
         })
     }

@@ -169,6 +169,7 @@ pub async fn init_rpc_with_store(
         options.functions.clone(),
         options.rpc_timeout,
         info.clone(),
+        options.num_worker_threads,
     );
     let weak: Weak<AgentInner> = Arc::downgrade(&agent);
     let deliver: Deliver = Arc::new(move |ev: Event| {

@@ -66,6 +66,9 @@ pub struct RpcBackendOptions {
     pub functions: Functions,
     /// The TCP backend's settings.
     pub tcp: TcpOptions,
+    /// How many functions registered with `register_blocking` run at once
+    /// (PyTorch's `num_worker_threads`, default 16).
+    pub num_worker_threads: usize,
     /// PROCESS_GROUP: how many sends may be in flight at once (PyTorch's
     /// `num_send_recv_threads`, default 4).
     pub pg_send_recv_threads: usize,
@@ -83,6 +86,7 @@ impl Default for RpcBackendOptions {
             inventory: Inventory::default(),
             functions: Functions::default(),
             tcp: TcpOptions::default(),
+            num_worker_threads: 16,
             pg_send_recv_threads: 4,
             extra: BTreeMap::new(),
         }
@@ -98,6 +102,7 @@ impl fmt::Debug for RpcBackendOptions {
             .field("device_maps", &self.device_maps)
             .field("inventory", &self.inventory)
             .field("tcp", &self.tcp)
+            .field("num_worker_threads", &self.num_worker_threads)
             .field("pg_send_recv_threads", &self.pg_send_recv_threads)
             .field("extra", &self.extra)
             .finish_non_exhaustive()
@@ -286,9 +291,12 @@ fn construct_tcp(a: OptionsArgs) -> Result<RpcBackendOptions> {
             "split_bytes" => o.tcp.split_bytes = v.parse().map_err(|_| bad())?,
             "max_message_bytes" => o.tcp.max_message_bytes = v.parse().map_err(|_| bad())?,
             "listen" => o.tcp.listen = Some(v.parse().map_err(|_| bad())?),
+            "num_worker_threads" => {
+                o.num_worker_threads = v.parse().ok().filter(|n| *n > 0).ok_or_else(bad)?
+            }
             _ => {
                 return Err(Error::Invalid(format!(
-                    "unknown TCP backend option {k:?} (known: num_streams, split_bytes, max_message_bytes, listen)"
+                    "unknown TCP backend option {k:?} (known: num_streams, split_bytes, max_message_bytes, listen, num_worker_threads)"
                 )))
             }
         }

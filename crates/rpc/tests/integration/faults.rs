@@ -169,3 +169,57 @@ async fn a_value_handed_out_on_every_request_keeps_no_tombstones() {
     drop(params);
     shutdown_all(ws).await;
 }
+
+/// Functions that block run on the blocking pool, at most
+/// `num_worker_threads` at once: four of them blocked on a gate (more than
+/// the runtime's two threads) leave every other call free to run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocking_functions_run_beside_the_runtime_within_their_bound() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{Arc, Condvar, Mutex};
+    type Gate = (Mutex<bool>, Condvar);
+    let gate: Arc<Gate> = Arc::default();
+    let (running, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let (g, r, m) = (gate.clone(), running.clone(), most.clone());
+    let ws: Vec<Rpc> = group_with(2, BackendType::tcp(), move |_, o| {
+        o.num_worker_threads = 2;
+        let (g, r, m) = (g.clone(), r.clone(), m.clone());
+        o.functions
+            .register_blocking("wait_for_gate", move |(): ()| {
+                let now = r.fetch_add(1, Ordering::SeqCst) + 1;
+                m.fetch_max(now, Ordering::SeqCst);
+                let (lock, cv) = &*g;
+                let mut open = lock.lock().unwrap();
+                while !*open {
+                    open = cv.wait(open).unwrap();
+                }
+                r.fetch_sub(1, Ordering::SeqCst);
+                Ok::<u8, String>(1)
+            })
+            .unwrap();
+    })
+    .await
+    .into_iter()
+    .map(|r| r.unwrap())
+    .collect();
+    let blocked: Vec<_> = (0..4)
+        .map(|_| ws[0].rpc_async::<_, u8>("w1", "wait_for_gate", &()))
+        .collect();
+    eventually("two blocking calls running", || {
+        running.load(Ordering::SeqCst) == 2
+    })
+    .await;
+    // The runtime is free: calls both ways go through meanwhile.
+    still_healthy(&ws, &[]).await;
+    assert_eq!(most.load(Ordering::SeqCst), 2, "at most num_worker_threads");
+    {
+        let (lock, cv) = &*gate;
+        *lock.lock().unwrap() = true;
+        cv.notify_all();
+    }
+    for b in blocked {
+        assert_eq!(b.await.unwrap(), 1);
+    }
+    assert_eq!(most.load(Ordering::SeqCst), 2);
+    shutdown_all(ws).await;
+}
