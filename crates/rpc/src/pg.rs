@@ -152,11 +152,11 @@ impl Transport for PgTransport {
         Box::pin(async move {
             if graceful {
                 for p in (0..self.pg.size()).filter(|&p| p != self.pg.rank()) {
-                    let _g = self.sends[p].lock().await;
-                    let _ = tokio::time::timeout(
-                        std::time::Duration::from_secs(5),
-                        self.pg.send(&[CLOSE, 0], p, TAG_HEAD),
-                    )
+                    // The bound covers the wait for a send still in progress.
+                    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+                        let _g = self.sends[p].lock().await;
+                        self.pg.send(&[CLOSE, 0], p, TAG_HEAD).await
+                    })
                     .await;
                 }
                 let loops =

@@ -184,9 +184,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> RRef<T> {
     /// [`RRef::to_here`] with a timeout (`Duration::ZERO`: none).
     pub async fn to_here_timeout(&self, timeout: Option<std::time::Duration>) -> Result<T> {
         let a = self.agent()?;
-        if let Some(f) = self.h.fork {
-            a.rrefs.user_usable(&a, f).await?;
-        }
+        let timeout = self.usable_within(&a, timeout).await?;
         let rpc = Rpc(a);
         rpc.request(
             self.h.owner,
@@ -238,9 +236,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> RRef<T> {
         timeout: Option<std::time::Duration>,
     ) -> Result<R> {
         let a = self.agent()?;
-        if let Some(f) = self.h.fork {
-            a.rrefs.user_usable(&a, f).await?;
-        }
+        let timeout = self.usable_within(&a, timeout).await?;
         Rpc(a)
             .request(
                 self.h.owner,
@@ -252,6 +248,42 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> RRef<T> {
                 timeout,
             )
             .await
+    }
+}
+
+impl<T> RRef<T> {
+    /// Waits until this user is confirmed by its owner, within the use's own
+    /// timeout (`None`: the default; zero: none), and returns what is left
+    /// of that timeout for the use itself: the confirmation is part of the
+    /// use, not a wait before its deadline starts.
+    async fn usable_within(
+        &self,
+        a: &Arc<AgentInner>,
+        timeout: Option<Duration>,
+    ) -> Result<Option<Duration>> {
+        let Some(f) = self.h.fork else {
+            return Ok(timeout);
+        };
+        let t = timeout.unwrap_or(a.default_timeout);
+        if t.is_zero() {
+            a.rrefs.user_usable(a, f).await?;
+            return Ok(timeout);
+        }
+        let start = std::time::Instant::now();
+        let expired = || Error::Timeout {
+            worker: a
+                .worker_by_id(self.h.owner)
+                .map_or_else(|_| self.h.owner.to_string(), |w| w.name),
+            what: format!("the owner's confirmation of RRef {}", self.h.id),
+            ms: t.as_millis(),
+        };
+        tokio::time::timeout(t, a.rrefs.user_usable(a, f))
+            .await
+            .map_err(|_| expired())??;
+        match t.checked_sub(start.elapsed()).filter(|l| !l.is_zero()) {
+            Some(left) => Ok(Some(left)),
+            None => Err(expired()),
+        }
     }
 }
 
