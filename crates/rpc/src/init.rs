@@ -12,14 +12,17 @@
 //! token in the store: a joining worker takes the token, reads the members,
 //! checks its name and maps against theirs, tells each of them (a `Join`
 //! request), adds itself and gives the token back. Leaving is the same with
-//! `Leave`. A token not given back within the timeout is reported with its
-//! holder's name.
+//! `Leave`. The token holds its holder's name and a lease: the end of the
+//! holder's own timeout (60 s when it has none). A worker that dies holding
+//! it blocks the others only until its lease ends, then the token is taken
+//! over; a token still leased when a join or leave gives up is reported
+//! with its holder and when its lease ends.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use rallypoint_store::{PrefixStore, Store};
 use serde::{Deserialize, Serialize};
@@ -287,28 +290,77 @@ pub(crate) struct Dynamic {
     timeout: Duration,
 }
 
+/// The membership token's value: who holds it, and until when (Unix
+/// milliseconds): the holder's own deadline, past which it has given up or
+/// died, and the token may be taken over.
+fn token_value(me: &str, until: SystemTime) -> Vec<u8> {
+    let ms = until
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis());
+    format!("{me}\n{ms}").into_bytes()
+}
+
+/// (holder, lease end) of a token value; a value without a lease end (an
+/// older writer) never expires.
+fn token_holder(v: &[u8]) -> (String, Option<SystemTime>) {
+    let s = String::from_utf8_lossy(v);
+    match s.rsplit_once('\n') {
+        Some((who, ms)) => match ms.parse::<u64>() {
+            Ok(ms) => (who.to_owned(), Some(UNIX_EPOCH + Duration::from_millis(ms))),
+            Err(_) => (s.into_owned(), None),
+        },
+        None => (s.into_owned(), None),
+    }
+}
+
 impl Dynamic {
-    async fn lock(&self, me: &str, deadline: Instant) -> Result<()> {
+    /// Takes the membership token until `deadline` (the lease: with no
+    /// timeout, [`UNBOUNDED_LEASE`]); a token whose holder's lease has
+    /// ended (it died holding it) is taken over. Returns the value written,
+    /// to give it back.
+    async fn lock(&self, me: &str, deadline: Instant) -> Result<Vec<u8>> {
+        let lease = deadline.saturating_duration_since(Instant::now());
+        let mine = token_value(me, SystemTime::now() + lease);
+        let mut expected: Vec<u8> = Vec::new();
         let mut holder = Vec::new();
         while Instant::now() < deadline {
             holder = self
                 .store
-                .compare_set("token", b"", me.as_bytes())
+                .compare_set("token", &expected, &mine)
                 .await
                 .map_err(|e| Error::Invalid(format!("taking the membership token: {e}")))?;
-            if holder == me.as_bytes() {
-                return Ok(());
+            if holder == mine {
+                return Ok(mine);
             }
+            let (who, until) = token_holder(&holder);
+            if holder.is_empty() || until.is_some_and(|t| t <= SystemTime::now()) {
+                if !holder.is_empty() {
+                    tracing::warn!(worker = me, "taking over the membership token from {who:?}, whose lease ended (it died holding it?)");
+                }
+                // Take it from what is there now (or from nobody).
+                expected = holder.clone();
+                continue;
+            }
+            expected.clear();
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
+        let (who, until) = token_holder(&holder);
+        let lease = match until {
+            Some(t) => format!(
+                ", whose lease ends in {:.1} s",
+                t.duration_since(SystemTime::now())
+                    .unwrap_or_default()
+                    .as_secs_f64()
+            ),
+            None => " (no lease)".to_owned(),
+        };
         Err(Error::Invalid(format!(
-            "the membership token is still held by worker {:?}",
-            String::from_utf8_lossy(&holder)
+            "the membership token is still held by worker {who:?}{lease}"
         )))
     }
 
-    async fn unlock(&self, me: &str) {
-        let _ = self.store.compare_set("token", me.as_bytes(), b"").await;
+    async fn unlock(&self, mine: &[u8]) {
+        let _ = self.store.compare_set("token", mine, b"").await;
     }
 
     async fn members(&self) -> Result<Vec<Member>> {
@@ -338,8 +390,8 @@ impl Dynamic {
         deadline: Option<Instant>,
     ) -> Result<()> {
         let me = &agent.me;
-        let deadline = deadline.unwrap_or_else(|| Instant::now() + self.timeout);
-        self.lock(&me.name, deadline).await?;
+        let deadline = deadline.unwrap_or_else(|| Instant::now() + lease_of(self.timeout));
+        let token = self.lock(&me.name, deadline).await?;
         let r = async {
             let mut members = self.members().await?;
             members.retain(|m| m.info.id != me.id);
@@ -355,8 +407,21 @@ impl Dynamic {
             Ok(())
         }
         .await;
-        self.unlock(&me.name).await;
+        self.unlock(&token).await;
         r
+    }
+}
+
+/// The lease of a membership change with no timeout.
+const UNBOUNDED_LEASE: Duration = Duration::from_secs(60);
+
+/// How long a membership change may hold the token: its timeout, or
+/// [`UNBOUNDED_LEASE`] when it has none.
+fn lease_of(timeout: Duration) -> Duration {
+    if timeout.is_zero() {
+        UNBOUNDED_LEASE
+    } else {
+        timeout
     }
 }
 
@@ -369,7 +434,7 @@ async fn init_dynamic(
 ) -> Result<()> {
     let d = Dynamic { store, timeout };
     let me = agent.me.clone();
-    d.lock(&me.name, Instant::now() + timeout).await?;
+    let token = d.lock(&me.name, Instant::now() + lease_of(timeout)).await?;
     let r = async {
         let mut members = d.members().await?;
         if let Some(m) = members.iter().find(|m| m.info.name == me.name) {
@@ -418,7 +483,7 @@ async fn init_dynamic(
         d.set_members(&members).await
     }
     .await;
-    d.unlock(&me.name).await;
+    d.unlock(&token).await;
     r?;
     let _ = agent.membership.set(Membership::Dynamic(d));
     Ok(())

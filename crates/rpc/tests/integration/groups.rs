@@ -261,3 +261,44 @@ async fn dynamic_workers_join_and_leave() {
     c.shutdown(true, None).await.unwrap();
     a.shutdown(true, None).await.unwrap();
 }
+
+/// A worker that died holding the dynamic group's membership token (here: a
+/// token written as a dead worker's would be) no longer blocks joins once
+/// its lease has ended; a live lease is waited for, and a timeout names its
+/// holder.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_membership_token_held_by_a_dead_worker_is_taken_over_when_its_lease_ends() {
+    let ms =
+        |t: std::time::SystemTime| t.duration_since(std::time::UNIX_EPOCH).unwrap().as_millis();
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let join = |name: &'static str, rank: u32, timeout_ms: u64| {
+        let mut o = options();
+        o.rpc_timeout = std::time::Duration::from_millis(timeout_ms);
+        init_rpc_with_store(store.clone(), name, BackendType::tcp(), rank, None, o)
+    };
+    // A lease that ends in an hour: a join with a 300 ms timeout gives up,
+    // naming the holder.
+    let later = std::time::SystemTime::now() + std::time::Duration::from_secs(3600);
+    store
+        .set("token", format!("ghost\n{}", ms(later)).as_bytes())
+        .await
+        .unwrap();
+    let e = join("a", 0, 300).await.err().unwrap().to_string();
+    assert!(
+        e.contains("still held by worker \"ghost\", whose lease ends in"),
+        "{e}"
+    );
+    // The lease has ended: the next join takes the token over.
+    let past = std::time::SystemTime::now() - std::time::Duration::from_secs(1);
+    store
+        .set("token", format!("ghost\n{}", ms(past)).as_bytes())
+        .await
+        .unwrap();
+    let a = join("a", 0, 30_000).await.unwrap();
+    let b = join("b", 1, 30_000).await.unwrap();
+    let v: i64 = b.rpc_sync("a", "add", &(1i64, 2i64)).await.unwrap();
+    assert_eq!(v, 3);
+    assert_eq!(store.get("token").await.unwrap(), b"", "given back");
+    b.shutdown(true, None).await.unwrap();
+    a.shutdown(true, None).await.unwrap();
+}
