@@ -548,7 +548,7 @@ impl AgentInner {
         ws.by_id.insert(w.id, w);
     }
 
-    fn remove_worker(&self, id: u32) {
+    pub(crate) fn remove_worker(&self, id: u32) {
         let mut ws = self.workers.write().unwrap_or_else(|e| e.into_inner());
         if let Some(w) = ws.by_id.remove(&id) {
             ws.by_name.remove(&w.name);

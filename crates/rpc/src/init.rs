@@ -16,7 +16,9 @@
 //! holder's own timeout (60 s when it has none). A worker that dies holding
 //! it blocks the others only until its lease ends, then the token is taken
 //! over; a token still leased when a join or leave gives up is reported
-//! with its holder and when its lease ends.
+//! with its holder and when its lease ends. A member that died without
+//! leaving is pruned by the next join that cannot reach it; a join that
+//! fails otherwise is undone (`Leave`) at the members already told.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
@@ -462,19 +464,38 @@ async fn init_dynamic(
         for m in &members {
             agent.join_peer(m.info.clone(), &m.addr, &m.devices);
         }
+        // Tell each member. One found gone (it died without leaving) is
+        // pruned from the list; any other failure undoes the join at those
+        // already told, so none keeps a member that never joined.
+        let mut told = Vec::new();
+        let mut dead = Vec::new();
         for m in &members {
-            agent
-                .request_raw(
-                    m.info.id,
-                    Request::Join {
-                        info: me.clone(),
-                        addr: addr.to_owned(),
-                        devices: info.clone(),
-                    },
-                    None,
-                )
-                .await?;
+            let join = Request::Join {
+                info: me.clone(),
+                addr: addr.to_owned(),
+                devices: info.clone(),
+            };
+            match agent.request_raw(m.info.id, join, None).await {
+                Ok(()) => told.push(m.info.id),
+                Err(e @ Error::WorkerGone { .. }) => {
+                    tracing::warn!(worker = %me.name, "pruning member {:?} from the group: {e}", m.info.name);
+                    dead.push(m.info.id);
+                }
+                Err(e) => {
+                    for id in told {
+                        let _ = agent
+                            .request_raw(id, Request::Leave { id: me.id }, None)
+                            .await;
+                    }
+                    return Err(e);
+                }
+            }
         }
+        for &id in &dead {
+            agent.remove_worker(id);
+            t.remove_peer(id);
+        }
+        members.retain(|m| !dead.contains(&m.info.id));
         members.push(Member {
             info: me.clone(),
             addr: addr.to_owned(),

@@ -302,3 +302,35 @@ async fn a_membership_token_held_by_a_dead_worker_is_taken_over_when_its_lease_e
     b.shutdown(true, None).await.unwrap();
     a.shutdown(true, None).await.unwrap();
 }
+
+/// A member that died without leaving is pruned by the next join, which
+/// used to fail on it (and so did every join after).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_that_died_without_leaving_is_pruned_by_the_next_join() {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let join = |name: &'static str, rank: u32| {
+        init_rpc_with_store(
+            store.clone(),
+            name,
+            BackendType::tcp(),
+            rank,
+            None,
+            options(),
+        )
+    };
+    let a = join("a", 0).await.unwrap();
+    let b = join("b", 1).await.unwrap();
+    // b goes without leaving (a non-graceful shutdown does not leave).
+    b.shutdown(false, None).await.unwrap();
+    let c = join("c", 2).await.unwrap();
+    let mut names: Vec<String> = c.workers().into_iter().map(|w| w.name).collect();
+    names.sort();
+    assert_eq!(names, ["a", "c"], "b was pruned");
+    let v: i64 = c.rpc_sync("a", "add", &(2i64, 2i64)).await.unwrap();
+    assert_eq!(v, 4);
+    let d = join("d", 3).await.unwrap();
+    assert_eq!(d.workers().len(), 3);
+    for w in [d, c, a] {
+        w.shutdown(false, None).await.unwrap();
+    }
+}
