@@ -224,67 +224,19 @@ async fn blocking_functions_run_beside_the_runtime_within_their_bound() {
     shutdown_all(ws).await;
 }
 
-/// TCP underneath, but every message from worker 2 to worker 1 is lost (a
-/// one-way partition): worker 2's fork requests to owner 1 are never
-/// answered.
-struct OneWayLoss {
-    inner: std::sync::Arc<dyn rallypoint_rpc::transport::Transport>,
-    me: u32,
-}
-
-impl rallypoint_rpc::transport::Transport for OneWayLoss {
-    fn address(&self) -> String {
-        self.inner.address()
-    }
-    fn add_peer(&self, id: u32, addr: &str) {
-        self.inner.add_peer(id, addr)
-    }
-    fn remove_peer(&self, id: u32) {
-        self.inner.remove_peer(id)
-    }
-    fn send(
-        &self,
-        to: u32,
-        msg: rallypoint_rpc::transport::Outgoing,
-    ) -> rallypoint_rpc::transport::BoxFuture<'_, Result<(), String>> {
-        if self.me == 2 && to == 1 {
-            return Box::pin(async { Ok(()) });
-        }
-        self.inner.send(to, msg)
-    }
-    fn shutdown(&self, graceful: bool) -> rallypoint_rpc::transport::BoxFuture<'_, ()> {
-        self.inner.shutdown(graceful)
-    }
-}
-
 static HELD: std::sync::Mutex<Option<RRef<i64>>> = std::sync::Mutex::new(None);
 
 /// A use of an RRef whose owner never confirms it keeps to the use's own
 /// timeout (the wait for the confirmation used to come before it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_use_waiting_for_the_owners_confirmation_keeps_to_its_timeout() {
-    use rallypoint_rpc::registry::BackendContext;
+    // TCP, but every message from worker 2 to worker 1 is lost (a one-way
+    // partition): worker 2's fork requests to owner 1 are never answered.
     let ty = BackendType::from("ONE_WAY_LOSS");
     if !rallypoint_rpc::backend_registered("ONE_WAY_LOSS") {
-        rallypoint_rpc::register_backend(
+        register_tap(
             "ONE_WAY_LOSS",
-            std::sync::Arc::new(|a: rallypoint_rpc::registry::OptionsArgs| {
-                Ok(rallypoint_rpc::RpcBackendOptions {
-                    rpc_timeout: a.rpc_timeout,
-                    init_method: a.init_method,
-                    ..Default::default()
-                })
-            }),
-            std::sync::Arc::new(|cx: BackendContext| {
-                Box::pin(async move {
-                    let mut cx = cx;
-                    let me = cx.rank;
-                    cx.options.tcp.listen = Some(std::net::Ipv4Addr::LOCALHOST.into());
-                    let inner = rallypoint_rpc::init_backend(&BackendType::tcp(), cx).await?;
-                    Ok(std::sync::Arc::new(OneWayLoss { inner, me })
-                        as std::sync::Arc<dyn rallypoint_rpc::transport::Transport>)
-                })
-            }),
+            std::sync::Arc::new(|from, to| !(from == 2 && to == 1)),
         )
         .unwrap();
     }

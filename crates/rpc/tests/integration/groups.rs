@@ -3,8 +3,6 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use rallypoint_rpc::registry::{BackendContext, OptionsArgs};
-use rallypoint_rpc::transport::{BoxFuture, Outgoing, Transport};
 use rallypoint_rpc::{
     backend_registered, backends, construct_rpc_backend_options, init_rpc_with_store,
     register_backend, BackendType, Error, RpcBackendOptions,
@@ -13,55 +11,17 @@ use rallypoint_store::{MemoryStore, Store};
 
 use crate::harness::*;
 
-/// A third-party backend: TCP underneath, counting what it sends.
-struct Counting {
-    inner: Arc<dyn Transport>,
-    sent: Arc<AtomicUsize>,
-}
-
-impl Transport for Counting {
-    fn address(&self) -> String {
-        self.inner.address()
-    }
-    fn add_peer(&self, id: u32, addr: &str) {
-        self.inner.add_peer(id, addr)
-    }
-    fn remove_peer(&self, id: u32) {
-        self.inner.remove_peer(id)
-    }
-    fn send(&self, to: u32, msg: Outgoing) -> BoxFuture<'_, Result<(), String>> {
-        self.sent.fetch_add(1, Ordering::SeqCst);
-        self.inner.send(to, msg)
-    }
-    fn shutdown(&self, graceful: bool) -> BoxFuture<'_, ()> {
-        self.inner.shutdown(graceful)
-    }
-}
-
 static SENT: std::sync::OnceLock<Arc<AtomicUsize>> = std::sync::OnceLock::new();
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_third_party_backend_registers_and_works() {
     let sent = SENT.get_or_init(Default::default).clone();
-    let ty = register_backend(
+    let counter = sent.clone();
+    let ty = register_tap(
         "COUNTING",
-        Arc::new(|a: OptionsArgs| {
-            Ok(RpcBackendOptions {
-                rpc_timeout: a.rpc_timeout,
-                init_method: a.init_method,
-                ..Default::default()
-            })
-        }),
-        Arc::new(|cx: BackendContext| {
-            Box::pin(async move {
-                let mut cx = cx;
-                cx.options.tcp.listen = Some(std::net::Ipv4Addr::LOCALHOST.into());
-                let inner = rallypoint_rpc::init_backend(&BackendType::tcp(), cx).await?;
-                Ok(Arc::new(Counting {
-                    inner,
-                    sent: SENT.get().unwrap().clone(),
-                }) as Arc<dyn Transport>)
-            })
+        Arc::new(move |_, _| {
+            counter.fetch_add(1, Ordering::SeqCst);
+            true
         }),
     )
     .unwrap();
@@ -216,19 +176,20 @@ async fn names_follow_pytorch_rules_and_must_be_unique() {
     }
 }
 
+/// Worker `name` joins the dynamic group kept in `store`.
+fn join_dynamic(
+    store: &Arc<dyn Store>,
+    name: &'static str,
+    rank: u32,
+    options: RpcBackendOptions,
+) -> impl std::future::Future<Output = rallypoint_rpc::Result<rallypoint_rpc::Rpc>> {
+    init_rpc_with_store(store.clone(), name, BackendType::tcp(), rank, None, options)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dynamic_workers_join_and_leave() {
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
-    let join = |name: &'static str, rank: u32| {
-        init_rpc_with_store(
-            store.clone(),
-            name,
-            BackendType::tcp(),
-            rank,
-            None,
-            options(),
-        )
-    };
+    let join = |name: &'static str, rank: u32| join_dynamic(&store, name, rank, options());
     let a = join("a", 0).await.unwrap();
     let b = join("b", 1).await.unwrap();
     assert_eq!(a.workers().len(), 2, "a learned of b");
@@ -274,7 +235,7 @@ async fn a_membership_token_held_by_a_dead_worker_is_taken_over_when_its_lease_e
     let join = |name: &'static str, rank: u32, timeout_ms: u64| {
         let mut o = options();
         o.rpc_timeout = std::time::Duration::from_millis(timeout_ms);
-        init_rpc_with_store(store.clone(), name, BackendType::tcp(), rank, None, o)
+        join_dynamic(&store, name, rank, o)
     };
     // A lease that ends in an hour: a join with a 300 ms timeout gives up,
     // naming the holder.
@@ -308,16 +269,7 @@ async fn a_membership_token_held_by_a_dead_worker_is_taken_over_when_its_lease_e
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_that_died_without_leaving_is_pruned_by_the_next_join() {
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
-    let join = |name: &'static str, rank: u32| {
-        init_rpc_with_store(
-            store.clone(),
-            name,
-            BackendType::tcp(),
-            rank,
-            None,
-            options(),
-        )
-    };
+    let join = |name: &'static str, rank: u32| join_dynamic(&store, name, rank, options());
     let a = join("a", 0).await.unwrap();
     let b = join("b", 1).await.unwrap();
     // b goes without leaving (a non-graceful shutdown does not leave).

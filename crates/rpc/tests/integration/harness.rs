@@ -146,3 +146,64 @@ pub async fn eventually(what: &str, f: impl Fn() -> bool) {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
+
+/// Decides, for each message (from, to), whether it is sent (`false`: lost).
+pub type Forward = Arc<dyn Fn(u32, u32) -> bool + Send + Sync>;
+
+/// A third-party backend for tests: TCP underneath, every send seen (and
+/// perhaps lost) by a [`Forward`].
+pub struct Tap {
+    inner: Arc<dyn rallypoint_rpc::transport::Transport>,
+    me: u32,
+    forward: Forward,
+}
+
+impl rallypoint_rpc::transport::Transport for Tap {
+    fn address(&self) -> String {
+        self.inner.address()
+    }
+    fn add_peer(&self, id: u32, addr: &str) {
+        self.inner.add_peer(id, addr)
+    }
+    fn remove_peer(&self, id: u32) {
+        self.inner.remove_peer(id)
+    }
+    fn send(
+        &self,
+        to: u32,
+        msg: rallypoint_rpc::transport::Outgoing,
+    ) -> rallypoint_rpc::transport::BoxFuture<'_, std::result::Result<(), String>> {
+        if !(self.forward)(self.me, to) {
+            return Box::pin(async { Ok(()) });
+        }
+        self.inner.send(to, msg)
+    }
+    fn shutdown(&self, graceful: bool) -> rallypoint_rpc::transport::BoxFuture<'_, ()> {
+        self.inner.shutdown(graceful)
+    }
+}
+
+/// Registers backend `name`: a [`Tap`] with `forward` over TCP on loopback.
+pub fn register_tap(name: &str, forward: Forward) -> Result<BackendType> {
+    rallypoint_rpc::register_backend(
+        name,
+        Arc::new(|a: rallypoint_rpc::registry::OptionsArgs| {
+            Ok(RpcBackendOptions {
+                rpc_timeout: a.rpc_timeout,
+                init_method: a.init_method,
+                ..Default::default()
+            })
+        }),
+        Arc::new(move |cx: rallypoint_rpc::registry::BackendContext| {
+            let forward = forward.clone();
+            Box::pin(async move {
+                let mut cx = cx;
+                let me = cx.rank;
+                cx.options.tcp.listen = Some(std::net::Ipv4Addr::LOCALHOST.into());
+                let inner = rallypoint_rpc::init_backend(&BackendType::tcp(), cx).await?;
+                Ok(Arc::new(Tap { inner, me, forward })
+                    as Arc<dyn rallypoint_rpc::transport::Transport>)
+            })
+        }),
+    )
+}
