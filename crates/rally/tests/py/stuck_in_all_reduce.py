@@ -22,8 +22,11 @@ def main():
     t = torch.ones(4)
     dist.all_reduce(t)
     if dist.get_rank() == 0:
-        with open(os.path.join(sync_dir, "pid0"), "w") as f:
+        # Written whole, then renamed: the test never reads half of it.
+        tmp = os.path.join(sync_dir, "pid0.tmp")
+        with open(tmp, "w") as f:
             f.write(str(os.getpid()))
+        os.rename(tmp, os.path.join(sync_dir, "pid0"))
         exchange_gradients(t)
         os._exit(0)
     if os.fork() == 0:

@@ -142,14 +142,18 @@ fn a_rank_blocked_in_a_gloo_all_reduce_whose_peer_died_is_dumped_and_rally_stack
     let logs = dir.path().join("logs");
     let c = two_workers(dir.path(), &py, &["--max-restarts", "0"]);
     let mut job = Job::spawn(c, dir.path(), "gloo");
-    let pid0 = wait_for(&dir.path().join("pid0"), LIMIT);
+    let pid0: u32 = wait_for(&dir.path().join("pid0"), LIMIT)
+        .trim()
+        .parse()
+        .expect("rank 0's pid");
+    let pid0 = pid0.to_string();
     // Wait, with `rally stacks` itself, until rank 0 is inside the collective:
     // the job keeps running meanwhile.
     let user_frame = format!("exchange_gradients ({}:{call})", py.display());
     let t0 = Instant::now();
     let live = loop {
         let out = Command::new(env!("CARGO_BIN_EXE_rally"))
-            .args(["stacks", pid0.trim()])
+            .args(["stacks", &pid0])
             .output()
             .unwrap();
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
