@@ -69,7 +69,7 @@ pub(crate) struct SerCtx {
     map: Option<DeviceMap>,
     bulk: Vec<Bytes>,
     off: u64,
-    forks: Vec<(ForkId, RRefId, bool)>,
+    forks: Vec<ForkId>,
     /// What the message carries of those forks (see [`ForkData`]).
     fork_data: Vec<ForkData>,
     /// The first error, kept here because postcard drops serde's messages.
@@ -111,7 +111,7 @@ impl SerCtx {
             Ok(d) => d,
             Err(e) => return self.fail(e),
         };
-        self.forks.push((d.fork, d.rref, h.fork.is_none()));
+        self.forks.push(d.fork);
         self.fork_data.push(d.clone());
         Ok(d)
     }
@@ -169,7 +169,7 @@ pub(crate) fn with_de<R>(f: impl FnOnce(&mut DeCtx) -> R) -> Option<R> {
 pub(crate) struct Encoded {
     pub bytes: Vec<u8>,
     pub bulk: Vec<Bytes>,
-    pub forks: Vec<(ForkId, RRefId, bool)>,
+    pub forks: Vec<ForkId>,
     pub fork_data: Vec<ForkData>,
 }
 
@@ -503,6 +503,7 @@ impl AgentInner {
         device_info: DeviceInfo,
         num_worker_threads: usize,
     ) -> Arc<AgentInner> {
+        let id = me.id;
         Arc::new(AgentInner {
             me,
             workers: RwLock::default(),
@@ -512,7 +513,7 @@ impl AgentInner {
             pending: Mutex::default(),
             next_id: AtomicU64::new(1),
             next_gid: AtomicU64::new(1),
-            rrefs: RRefContext::default(),
+            rrefs: RRefContext::new(id),
             default_timeout,
             active: AtomicUsize::new(0),
             idle: Notify::new(),
@@ -627,7 +628,7 @@ impl AgentInner {
                 fork_data: cx.fork_data,
             }),
             Err(e) => {
-                self.rrefs.cancel_children(&cx.forks);
+                self.rrefs.cancel_children(self, &cx.forks);
                 Err(cx.error.unwrap_or(e))
             }
         }
@@ -684,7 +685,7 @@ impl AgentInner {
         let what = req.describe();
         let worker = self.name_of(to);
         if self.closed.load(Ordering::SeqCst) {
-            self.rrefs.cancel_children(&args.forks);
+            self.rrefs.cancel_children(self, &args.forks);
             return Err(Error::Shutdown(self.me.name.clone()));
         }
         let timeout = timeout.unwrap_or(self.default_timeout);
@@ -729,7 +730,7 @@ impl AgentInner {
             Ok(env) => env,
             Err(e) => {
                 forget(self);
-                self.rrefs.cancel_children(&args.forks);
+                self.rrefs.cancel_children(self, &args.forks);
                 return Err(Error::Invalid(format!("{e} (to worker {worker})")));
             }
         };
@@ -752,7 +753,7 @@ impl AgentInner {
         };
         if let Err(reason) = sent {
             forget(self);
-            self.rrefs.cancel_children(&args.forks);
+            self.rrefs.cancel_children(self, &args.forks);
             return Err(Error::WorkerGone {
                 worker,
                 what,
@@ -826,31 +827,17 @@ impl AgentInner {
         Err(last.expect("an attempt failed"))
     }
 
-    /// A child's side of a fork to a third worker: ask the owner to record it,
-    /// then tell the parent.
-    pub(crate) fn fork_to_owner(
-        self: &Arc<Self>,
-        owner: u32,
-        rref: RRefId,
-        fork: ForkId,
-        parent: u32,
-    ) {
+    /// A child's side of a fork to a third worker: ask the owner to record it;
+    /// the table then confirms the child and tells its parent (whether the
+    /// owner recorded it or could not be reached: the parent holds its handle
+    /// until then, and must let it go either way).
+    pub(crate) fn fork_to_owner(self: &Arc<Self>, owner: u32, rref: RRefId, fork: ForkId) {
         let a = self.clone();
         let active = Active::new(self);
         self.rt.spawn(async move {
             let _active = active;
-            match a.control(owner, Request::ForkRequest { rref, fork }).await {
-                Ok(()) => {
-                    a.rrefs.confirm(&a, fork, None);
-                    a.send_control(parent, Request::ChildAccept { fork });
-                }
-                Err(e) => {
-                    a.rrefs.confirm(&a, fork, Some(e));
-                    // The parent holds its handle until this child is
-                    // accepted; it never will be: let the parent go.
-                    a.send_control(parent, Request::ChildAccept { fork });
-                }
-            }
+            let r = a.control(owner, Request::ForkRequest { rref, fork }).await;
+            a.rrefs.fork_registered(&a, fork, r);
         });
     }
 
@@ -926,7 +913,7 @@ impl AgentInner {
             }));
         }
         if !self.closed.load(Ordering::SeqCst) {
-            let leaks = self.rrefs.peer_gone(peer, &worker);
+            let leaks = self.rrefs.peer_gone(self, peer, &worker);
             for l in &leaks {
                 tracing::warn!(worker = %self.me.name, "{l}");
             }
@@ -957,7 +944,7 @@ impl AgentInner {
             match wire::check_envelope(e.bytes.len(), &format!("the result of {what}")) {
                 Ok(()) => Ok(e),
                 Err(m) => {
-                    self.rrefs.cancel_children(&e.forks);
+                    self.rrefs.cancel_children(&self, &e.forks);
                     Err(m)
                 }
             }
@@ -979,7 +966,7 @@ impl AgentInner {
             Ok(e) => e,
             Err(e) => {
                 tracing::warn!("encoding a response: {e}");
-                self.rrefs.cancel_children(&forks);
+                self.rrefs.cancel_children(&self, &forks);
                 return;
             }
         };
@@ -988,7 +975,7 @@ impl AgentInner {
             bulk: out_bulk,
         };
         if let Err(e) = self.send_to(from, msg).await {
-            self.rrefs.cancel_children(&forks);
+            self.rrefs.cancel_children(&self, &forks);
             tracing::debug!(worker = %self.me.name, "answer to {} not sent: {e}", self.name_of(from));
         }
         if let Some(id) = leaving {
@@ -1045,18 +1032,10 @@ impl AgentInner {
         let owned = |rref: RRefId| {
             let a = self.clone();
             async move {
-                let wait = a.rrefs.owner_value(rref);
-                if a.default_timeout.is_zero() {
-                    return wait.await.map_err(|e| e.to_string());
-                }
-                match tokio::time::timeout(a.default_timeout, wait).await {
-                    Ok(r) => r.map_err(|e| e.to_string()),
-                    Err(_) => Err(format!(
-                        "RRef {rref} is not known on worker {} (waited {} ms for its creation)",
-                        a.me.name,
-                        a.default_timeout.as_millis()
-                    )),
-                }
+                a.rrefs
+                    .owner_value(&a, rref, a.default_timeout)
+                    .await
+                    .map_err(|e| e.to_string())
             }
         };
         match req {
@@ -1079,8 +1058,7 @@ impl AgentInner {
                     Ok(_) => Ok(Self::empty()),
                     Err(m) => Err(m.clone()),
                 };
-                self.rrefs.set_value(rref, r);
-                self.rrefs.settle(rref);
+                self.rrefs.set_value(self, rref, r);
                 answer
             }
             Request::Method { rref, method } => {
@@ -1125,9 +1103,9 @@ impl AgentInner {
         req: &Request,
     ) -> std::result::Result<(), String> {
         match *req {
-            Request::UserDelete { rref, fork } => self.rrefs.user_delete(rref, fork),
-            Request::ForkRequest { rref, fork } => self.rrefs.fork_request(rref, fork, from),
-            Request::ChildAccept { fork } => self.rrefs.child_accept(fork),
+            Request::UserDelete { rref, fork } => self.rrefs.user_delete(self, rref, fork),
+            Request::ForkRequest { rref, fork } => self.rrefs.fork_request(self, rref, fork, from),
+            Request::ChildAccept { fork } => self.rrefs.child_accept(self, fork),
             _ => return Err(format!("{} is not a control message", req.describe())),
         }
         Ok(())
@@ -1177,10 +1155,7 @@ impl AgentInner {
     /// are accepted and the users of what it owns are deleted.
     async fn release_and_drain(self: &Arc<Self>, deadline: Option<Instant>, owners: bool) -> bool {
         loop {
-            let (dels, _) = self.rrefs.release_users();
-            for (owner, rref, fork) in dels {
-                self.send_control(owner, Request::UserDelete { rref, fork });
-            }
+            self.rrefs.release_users(self);
             let n = self.rrefs.changed.notified();
             tokio::pin!(n);
             n.as_mut().enable();
@@ -1537,8 +1512,7 @@ impl Rpc {
                     }
                     None => Err(a2.no_function(&func)),
                 };
-                a2.rrefs.set_value(rref, r);
-                a2.rrefs.settle(rref);
+                a2.rrefs.set_value(&a2, rref, r);
             });
             return Ok(RRef::from_handle(h));
         }
@@ -1579,7 +1553,7 @@ impl Rpc {
             format!("a local value of worker {}", a.me.name),
             std::any::type_name::<T>(),
         );
-        a.rrefs.set_value(h.id, Ok(Box::new(value)));
+        a.rrefs.set_value(a, h.id, Ok(Box::new(value)));
         RRef::from_handle(h)
     }
 

@@ -19,8 +19,8 @@
 //! * When the last handle of a user is dropped, the owner is told (USER_DELETE;
 //!   G1: the owner is told of every user deletion). A user dropped before it was
 //!   confirmed is deleted when the confirmation arrives.
-//! * No ordering between workers is assumed: a FORK_REQUEST or fetch may reach
-//!   the owner before the REMOTE_CALL that creates the value, and waits for it.
+//! * No ordering between workers is assumed: a FORK_REQUEST or USER_DELETE may
+//!   reach the owner before the REMOTE_CALL that creates the value.
 //!   Control messages are retried, so their handlers are idempotent; the owner
 //!   remembers a deleted fork (a tombstone) when a message that registers it
 //!   may still come: the deletion came first, or the fork was registered by
@@ -36,8 +36,17 @@
 //! held is released, owners wait for their users' deletions, and whatever is
 //! still referenced when time runs out is reported by name (never dropped
 //! silently).
+//!
+//! # Where the decisions live
+//!
+//! Every decision of the protocol is made by a pure machine, `table.rs`
+//! (events in, effects out); [`RRefContext`] holds it under a lock and
+//! applies its effects. `sim.rs` (tests only) runs several tables through
+//! thousands of seeded schedules of reordered, repeated and delayed
+//! messages and killed workers, checking G1, G2, that every wait ends and
+//! that shutdown ends, after every step.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, Weak};
@@ -48,7 +57,12 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use tokio::sync::Notify;
 
 use crate::agent::{with_de, with_ser, AgentInner, Value};
+use crate::wire::Request;
 use crate::{Error, Result, Rpc};
+
+mod table;
+
+use table::{Adoption, Control, Effect, OwnerState, Parent, Table, UserStatus};
 
 /// A job-wide unique id: the worker that made it and a counter there
 /// (PyTorch's `GloballyUniqueId`).
@@ -204,7 +218,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> RRef<T> {
                 self.h.id, self.h.owner
             )));
         }
-        let v = a.rrefs.owner_value(self.h.id).await?;
+        let v = a.rrefs.owner_value(&a, self.h.id, a.default_timeout).await?;
         let mut g = v.lock().unwrap_or_else(|e| e.into_inner());
         let any = g.as_any();
         let t = any.downcast_mut::<T>().ok_or_else(|| {
@@ -321,88 +335,19 @@ impl<'de, T: 'static> Deserialize<'de> for RRef<T> {
     }
 }
 
-/// How an owned value stands.
-pub(crate) enum OwnerState {
-    /// The creating call has not finished (or not arrived).
-    Pending,
-    Ready(Arc<Mutex<Box<dyn Value>>>),
-    Failed(String),
-}
+/// An owned value, shared with the requests using it.
+pub(crate) type Held = Arc<Mutex<Box<dyn Value>>>;
 
-pub(crate) struct OwnerEntry {
-    pub(crate) state: OwnerState,
-    /// Users that may still use the value, with the worker holding each.
-    forks: HashMap<ForkId, u32>,
-    /// Deleted users, so that a late duplicate fork request is ignored, and
-    /// when each was deleted (dropped after [`TOMBSTONE_TTL`]).
-    deleted: HashMap<ForkId, Instant>,
-    /// Users registered by a FORK_REQUEST (retried, so it may repeat).
-    requested: HashSet<ForkId>,
-    /// Live local handles (owner `RRef`s).
-    local: usize,
-    pub(crate) what: String,
-    pub(crate) ready: Arc<Notify>,
-}
-
-pub(crate) struct UserEntry {
-    rref: RRefId,
-    owner: u32,
-    confirmed: bool,
-    /// The last handle is gone; delete once confirmed.
-    dropped: bool,
-    /// Released by shutdown: unusable.
-    released: bool,
-    /// `remote()` failed (or timed out): every use reports it.
-    error: Option<Error>,
-    what: String,
-    notify: Arc<Notify>,
-}
-
-/// A parent's handle, kept until its child is accepted (G2).
-struct Child {
-    _parent: Arc<Handle>,
-    on: u32,
-}
-
-#[derive(Default)]
-struct State {
-    owners: HashMap<RRefId, OwnerEntry>,
-    users: HashMap<ForkId, UserEntry>,
-    children: HashMap<ForkId, Child>,
-    /// Deleted values and released handles, dropped only after the lock is
-    /// released: a value may hold RRefs, whose drop comes back here.
-    dead: Vec<Box<dyn Send>>,
-}
-
-/// The state's lock; drops what was deleted under it after unlocking.
-struct Guard<'a>(Option<std::sync::MutexGuard<'a, State>>);
-
-impl std::ops::Deref for Guard<'_> {
-    type Target = State;
-    fn deref(&self) -> &State {
-        self.0.as_ref().expect("locked")
-    }
-}
-
-impl std::ops::DerefMut for Guard<'_> {
-    fn deref_mut(&mut self) -> &mut State {
-        self.0.as_mut().expect("locked")
-    }
-}
-
-impl Drop for Guard<'_> {
-    fn drop(&mut self) {
-        let dead = self.0.as_mut().map(|g| std::mem::take(&mut g.dead));
-        self.0 = None;
-        drop(dead);
-    }
-}
-
-/// One worker's RRef bookkeeping.
-#[derive(Default)]
+/// One worker's RRef bookkeeping: the protocol's [`Table`] under a lock, and
+/// the effects of each event applied after unlocking (control messages sent,
+/// waiters woken, deleted values dropped).
 pub(crate) struct RRefContext {
-    st: Mutex<State>,
-    /// Signalled whenever an owner entry or a child goes away (shutdown waits).
+    table: Mutex<Table<Held>>,
+    /// Woken when a user is confirmed, failed or released.
+    users_changed: Notify,
+    /// Woken when an owned value is ready or failed.
+    values_settled: Notify,
+    /// Woken whenever something shutdown waits for goes away.
     pub(crate) changed: Notify,
 }
 
@@ -432,26 +377,54 @@ impl fmt::Display for Leak {
     }
 }
 
+
 impl RRefContext {
-    fn lock(&self) -> Guard<'_> {
-        Guard(Some(self.st.lock().unwrap_or_else(|e| e.into_inner())))
+    pub(crate) fn new(me: u32) -> RRefContext {
+        RRefContext {
+            table: Mutex::new(Table::new(me)),
+            users_changed: Notify::new(),
+            values_settled: Notify::new(),
+            changed: Notify::new(),
+        }
     }
 
-    /// The owner's entry for `rref`, created pending if a message about it
-    /// arrives before the call that makes it.
-    fn entry<'a>(st: &'a mut State, rref: RRefId, what: &str) -> &'a mut OwnerEntry {
-        st.owners.entry(rref).or_insert_with(|| OwnerEntry {
-            state: OwnerState::Pending,
-            forks: HashMap::new(),
-            deleted: HashMap::new(),
-            requested: HashSet::new(),
-            local: 0,
-            what: what.to_owned(),
-            ready: Arc::new(Notify::new()),
-        })
+    /// Runs one event on the table, then applies its effects unlocked.
+    fn with<R>(
+        &self,
+        a: &Arc<AgentInner>,
+        f: impl FnOnce(&mut Table<Held>, &mut Vec<Effect<Held>>) -> R,
+    ) -> R {
+        let mut out = Vec::new();
+        let r = f(&mut self.lock(), &mut out);
+        for e in out {
+            match e {
+                Effect::Send { to, msg } => match msg {
+                    Control::UserDelete { rref, fork } => {
+                        a.send_control(to, Request::UserDelete { rref, fork })
+                    }
+                    Control::ChildAccept { fork } => {
+                        a.send_control(to, Request::ChildAccept { fork })
+                    }
+                    Control::ForkRequest { rref, fork } => a.fork_to_owner(to, rref, fork),
+                },
+                Effect::UserChanged => self.users_changed.notify_waiters(),
+                Effect::ValueSettled => self.values_settled.notify_waiters(),
+                Effect::Drained => self.changed.notify_waiters(),
+                Effect::Deleted { rref, value } => {
+                    tracing::trace!(worker = %a.me.name, %rref, "deleted");
+                    drop(value)
+                }
+                Effect::Dispose(v) => drop(v),
+            }
+        }
+        r
     }
 
-    /// A new value owned here with one local handle (`RRef::new`, or a
+    fn lock(&self) -> std::sync::MutexGuard<'_, Table<Held>> {
+        self.table.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A new value owned here with one local handle (`Rpc::rref`, or a
     /// `remote()` to self).
     pub(crate) fn new_owned(
         &self,
@@ -460,7 +433,7 @@ impl RRefContext {
         type_name: &'static str,
     ) -> Arc<Handle> {
         let id = a.gid();
-        Self::entry(&mut self.lock(), id, &what).local += 1;
+        self.lock().new_owned(id, &what, Instant::now());
         Arc::new(Handle {
             agent: Arc::downgrade(a),
             id,
@@ -472,57 +445,63 @@ impl RRefContext {
     }
 
     /// The value of `rref` is ready (or failed).
-    pub(crate) fn set_value(&self, rref: RRefId, v: std::result::Result<Box<dyn Value>, String>) {
-        let mut st = self.lock();
-        let old = st.owners.get_mut(&rref).map(|e| {
-            let new = match v {
-                Ok(v) => OwnerState::Ready(Arc::new(Mutex::new(v))),
-                Err(m) => OwnerState::Failed(m),
-            };
-            e.ready.notify_waiters();
-            std::mem::replace(&mut e.state, new)
-        });
-        if let Some(OwnerState::Ready(v)) = old {
-            st.dead.push(Box::new(v));
-        }
+    pub(crate) fn set_value(
+        &self,
+        a: &Arc<AgentInner>,
+        rref: RRefId,
+        v: std::result::Result<Box<dyn Value>, String>,
+    ) {
+        let v = v.map(|v| Arc::new(Mutex::new(v)));
+        self.with(a, |t, out| t.set_value(rref, v, out));
     }
 
     /// A REMOTE_CALL arrived: record the creator's fork.
     pub(crate) fn remote_arrived(&self, rref: RRefId, fork: ForkId, from: u32, what: &str) {
-        let mut st = self.lock();
-        let e = Self::entry(&mut st, rref, what);
-        if !e.deleted.contains_key(&fork) {
-            e.forks.insert(fork, from);
-        }
+        self.lock()
+            .remote_arrived(rref, fork, from, what, Instant::now());
     }
 
-    /// The value of `rref` once ready.
-    pub(crate) async fn owner_value(&self, rref: RRefId) -> Result<Arc<Mutex<Box<dyn Value>>>> {
-        loop {
-            let ready = {
-                let mut st = self.lock();
-                let e = Self::entry(&mut st, rref, "unknown");
-                match &e.state {
-                    OwnerState::Ready(v) => return Ok(v.clone()),
-                    OwnerState::Failed(m) => {
+    /// The value of `rref` once ready, waiting at most `timeout` (zero: no
+    /// bound) for a creation still running or not arrived.
+    pub(crate) async fn owner_value(
+        &self,
+        a: &AgentInner,
+        rref: RRefId,
+        timeout: Duration,
+    ) -> Result<Held> {
+        let wait = async {
+            loop {
+                let n = self.values_settled.notified();
+                tokio::pin!(n);
+                n.as_mut().enable();
+                match self.lock().value(rref) {
+                    Some(OwnerState::Ready(v)) => return Ok(v.clone()),
+                    Some(OwnerState::Failed(m)) => {
                         return Err(Error::Invalid(format!(
                             "the value of RRef {rref} failed to be created: {m}"
                         )))
                     }
-                    OwnerState::Pending => e.ready.clone(),
+                    Some(OwnerState::Pending) => {}
+                    None => {
+                        return Err(Error::Invalid(format!(
+                            "RRef {rref} is not known on worker {} (deleted, or never created there)",
+                            a.me.name
+                        )))
+                    }
                 }
-            };
-            let n = ready.notified();
-            tokio::pin!(n);
-            n.as_mut().enable();
-            if !matches!(
-                self.lock().owners.get(&rref).map(|e| &e.state),
-                Some(OwnerState::Pending)
-            ) {
-                continue;
+                n.await;
             }
-            n.await;
+        };
+        if timeout.is_zero() {
+            return wait.await;
         }
+        tokio::time::timeout(timeout, wait).await.map_err(|_| {
+            Error::Invalid(format!(
+                "RRef {rref} is not ready on worker {} (waited {} ms for its creation)",
+                a.me.name,
+                timeout.as_millis()
+            ))
+        })?
     }
 
     /// A user made by `remote()`: unconfirmed until the owner answers.
@@ -534,19 +513,7 @@ impl RRefContext {
         type_name: &'static str,
     ) -> Arc<Handle> {
         let (id, fork) = (a.gid(), a.gid());
-        self.lock().users.insert(
-            fork,
-            UserEntry {
-                rref: id,
-                owner,
-                confirmed: false,
-                dropped: false,
-                released: false,
-                error: None,
-                what: what.clone(),
-                notify: Arc::new(Notify::new()),
-            },
-        );
+        self.lock().new_user(id, fork, owner, &what);
         Arc::new(Handle {
             agent: Arc::downgrade(a),
             id,
@@ -559,61 +526,45 @@ impl RRefContext {
 
     /// The owner has recorded user `fork` (or `error`: it never will).
     pub(crate) fn confirm(&self, a: &Arc<AgentInner>, fork: ForkId, error: Option<Error>) {
-        let delete = {
-            let mut st = self.lock();
-            let Some(u) = st.users.get_mut(&fork) else {
-                return;
-            };
-            u.confirmed = true;
-            u.error = error;
-            u.notify.notify_waiters();
-            u.dropped.then_some((u.owner, u.rref))
-        };
-        if let Some((owner, rref)) = delete {
-            self.lock().users.remove(&fork);
-            a.send_control(owner, crate::wire::Request::UserDelete { rref, fork });
-        }
+        self.with(a, |t, out| t.confirm(fork, error, out));
+    }
+
+    /// The FORK_REQUEST of user `fork` ended.
+    pub(crate) fn fork_registered(
+        &self,
+        a: &Arc<AgentInner>,
+        fork: ForkId,
+        result: std::result::Result<(), Error>,
+    ) {
+        self.with(a, |t, out| t.fork_registered(fork, result, out));
     }
 
     pub(crate) fn is_confirmed(&self, fork: ForkId) -> bool {
-        self.lock().users.get(&fork).is_some_and(|u| u.confirmed)
+        self.lock().user(fork) == UserStatus::Confirmed
     }
 
     /// Waits until user `fork` is confirmed; errors if it failed or was released.
     pub(crate) async fn user_usable(&self, a: &Arc<AgentInner>, fork: ForkId) -> Result<()> {
         loop {
-            let notify = {
-                let st = self.lock();
-                let Some(u) = st.users.get(&fork) else {
+            let n = self.users_changed.notified();
+            tokio::pin!(n);
+            n.as_mut().enable();
+            match self.lock().user(fork) {
+                UserStatus::Confirmed => return Ok(()),
+                UserStatus::Failed(e) => return Err(e),
+                UserStatus::Released { rref } => {
+                    return Err(Error::Shutdown(format!(
+                        "{} (RRef {rref} was released at shutdown)",
+                        a.me.name
+                    )))
+                }
+                UserStatus::Unknown => {
                     return Err(Error::Invalid(format!(
                         "fork {fork} is not a live user on worker {}",
                         a.me.name
-                    )));
-                };
-                if u.released {
-                    return Err(Error::Shutdown(format!(
-                        "{} (RRef {} was released at shutdown)",
-                        a.me.name, u.rref
-                    )));
+                    )))
                 }
-                if let Some(e) = &u.error {
-                    return Err(e.clone());
-                }
-                if u.confirmed {
-                    return Ok(());
-                }
-                u.notify.clone()
-            };
-            let n = notify.notified();
-            tokio::pin!(n);
-            n.as_mut().enable();
-            if self
-                .lock()
-                .users
-                .get(&fork)
-                .is_none_or(|u| u.confirmed || u.released)
-            {
-                continue;
+                UserStatus::Unconfirmed => {}
             }
             n.await;
         }
@@ -621,84 +572,28 @@ impl RRefContext {
 
     /// The last handle of user `fork` is gone.
     pub(crate) fn user_dropped(&self, a: &Arc<AgentInner>, fork: ForkId) {
-        let send = {
-            let mut st = self.lock();
-            let Some(u) = st.users.get_mut(&fork) else {
-                return;
-            };
-            if u.released {
-                st.users.remove(&fork);
-                return;
-            }
-            if !u.confirmed {
-                u.dropped = true;
-                return;
-            }
-            let u = st.users.remove(&fork).expect("present");
-            (u.owner, u.rref)
-        };
-        a.send_control(
-            send.0,
-            crate::wire::Request::UserDelete { rref: send.1, fork },
-        );
+        self.with(a, |t, out| t.user_dropped(fork, out));
     }
 
-    pub(crate) fn owner_handle_dropped(&self, _a: &Arc<AgentInner>, rref: RRefId) {
-        let mut st = self.lock();
-        if let Some(e) = st.owners.get_mut(&rref) {
-            e.local = e.local.saturating_sub(1);
-        }
-        self.maybe_delete(&mut st, rref);
-    }
-
-    fn maybe_delete(&self, st: &mut State, rref: RRefId) {
-        if st.owners.get(&rref).is_some_and(|e| {
-            e.forks.is_empty() && e.local == 0 && !matches!(e.state, OwnerState::Pending)
-        }) {
-            let e = st.owners.remove(&rref).expect("present");
-            st.dead.push(Box::new(e));
-            self.changed.notify_waiters();
-        }
+    pub(crate) fn owner_handle_dropped(&self, a: &Arc<AgentInner>, rref: RRefId) {
+        self.with(a, |t, out| t.owner_dropped(rref, out));
     }
 
     /// USER_DELETE at the owner. Idempotent.
-    pub(crate) fn user_delete(&self, rref: RRefId, fork: ForkId) {
-        let mut st = self.lock();
-        // Requests run as tasks, so a deletion may be handled before the
-        // REMOTE_CALL that creates the value: remember it either way.
-        let e = Self::entry(&mut st, rref, "deleted before its creation arrived");
-        let known = e.forks.remove(&fork).is_some();
-        let repeatable = e.requested.remove(&fork);
-        if !known || repeatable {
-            // A message registering this fork may still come.
-            e.deleted.retain(|_, at| at.elapsed() < TOMBSTONE_TTL);
-            e.deleted.insert(fork, Instant::now());
-        }
-        self.maybe_delete(&mut st, rref);
+    pub(crate) fn user_delete(&self, a: &Arc<AgentInner>, rref: RRefId, fork: ForkId) {
+        self.with(a, |t, out| t.user_delete(rref, fork, Instant::now(), out));
     }
 
     /// FORK_REQUEST at the owner. Idempotent, and a deleted fork stays deleted.
-    pub(crate) fn fork_request(&self, rref: RRefId, fork: ForkId, from: u32) {
-        let mut st = self.lock();
-        let e = Self::entry(&mut st, rref, "forked before its creation arrived");
-        if !e.deleted.contains_key(&fork) {
-            e.forks.insert(fork, from);
-            e.requested.insert(fork);
-        }
+    pub(crate) fn fork_request(&self, a: &Arc<AgentInner>, rref: RRefId, fork: ForkId, from: u32) {
+        self.with(a, |t, out| {
+            t.fork_request(rref, fork, from, Instant::now(), out)
+        });
     }
 
-    /// CHILD_ACCEPT at the parent: let the parent's handle go. Idempotent.
-    pub(crate) fn child_accept(&self, fork: ForkId) {
-        let child = self.lock().children.remove(&fork);
-        drop(child); // outside the lock: this may drop the parent's last handle
-        self.changed.notify_waiters();
-    }
-
-    /// The remote value was deleted (or the call failed) since a creation
-    /// finished: make the owner's pending entry deletable.
-    pub(crate) fn settle(&self, rref: RRefId) {
-        let mut st = self.lock();
-        self.maybe_delete(&mut st, rref);
+    /// CHILD_ACCEPT at the parent. Idempotent.
+    pub(crate) fn child_accept(&self, a: &Arc<AgentInner>, fork: ForkId) {
+        self.with(a, |t, out| t.child_accept(fork, out));
     }
 
     /// Forks `h` for a message to worker `dest`.
@@ -709,32 +604,11 @@ impl RRefContext {
         dest: u32,
     ) -> std::result::Result<ForkData, String> {
         let fork = a.gid();
-        let mut st = self.lock();
-        if let Some(f) = h.fork {
-            match st.users.get(&f) {
-                Some(u) if u.released => {
-                    return Err(format!("RRef {} was released at shutdown", h.id))
-                }
-                Some(u) if u.error.is_some() => {
-                    return Err(format!(
-                        "RRef {} failed: {}",
-                        h.id,
-                        u.error.as_ref().unwrap()
-                    ))
-                }
-                _ => {}
-            }
-        } else {
-            // The owner records its own forks at once.
-            Self::entry(&mut st, h.id, &h.what).forks.insert(fork, dest);
-        }
-        st.children.insert(
-            fork,
-            Child {
-                _parent: h.clone(),
-                on: dest,
-            },
-        );
+        let parent = match h.fork {
+            Some(f) => Parent::User(f),
+            None => Parent::Owner(h.id),
+        };
+        self.lock().fork(parent, fork, dest)?;
         Ok(ForkData {
             owner: h.owner,
             rref: h.id,
@@ -746,143 +620,42 @@ impl RRefContext {
     }
 
     /// Forks made for a message that was never delivered: let their parents go.
-    pub(crate) fn cancel_children(&self, forks: &[(ForkId, RRefId, bool)]) {
-        let mut dropped = Vec::new();
-        {
-            let mut st = self.lock();
-            for (f, rref, owner_made) in forks {
-                dropped.push(st.children.remove(f));
-                if *owner_made {
-                    if let Some(e) = st.owners.get_mut(rref) {
-                        e.forks.remove(f);
-                    }
-                    self.maybe_delete(&mut st, *rref);
-                }
-            }
+    pub(crate) fn cancel_children(&self, a: &Arc<AgentInner>, forks: &[ForkId]) {
+        if !forks.is_empty() {
+            self.with(a, |t, out| t.cancel_children(forks, out));
         }
-        drop(dropped);
     }
 
     /// Worker `peer` is gone: children there will never accept, and its users
     /// of values owned here will never delete.
-    pub(crate) fn peer_gone(&self, peer: u32, name: &str) -> Vec<Leak> {
-        let mut dropped = Vec::new();
-        let mut leaks = Vec::new();
-        {
-            let mut st = self.lock();
-            let gone: Vec<ForkId> = st
-                .children
-                .iter()
-                .filter(|(_, c)| c.on == peer)
-                .map(|(f, _)| *f)
-                .collect();
-            for f in gone {
-                dropped.push(st.children.remove(&f));
-            }
-            for (id, e) in st.owners.iter_mut() {
-                let before = e.forks.len();
-                e.forks.retain(|_, w| *w != peer);
-                let forks = &e.forks;
-                e.requested.retain(|f| forks.contains_key(f));
-                if e.forks.len() != before {
-                    leaks.push(Leak {
-                        rref: *id,
-                        what: e.what.clone(),
-                        held_by: vec![format!("worker {name}, which is gone")],
-                    });
-                }
-            }
-            let ids: Vec<RRefId> = st.owners.keys().copied().collect();
-            for id in ids {
-                self.maybe_delete(&mut st, id);
-            }
-        }
-        drop(dropped);
-        self.changed.notify_waiters();
-        leaks
+    pub(crate) fn peer_gone(&self, a: &Arc<AgentInner>, peer: u32, name: &str) -> Vec<Leak> {
+        self.with(a, |t, out| t.peer_gone(peer, name, out))
     }
 
     /// Shutdown, step 1: release every user held here (deleting it at its
-    /// owner), so handles the program still holds become unusable. Returns
-    /// the deletions to send and the users still unconfirmed.
-    pub(crate) fn release_users(&self) -> (Vec<(u32, RRefId, ForkId)>, usize) {
-        let mut st = self.lock();
-        let mut out = Vec::new();
-        let mut unconfirmed = 0;
-        // G2: a parent is released only once its children are accepted.
-        let parents: HashSet<ForkId> = st
-            .children
-            .values()
-            .filter_map(|c| c._parent.fork)
-            .collect();
-        for (f, u) in st.users.iter_mut() {
-            if u.released || parents.contains(f) {
-                continue;
-            }
-            if !u.confirmed {
-                unconfirmed += 1;
-                continue;
-            }
-            u.released = true;
-            u.notify.notify_waiters();
-            out.push((u.owner, u.rref, *f));
-        }
-        (out, unconfirmed)
+    /// owner), so handles the program still holds become unusable.
+    pub(crate) fn release_users(&self, a: &Arc<AgentInner>) {
+        self.with(a, |t, out| t.release_users(out));
     }
 
-    /// Shutdown: is anything still waiting on others (children unaccepted,
-    /// users unconfirmed, owned values with remote users)?
+    /// Shutdown: is anything still waiting on others?
     pub(crate) fn settled(&self, owners: bool) -> bool {
-        let st = self.lock();
-        st.children.is_empty()
-            && st.users.values().all(|u| u.confirmed)
-            && (!owners || st.owners.values().all(|e| e.forks.is_empty()))
+        self.lock().settled(owners)
     }
 
     /// What is still referenced, by name.
     pub(crate) fn leaks(&self, name_of: &dyn Fn(u32) -> String) -> Vec<Leak> {
-        let st = self.lock();
-        let mut out: Vec<Leak> = st
-            .owners
-            .iter()
-            .filter(|(_, e)| !e.forks.is_empty())
-            .map(|(id, e)| {
-                let mut held_by: Vec<String> = e.forks.values().map(|w| name_of(*w)).collect();
-                held_by.sort();
-                held_by.dedup();
-                Leak {
-                    rref: *id,
-                    what: e.what.clone(),
-                    held_by,
-                }
-            })
-            .collect();
-        out.extend(
-            st.users
-                .iter()
-                .filter(|(_, u)| !u.confirmed)
-                .map(|(_, u)| Leak {
-                    rref: u.rref,
-                    what: u.what.clone(),
-                    held_by: vec![format!(
-                        "a user here the owner {} never confirmed",
-                        name_of(u.owner)
-                    )],
-                }),
-        );
-        out.sort_by_key(|l| l.rref);
-        out
+        self.lock().leaks(name_of)
     }
 
     /// Counts for tests and reports: (owned values, users, children).
     pub(crate) fn counts(&self) -> (usize, usize, usize) {
-        let st = self.lock();
-        (st.owners.len(), st.users.len(), st.children.len())
+        self.lock().counts()
     }
 
     /// Tombstones of deleted forks kept, over every owned value.
     pub(crate) fn tombstones(&self) -> usize {
-        self.lock().owners.values().map(|e| e.deleted.len()).sum()
+        self.lock().tombstones()
     }
 }
 
@@ -899,71 +672,26 @@ pub(crate) struct Adopted {
 /// becomes a handle here, and dropping an unused one releases it properly.
 pub(crate) fn adopt_all(a: &Arc<AgentInner>, forks: Vec<ForkData>) -> Adopted {
     let mut out = Adopted::default();
+    if forks.is_empty() {
+        return out;
+    }
+    let now = Instant::now();
     for d in forks {
-        let f = d.fork;
-        let h = adopt(a, d, &mut out.new_users);
-        out.handles.insert(f, h);
+        let kind = a.rrefs.with(a, |t, out| {
+            t.adopt(d.owner, d.rref, d.fork, d.parent, &d.what, now, out)
+        });
+        if kind == (Adoption::User { unconfirmed: true }) {
+            out.new_users.push(d.fork);
+        }
+        let h = Arc::new(Handle {
+            agent: Arc::downgrade(a),
+            id: d.rref,
+            owner: d.owner,
+            fork: (kind != Adoption::Owner).then_some(d.fork),
+            what: d.what,
+            type_name: d.type_name,
+        });
+        out.handles.insert(d.fork, h);
     }
     out
-}
-
-fn adopt(a: &Arc<AgentInner>, data: ForkData, new_users: &mut Vec<ForkId>) -> Arc<Handle> {
-    let ctx = &a.rrefs;
-    if data.owner == a.me.id {
-        // Sent to its owner: a local handle. A fork the owner itself made is
-        // not a user after all.
-        {
-            let mut st = ctx.lock();
-            let e = RRefContext::entry(&mut st, data.rref, &data.what);
-            e.local += 1;
-            e.forks.remove(&data.fork);
-        }
-        if data.parent == a.me.id {
-            ctx.child_accept(data.fork);
-        } else {
-            a.send_control(
-                data.parent,
-                crate::wire::Request::ChildAccept { fork: data.fork },
-            );
-        }
-        return Arc::new(Handle {
-            agent: Arc::downgrade(a),
-            id: data.rref,
-            owner: data.owner,
-            fork: None,
-            what: data.what,
-            type_name: data.type_name,
-        });
-    }
-    let parent_is_owner = data.parent == data.owner;
-    ctx.lock().users.insert(
-        data.fork,
-        UserEntry {
-            rref: data.rref,
-            owner: data.owner,
-            confirmed: parent_is_owner,
-            dropped: false,
-            released: false,
-            error: None,
-            what: data.what.clone(),
-            notify: Arc::new(Notify::new()),
-        },
-    );
-    if parent_is_owner {
-        a.send_control(
-            data.parent,
-            crate::wire::Request::ChildAccept { fork: data.fork },
-        );
-    } else {
-        new_users.push(data.fork);
-        a.fork_to_owner(data.owner, data.rref, data.fork, data.parent);
-    }
-    Arc::new(Handle {
-        agent: Arc::downgrade(a),
-        id: data.rref,
-        owner: data.owner,
-        fork: Some(data.fork),
-        what: data.what,
-        type_name: data.type_name,
-    })
 }
