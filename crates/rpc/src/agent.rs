@@ -1049,7 +1049,7 @@ impl AgentInner {
             }
             Request::Remote { func, rref, fork } => {
                 let what = format!("remote {func:?} from worker {}", self.name_of(from));
-                self.rrefs.remote_arrived(rref, fork, from, &what);
+                self.rrefs.remote_arrived(self, rref, fork, from, &what);
                 let r = match self.functions.func(&func) {
                     Some(h) => h(self.args(args, bulk, adopted)).await,
                     None => Err(self.no_function(&func)),
@@ -1104,7 +1104,9 @@ impl AgentInner {
     ) -> std::result::Result<(), String> {
         match *req {
             Request::UserDelete { rref, fork } => self.rrefs.user_delete(self, rref, fork),
-            Request::ForkRequest { rref, fork } => self.rrefs.fork_request(self, rref, fork, from),
+            Request::ForkRequest { rref, fork } => {
+                self.rrefs.fork_request(self, rref, fork, from)?
+            }
             Request::ChildAccept { fork } => self.rrefs.child_accept(self, fork),
             _ => return Err(format!("{} is not a control message", req.describe())),
         }

@@ -60,6 +60,8 @@ use crate::agent::{with_de, with_ser, AgentInner, Value};
 use crate::wire::Request;
 use crate::{Error, Result, Rpc};
 
+#[cfg(test)]
+mod sim;
 mod table;
 
 use table::{Adoption, Control, Effect, OwnerState, Parent, Table, UserStatus};
@@ -218,7 +220,10 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> RRef<T> {
                 self.h.id, self.h.owner
             )));
         }
-        let v = a.rrefs.owner_value(&a, self.h.id, a.default_timeout).await?;
+        let v = a
+            .rrefs
+            .owner_value(&a, self.h.id, a.default_timeout)
+            .await?;
         let mut g = v.lock().unwrap_or_else(|e| e.into_inner());
         let any = g.as_any();
         let t = any.downcast_mut::<T>().ok_or_else(|| {
@@ -377,11 +382,10 @@ impl fmt::Display for Leak {
     }
 }
 
-
 impl RRefContext {
     pub(crate) fn new(me: u32) -> RRefContext {
         RRefContext {
-            table: Mutex::new(Table::new(me)),
+            table: Mutex::new(Table::new(me, Instant::now())),
             users_changed: Notify::new(),
             values_settled: Notify::new(),
             changed: Notify::new(),
@@ -395,7 +399,11 @@ impl RRefContext {
         f: impl FnOnce(&mut Table<Held>, &mut Vec<Effect<Held>>) -> R,
     ) -> R {
         let mut out = Vec::new();
-        let r = f(&mut self.lock(), &mut out);
+        let r = {
+            let mut t = self.lock();
+            t.tick(Instant::now());
+            f(&mut t, &mut out)
+        };
         for e in out {
             match e {
                 Effect::Send { to, msg } => match msg {
@@ -433,7 +441,7 @@ impl RRefContext {
         type_name: &'static str,
     ) -> Arc<Handle> {
         let id = a.gid();
-        self.lock().new_owned(id, &what, Instant::now());
+        self.with(a, |t, _| t.new_owned(id, &what));
         Arc::new(Handle {
             agent: Arc::downgrade(a),
             id,
@@ -456,9 +464,15 @@ impl RRefContext {
     }
 
     /// A REMOTE_CALL arrived: record the creator's fork.
-    pub(crate) fn remote_arrived(&self, rref: RRefId, fork: ForkId, from: u32, what: &str) {
-        self.lock()
-            .remote_arrived(rref, fork, from, what, Instant::now());
+    pub(crate) fn remote_arrived(
+        &self,
+        a: &Arc<AgentInner>,
+        rref: RRefId,
+        fork: ForkId,
+        from: u32,
+        what: &str,
+    ) {
+        self.with(a, |t, _| t.remote_arrived(rref, fork, from, what));
     }
 
     /// The value of `rref` once ready, waiting at most `timeout` (zero: no
@@ -482,12 +496,10 @@ impl RRefContext {
                         )))
                     }
                     Some(OwnerState::Pending) => {}
-                    None => {
-                        return Err(Error::Invalid(format!(
-                            "RRef {rref} is not known on worker {} (deleted, or never created there)",
-                            a.me.name
-                        )))
-                    }
+                    None => return Err(Error::Invalid(format!(
+                        "RRef {rref} is not known on worker {} (deleted, or never created there)",
+                        a.me.name
+                    ))),
                 }
                 n.await;
             }
@@ -581,14 +593,19 @@ impl RRefContext {
 
     /// USER_DELETE at the owner. Idempotent.
     pub(crate) fn user_delete(&self, a: &Arc<AgentInner>, rref: RRefId, fork: ForkId) {
-        self.with(a, |t, out| t.user_delete(rref, fork, Instant::now(), out));
+        self.with(a, |t, out| t.user_delete(rref, fork, out));
     }
 
-    /// FORK_REQUEST at the owner. Idempotent, and a deleted fork stays deleted.
-    pub(crate) fn fork_request(&self, a: &Arc<AgentInner>, rref: RRefId, fork: ForkId, from: u32) {
-        self.with(a, |t, out| {
-            t.fork_request(rref, fork, from, Instant::now(), out)
-        });
+    /// FORK_REQUEST at the owner. Idempotent, and a deleted fork stays
+    /// deleted; refused for a value already deleted.
+    pub(crate) fn fork_request(
+        &self,
+        a: &Arc<AgentInner>,
+        rref: RRefId,
+        fork: ForkId,
+        from: u32,
+    ) -> std::result::Result<(), String> {
+        self.with(a, |t, out| t.fork_request(rref, fork, from, out))
     }
 
     /// CHILD_ACCEPT at the parent. Idempotent.
@@ -675,10 +692,9 @@ pub(crate) fn adopt_all(a: &Arc<AgentInner>, forks: Vec<ForkData>) -> Adopted {
     if forks.is_empty() {
         return out;
     }
-    let now = Instant::now();
     for d in forks {
         let kind = a.rrefs.with(a, |t, out| {
-            t.adopt(d.owner, d.rref, d.fork, d.parent, &d.what, now, out)
+            t.adopt(d.owner, d.rref, d.fork, d.parent, &d.what, out)
         });
         if kind == (Adoption::User { unconfirmed: true }) {
             out.new_users.push(d.fork);

@@ -2,7 +2,8 @@
 //! forked or dropped, a control message received, a worker gone), effects out
 //! (a control message to send, waiters to wake, a value deleted).
 //!
-//! Nothing here locks, sleeps, reads a clock or does I/O: the agent
+//! Nothing here locks, sleeps, reads a clock or does I/O, and every map is
+//! ordered, so the same events give the same effects in the same order: the agent
 //! ([`super::RRefContext`]) keeps a [`Table`] under a mutex, passes the time
 //! in, and applies the effects after unlocking; the simulator (`sim.rs`)
 //! drives several tables through reordered, repeated and delayed messages and
@@ -35,7 +36,7 @@
 //! placeholder whose creation never came (its creator died) goes with its
 //! last tombstone: nothing here grows without bound.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
 use super::{ForkId, Leak, RRefId, TOMBSTONE_TTL};
@@ -86,18 +87,21 @@ struct OwnerEntry<V> {
     /// by an earlier message waits for it.
     created: bool,
     /// Users that may still use the value, with the worker holding each.
-    forks: HashMap<ForkId, u32>,
+    forks: BTreeMap<ForkId, u32>,
     /// Deleted users that a late message could register again, and when
     /// each was deleted.
-    deleted: HashMap<ForkId, Instant>,
+    deleted: BTreeMap<ForkId, Instant>,
     /// Users registered by a FORK_REQUEST (retried, so it may repeat).
-    requested: HashSet<ForkId>,
+    requested: BTreeSet<ForkId>,
     /// Live local handles (owner `RRef`s).
     local: usize,
     /// Forks of a local handle sent and not yet accepted.
     children: usize,
     /// When the entry was made.
     since: Instant,
+    /// Some worker other than the owner used it at some time: messages
+    /// about it may still come after it is deleted.
+    shared: bool,
     what: String,
 }
 
@@ -106,12 +110,13 @@ impl<V> OwnerEntry<V> {
         OwnerEntry {
             state: OwnerState::Pending,
             created,
-            forks: HashMap::new(),
-            deleted: HashMap::new(),
-            requested: HashSet::new(),
+            forks: BTreeMap::new(),
+            deleted: BTreeMap::new(),
+            requested: BTreeSet::new(),
             local: 0,
             children: 0,
             since: now,
+            shared: false,
             what: what.to_owned(),
         }
     }
@@ -156,7 +161,9 @@ struct Child {
 pub(crate) enum UserStatus {
     Unconfirmed,
     Confirmed,
-    Released { rref: RRefId },
+    Released {
+        rref: RRefId,
+    },
     Failed(Error),
     /// No such user here.
     Unknown,
@@ -178,26 +185,39 @@ const SWEEP_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
 /// a number in the simulator).
 pub(crate) struct Table<V> {
     me: u32,
-    owners: HashMap<RRefId, OwnerEntry<V>>,
-    users: HashMap<ForkId, UserEntry>,
-    children: HashMap<ForkId, Child>,
+    owners: BTreeMap<RRefId, OwnerEntry<V>>,
+    users: BTreeMap<ForkId, UserEntry>,
+    children: BTreeMap<ForkId, Child>,
+    /// Shared values deleted here, and when: a late FORK_REQUEST is refused
+    /// and a late USER_DELETE ignored, instead of making a placeholder.
+    retired: BTreeMap<RRefId, Instant>,
+    /// The time of the current event.
+    now: Instant,
     swept: Option<Instant>,
 }
 
 type Out<V> = Vec<Effect<V>>;
 
 impl<V> Table<V> {
-    pub(crate) fn new(me: u32) -> Self {
+    pub(crate) fn new(me: u32, now: Instant) -> Self {
         Table {
             me,
-            owners: HashMap::new(),
-            users: HashMap::new(),
-            children: HashMap::new(),
+            owners: BTreeMap::new(),
+            users: BTreeMap::new(),
+            children: BTreeMap::new(),
+            retired: BTreeMap::new(),
+            now,
             swept: None,
         }
     }
 
-    fn placeholder(&mut self, rref: RRefId, what: &str, now: Instant) -> &mut OwnerEntry<V> {
+    /// Sets the time of the events that follow (it never goes back).
+    pub(crate) fn tick(&mut self, now: Instant) {
+        self.now = self.now.max(now);
+    }
+
+    fn placeholder(&mut self, rref: RRefId, what: &str) -> &mut OwnerEntry<V> {
+        let now = self.now;
         self.owners
             .entry(rref)
             .or_insert_with(|| OwnerEntry::new(what, false, now))
@@ -207,7 +227,8 @@ impl<V> Table<V> {
 
     /// A value made here with one local handle (`Rpc::rref`, or `remote()`
     /// to this worker itself); pending until [`Table::set_value`].
-    pub(crate) fn new_owned(&mut self, rref: RRefId, what: &str, now: Instant) {
+    pub(crate) fn new_owned(&mut self, rref: RRefId, what: &str) {
+        let now = self.now;
         let e = self
             .owners
             .entry(rref)
@@ -218,16 +239,10 @@ impl<V> Table<V> {
 
     /// A REMOTE_CALL arrived: the value is being made, and the creator's
     /// `fork` uses it (unless its deletion came first).
-    pub(crate) fn remote_arrived(
-        &mut self,
-        rref: RRefId,
-        fork: ForkId,
-        from: u32,
-        what: &str,
-        now: Instant,
-    ) {
-        let e = self.placeholder(rref, what, now);
+    pub(crate) fn remote_arrived(&mut self, rref: RRefId, fork: ForkId, from: u32, what: &str) {
+        let e = self.placeholder(rref, what);
         e.created = true;
+        e.shared = true;
         e.what = what.to_owned();
         if !e.deleted.contains_key(&fork) {
             e.forks.insert(fork, from);
@@ -277,6 +292,9 @@ impl<V> Table<V> {
         };
         if e.unreferenced() && !matches!(e.state, OwnerState::Pending) {
             let e = self.owners.remove(&rref).expect("present");
+            if e.shared {
+                self.retired.insert(rref, self.now);
+            }
             let value = match e.state {
                 OwnerState::Ready(v) => Some(v),
                 _ => None,
@@ -289,15 +307,13 @@ impl<V> Table<V> {
     // ---- control messages at the owner ----
 
     /// USER_DELETE. Idempotent.
-    pub(crate) fn user_delete(
-        &mut self,
-        rref: RRefId,
-        fork: ForkId,
-        now: Instant,
-        out: &mut Out<V>,
-    ) {
-        self.sweep(now, false, out);
-        let e = self.placeholder(rref, "deleted before its creation arrived", now);
+    pub(crate) fn user_delete(&mut self, rref: RRefId, fork: ForkId, out: &mut Out<V>) {
+        self.sweep(false, out);
+        if self.retired.contains_key(&rref) {
+            return;
+        }
+        let now = self.now;
+        let e = self.placeholder(rref, "deleted before its creation arrived");
         let known = e.forks.remove(&fork).is_some();
         let repeatable = e.requested.remove(&fork);
         if !known || repeatable {
@@ -310,26 +326,36 @@ impl<V> Table<V> {
         self.maybe_delete(rref, out);
     }
 
-    /// FORK_REQUEST. Idempotent, and a deleted fork stays deleted.
+    /// FORK_REQUEST. Idempotent, and a deleted fork stays deleted. Refused
+    /// for a value already deleted: the fork's parent died before the owner
+    /// recorded it (a retry of a request that was recorded cannot come
+    /// after the deletion: its user is deleted only once confirmed).
     pub(crate) fn fork_request(
         &mut self,
         rref: RRefId,
         fork: ForkId,
         from: u32,
-        now: Instant,
         out: &mut Out<V>,
-    ) {
-        self.sweep(now, false, out);
-        let e = self.placeholder(rref, "forked before its creation arrived", now);
+    ) -> std::result::Result<(), String> {
+        self.sweep(false, out);
+        if self.retired.contains_key(&rref) {
+            return Err(format!(
+                "RRef {rref} was deleted by its owner before fork {fork} was recorded (the worker that sent the fork stopped before its owner heard of it)"
+            ));
+        }
+        let e = self.placeholder(rref, "forked before its creation arrived");
+        e.shared = true;
         if !e.deleted.contains_key(&fork) {
             e.forks.insert(fork, from);
             e.requested.insert(fork);
         }
+        Ok(())
     }
 
     /// Drops expired tombstones, and placeholders whose creation never came
     /// once nothing refers to them (at most every minute unless `force`).
-    pub(crate) fn sweep(&mut self, now: Instant, force: bool, out: &mut Out<V>) {
+    pub(crate) fn sweep(&mut self, force: bool, out: &mut Out<V>) {
+        let now = self.now;
         if !force
             && self
                 .swept
@@ -339,6 +365,7 @@ impl<V> Table<V> {
         }
         self.swept = Some(now);
         let expired = |at: &Instant| now.saturating_duration_since(*at) >= TOMBSTONE_TTL;
+        self.retired.retain(|_, at| !expired(at));
         let mut gone = Vec::new();
         for (id, e) in self.owners.iter_mut() {
             e.deleted.retain(|_, at| !expired(at));
@@ -474,6 +501,7 @@ impl<V> Table<V> {
                     .ok_or_else(|| format!("RRef {rref} is not owned here"))?;
                 // The owner records its own forks at once.
                 e.forks.insert(fork, dest);
+                e.shared |= dest != self.me;
                 e.children += 1;
             }
         }
@@ -540,15 +568,17 @@ impl<V> Table<V> {
         fork: ForkId,
         parent: u32,
         what: &str,
-        now: Instant,
         out: &mut Out<V>,
     ) -> Adoption {
         if owner == self.me {
-            // Sent to its owner: a local handle. A fork the owner made itself
-            // is not a user after all.
-            let e = self.placeholder(rref, what, now);
-            e.local += 1;
-            e.forks.remove(&fork);
+            // Sent to its owner: a local handle (of nothing, if the value
+            // was deleted: its sender stopped before the owner heard of its
+            // fork). A fork the owner made itself is not a user after all.
+            if !self.retired.contains_key(&rref) {
+                let e = self.placeholder(rref, what);
+                e.local += 1;
+                e.forks.remove(&fork);
+            }
             self.accept_at(parent, fork, out);
             return Adoption::Owner;
         }
@@ -697,33 +727,21 @@ impl<V> Table<V> {
         (self.owners.len(), self.users.len(), self.children.len())
     }
 
-    /// Tombstones kept, over every owned entry.
+    /// Tombstones kept: of deleted users, over every owned entry, and of
+    /// deleted values.
     pub(crate) fn tombstones(&self) -> usize {
-        self.owners.values().map(|e| e.deleted.len()).sum()
+        self.owners.values().map(|e| e.deleted.len()).sum::<usize>() + self.retired.len()
     }
 
     // ---- for the simulator's invariants ----
 
-    /// The values owned here that are ready, by id.
+    /// Every value owned here (ready, pending or failed), by id.
     #[cfg(test)]
-    pub(crate) fn ready_values(&self) -> Vec<RRefId> {
-        self.owners
-            .iter()
-            .filter(|(_, e)| matches!(e.state, OwnerState::Ready(_)))
-            .map(|(id, _)| *id)
-            .collect()
+    pub(crate) fn owned(&self) -> Vec<RRefId> {
+        self.owners.keys().copied().collect()
     }
 
-    /// Whether the owner's record of `rref` lists `fork` as a user.
-    #[cfg(test)]
-    pub(crate) fn records(&self, rref: RRefId, fork: ForkId) -> bool {
-        self.owners
-            .get(&rref)
-            .is_some_and(|e| e.forks.contains_key(&fork))
-    }
-
-    /// Users here (fork, rref, owner, usable: confirmed, not dropped,
-    /// released or failed).
+    /// Users here: (fork, rref, owner, held: not dropped, released or failed).
     #[cfg(test)]
     pub(crate) fn user_list(&self) -> Vec<(ForkId, RRefId, u32, bool)> {
         self.users
