@@ -383,6 +383,8 @@ impl Functions {
 
 struct Pending {
     to: u32,
+    /// When the call started (the heartbeat counts silence from then).
+    since: Instant,
     what: String,
     tx: oneshot::Sender<Result<(Vec<u8>, Bytes, Adopted)>>,
 }
@@ -426,6 +428,10 @@ pub struct AgentInner {
     /// Functions registered with [`Functions::register_blocking`] running at
     /// once, at most `num_worker_threads`.
     pub(crate) blocking: Arc<tokio::sync::Semaphore>,
+    /// The heartbeat deadline (zero: none), and when each peer was last
+    /// heard from (any message).
+    heartbeat: Duration,
+    heard: Mutex<HashMap<u32, Instant>>,
     /// The runtime the agent was started on: every task it starts goes there,
     /// so dropping an RRef off the runtime cannot panic.
     rt: tokio::runtime::Handle,
@@ -502,6 +508,7 @@ impl AgentInner {
         default_timeout: Duration,
         device_info: DeviceInfo,
         num_worker_threads: usize,
+        heartbeat: Duration,
     ) -> Arc<AgentInner> {
         let id = me.id;
         Arc::new(AgentInner {
@@ -526,6 +533,8 @@ impl AgentInner {
             leaks: Mutex::default(),
             gone: Mutex::default(),
             blocking: Arc::new(tokio::sync::Semaphore::new(num_worker_threads.max(1))),
+            heartbeat,
+            heard: Mutex::default(),
             rt: tokio::runtime::Handle::current(),
         })
     }
@@ -712,6 +721,7 @@ impl AgentInner {
                 id,
                 Pending {
                     to,
+                    since: Instant::now(),
                     what: what.clone(),
                     tx,
                 },
@@ -846,46 +856,152 @@ impl AgentInner {
     /// The transport's entry point.
     pub(crate) fn deliver(self: &Arc<Self>, ev: Event) {
         match ev {
-            Event::Message { from, env, bulk } => match wire::decode::<Envelope>(&env) {
-                Ok(Envelope::Response { id, result, forks }) => {
-                    let adopted = rref::adopt_all(self, forks);
-                    let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-                    // Only the worker asked may answer.
-                    let p = match pending.get(&id) {
-                        Some(p) if p.to == from => pending.remove(&id),
-                        _ => None,
-                    };
-                    drop(pending);
-                    if let Some(p) = p {
-                        let r = result
-                            .map(|v| (v, bulk, adopted))
-                            .map_err(|f| Error::Remote {
-                                worker: self.name_of(p.to),
-                                what: p.what,
-                                message: f.message,
-                            });
-                        let _ = p.tx.send(r);
-                    }
-                }
-                Ok(Envelope::Request {
-                    id,
-                    req,
-                    args,
-                    forks,
-                }) => {
-                    let adopted = rref::adopt_all(self, forks);
-                    let a = self.clone();
-                    let active = Active::new(self);
-                    self.rt.spawn(async move {
-                        let _active = active;
-                        a.serve(from, id, req, args, bulk, adopted).await
-                    });
-                }
-                Err(e) => {
-                    tracing::warn!(worker = %self.me.name, from, "dropped an undecodable message: {e}")
-                }
-            },
+            Event::Message { from, env, bulk } => self.message(from, env, bulk),
             Event::Gone { peer, reason } => self.peer_gone(peer, &reason),
+        }
+    }
+
+    fn message(self: &Arc<Self>, from: u32, env: Vec<u8>, bulk: Bytes) {
+        if !self.heartbeat.is_zero() {
+            self.heard
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(from, Instant::now());
+        }
+        match wire::decode::<Envelope>(&env) {
+            Ok(Envelope::Heartbeat { answer }) => {
+                if answer {
+                    self.beat(from, false);
+                }
+            }
+            Ok(Envelope::Response { id, result, forks }) => {
+                let adopted = rref::adopt_all(self, forks);
+                let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+                // Only the worker asked may answer.
+                let p = match pending.get(&id) {
+                    Some(p) if p.to == from => pending.remove(&id),
+                    _ => None,
+                };
+                drop(pending);
+                if let Some(p) = p {
+                    let r = result
+                        .map(|v| (v, bulk, adopted))
+                        .map_err(|f| Error::Remote {
+                            worker: self.name_of(p.to),
+                            what: p.what,
+                            message: f.message,
+                        });
+                    let _ = p.tx.send(r);
+                }
+            }
+            Ok(Envelope::Request {
+                id,
+                req,
+                args,
+                forks,
+            }) => {
+                let adopted = rref::adopt_all(self, forks);
+                let a = self.clone();
+                let active = Active::new(self);
+                self.rt.spawn(async move {
+                    let _active = active;
+                    a.serve(from, id, req, args, bulk, adopted).await
+                });
+            }
+            Err(e) => {
+                tracing::warn!(worker = %self.me.name, from, "dropped an undecodable message: {e}")
+            }
+        }
+    }
+
+    /// Sends a heartbeat to `to` (a probe when `answer`), in the background,
+    /// bounded by the heartbeat deadline.
+    fn beat(self: &Arc<Self>, to: u32, answer: bool) {
+        let Ok(env) = wire::encode(&Envelope::Heartbeat { answer }) else {
+            return;
+        };
+        let Ok(t) = self.transport().cloned() else {
+            return;
+        };
+        let bound = self.heartbeat.max(Duration::from_millis(100));
+        self.rt.spawn(async move {
+            let msg = Outgoing {
+                env,
+                bulk: Vec::new(),
+            };
+            let _ = tokio::time::timeout(bound, t.send(to, msg)).await;
+        });
+    }
+
+    /// Starts the heartbeat: every quarter of the deadline, each worker
+    /// that calls are waiting on and that was not heard from for that long
+    /// is probed, and one silent for the whole deadline (counted from the
+    /// later of the last thing heard and the oldest call waiting on it) is
+    /// gone.
+    pub(crate) fn start_heartbeat(self: &Arc<Self>) {
+        if self.heartbeat.is_zero() {
+            return;
+        }
+        let weak = Arc::downgrade(self);
+        let tick = (self.heartbeat / 4).max(Duration::from_millis(10));
+        self.rt.spawn(async move {
+            let mut every = tokio::time::interval(tick);
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                every.tick().await;
+                let Some(a) = weak.upgrade() else {
+                    return;
+                };
+                if a.closed.load(Ordering::SeqCst) {
+                    return;
+                }
+                a.check_heartbeats(tick);
+            }
+        });
+    }
+
+    fn check_heartbeats(self: &Arc<Self>, probe_after: Duration) {
+        let mut waited: HashMap<u32, Instant> = HashMap::new();
+        for p in self
+            .pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+        {
+            let e = waited.entry(p.to).or_insert(p.since);
+            *e = (*e).min(p.since);
+        }
+        waited.remove(&self.me.id);
+        if waited.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        let below = self.transport().ok().cloned();
+        for (peer, since) in waited {
+            let mut last = since;
+            if let Some(h) = self
+                .heard
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(&peer)
+            {
+                last = last.max(*h);
+            }
+            if let Some(h) = below.as_ref().and_then(|t| t.heard_from(peer)) {
+                last = last.max(Instant::from_std(h));
+            }
+            let silent = now.saturating_duration_since(last);
+            if silent >= self.heartbeat {
+                let reason = format!(
+                    "nothing was heard from it for {:.1} s while calls waited on it (heartbeat deadline {} s): it is stopped, cut off or its host is down",
+                    silent.as_secs_f64(),
+                    self.heartbeat.as_secs_f64()
+                );
+                tracing::warn!(worker = %self.me.name, peer = %self.name_of(peer), "{reason}");
+                self.peer_gone(peer, &reason);
+            } else if silent >= probe_after {
+                self.beat(peer, true);
+            }
         }
     }
 

@@ -175,6 +175,7 @@ pub async fn init_rpc_with_store(
         options.rpc_timeout,
         info.clone(),
         options.num_worker_threads,
+        options.heartbeat,
     );
     let weak: Weak<AgentInner> = Arc::downgrade(&agent);
     let deliver: Deliver = Arc::new(move |ev: Event| {
@@ -211,6 +212,7 @@ pub async fn init_rpc_with_store(
             e => err(e.to_string()),
         });
     }
+    agent.start_heartbeat();
     tracing::debug!(worker = name, backend = backend_name, "RPC agent started");
     Ok(Rpc(agent))
 }

@@ -45,6 +45,9 @@ impl From<&str> for BackendType {
 
 /// Default per-call timeout (PyTorch's `DEFAULT_RPC_TIMEOUT_SEC`).
 pub const DEFAULT_RPC_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Default heartbeat deadline ([`RpcBackendOptions::heartbeat`]).
+pub const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(10);
 /// Default init method.
 pub const DEFAULT_INIT_METHOD: &str = "env://";
 
@@ -72,6 +75,12 @@ pub struct RpcBackendOptions {
     /// PROCESS_GROUP: how many sends may be in flight at once (PyTorch's
     /// `num_send_recv_threads`, default 4).
     pub pg_send_recv_threads: usize,
+    /// How long a worker that calls are waiting on may stay silent before
+    /// it is declared dead (stopped, partitioned, its host down): a worker
+    /// waiting on another probes it after a quarter of this and hears
+    /// either an answer, any message, or bytes of a message still arriving.
+    /// Zero switches the heartbeat off. Default 10 s.
+    pub heartbeat: Duration,
     /// Backend-specific options of third-party backends.
     pub extra: BTreeMap<String, String>,
 }
@@ -88,6 +97,7 @@ impl Default for RpcBackendOptions {
             tcp: TcpOptions::default(),
             num_worker_threads: 16,
             pg_send_recv_threads: 4,
+            heartbeat: DEFAULT_HEARTBEAT,
             extra: BTreeMap::new(),
         }
     }

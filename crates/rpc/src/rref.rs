@@ -496,10 +496,12 @@ impl RRefContext {
                         )))
                     }
                     Some(OwnerState::Pending) => {}
-                    None => return Err(Error::Invalid(format!(
+                    None => {
+                        return Err(Error::Invalid(format!(
                         "RRef {rref} is not known on worker {} (deleted, or never created there)",
                         a.me.name
-                    ))),
+                    )))
+                    }
                 }
                 n.await;
             }

@@ -105,8 +105,45 @@ struct Partial {
     total: u64,
 }
 
+/// When each peer last showed it is alive below the message level: bytes
+/// read from it, or bytes it took from us. Milliseconds since `base`, plus
+/// one (zero: never).
+struct Liveness {
+    base: std::time::Instant,
+    peers: Mutex<HashMap<u32, Arc<AtomicU64>>>,
+}
+
+impl Liveness {
+    fn stamp(&self, peer: u32) -> Arc<AtomicU64> {
+        self.peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(peer)
+            .or_default()
+            .clone()
+    }
+
+    fn mark(&self, s: &AtomicU64) {
+        s.store(
+            self.base.elapsed().as_millis() as u64 + 1,
+            Ordering::Relaxed,
+        );
+    }
+
+    fn last(&self, peer: u32) -> Option<std::time::Instant> {
+        let v = self
+            .peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&peer)?
+            .load(Ordering::Relaxed);
+        (v > 0).then(|| self.base + Duration::from_millis(v - 1))
+    }
+}
+
 struct Shared {
     me: u32,
+    alive: Liveness,
     generation: u64,
     opts: TcpOptions,
     deliver: Deliver,
@@ -137,6 +174,10 @@ impl Tcp {
         let addr = listener.local_addr()?;
         let sh = Arc::new(Shared {
             me,
+            alive: Liveness {
+                base: std::time::Instant::now(),
+                peers: Mutex::default(),
+            },
             generation,
             opts,
             deliver,
@@ -232,8 +273,9 @@ async fn handshake_in(
 }
 
 async fn read_loop(sh: Arc<Shared>, from: u32, stream: u16, mut rd: BufReader<TcpStream>) {
+    let stamp = sh.alive.stamp(from);
     let reason = loop {
-        match read_frame(&sh, from, &mut rd).await {
+        match read_frame(&sh, from, &mut rd, &stamp).await {
             Ok(true) => {}
             Ok(false) => {
                 break "its connection closed (EOF): the process exited or was killed".to_owned()
@@ -255,21 +297,34 @@ async fn read_loop(sh: Arc<Shared>, from: u32, stream: u16, mut rd: BufReader<Tc
     sh.probe(from, reason);
 }
 
+/// How much of a message's bulk is read between two marks of liveness.
+const READ_CHUNK: usize = 4 << 20;
+
 /// Reads one frame; `Ok(false)` on a clean EOF between frames.
-async fn read_frame(sh: &Shared, from: u32, rd: &mut BufReader<TcpStream>) -> Result<bool, String> {
+async fn read_frame(
+    sh: &Shared,
+    from: u32,
+    rd: &mut BufReader<TcpStream>,
+    stamp: &AtomicU64,
+) -> Result<bool, String> {
     let mut hb = [0u8; HEAD_LEN];
     match rd.read_exact(&mut hb).await {
         Ok(_) => {}
         Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(false),
         Err(e) => return Err(format!("its connection failed: {e}")),
     }
+    sh.alive.mark(stamp);
     let h = FrameHead::decode(&hb, sh.opts.max_message_bytes)
         .map_err(|e| format!("it sent a bad frame: {e}"))?;
     let io = |e: std::io::Error| format!("its connection failed mid-message: {e}");
     let mut env = vec![0u8; h.env_len as usize];
     rd.read_exact(&mut env).await.map_err(io)?;
     let mut bulk = vec![0u8; h.len as usize];
-    rd.read_exact(&mut bulk).await.map_err(io)?;
+    // In pieces, so that a peer busy sending one long message is heard.
+    for piece in bulk.chunks_mut(READ_CHUNK) {
+        rd.read_exact(piece).await.map_err(io)?;
+        sh.alive.mark(stamp);
+    }
     if h.parts == 1 {
         (sh.deliver)(Event::Message {
             from,
@@ -419,15 +474,18 @@ async fn watch(sh: Arc<Shared>, peer: u32, mut rd: OwnedReadHalf) {
     sh.probe(peer, reason);
 }
 
+/// Writes every buffer, calling `progress` after each write that took bytes.
 async fn write_vectored_all<W: AsyncWrite + Unpin>(
     w: &mut W,
     mut bufs: &mut [IoSlice<'_>],
+    progress: &(dyn Fn() + Sync),
 ) -> std::io::Result<()> {
     while !bufs.is_empty() {
         let n = w.write_vectored(bufs).await?;
         if n == 0 {
             return Err(std::io::ErrorKind::WriteZero.into());
         }
+        progress();
         IoSlice::advance_slices(&mut bufs, n);
     }
     Ok(())
@@ -581,6 +639,10 @@ impl Transport for Tcp {
                 t.abort();
             }
         })
+    }
+
+    fn heard_from(&self, peer: u32) -> Option<std::time::Instant> {
+        self.sh.alive.last(peer)
     }
 }
 

@@ -55,4 +55,11 @@ pub trait Transport: Send + Sync + 'static {
     fn send(&self, to: u32, msg: Outgoing) -> BoxFuture<'_, Result<(), String>>;
     /// Closes everything. Called once, at the end of shutdown.
     fn shutdown(&self, graceful: bool) -> BoxFuture<'_, ()>;
+    /// When `peer` last showed it is alive below the message level (bytes of
+    /// a long message arriving, or the peer taking bytes we send), if the
+    /// transport can tell. The agent's heartbeat counts whole messages
+    /// itself; this keeps a peer busy with one long transfer alive.
+    fn heard_from(&self, _peer: u32) -> Option<std::time::Instant> {
+        None
+    }
 }

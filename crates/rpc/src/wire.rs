@@ -37,6 +37,9 @@ pub enum Envelope {
         result: Result<Vec<u8>, Failure>,
         forks: Vec<ForkData>,
     },
+    /// A liveness probe from a worker waiting on this one (`answer`: reply
+    /// with a heartbeat at once), or the reply. Neither counts as a call.
+    Heartbeat { answer: bool },
 }
 
 /// What a request asks for.

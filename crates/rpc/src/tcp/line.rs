@@ -281,7 +281,9 @@ async fn writer(
                 let mut slices = f.slices(&hb);
                 let mut bufs = &mut slices[..];
                 IoSlice::advance_slices(&mut bufs, f.skip);
-                match write_vectored_all(&mut w, bufs).await {
+                let stamp = sh.alive.stamp(to);
+                let progress = || sh.alive.mark(&stamp);
+                match write_vectored_all(&mut w, bufs, &progress).await {
                     Ok(()) => (Ok(()), Some(w)),
                     // Half a frame may be on it: never write on it again.
                     Err(e) => (Err(format!("writing to worker {to}: {e}")), None),

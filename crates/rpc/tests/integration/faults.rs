@@ -279,3 +279,80 @@ async fn a_use_waiting_for_the_owners_confirmation_keeps_to_its_timeout() {
         w.shutdown(false, None).await.unwrap();
     }
 }
+
+/// A worker that stops answering without closing its connections (stopped,
+/// partitioned, its host powered off) is named dead once the heartbeat
+/// deadline passes: a call waiting on it with no timeout fails, naming it and
+/// the deadline, instead of waiting forever (issue 21 defect 10).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_worker_is_named_dead_after_the_heartbeat_deadline() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static CUT: AtomicBool = AtomicBool::new(false);
+    let ty = BackendType::from("PARTITION_W1");
+    if !rallypoint_rpc::backend_registered("PARTITION_W1") {
+        register_tap(
+            "PARTITION_W1",
+            std::sync::Arc::new(|from, to| !(CUT.load(Ordering::SeqCst) && (from == 1 || to == 1))),
+        )
+        .unwrap();
+    }
+    let ws: Vec<Rpc> = group_with(2, ty, |_, o| {
+        o.heartbeat = Duration::from_millis(600);
+    })
+    .await
+    .into_iter()
+    .map(|r| r.unwrap())
+    .collect();
+    let v: i64 = ws[0].rpc_sync("w1", "add", &(1i64, 2i64)).await.unwrap();
+    assert_eq!(v, 3);
+    CUT.store(true, Ordering::SeqCst);
+    let call = ws[0].rpc_sync_timeout::<_, i64>("w1", "add", &(1i64, 2i64), Some(Duration::ZERO));
+    let e = tokio::time::timeout(Duration::from_secs(30), call)
+        .await
+        .expect("the call ended (without a heartbeat it waits forever)")
+        .unwrap_err();
+    let m = e.to_string();
+    assert!(
+        matches!(e, rallypoint_rpc::Error::WorkerGone { .. })
+            && m.contains("worker w1")
+            && m.contains("heartbeat deadline 0.6 s"),
+        "{m}"
+    );
+    CUT.store(false, Ordering::SeqCst);
+    for w in ws {
+        w.shutdown(false, None).await.unwrap();
+    }
+}
+
+/// The heartbeat is answered while the callee is busy: a call that runs for
+/// several heartbeat deadlines (async, or blocking on the blocking pool)
+/// completes, and a long payload on the wire keeps its sender alive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_worker_is_not_taken_for_a_dead_one() {
+    let ws: Vec<Rpc> = group_with(2, BackendType::tcp(), |_, o| {
+        o.heartbeat = Duration::from_secs(1);
+        o.functions
+            .register_blocking("block", |ms: u64| {
+                std::thread::sleep(Duration::from_millis(ms));
+                Ok::<u64, String>(ms)
+            })
+            .unwrap();
+    })
+    .await
+    .into_iter()
+    .map(|r| r.unwrap())
+    .collect();
+    let no_timeout = Some(Duration::ZERO);
+    let a = ws[0].rpc_sync_timeout::<_, u64>("w1", "sleep_ms", &3_000u64, no_timeout);
+    let b = ws[0].rpc_sync_timeout::<_, u64>("w1", "block", &3_000u64, no_timeout);
+    let (a, b) = tokio::join!(a, b);
+    assert_eq!(a.unwrap(), 3_000);
+    assert_eq!(b.unwrap(), 3_000);
+    let big = Payload::cpu(vec![7u8; 64 << 20]);
+    let (_, n, _): (String, u64, u64) = ws[1]
+        .rpc_sync_timeout("w0", "payload_info", &big, no_timeout)
+        .await
+        .unwrap();
+    assert_eq!(n, 64 << 20);
+    shutdown_all(ws).await;
+}
