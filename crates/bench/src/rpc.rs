@@ -7,7 +7,9 @@
 //! `torch.futures.wait_all` does them), a 256 MiB payload sent as an argument
 //! (bytes per second; the answer is its length), and `init_rpc` plus graceful
 //! shutdown for 2, 8 and 32 workers (from the moment the last worker starts
-//! `init_rpc` to the moment the last one returns from shutdown). The ceilings
+//! `init_rpc` to the moment the last one returns from shutdown), and how long
+//! a call to a stopped worker (SIGSTOP) takes to name it dead under a given
+//! heartbeat deadline. The ceilings
 //! come from the same run: a raw TCP ping-pong of 64-byte messages between two
 //! processes (blocking sockets), and raw one-way TCP bandwidth.
 
@@ -36,6 +38,11 @@ pub struct RpcArgs {
     /// Repetitions of the whole comparison.
     #[arg(long, default_value_t = 1)]
     repeat: usize,
+    /// Heartbeat deadlines (ms) for the partition measurement: worker 1 is
+    /// stopped (SIGSTOP) and worker 0 times how long a call with no timeout
+    /// takes to name it dead. Empty: skipped.
+    #[arg(long, value_delimiter = ',', default_value = "1000,10000")]
+    heartbeats: Vec<u64>,
 }
 
 const WINDOW: usize = 64;
@@ -187,8 +194,50 @@ pub fn run(args: RpcArgs) -> Result<()> {
                 ratio(b, a),
             );
         }
+        for &hb in &args.heartbeats {
+            let t = partition(hb)?;
+            println!(
+                "| a stopped peer (SIGSTOP) named dead, heartbeat {:.0} s | {t:.2} s (deadline + {:.2} s) | never (no heartbeat: the call waits for its timeout) | - | - |",
+                hb as f64 / 1e3,
+                t - hb as f64 / 1e3,
+            );
+        }
     }
     Ok(())
+}
+
+/// Worker 1 stops itself (SIGSTOP: its sockets stay open, nothing answers);
+/// returns how long worker 0's call with no timeout took to fail, naming it
+/// dead, under heartbeat deadline `hb_ms`.
+fn partition(hb_ms: u64) -> Result<f64> {
+    let server = store_server()?;
+    let mut children = Vec::new();
+    for r in 0..2 {
+        let mut c = Command::new(std::env::current_exe()?);
+        c.args(["rpc-worker", "partition"])
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", server.port.to_string())
+            .env("TORCHELASTIC_USE_AGENT_STORE", "True")
+            .env("RANK", r.to_string())
+            .env("WORLD_SIZE", "2")
+            .env("RALLY_BENCH_HEARTBEAT_MS", hb_ms.to_string())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        children.push(c.spawn().context("starting a partition worker")?);
+    }
+    let mut stopped = children.pop().expect("two");
+    let o = children.pop().expect("two").wait_with_output()?;
+    // Worker 0 kills worker 1 when done; make sure of it either way.
+    let _ = stopped.kill();
+    let _ = stopped.wait();
+    drop(server.rt);
+    if !o.status.success() {
+        bail!("partition worker 0 exited with {}", o.status);
+    }
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix("RESULT detect_s ")?.trim().parse().ok())
+        .context("worker 0 printed no detection time")
 }
 
 fn ratio(num: Option<f64>, den: Option<f64>) -> String {
@@ -260,7 +309,22 @@ async fn worker_main(mode: &str) -> Result<()> {
     {
         opts.tcp.streams = n;
     }
+    if let Some(ms) = std::env::var("RALLY_BENCH_HEARTBEAT_MS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+    {
+        opts.heartbeat = Duration::from_millis(ms);
+    }
     opts.functions.register("nothing", |(): ()| ())?;
+    opts.functions.register("stop_me", |(): ()| {
+        // Answer first, then stop: the answer must leave before the stop.
+        std::thread::spawn(|| {
+            std::thread::sleep(Duration::from_millis(50));
+            // SAFETY: signals this very process.
+            unsafe { libc::kill(libc::getpid(), libc::SIGSTOP) };
+        });
+        std::process::id()
+    })?;
     opts.functions
         .register("size_of", |p: Payload| p.data.len() as u64)?;
     let name = format!("w{rank}");
@@ -272,6 +336,46 @@ async fn worker_main(mode: &str) -> Result<()> {
         return Ok(());
     }
     let rpc = init_rpc(&name, None, None, Some(env_n()?), Some(opts)).await?;
+    if mode == "partition" {
+        if rank == 0 {
+            for _ in 0..100 {
+                rpc.rpc_sync::<_, ()>("w1", "nothing", &()).await?;
+            }
+            let pid: u32 = rpc.rpc_sync("w1", "stop_me", &()).await?;
+            // Wait until it is stopped (state T in /proc/<pid>/stat).
+            let stat = format!("/proc/{pid}/stat");
+            let t = Instant::now();
+            loop {
+                let s = std::fs::read_to_string(&stat)?;
+                if s.rsplit(')')
+                    .next()
+                    .is_some_and(|r| r.trim_start().starts_with('T'))
+                {
+                    break;
+                }
+                anyhow::ensure!(t.elapsed() < Duration::from_secs(10), "w1 did not stop");
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            let t0 = Instant::now();
+            let r = rpc
+                .rpc_sync_timeout::<_, ()>("w1", "nothing", &(), Some(Duration::ZERO))
+                .await;
+            let dt = t0.elapsed().as_secs_f64();
+            // SAFETY: kills the stopped worker, a child of our parent.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            match r {
+                Err(e @ rallypoint_rpc::Error::WorkerGone { .. }) => {
+                    eprintln!("worker 0: {e}");
+                    println!("RESULT detect_s {dt:.6}");
+                }
+                other => bail!("the call to the stopped worker returned {other:?}"),
+            }
+            rpc.shutdown(false, None).await?;
+            return Ok(());
+        }
+        // Worker 1 is stopped, then killed.
+        std::future::pending::<()>().await;
+    }
     if rank == 0 {
         let rounds: usize = std::env::var("RALLY_BENCH_ROUNDS")?.parse()?;
         for _ in 0..200 {

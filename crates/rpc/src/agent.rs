@@ -432,6 +432,8 @@ pub struct AgentInner {
     /// heard from (any message).
     heartbeat: Duration,
     heard: Mutex<HashMap<u32, Instant>>,
+    /// When each peer was last probed.
+    probed: Mutex<HashMap<u32, Instant>>,
     /// The runtime the agent was started on: every task it starts goes there,
     /// so dropping an RRef off the runtime cannot panic.
     rt: tokio::runtime::Handle,
@@ -535,6 +537,7 @@ impl AgentInner {
             blocking: Arc::new(tokio::sync::Semaphore::new(num_worker_threads.max(1))),
             heartbeat,
             heard: Mutex::default(),
+            probed: Mutex::default(),
             rt: tokio::runtime::Handle::current(),
         })
     }
@@ -933,17 +936,19 @@ impl AgentInner {
         });
     }
 
-    /// Starts the heartbeat: every quarter of the deadline, each worker
-    /// that calls are waiting on and that was not heard from for that long
-    /// is probed, and one silent for the whole deadline (counted from the
-    /// later of the last thing heard and the oldest call waiting on it) is
-    /// gone.
+    /// Starts the heartbeat: each worker that calls are waiting on and that
+    /// was not heard from for a quarter of the deadline is probed (at most
+    /// once per quarter), and one silent for the whole deadline (counted
+    /// from the later of the last thing heard and the oldest call waiting
+    /// on it) is gone. Checked every eighth of the deadline, at least every
+    /// 250 ms, so a death is named at most that late.
     pub(crate) fn start_heartbeat(self: &Arc<Self>) {
         if self.heartbeat.is_zero() {
             return;
         }
         let weak = Arc::downgrade(self);
-        let tick = (self.heartbeat / 4).max(Duration::from_millis(10));
+        let tick = (self.heartbeat / 8).clamp(Duration::from_millis(5), Duration::from_millis(250));
+        let probe_every = self.heartbeat / 4;
         self.rt.spawn(async move {
             let mut every = tokio::time::interval(tick);
             every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -955,7 +960,7 @@ impl AgentInner {
                 if a.closed.load(Ordering::SeqCst) {
                     return;
                 }
-                a.check_heartbeats(tick);
+                a.check_heartbeats(probe_every);
             }
         });
     }
@@ -1000,7 +1005,15 @@ impl AgentInner {
                 tracing::warn!(worker = %self.me.name, peer = %self.name_of(peer), "{reason}");
                 self.peer_gone(peer, &reason);
             } else if silent >= probe_after {
-                self.beat(peer, true);
+                let mut probed = self.probed.lock().unwrap_or_else(|e| e.into_inner());
+                let due = probed
+                    .get(&peer)
+                    .is_none_or(|t| now.saturating_duration_since(*t) >= probe_after);
+                if due {
+                    probed.insert(peer, now);
+                    drop(probed);
+                    self.beat(peer, true);
+                }
             }
         }
     }
