@@ -14,30 +14,35 @@
 //! inside is mapped through the device maps and sent out of band.
 //!
 //! Every call in flight (outgoing or being served) and every control message
-//! counts as *active*; graceful shutdown repeats "wait until idle, sum the
-//! active counts over the group" until the sum is zero, as PyTorch's `join`
-//! does, but with one all-reduce instead of store barriers.
+//! counts as *active* (`gate.rs`); graceful shutdown repeats "wait until
+//! idle, sum the active counts over the group" until the sum is zero, as
+//! PyTorch's `join` does, but with one all-reduce instead of store barriers,
+//! and with new outgoing work held at a gate from the moment a round's count
+//! is read, so that nothing starts between the read and the verdict.
 
 use std::any::Any;
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Display;
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::Duration;
 
 use bytes::Bytes;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use tokio::sync::{oneshot, Notify};
+use tokio::sync::oneshot;
 use tokio::time::Instant;
+
+mod gate;
 
 use crate::device::{Device, DeviceInfo, DeviceMap};
 use crate::rref::{self, Adopted, ForkData, ForkId, Handle, RRefContext, RRefId};
 use crate::transport::{BoxFuture, Event, Outgoing, Transport};
 use crate::wire::{self, Envelope, Failure, Request};
 use crate::{Error, Leak, RRef, Result, WorkerInfo};
+use gate::{Active, Gate, Work};
 
 /// A value an owner keeps for an RRef, or a function's result.
 pub trait Value: Any + Send {
@@ -412,8 +417,8 @@ pub struct AgentInner {
     next_gid: AtomicU64,
     pub(crate) rrefs: RRefContext,
     pub(crate) default_timeout: Duration,
-    active: AtomicUsize,
-    idle: Notify,
+    /// Work in flight, and shutdown's gate on new work.
+    gate: Arc<Gate>,
     closed: AtomicBool,
     shut: tokio::sync::Mutex<bool>,
     /// My device maps, the inverse of peers' maps towards me, my devices.
@@ -474,24 +479,6 @@ impl ToWorker for u32 {
     }
 }
 
-/// Decrements the active count when dropped.
-struct Active(Arc<AgentInner>);
-
-impl Active {
-    fn new(a: &Arc<AgentInner>) -> Active {
-        a.active.fetch_add(1, Ordering::SeqCst);
-        Active(a.clone())
-    }
-}
-
-impl Drop for Active {
-    fn drop(&mut self) {
-        if self.0.active.fetch_sub(1, Ordering::SeqCst) == 1 {
-            self.0.idle.notify_waiters();
-        }
-    }
-}
-
 /// What graceful shutdown found.
 #[derive(Debug, Clone, Default)]
 pub struct ShutdownReport {
@@ -524,8 +511,7 @@ impl AgentInner {
             next_gid: AtomicU64::new(1),
             rrefs: RRefContext::new(id),
             default_timeout,
-            active: AtomicUsize::new(0),
-            idle: Notify::new(),
+            gate: Arc::default(),
             closed: AtomicBool::new(false),
             shut: tokio::sync::Mutex::new(false),
             maps: device_info.maps.clone(),
@@ -693,10 +679,10 @@ impl AgentInner {
         args: Encoded,
         timeout: Option<Duration>,
     ) -> Result<(Vec<u8>, Bytes, Adopted)> {
-        let _active = Active::new(self);
         let what = req.describe();
         let worker = self.name_of(to);
-        if self.closed.load(Ordering::SeqCst) {
+        let active = self.gate.enter(Work::Outgoing).await;
+        if active.is_none() || self.closed.load(Ordering::SeqCst) {
             self.rrefs.cancel_children(self, &args.forks);
             return Err(Error::Shutdown(self.me.name.clone()));
         }
@@ -790,9 +776,12 @@ impl AgentInner {
     /// (its handler is idempotent).
     pub(crate) fn send_control(self: &Arc<Self>, to: u32, req: Request) {
         let a = self.clone();
-        let active = Active::new(self);
+        let early = self.gate.try_enter(Work::Outgoing);
         self.rt.spawn(async move {
-            let _active = active;
+            let Some(_active) = a.admit(early).await else {
+                tracing::warn!(worker = %a.me.name, "{} not sent: shutdown ended", req.describe());
+                return;
+            };
             if let Err(e) = a.control(to, req.clone()).await {
                 tracing::warn!(worker = %a.me.name, "could not deliver {}: {e}", req.describe());
             }
@@ -846,9 +835,13 @@ impl AgentInner {
     /// until then, and must let it go either way).
     pub(crate) fn fork_to_owner(self: &Arc<Self>, owner: u32, rref: RRefId, fork: ForkId) {
         let a = self.clone();
-        let active = Active::new(self);
+        let early = self.gate.try_enter(Work::Outgoing);
         self.rt.spawn(async move {
-            let _active = active;
+            let Some(_active) = a.admit(early).await else {
+                return a
+                    .rrefs
+                    .fork_registered(&a, fork, Err(Error::Shutdown(a.me.name.clone())));
+            };
             let r = a.control(owner, Request::ForkRequest { rref, fork }).await;
             a.rrefs.fork_registered(&a, fork, r);
         });
@@ -905,7 +898,7 @@ impl AgentInner {
             }) => {
                 let adopted = rref::adopt_all(self, forks);
                 let a = self.clone();
-                let active = Active::new(self);
+                let active = self.gate.try_enter(Work::Incoming);
                 self.rt.spawn(async move {
                     let _active = active;
                     a.serve(from, id, req, args, bulk, adopted).await
@@ -1264,21 +1257,21 @@ impl AgentInner {
     // ---- shutdown ----
 
     async fn wait_idle(&self, deadline: Option<Instant>) -> bool {
-        loop {
-            let n = self.idle.notified();
-            tokio::pin!(n);
-            n.as_mut().enable();
-            if self.active.load(Ordering::SeqCst) == 0 {
-                return true;
+        match deadline {
+            Some(d) => tokio::time::timeout_at(d, self.gate.idle()).await.is_ok(),
+            None => {
+                self.gate.idle().await;
+                true
             }
-            match deadline {
-                Some(d) => {
-                    if tokio::time::timeout_at(d, n).await.is_err() {
-                        return false;
-                    }
-                }
-                None => n.await,
-            }
+        }
+    }
+
+    /// Outgoing work counted at once (`early`), or admitted by shutdown's
+    /// gate once it opens; `None`: refused, shutdown ended.
+    async fn admit(&self, early: Option<Active>) -> Option<Active> {
+        match early {
+            Some(a) => Some(a),
+            None => self.gate.enter(Work::Outgoing).await,
         }
     }
 
@@ -1396,17 +1389,25 @@ impl AgentInner {
                 if !self.release_and_drain(deadline, true).await {
                     tracing::warn!(worker = %self.me.name, "RRefs still referenced when shutdown stopped waiting");
                 }
-                // 3. No call in flight anywhere.
+                // 3. No call in flight anywhere: rounds of "idle here, sum
+                // over the group", with new outgoing work held at the gate
+                // from the moment the count read for a round is zero.
+                self.gate.close();
                 loop {
                     self.wait_idle(deadline).await;
-                    let mut n = [self.active.load(Ordering::SeqCst) as u64];
-                    pg.with_timeout(left(deadline))
+                    let mut n = [self.gate.count() as u64];
+                    let r = pg
+                        .with_timeout(left(deadline))
                         .all_reduce(&mut n, rallypoint_collectives::ReduceOp::Sum)
-                        .await
-                        .map_err(|e| {
-                            self.group_left(&e);
-                            fail(format!("waiting for every worker's calls to finish: {e}"))
-                        })?;
+                        .await;
+                    if let Err(e) = r {
+                        self.gate.verdict(true);
+                        self.group_left(&e);
+                        return Err(fail(format!(
+                            "waiting for every worker's calls to finish: {e}"
+                        )));
+                    }
+                    self.gate.verdict(n[0] == 0);
                     if n[0] == 0 {
                         break;
                     }
@@ -1582,8 +1583,9 @@ impl Rpc {
         let func = func.to_owned();
         let rt = a.rt.clone();
         // Counted from the call, not from when its task first runs: a
-        // shutdown right after `rpc_async` still waits for it.
-        let active = Active::new(&a);
+        // shutdown right after `rpc_async` still waits for it (unless
+        // shutdown's gate is shut: then the call waits for its verdict).
+        let active = a.gate.try_enter(Work::Outgoing);
         RpcFuture(rt.spawn(async move {
             let _active = active;
             let (to, enc) = start?;
@@ -1629,9 +1631,12 @@ impl Rpc {
             let what = format!("remote {func:?} on worker {} itself", a.me.name);
             let h = a.rrefs.new_owned(a, what, type_name);
             let (rref, a2, func) = (h.id, a.clone(), func.to_owned());
-            let active = Active::new(a);
+            let early = a.gate.try_enter(Work::Outgoing);
             a.rt.spawn(async move {
-                let _active = active;
+                let Some(_active) = a2.admit(early).await else {
+                    let m = format!("the RPC agent of worker {} is shut down", a2.me.name);
+                    return a2.rrefs.set_value(&a2, rref, Err(m));
+                };
                 let r = match a2.functions.func(&func) {
                     Some(f) => {
                         f(a2.args(
@@ -1655,7 +1660,7 @@ impl Rpc {
         let h = a.rrefs.new_user(a, to, what, type_name);
         let (rref, fork) = (h.id, h.fork.expect("a user"));
         let (a2, func) = (a.clone(), func.to_owned());
-        let active = Active::new(a);
+        let active = a.gate.try_enter(Work::Outgoing);
         a.rt.spawn(async move {
             let _active = active;
             let r = a2
@@ -1722,7 +1727,7 @@ impl Rpc {
 
     /// Calls in flight on this worker (outgoing, being served, control).
     pub fn active_calls(&self) -> usize {
-        self.0.active.load(Ordering::SeqCst)
+        self.0.gate.count()
     }
 }
 

@@ -73,3 +73,33 @@ async fn references_held_by_a_dead_worker_are_reported_by_name() {
     );
     drop(r);
 }
+
+/// A program that keeps calling while shutdown runs: each of its calls is
+/// either counted by shutdown (and completes) or refused with a shutdown
+/// error; none is sent into a peer's teardown (issue 21 defect 3: the count
+/// was read before the all-reduce, so a call started in between was lost).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_started_during_shutdown_complete_or_are_refused() {
+    for round in 0..20 {
+        let ws = group(2, BackendType::tcp()).await;
+        let caller = ws[0].clone();
+        let busy = tokio::spawn(async move {
+            let mut done = 0u64;
+            loop {
+                match caller.rpc_sync::<_, ()>("w1", "nothing", &()).await {
+                    Ok(()) => done += 1,
+                    Err(e) => return (done, e),
+                }
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let reports = shutdown_all(ws).await;
+        let (done, e) = busy.await.unwrap();
+        assert!(done > 0);
+        assert!(
+            matches!(e, rallypoint_rpc::Error::Shutdown(_)),
+            "round {round}: after {done} calls, a call started during shutdown failed otherwise: {e}"
+        );
+        assert!(reports.iter().all(|r| r.leaked.is_empty()), "{reports:?}");
+    }
+}
