@@ -23,7 +23,6 @@
 use std::any::Any;
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
-use std::fmt::Display;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
@@ -35,13 +34,16 @@ use serde::Serialize;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
+mod functions;
 mod gate;
 
 use crate::device::{Device, DeviceInfo, DeviceMap};
 use crate::rref::{self, Adopted, ForkData, ForkId, Handle, RRefContext, RRefId};
-use crate::transport::{BoxFuture, Event, Outgoing, Transport};
+use crate::transport::{Event, Outgoing, Transport};
+use crate::types::{shape, Sig};
 use crate::wire::{self, Envelope, Failure, Request};
 use crate::{Error, Leak, RRef, Result, WorkerInfo};
+pub use functions::{Args, Functions};
 use gate::{Active, Gate, Work};
 
 /// A value an owner keeps for an RRef, or a function's result.
@@ -176,212 +178,6 @@ pub(crate) struct Encoded {
     pub bulk: Vec<Bytes>,
     pub forks: Vec<ForkId>,
     pub fork_data: Vec<ForkData>,
-}
-
-// ---- functions --------------------------------------------------------------
-
-/// A request's arguments, still encoded.
-pub struct Args {
-    rpc: Rpc,
-    bytes: Vec<u8>,
-    bulk: Bytes,
-    adopted: Adopted,
-}
-
-impl Args {
-    /// Decodes the arguments; waits until every RRef among them is confirmed
-    /// by its owner (user functions run only then).
-    async fn decode<A: DeserializeOwned>(self) -> std::result::Result<A, String> {
-        let Adopted { handles, new_users } = self.adopted;
-        let a = self
-            .rpc
-            .0
-            .decode_from::<A>(&self.bytes, self.bulk, handles)?;
-        for u in new_users {
-            let a = &self.rpc.0;
-            a.rrefs.user_usable(a, u).await.map_err(|e| e.to_string())?;
-        }
-        Ok(a)
-    }
-}
-
-type FnHandler = Arc<
-    dyn Fn(Args) -> BoxFuture<'static, std::result::Result<Box<dyn Value>, String>> + Send + Sync,
->;
-type MethodHandler = Arc<
-    dyn Fn(
-            Args,
-            Arc<Mutex<Box<dyn Value>>>,
-        ) -> BoxFuture<'static, std::result::Result<Box<dyn Value>, String>>
-        + Send
-        + Sync,
->;
-
-#[derive(Default)]
-struct FnTable {
-    funcs: HashMap<String, FnHandler>,
-    methods: HashMap<String, MethodHandler>,
-}
-
-/// The functions (and methods) a worker serves, by name.
-///
-/// Give it to [`RpcBackendOptions::functions`](crate::RpcBackendOptions) so
-/// they exist from the moment the worker can be called; more may be added
-/// later through [`Rpc::functions`].
-#[derive(Clone, Default)]
-pub struct Functions(Arc<RwLock<FnTable>>);
-
-fn dup(kind: &str, name: &str) -> Error {
-    Error::Invalid(format!("a {kind} named {name:?} is already registered"))
-}
-
-impl Functions {
-    pub fn new() -> Functions {
-        Functions::default()
-    }
-
-    fn add(&self, name: &str, h: FnHandler) -> Result<()> {
-        let mut t = self.0.write().unwrap_or_else(|e| e.into_inner());
-        if t.funcs.contains_key(name) {
-            return Err(dup("function", name));
-        }
-        t.funcs.insert(name.to_owned(), h);
-        Ok(())
-    }
-
-    /// Registers `f`, which cannot fail.
-    pub fn register<A, R, F>(&self, name: &str, f: F) -> Result<()>
-    where
-        A: DeserializeOwned + Send + 'static,
-        R: Serialize + Send + 'static,
-        F: Fn(A) -> R + Send + Sync + 'static,
-    {
-        self.register_fallible(name, move |a: A| Ok::<R, String>(f(a)))
-    }
-
-    /// Registers `f`; its error comes back to the caller as text.
-    pub fn register_fallible<A, R, E, F>(&self, name: &str, f: F) -> Result<()>
-    where
-        A: DeserializeOwned + Send + 'static,
-        R: Serialize + Send + 'static,
-        E: Display + Send + 'static,
-        F: Fn(A) -> std::result::Result<R, E> + Send + Sync + 'static,
-    {
-        self.register_async(name, move |_rpc: Rpc, a: A| std::future::ready(f(a)))
-    }
-
-    /// Registers a function that blocks (a long computation, blocking I/O,
-    /// a lock held for long): it runs on the runtime's blocking threads, at
-    /// most `num_worker_threads` at once (PyTorch's option, default 16; more
-    /// calls wait their turn), never on the threads that read messages and
-    /// run timers. [`Functions::register`] runs on those threads: use it for
-    /// functions that return at once.
-    pub fn register_blocking<A, R, E, F>(&self, name: &str, f: F) -> Result<()>
-    where
-        A: DeserializeOwned + Send + 'static,
-        R: Serialize + Send + 'static,
-        E: Display + Send + 'static,
-        F: Fn(A) -> std::result::Result<R, E> + Send + Sync + 'static,
-    {
-        let f = Arc::new(f);
-        self.register_async(name, move |rpc: Rpc, a: A| {
-            let f = f.clone();
-            async move {
-                let _turn = rpc
-                    .0
-                    .blocking
-                    .clone()
-                    .acquire_owned()
-                    .await
-                    .map_err(|_| "the agent is shutting down".to_owned())?;
-                tokio::task::spawn_blocking(move || f(a).map_err(|e| e.to_string()))
-                    .await
-                    .map_err(|e| format!("the function panicked: {e}"))?
-            }
-        })
-    }
-
-    /// Registers an async function; it gets this worker's [`Rpc`] to make
-    /// calls of its own (PyTorch's `@rpc.functions.async_execution`: the
-    /// answer goes when the future completes, and no thread waits for it).
-    pub fn register_async<A, R, E, F, Fut>(&self, name: &str, f: F) -> Result<()>
-    where
-        A: DeserializeOwned + Send + 'static,
-        R: Serialize + Send + 'static,
-        E: Display,
-        F: Fn(Rpc, A) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = std::result::Result<R, E>> + Send + 'static,
-    {
-        let f = Arc::new(f);
-        self.add(
-            name,
-            Arc::new(move |args: Args| {
-                let f = f.clone();
-                Box::pin(async move {
-                    let rpc = args.rpc.clone();
-                    let a: A = args.decode().await?;
-                    f(rpc, a)
-                        .await
-                        .map(|r| Box::new(r) as Box<dyn Value>)
-                        .map_err(|e| e.to_string())
-                })
-            }),
-        )
-    }
-
-    /// Registers a method on values of type `T` held behind RRefs, called by
-    /// [`RRef::call`] at the owner.
-    pub fn register_method<T, A, R, E, F>(&self, name: &str, f: F) -> Result<()>
-    where
-        T: 'static,
-        A: DeserializeOwned + Send + 'static,
-        R: Serialize + Send + 'static,
-        E: Display,
-        F: Fn(&mut T, A) -> std::result::Result<R, E> + Send + Sync + 'static,
-    {
-        let f = Arc::new(f);
-        let h: MethodHandler = Arc::new(move |args: Args, v: Arc<Mutex<Box<dyn Value>>>| {
-            let f = f.clone();
-            Box::pin(async move {
-                let a: A = args.decode().await?;
-                let mut g = v.lock().unwrap_or_else(|e| e.into_inner());
-                let held = g.type_name();
-                let t = g.as_any().downcast_mut::<T>().ok_or_else(|| {
-                    format!(
-                        "the RRef holds a {held}, and the method is registered for {}",
-                        std::any::type_name::<T>()
-                    )
-                })?;
-                f(t, a)
-                    .map(|r| Box::new(r) as Box<dyn Value>)
-                    .map_err(|e| e.to_string())
-            })
-        });
-        let mut t = self.0.write().unwrap_or_else(|e| e.into_inner());
-        if t.methods.contains_key(name) {
-            return Err(dup("method", name));
-        }
-        t.methods.insert(name.to_owned(), h);
-        Ok(())
-    }
-
-    fn func(&self, name: &str) -> Option<FnHandler> {
-        self.0
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .funcs
-            .get(name)
-            .cloned()
-    }
-
-    fn method(&self, name: &str) -> Option<MethodHandler> {
-        self.0
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .methods
-            .get(name)
-            .cloned()
-    }
 }
 
 // ---- the agent --------------------------------------------------------------
@@ -882,10 +678,23 @@ impl AgentInner {
                 if let Some(p) = p {
                     let r = result
                         .map(|v| (v, bulk, adopted))
-                        .map_err(|f| Error::Remote {
-                            worker: self.name_of(p.to),
-                            what: p.what,
-                            message: f.message,
+                        .map_err(|f| match f.types {
+                            Some((their_args, their_ret)) => {
+                                Error::TypeMismatch(Box::new(crate::Mismatch {
+                                    worker: self.name_of(p.to),
+                                    what: p.what,
+                                    their_args,
+                                    their_ret,
+                                    caller: String::new(),
+                                    our_args: String::new(),
+                                    our_ret: String::new(),
+                                }))
+                            }
+                            None => Error::Remote {
+                                worker: self.name_of(p.to),
+                                what: p.what,
+                                message: f.message,
+                            },
                         });
                     let _ = p.tx.send(r);
                 }
@@ -1067,18 +876,13 @@ impl AgentInner {
                 Ok(()) => Ok(e),
                 Err(m) => {
                     self.rrefs.cancel_children(&self, &e.forks);
-                    Err(m)
+                    Err(Failure::from(m))
                 }
             }
         });
         let (result, out_bulk, forks, fork_data) = match r {
             Ok(e) => (Ok(e.bytes), e.bulk, e.forks, e.fork_data),
-            Err(m) => (
-                Err(Failure { message: m }),
-                Vec::new(),
-                Vec::new(),
-                Vec::new(),
-            ),
+            Err(f) => (Err(f), Vec::new(), Vec::new(), Vec::new()),
         };
         let env = match wire::encode(&Envelope::Response {
             id,
@@ -1148,7 +952,7 @@ impl AgentInner {
         args: Vec<u8>,
         bulk: Bytes,
         adopted: Adopted,
-    ) -> std::result::Result<Encoded, String> {
+    ) -> std::result::Result<Encoded, Failure> {
         // An owned value the request waits for is bounded by the default
         // timeout: the caller has given up by then.
         let owned = |rref: RRefId| {
@@ -1161,44 +965,65 @@ impl AgentInner {
             }
         };
         match req {
-            Request::Call { func } => {
-                let h = self
+            Request::Call { func, sig } => {
+                let f = self
                     .functions
                     .func(&func)
                     .ok_or_else(|| self.no_function(&func))?;
-                let v = h(self.args(args, bulk, adopted)).await?;
-                self.encode_value(from, v.as_ref())
+                mismatch(&f.sig, sig)?;
+                let v = (f.run)(self.args(args, bulk, adopted)).await?;
+                Ok(self.encode_value(from, v.as_ref())?)
             }
-            Request::Remote { func, rref, fork } => {
+            Request::Remote {
+                func,
+                rref,
+                fork,
+                sig,
+            } => {
                 let what = format!("remote {func:?} from worker {}", self.name_of(from));
                 self.rrefs.remote_arrived(self, rref, fork, from, &what);
-                let r = match self.functions.func(&func) {
-                    Some(h) => h(self.args(args, bulk, adopted)).await,
-                    None => Err(self.no_function(&func)),
+                let f = self.functions.func(&func);
+                let checked = match &f {
+                    Some(f) => mismatch(&f.sig, sig),
+                    None => Err(Failure::from(self.no_function(&func))),
                 };
-                let answer = match &r {
-                    Ok(_) => Ok(Self::empty()),
-                    Err(m) => Err(m.clone()),
+                let r = match (f, &checked) {
+                    (Some(f), Ok(())) => (f.run)(self.args(args, bulk, adopted)).await,
+                    (_, Err(e)) => Err(e.message.clone()),
+                    (None, _) => unreachable!("checked"),
+                };
+                let answer = match (&r, checked) {
+                    (_, Err(e)) => Err(e),
+                    (Ok(_), Ok(())) => Ok(Self::empty()),
+                    (Err(m), Ok(())) => Err(Failure::from(m.clone())),
                 };
                 self.rrefs.set_value(self, rref, r);
                 answer
             }
-            Request::Method { rref, method } => {
-                let h = self.functions.method(&method).ok_or_else(|| {
+            Request::Method { rref, method, sig } => {
+                let v = owned(rref).await?;
+                let held = v.lock().await.type_name();
+                let m = self.functions.method(held, &method).map_err(|on| {
                     format!(
-                        "no method named {method:?} is registered on worker {}",
-                        self.me.name
+                        "no method named {method:?} for a {} value is registered on worker {}{}",
+                        crate::types::shape(held),
+                        self.me.name,
+                        if on.is_empty() {
+                            String::new()
+                        } else {
+                            format!(" (it is for: {})", on.join(", "))
+                        }
                     )
                 })?;
-                let v = owned(rref).await?;
-                let r = h(self.args(args, bulk, adopted), v).await?;
-                self.encode_value(from, r.as_ref())
+                mismatch(&m.sig, sig)?;
+                let r = (m.run)(self.args(args, bulk, adopted), v).await?;
+                Ok(self.encode_value(from, r.as_ref())?)
             }
             Request::Fetch { rref } => {
                 drop(adopted);
                 let v = owned(rref).await?;
-                let g = v.lock().unwrap_or_else(|e| e.into_inner());
-                self.encode_value(from, g.as_ref())
+                let g = v.lock().await;
+                Ok(self.encode_value(from, g.as_ref())?)
             }
             Request::Join {
                 info,
@@ -1512,7 +1337,10 @@ impl Rpc {
         let enc = a
             .encode_for(to, false, || wire::encode(args))
             .map_err(Error::Codec)?;
-        let (bytes, bulk, adopted) = a.call_raw(to, req, enc, timeout).await?;
+        let (bytes, bulk, adopted) = a
+            .call_raw(to, req, enc, timeout)
+            .await
+            .map_err(|e| ours::<A, R>(&a.me.name, e))?;
         a.decode_from::<R>(&bytes, bulk, adopted.handles)
             .map_err(|e| {
                 Error::Codec(format!(
@@ -1546,6 +1374,7 @@ impl Rpc {
             to,
             Request::Call {
                 func: func.to_owned(),
+                sig: Sig::of::<A, R>(),
             },
             args,
             timeout,
@@ -1589,8 +1418,11 @@ impl Rpc {
         RpcFuture(rt.spawn(async move {
             let _active = active;
             let (to, enc) = start?;
-            let (bytes, bulk, adopted) =
-                a.call_raw(to, Request::Call { func }, enc, timeout).await?;
+            let sig = Sig::of::<A, R>();
+            let (bytes, bulk, adopted) = a
+                .call_raw(to, Request::Call { func, sig }, enc, timeout)
+                .await
+                .map_err(|e| ours::<A, R>(&a.me.name, e))?;
             a.decode_from::<R>(&bytes, bulk, adopted.handles)
                 .map_err(|e| {
                     Error::Codec(format!(
@@ -1624,6 +1456,7 @@ impl Rpc {
         let a = &self.0;
         let to = to.worker_id(a)?;
         let type_name = std::any::type_name::<T>();
+        let sig = Sig::of::<A, T>();
         let enc = a
             .encode_for(to, false, || wire::encode(args))
             .map_err(Error::Codec)?;
@@ -1637,15 +1470,26 @@ impl Rpc {
                     let m = format!("the RPC agent of worker {} is shut down", a2.me.name);
                     return a2.rrefs.set_value(&a2, rref, Err(m));
                 };
+                let args = a2.args(
+                    enc.bytes,
+                    concat(enc.bulk),
+                    rref::adopt_all(&a2, enc.fork_data),
+                );
                 let r = match a2.functions.func(&func) {
-                    Some(f) => {
-                        f(a2.args(
-                            enc.bytes,
-                            concat(enc.bulk),
-                            rref::adopt_all(&a2, enc.fork_data),
-                        ))
-                        .await
-                    }
+                    Some(f) if f.sig.accepts(sig) => (f.run)(args).await,
+                    Some(f) => Err(ours::<A, T>(
+                        &a2.me.name,
+                        Error::TypeMismatch(Box::new(crate::Mismatch {
+                            worker: a2.me.name.clone(),
+                            what: format!("function {func:?}"),
+                            their_args: f.sig.args,
+                            their_ret: f.sig.ret,
+                            caller: String::new(),
+                            our_args: String::new(),
+                            our_ret: String::new(),
+                        })),
+                    )
+                    .to_string()),
                     None => Err(a2.no_function(&func)),
                 };
                 a2.rrefs.set_value(&a2, rref, r);
@@ -1663,9 +1507,16 @@ impl Rpc {
         let active = a.gate.try_enter(Work::Outgoing);
         a.rt.spawn(async move {
             let _active = active;
+            let req = Request::Remote {
+                func,
+                rref,
+                fork,
+                sig,
+            };
             let r = a2
-                .call_raw(to, Request::Remote { func, rref, fork }, enc, timeout)
-                .await;
+                .call_raw(to, req, enc, timeout)
+                .await
+                .map_err(|e| ours::<A, T>(&a2.me.name, e));
             let err = match r {
                 Ok(_) => None,
                 Err(Error::Timeout { worker, ms, .. }) => Some(Error::Timeout {
@@ -1758,5 +1609,30 @@ impl<R> Future for RpcFuture<R> {
             Ok(r) => r,
             Err(e) => Err(Error::Shutdown(format!("(call task ended: {e})"))),
         })
+    }
+}
+
+/// Refuses a call whose expected types (`want`) are not the registered
+/// function's, naming the function's (the caller names its own).
+fn mismatch(have: &crate::types::Signature, want: crate::types::Sig) -> Result<(), Failure> {
+    if have.accepts(want) {
+        return Ok(());
+    }
+    Err(Failure {
+        message: format!("it takes {} and returns {}", have.args, have.ret),
+        types: Some((have.args.clone(), have.ret.clone())),
+    })
+}
+
+/// Completes a type mismatch reported by a callee with the caller's side.
+fn ours<A: ?Sized, R: ?Sized>(me: &str, e: Error) -> Error {
+    match e {
+        Error::TypeMismatch(mut m) => {
+            m.caller = me.to_owned();
+            m.our_args = shape(std::any::type_name::<A>());
+            m.our_ret = shape(std::any::type_name::<R>());
+            Error::TypeMismatch(m)
+        }
+        e => e,
     }
 }

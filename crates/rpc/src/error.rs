@@ -25,6 +25,10 @@ pub enum Error {
         what: String,
         message: String,
     },
+    /// The callee's function (or method) takes or returns other types than
+    /// the caller's call: both sides, by type shape (module paths dropped).
+    #[error("{0}")]
+    TypeMismatch(Box<Mismatch>),
     /// No answer within the call's timeout.
     #[error(
         "RPC ran for more than set timeout ({ms} ms) and will now be marked with an error: {what} on worker {worker}"
@@ -53,3 +57,34 @@ pub enum Error {
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Both sides of a call whose types disagree.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mismatch {
+    /// The callee, and what was called there.
+    pub worker: String,
+    pub what: String,
+    /// What the callee's function takes and returns.
+    pub their_args: String,
+    pub their_ret: String,
+    /// The caller, and what its call passed and expected.
+    pub caller: String,
+    pub our_args: String,
+    pub our_ret: String,
+}
+
+impl std::fmt::Display for Mismatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} on worker {} takes {} and returns {}, but worker {} called it with {}, expecting {}",
+            self.what,
+            self.worker,
+            self.their_args,
+            self.their_ret,
+            self.caller,
+            self.our_args,
+            self.our_ret
+        )
+    }
+}

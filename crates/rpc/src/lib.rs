@@ -56,11 +56,12 @@ pub mod registry;
 mod rref;
 pub mod tcp;
 pub mod transport;
+pub mod types;
 pub mod wire;
 
 pub use agent::{Functions, Rpc, RpcFuture, ShutdownReport, ToWorker, Value};
 pub use device::{Device, DeviceMap, Inventory};
-pub use error::{Error, Result};
+pub use error::{Error, Mismatch, Result};
 pub use init::{init_rpc, init_rpc_with_store};
 pub use payload::Payload;
 pub use registry::{

@@ -224,7 +224,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> RRef<T> {
             .rrefs
             .owner_value(&a, self.h.id, a.default_timeout)
             .await?;
-        let mut g = v.lock().unwrap_or_else(|e| e.into_inner());
+        let mut g = v.lock().await;
         let any = g.as_any();
         let t = any.downcast_mut::<T>().ok_or_else(|| {
             Error::Invalid(format!(
@@ -262,6 +262,7 @@ impl<T: Serialize + DeserializeOwned + Send + 'static> RRef<T> {
                 crate::wire::Request::Method {
                     rref: self.h.id,
                     method: method.to_owned(),
+                    sig: crate::types::Sig::of::<A, R>(),
                 },
                 args,
                 timeout,
@@ -322,11 +323,12 @@ impl<T> Serialize for RRef<T> {
 impl<'de, T: 'static> Deserialize<'de> for RRef<T> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
         let data = ForkData::deserialize(d)?;
-        let want = std::any::type_name::<T>();
-        if data.type_name != want {
+        let want = crate::types::shape(std::any::type_name::<T>());
+        if crate::types::shape(&data.type_name) != want {
             let m = format!(
                 "RRef {} holds a {}, not a {want}",
-                data.rref, data.type_name
+                data.rref,
+                crate::types::shape(&data.type_name)
             );
             let _ = with_de(|cx| cx.fail::<()>(m.clone()));
             return Err(serde::de::Error::custom(m));
@@ -340,8 +342,9 @@ impl<'de, T: 'static> Deserialize<'de> for RRef<T> {
     }
 }
 
-/// An owned value, shared with the requests using it.
-pub(crate) type Held = Arc<Mutex<Box<dyn Value>>>;
+/// An owned value, shared with the requests using it. Its lock is async: a
+/// method waiting for the value holds no runtime thread.
+pub(crate) type Held = Arc<tokio::sync::Mutex<Box<dyn Value>>>;
 
 /// One worker's RRef bookkeeping: the protocol's [`Table`] under a lock, and
 /// the effects of each event applied after unlocking (control messages sent,
@@ -459,7 +462,7 @@ impl RRefContext {
         rref: RRefId,
         v: std::result::Result<Box<dyn Value>, String>,
     ) {
-        let v = v.map(|v| Arc::new(Mutex::new(v)));
+        let v = v.map(|v| Arc::new(tokio::sync::Mutex::new(v)));
         self.with(a, |t, out| t.set_value(rref, v, out));
     }
 

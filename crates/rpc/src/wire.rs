@@ -18,6 +18,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::rref::{ForkData, ForkId, RRefId};
+use crate::types::Sig;
 use crate::WorkerInfo;
 
 /// One RPC message.
@@ -45,8 +46,9 @@ pub enum Envelope {
 /// What a request asks for.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub enum Request {
-    /// Run function `func` and answer with its result (`rpc_sync`, `rpc_async`).
-    Call { func: String },
+    /// Run function `func` and answer with its result (`rpc_sync`, `rpc_async`);
+    /// `sig`: the argument and result types the caller expects.
+    Call { func: String, sig: Sig },
     /// Run `func` and keep its result here as the value of `rref`, whose first
     /// user is the caller's `fork` (PyTorch's REMOTE_CALL; the answer is
     /// REMOTE_RET and confirms that user).
@@ -54,9 +56,14 @@ pub enum Request {
         func: String,
         rref: RRefId,
         fork: ForkId,
+        sig: Sig,
     },
     /// Run method `method` on the value of `rref`, owned here.
-    Method { rref: RRefId, method: String },
+    Method {
+        rref: RRefId,
+        method: String,
+        sig: Sig,
+    },
     /// Answer with the value of `rref` once it exists (RREF_FETCH_CALL).
     Fetch { rref: RRefId },
     /// User `fork` of `rref` is gone (RREF_USER_DELETE). Idempotent.
@@ -83,9 +90,9 @@ impl Request {
     /// A short description for errors and leak reports.
     pub fn describe(&self) -> String {
         match self {
-            Request::Call { func } => format!("function {func:?}"),
+            Request::Call { func, .. } => format!("function {func:?}"),
             Request::Remote { func, .. } => format!("remote function {func:?}"),
-            Request::Method { method, rref } => format!("method {method:?} of {rref}"),
+            Request::Method { method, rref, .. } => format!("method {method:?} of {rref}"),
             Request::Fetch { rref } => format!("to_here of {rref}"),
             Request::UserDelete { rref, fork } => format!("user delete of {rref} ({fork})"),
             Request::ForkRequest { rref, fork } => format!("fork request of {rref} ({fork})"),
@@ -109,6 +116,18 @@ impl Request {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Failure {
     pub message: String,
+    /// The callee's function takes and returns other types than the caller
+    /// expects: these (argument, result), by shape.
+    pub types: Option<(String, String)>,
+}
+
+impl From<String> for Failure {
+    fn from(message: String) -> Failure {
+        Failure {
+            message,
+            types: None,
+        }
+    }
 }
 
 pub fn encode<T: Serialize>(v: &T) -> Result<Vec<u8>, String> {
@@ -341,7 +360,8 @@ mod tests {
 
         #[test]
         fn envelopes_round_trip(id in any::<u64>(), func in "[a-z_]{0,20}", args in proptest::collection::vec(any::<u8>(), 0..64)) {
-            let e = Envelope::Request { id, req: Request::Call { func }, args, forks: vec![] };
+            let sig = crate::types::Sig { args: id.rotate_left(7), ret: id ^ 5 };
+            let e = Envelope::Request { id, req: Request::Call { func, sig }, args, forks: vec![] };
             prop_assert_eq!(decode::<Envelope>(&encode(&e).unwrap()).unwrap(), e);
         }
     }

@@ -95,27 +95,95 @@ async fn an_argument_over_the_envelope_limit_is_refused_by_the_sender() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn arguments_of_another_type_are_an_error_not_a_truncation() {
-    let ws = group(2, BackendType::tcp()).await;
-    // `add` takes (i64, i64); `echo` takes a String.
+    let ws: Vec<Rpc> = group_with(2, BackendType::tcp(), |_, o| {
+        // One method name on two types: found by the value's type.
+        o.functions
+            .register_method("describe", |v: &mut i64, (): ()| {
+                Ok::<String, String>(format!("the number {v}"))
+            })
+            .unwrap();
+        o.functions
+            .register_method("describe", |v: &mut String, (): ()| {
+                Ok::<String, String>(format!("the text {v:?}"))
+            })
+            .unwrap();
+    })
+    .await
+    .into_iter()
+    .map(|r| r.unwrap())
+    .collect();
+    // `add` takes (i64, i64) and returns i64. Postcard alone would have
+    // read the first two of three numbers, or 300 + 200 as a u8.
     let e = ws[0]
         .rpc_sync::<_, i64>("w1", "add", &(1i64, 2i64, 3i64))
         .await
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("left over") && e.contains("add"), "{e}");
-    let e = ws[0]
-        .rpc_sync::<_, String>("w1", "echo", &("hi".to_owned(), 5i64))
-        .await
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("left over"), "{e}");
-    // The answer is checked too: `add` returns an i64, read here as a u8.
+        .unwrap_err();
+    assert!(
+        matches!(e, rallypoint_rpc::Error::TypeMismatch { .. }),
+        "{e:?}"
+    );
+    assert_eq!(
+        e.to_string(),
+        "function \"add\" on worker w1 takes (i64, i64) and returns i64, but worker w0 called it with (i64, i64, i64), expecting i64"
+    );
     let e = ws[0]
         .rpc_sync::<_, u8>("w1", "add", &(200i64, 300i64))
         .await
         .unwrap_err()
         .to_string();
-    assert!(e.contains("decoding the answer of worker w1"), "{e}");
+    assert!(
+        e.ends_with("called it with (i64, i64), expecting u8"),
+        "{e}"
+    );
+    let e = ws[0]
+        .rpc_async::<_, String>("w1", "echo", &("hi".to_owned(), 5i64))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("takes String") && e.contains("(String, i64)"),
+        "{e}"
+    );
+    // remote::<T> is checked against what the function returns.
+    let wrong: RRef<String> = ws[0].remote("w1", "counter", &1i64).unwrap();
+    let e = wrong.to_here().await.unwrap_err().to_string();
+    assert!(
+        e.contains("takes i64 and returns i64") && e.contains("expecting String"),
+        "{e}"
+    );
+    let on_self: RRef<String> = ws[0].remote("w0", "counter", &1i64).unwrap();
+    let e = on_self.to_here().await.unwrap_err().to_string();
+    assert!(e.contains("expecting String"), "{e}");
+    // Methods are found by the value's type and name.
+    let n: RRef<i64> = ws[0].remote("w1", "counter", &7i64).unwrap();
+    let t: RRef<String> = ws[0].remote("w1", "echo", &"seven".to_owned()).unwrap();
+    assert_eq!(
+        n.call::<_, String>("describe", &()).await.unwrap(),
+        "the number 7"
+    );
+    assert_eq!(
+        t.call::<_, String>("describe", &()).await.unwrap(),
+        "the text \"seven\""
+    );
+    let e = t
+        .call::<_, i64>("incr", &1i64)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("no method named \"incr\" for a String value") && e.contains("(it is for: i64)"),
+        "{e}"
+    );
+    let e = n
+        .call::<_, i64>("describe", &())
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("expecting i64") && e.contains("returns String"),
+        "{e}"
+    );
+    drop((wrong, on_self, n, t));
     shutdown_all(ws).await;
 }
 
@@ -355,4 +423,71 @@ async fn a_slow_worker_is_not_taken_for_a_dead_one() {
         .unwrap();
     assert_eq!(n, 64 << 20);
     shutdown_all(ws).await;
+}
+
+/// Two method calls on one value wait for each other without holding a
+/// runtime thread: while the first runs (a method that blocks, held here at
+/// a gate, on the blocking pool), the second waits for the value and the
+/// worker still serves other calls. Methods ran under a thread lock on the
+/// runtime's threads: the first blocked one runtime thread, the second
+/// blocked the other on the lock, and the worker served nothing until the
+/// first returned (issue 21 defect 9).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_method_waiting_for_its_value_holds_no_thread() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Condvar, Mutex};
+    static GATE: (Mutex<bool>, Condvar) = (Mutex::new(false), Condvar::new());
+    static INSIDE: AtomicBool = AtomicBool::new(false);
+    fn release() {
+        *GATE.0.lock().unwrap() = true;
+        GATE.1.notify_all();
+    }
+    let ws: Vec<Rpc> = group_with(2, BackendType::tcp(), |_, o| {
+        o.functions
+            .register_method_blocking("held", |v: &mut i64, (): ()| {
+                INSIDE.store(true, Ordering::SeqCst);
+                let mut open = GATE.0.lock().unwrap();
+                while !*open {
+                    open = GATE.1.wait(open).unwrap();
+                }
+                *v += 1;
+                Ok::<i64, String>(*v)
+            })
+            .unwrap();
+    })
+    .await
+    .into_iter()
+    .map(|r| r.unwrap())
+    .collect();
+    // Whatever happens, the gate opens after 20 s (the runtime's threads may
+    // all be blocked: no tokio timer could fire).
+    let fallback = std::thread::spawn(|| {
+        std::thread::sleep(Duration::from_secs(20));
+        release();
+    });
+    let r: RRef<i64> = ws[0].remote("w1", "counter", &0i64).unwrap();
+    assert_eq!(r.to_here().await.unwrap(), 0);
+    let (r1, r2) = (r.clone(), r.clone());
+    let first = tokio::spawn(async move { r1.call::<_, i64>("held", &()).await });
+    while !INSIDE.load(Ordering::SeqCst) {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let second = tokio::spawn(async move { r2.call::<_, i64>("held", &()).await });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let v: i64 = ws[0].rpc_sync("w1", "add", &(2i64, 3i64)).await.unwrap();
+    assert_eq!(v, 5);
+    let served_while_held = !*GATE.0.lock().unwrap();
+    release();
+    let (a, b) = (
+        first.await.unwrap().unwrap(),
+        second.await.unwrap().unwrap(),
+    );
+    assert_eq!((a.min(b), a.max(b)), (1, 2));
+    assert!(
+        served_while_held,
+        "w1 served nothing while a method held its value"
+    );
+    drop(r);
+    shutdown_all(ws).await;
+    drop(fallback);
 }
