@@ -39,7 +39,7 @@ mod gate;
 
 use crate::device::{Device, DeviceInfo, DeviceMap};
 use crate::rref::{self, Adopted, ForkData, ForkId, Handle, RRefContext, RRefId};
-use crate::transport::{Event, Outgoing, Transport};
+use crate::transport::{BoxFuture, Event, Outgoing, Transport};
 use crate::types::{shape, Sig};
 use crate::wire::{self, Envelope, Failure, Request};
 use crate::{Error, Leak, RRef, Result, WorkerInfo};
@@ -229,6 +229,8 @@ pub struct AgentInner {
     /// Functions registered with [`Functions::register_blocking`] running at
     /// once, at most `num_worker_threads`.
     pub(crate) blocking: Arc<tokio::sync::Semaphore>,
+    /// Requests served at once, at most `max_requests`.
+    requests: Arc<tokio::sync::Semaphore>,
     /// The heartbeat deadline (zero: none), and when each peer was last
     /// heard from (any message).
     heartbeat: Duration,
@@ -294,6 +296,7 @@ impl AgentInner {
         device_info: DeviceInfo,
         num_worker_threads: usize,
         heartbeat: Duration,
+        max_requests: usize,
     ) -> Arc<AgentInner> {
         let id = me.id;
         Arc::new(AgentInner {
@@ -317,6 +320,7 @@ impl AgentInner {
             leaks: Mutex::default(),
             gone: Mutex::default(),
             blocking: Arc::new(tokio::sync::Semaphore::new(num_worker_threads.max(1))),
+            requests: Arc::new(tokio::sync::Semaphore::new(max_requests.max(1))),
             heartbeat,
             heard: Mutex::default(),
             probed: Mutex::default(),
@@ -452,11 +456,14 @@ impl AgentInner {
     /// Sends a message; to this worker itself without the transport.
     async fn send_to(self: &Arc<Self>, to: u32, msg: Outgoing) -> std::result::Result<(), String> {
         if to == self.me.id {
-            self.deliver(Event::Message {
+            let full = self.deliver(Event::Message {
                 from: to,
                 env: msg.env,
                 bulk: concat(msg.bulk),
             });
+            if let Some(full) = full {
+                full.await;
+            }
             return Ok(());
         }
         match self.transport() {
@@ -646,14 +653,24 @@ impl AgentInner {
     // ---- serving ----
 
     /// The transport's entry point.
-    pub(crate) fn deliver(self: &Arc<Self>, ev: Event) {
+    /// The transport's entry point; a future when this worker serves all the
+    /// requests it may (see [`crate::transport::Deliver`]).
+    pub(crate) fn deliver(self: &Arc<Self>, ev: Event) -> Option<BoxFuture<'static, ()>> {
         match ev {
             Event::Message { from, env, bulk } => self.message(from, env, bulk),
-            Event::Gone { peer, reason } => self.peer_gone(peer, &reason),
+            Event::Gone { peer, reason } => {
+                self.peer_gone(peer, &reason);
+                None
+            }
         }
     }
 
-    fn message(self: &Arc<Self>, from: u32, env: Vec<u8>, bulk: Bytes) {
+    fn message(
+        self: &Arc<Self>,
+        from: u32,
+        env: Vec<u8>,
+        bulk: Bytes,
+    ) -> Option<BoxFuture<'static, ()>> {
         if !self.heartbeat.is_zero() {
             self.heard
                 .lock()
@@ -708,15 +725,39 @@ impl AgentInner {
                 let adopted = rref::adopt_all(self, forks);
                 let a = self.clone();
                 let active = self.gate.try_enter(Work::Incoming);
+                // Requests that run user code take a turn; control messages
+                // (quick, and what frees references) never wait.
+                let counted = matches!(
+                    req,
+                    Request::Call { .. }
+                        | Request::Remote { .. }
+                        | Request::Method { .. }
+                        | Request::Fetch { .. }
+                );
+                let turn = counted.then(|| self.requests.clone().try_acquire_owned());
+                let full = matches!(turn, Some(Err(_)));
+                let sem = self.requests.clone();
                 self.rt.spawn(async move {
                     let _active = active;
+                    let _turn = match turn {
+                        Some(Err(_)) => sem.acquire_owned().await.ok(),
+                        Some(Ok(t)) => Some(t),
+                        None => None,
+                    };
                     a.serve(from, id, req, args, bulk, adopted).await
                 });
+                if full {
+                    let sem = self.requests.clone();
+                    return Some(Box::pin(async move {
+                        let _ = sem.acquire().await;
+                    }));
+                }
             }
             Err(e) => {
                 tracing::warn!(worker = %self.me.name, from, "dropped an undecodable message: {e}")
             }
         }
+        None
     }
 
     /// Sends a heartbeat to `to` (a probe when `answer`), in the background,

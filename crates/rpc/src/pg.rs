@@ -95,11 +95,13 @@ async fn recv_loop(pg: ProcessGroup, src: usize, deliver: Deliver, max_bulk: u64
         }
         let bulk = Bytes::from(body);
         let env = bulk.slice(..head[0] as usize).to_vec();
-        deliver(Event::Message {
+        if let Some(full) = deliver(Event::Message {
             from: src as u32,
             env,
             bulk: bulk.slice(head[0] as usize..),
-        });
+        }) {
+            full.await;
+        }
     };
     deliver(Event::Gone {
         peer: src as u32,

@@ -81,6 +81,12 @@ pub struct RpcBackendOptions {
     /// either an answer, any message, or bytes of a message still arriving.
     /// Zero switches the heartbeat off. Default 10 s.
     pub heartbeat: Duration,
+    /// Requests (calls, `remote()`s, method calls, fetches) served at once;
+    /// beyond it the transport stops reading from the senders until one
+    /// ends (they slow down; their deadlines still run). RRef control
+    /// messages are not counted. Default 4096. A handler that makes nested
+    /// calls to a worker that is itself full waits for it.
+    pub max_requests: usize,
     /// Backend-specific options of third-party backends.
     pub extra: BTreeMap<String, String>,
 }
@@ -98,6 +104,7 @@ impl Default for RpcBackendOptions {
             num_worker_threads: 16,
             pg_send_recv_threads: 4,
             heartbeat: DEFAULT_HEARTBEAT,
+            max_requests: 4096,
             extra: BTreeMap::new(),
         }
     }

@@ -326,11 +326,13 @@ async fn read_frame(
         sh.alive.mark(stamp);
     }
     if h.parts == 1 {
-        (sh.deliver)(Event::Message {
+        if let Some(full) = (sh.deliver)(Event::Message {
             from,
             env,
             bulk: bulk.into(),
-        });
+        }) {
+            full.await;
+        }
         return Ok(true);
     }
     let done = {
@@ -366,11 +368,13 @@ async fn read_frame(
         for part in p.parts.into_iter().flatten() {
             all.extend_from_slice(&part);
         }
-        (sh.deliver)(Event::Message {
+        if let Some(full) = (sh.deliver)(Event::Message {
             from,
             env: p.env,
             bulk: all.into(),
-        });
+        }) {
+            full.await;
+        }
     }
     Ok(true)
 }
@@ -522,7 +526,9 @@ impl Shared {
         match self.peer(peer) {
             Ok(p) => p.line(self, peer, 0).probe(why),
             // Not (or no longer) a peer: nothing to reconnect to.
-            Err(_) => (self.deliver)(Event::Gone { peer, reason: why }),
+            Err(_) => {
+                (self.deliver)(Event::Gone { peer, reason: why });
+            }
         }
     }
 }

@@ -246,7 +246,7 @@ async fn writer(
                     Err(e) => {
                         drop(st);
                         let reason = format!("{why}, and reconnecting failed: {e}");
-                        (sh.deliver)(Event::Gone { peer: to, reason });
+                        let _ = (sh.deliver)(Event::Gone { peer: to, reason });
                     }
                 }
                 continue;
@@ -266,7 +266,7 @@ async fn writer(
                     if e.refused {
                         // Nothing listens there any more: the peer is gone.
                         let reason = format!("connecting to it failed: {e}");
-                        (sh.deliver)(Event::Gone { peer: to, reason });
+                        let _ = (sh.deliver)(Event::Gone { peer: to, reason });
                     }
                     Err(e.why)
                 }

@@ -491,3 +491,59 @@ async fn a_method_waiting_for_its_value_holds_no_thread() {
     shutdown_all(ws).await;
     drop(fallback);
 }
+
+/// A worker serves at most `max_requests` requests at once; the others wait
+/// their turn (the transport stops reading from their sender meanwhile) and
+/// all complete (issue 21 defect 7: every request was spawned at once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_beyond_max_requests_wait_their_turn() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static RUNNING: AtomicUsize = AtomicUsize::new(0);
+    static MOST: AtomicUsize = AtomicUsize::new(0);
+    static OPEN: tokio::sync::Notify = tokio::sync::Notify::const_new();
+    static OPENED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    let ws: Vec<Rpc> = group_with(2, BackendType::tcp(), |_, o| {
+        o.max_requests = 2;
+        o.functions
+            .register_async("gated", |_rpc: Rpc, i: u64| async move {
+                let now = RUNNING.fetch_add(1, Ordering::SeqCst) + 1;
+                MOST.fetch_max(now, Ordering::SeqCst);
+                while !OPENED.load(Ordering::SeqCst) {
+                    let n = OPEN.notified();
+                    if OPENED.load(Ordering::SeqCst) {
+                        break;
+                    }
+                    n.await;
+                }
+                RUNNING.fetch_sub(1, Ordering::SeqCst);
+                Ok::<u64, String>(i)
+            })
+            .unwrap();
+    })
+    .await
+    .into_iter()
+    .map(|r| r.unwrap())
+    .collect();
+    let calls: Vec<_> = (0..10u64)
+        .map(|i| ws[0].rpc_async::<_, u64>("w1", "gated", &i))
+        .collect();
+    eventually("two requests running", || {
+        RUNNING.load(Ordering::SeqCst) == 2
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        MOST.load(Ordering::SeqCst),
+        2,
+        "more than max_requests ran at once"
+    );
+    OPENED.store(true, Ordering::SeqCst);
+    OPEN.notify_waiters();
+    let mut got = Vec::new();
+    for c in calls {
+        got.push(c.await.unwrap());
+    }
+    assert_eq!(got, (0..10).collect::<Vec<_>>());
+    assert_eq!(MOST.load(Ordering::SeqCst), 2);
+    shutdown_all(ws).await;
+}
