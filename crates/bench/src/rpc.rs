@@ -40,9 +40,9 @@ pub struct RpcArgs {
     repeat: usize,
     /// Heartbeat deadlines (ms) for the partition measurement: worker 1 is
     /// stopped (SIGSTOP) and worker 0 times how long a call with no timeout
-    /// takes to name it dead. Empty: skipped.
+    /// takes to name it dead. `--heartbeats none`: skipped.
     #[arg(long, value_delimiter = ',', default_value = "1000,10000")]
-    heartbeats: Vec<u64>,
+    heartbeats: Vec<String>,
 }
 
 const WINDOW: usize = 64;
@@ -136,6 +136,13 @@ pub fn run(args: RpcArgs) -> Result<()> {
     for rep in 0..args.repeat {
         let rtt = raw_rtt(20_000)?;
         let bw = crate::collectives::raw_pair(1 << 30, false)?;
+        // The ceiling for a round trip beside a transfer on this machine:
+        // the raw ping-pong while a raw bulk stream runs between two other
+        // processes (they share the same cores).
+        let bulk = std::thread::spawn(|| crate::collectives::raw_pair(8 << 30, false));
+        std::thread::sleep(Duration::from_millis(300));
+        let rtt_beside_bulk = raw_rtt(2_000)?;
+        bulk.join().expect("raw bulk thread")?;
         println!(
             "\n# repetition {}: raw TCP, same run: 64-byte ping-pong round trip {:.1} us; one-way bandwidth {:.2} GB/s",
             rep + 1,
@@ -159,6 +166,20 @@ pub fn run(args: RpcArgs) -> Result<()> {
             ratio(b, a),
             a.map_or("-".into(), |v| format!("{:.2}x", v / rtt)),
         );
+        if let (Some(l), Some(i)) = (f(ours, "rtt_loaded"), f(ours, "rtt")) {
+            let p = |k: &str| f(ours, k).map_or("-".into(), |v| format!("{:.1}", v * 1e6));
+            println!(
+                "| empty call round trip while {} MiB payloads go to the same worker | {:.1} us ({:.1}x idle; median {} us, p99 {} us, longest {} us) | - | - | raw ping-pong beside a raw bulk stream: {:.1} us ({:.1}x raw idle) |",
+                args.payload_bytes >> 20,
+                l * 1e6,
+                l / i,
+                p("rtt_loaded_p50"),
+                p("rtt_loaded_p99"),
+                p("rtt_loaded_max"),
+                rtt_beside_bulk * 1e6,
+                rtt_beside_bulk / rtt,
+            );
+        }
         let (a, b) = (f(ours, "calls_per_s"), f(torch, "calls_per_s"));
         println!(
             "| small calls per second, {WINDOW} in flight | {} | {} | {} | - |",
@@ -194,7 +215,8 @@ pub fn run(args: RpcArgs) -> Result<()> {
                 ratio(b, a),
             );
         }
-        for &hb in &args.heartbeats {
+        for hb in args.heartbeats.iter().filter(|h| *h != "none") {
+            let hb: u64 = hb.parse().context("--heartbeats takes milliseconds")?;
             let t = partition(hb)?;
             println!(
                 "| a stopped peer (SIGSTOP) named dead, heartbeat {:.0} s | {t:.2} s (deadline + {:.2} s) | never (no heartbeat: the call waits for its timeout) | - | - |",
@@ -419,6 +441,45 @@ async fn worker_main(mode: &str) -> Result<()> {
             "RESULT payload_bytes_per_s {:.3}",
             (size * reps) as f64 / t0.elapsed().as_secs_f64()
         );
+
+        // Empty calls while payloads to the same worker are in flight: a
+        // small call must not queue behind a bulk transfer.
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let bulk = {
+            let (rpc, p, stop) = (rpc.clone(), p.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut n = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                    rpc.rpc_sync::<_, u64>("w1", "size_of", &p).await?;
+                    n += 1;
+                }
+                Ok::<u64, rallypoint_rpc::Error>(n)
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        // For 2 s: several whole transfers, not a phase of one.
+        let mut each = Vec::new();
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_secs(2) {
+            let t = Instant::now();
+            rpc.rpc_sync::<_, ()>("w1", "nothing", &()).await?;
+            each.push(t.elapsed().as_secs_f64());
+        }
+        let rtt_loaded = t0.elapsed().as_secs_f64() / each.len() as f64;
+        each.sort_by(f64::total_cmp);
+        println!(
+            "RESULT rtt_loaded_p50 {:.9}\nRESULT rtt_loaded_p99 {:.9}\nRESULT rtt_loaded_max {:.9}",
+            each[each.len() / 2],
+            each[each.len() * 99 / 100],
+            each[each.len() - 1]
+        );
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        let transfers = bulk.await??;
+        anyhow::ensure!(
+            transfers > 0,
+            "no payload went during the loaded round trips"
+        );
+        println!("RESULT rtt_loaded {rtt_loaded:.9}");
     }
     rpc.shutdown(true, None).await?;
     Ok(())

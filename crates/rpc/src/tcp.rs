@@ -8,11 +8,16 @@
 //! generation and both workers; anything else (another job, an earlier group,
 //! garbage) is refused with a reason and closed, and the listener goes on.
 //!
-//! A message is a [`FrameHead`], the envelope and its bulk. A message whose bulk
-//! reaches `split_bytes` is cut into up to `streams` parts at fixed places
-//! ([`part_range`]), each written on its own connection at once and put back
-//! together by the receiver, which checks that every part is where its index
-//! says.
+//! A message is a [`FrameHead`], the envelope and its bulk. Stream 0 carries
+//! the messages with little bulk (under 64 KiB): calls, answers, control
+//! messages. The others carry bulk, so a call never queues behind a
+//! transfer: a message with more bulk goes whole on one of them (in turn),
+//! and one whose bulk reaches `split_bytes` is cut into one part per bulk
+//! stream at fixed places ([`part_range`]), written on all of them at once.
+//! The receiver reads every part straight into its place in one buffer (no
+//! copy to put them together) and checks that each part is where its index
+//! says. Messages on different streams may overtake each other: nothing in
+//! the agent assumes an order between messages.
 //!
 //! # Who owns a connection
 //!
@@ -45,7 +50,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
@@ -98,11 +103,20 @@ impl Peer {
     }
 }
 
+/// A message arriving in parts: one buffer, cut into the parts' places.
 struct Partial {
     env: Vec<u8>,
-    parts: Vec<Option<Vec<u8>>>,
+    slots: Vec<Slot>,
     left: u8,
     total: u64,
+}
+
+enum Slot {
+    /// Its place, waiting for its part.
+    Free(BytesMut),
+    /// A reader is filling it.
+    Reading,
+    Filled(BytesMut),
 }
 
 /// When each peer last showed it is alive below the message level: bytes
@@ -141,9 +155,40 @@ impl Liveness {
     }
 }
 
+/// The runtime of the bulk streams (1 and up): their readers and writers
+/// run on threads of their own, so that the caller's runtime, which runs
+/// stream 0 (calls, answers, control messages) and the handlers, is never
+/// busy copying a transfer when a small message arrives. Dropped without
+/// blocking (it may be dropped inside the caller's runtime).
+struct BulkRuntime(Option<tokio::runtime::Runtime>);
+
+impl BulkRuntime {
+    fn start() -> std::io::Result<BulkRuntime> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("rally-rpc-bulk")
+            .enable_all()
+            .build()?;
+        Ok(BulkRuntime(Some(rt)))
+    }
+
+    fn handle(&self) -> Option<tokio::runtime::Handle> {
+        self.0.as_ref().map(|rt| rt.handle().clone())
+    }
+}
+
+impl Drop for BulkRuntime {
+    fn drop(&mut self) {
+        if let Some(rt) = self.0.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
 struct Shared {
     me: u32,
     alive: Liveness,
+    bulk: Mutex<BulkRuntime>,
     generation: u64,
     opts: TcpOptions,
     deliver: Deliver,
@@ -172,8 +217,10 @@ impl Tcp {
         let ip = opts.listen.unwrap_or(std::net::Ipv4Addr::LOCALHOST.into());
         let listener = TcpListener::bind((ip, 0)).await?;
         let addr = listener.local_addr()?;
+        let bulk = BulkRuntime::start()?;
         let sh = Arc::new(Shared {
             me,
+            bulk: Mutex::new(bulk),
             alive: Liveness {
                 base: std::time::Instant::now(),
                 peers: Mutex::default(),
@@ -203,7 +250,10 @@ impl Tcp {
 }
 
 fn spawn_tracked(sh: &Arc<Shared>, f: impl std::future::Future<Output = ()> + Send + 'static) {
-    let h = tokio::spawn(f);
+    track(sh, tokio::spawn(f));
+}
+
+fn track(sh: &Arc<Shared>, h: JoinHandle<()>) {
     let mut t = sh.tasks.lock().unwrap_or_else(|e| e.into_inner());
     t.retain(|h| !h.is_finished());
     t.push(h);
@@ -218,7 +268,24 @@ async fn accept_loop(sh: Arc<Shared>, listener: TcpListener) {
         let sh2 = sh.clone();
         spawn_tracked(&sh, async move {
             match tokio::time::timeout(Duration::from_secs(10), handshake_in(&sh2, s)).await {
-                Ok(Ok((from, stream, rd))) => read_loop(sh2, from, stream, rd).await,
+                Ok(Ok((from, 0, rd))) => read_loop(sh2, from, 0, rd).await,
+                Ok(Ok((from, stream, rd))) => {
+                    // A bulk stream: read on the bulk runtime.
+                    let Some(bulk) = sh2.bulk_handle() else {
+                        return;
+                    };
+                    let Ok(raw) = rd.into_inner().into_std() else {
+                        return;
+                    };
+                    let sh3 = sh2.clone();
+                    let h = bulk.spawn(async move {
+                        if let Ok(s) = TcpStream::from_std(raw) {
+                            let rd = BufReader::with_capacity(64 << 10, s);
+                            read_loop(sh3, from, stream, rd).await;
+                        }
+                    });
+                    track(&sh2, h);
+                }
                 Ok(Err(e)) => {
                     sh2.refused.fetch_add(1, Ordering::Relaxed);
                     tracing::debug!("refused a connection: {e}");
@@ -283,22 +350,29 @@ async fn read_loop(sh: Arc<Shared>, from: u32, stream: u16, mut rd: BufReader<Tc
             Err(e) => break e,
         }
     };
-    // Part `i` of a message travels on stream `i`: messages still missing
-    // this stream's part will never be whole (their sender's call fails or
+    // Part `i` of a message travels on stream `i + 1`: messages still
+    // missing this stream's part will never be whole (their sender's call fails or
     // times out); those that have it may still complete on the others.
-    sh.partials
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .retain(|(f, _), p| {
-            *f != from || p.parts.get(stream as usize).is_some_and(Option::is_some)
-        });
+    if let Some(part) = (stream as usize).checked_sub(1) {
+        sh.partials
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|(f, _), p| *f != from || matches!(p.slots.get(part), Some(Slot::Filled(_))));
+    }
     // The peer's connection to us ended: whether the peer is gone is for our
     // own connection to it to find out.
     sh.probe(from, reason);
 }
 
-/// How much of a message's bulk is read between two marks of liveness.
-const READ_CHUNK: usize = 4 << 20;
+/// Messages with at least this much bulk go on the bulk streams (1 and up),
+/// not on stream 0.
+const BULK_BYTES: u64 = 64 << 10;
+
+/// How much of a message's bulk is read at a time: between two pieces the
+/// reader marks the peer alive and yields, so that the tasks of small
+/// messages (stream 0, answers, handlers) are not kept waiting behind a
+/// transfer.
+const READ_CHUNK: usize = 256 << 10;
 
 /// Reads one frame; `Ok(false)` on a clean EOF between frames.
 async fn read_frame(
@@ -319,13 +393,9 @@ async fn read_frame(
     let io = |e: std::io::Error| format!("its connection failed mid-message: {e}");
     let mut env = vec![0u8; h.env_len as usize];
     rd.read_exact(&mut env).await.map_err(io)?;
-    let mut bulk = vec![0u8; h.len as usize];
-    // In pieces, so that a peer busy sending one long message is heard.
-    for piece in bulk.chunks_mut(READ_CHUNK) {
-        rd.read_exact(piece).await.map_err(io)?;
-        sh.alive.mark(stamp);
-    }
     if h.parts == 1 {
+        let mut bulk = vec![0u8; h.len as usize];
+        read_marked(sh, rd, &mut bulk, stamp).await.map_err(io)?;
         if let Some(full) = (sh.deliver)(Event::Message {
             from,
             env,
@@ -335,27 +405,53 @@ async fn read_frame(
         }
         return Ok(true);
     }
-    let done = {
+    // A part: take its place in the message's buffer, read into it, put it
+    // back filled.
+    let mut place = {
         let mut ps = sh.partials.lock().unwrap_or_else(|e| e.into_inner());
-        let p = ps.entry((from, h.msg)).or_insert_with(|| Partial {
-            env: Vec::new(),
-            parts: vec![None; h.parts as usize],
-            left: h.parts,
-            total: h.bulk_total,
+        let p = ps.entry((from, h.msg)).or_insert_with(|| {
+            let mut rest = BytesMut::zeroed(h.bulk_total as usize);
+            let slots = (0..h.parts)
+                .map(|i| {
+                    let r = part_range(h.bulk_total, h.parts, i);
+                    Slot::Free(rest.split_to((r.end - r.start) as usize))
+                })
+                .collect();
+            Partial {
+                env: Vec::new(),
+                slots,
+                left: h.parts,
+                total: h.bulk_total,
+            }
         });
-        if p.parts.len() != h.parts as usize
-            || p.total != h.bulk_total
-            || p.parts[h.part as usize].is_some()
-        {
-            return Err(format!(
+        let inconsistent = || {
+            format!(
                 "it sent an inconsistent part {} of message {}",
                 h.part, h.msg
-            ));
+            )
+        };
+        if p.slots.len() != h.parts as usize || p.total != h.bulk_total {
+            return Err(inconsistent());
         }
+        match std::mem::replace(&mut p.slots[h.part as usize], Slot::Reading) {
+            Slot::Free(b) if b.len() as u64 == h.len => b,
+            other => {
+                p.slots[h.part as usize] = other;
+                return Err(inconsistent());
+            }
+        }
+    };
+    read_marked(sh, rd, &mut place, stamp).await.map_err(io)?;
+    let done = {
+        let mut ps = sh.partials.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(p) = ps.get_mut(&(from, h.msg)) else {
+            // Given up (another stream of the message ended).
+            return Ok(true);
+        };
         if h.part == 0 {
             p.env = env;
         }
-        p.parts[h.part as usize] = Some(bulk);
+        p.slots[h.part as usize] = Slot::Filled(place);
         p.left -= 1;
         if p.left == 0 {
             ps.remove(&(from, h.msg))
@@ -364,19 +460,40 @@ async fn read_frame(
         }
     };
     if let Some(p) = done {
-        let mut all = Vec::with_capacity(p.total as usize);
-        for part in p.parts.into_iter().flatten() {
-            all.extend_from_slice(&part);
+        // The parts are adjacent pieces of one buffer: joined, not copied.
+        let mut all = BytesMut::new();
+        for slot in p.slots {
+            if let Slot::Filled(b) = slot {
+                all.unsplit(b);
+            }
         }
         if let Some(full) = (sh.deliver)(Event::Message {
             from,
             env: p.env,
-            bulk: all.into(),
+            bulk: all.freeze(),
         }) {
             full.await;
         }
     }
     Ok(true)
+}
+
+/// Reads `buf` whole, in pieces, marking the peer alive after each.
+async fn read_marked(
+    sh: &Shared,
+    rd: &mut BufReader<TcpStream>,
+    buf: &mut [u8],
+    stamp: &AtomicU64,
+) -> std::io::Result<()> {
+    let pieces = buf.len().div_ceil(READ_CHUNK);
+    for piece in buf.chunks_mut(READ_CHUNK) {
+        rd.read_exact(piece).await?;
+        sh.alive.mark(stamp);
+        if pieces > 1 {
+            tokio::task::yield_now().await;
+        }
+    }
+    Ok(())
 }
 
 /// Opens stream `stream` to `to`: hello, verdict, and a watcher for its end.
@@ -491,6 +608,10 @@ async fn write_vectored_all<W: AsyncWrite + Unpin>(
         }
         progress();
         IoSlice::advance_slices(&mut bufs, n);
+        if !bufs.is_empty() {
+            // A long write lets the other tasks run between its pieces.
+            tokio::task::yield_now().await;
+        }
     }
     Ok(())
 }
@@ -511,6 +632,11 @@ fn slice_bulk(bulk: &[Bytes], range: std::ops::Range<u64>) -> Vec<Bytes> {
 }
 
 impl Shared {
+    /// The bulk runtime, unless shut down.
+    fn bulk_handle(&self) -> Option<tokio::runtime::Handle> {
+        self.bulk.lock().unwrap_or_else(|e| e.into_inner()).handle()
+    }
+
     fn peer(&self, to: u32) -> Result<Arc<Peer>, String> {
         self.peers
             .lock()
@@ -570,10 +696,14 @@ impl Transport for Tcp {
             let total = msg.bulk_len();
             let id = sh.next_msg.fetch_add(1, Ordering::Relaxed);
             let n = peer.lines.len();
-            let parts = if n > 1 && total >= sh.opts.split_bytes {
-                n as u8
+            // Stream 0 carries small messages only; bulk goes on the others,
+            // so a call never queues behind a transfer (see the module docs).
+            let (parts, first) = if n == 1 || total < BULK_BYTES {
+                (1, 0)
+            } else if total >= sh.opts.split_bytes {
+                ((n - 1) as u8, 1)
             } else {
-                1
+                (1, 1 + (id % (n as u64 - 1)) as usize)
             };
             let env_len = msg.env.len() as u32;
             let head = |part: u8| {
@@ -601,7 +731,7 @@ impl Transport for Tcp {
                     commit.clone(),
                     done,
                 );
-                match peer.line(sh, to, part as usize).submit(frame) {
+                match peer.line(sh, to, first + part as usize).submit(frame) {
                     Submitted::Written => {}
                     Submitted::Queued => waits.push(wait),
                     Submitted::Closed => return Err(format!("worker {to} has left")),
@@ -644,6 +774,11 @@ impl Transport for Tcp {
             for t in writers.iter().chain(&tasks) {
                 t.abort();
             }
+            let bulk = std::mem::replace(
+                &mut *self.sh.bulk.lock().unwrap_or_else(|e| e.into_inner()),
+                BulkRuntime(None),
+            );
+            drop(bulk);
         })
     }
 

@@ -126,6 +126,9 @@ pub(super) enum Submitted {
 pub(super) struct Line {
     tx: mpsc::UnboundedSender<Job>,
     state: Arc<Mutex<State>>,
+    /// Stream 0 writes from the caller when idle; bulk streams always go
+    /// through their writer, on the bulk runtime.
+    inline: bool,
 }
 
 fn lock(m: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
@@ -147,17 +150,25 @@ impl Line {
             busy: 0,
         }));
         let w = writer(sh.clone(), to, addr, stream, state.clone(), rx);
+        let h = match (stream, sh.bulk_handle()) {
+            (0, _) | (_, None) => tokio::spawn(w),
+            (_, Some(bulk)) => bulk.spawn(w),
+        };
         let mut ws = sh.writers.lock().unwrap_or_else(|e| e.into_inner());
         ws.retain(|h| !h.is_finished());
-        ws.push(tokio::spawn(w));
-        Line { tx, state }
+        ws.push(h);
+        Line {
+            tx,
+            state,
+            inline: stream == 0,
+        }
     }
 
     /// Writes `f` at once if the line is idle and the socket takes all of
     /// it, else queues it (a frame begun inline is finished by the writer).
     pub fn submit(&self, mut f: Frame) -> Submitted {
         let mut st = lock(&self.state);
-        if st.busy == 0 {
+        if st.busy == 0 && self.inline {
             if let Some(w) = &st.conn {
                 let hb = f.head.encode();
                 let mut slices = f.slices(&hb);
@@ -218,7 +229,12 @@ impl Line {
     }
 }
 
-/// The line's writer: takes jobs in order.
+/// Most slices (`writev`'s limit is 1024) and bytes one batched write takes.
+const BATCH_SLICES: usize = 512;
+const BATCH_BYTES: usize = 1 << 20;
+
+/// The line's writer: takes jobs in order, and writes the frames queued
+/// together in one vectored write.
 async fn writer(
     sh: Arc<Shared>,
     to: u32,
@@ -234,7 +250,16 @@ async fn writer(
         })?;
         connect(&sh, to, a, stream).await
     };
-    while let Some(job) = jobs.recv().await {
+    // A probe taken while gathering a batch, handled next.
+    let mut stashed: Option<Job> = None;
+    loop {
+        let job = match stashed.take() {
+            Some(j) => j,
+            None => match jobs.recv().await {
+                Some(j) => j,
+                None => break,
+            },
+        };
         let f = match job {
             Job::Probe(why) => {
                 lock(&state).conn = None;
@@ -274,13 +299,43 @@ async fn writer(
             // Begun on a connection that is gone: it cannot be resumed.
             (None, _) => Err("the connection failed mid-frame".to_owned()),
         };
+        let mut batch = vec![f];
         let (r, back) = match w {
             Err(e) => (Err(e), None),
             Ok(mut w) => {
-                let hb = f.head.encode();
-                let mut slices = f.slices(&hb);
+                // Frames queued behind this one go in the same write.
+                let mut slices_left = BATCH_SLICES.saturating_sub(batch[0].bulk.len() + 2);
+                let mut bytes = batch[0].len();
+                while bytes < BATCH_BYTES && slices_left > 0 {
+                    match jobs.try_recv() {
+                        Ok(Job::Frame(g)) => {
+                            if g.bulk.len() + 2 > slices_left {
+                                stashed = Some(Job::Frame(g));
+                                break;
+                            }
+                            if g.commit.decide(!g.done.is_closed()) {
+                                slices_left -= g.bulk.len() + 2;
+                                bytes += g.len();
+                                batch.push(g);
+                            } else {
+                                lock(&state).busy -= 1;
+                            }
+                        }
+                        Ok(probe) => {
+                            stashed = Some(probe);
+                            break;
+                        }
+                        Err(_) => break,
+                    }
+                }
+                let heads: Vec<[u8; super::HEAD_LEN]> =
+                    batch.iter().map(|f| f.head.encode()).collect();
+                let mut slices = Vec::new();
+                for (f, hb) in batch.iter().zip(&heads) {
+                    slices.extend(f.slices(hb));
+                }
                 let mut bufs = &mut slices[..];
-                IoSlice::advance_slices(&mut bufs, f.skip);
+                IoSlice::advance_slices(&mut bufs, batch[0].skip);
                 let stamp = sh.alive.stamp(to);
                 let progress = || sh.alive.mark(&stamp);
                 match write_vectored_all(&mut w, bufs, &progress).await {
@@ -293,9 +348,11 @@ async fn writer(
         {
             let mut st = lock(&state);
             st.conn = back;
-            st.busy -= 1;
+            st.busy -= batch.len();
         }
-        let _ = f.done.send(r);
+        for f in batch {
+            let _ = f.done.send(r.clone());
+        }
     }
     let last = lock(&state).conn.take();
     if let Some(mut w) = last {
