@@ -36,15 +36,18 @@ use tokio::time::Instant;
 
 mod functions;
 mod gate;
+pub(crate) mod rrefs;
 
 use crate::device::{Device, DeviceInfo, DeviceMap};
-use crate::rref::{self, Adopted, ForkData, ForkId, Handle, RRefContext, RRefId};
-use crate::transport::{BoxFuture, Event, Outgoing, Transport};
+use crate::rref::Leak;
+use crate::transport::{BoxFuture, Event, Outgoing, Transport, FOREVER};
 use crate::types::{shape, Sig};
 use crate::wire::{self, Envelope, Failure, Request};
-use crate::{Error, Leak, RRef, Result, WorkerInfo};
+use crate::wire::{ForkData, ForkId, RRefId};
+use crate::{Error, Result, WorkerInfo};
 pub use functions::{Args, Functions};
 use gate::{Active, Gate, Work};
+use rrefs::{Adopted, Handle, RRef, RRefContext};
 
 /// A value an owner keeps for an RRef, or a function's result.
 pub trait Value: Any + Send {
@@ -285,9 +288,6 @@ pub struct ShutdownReport {
     pub leaked: Vec<Leak>,
 }
 
-/// Stands for "no deadline" in the process group, whose ops take a duration.
-pub(crate) const FOREVER: Duration = Duration::from_secs(365 * 24 * 3600);
-
 impl AgentInner {
     pub(crate) fn new(
         me: WorkerInfo,
@@ -328,8 +328,8 @@ impl AgentInner {
         })
     }
 
-    pub(crate) fn gid(&self) -> rref::Gid {
-        rref::Gid {
+    pub(crate) fn gid(&self) -> crate::wire::Gid {
+        crate::wire::Gid {
             created_on: self.me.id,
             local: self.next_gid.fetch_add(1, Ordering::Relaxed),
         }
@@ -684,7 +684,7 @@ impl AgentInner {
                 }
             }
             Ok(Envelope::Response { id, result, forks }) => {
-                let adopted = rref::adopt_all(self, forks);
+                let adopted = rrefs::adopt_all(self, forks);
                 let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
                 // Only the worker asked may answer.
                 let p = match pending.get(&id) {
@@ -722,7 +722,7 @@ impl AgentInner {
                 args,
                 forks,
             }) => {
-                let adopted = rref::adopt_all(self, forks);
+                let adopted = rrefs::adopt_all(self, forks);
                 let a = self.clone();
                 let active = self.gate.try_enter(Work::Incoming);
                 // Requests that run user code take a turn; control messages
@@ -1514,7 +1514,7 @@ impl Rpc {
                 let args = a2.args(
                     enc.bytes,
                     concat(enc.bulk),
-                    rref::adopt_all(&a2, enc.fork_data),
+                    rrefs::adopt_all(&a2, enc.fork_data),
                 );
                 let r = match a2.functions.func(&func) {
                     Some(f) if f.sig.accepts(sig) => (f.run)(args).await,

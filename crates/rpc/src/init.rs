@@ -21,7 +21,6 @@
 //! fails otherwise is undone (`Leave`) at the members already told.
 
 use std::collections::BTreeMap;
-use std::net::IpAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -30,27 +29,15 @@ use rallypoint_store::{PrefixStore, Store};
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
-use crate::agent::{AgentInner, Membership, FOREVER};
+use crate::agent::{AgentInner, Membership};
 use crate::device::{self, DeviceInfo};
+use crate::registry::init_timeout;
 use crate::registry::{self, BackendContext, BackendType, RpcBackendOptions};
 use crate::transport::{Deliver, Event};
 use crate::wire::Request;
 use crate::{Error, Result, Rpc, WorkerInfo};
 
 static INIT_CALLS: AtomicUsize = AtomicUsize::new(0);
-
-pub(crate) fn route_ip(host: &str) -> Option<IpAddr> {
-    rallypoint_collectives::route_ip(host)
-}
-
-/// The timeout for set-up steps: the RPC timeout, or no bound when it is zero.
-pub(crate) fn init_timeout(rpc_timeout: Duration) -> Duration {
-    if rpc_timeout.is_zero() {
-        FOREVER
-    } else {
-        rpc_timeout
-    }
-}
 
 /// PyTorch's rule: letters, digits, `_`, `:` and `-`, shorter than 128 characters.
 pub fn check_name(name: &str) -> Result<()> {

@@ -59,6 +59,7 @@ pub mod transport;
 pub mod types;
 pub mod wire;
 
+pub use agent::rrefs::RRef;
 pub use agent::{Functions, Rpc, RpcFuture, ShutdownReport, ToWorker, Value};
 pub use device::{Device, DeviceMap, Inventory};
 pub use error::{Error, Mismatch, Result};
@@ -68,7 +69,7 @@ pub use registry::{
     backend_registered, backends, construct_rpc_backend_options, init_backend, register_backend,
     BackendContext, BackendType, RpcBackendOptions,
 };
-pub use rref::{Gid, Leak, RRef};
+pub use rref::{Gid, Leak};
 
 use serde::{Deserialize, Serialize};
 

@@ -20,8 +20,7 @@ use bytes::Bytes;
 use rallypoint_collectives::ProcessGroup;
 use tokio::task::JoinHandle;
 
-use crate::agent::FOREVER;
-use crate::transport::{BoxFuture, Deliver, Event, Outgoing, Transport};
+use crate::transport::{BoxFuture, Deliver, Event, Outgoing, Transport, FOREVER};
 
 const TAG_HEAD: u32 = 0x5250_0001;
 const TAG_BODY: u32 = 0x5250_0002;

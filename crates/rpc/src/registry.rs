@@ -330,9 +330,7 @@ fn construct_tcp(a: OptionsArgs) -> Result<RpcBackendOptions> {
 async fn init_tcp(cx: BackendContext) -> Result<Arc<dyn Transport>> {
     let mut opts = cx.options.tcp.clone();
     if opts.listen.is_none() {
-        opts.listen = std::env::var("MASTER_ADDR")
-            .ok()
-            .and_then(|h| crate::init::route_ip(&h));
+        opts.listen = std::env::var("MASTER_ADDR").ok().and_then(|h| route_ip(&h));
     }
     let t = Tcp::start(cx.rank, cx.generation, opts, cx.deliver)
         .await
@@ -353,7 +351,7 @@ async fn init_pg(cx: BackendContext) -> Result<Arc<dyn Transport>> {
         .ok_or_else(|| err("the PROCESS_GROUP backend needs a static group (world_size)".into()))?;
     let opts = rallypoint_collectives::Options {
         prefix: "rpc_backend_pg".into(),
-        timeout: crate::init::init_timeout(cx.options.rpc_timeout),
+        timeout: init_timeout(cx.options.rpc_timeout),
         ..Default::default()
     };
     let pg = rallypoint_collectives::ProcessGroup::new(
@@ -370,4 +368,17 @@ async fn init_pg(cx: BackendContext) -> Result<Arc<dyn Transport>> {
         cx.options.tcp.max_message_bytes,
         cx.options.pg_send_recv_threads,
     )))
+}
+
+pub(crate) fn route_ip(host: &str) -> Option<std::net::IpAddr> {
+    rallypoint_collectives::route_ip(host)
+}
+
+/// The timeout for set-up steps: the RPC timeout, or no bound when it is zero.
+pub(crate) fn init_timeout(rpc_timeout: Duration) -> Duration {
+    if rpc_timeout.is_zero() {
+        crate::transport::FOREVER
+    } else {
+        rpc_timeout
+    }
 }

@@ -21,7 +21,7 @@
 //!
 //! # Who owns a connection
 //!
-//! Each outgoing connection belongs to a [`line::Line`] (one per peer and
+//! Each outgoing connection belongs to a `line::Line` (one per peer and
 //! stream, started on first use): a caller writes its frame itself when the
 //! line is idle, with non-blocking writes (no await); what the socket does
 //! not take, and frames for a busy line, go to the line's writer task, in

@@ -12,6 +12,10 @@ use bytes::Bytes;
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
+/// Stands for "no deadline" where a duration is required (the process
+/// group's operations take one).
+pub(crate) const FOREVER: std::time::Duration = std::time::Duration::from_secs(365 * 24 * 3600);
+
 /// A message to send: the encoded envelope and its out-of-band bulk.
 #[derive(Debug, Clone, Default)]
 pub struct Outgoing {

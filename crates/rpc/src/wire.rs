@@ -15,11 +15,43 @@
 //! not understand with an error (never a panic), and the property tests at the
 //! bottom feed them random bytes.
 
+use std::fmt;
+
 use serde::{Deserialize, Serialize};
 
-use crate::rref::{ForkData, ForkId, RRefId};
 use crate::types::Sig;
 use crate::WorkerInfo;
+
+/// A job-wide unique id: the worker that made it and a counter there
+/// (PyTorch's `GloballyUniqueId`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Gid {
+    pub created_on: u32,
+    pub local: u64,
+}
+
+pub type RRefId = Gid;
+pub type ForkId = Gid;
+
+impl fmt::Display for Gid {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}", self.created_on, self.local)
+    }
+}
+
+/// What a fork carries on the wire. Every message lists the forks it carries
+/// beside its arguments, so the receiver adopts (and, if it never decodes
+/// them, releases) each one: a fork can never be lost with an undecodable or
+/// unanswered message.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ForkData {
+    pub owner: u32,
+    pub rref: RRefId,
+    pub fork: ForkId,
+    pub parent: u32,
+    pub type_name: String,
+    pub what: String,
+}
 
 /// One RPC message.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

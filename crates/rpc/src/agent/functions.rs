@@ -12,8 +12,8 @@ use bytes::Bytes;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
+use super::rrefs::{Adopted, Held};
 use super::{Rpc, Value};
-use crate::rref::{Adopted, Held};
 use crate::transport::BoxFuture;
 use crate::types::{shape, Signature};
 use crate::{Error, Result};

@@ -4,7 +4,7 @@
 //!
 //! Nothing here locks, sleeps, reads a clock or does I/O, and every map is
 //! ordered, so the same events give the same effects in the same order: the agent
-//! ([`super::RRefContext`]) keeps a [`Table`] under a mutex, passes the time
+//! (`agent/rrefs.rs`) keeps a [`Table`] under a mutex, passes the time
 //! in, and applies the effects after unlocking; the simulator (`sim.rs`)
 //! drives several tables through reordered, repeated and delayed messages and
 //! killed workers, and checks the protocol's guarantees after every step.
