@@ -18,24 +18,30 @@
 //!
 //! # How it is put together
 //!
-//! * [`registry`]: backends by name, each an options constructor and an
-//!   initialiser returning a [`transport::Transport`]. Built in: `TCP` (the
-//!   default; [`tcp`]) and `PROCESS_GROUP` ([`pg`], over
-//!   `rallypoint-collectives`' send and receive). A third-party backend
-//!   registers the same way and gets everything below for free.
-//! * [`init`]: `init_rpc` over the URL rendezvous, with PyTorch's sequence and
-//!   name rules, for static and dynamic groups.
-//! * The agent (`agent.rs`): calls with per-call timeouts (zero: none), errors
-//!   naming the worker and the function, a worker's death failing the calls
-//!   waiting on it at once, and graceful shutdown.
-//! * [`RRef`]s (`rref.rs`): PyTorch's fork/confirm protocol with its two
-//!   guarantees; deletion on drop rather than by a garbage collector; leaks
-//!   reported by name at shutdown.
-//! * [`device`]: device maps and PyTorch's validation; [`Payload`]s are bytes
-//!   tagged with a device, mapped on the way and sent out of band.
-//! * [`wire`]: a postcard envelope, raw bulk bytes, and the TCP framing; every
-//!   decoder is property-tested.
+//! In layers; each module imports only the ones below it.
 //!
+//! 1. **Transport and framing**: [`transport`] (what a backend provides,
+//!    moving messages), [`tcp`] (the default: stream 0 for small messages,
+//!    bulk streams on threads of their own) and [`pg`] (`PROCESS_GROUP`,
+//!    over `rallypoint-collectives`' send and receive); [`wire`] (the
+//!    envelope, ids, the TCP frame and hello; every decoder
+//!    property-tested); [`types`] (type fingerprints); [`device`].
+//! 2. **The RRef protocol** (`rref.rs`, `rref/table.rs`): PyTorch's
+//!    fork/confirm protocol as a pure machine, driven by a seeded simulation
+//!    in the tests.
+//! 3. **The agent** (`agent.rs` and `agent/`): calls and their deadlines
+//!    (`calls.rs`), serving (`serve.rs`), the function table
+//!    (`functions.rs`), encoding (`codec.rs`), the RRef handles and the
+//!    context applying the protocol's effects (`rrefs.rs`), the heartbeat
+//!    (`heartbeat.rs`), the count of work in flight and shutdown's gate
+//!    (`gate.rs`), and the program's [`Rpc`] handle (`api.rs`).
+//! 4. **Lifecycle**: [`registry`] (backends by name: options and an
+//!    initialiser; a third-party backend registers the same way and gets
+//!    everything above the transport for free), [`init`] (`init_rpc` with
+//!    PyTorch's sequence and name rules), `membership.rs` (dynamic groups
+//!    joining and leaving) and `shutdown.rs` (a static group's graceful
+//!    shutdown). The agent calls the last two through a trait, not by name.
+
 //! # Where we do better than PyTorch
 //!
 //! * Shutdown does not time out in large worlds or when no call was ever made
@@ -50,10 +56,12 @@ mod agent;
 pub mod device;
 mod error;
 pub mod init;
+mod membership;
 mod payload;
 pub mod pg;
 pub mod registry;
 mod rref;
+mod shutdown;
 pub mod tcp;
 pub mod transport;
 pub mod types;
