@@ -50,17 +50,19 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+mod buffers;
 mod line;
 
 use crate::transport::{BoxFuture, Deliver, Event, Outgoing, Transport};
 use crate::wire::{part_range, FrameHead, Hello, HEAD_LEN, HELLO_LEN, MAX_PARTS};
+use buffers::{Pieces, Pool};
 use line::{Commit, Frame, Line, Submitted};
 
 /// TCP backend settings.
@@ -103,20 +105,22 @@ impl Peer {
     }
 }
 
-/// A message arriving in parts: one buffer, cut into the parts' places.
+/// A message arriving in parts: one buffer, each part read into its place.
 struct Partial {
     env: Vec<u8>,
+    buf: Arc<Pieces>,
     slots: Vec<Slot>,
     left: u8,
     total: u64,
 }
 
+/// Where a part stands. Only the reader that moved it from free to reading
+/// (under the partials' lock) writes its place.
+#[derive(Clone, Copy, PartialEq, Eq)]
 enum Slot {
-    /// Its place, waiting for its part.
-    Free(BytesMut),
-    /// A reader is filling it.
+    Free,
     Reading,
-    Filled(BytesMut),
+    Filled,
 }
 
 /// When each peer last showed it is alive below the message level: bytes
@@ -188,6 +192,8 @@ impl Drop for BulkRuntime {
 struct Shared {
     me: u32,
     alive: Liveness,
+    /// Receive buffers, reused (`buffers.rs`).
+    buffers: Arc<Pool>,
     bulk: Mutex<BulkRuntime>,
     generation: u64,
     opts: TcpOptions,
@@ -221,6 +227,7 @@ impl Tcp {
         let sh = Arc::new(Shared {
             me,
             bulk: Mutex::new(bulk),
+            buffers: Arc::default(),
             alive: Liveness {
                 base: std::time::Instant::now(),
                 peers: Mutex::default(),
@@ -357,7 +364,7 @@ async fn read_loop(sh: Arc<Shared>, from: u32, stream: u16, mut rd: BufReader<Tc
         sh.partials
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .retain(|(f, _), p| *f != from || matches!(p.slots.get(part), Some(Slot::Filled(_))));
+            .retain(|(f, _), p| *f != from || p.slots.get(part) == Some(&Slot::Filled));
     }
     // The peer's connection to us ended: whether the peer is gone is for our
     // own connection to it to find out.
@@ -394,54 +401,53 @@ async fn read_frame(
     let mut env = vec![0u8; h.env_len as usize];
     rd.read_exact(&mut env).await.map_err(io)?;
     if h.parts == 1 {
-        let mut bulk = vec![0u8; h.len as usize];
+        let mut bulk = sh.buffers.take(h.len as usize);
         read_marked(sh, rd, &mut bulk, stamp).await.map_err(io)?;
         if let Some(full) = (sh.deliver)(Event::Message {
             from,
             env,
-            bulk: bulk.into(),
+            bulk: bulk.freeze(),
         }) {
             full.await;
         }
         return Ok(true);
     }
-    // A part: take its place in the message's buffer, read into it, put it
-    // back filled.
-    let mut place = {
+    // A part: take its place in the message's buffer, read into it, mark it
+    // filled.
+    let (buf, place) = {
         let mut ps = sh.partials.lock().unwrap_or_else(|e| e.into_inner());
-        let p = ps.entry((from, h.msg)).or_insert_with(|| {
-            let mut rest = BytesMut::zeroed(h.bulk_total as usize);
-            let slots = (0..h.parts)
-                .map(|i| {
-                    let r = part_range(h.bulk_total, h.parts, i);
-                    Slot::Free(rest.split_to((r.end - r.start) as usize))
-                })
-                .collect();
-            Partial {
-                env: Vec::new(),
-                slots,
-                left: h.parts,
-                total: h.bulk_total,
-            }
+        let p = ps.entry((from, h.msg)).or_insert_with(|| Partial {
+            env: Vec::new(),
+            buf: Arc::new(Pieces::new(sh.buffers.take(h.bulk_total as usize))),
+            slots: vec![Slot::Free; h.parts as usize],
+            left: h.parts,
+            total: h.bulk_total,
         });
-        let inconsistent = || {
-            format!(
+        let r = part_range(h.bulk_total, h.parts, h.part);
+        if p.slots.len() != h.parts as usize
+            || p.total != h.bulk_total
+            || p.slots[h.part as usize] != Slot::Free
+            || r.end - r.start != h.len
+            || r.end as usize > p.buf.len()
+        {
+            return Err(format!(
                 "it sent an inconsistent part {} of message {}",
                 h.part, h.msg
-            )
-        };
-        if p.slots.len() != h.parts as usize || p.total != h.bulk_total {
-            return Err(inconsistent());
+            ));
         }
-        match std::mem::replace(&mut p.slots[h.part as usize], Slot::Reading) {
-            Slot::Free(b) if b.len() as u64 == h.len => b,
-            other => {
-                p.slots[h.part as usize] = other;
-                return Err(inconsistent());
-            }
-        }
+        p.slots[h.part as usize] = Slot::Reading;
+        (p.buf.clone(), r.start as usize..r.end as usize)
     };
-    read_marked(sh, rd, &mut place, stamp).await.map_err(io)?;
+    // SAFETY: this part's slot went from free to reading above, under the
+    // lock, so no other reader has this range; the ranges of a message's
+    // parts do not overlap (`part_range`), and it lies within the buffer
+    // (checked above).
+    let dst = unsafe { buf.piece(place) };
+    let read = read_marked(sh, rd, dst, stamp).await;
+    // Let go of the buffer before marking the part filled: the last part's
+    // reader then owns it alone.
+    drop(buf);
+    read.map_err(io)?;
     let done = {
         let mut ps = sh.partials.lock().unwrap_or_else(|e| e.into_inner());
         let Some(p) = ps.get_mut(&(from, h.msg)) else {
@@ -451,7 +457,7 @@ async fn read_frame(
         if h.part == 0 {
             p.env = env;
         }
-        p.slots[h.part as usize] = Slot::Filled(place);
+        p.slots[h.part as usize] = Slot::Filled;
         p.left -= 1;
         if p.left == 0 {
             ps.remove(&(from, h.msg))
@@ -460,17 +466,13 @@ async fn read_frame(
         }
     };
     if let Some(p) = done {
-        // The parts are adjacent pieces of one buffer: joined, not copied.
-        let mut all = BytesMut::new();
-        for slot in p.slots {
-            if let Slot::Filled(b) = slot {
-                all.unsplit(b);
-            }
-        }
+        let Ok(buf) = Arc::try_unwrap(p.buf) else {
+            return Err(format!("message {} is still being read", h.msg));
+        };
         if let Some(full) = (sh.deliver)(Event::Message {
             from,
             env: p.env,
-            bulk: all.freeze(),
+            bulk: buf.into_inner().freeze(),
         }) {
             full.await;
         }
