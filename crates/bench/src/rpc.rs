@@ -219,7 +219,7 @@ pub fn run(args: RpcArgs) -> Result<()> {
             let hb: u64 = hb.parse().context("--heartbeats takes milliseconds")?;
             let t = partition(hb)?;
             println!(
-                "| a stopped peer (SIGSTOP) named dead, heartbeat {:.0} s | {t:.2} s (deadline + {:.2} s) | never (no heartbeat: the call waits for its timeout) | - | - |",
+                "| a stopped peer (SIGSTOP) named dead, heartbeat {:.0} s | {t:.2} s (deadline + {:.2} s) | not measured (TensorPipe has no heartbeat: the call ends at its timeout) | - | - |",
                 hb as f64 / 1e3,
                 t - hb as f64 / 1e3,
             );

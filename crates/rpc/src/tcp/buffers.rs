@@ -20,7 +20,7 @@ use bytes::Bytes;
 const KEEP_FROM: usize = 1 << 20;
 /// At most this many buffers are kept, and this many bytes in all.
 const KEEP: usize = 4;
-const KEEP_BYTES: usize = 1 << 30;
+const KEEP_BYTES: usize = 512 << 20;
 
 #[derive(Default)]
 pub(super) struct Pool {
