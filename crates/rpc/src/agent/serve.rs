@@ -209,7 +209,6 @@ impl AgentInner {
             tracing::debug!(worker = %self.me.name, "answer to {} not sent: {e}", self.name_of(from));
         }
         if let Some(id) = leaving {
-            self.remove_worker(id);
             if let Ok(t) = self.transport() {
                 t.remove_peer(id);
             }
@@ -320,9 +319,14 @@ impl AgentInner {
                 self.join_peer(info, &addr, &devices);
                 Ok(Self::empty())
             }
-            // The worker is forgotten once it has its answer (see `serve`):
-            // forgetting it first would leave the answer nowhere to go.
-            Request::Leave { .. } => Ok(Self::empty()),
+            // The worker leaves the group before it has its answer (the
+            // answer means "you are out"); its connection is dropped only
+            // once the answer is sent (see `serve`), or the answer would have
+            // nowhere to go.
+            Request::Leave { id } => {
+                self.remove_worker(id);
+                Ok(Self::empty())
+            }
             Request::Ping => Ok(Self::empty()),
             ref ctl => {
                 self.handle_control(from, ctl)?;
