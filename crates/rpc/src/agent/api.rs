@@ -8,10 +8,11 @@ use serde::Serialize;
 
 use std::collections::BTreeMap;
 use std::future::Future;
+use std::sync::Arc;
 
 use super::gate::Work;
 use super::rrefs::{self, RRef};
-use super::{concat, AgentInner, Functions, Rpc, ShutdownReport};
+use super::{concat, AgentInner, Encoded, Functions, Rpc, ShutdownReport};
 use crate::device::{Device, DeviceMap};
 use crate::types::{shape, Sig};
 use crate::wire::{self, Request};
@@ -119,17 +120,7 @@ impl Rpc {
         let enc = a
             .encode_for(to, false, || wire::encode(args))
             .map_err(Error::Codec)?;
-        let (bytes, bulk, adopted) = a
-            .call_raw(to, req, enc, timeout)
-            .await
-            .map_err(|e| ours::<A, R>(&a.me.name, e))?;
-        a.decode_from::<R>(&bytes, bulk, adopted.handles)
-            .map_err(|e| {
-                Error::Codec(format!(
-                    "decoding the answer of worker {}: {e}",
-                    a.name_of(to)
-                ))
-            })
+        call_typed::<A, R>(a, to, req, enc, timeout).await
     }
 
     /// Calls `func` on `to` and waits for its result (the default timeout).
@@ -201,17 +192,7 @@ impl Rpc {
             let _active = active;
             let (to, enc) = start?;
             let sig = Sig::of::<A, R>();
-            let (bytes, bulk, adopted) = a
-                .call_raw(to, Request::Call { func, sig }, enc, timeout)
-                .await
-                .map_err(|e| ours::<A, R>(&a.me.name, e))?;
-            a.decode_from::<R>(&bytes, bulk, adopted.handles)
-                .map_err(|e| {
-                    Error::Codec(format!(
-                        "decoding the answer of worker {}: {e}",
-                        a.name_of(to)
-                    ))
-                })
+            call_typed::<A, R>(&a, to, Request::Call { func, sig }, enc, timeout).await
         }))
     }
 
@@ -391,4 +372,26 @@ pub(super) fn ours<A: ?Sized, R: ?Sized>(me: &str, e: Error) -> Error {
         }
         e => e,
     }
+}
+
+/// Sends an encoded call and decodes its answer as an `R`; a type mismatch
+/// the callee reports is completed with the caller's side.
+async fn call_typed<A: ?Sized, R: DeserializeOwned>(
+    a: &Arc<AgentInner>,
+    to: u32,
+    req: Request,
+    enc: Encoded,
+    timeout: Option<Duration>,
+) -> Result<R> {
+    let (bytes, bulk, adopted) = a
+        .call_raw(to, req, enc, timeout)
+        .await
+        .map_err(|e| ours::<A, R>(&a.me.name, e))?;
+    a.decode_from::<R>(&bytes, bulk, adopted.handles)
+        .map_err(|e| {
+            Error::Codec(format!(
+                "decoding the answer of worker {}: {e}",
+                a.name_of(to)
+            ))
+        })
 }

@@ -166,13 +166,7 @@ impl Functions {
         self.register_async(name, move |rpc: Rpc, a: A| {
             let f = f.clone();
             async move {
-                let _turn = rpc
-                    .0
-                    .blocking
-                    .clone()
-                    .acquire_owned()
-                    .await
-                    .map_err(|_| "the agent is shutting down".to_owned())?;
+                let _turn = blocking_turn(&rpc).await?;
                 tokio::task::spawn_blocking(move || f(a).map_err(|e| e.to_string()))
                     .await
                     .map_err(|e| format!("the function panicked: {e}"))?
@@ -255,13 +249,7 @@ impl Functions {
             Box::pin(async move {
                 let rpc = args.rpc.clone();
                 let a: A = args.decode().await?;
-                let _turn = rpc
-                    .0
-                    .blocking
-                    .clone()
-                    .acquire_owned()
-                    .await
-                    .map_err(|_| "the agent is shutting down".to_owned())?;
+                let _turn = blocking_turn(&rpc).await?;
                 let mut g = v.lock_owned().await;
                 tokio::task::spawn_blocking(move || {
                     let t = downcast::<T>(&mut g)?;
@@ -308,6 +296,18 @@ impl Functions {
             }
         }
     }
+}
+
+/// A turn on the blocking pool (at most `num_worker_threads` at once).
+async fn blocking_turn(
+    rpc: &Rpc,
+) -> std::result::Result<tokio::sync::OwnedSemaphorePermit, String> {
+    rpc.0
+        .blocking
+        .clone()
+        .acquire_owned()
+        .await
+        .map_err(|_| "the agent is shutting down".to_owned())
 }
 
 fn downcast<T: 'static>(g: &mut Box<dyn Value>) -> std::result::Result<&mut T, String> {
