@@ -266,14 +266,11 @@ impl AgentInner {
     /// Sends a message; to this worker itself without the transport.
     async fn send_to(self: &Arc<Self>, to: u32, msg: Outgoing) -> std::result::Result<(), String> {
         if to == self.me.id {
-            let full = self.deliver(Event::Message {
+            self.deliver(Event::Message {
                 from: to,
                 env: msg.env,
                 bulk: concat(msg.bulk),
             });
-            if let Some(full) = full {
-                full.await;
-            }
             return Ok(());
         }
         match self.transport() {

@@ -153,7 +153,11 @@ pub async fn init_rpc_with_store(
         options.max_requests,
     );
     let weak: Weak<AgentInner> = Arc::downgrade(&agent);
-    let deliver: Deliver = Arc::new(move |ev: Event| weak.upgrade().and_then(|a| a.deliver(ev)));
+    let deliver: Deliver = Arc::new(move |ev: Event| {
+        if let Some(a) = weak.upgrade() {
+            a.deliver(ev)
+        }
+    });
     let timeout = init_timeout(options.rpc_timeout);
     let backend_name = backend.0.clone();
     let transport = registry::init_backend(

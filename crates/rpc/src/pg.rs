@@ -94,13 +94,11 @@ async fn recv_loop(pg: ProcessGroup, src: usize, deliver: Deliver, max_bulk: u64
         }
         let bulk = Bytes::from(body);
         let env = bulk.slice(..head[0] as usize).to_vec();
-        if let Some(full) = deliver(Event::Message {
+        deliver(Event::Message {
             from: src as u32,
             env,
             bulk: bulk.slice(head[0] as usize..),
-        }) {
-            full.await;
-        }
+        });
     };
     deliver(Event::Gone {
         peer: src as u32,

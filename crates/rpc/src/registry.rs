@@ -82,10 +82,8 @@ pub struct RpcBackendOptions {
     /// Zero switches the heartbeat off. Default 10 s.
     pub heartbeat: Duration,
     /// Requests (calls, `remote()`s, method calls, fetches) served at once;
-    /// beyond it the transport stops reading from the senders until one
-    /// ends (they slow down; their deadlines still run). RRef control
-    /// messages are not counted. Default 4096. A handler that makes nested
-    /// calls to a worker that is itself full waits for it.
+    /// the others wait their turn (their deadlines still run). RRef control
+    /// messages are not counted. Default 4096.
     pub max_requests: usize,
     /// Backend-specific options of third-party backends.
     pub extra: BTreeMap<String, String>,

@@ -403,13 +403,11 @@ async fn read_frame(
     if h.parts == 1 {
         let mut bulk = sh.buffers.take(h.len as usize);
         read_marked(sh, rd, &mut bulk, stamp).await.map_err(io)?;
-        if let Some(full) = (sh.deliver)(Event::Message {
+        (sh.deliver)(Event::Message {
             from,
             env,
             bulk: bulk.freeze(),
-        }) {
-            full.await;
-        }
+        });
         return Ok(true);
     }
     // A part: take its place in the message's buffer, read into it, mark it
@@ -469,13 +467,11 @@ async fn read_frame(
         let Ok(buf) = Arc::try_unwrap(p.buf) else {
             return Err(format!("message {} is still being read", h.msg));
         };
-        if let Some(full) = (sh.deliver)(Event::Message {
+        (sh.deliver)(Event::Message {
             from,
             env: p.env,
             bulk: buf.into_inner().freeze(),
-        }) {
-            full.await;
-        }
+        });
     }
     Ok(true)
 }
@@ -654,9 +650,7 @@ impl Shared {
         match self.peer(peer) {
             Ok(p) => p.line(self, peer, 0).probe(why),
             // Not (or no longer) a peer: nothing to reconnect to.
-            Err(_) => {
-                (self.deliver)(Event::Gone { peer, reason: why });
-            }
+            Err(_) => (self.deliver)(Event::Gone { peer, reason: why }),
         }
     }
 }

@@ -44,10 +44,7 @@ pub enum Event {
 }
 
 /// The agent's entry point for events; transports call it from their tasks.
-/// When it returns a future, the agent is full (it serves as many requests
-/// as it may at once): the transport awaits it before reading more from that
-/// peer, so that senders slow down instead of piling requests into memory.
-pub type Deliver = Arc<dyn Fn(Event) -> Option<BoxFuture<'static, ()>> + Send + Sync>;
+pub type Deliver = Arc<dyn Fn(Event) + Send + Sync>;
 
 /// Moves messages between workers.
 pub trait Transport: Send + Sync + 'static {

@@ -7,12 +7,16 @@
 //! be zero while a call has just left for a worker that is tearing down.
 //!
 //! So the count and the gate are one lock. Once shutdown's last phase has
-//! begun (`closing`), the moment this worker's count reaches zero the gate
-//! shuts: new outgoing work waits for the round's verdict. If the round was
-//! the last (the sum was zero), it is refused with a shutdown error; if not,
-//! the gate opens again and the work goes ahead, and is counted by the next
-//! round. Work arriving from other workers is always let in: its sender
-//! counts it, so a round cannot end while it is in flight.
+//! begun (`closing`), the gate is shut whenever this worker's count is zero:
+//! new outgoing work waits for the round's verdict. If the round was the last
+//! (the sum was zero), it is refused with a shutdown error; if not, it goes
+//! ahead and is counted by the next round (a round that ends with this worker
+//! idle leaves the gate shut: the next round's read must find it shut too).
+//!
+//! Work arriving from other workers is always let in, and opens the gate: its
+//! sender counts it, so no round can end while it is in flight, and what it
+//! starts here (a nested call, an RRef's fork request) must not wait for a
+//! verdict that waits for it.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -73,6 +77,11 @@ impl Gate {
             return None;
         }
         st.active += 1;
+        if work == Work::Incoming && st.shut {
+            st.shut = false;
+            drop(st);
+            self.changed.notify_waiters();
+        }
         Some(Active(self.clone()))
     }
 
@@ -90,6 +99,11 @@ impl Gate {
                 }
                 if work == Work::Incoming || !st.shut {
                     st.active += 1;
+                    if work == Work::Incoming && st.shut {
+                        st.shut = false;
+                        drop(st);
+                        self.changed.notify_waiters();
+                    }
                     return Some(Active(self.clone()));
                 }
             }
@@ -126,14 +140,17 @@ impl Gate {
     }
 
     /// The round's verdict: `last`, nothing was in flight anywhere (refuse
-    /// new outgoing work for good); otherwise open the gate again.
+    /// new outgoing work for good); otherwise let the waiting work in. The
+    /// gate stays shut if this worker is idle: the next round reads its
+    /// count at once, and nothing may start between that read and its
+    /// verdict.
     pub(crate) fn verdict(&self, last: bool) {
         {
             let mut st = self.lock();
             if last {
                 st.ended = true;
             } else {
-                st.shut = false;
+                st.shut = st.active == 0;
             }
         }
         self.changed.notify_waiters();
@@ -156,17 +173,38 @@ mod tests {
         // and nothing outgoing may start until the verdict.
         assert_eq!(g.count(), 0);
         assert!(g.try_enter(Work::Outgoing).is_none());
-        // Incoming work is let in (its sender counts it).
-        let inc = g.try_enter(Work::Incoming).expect("incoming");
-        assert_eq!(g.count(), 1);
-        drop(inc);
-        // Not the last round: open again.
+        // Not the last round, and idle: still shut for the next read.
         g.verdict(false);
-        let c = g.try_enter(Work::Outgoing).expect("reopened");
-        drop(c);
-        // Shut again at zero; the last round refuses for good.
         assert!(g.try_enter(Work::Outgoing).is_none());
+        // The last round refuses for good.
         g.verdict(true);
+        assert!(g.try_enter(Work::Outgoing).is_none());
+    }
+
+    #[test]
+    fn incoming_work_opens_the_gate_for_what_it_starts() {
+        // Shut (closing, idle); a request arrives and its handler makes a
+        // nested call: it must not wait for a verdict that waits for it.
+        let g = Arc::new(Gate::default());
+        g.close();
+        assert!(g.try_enter(Work::Outgoing).is_none());
+        let inc = g.try_enter(Work::Incoming).expect("incoming");
+        let nested = g.try_enter(Work::Outgoing).expect("the handler's call");
+        assert_eq!(g.count(), 2);
+        drop((nested, inc));
+        // Idle again: shut again.
+        assert!(g.try_enter(Work::Outgoing).is_none());
+    }
+
+    #[test]
+    fn a_round_that_was_not_the_last_reopens_only_a_busy_worker() {
+        let g = Arc::new(Gate::default());
+        let busy = g.try_enter(Work::Outgoing).expect("open");
+        g.close();
+        g.verdict(false);
+        // Busy: open (its work goes on, and is counted by the next round).
+        let more = g.try_enter(Work::Outgoing).expect("busy: open");
+        drop((busy, more));
         assert!(g.try_enter(Work::Outgoing).is_none());
     }
 
@@ -177,14 +215,17 @@ mod tests {
         let g2 = g.clone();
         let waiting = tokio::spawn(async move { g2.enter(Work::Outgoing).await.is_some() });
         tokio::task::yield_now().await;
-        g.verdict(false);
-        assert!(
-            waiting.await.unwrap(),
-            "let in after a round that was not the last"
-        );
+        // Work arriving from another worker lets it in.
+        let inc = g.try_enter(Work::Incoming).expect("incoming");
+        assert!(waiting.await.unwrap(), "let in once work arrived");
+        drop(inc);
         let g2 = g.clone();
         let waiting = tokio::spawn(async move { g2.enter(Work::Outgoing).await.is_some() });
         tokio::task::yield_now().await;
+        // A round that was not the last leaves an idle worker's gate shut.
+        g.verdict(false);
+        tokio::task::yield_now().await;
+        assert!(!waiting.is_finished());
         g.verdict(true);
         assert!(!waiting.await.unwrap(), "refused after the last round");
     }

@@ -11,30 +11,20 @@ use super::gate::Work;
 use super::rrefs::{self, Adopted};
 use super::{AgentInner, Args, Encoded, Pending, Rpc};
 use crate::device::DeviceInfo;
-use crate::transport::{BoxFuture, Event, Outgoing};
+use crate::transport::{Event, Outgoing};
 use crate::wire::{self, Envelope, Failure, RRefId, Request};
 use crate::{Error, WorkerInfo};
 
 impl AgentInner {
     /// The transport's entry point.
-    /// The transport's entry point; a future when this worker serves all the
-    /// requests it may (see [`crate::transport::Deliver`]).
-    pub(crate) fn deliver(self: &Arc<Self>, ev: Event) -> Option<BoxFuture<'static, ()>> {
+    pub(crate) fn deliver(self: &Arc<Self>, ev: Event) {
         match ev {
             Event::Message { from, env, bulk } => self.message(from, env, bulk),
-            Event::Gone { peer, reason } => {
-                self.peer_gone(peer, &reason);
-                None
-            }
+            Event::Gone { peer, reason } => self.peer_gone(peer, &reason),
         }
     }
 
-    pub(super) fn message(
-        self: &Arc<Self>,
-        from: u32,
-        env: Vec<u8>,
-        bulk: Bytes,
-    ) -> Option<BoxFuture<'static, ()>> {
+    pub(super) fn message(self: &Arc<Self>, from: u32, env: Vec<u8>, bulk: Bytes) {
         if !self.heartbeat.is_zero() {
             self.heard
                 .lock()
@@ -89,8 +79,12 @@ impl AgentInner {
                 let adopted = rrefs::adopt_all(self, forks);
                 let a = self.clone();
                 let active = self.gate.try_enter(Work::Incoming);
-                // Requests that run user code take a turn; control messages
-                // (quick, and what frees references) never wait.
+                // Requests that run user code take a turn (at most
+                // `max_requests` at once); control messages (quick, and what
+                // frees references) never wait. The others wait here, in
+                // memory: the connection is not paused, since it also
+                // carries this peer's answers, heartbeats and control
+                // messages (pausing it would deadlock nested calls).
                 let counted = matches!(
                     req,
                     Request::Call { .. }
@@ -98,30 +92,20 @@ impl AgentInner {
                         | Request::Method { .. }
                         | Request::Fetch { .. }
                 );
-                let turn = counted.then(|| self.requests.clone().try_acquire_owned());
-                let full = matches!(turn, Some(Err(_)));
                 let sem = self.requests.clone();
                 self.rt.spawn(async move {
                     let _active = active;
-                    let _turn = match turn {
-                        Some(Err(_)) => sem.acquire_owned().await.ok(),
-                        Some(Ok(t)) => Some(t),
-                        None => None,
+                    let _turn = match counted {
+                        true => sem.acquire_owned().await.ok(),
+                        false => None,
                     };
                     a.serve(from, id, req, args, bulk, adopted).await
                 });
-                if full {
-                    let sem = self.requests.clone();
-                    return Some(Box::pin(async move {
-                        let _ = sem.acquire().await;
-                    }));
-                }
             }
             Err(e) => {
                 tracing::warn!(worker = %self.me.name, from, "dropped an undecodable message: {e}")
             }
         }
-        None
     }
 
     pub(super) fn peer_gone(self: &Arc<Self>, peer: u32, reason: &str) {

@@ -288,7 +288,7 @@ async fn writer(
                     Err(e) => {
                         drop(st);
                         let reason = format!("{why}, and reconnecting failed: {e}");
-                        let _ = (sh.deliver)(Event::Gone { peer: to, reason });
+                        (sh.deliver)(Event::Gone { peer: to, reason });
                     }
                 }
                 continue;
@@ -308,7 +308,7 @@ async fn writer(
                     if e.refused {
                         // Nothing listens there any more: the peer is gone.
                         let reason = format!("connecting to it failed: {e}");
-                        let _ = (sh.deliver)(Event::Gone { peer: to, reason });
+                        (sh.deliver)(Event::Gone { peer: to, reason });
                     }
                     Err(e.why)
                 }

@@ -493,8 +493,8 @@ async fn a_method_waiting_for_its_value_holds_no_thread() {
 }
 
 /// A worker serves at most `max_requests` requests at once; the others wait
-/// their turn (the transport stops reading from their sender meanwhile) and
-/// all complete (issue 21 defect 7: every request was spawned at once).
+/// their turn and all complete (issue 21 defect 7: every request ran at
+/// once).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_beyond_max_requests_wait_their_turn() {
     use std::sync::atomic::{AtomicUsize, Ordering};
