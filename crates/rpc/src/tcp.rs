@@ -41,7 +41,9 @@
 //! is refused (nothing listens at its address: the process exited or was
 //! killed; or another process holds the port). A worker that
 //! dies is still noticed at once (the kernel closes its sockets and its
-//! listener together); a partitioned one needs a heartbeat (not yet here).
+//! listener together); a stopped or partitioned one is found by the agent's heartbeat, which
+//! asks [`Transport::heard_from`]: when bytes last came from the peer, or
+//! it last took bytes we sent after our socket buffer had filled.
 
 use std::collections::HashMap;
 use std::io::IoSlice;
@@ -593,18 +595,26 @@ async fn watch(sh: Arc<Shared>, peer: u32, mut rd: OwnedReadHalf) {
     sh.probe(peer, reason);
 }
 
-/// Writes every buffer, calling `progress` after each write that took bytes.
+/// Writes every buffer; on failure, says how many bytes were written.
+/// `progress` is called when the peer took bytes: after a write that
+/// followed one the socket did not take whole (the first write only fills
+/// our own socket buffer, which a stopped peer does too).
 async fn write_vectored_all<W: AsyncWrite + Unpin>(
     w: &mut W,
     mut bufs: &mut [IoSlice<'_>],
     progress: &(dyn Fn() + Sync),
-) -> std::io::Result<()> {
+) -> Result<(), (std::io::Error, usize)> {
+    let mut written = 0;
     while !bufs.is_empty() {
-        let n = w.write_vectored(bufs).await?;
-        if n == 0 {
-            return Err(std::io::ErrorKind::WriteZero.into());
+        let n = match w.write_vectored(bufs).await {
+            Ok(0) => return Err((std::io::ErrorKind::WriteZero.into(), written)),
+            Ok(n) => n,
+            Err(e) => return Err((e, written)),
+        };
+        if written > 0 {
+            progress();
         }
-        progress();
+        written += n;
         IoSlice::advance_slices(&mut bufs, n);
         if !bufs.is_empty() {
             // A long write lets the other tasks run between its pieces.

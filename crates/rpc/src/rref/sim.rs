@@ -208,6 +208,9 @@ struct Use {
     owner: u32,
     deadline: Option<u64>,
     stage: Stage,
+    /// Its deadline passed while its fetch was out: the program has its
+    /// timeout error, the answer is still checked (G1).
+    expired: bool,
 }
 
 struct Call {
@@ -279,6 +282,16 @@ impl std::fmt::Display for Violation {
 const BACKOFF_MS: [u64; 5] = [0, 1_000, 1_500, 2_250, 3_375];
 
 impl Sim {
+    /// A run whose tables break G2 on purpose (a parent is deleted before
+    /// its child is accepted): the invariants must catch it.
+    pub fn broken(seed: u64) -> Sim {
+        let mut sim = Sim::new(seed, false);
+        for w in &mut sim.workers {
+            w.table.broken = true;
+        }
+        sim
+    }
+
     pub fn new(seed: u64, keep_trace: bool) -> Sim {
         let mut rng = fastrand::Rng::with_seed(seed);
         let cfg = Config::draw(&mut rng);
@@ -465,9 +478,19 @@ impl Sim {
                 }
             }
             Ev::UseDeadline { wait } => {
-                if self.uses.contains_key(&wait) {
-                    self.log(|| format!("use {wait}: deadline"));
-                    self.uses.remove(&wait);
+                let Some(stage) = self.uses.get(&wait).map(|u| u.stage) else {
+                    return;
+                };
+                self.log(|| format!("use {wait}: deadline"));
+                match stage {
+                    Stage::Confirming => {
+                        self.uses.remove(&wait);
+                    }
+                    Stage::Fetching => {
+                        if let Some(u) = self.uses.get_mut(&wait) {
+                            u.expired = true;
+                        }
+                    }
                 }
             }
             Ev::CallDeadline { call } => {
@@ -650,7 +673,10 @@ impl Sim {
     fn in_use(&self, w: u32, h: Held) -> bool {
         match h {
             Held::Owner(_) => false,
-            Held::User { fork, .. } => self.uses.values().any(|u| u.at == w && u.fork == fork),
+            Held::User { fork, .. } => self
+                .uses
+                .values()
+                .any(|u| u.at == w && u.fork == fork && !u.expired),
         }
     }
 
@@ -700,6 +726,7 @@ impl Sim {
                         owner,
                         deadline,
                         stage: Stage::Confirming,
+                        expired: false,
                     },
                 );
                 if let Some(t) = self.cfg.timeout_ms {
@@ -1040,8 +1067,16 @@ impl Sim {
                     return;
                 };
                 self.log(|| format!("use {wait}: fetched: {result:?}"));
+                // A use that timed out still holds its user if the program
+                // has not dropped it since (a dropped handle is never held
+                // again): then its value must still be there too.
+                let held = !u.expired
+                    || self.workers[u.at as usize].held.contains(&Held::User {
+                        rref: u.rref,
+                        fork: u.fork,
+                    });
                 if let Err(e) = result {
-                    if e.contains("gone") && !self.tainted.contains(&u.rref) {
+                    if held && e.contains("gone") && !self.tainted.contains(&u.rref) {
                         self.violate(format!(
                             "G1: w{}'s use {wait} of user {} found {} deleted at its owner w{} ({e})",
                             u.at, u.fork, u.rref, u.owner
@@ -1135,15 +1170,17 @@ impl Sim {
     // ---- the end ----
 
     fn quiet_after_program(&mut self) {
-        // Invariant 3: every use has ended.
-        if let Some((id, u)) = self.uses.iter().next() {
-            if !self.tainted.contains(&u.rref) {
-                let what = format!(
-                    "use {id} of user {} ({}) on w{} never ended ({:?}, deadline {:?})",
-                    u.fork, u.rref, u.at, u.stage, u.deadline
-                );
-                return self.violate(what);
-            }
+        // Invariant 3: every use has ended (or timed out).
+        let hung = self
+            .uses
+            .iter()
+            .find(|(_, u)| !u.expired && !self.tainted.contains(&u.rref));
+        if let Some((id, u)) = hung {
+            let what = format!(
+                "use {id} of user {} ({}) on w{} never ended ({:?}, deadline {:?})",
+                u.fork, u.rref, u.at, u.stage, u.deadline
+            );
+            return self.violate(what);
         }
         self.uses.clear();
         if self.cfg.shutdown {

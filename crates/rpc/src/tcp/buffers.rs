@@ -10,7 +10,6 @@
 //! A message in parts is read by several readers at once, each into its own
 //! piece of one buffer ([`Pieces`]): the parts are never copied together.
 
-use std::cell::UnsafeCell;
 use std::ops::Range;
 use std::sync::{Arc, Mutex, Weak};
 
@@ -119,44 +118,56 @@ impl Drop for Buf {
     }
 }
 
-/// One buffer filled in disjoint pieces by several readers at once.
+/// One buffer filled in disjoint pieces by several readers at once. The
+/// pieces are made from a raw pointer, never through a reference to the
+/// whole buffer, so one reader's piece never aliases another's.
 pub(super) struct Pieces {
-    buf: UnsafeCell<Buf>,
+    buf: Buf,
+    ptr: std::ptr::NonNull<u8>,
+    len: usize,
 }
 
-// SAFETY: the buffer is only reached through `piece`, whose callers hand
-// each range to one reader (see its contract), or through `into_inner`,
-// which owns it.
+// SAFETY: the bytes are only reached through `piece`, whose callers hand each
+// range to one reader (see its contract); `buf` itself is not touched until
+// `into_inner`, which owns the whole.
+unsafe impl Send for Pieces {}
 unsafe impl Sync for Pieces {}
 
 impl Pieces {
-    pub(super) fn new(buf: Buf) -> Pieces {
-        Pieces {
-            buf: UnsafeCell::new(buf),
-        }
+    pub(super) fn new(mut buf: Buf) -> Pieces {
+        let len = buf.v.len();
+        let ptr = std::ptr::NonNull::new(buf.v.as_mut_ptr()).expect("a Vec's pointer is not null");
+        Pieces { buf, ptr, len }
     }
 
     pub(super) fn len(&self) -> usize {
-        // SAFETY: the length is never changed while pieces are out.
-        unsafe { (*self.buf.get()).v.len() }
+        self.len
     }
 
     /// The bytes of `r`, to fill.
     ///
     /// # Safety
     ///
-    /// No two callers may hold pieces whose ranges overlap, and `r` must lie
-    /// within the buffer. (The message's part table gives each part's range
-    /// to one reader: the part's slot goes from free to reading under its
-    /// lock.)
-    #[allow(clippy::mut_from_ref)]
+    /// No two callers may hold pieces whose ranges overlap. (The message's
+    /// part table gives each part's range to one reader: the part's slot
+    /// goes from free to reading under its lock.)
+    #[expect(
+        clippy::mut_from_ref,
+        reason = "disjoint pieces, by the contract above"
+    )]
     pub(super) unsafe fn piece(&self, r: Range<usize>) -> &mut [u8] {
-        let b = &mut *self.buf.get();
-        &mut b.v[r]
+        assert!(
+            r.start <= r.end && r.end <= self.len,
+            "a piece outside the buffer"
+        );
+        // SAFETY: in bounds (asserted); not aliased (the caller's contract);
+        // the buffer lives as long as `self`, and its Vec is never touched
+        // while pieces are out.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(r.start), r.len()) }
     }
 
     pub(super) fn into_inner(self) -> Buf {
-        self.buf.into_inner()
+        self.buf
     }
 }
 

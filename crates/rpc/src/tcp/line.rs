@@ -318,7 +318,7 @@ async fn writer(
         };
         let mut batch = vec![f];
         let (r, back) = match w {
-            Err(e) => (Err(e), None),
+            Err(e) => (Err((e, 0)), None),
             Ok(mut w) => {
                 // Frames queued behind this one go in the same write; let
                 // the tasks that are about to queue theirs run first.
@@ -362,7 +362,7 @@ async fn writer(
                 match write_vectored_all(&mut w, bufs, &progress).await {
                     Ok(()) => (Ok(()), Some(w)),
                     // Half a frame may be on it: never write on it again.
-                    Err(e) => (Err(format!("writing to worker {to}: {e}")), None),
+                    Err((e, n)) => (Err((format!("writing to worker {to}: {e}"), n)), None),
                 }
             }
         };
@@ -371,8 +371,23 @@ async fn writer(
             st.conn = back;
             st.busy -= batch.len();
         }
-        for f in batch {
-            let _ = f.done.send(r.clone());
+        // The frames written whole before a failure were sent: say so (a
+        // call told otherwise would cancel the RRef forks its message
+        // delivered).
+        let mut end = 0;
+        for (i, f) in batch.into_iter().enumerate() {
+            let r = match &r {
+                Ok(()) => Ok(()),
+                Err((e, n)) => {
+                    end += f.len() - if i == 0 { f.skip } else { 0 };
+                    if end <= *n {
+                        Ok(())
+                    } else {
+                        Err(e.clone())
+                    }
+                }
+            };
+            let _ = f.done.send(r);
         }
     }
     let last = lock(&state).conn.take();
