@@ -48,6 +48,7 @@
 use std::collections::HashMap;
 use std::io::IoSlice;
 use std::net::SocketAddr;
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -106,6 +107,19 @@ impl Peer {
         self.lines[stream].get_or_init(|| Line::start(sh, to, self.addr.clone(), stream as u16))
     }
 }
+
+/// Messages arriving in parts, by (sender, message id), and the last ones
+/// given up: a part of a message given up (another of its streams ended) is
+/// read and dropped, not taken for a new message (which could never
+/// complete, and would hold a buffer of the message's whole size).
+#[derive(Default)]
+struct Partials {
+    live: HashMap<(u32, u64), Partial>,
+    given_up: std::collections::VecDeque<(u32, u64)>,
+}
+
+/// How many given-up messages are remembered.
+const GIVEN_UP: usize = 1024;
 
 /// A message arriving in parts: one buffer, each part read into its place.
 struct Partial {
@@ -201,7 +215,7 @@ struct Shared {
     opts: TcpOptions,
     deliver: Deliver,
     peers: Mutex<HashMap<u32, Arc<Peer>>>,
-    partials: Mutex<HashMap<(u32, u64), Partial>>,
+    partials: Mutex<Partials>,
     next_msg: AtomicU64,
     refused: AtomicU64,
     tasks: Mutex<Vec<JoinHandle<()>>>,
@@ -363,10 +377,20 @@ async fn read_loop(sh: Arc<Shared>, from: u32, stream: u16, mut rd: BufReader<Tc
     // missing this stream's part will never be whole (their sender's call fails or
     // times out); those that have it may still complete on the others.
     if let Some(part) = (stream as usize).checked_sub(1) {
-        sh.partials
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .retain(|(f, _), p| *f != from || p.slots.get(part) == Some(&Slot::Filled));
+        let mut ps = sh.partials.lock().unwrap_or_else(|e| e.into_inner());
+        let gone: Vec<(u32, u64)> = ps
+            .live
+            .iter()
+            .filter(|((f, _), p)| *f == from && p.slots.get(part) != Some(&Slot::Filled))
+            .map(|(k, _)| *k)
+            .collect();
+        for k in gone {
+            ps.live.remove(&k);
+            ps.given_up.push_back(k);
+            if ps.given_up.len() > GIVEN_UP {
+                ps.given_up.pop_front();
+            }
+        }
     }
     // The peer's connection to us ended: whether the peer is gone is for our
     // own connection to it to find out.
@@ -414,32 +438,28 @@ async fn read_frame(
     }
     // A part: take its place in the message's buffer, read into it, mark it
     // filled.
-    let (buf, place) = {
+    let taken = {
         let mut ps = sh.partials.lock().unwrap_or_else(|e| e.into_inner());
-        let p = ps.entry((from, h.msg)).or_insert_with(|| Partial {
-            env: Vec::new(),
-            buf: Arc::new(Pieces::new(sh.buffers.take(h.bulk_total as usize))),
-            slots: vec![Slot::Free; h.parts as usize],
-            left: h.parts,
-            total: h.bulk_total,
-        });
-        let r = part_range(h.bulk_total, h.parts, h.part);
-        if p.slots.len() != h.parts as usize
-            || p.total != h.bulk_total
-            || p.slots[h.part as usize] != Slot::Free
-            || r.end - r.start != h.len
-            || r.end as usize > p.buf.len()
-        {
-            return Err(format!(
-                "it sent an inconsistent part {} of message {}",
-                h.part, h.msg
-            ));
+        if ps.given_up.contains(&(from, h.msg)) {
+            None
+        } else {
+            Some(take_place(sh, &mut ps, from, &h)?)
         }
-        p.slots[h.part as usize] = Slot::Reading;
-        (p.buf.clone(), r.start as usize..r.end as usize)
     };
-    // SAFETY: this part's slot went from free to reading above, under the
-    // lock, so no other reader has this range; the ranges of a message's
+    let Some((buf, place)) = taken else {
+        // A part of a message given up: read past it.
+        let mut scratch = vec![0u8; READ_CHUNK.min(h.len as usize)];
+        let mut left = h.len as usize;
+        while left > 0 {
+            let n = left.min(scratch.len());
+            rd.read_exact(&mut scratch[..n]).await.map_err(io)?;
+            sh.alive.mark(stamp);
+            left -= n;
+        }
+        return Ok(true);
+    };
+    // SAFETY: this part's slot went from free to reading in `take_place`,
+    // under the lock, so no other reader has this range; the ranges of a message's
     // parts do not overlap (`part_range`), and it lies within the buffer
     // (checked above).
     let dst = unsafe { buf.piece(place) };
@@ -450,7 +470,7 @@ async fn read_frame(
     read.map_err(io)?;
     let done = {
         let mut ps = sh.partials.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(p) = ps.get_mut(&(from, h.msg)) else {
+        let Some(p) = ps.live.get_mut(&(from, h.msg)) else {
             // Given up (another stream of the message ended).
             return Ok(true);
         };
@@ -460,7 +480,7 @@ async fn read_frame(
         p.slots[h.part as usize] = Slot::Filled;
         p.left -= 1;
         if p.left == 0 {
-            ps.remove(&(from, h.msg))
+            ps.live.remove(&(from, h.msg))
         } else {
             None
         }
@@ -476,6 +496,37 @@ async fn read_frame(
         });
     }
     Ok(true)
+}
+
+/// Takes the place of part `h` in its message's buffer (making the message's
+/// entry at its first part): the buffer, and the part's range in it.
+fn take_place(
+    sh: &Shared,
+    ps: &mut Partials,
+    from: u32,
+    h: &FrameHead,
+) -> Result<(Arc<Pieces>, Range<usize>), String> {
+    let p = ps.live.entry((from, h.msg)).or_insert_with(|| Partial {
+        env: Vec::new(),
+        buf: Arc::new(Pieces::new(sh.buffers.take(h.bulk_total as usize))),
+        slots: vec![Slot::Free; h.parts as usize],
+        left: h.parts,
+        total: h.bulk_total,
+    });
+    let r = part_range(h.bulk_total, h.parts, h.part);
+    if p.slots.len() != h.parts as usize
+        || p.total != h.bulk_total
+        || p.slots[h.part as usize] != Slot::Free
+        || r.end - r.start != h.len
+        || r.end as usize > p.buf.len()
+    {
+        return Err(format!(
+            "it sent an inconsistent part {} of message {}",
+            h.part, h.msg
+        ));
+    }
+    p.slots[h.part as usize] = Slot::Reading;
+    Ok((p.buf.clone(), r.start as usize..r.end as usize))
 }
 
 /// Reads `buf` whole, in pieces, marking the peer alive after each.
