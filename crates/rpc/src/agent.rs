@@ -135,6 +135,9 @@ pub struct AgentInner {
     pub(crate) blocking: Arc<tokio::sync::Semaphore>,
     /// Requests served at once, at most `max_requests`.
     requests: Arc<tokio::sync::Semaphore>,
+    /// Requests in flight to each worker, at most `max_requests` each.
+    outstanding: Mutex<HashMap<u32, Arc<tokio::sync::Semaphore>>>,
+    max_requests: usize,
     /// The heartbeat deadline (zero: none), and when each peer was last
     /// heard from (any message).
     heartbeat: Duration,
@@ -191,6 +194,8 @@ impl AgentInner {
             gone: Mutex::default(),
             blocking: Arc::new(tokio::sync::Semaphore::new(num_worker_threads.max(1))),
             requests: Arc::new(tokio::sync::Semaphore::new(max_requests.max(1))),
+            outstanding: Mutex::default(),
+            max_requests: max_requests.max(1),
             heartbeat,
             heard: Mutex::default(),
             probed: Mutex::default(),

@@ -81,9 +81,11 @@ pub struct RpcBackendOptions {
     /// either an answer, any message, or bytes of a message still arriving.
     /// Zero switches the heartbeat off. Default 10 s.
     pub heartbeat: Duration,
-    /// Requests (calls, `remote()`s, method calls, fetches) served at once;
-    /// the others wait their turn (their deadlines still run). RRef control
-    /// messages are not counted. Default 4096.
+    /// Requests (calls, `remote()`s, method calls, fetches) served at once,
+    /// and in flight from this worker to any one other: beyond it a request
+    /// waits its turn (its deadline still runs), at the callee or at the
+    /// caller, so a worker flooding another is slowed down at its source.
+    /// RRef control messages are not counted. Default 4096.
     pub max_requests: usize,
     /// Backend-specific options of third-party backends.
     pub extra: BTreeMap<String, String>,

@@ -41,6 +41,26 @@ impl AgentInner {
             what,
             ms: timeout.as_millis(),
         };
+        // Backpressure at the source: at most `max_requests` requests that
+        // run user code in flight to one worker; the others wait here,
+        // within their deadline (the callee never has to pause a
+        // connection, which also carries answers and heartbeats).
+        let _turn = if counted(&req) {
+            let turn = self.outstanding(to).acquire_owned();
+            let turn = match deadline {
+                Some(d) => match tokio::time::timeout_at(d, turn).await {
+                    Ok(t) => t,
+                    Err(_) => {
+                        self.rrefs.cancel_children(self, &args.forks);
+                        return Err(expired(worker, what));
+                    }
+                },
+                None => turn.await,
+            };
+            turn.ok()
+        } else {
+            None
+        };
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         let forget = |a: &Self| {
@@ -191,5 +211,30 @@ impl AgentInner {
             let r = a.control(owner, Request::ForkRequest { rref, fork }).await;
             a.rrefs.fork_registered(&a, fork, r);
         });
+    }
+}
+
+/// Whether a request runs user code (and so counts against `max_requests`,
+/// at its caller per callee and at its callee); RRef control messages,
+/// joins, leaves and pings do not.
+pub(super) fn counted(req: &Request) -> bool {
+    matches!(
+        req,
+        Request::Call { .. }
+            | Request::Remote { .. }
+            | Request::Method { .. }
+            | Request::Fetch { .. }
+    )
+}
+
+impl AgentInner {
+    /// The turns for requests in flight to worker `to`.
+    fn outstanding(&self, to: u32) -> Arc<tokio::sync::Semaphore> {
+        self.outstanding
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(to)
+            .or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(self.max_requests)))
+            .clone()
     }
 }

@@ -81,17 +81,13 @@ impl AgentInner {
                 let active = self.gate.try_enter(Work::Incoming);
                 // Requests that run user code take a turn (at most
                 // `max_requests` at once); control messages (quick, and what
-                // frees references) never wait. The others wait here, in
-                // memory: the connection is not paused, since it also
-                // carries this peer's answers, heartbeats and control
-                // messages (pausing it would deadlock nested calls).
-                let counted = matches!(
-                    req,
-                    Request::Call { .. }
-                        | Request::Remote { .. }
-                        | Request::Method { .. }
-                        | Request::Fetch { .. }
-                );
+                // frees references) never wait. The others wait here: the
+                // connection is not paused, since it also carries this
+                // peer's answers, heartbeats and control messages (pausing
+                // it would deadlock nested calls); each caller holds at most
+                // `max_requests` in flight to us (`calls.rs`), which bounds
+                // what waits.
+                let counted = super::calls::counted(&req);
                 let sem = self.requests.clone();
                 self.rt.spawn(async move {
                     let _active = active;

@@ -547,3 +547,63 @@ async fn requests_beyond_max_requests_wait_their_turn() {
     assert_eq!(MOST.load(Ordering::SeqCst), 2);
     shutdown_all(ws).await;
 }
+
+/// A caller holds at most `max_requests` requests in flight to one worker:
+/// the others wait at the caller (backpressure at the source), even when the
+/// callee would serve more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_holds_at_most_max_requests_in_flight_to_one_worker() {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    static RUNNING: AtomicUsize = AtomicUsize::new(0);
+    static MOST: AtomicUsize = AtomicUsize::new(0);
+    static OPEN: tokio::sync::Notify = tokio::sync::Notify::const_new();
+    static OPENED: AtomicBool = AtomicBool::new(false);
+    let ws: Vec<Rpc> = group_with(2, BackendType::tcp(), |i, o| {
+        if i == 0 {
+            o.max_requests = 3;
+        }
+        o.functions
+            .register_async("gated", |_rpc: Rpc, i: u64| async move {
+                let now = RUNNING.fetch_add(1, Ordering::SeqCst) + 1;
+                MOST.fetch_max(now, Ordering::SeqCst);
+                while !OPENED.load(Ordering::SeqCst) {
+                    let n = OPEN.notified();
+                    if OPENED.load(Ordering::SeqCst) {
+                        break;
+                    }
+                    n.await;
+                }
+                RUNNING.fetch_sub(1, Ordering::SeqCst);
+                Ok::<u64, String>(i)
+            })
+            .unwrap();
+    })
+    .await
+    .into_iter()
+    .map(|r| r.unwrap())
+    .collect();
+    let calls: Vec<_> = (0..10u64)
+        .map(|i| ws[0].rpc_async::<_, u64>("w1", "gated", &i))
+        .collect();
+    eventually("three requests running", || {
+        RUNNING.load(Ordering::SeqCst) == 3
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        MOST.load(Ordering::SeqCst),
+        3,
+        "more than the caller's max_requests ran"
+    );
+    // Calls the other way are not held up by them.
+    let v: i64 = ws[1].rpc_sync("w0", "add", &(1i64, 2i64)).await.unwrap();
+    assert_eq!(v, 3);
+    OPENED.store(true, Ordering::SeqCst);
+    OPEN.notify_waiters();
+    let mut got = Vec::new();
+    for c in calls {
+        got.push(c.await.unwrap());
+    }
+    assert_eq!(got, (0..10).collect::<Vec<_>>());
+    shutdown_all(ws).await;
+}
