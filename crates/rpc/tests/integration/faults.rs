@@ -497,55 +497,8 @@ async fn a_method_waiting_for_its_value_holds_no_thread() {
 /// once).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_beyond_max_requests_wait_their_turn() {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    static RUNNING: AtomicUsize = AtomicUsize::new(0);
-    static MOST: AtomicUsize = AtomicUsize::new(0);
-    static OPEN: tokio::sync::Notify = tokio::sync::Notify::const_new();
-    static OPENED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-    let ws: Vec<Rpc> = group_with(2, BackendType::tcp(), |_, o| {
-        o.max_requests = 2;
-        o.functions
-            .register_async("gated", |_rpc: Rpc, i: u64| async move {
-                let now = RUNNING.fetch_add(1, Ordering::SeqCst) + 1;
-                MOST.fetch_max(now, Ordering::SeqCst);
-                while !OPENED.load(Ordering::SeqCst) {
-                    let n = OPEN.notified();
-                    if OPENED.load(Ordering::SeqCst) {
-                        break;
-                    }
-                    n.await;
-                }
-                RUNNING.fetch_sub(1, Ordering::SeqCst);
-                Ok::<u64, String>(i)
-            })
-            .unwrap();
-    })
-    .await
-    .into_iter()
-    .map(|r| r.unwrap())
-    .collect();
-    let calls: Vec<_> = (0..10u64)
-        .map(|i| ws[0].rpc_async::<_, u64>("w1", "gated", &i))
-        .collect();
-    eventually("two requests running", || {
-        RUNNING.load(Ordering::SeqCst) == 2
-    })
-    .await;
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    assert_eq!(
-        MOST.load(Ordering::SeqCst),
-        2,
-        "more than max_requests ran at once"
-    );
-    OPENED.store(true, Ordering::SeqCst);
-    OPEN.notify_waiters();
-    let mut got = Vec::new();
-    for c in calls {
-        got.push(c.await.unwrap());
-    }
-    assert_eq!(got, (0..10).collect::<Vec<_>>());
-    assert_eq!(MOST.load(Ordering::SeqCst), 2);
-    shutdown_all(ws).await;
+    static GATED: Turnstile = Turnstile::new();
+    requests_in_flight(&GATED, (2, 2), 2).await;
 }
 
 /// A caller holds at most `max_requests` requests in flight to one worker:
@@ -553,27 +506,58 @@ async fn requests_beyond_max_requests_wait_their_turn() {
 /// callee would serve more.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_caller_holds_at_most_max_requests_in_flight_to_one_worker() {
-    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-    static RUNNING: AtomicUsize = AtomicUsize::new(0);
-    static MOST: AtomicUsize = AtomicUsize::new(0);
-    static OPEN: tokio::sync::Notify = tokio::sync::Notify::const_new();
-    static OPENED: AtomicBool = AtomicBool::new(false);
-    let ws: Vec<Rpc> = group_with(2, BackendType::tcp(), |i, o| {
-        if i == 0 {
-            o.max_requests = 3;
+    static GATED: Turnstile = Turnstile::new();
+    requests_in_flight(&GATED, (3, 4096), 3).await;
+}
+
+/// Calls held in a function until released, counting how many run at once.
+struct Turnstile {
+    running: std::sync::atomic::AtomicUsize,
+    most: std::sync::atomic::AtomicUsize,
+    opened: std::sync::atomic::AtomicBool,
+    open: tokio::sync::Notify,
+}
+
+impl Turnstile {
+    const fn new() -> Turnstile {
+        Turnstile {
+            running: std::sync::atomic::AtomicUsize::new(0),
+            most: std::sync::atomic::AtomicUsize::new(0),
+            opened: std::sync::atomic::AtomicBool::new(false),
+            open: tokio::sync::Notify::const_new(),
         }
+    }
+
+    async fn pass(&self) {
+        use std::sync::atomic::Ordering::SeqCst;
+        let now = self.running.fetch_add(1, SeqCst) + 1;
+        self.most.fetch_max(now, SeqCst);
+        while !self.opened.load(SeqCst) {
+            let n = self.open.notified();
+            if self.opened.load(SeqCst) {
+                break;
+            }
+            n.await;
+        }
+        self.running.fetch_sub(1, SeqCst);
+    }
+
+    fn release(&self) {
+        self.opened.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.open.notify_waiters();
+    }
+}
+
+/// Worker 0 (whose `max_requests` is `limits.0`) starts 10 calls to worker 1
+/// (`limits.1`), which holds them in `gate`: at most `most` may run at once,
+/// calls the other way still go through, and all 10 complete once released.
+async fn requests_in_flight(gate: &'static Turnstile, limits: (usize, usize), most: usize) {
+    use std::sync::atomic::Ordering::SeqCst;
+    let ws: Vec<Rpc> = group_with(2, BackendType::tcp(), |i, o| {
+        o.max_requests = if i == 0 { limits.0 } else { limits.1 };
         o.functions
-            .register_async("gated", |_rpc: Rpc, i: u64| async move {
-                let now = RUNNING.fetch_add(1, Ordering::SeqCst) + 1;
-                MOST.fetch_max(now, Ordering::SeqCst);
-                while !OPENED.load(Ordering::SeqCst) {
-                    let n = OPEN.notified();
-                    if OPENED.load(Ordering::SeqCst) {
-                        break;
-                    }
-                    n.await;
-                }
-                RUNNING.fetch_sub(1, Ordering::SeqCst);
+            .register_async("gated", move |_rpc: Rpc, i: u64| async move {
+                gate.pass().await;
                 Ok::<u64, String>(i)
             })
             .unwrap();
@@ -585,21 +569,16 @@ async fn a_caller_holds_at_most_max_requests_in_flight_to_one_worker() {
     let calls: Vec<_> = (0..10u64)
         .map(|i| ws[0].rpc_async::<_, u64>("w1", "gated", &i))
         .collect();
-    eventually("three requests running", || {
-        RUNNING.load(Ordering::SeqCst) == 3
-    })
-    .await;
+    eventually("requests running", || gate.running.load(SeqCst) == most).await;
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(
-        MOST.load(Ordering::SeqCst),
-        3,
-        "more than the caller's max_requests ran"
+        gate.most.load(SeqCst),
+        most,
+        "more ran at once than allowed"
     );
-    // Calls the other way are not held up by them.
     let v: i64 = ws[1].rpc_sync("w0", "add", &(1i64, 2i64)).await.unwrap();
     assert_eq!(v, 3);
-    OPENED.store(true, Ordering::SeqCst);
-    OPEN.notify_waiters();
+    gate.release();
     let mut got = Vec::new();
     for c in calls {
         got.push(c.await.unwrap());
