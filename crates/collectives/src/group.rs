@@ -1,7 +1,6 @@
 //! The process group: bootstrap, the operation context, and the collectives.
 
 use std::collections::HashMap;
-use std::hash::{Hash, Hasher};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs, UdpSocket};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -64,16 +63,27 @@ impl Default for Options {
 }
 
 impl Options {
+    /// What the handshake compares: a fixed hash (never `DefaultHasher`, whose
+    /// algorithm may change between Rust releases), so ranks built by
+    /// different toolchains agree.
     fn layout_hash(&self) -> u64 {
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        (
-            self.segment_bytes,
-            self.small_bytes,
-            self.dissemination_max_ranks,
-        )
-            .hash(&mut h);
-        h.finish()
+        stable_hash(&[
+            self.segment_bytes as u64,
+            self.small_bytes as u64,
+            self.dissemination_max_ranks as u64,
+        ])
     }
+}
+
+/// FNV-1a (64 bits) of `words` in little-endian order: the same on every
+/// platform and toolchain, forever.
+pub(crate) fn stable_hash(words: &[u64]) -> u64 {
+    words
+        .iter()
+        .flat_map(|w| w.to_le_bytes())
+        .fold(0xcbf2_9ce4_8422_2325, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        })
 }
 
 /// The per-group state shared by every handle to it.
@@ -419,9 +429,9 @@ impl ProcessGroup {
             *c += 1;
             *c
         };
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        (self.comm.id, &sorted, nth).hash(&mut h);
-        let id = h.finish() | 1;
+        let mut words = vec![self.comm.id, nth];
+        words.extend(sorted.iter().map(|&r| r as u64));
+        let id = stable_hash(&words) | 1;
         let world: Arc<[usize]> = sorted.iter().map(|&r| self.comm.members.ranks[r]).collect();
         let members = Members {
             name: format!("{}/sub{sorted:?}#{nth}", self.name()),
@@ -1195,5 +1205,19 @@ impl Drop for OpCtx {
             };
             self.comm.sh().abort(self.comm.id, reason, true);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_layout_hash_never_changes() {
+        // FNV-1a vectors computed independently: ranks built by any toolchain,
+        // past or future, must agree on them.
+        assert_eq!(stable_hash(&[]), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(stable_hash(&[0x61]), 0x6926_124a_7b14_33c4);
+        assert_eq!(Options::default().layout_hash(), 0x4136_1f82_2124_e188);
     }
 }

@@ -125,7 +125,7 @@ impl Members {
 
 pub(crate) struct Conn {
     id: u64,
-    writer: tokio::sync::Mutex<OwnedWriteHalf>,
+    writer: Arc<tokio::sync::Mutex<OwnedWriteHalf>>,
 }
 
 #[derive(Default)]
@@ -331,10 +331,15 @@ impl Shared {
             });
         }
         let conn = self.conn(dst, pick, deadline).await?;
+        let head = header.encode();
         let write = async {
-            let mut w = conn.writer.lock().await;
-            let head = header.encode();
-            write_frame(&mut w, &head, payload).await
+            let mut frame = WholeFrame {
+                w: Some(conn.writer.clone().lock_owned().await),
+                parts: [&head, payload],
+                written: 0,
+                rt: &self.rt,
+            };
+            frame.write().await
         };
         match timeout_at(deadline, write).await {
             Err(_) => Err(Fail::Timeout),
@@ -471,7 +476,7 @@ impl Shared {
         let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
         let conn = Arc::new(Conn {
             id,
-            writer: tokio::sync::Mutex::new(wr),
+            writer: Arc::new(tokio::sync::Mutex::new(wr)),
         });
         lock(&self.peers).entry(peer).or_default().conns.push(conn);
         self.rt.spawn(read_loop(self.clone(), peer, id, rd));
@@ -665,21 +670,66 @@ impl Shared {
     }
 }
 
-/// Writes a header and its payload, in one vectored write when the socket takes it.
-async fn write_frame(w: &mut OwnedWriteHalf, head: &[u8], payload: &[u8]) -> std::io::Result<()> {
-    let (mut h, mut p) = (head, payload);
-    while !h.is_empty() {
-        let n = w
-            .write_vectored(&[std::io::IoSlice::new(h), std::io::IoSlice::new(p)])
-            .await?;
-        if n == 0 {
-            return Err(std::io::ErrorKind::WriteZero.into());
+/// A frame being written. Frames are written whole: if the write is dropped
+/// part-way (its op timed out or was cancelled), the rest is copied and
+/// finished in the background, still holding the connection's writer, so the
+/// peer never reads the next frame (say, the abort that follows) as the rest of
+/// this one's payload.
+struct WholeFrame<'a> {
+    w: Option<tokio::sync::OwnedMutexGuard<OwnedWriteHalf>>,
+    /// Header and payload.
+    parts: [&'a [u8]; 2],
+    written: usize,
+    rt: &'a tokio::runtime::Handle,
+}
+
+impl WholeFrame<'_> {
+    /// Writes the frame, in one vectored write when the socket takes it.
+    async fn write(&mut self) -> std::io::Result<()> {
+        let total = self.parts[0].len() + self.parts[1].len();
+        let w = self.w.as_mut().expect("a frame is written once");
+        while self.written < total {
+            let (h, p) = rest(self.parts, self.written);
+            let n = w
+                .write_vectored(&[std::io::IoSlice::new(h), std::io::IoSlice::new(p)])
+                .await;
+            let n = match n {
+                Ok(0) => Err(std::io::ErrorKind::WriteZero.into()),
+                r => r,
+            };
+            match n {
+                Ok(n) => self.written += n,
+                Err(e) => {
+                    // The connection is broken: nothing to finish.
+                    self.w = None;
+                    return Err(e);
+                }
+            }
         }
-        let from_head = n.min(h.len());
-        h = &h[from_head..];
-        p = &p[n - from_head..];
+        self.w = None;
+        Ok(())
     }
-    w.write_all(p).await
+}
+
+/// What is left of a header and a payload after `written` bytes.
+fn rest<'a>([h, p]: [&'a [u8]; 2], written: usize) -> (&'a [u8], &'a [u8]) {
+    let from_head = written.min(h.len());
+    (&h[from_head..], &p[written - from_head..])
+}
+
+impl Drop for WholeFrame<'_> {
+    fn drop(&mut self) {
+        let Some(mut w) = self.w.take() else { return };
+        if self.written == 0 {
+            return; // not begun: the connection is clean
+        }
+        let (h, p) = rest(self.parts, self.written);
+        let rest = [h, p].concat();
+        // On a runtime shutting down this is a no-op, and so is everything else.
+        self.rt.spawn(async move {
+            let _ = w.write_all(&rest).await;
+        });
+    }
 }
 
 /// Why a reader stopped.

@@ -387,6 +387,48 @@ async fn a_cancelled_op_aborts_the_group_instead_of_hanging_it() {
     assert!(e.is_aborted(), "{e}");
 }
 
+/// An op cancelled in the middle of writing a frame: the frame is finished in
+/// the background, so the abort written after it is read as an abort. Before,
+/// the peer read the abort as the rest of the payload and waited its whole
+/// timeout for bytes that never came.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_cancelled_mid_frame_leaves_no_half_frame() {
+    let o = Options {
+        // One frame per message, far larger than the socket buffers: the first
+        // write cannot take it whole, so the cancel lands mid-frame.
+        segment_bytes: 48 << 20,
+        timeout: Duration::from_secs(30),
+        ..opts()
+    };
+    let pgs = group(2, o).await;
+    // Connect first, so the send starts writing at its first poll.
+    let got = each(&pgs, |pg| async move { pg.barrier().await }).await;
+    assert!(got.iter().all(Result::is_ok));
+    let len = 40 << 20;
+    let sender = pgs[0].clone();
+    let cancelled = tokio::spawn(async move {
+        let big = vec![7u8; len];
+        tokio::time::timeout(Duration::from_millis(1), sender.send(&big, 1, 9)).await
+    });
+    assert!(
+        cancelled.await.unwrap().is_err(),
+        "the send must still be writing when it is cancelled"
+    );
+    let receiver = pgs[1].clone();
+    let got = async move {
+        let mut buf = vec![0u8; len];
+        receiver.recv(&mut buf, 0, 9).await?;
+        assert!(buf.iter().all(|&b| b == 7), "the frame arrived whole");
+        receiver.barrier().await
+    }
+    .await;
+    let e = got.unwrap_err();
+    assert!(
+        e.is_aborted() && e.to_string().contains("rank 0 dropped send"),
+        "the abort after the cut frame must arrive as one: {e}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn strangers_on_the_listening_port_are_refused_without_harm() {
     let pgs = group(3, opts()).await;
