@@ -392,7 +392,7 @@ impl ProcessGroup {
             reason: format!("rank {} aborted it: {reason}", self.rank()).into(),
             by: Some(self.rank()),
         };
-        self.comm.sh().abort(self.comm.id, err, true);
+        self.comm.sh().abort(self.comm.id, err, true, None);
     }
 
     /// The error operations fail with, if the group is aborted.
@@ -1154,7 +1154,12 @@ impl OpCtx {
                 if !self.p2p {
                     self.comm.sh().end_seq(self.comm.id, self.seq);
                 }
-                Ok(v)
+                // An abort raised while the op ran (a peer's frame for it that
+                // did not match, say) fails it even though its part is done.
+                match self.comm.sh().aborted(self.comm.id) {
+                    Some(e) => Err(e),
+                    None => Ok(v),
+                }
             }
             Ok(Err(e)) => Err(self.fail_told(e).await),
             Err(_) => Err(self.fail_told(self.timeout_error()).await),
@@ -1162,11 +1167,32 @@ impl OpCtx {
     }
 
     async fn fail_told(&self, e: Error) -> Error {
+        let e = self.explain(e).await;
         let (e, telling) = self.fail_and_tell(e);
         if let Some(t) = telling {
             let _ = t.await;
         }
         e
+    }
+
+    /// A member found gone may be a bystander that exited on being told of an
+    /// abort (or whose process ended before the telling reached us): the
+    /// group's abort, or else its record in the store, names the cause.
+    async fn explain(&self, e: Error) -> Error {
+        if !matches!(e, Error::PeerGone { .. }) {
+            return e;
+        }
+        if let Some(a) = self.comm.sh().aborted(self.comm.id) {
+            return a;
+        }
+        match self.comm.sh().abort_record(self.comm.id).await {
+            Some(record) => Error::Aborted {
+                group: self.comm.members.name.clone(),
+                reason: record.into(),
+                by: None,
+            },
+            None => e,
+        }
     }
 
     /// Aborts the group with `e` (unless `e` is the abort) and returns it; the
@@ -1178,14 +1204,16 @@ impl OpCtx {
     fn fail_and_tell(&self, e: Error) -> (Error, Option<tokio::task::JoinHandle<()>>) {
         self.done.store(true, Ordering::Relaxed);
         if e.is_aborted() {
-            return (e, None);
+            // Usually recorded already; not when it came from the store.
+            let telling = self.comm.sh().abort(self.comm.id, e.clone(), false, None);
+            return (e, telling);
         }
         let reason = Error::Aborted {
             group: self.comm.members.name.clone(),
             reason: e.to_string().into(),
             by: None,
         };
-        let telling = self.comm.sh().abort(self.comm.id, reason, true);
+        let telling = self.comm.sh().abort(self.comm.id, reason, true, None);
         (e, telling)
     }
 }
@@ -1203,7 +1231,7 @@ impl Drop for OpCtx {
                 .into(),
                 by: None,
             };
-            self.comm.sh().abort(self.comm.id, reason, true);
+            self.comm.sh().abort(self.comm.id, reason, true, None);
         }
     }
 }

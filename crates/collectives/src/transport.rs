@@ -23,7 +23,7 @@
 //! aborts its group and tells every member with an abort frame, so ranks that were
 //! waiting on someone else learn of the failure within a round trip.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -104,6 +104,17 @@ struct Router {
     ended: HashMap<(u64, u64), Desc>,
     gone: HashMap<usize, String>,
     aborted: HashMap<u64, Error>,
+    /// Cancelled when its group aborts: wakes sends blocked on a full socket.
+    abort_signals: HashMap<u64, CancellationToken>,
+    /// (group, peer) pairs where the peer has the abort: it sent it to us, or
+    /// we have written it to the peer.
+    told: HashSet<(u64, usize)>,
+}
+
+impl Router {
+    fn abort_signal(&mut self, comm: u64) -> CancellationToken {
+        self.abort_signals.entry(comm).or_default().clone()
+    }
 }
 
 /// How many ended collectives per group keep their descriptor for late frames.
@@ -315,8 +326,36 @@ impl Shared {
         }
     }
 
-    /// Sends one frame to world rank `dst`.
+    /// Sends one data frame of group `comm` to world rank `dst`; an abort of
+    /// the group ends the wait (connecting, or writing to a full socket).
     pub async fn send(
+        self: &Arc<Self>,
+        dst: usize,
+        header: &Header,
+        payload: &[u8],
+        pick: usize,
+        deadline: Instant,
+    ) -> Result<(), Fail> {
+        let comm = match header {
+            Header::Data { comm, .. } | Header::Abort { comm, .. } => *comm,
+        };
+        let signal = {
+            let mut r = lock(&self.router);
+            if let Some(e) = r.aborted.get(&comm) {
+                return Err(Fail::Aborted(e.clone()));
+            }
+            r.abort_signal(comm)
+        };
+        tokio::select! {
+            r = self.send_frame(dst, header, payload, pick, deadline) => r,
+            _ = signal.cancelled() => Err(Fail::Aborted(
+                self.aborted(comm).expect("the signal fires after the abort is recorded"),
+            )),
+        }
+    }
+
+    /// Sends one frame to world rank `dst`, whole (see [`WholeFrame`]).
+    async fn send_frame(
         self: &Arc<Self>,
         dst: usize,
         header: &Header,
@@ -480,6 +519,7 @@ impl Shared {
         });
         lock(&self.peers).entry(peer).or_default().conns.push(conn);
         self.rt.spawn(read_loop(self.clone(), peer, id, rd));
+        self.tell_aborts_to(peer, None);
     }
 
     /// Marks `peer` gone and fails everything waiting on it.
@@ -505,15 +545,30 @@ impl Shared {
         }
     }
 
-    /// Aborts group `comm` with `err` (the first abort wins): fails its waiters,
-    /// drops its mailbox and, if `tell`, sends the reason to every other member.
-    /// Returns the sending task, for a caller that must not return (and perhaps
-    /// exit) before the others have been told.
+    /// Aborts group `comm` with `err` (the first abort wins): fails its
+    /// waiters and wakes its sends, drops its mailbox, and tells the members
+    /// this rank has a connection with (but not `from`, which sent it).
+    ///
+    /// `origin`: this rank is where the failure happened (not passing on
+    /// another's abort). The origin first records the reason in the store
+    /// (`abort/<group>`), so a rank that later finds some member gone (one
+    /// that exited on being told, say) reports the cause, not the bystander.
+    ///
+    /// The origin whose record is the store's first tells every member,
+    /// opening connections as needed; other ranks tell only the members they
+    /// have a connection with, so many ranks failing at once open O(n)
+    /// connections, not n². A member not told learns when it next reaches an
+    /// aborted rank: an aborted group answers every data frame and every new
+    /// connection from a member with the abort.
+    ///
+    /// Returns the telling task, for a caller that must not return (and
+    /// perhaps exit) before the others have been told.
     pub fn abort(
         self: &Arc<Self>,
         comm: u64,
         err: Error,
-        tell: bool,
+        origin: bool,
+        from: Option<usize>,
     ) -> Option<tokio::task::JoinHandle<()>> {
         {
             let mut r = lock(&self.router);
@@ -529,37 +584,128 @@ impl Shared {
             }
             r.checks.retain(|(c, _), _| *c != comm);
             r.ended.retain(|(c, _), _| *c != comm);
-        }
-        if !tell {
-            return None;
+            r.abort_signal(comm).cancel();
+            if let Some(f) = from {
+                r.told.insert((comm, f));
+            }
         }
         let members = self.members(comm)?;
-        // Send the reason alone: the receiver wraps it in its own `Aborted`.
-        let reason = match &err {
-            Error::Aborted { reason, .. } => reason.to_string(),
-            e => e.to_string(),
-        };
-        let own = matches!(&err, Error::Aborted { by: Some(r), .. } if *r == members.group_rank(self.cfg.rank));
         let me = self.clone();
         // Aborts also run from destructors, possibly as the runtime shuts down;
         // spawning then is a no-op.
         Some(self.rt.spawn(async move {
-            let deadline = Instant::now() + ABORT_DEADLINE;
+            let everyone = origin && me.record_abort(comm, &members).await;
+            let targets: Vec<usize> = members
+                .ranks
+                .iter()
+                .copied()
+                .filter(|&m| m != me.cfg.rank && (everyone || me.connected(m)))
+                .collect();
             let mut tasks = tokio::task::JoinSet::new();
-            for &m in members.ranks.iter().filter(|&&m| m != me.cfg.rank) {
-                let (me, reason) = (me.clone(), reason.clone());
-                tasks.spawn(async move {
-                    let h = Header::Abort {
-                        comm,
-                        len: reason.len().min(crate::frame::MAX_REASON as usize) as u64,
-                        own,
-                    };
-                    let bytes = &reason.as_bytes()[..h.payload_len() as usize];
-                    let _ = me.send(m, &h, bytes, 0, deadline).await;
-                });
+            for m in targets {
+                let me = me.clone();
+                tasks.spawn(async move { me.tell_abort(comm, m).await });
             }
             while tasks.join_next().await.is_some() {}
         }))
+    }
+
+    /// The text an abort frame of `comm` carries: the reason alone, which the
+    /// receiver wraps in its own [`Error::Aborted`].
+    fn abort_reason(&self, comm: u64) -> Option<(String, bool)> {
+        let err = lock(&self.router).aborted.get(&comm)?.clone();
+        let members = self.members(comm)?;
+        let own = matches!(&err, Error::Aborted { by: Some(r), .. } if *r == members.group_rank(self.cfg.rank));
+        let reason = match err {
+            Error::Aborted { reason, .. } => reason.to_string(),
+            e => e.to_string(),
+        };
+        Some((reason, own))
+    }
+
+    /// Writes the abort of `comm` to `peer`, once.
+    async fn tell_abort(self: &Arc<Self>, comm: u64, peer: usize) {
+        if !lock(&self.router).told.insert((comm, peer)) {
+            return;
+        }
+        let Some((reason, own)) = self.abort_reason(comm) else {
+            return;
+        };
+        let h = Header::Abort {
+            comm,
+            len: reason.len().min(crate::frame::MAX_REASON as usize) as u64,
+            own,
+        };
+        let bytes = &reason.as_bytes()[..h.payload_len() as usize];
+        let deadline = Instant::now() + ABORT_DEADLINE;
+        let _ = self.send_frame(peer, &h, bytes, 0, deadline).await;
+    }
+
+    /// Tells `peer` of every aborted group it is a member of (a new
+    /// connection, or a data frame for an aborted group).
+    fn tell_aborts_to(self: &Arc<Self>, peer: usize, only: Option<u64>) {
+        let comms: Vec<u64> = {
+            let r = lock(&self.router);
+            r.aborted
+                .keys()
+                .copied()
+                .filter(|c| only.is_none_or(|o| o == *c) && !r.told.contains(&(*c, peer)))
+                .collect()
+        };
+        for comm in comms {
+            if self.members(comm).is_some_and(|m| m.ranks.contains(&peer)) {
+                let me = self.clone();
+                self.rt
+                    .spawn(async move { me.tell_abort(comm, peer).await });
+            }
+        }
+    }
+
+    /// The key of group `comm`'s abort record in the store.
+    fn record_key(comm: u64) -> String {
+        format!("abort/{comm:016x}")
+    }
+
+    /// Records the abort of `comm` in the store (the first record wins),
+    /// within [`ABORT_DEADLINE`]. Returns whether this rank must tell every
+    /// member: its record is the first, or the store could not say.
+    async fn record_abort(&self, comm: u64, members: &Members) -> bool {
+        let Some((reason, _)) = self.abort_reason(comm) else {
+            return false;
+        };
+        let text = format!(
+            "rank {} aborted it: {reason}",
+            members.group_rank(self.cfg.rank)
+        );
+        let key = Self::record_key(comm);
+        let write = self.store.compare_set(&key, b"", text.as_bytes());
+        match timeout(ABORT_DEADLINE, write).await {
+            Ok(Ok(now)) => now == text.as_bytes(),
+            Ok(Err(e)) => {
+                tracing::debug!("recording the abort in the store failed: {e}");
+                true
+            }
+            Err(_) => {
+                tracing::debug!("recording the abort in the store took over {ABORT_DEADLINE:?}");
+                true
+            }
+        }
+    }
+
+    /// Group `comm`'s abort record in the store, if some rank wrote one
+    /// (looked up within [`ABORT_DEADLINE`]).
+    pub async fn abort_record(&self, comm: u64) -> Option<String> {
+        let key = Self::record_key(comm);
+        let got = timeout(ABORT_DEADLINE, async {
+            if self.store.check(&[&key]).await.ok()? {
+                self.store.get_now(&key).await.ok()
+            } else {
+                None
+            }
+        })
+        .await
+        .ok()??;
+        Some(String::from_utf8_lossy(&got).into_owned())
     }
 
     /// Hands a data frame to its waiter or the mailbox, checking it against the
@@ -588,6 +734,9 @@ impl Shared {
         {
             let mut r = lock(&self.router);
             if r.aborted.contains_key(&comm) {
+                // The sender does not know yet: tell it (once).
+                drop(r);
+                self.tell_aborts_to(src, Some(comm));
                 return Ok(());
             }
             if !p2p {
@@ -642,7 +791,7 @@ impl Shared {
                 rank_b: grank(src),
                 desc_b: desc.to_string(),
             };
-            self.abort(comm, err, true);
+            self.abort(comm, err, true, None);
         }
         Ok(())
     }
@@ -805,7 +954,7 @@ async fn read_frames(shared: &Arc<Shared>, peer: usize, rd: &mut BufReader<Owned
                     reason: format!("rank {grank} aborted it: {why}").into(),
                     by: own.then_some(grank),
                 };
-                shared.abort(comm, err, false);
+                shared.abort(comm, err, false, Some(peer));
             }
             Header::Data { .. } => {
                 if let Err(why) = shared.deliver(peer, h, buf) {
