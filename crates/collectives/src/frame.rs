@@ -168,8 +168,25 @@ pub enum Header {
     },
     /// The sender aborted group `comm`; the payload is the reason. `own`:
     /// the sender itself gave up the group ([`crate::ProcessGroup::abort`]),
-    /// rather than passing on an operation's failure.
-    Abort { comm: u64, len: u64, own: bool },
+    /// rather than passing on an operation's failure. `from`: the first
+    /// collective it fails (a mismatch at op #7 leaves op #6 to finish); 0 for
+    /// all. Point-to-point messages always fail.
+    Abort {
+        comm: u64,
+        len: u64,
+        own: bool,
+        from: u64,
+    },
+    /// The sender has waited a while for step `step` of collective `seq` from
+    /// the receiver, which compares `desc` with its own call: two ranks that
+    /// each wait for the other (two roots of one reduce) are a mismatch found
+    /// this way, not a timeout. No payload.
+    Want {
+        comm: u64,
+        seq: u64,
+        step: u32,
+        desc: Desc,
+    },
 }
 
 /// Why a header was refused.
@@ -179,11 +196,13 @@ pub struct BadFrame(pub String);
 
 const KIND_DATA: u8 = 1;
 const KIND_ABORT: u8 = 2;
+const KIND_WANT: u8 = 3;
 
 impl Header {
     pub fn payload_len(&self) -> u64 {
         match *self {
             Header::Data { len, .. } | Header::Abort { len, .. } => len,
+            Header::Want { .. } => 0,
         }
     }
 
@@ -197,22 +216,26 @@ impl Header {
                 desc,
                 len,
             } => {
-                b[0] = KIND_DATA;
-                b[1] = desc.op as u8;
-                b[2] = desc.dtype as u8;
-                b[3] = desc.reduce.map_or(0, |r| r as u8);
-                b[4] = desc.algo as u8;
-                b[8..16].copy_from_slice(&comm.to_le_bytes());
-                b[16..24].copy_from_slice(&seq.to_le_bytes());
-                b[24..28].copy_from_slice(&step.to_le_bytes());
-                b[28..32].copy_from_slice(&desc.root.to_le_bytes());
-                b[32..40].copy_from_slice(&desc.count.to_le_bytes());
-                b[40..48].copy_from_slice(&len.to_le_bytes());
+                encode_data(&mut b, KIND_DATA, comm, seq, step, desc, len);
             }
-            Header::Abort { comm, len, own } => {
+            Header::Want {
+                comm,
+                seq,
+                step,
+                desc,
+            } => {
+                encode_data(&mut b, KIND_WANT, comm, seq, step, desc, 0);
+            }
+            Header::Abort {
+                comm,
+                len,
+                own,
+                from,
+            } => {
                 b[0] = KIND_ABORT;
                 b[1] = u8::from(own);
                 b[8..16].copy_from_slice(&comm.to_le_bytes());
+                b[16..24].copy_from_slice(&from.to_le_bytes());
                 b[40..48].copy_from_slice(&len.to_le_bytes());
             }
         }
@@ -229,7 +252,7 @@ impl Header {
         let comm = u64_at(8);
         let len = u64_at(40);
         match b[0] {
-            KIND_DATA => {
+            KIND_DATA | KIND_WANT => {
                 let op =
                     OpKind::from_code(b[1]).ok_or_else(|| BadFrame(format!("op code {}", b[1])))?;
                 let dtype = DType::from_code(b[2])
@@ -251,23 +274,36 @@ impl Header {
                         "payload of {len} bytes is not whole {dtype} elements"
                     ));
                 }
+                let (seq, step) = (u64_at(16), u32_at(24));
+                let desc = Desc {
+                    op,
+                    dtype,
+                    reduce,
+                    algo,
+                    root: u32_at(28),
+                    count: u64_at(32),
+                };
+                if b[0] == KIND_WANT {
+                    if len != 0 {
+                        return bad(format!("a want frame with a payload of {len} bytes"));
+                    }
+                    return Ok(Header::Want {
+                        comm,
+                        seq,
+                        step,
+                        desc,
+                    });
+                }
                 Ok(Header::Data {
                     comm,
-                    seq: u64_at(16),
-                    step: u32_at(24),
-                    desc: Desc {
-                        op,
-                        dtype,
-                        reduce,
-                        algo,
-                        root: u32_at(28),
-                        count: u64_at(32),
-                    },
+                    seq,
+                    step,
+                    desc,
                     len,
                 })
             }
             KIND_ABORT => {
-                if b[1] > 1 || b[2..5] != [0; 3] || b[16..40] != [0; 24] {
+                if b[1] > 1 || b[2..5] != [0; 3] || b[24..40] != [0; 16] {
                     return bad("abort frame with data fields set".into());
                 }
                 if len > MAX_REASON {
@@ -277,11 +313,35 @@ impl Header {
                     comm,
                     len,
                     own: b[1] == 1,
+                    from: u64_at(16),
                 })
             }
             k => bad(format!("frame kind {k}")),
         }
     }
+}
+
+/// The fields data and want frames share.
+fn encode_data(
+    b: &mut [u8; HEADER_LEN],
+    kind: u8,
+    comm: u64,
+    seq: u64,
+    step: u32,
+    desc: Desc,
+    len: u64,
+) {
+    b[0] = kind;
+    b[1] = desc.op as u8;
+    b[2] = desc.dtype as u8;
+    b[3] = desc.reduce.map_or(0, |r| r as u8);
+    b[4] = desc.algo as u8;
+    b[8..16].copy_from_slice(&comm.to_le_bytes());
+    b[16..24].copy_from_slice(&seq.to_le_bytes());
+    b[24..28].copy_from_slice(&step.to_le_bytes());
+    b[28..32].copy_from_slice(&desc.root.to_le_bytes());
+    b[32..40].copy_from_slice(&desc.count.to_le_bytes());
+    b[40..48].copy_from_slice(&len.to_le_bytes());
 }
 
 /// The handshake's first message.
@@ -401,8 +461,22 @@ mod tests {
                     desc,
                     len: words * 8 / desc.dtype.size() as u64 * desc.dtype.size() as u64,
                 }),
-            (any::<u64>(), 0..=MAX_REASON, any::<bool>())
-                .prop_map(|(comm, len, own)| Header::Abort { comm, len, own }),
+            (any::<u64>(), 0..=MAX_REASON, any::<bool>(), any::<u64>()).prop_map(
+                |(comm, len, own, from)| Header::Abort {
+                    comm,
+                    len,
+                    own,
+                    from
+                }
+            ),
+            (any::<u64>(), any::<u64>(), any::<u32>(), desc()).prop_map(
+                |(comm, seq, step, desc)| Header::Want {
+                    comm,
+                    seq,
+                    step,
+                    desc
+                }
+            ),
         ]
     }
 

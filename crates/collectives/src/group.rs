@@ -392,7 +392,29 @@ impl ProcessGroup {
             reason: format!("rank {} aborted it: {reason}", self.rank()).into(),
             by: Some(self.rank()),
         };
-        self.comm.sh().abort(self.comm.id, err, true, None);
+        self.comm.sh().abort(self.comm.id, err, true, None, 0);
+    }
+
+    /// Test fault (feature `faults`): this rank dies now, as a SIGKILLed
+    /// process does: its connections and listener close with no goodbye, it
+    /// tells no one and writes nothing to the store; its operations fail.
+    #[cfg(feature = "faults")]
+    pub fn kill(&self) {
+        self.comm.sh().kill();
+    }
+
+    /// Test fault (feature `faults`): [`ProcessGroup::kill`] when this rank is
+    /// about to send its `n`-th data frame from now (0: the next), on any group
+    /// of its transport.
+    #[cfg(feature = "faults")]
+    pub fn kill_at_frame(&self, n: u64) {
+        self.comm.sh().kill_at_frame(n);
+    }
+
+    /// Test fault (feature `faults`): whether this rank was killed.
+    #[cfg(feature = "faults")]
+    pub fn killed(&self) -> bool {
+        self.comm.sh().killed()
     }
 
     /// The error operations fail with, if the group is aborted.
@@ -459,10 +481,10 @@ impl ProcessGroup {
     /// and compares with what peers already sent.
     fn begin(&self, desc: Desc) -> Result<OpCtx> {
         let c = &self.comm;
-        if let Some(e) = c.sh().aborted(c.id) {
+        let seq = c.seq.fetch_add(1, Ordering::Relaxed);
+        if let Some(e) = c.sh().aborted_for(c.id, Some(seq)) {
             return Err(e);
         }
-        let seq = c.seq.fetch_add(1, Ordering::Relaxed);
         let cx = self.ctx(desc, seq, false);
         if let Err((src, theirs)) = c.sh().begin_seq(c.id, seq, desc) {
             let err = Error::Mismatch {
@@ -481,7 +503,7 @@ impl ProcessGroup {
     /// Starts point-to-point message `desc` with `peer` (receive side if `recv`).
     fn begin_p2p(&self, desc: Desc, peer: usize, recv: bool) -> Result<OpCtx> {
         let c = &self.comm;
-        if let Some(e) = c.sh().aborted(c.id) {
+        if let Some(e) = c.sh().aborted_for(c.id, None) {
             return Err(e);
         }
         let seq = {
@@ -1010,6 +1032,19 @@ impl OpCtx {
         Ok(())
     }
 
+    /// The first collective this op's failure fails: itself, since this rank
+    /// sent every frame of the ones before it, which may still finish
+    /// elsewhere (what needs a dead rank fails on its own). A point-to-point
+    /// message fails them all.
+    fn abort_from(&self) -> u64 {
+        self.collective_seq().unwrap_or(0)
+    }
+
+    /// The sequence number aborts compare with (none for point-to-point).
+    fn collective_seq(&self) -> Option<u64> {
+        (!self.p2p).then_some(self.seq)
+    }
+
     fn name(&self) -> String {
         if self.p2p {
             format!("{} (message #{})", self.desc, self.seq)
@@ -1089,7 +1124,7 @@ impl OpCtx {
         let f = self
             .comm
             .sh()
-            .recv(key, self.deadline)
+            .recv(key, (!self.p2p).then_some(self.desc), self.deadline)
             .await
             .map_err(|f| self.error(f))?;
         if self.p2p && (f.desc.dtype != dtype || f.desc.count != self.desc.count) {
@@ -1156,7 +1191,11 @@ impl OpCtx {
                 }
                 // An abort raised while the op ran (a peer's frame for it that
                 // did not match, say) fails it even though its part is done.
-                match self.comm.sh().aborted(self.comm.id) {
+                match self
+                    .comm
+                    .sh()
+                    .aborted_for(self.comm.id, self.collective_seq())
+                {
                     Some(e) => Err(e),
                     None => Ok(v),
                 }
@@ -1204,16 +1243,25 @@ impl OpCtx {
     fn fail_and_tell(&self, e: Error) -> (Error, Option<tokio::task::JoinHandle<()>>) {
         self.done.store(true, Ordering::Relaxed);
         if e.is_aborted() {
-            // Usually recorded already; not when it came from the store.
-            let telling = self.comm.sh().abort(self.comm.id, e.clone(), false, None);
+            // Usually recorded already (and perhaps from a later op on, which
+            // must stay); not when it came from the store.
+            if self.comm.sh().aborted(self.comm.id).is_some() {
+                return (e, None);
+            }
+            let from = self.abort_from();
+            let telling = self
+                .comm
+                .sh()
+                .abort(self.comm.id, e.clone(), false, None, from);
             return (e, telling);
         }
+        let from = self.abort_from();
         let reason = Error::Aborted {
             group: self.comm.members.name.clone(),
             reason: e.to_string().into(),
             by: None,
         };
-        let telling = self.comm.sh().abort(self.comm.id, reason, true, None);
+        let telling = self.comm.sh().abort(self.comm.id, reason, true, None, from);
         (e, telling)
     }
 }
@@ -1231,7 +1279,8 @@ impl Drop for OpCtx {
                 .into(),
                 by: None,
             };
-            self.comm.sh().abort(self.comm.id, reason, true, None);
+            let from = self.abort_from();
+            self.comm.sh().abort(self.comm.id, reason, true, None, from);
         }
     }
 }

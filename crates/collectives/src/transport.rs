@@ -23,9 +23,9 @@
 //! aborts its group and tells every member with an abort frame, so ranks that were
 //! waiting on someone else learn of the failure within a round trip.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -33,7 +33,6 @@ use rallypoint_store::Store;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::oneshot;
 use tokio::time::{sleep, sleep_until, timeout, timeout_at, Instant};
 use tokio_util::sync::CancellationToken;
 
@@ -48,77 +47,10 @@ const SETTLE_MAX: Duration = Duration::from_millis(250);
 /// How long an abort frame may take to reach a member.
 const ABORT_DEADLINE: Duration = Duration::from_secs(2);
 
-/// A frame's address in the router.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(crate) struct Key {
-    pub comm: u64,
-    /// World rank of the sender.
-    pub src: u32,
-    /// Point-to-point messages have their own sequence numbers per (peer, tag).
-    pub p2p: bool,
-    pub tag: u32,
-    pub seq: u64,
-    pub step: u32,
-}
+mod router;
 
-/// A received data frame.
-pub(crate) struct Frame {
-    pub desc: Desc,
-    pub buf: Buf,
-}
-
-/// Why a transport operation failed, before the op adds its names.
-pub(crate) enum Fail {
-    /// The peer (world rank) is gone.
-    Gone { rank: usize, reason: String },
-    /// The group was aborted; the error to return.
-    Aborted(Error),
-    /// The peer refused the handshake or broke the protocol.
-    Refused { rank: usize, reason: String },
-    /// The deadline passed.
-    Timeout,
-}
-
-enum Slot {
-    Ready(Frame),
-    Waiting(oneshot::Sender<Result<Frame, Fail>>),
-}
-
-/// What one rank saw first in a collective it has not started yet.
-#[derive(Default)]
-struct Check {
-    local: Option<Desc>,
-    remote: Option<(u32, Desc)>,
-}
-
-/// Frames, waiters, dead peers and aborted groups, under one lock so that a waiter
-/// can never miss the event that would fail it.
-#[derive(Default)]
-struct Router {
-    slots: HashMap<Key, Slot>,
-    checks: HashMap<(u64, u64), Check>,
-    /// The local descriptors of the last [`ENDED_KEPT`] collectives of each
-    /// group that ended here: a peer's frame for one of them that arrives
-    /// after it ended (a broadcast root that only sends ends first) is still
-    /// compared, never filed and forgotten.
-    ended: HashMap<(u64, u64), Desc>,
-    gone: HashMap<usize, String>,
-    aborted: HashMap<u64, Error>,
-    /// Cancelled when its group aborts: wakes sends blocked on a full socket.
-    abort_signals: HashMap<u64, CancellationToken>,
-    /// (group, peer) pairs where the peer has the abort: it sent it to us, or
-    /// we have written it to the peer.
-    told: HashSet<(u64, usize)>,
-}
-
-impl Router {
-    fn abort_signal(&mut self, comm: u64) -> CancellationToken {
-        self.abort_signals.entry(comm).or_default().clone()
-    }
-}
-
-/// How many ended collectives per group keep their descriptor for late frames.
-const ENDED_KEPT: u64 = 64;
+pub(crate) use router::{Clash, Fail, Frame, Key};
+use router::{Delivery, Router, Start};
 
 /// A group's name and members (world ranks, in group-rank order).
 #[derive(Clone)]
@@ -173,9 +105,19 @@ pub(crate) struct Shared {
     handshaking: AtomicUsize,
     handshakes_done: tokio::sync::Notify,
     cancel: CancellationToken,
+    /// Fault injection (feature `faults`): see [`Shared::kill`].
+    faults: Faults,
     /// The runtime the group was formed on: its tasks (readers, aborts, `Work`)
     /// run there even when an operation is started from plain blocking code.
     pub rt: tokio::runtime::Handle,
+}
+
+/// Test faults: a rank that dies the way a killed process does.
+struct Faults {
+    dead: AtomicBool,
+    /// Die on being about to send this data frame (counted from 0).
+    kill_at: AtomicU64,
+    frames: AtomicU64,
 }
 
 /// The owner's handle: dropping it stops the listener and every reader and closes
@@ -218,6 +160,11 @@ impl Transport {
             handshakes_done: tokio::sync::Notify::new(),
             rt: tokio::runtime::Handle::current(),
             cancel: CancellationToken::new(),
+            faults: Faults {
+                dead: AtomicBool::new(false),
+                kill_at: AtomicU64::new(u64::MAX),
+                frames: AtomicU64::new(0),
+            },
         });
         shared.rt.spawn(accept_loop(shared.clone(), listener));
         Ok(Transport { shared })
@@ -237,9 +184,15 @@ impl Shared {
         lock(&self.members).get(&comm).cloned()
     }
 
-    /// The error a new operation on `comm` must fail with, if it is aborted.
+    /// The group's abort, if it is aborted (whatever the abort fails).
     pub fn aborted(&self, comm: u64) -> Option<Error> {
-        lock(&self.router).aborted.get(&comm).cloned()
+        lock(&self.router).aborted(comm).cloned()
+    }
+
+    /// The abort that fails collective `seq` of `comm` (`None`: a
+    /// point-to-point message), if any.
+    pub fn aborted_for(&self, comm: u64, seq: Option<u64>) -> Option<Error> {
+        lock(&self.router).aborted_for(comm, seq)
     }
 
     /// Whether any connection with `peer` exists.
@@ -249,50 +202,38 @@ impl Shared {
             .is_some_and(|p| !p.conns.is_empty())
     }
 
-    /// Records the local descriptor of collective `seq`; a mismatch with what a
-    /// peer already sent is returned as (peer world rank, its descriptor).
+    /// Records the local call of collective `seq`; a mismatch with what a peer
+    /// already sent is returned as (peer world rank, its descriptor).
     pub fn begin_seq(&self, comm: u64, seq: u64, desc: Desc) -> Result<(), (u32, Desc)> {
-        let mut r = lock(&self.router);
-        let c = r.checks.entry((comm, seq)).or_default();
-        c.local = Some(desc);
-        match c.remote {
-            Some((src, d)) if d != desc => Err((src, d)),
-            _ => Ok(()),
-        }
+        lock(&self.router).begin_seq(comm, seq, desc)
     }
 
     pub fn end_seq(&self, comm: u64, seq: u64) {
-        let mut r = lock(&self.router);
-        if let Some(local) = r.checks.remove(&(comm, seq)).and_then(|c| c.local) {
-            r.ended.insert((comm, seq), local);
-        }
-        if let Some(old) = seq.checked_sub(ENDED_KEPT) {
-            r.ended.remove(&(comm, old));
-        }
+        lock(&self.router).end_seq(comm, seq)
     }
 
-    /// Waits for the frame at `key` until `deadline`.
-    pub async fn recv(self: &Arc<Self>, key: Key, deadline: Instant) -> Result<Frame, Fail> {
+    /// Waits for the frame at `key` until `deadline`. `want`: the local call,
+    /// for a collective.
+    ///
+    /// After [`Config::probe_after`] the peer is asked for it (a
+    /// [`Header::Want`] carrying our call; a connection to the peer for a
+    /// point-to-point message): the ask opens a connection if there is none,
+    /// so a peer that died before ever connecting is noticed by the refusal,
+    /// and the peer compares our call with its own, so two ranks that each
+    /// wait for the other (two roots of one reduce) are a mismatch at once,
+    /// not a timeout.
+    pub async fn recv(
+        self: &Arc<Self>,
+        key: Key,
+        want: Option<Desc>,
+        deadline: Instant,
+    ) -> Result<Frame, Fail> {
         let src = key.src as usize;
-        let mut rx = {
-            let mut r = lock(&self.router);
-            if let Some(e) = r.aborted.get(&key.comm) {
-                return Err(Fail::Aborted(e.clone()));
-            }
-            match r.slots.remove(&key) {
-                Some(Slot::Ready(f)) => return Ok(f),
-                Some(Slot::Waiting(_)) => unreachable!("two operations wait for one frame key"),
-                None => {}
-            }
-            if let Some(reason) = r.gone.get(&src) {
-                return Err(Fail::Gone {
-                    rank: src,
-                    reason: reason.clone(),
-                });
-            }
-            let (tx, rx) = oneshot::channel();
-            r.slots.insert(key, Slot::Waiting(tx));
-            rx
+        let start = lock(&self.router).start_recv(key);
+        let mut rx = match start {
+            Start::Ready(f) => return Ok(f),
+            Start::Failed(f) => return Err(f),
+            Start::Wait(rx) => rx,
         };
         let probe = sleep(self.cfg.probe_after);
         tokio::pin!(probe);
@@ -303,24 +244,25 @@ impl Shared {
                     return r.unwrap_or_else(|_| Err(Fail::Gone { rank: src, reason: "the transport shut down".into() }));
                 }
                 _ = sleep_until(deadline) => {
-                    let mut r = lock(&self.router);
-                    if matches!(r.slots.get(&key), Some(Slot::Waiting(_))) {
-                        r.slots.remove(&key);
-                    }
-                    drop(r);
+                    lock(&self.router).cancel_recv(key);
                     // A frame may have landed between the deadline and the lock.
                     return rx.try_recv().unwrap_or(Err(Fail::Timeout));
                 }
                 _ = &mut probe, if !probed => {
                     probed = true;
-                    if !self.connected(src) {
-                        // No connection to see the peer die on: open one. A dead
-                        // peer refuses it, which marks it gone and wakes us.
-                        let me = self.clone();
-                        self.rt.spawn(async move {
-                            let _ = me.conn(src, 0, deadline).await;
-                        });
-                    }
+                    let me = self.clone();
+                    self.rt.spawn(async move {
+                        match want {
+                            Some(desc) => {
+                                let h = Header::Want { comm: key.comm, seq: key.seq, step: key.step, desc };
+                                let _ = me.send_frame(src, &h, &[], 0, deadline).await;
+                            }
+                            None if !me.connected(src) => {
+                                let _ = me.conn(src, 0, deadline).await;
+                            }
+                            None => {}
+                        }
+                    });
                 }
             }
         }
@@ -336,21 +278,36 @@ impl Shared {
         pick: usize,
         deadline: Instant,
     ) -> Result<(), Fail> {
-        let comm = match header {
-            Header::Data { comm, .. } | Header::Abort { comm, .. } => *comm,
+        let Header::Data {
+            comm, seq, desc, ..
+        } = *header
+        else {
+            unreachable!("only data frames are sent this way")
         };
+        let seq = (desc.op != OpKind::Send).then_some(seq);
+        if matches!(header, Header::Data { .. })
+            && self.faults.frames.fetch_add(1, Ordering::Relaxed)
+                >= self.faults.kill_at.load(Ordering::Relaxed)
+        {
+            self.kill();
+        }
         let signal = {
             let mut r = lock(&self.router);
-            if let Some(e) = r.aborted.get(&comm) {
-                return Err(Fail::Aborted(e.clone()));
+            if let Some(e) = r.aborted_for(comm, seq) {
+                return Err(Fail::Aborted(e));
             }
             r.abort_signal(comm)
         };
+        let send = self.send_frame(dst, header, payload, pick, deadline);
+        tokio::pin!(send);
         tokio::select! {
-            r = self.send_frame(dst, header, payload, pick, deadline) => r,
-            _ = signal.cancelled() => Err(Fail::Aborted(
-                self.aborted(comm).expect("the signal fires after the abort is recorded"),
-            )),
+            r = &mut send => return r,
+            _ = signal.cancelled() => {}
+        }
+        match self.aborted_for(comm, seq) {
+            Some(e) => Err(Fail::Aborted(e)),
+            // An abort from a later op: this one goes on.
+            None => send.await,
         }
     }
 
@@ -363,7 +320,7 @@ impl Shared {
         pick: usize,
         deadline: Instant,
     ) -> Result<(), Fail> {
-        if let Some(reason) = lock(&self.router).gone.get(&dst) {
+        if let Some(reason) = lock(&self.router).gone(dst) {
             return Err(Fail::Gone {
                 rank: dst,
                 reason: reason.clone(),
@@ -407,6 +364,11 @@ impl Shared {
         if let Some(c) = self.pick_conn(dst, pick) {
             return Ok(c);
         }
+        if self.is_dead() {
+            return Err(Fail::Aborted(Error::Invalid(
+                "this rank was killed (fault injection)".into(),
+            )));
+        }
         let gate = lock(&self.connecting).entry(dst).or_default().clone();
         let _g = timeout_at(deadline, gate.lock())
             .await
@@ -414,7 +376,7 @@ impl Shared {
         if let Some(c) = self.pick_conn(dst, pick) {
             return Ok(c);
         }
-        if let Some(reason) = lock(&self.router).gone.get(&dst) {
+        if let Some(reason) = lock(&self.router).gone(dst) {
             return Err(Fail::Gone {
                 rank: dst,
                 reason: reason.clone(),
@@ -511,6 +473,9 @@ impl Shared {
 
     /// Adds an established connection with `peer` and starts its reader.
     fn register(self: &Arc<Self>, peer: usize, stream: TcpStream) {
+        if self.is_dead() {
+            return;
+        }
         let (rd, wr) = stream.into_split();
         let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
         let conn = Arc::new(Conn {
@@ -522,32 +487,50 @@ impl Shared {
         self.tell_aborts_to(peer, None);
     }
 
-    /// Marks `peer` gone and fails everything waiting on it.
-    pub fn mark_gone(&self, peer: usize, reason: &str) {
-        let mut r = lock(&self.router);
-        if r.gone.contains_key(&peer) {
+    fn is_dead(&self) -> bool {
+        self.faults.dead.load(Ordering::Relaxed)
+    }
+
+    /// Test fault: this rank dies as a SIGKILLed process does. Its listener
+    /// and connections close with no goodbye and no abort (peers see EOF or a
+    /// reset), nothing is written to the store, and its own operations fail.
+    pub fn kill(self: &Arc<Self>) {
+        if self.faults.dead.swap(true, Ordering::Relaxed) {
             return;
         }
-        r.gone.insert(peer, reason.to_owned());
-        let keys: Vec<Key> = r
-            .slots
-            .iter()
-            .filter(|(k, s)| k.src as usize == peer && matches!(s, Slot::Waiting(_)))
-            .map(|(k, _)| *k)
-            .collect();
-        for k in keys {
-            if let Some(Slot::Waiting(tx)) = r.slots.remove(&k) {
-                let _ = tx.send(Err(Fail::Gone {
-                    rank: peer,
-                    reason: reason.to_owned(),
-                }));
-            }
+        self.cancel.cancel();
+        lock(&self.peers).clear();
+        let comms: Vec<u64> = lock(&self.members).keys().copied().collect();
+        for comm in comms {
+            let err = Error::Aborted {
+                group: self.cfg.name.clone(),
+                reason: "this rank was killed (fault injection)".into(),
+                by: None,
+            };
+            self.abort(comm, err, false, None, 0);
         }
+    }
+
+    /// Test fault: [`Shared::kill`] when about to send the `n`-th data frame
+    /// from now (0: the next).
+    pub fn kill_at_frame(&self, n: u64) {
+        let now = self.faults.frames.load(Ordering::Relaxed);
+        self.faults.kill_at.store(now + n, Ordering::Relaxed);
+    }
+
+    pub fn killed(&self) -> bool {
+        self.is_dead()
+    }
+
+    /// Marks `peer` gone and fails everything waiting on it.
+    pub fn mark_gone(&self, peer: usize, reason: &str) {
+        lock(&self.router).mark_gone(peer, reason);
     }
 
     /// Aborts group `comm` with `err` (the first abort wins): fails its
     /// waiters and wakes its sends, drops its mailbox, and tells the members
-    /// this rank has a connection with (but not `from`, which sent it).
+    /// this rank has a connection with (but not `sender`, which sent it).
+    /// `from_seq`: the first collective it fails (see [`Router::abort`]).
     ///
     /// `origin`: this rank is where the failure happened (not passing on
     /// another's abort). The origin first records the reason in the store
@@ -568,26 +551,20 @@ impl Shared {
         comm: u64,
         err: Error,
         origin: bool,
-        from: Option<usize>,
+        sender: Option<usize>,
+        from_seq: u64,
     ) -> Option<tokio::task::JoinHandle<()>> {
         {
             let mut r = lock(&self.router);
-            if r.aborted.contains_key(&comm) {
+            if !r.abort(comm, err, from_seq) {
                 return None;
             }
-            r.aborted.insert(comm, err.clone());
-            let keys: Vec<Key> = r.slots.keys().filter(|k| k.comm == comm).copied().collect();
-            for k in keys {
-                if let Some(Slot::Waiting(tx)) = r.slots.remove(&k) {
-                    let _ = tx.send(Err(Fail::Aborted(err.clone())));
-                }
+            if let Some(f) = sender {
+                r.note_told(comm, f);
             }
-            r.checks.retain(|(c, _), _| *c != comm);
-            r.ended.retain(|(c, _), _| *c != comm);
-            r.abort_signal(comm).cancel();
-            if let Some(f) = from {
-                r.told.insert((comm, f));
-            }
+        }
+        if self.is_dead() {
+            return None;
         }
         let members = self.members(comm)?;
         let me = self.clone();
@@ -612,29 +589,33 @@ impl Shared {
 
     /// The text an abort frame of `comm` carries: the reason alone, which the
     /// receiver wraps in its own [`Error::Aborted`].
-    fn abort_reason(&self, comm: u64) -> Option<(String, bool)> {
-        let err = lock(&self.router).aborted.get(&comm)?.clone();
+    fn abort_reason(&self, comm: u64) -> Option<(String, bool, u64)> {
+        let (err, from) = {
+            let r = lock(&self.router);
+            (r.aborted(comm)?.clone(), r.aborted_from(comm)?)
+        };
         let members = self.members(comm)?;
         let own = matches!(&err, Error::Aborted { by: Some(r), .. } if *r == members.group_rank(self.cfg.rank));
         let reason = match err {
             Error::Aborted { reason, .. } => reason.to_string(),
             e => e.to_string(),
         };
-        Some((reason, own))
+        Some((reason, own, from))
     }
 
     /// Writes the abort of `comm` to `peer`, once.
     async fn tell_abort(self: &Arc<Self>, comm: u64, peer: usize) {
-        if !lock(&self.router).told.insert((comm, peer)) {
+        if self.is_dead() || !lock(&self.router).note_told(comm, peer) {
             return;
         }
-        let Some((reason, own)) = self.abort_reason(comm) else {
+        let Some((reason, own, from)) = self.abort_reason(comm) else {
             return;
         };
         let h = Header::Abort {
             comm,
             len: reason.len().min(crate::frame::MAX_REASON as usize) as u64,
             own,
+            from,
         };
         let bytes = &reason.as_bytes()[..h.payload_len() as usize];
         let deadline = Instant::now() + ABORT_DEADLINE;
@@ -646,10 +627,9 @@ impl Shared {
     fn tell_aborts_to(self: &Arc<Self>, peer: usize, only: Option<u64>) {
         let comms: Vec<u64> = {
             let r = lock(&self.router);
-            r.aborted
-                .keys()
-                .copied()
-                .filter(|c| only.is_none_or(|o| o == *c) && !r.told.contains(&(*c, peer)))
+            r.aborted_groups()
+                .into_iter()
+                .filter(|&c| only.is_none_or(|o| o == c) && !r.was_told(c, peer))
                 .collect()
         };
         for comm in comms {
@@ -670,7 +650,7 @@ impl Shared {
     /// within [`ABORT_DEADLINE`]. Returns whether this rank must tell every
     /// member: its record is the first, or the store could not say.
     async fn record_abort(&self, comm: u64, members: &Members) -> bool {
-        let Some((reason, _)) = self.abort_reason(comm) else {
+        let Some((reason, ..)) = self.abort_reason(comm) else {
             return false;
         };
         let text = format!(
@@ -730,70 +710,43 @@ impl Shared {
             seq,
             step,
         };
-        let mut mismatch = None;
-        {
-            let mut r = lock(&self.router);
-            if r.aborted.contains_key(&comm) {
-                // The sender does not know yet: tell it (once).
-                drop(r);
-                self.tell_aborts_to(src, Some(comm));
-                return Ok(());
-            }
-            if !p2p {
-                if let Some(&l) = r.ended.get(&(comm, seq)) {
-                    // Late for an op that ended here: compare, then drop it
-                    // (nobody will ever wait for it).
-                    if l == desc {
-                        return Ok(());
-                    }
-                    mismatch = Some((None, l));
-                }
-            }
-            if !p2p && mismatch.is_none() {
-                let c = r.checks.entry((comm, seq)).or_default();
-                match (c.local, c.remote) {
-                    (Some(l), _) if l != desc => mismatch = Some((None, l)),
-                    (None, Some((other, d))) if d != desc => mismatch = Some((Some(other), d)),
-                    (None, None) => c.remote = Some((src as u32, desc)),
-                    _ => {}
-                }
-            }
-            if mismatch.is_none() {
-                match r.slots.remove(&key) {
-                    Some(Slot::Waiting(tx)) => {
-                        let _ = tx.send(Ok(Frame { desc, buf }));
-                    }
-                    Some(Slot::Ready(old)) => {
-                        r.slots.insert(key, Slot::Ready(old));
-                        return Err(format!("sent a second frame for {key:?}"));
-                    }
-                    None => {
-                        r.slots.insert(key, Slot::Ready(Frame { desc, buf }));
-                    }
-                }
-            }
-        }
-        if let Some((other, theirs)) = mismatch {
-            let m = self.members(comm);
-            let name = m
-                .as_ref()
-                .map_or_else(|| self.cfg.name.clone(), |m| m.name.clone());
-            let grank = |w: usize| m.as_ref().map_or(w, |m| m.group_rank(w));
-            let (rank_a, desc_a) = match other {
-                None => (grank(self.cfg.rank), theirs),
-                Some(o) => (grank(o as usize), theirs),
-            };
-            let err = Error::Mismatch {
-                group: name,
-                seq,
-                rank_a,
-                desc_a: desc_a.to_string(),
-                rank_b: grank(src),
-                desc_b: desc.to_string(),
-            };
-            self.abort(comm, err, true, None);
+        let d = lock(&self.router).deliver(key, desc, buf);
+        self.act(src, d)
+    }
+
+    /// A peer waits for our part of collective `seq`.
+    fn want(self: &Arc<Self>, src: usize, comm: u64, seq: u64, desc: Desc) -> Result<(), String> {
+        let d = lock(&self.router).want(comm, seq, src as u32, desc);
+        self.act(src, d)
+    }
+
+    fn act(self: &Arc<Self>, src: usize, d: Delivery) -> Result<(), String> {
+        match d {
+            Delivery::Taken => {}
+            // The sender does not know yet: tell it (once).
+            Delivery::TellAbort => self.tell_aborts_to(src, None),
+            Delivery::Clash(c) => self.raise(c),
+            Delivery::Duplicate(why) => return Err(why),
         }
         Ok(())
+    }
+
+    /// Aborts the group of a mismatch, naming both sides, from its op on.
+    fn raise(self: &Arc<Self>, c: Clash) {
+        let m = self.members(c.comm);
+        let name = m
+            .as_ref()
+            .map_or_else(|| self.cfg.name.clone(), |m| m.name.clone());
+        let grank = |w: usize| m.as_ref().map_or(w, |m| m.group_rank(w));
+        let err = Error::Mismatch {
+            group: name,
+            seq: c.seq,
+            rank_a: grank(c.a.0.map_or(self.cfg.rank, |r| r as usize)),
+            desc_a: c.a.1.to_string(),
+            rank_b: grank(c.b.0 as usize),
+            desc_b: c.b.1.to_string(),
+        };
+        self.abort(c.comm, err, true, None, c.seq);
     }
 
     /// Removes a closed connection; returns whether it was the peer's last.
@@ -943,7 +896,16 @@ async fn read_frames(shared: &Arc<Shared>, peer: usize, rd: &mut BufReader<Owned
             return End::Io(e);
         }
         match h {
-            Header::Abort { comm, own, .. } => {
+            Header::Want {
+                comm, seq, desc, ..
+            } => {
+                if let Err(why) = shared.want(peer, comm, seq, desc) {
+                    return End::Bad(why);
+                }
+            }
+            Header::Abort {
+                comm, own, from, ..
+            } => {
                 let why = String::from_utf8_lossy(buf.bytes()).into_owned();
                 let group = shared
                     .members(comm)
@@ -954,7 +916,7 @@ async fn read_frames(shared: &Arc<Shared>, peer: usize, rd: &mut BufReader<Owned
                     reason: format!("rank {grank} aborted it: {why}").into(),
                     by: own.then_some(grank),
                 };
-                shared.abort(comm, err, false, Some(peer));
+                shared.abort(comm, err, false, Some(peer), from);
             }
             Header::Data { .. } => {
                 if let Err(why) = shared.deliver(peer, h, buf) {

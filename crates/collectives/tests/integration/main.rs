@@ -7,3 +7,5 @@ mod harness;
 mod ops;
 mod props;
 mod scale;
+#[cfg(feature = "faults")]
+mod sim;

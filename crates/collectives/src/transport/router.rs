@@ -1,0 +1,510 @@
+//! Frame matching: which operation a frame is for, whether it matches that
+//! operation, and what fails when a peer goes or a group aborts.
+//!
+//! The router is synchronous and does no I/O: the transport holds it under
+//! one lock, so that a waiter can never miss the event that would fail it, and
+//! acts on what it returns (tell a peer of an abort, raise a mismatch).
+//!
+//! Frames are addressed by [`Key`]. A collective's frames are compared with
+//! the local call of the same sequence number: while it runs, after it ended
+//! (the last [`ENDED_KEPT`] per group: a broadcast root that only sends ends
+//! before its frames arrive), or, before it starts, with what the first peer
+//! sent (compared when it starts). A [`Want`](crate::frame::Header::Want) from
+//! a peer that waits for us is compared the same way.
+//!
+//! An abort fails the group's operations from sequence number `from` on (a
+//! mismatch at op #7 leaves op #6, whose frames were all sent, to finish),
+//! and every point-to-point message.
+
+use std::collections::{HashMap, HashSet};
+
+use tokio::sync::oneshot;
+use tokio_util::sync::CancellationToken;
+
+use crate::element::Buf;
+use crate::error::Error;
+use crate::frame::Desc;
+
+/// A frame's address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct Key {
+    pub comm: u64,
+    /// World rank of the sender.
+    pub src: u32,
+    /// Point-to-point messages have their own sequence numbers per (peer, tag).
+    pub p2p: bool,
+    pub tag: u32,
+    pub seq: u64,
+    pub step: u32,
+}
+
+impl Key {
+    /// The collective sequence number an abort compares with (none for
+    /// point-to-point, which every abort fails).
+    fn collective_seq(&self) -> Option<u64> {
+        (!self.p2p).then_some(self.seq)
+    }
+}
+
+/// A received data frame.
+pub(crate) struct Frame {
+    pub desc: Desc,
+    pub buf: Buf,
+}
+
+/// Why a transport operation failed, before the op adds its names.
+pub(crate) enum Fail {
+    /// The peer (world rank) is gone.
+    Gone { rank: usize, reason: String },
+    /// The group was aborted; the error to return.
+    Aborted(Error),
+    /// The peer refused the handshake or broke the protocol.
+    Refused { rank: usize, reason: String },
+    /// The deadline passed.
+    Timeout,
+}
+
+enum Slot {
+    Ready(Frame),
+    Waiting(oneshot::Sender<Result<Frame, Fail>>),
+}
+
+/// What one rank saw first in a collective it has not started yet.
+#[derive(Default)]
+struct Check {
+    local: Option<Desc>,
+    remote: Option<(u32, Desc)>,
+}
+
+/// How many ended collectives per group keep their descriptor for late frames.
+pub(crate) const ENDED_KEPT: u64 = 1024;
+
+/// Two calls of one collective that differ. `a`'s rank is `None` for this rank.
+#[derive(Debug, PartialEq)]
+pub(crate) struct Clash {
+    pub comm: u64,
+    pub seq: u64,
+    pub a: (Option<u32>, Desc),
+    pub b: (u32, Desc),
+}
+
+/// What became of a frame handed to the router.
+#[derive(Debug, PartialEq)]
+pub(crate) enum Delivery {
+    /// Handed to its waiter or filed (or, for a want, nothing to do).
+    Taken,
+    /// For an operation the group's abort fails: dropped; tell the sender.
+    TellAbort,
+    /// It does not match the call it is for.
+    Clash(Clash),
+    /// A second frame for one key: the sender broke the protocol.
+    Duplicate(String),
+}
+
+/// How a receive starts.
+pub(crate) enum Start {
+    Ready(Frame),
+    Failed(Fail),
+    Wait(oneshot::Receiver<Result<Frame, Fail>>),
+}
+
+struct Aborted {
+    err: Error,
+    /// The first collective sequence number the abort fails.
+    from: u64,
+}
+
+/// Frames, waiters, dead peers and aborted groups.
+#[derive(Default)]
+pub(crate) struct Router {
+    slots: HashMap<Key, Slot>,
+    checks: HashMap<(u64, u64), Check>,
+    ended: HashMap<(u64, u64), Desc>,
+    gone: HashMap<usize, String>,
+    aborted: HashMap<u64, Aborted>,
+    /// Cancelled when its group aborts: wakes sends blocked on a full socket.
+    abort_signals: HashMap<u64, CancellationToken>,
+    /// (group, peer) pairs where the peer has the abort: it sent it to us, or
+    /// we have written it to the peer.
+    told: HashSet<(u64, usize)>,
+}
+
+impl Router {
+    /// The group's abort, whatever it fails.
+    pub fn aborted(&self, comm: u64) -> Option<&Error> {
+        self.aborted.get(&comm).map(|a| &a.err)
+    }
+
+    /// The first collective the group's abort fails (0: all).
+    pub fn aborted_from(&self, comm: u64) -> Option<u64> {
+        self.aborted.get(&comm).map(|a| a.from)
+    }
+
+    /// The abort that fails collective `seq` (`None`: a point-to-point message).
+    pub fn aborted_for(&self, comm: u64, seq: Option<u64>) -> Option<Error> {
+        let a = self.aborted.get(&comm)?;
+        seq.is_none_or(|s| s >= a.from).then(|| a.err.clone())
+    }
+
+    pub fn abort_signal(&mut self, comm: u64) -> CancellationToken {
+        self.abort_signals.entry(comm).or_default().clone()
+    }
+
+    /// Notes that `peer` has group `comm`'s abort; false if it was known.
+    pub fn note_told(&mut self, comm: u64, peer: usize) -> bool {
+        self.told.insert((comm, peer))
+    }
+
+    pub fn was_told(&self, comm: u64, peer: usize) -> bool {
+        self.told.contains(&(comm, peer))
+    }
+
+    /// Groups aborted here.
+    pub fn aborted_groups(&self) -> Vec<u64> {
+        self.aborted.keys().copied().collect()
+    }
+
+    pub fn gone(&self, peer: usize) -> Option<&String> {
+        self.gone.get(&peer)
+    }
+
+    /// Records the local call of collective `seq`; a mismatch with what a peer
+    /// already sent is returned as (peer world rank, its descriptor).
+    pub fn begin_seq(&mut self, comm: u64, seq: u64, desc: Desc) -> Result<(), (u32, Desc)> {
+        let c = self.checks.entry((comm, seq)).or_default();
+        c.local = Some(desc);
+        match c.remote {
+            Some((src, d)) if d != desc => Err((src, d)),
+            _ => Ok(()),
+        }
+    }
+
+    pub fn end_seq(&mut self, comm: u64, seq: u64) {
+        if let Some(local) = self.checks.remove(&(comm, seq)).and_then(|c| c.local) {
+            self.ended.insert((comm, seq), local);
+        }
+        if let Some(old) = seq.checked_sub(ENDED_KEPT) {
+            self.ended.remove(&(comm, old));
+        }
+    }
+
+    /// Starts waiting for the frame at `key`.
+    pub fn start_recv(&mut self, key: Key) -> Start {
+        if let Some(e) = self.aborted_for(key.comm, key.collective_seq()) {
+            return Start::Failed(Fail::Aborted(e));
+        }
+        match self.slots.remove(&key) {
+            Some(Slot::Ready(f)) => return Start::Ready(f),
+            Some(Slot::Waiting(_)) => unreachable!("two operations wait for one frame key"),
+            None => {}
+        }
+        let src = key.src as usize;
+        if let Some(reason) = self.gone.get(&src) {
+            return Start::Failed(Fail::Gone {
+                rank: src,
+                reason: reason.clone(),
+            });
+        }
+        let (tx, rx) = oneshot::channel();
+        self.slots.insert(key, Slot::Waiting(tx));
+        Start::Wait(rx)
+    }
+
+    /// Stops waiting for `key` (the deadline passed).
+    pub fn cancel_recv(&mut self, key: Key) {
+        if matches!(self.slots.get(&key), Some(Slot::Waiting(_))) {
+            self.slots.remove(&key);
+        }
+    }
+
+    /// Compares `desc`, from world rank `src`, with the local call of
+    /// collective `seq`, or keeps it to compare when that call starts.
+    fn compare(&mut self, comm: u64, seq: u64, src: u32, desc: Desc) -> Option<Clash> {
+        if let Some(&l) = self.ended.get(&(comm, seq)) {
+            return (l != desc).then_some(Clash {
+                comm,
+                seq,
+                a: (None, l),
+                b: (src, desc),
+            });
+        }
+        let c = self.checks.entry((comm, seq)).or_default();
+        match (c.local, c.remote) {
+            (Some(l), _) if l != desc => Some(Clash {
+                comm,
+                seq,
+                a: (None, l),
+                b: (src, desc),
+            }),
+            (None, Some((other, d))) if d != desc => Some(Clash {
+                comm,
+                seq,
+                a: (Some(other), d),
+                b: (src, desc),
+            }),
+            (None, None) => {
+                c.remote = Some((src, desc));
+                None
+            }
+            _ => None,
+        }
+    }
+
+    /// Hands a data frame from `src` to its waiter or files it.
+    pub fn deliver(&mut self, key: Key, desc: Desc, buf: Buf) -> Delivery {
+        if self.aborted_for(key.comm, key.collective_seq()).is_some() {
+            return Delivery::TellAbort;
+        }
+        if !key.p2p {
+            if self.ended.contains_key(&(key.comm, key.seq)) {
+                // Late for an op that ended here: compare, then drop it
+                // (nobody will ever wait for it).
+                return match self.compare(key.comm, key.seq, key.src, desc) {
+                    Some(c) => Delivery::Clash(c),
+                    None => Delivery::Taken,
+                };
+            }
+            if let Some(c) = self.compare(key.comm, key.seq, key.src, desc) {
+                return Delivery::Clash(c);
+            }
+        }
+        match self.slots.remove(&key) {
+            Some(Slot::Waiting(tx)) => {
+                let _ = tx.send(Ok(Frame { desc, buf }));
+            }
+            Some(Slot::Ready(old)) => {
+                self.slots.insert(key, Slot::Ready(old));
+                return Delivery::Duplicate(format!("sent a second frame for {key:?}"));
+            }
+            None => {
+                self.slots.insert(key, Slot::Ready(Frame { desc, buf }));
+            }
+        }
+        Delivery::Taken
+    }
+
+    /// A peer waits for our part of collective `seq`, which it called as `desc`.
+    pub fn want(&mut self, comm: u64, seq: u64, src: u32, desc: Desc) -> Delivery {
+        if self.aborted_for(comm, Some(seq)).is_some() {
+            return Delivery::TellAbort;
+        }
+        match self.compare(comm, seq, src, desc) {
+            Some(c) => Delivery::Clash(c),
+            None => Delivery::Taken,
+        }
+    }
+
+    /// Marks `peer` gone and fails everything waiting on it; false if it was.
+    pub fn mark_gone(&mut self, peer: usize, reason: &str) -> bool {
+        if self.gone.contains_key(&peer) {
+            return false;
+        }
+        self.gone.insert(peer, reason.to_owned());
+        let keys: Vec<Key> = self
+            .slots
+            .iter()
+            .filter(|(k, s)| k.src as usize == peer && matches!(s, Slot::Waiting(_)))
+            .map(|(k, _)| *k)
+            .collect();
+        for k in keys {
+            if let Some(Slot::Waiting(tx)) = self.slots.remove(&k) {
+                let _ = tx.send(Err(Fail::Gone {
+                    rank: peer,
+                    reason: reason.to_owned(),
+                }));
+            }
+        }
+        true
+    }
+
+    /// Aborts group `comm` from collective `from` on. The first abort wins,
+    /// except that one failing earlier collectives replaces it (a mismatch
+    /// found at op #6 after one at op #7). Returns whether anything changed;
+    /// then whoever had the abort must be told again.
+    pub fn abort(&mut self, comm: u64, err: Error, from: u64) -> bool {
+        if self.aborted.get(&comm).is_some_and(|a| a.from <= from) {
+            return false;
+        }
+        self.aborted.insert(
+            comm,
+            Aborted {
+                err: err.clone(),
+                from,
+            },
+        );
+        self.told.retain(|(c, _)| *c != comm);
+        let fails = |k: &Key| k.comm == comm && k.collective_seq().is_none_or(|s| s >= from);
+        let keys: Vec<Key> = self.slots.keys().filter(|k| fails(k)).copied().collect();
+        for k in keys {
+            if let Some(Slot::Waiting(tx)) = self.slots.remove(&k) {
+                let _ = tx.send(Err(Fail::Aborted(err.clone())));
+            }
+        }
+        self.checks.retain(|(c, s), _| *c != comm || *s < from);
+        self.ended.retain(|(c, s), _| *c != comm || *s < from);
+        self.abort_signal(comm).cancel();
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::element::{DType, Pool, ReduceOp};
+    use crate::frame::{Algo, OpKind};
+
+    fn desc(count: u64) -> Desc {
+        Desc {
+            op: OpKind::AllReduce,
+            dtype: DType::F32,
+            reduce: Some(ReduceOp::Sum),
+            algo: Algo::Ring,
+            root: 0,
+            count,
+        }
+    }
+
+    fn key(src: u32, seq: u64) -> Key {
+        Key {
+            comm: 1,
+            src,
+            p2p: false,
+            tag: 0,
+            seq,
+            step: 0,
+        }
+    }
+
+    fn buf() -> Buf {
+        Pool::new(64).get(0)
+    }
+
+    fn aborted(why: &str) -> Error {
+        Error::Aborted {
+            group: "g".into(),
+            reason: why.into(),
+            by: None,
+        }
+    }
+
+    fn waiting(r: &mut Router, k: Key) -> oneshot::Receiver<Result<Frame, Fail>> {
+        match r.start_recv(k) {
+            Start::Wait(rx) => rx,
+            _ => panic!("expected to wait"),
+        }
+    }
+
+    #[test]
+    fn a_frame_meets_its_waiter_in_either_order() {
+        let mut r = Router::default();
+        r.begin_seq(1, 0, desc(4)).unwrap();
+        assert_eq!(r.deliver(key(2, 0), desc(4), buf()), Delivery::Taken);
+        assert!(matches!(r.start_recv(key(2, 0)), Start::Ready(_)));
+        let mut rx = waiting(&mut r, key(3, 0));
+        assert_eq!(r.deliver(key(3, 0), desc(4), buf()), Delivery::Taken);
+        assert!(matches!(rx.try_recv(), Ok(Ok(_))));
+        assert!(matches!(
+            r.deliver(key(2, 0), desc(4), buf()),
+            Delivery::Taken
+        ));
+        assert!(matches!(
+            r.deliver(key(2, 0), desc(4), buf()),
+            Delivery::Duplicate(_)
+        ));
+    }
+
+    #[test]
+    fn frames_are_compared_before_during_and_after_the_call() {
+        // Before: the first peer's call is kept and compared at the start.
+        let mut r = Router::default();
+        assert_eq!(r.deliver(key(2, 0), desc(5), buf()), Delivery::Taken);
+        assert_eq!(r.begin_seq(1, 0, desc(4)), Err((2, desc(5))));
+        // Before, two peers that differ from each other.
+        let mut r = Router::default();
+        r.deliver(key(2, 0), desc(5), buf());
+        assert_eq!(
+            r.deliver(key(3, 0), desc(6), buf()),
+            Delivery::Clash(Clash {
+                comm: 1,
+                seq: 0,
+                a: (Some(2), desc(5)),
+                b: (3, desc(6))
+            })
+        );
+        // During.
+        let mut r = Router::default();
+        r.begin_seq(1, 0, desc(4)).unwrap();
+        assert!(matches!(
+            r.deliver(key(2, 0), desc(5), buf()),
+            Delivery::Clash(Clash { a: (None, _), .. })
+        ));
+        // After the call ended here (a root that only sends).
+        let mut r = Router::default();
+        r.begin_seq(1, 0, desc(4)).unwrap();
+        r.end_seq(1, 0);
+        assert!(matches!(
+            r.deliver(key(2, 0), desc(5), buf()),
+            Delivery::Clash(_)
+        ));
+        assert_eq!(r.deliver(key(3, 0), desc(4), buf()), Delivery::Taken);
+        // A want is compared the same way.
+        assert!(matches!(r.want(1, 0, 2, desc(9)), Delivery::Clash(_)));
+        assert_eq!(r.want(1, 0, 2, desc(4)), Delivery::Taken);
+        let mut r = Router::default();
+        assert_eq!(r.want(1, 3, 2, desc(9)), Delivery::Taken);
+        assert_eq!(r.begin_seq(1, 3, desc(4)), Err((2, desc(9))));
+    }
+
+    #[test]
+    fn an_abort_from_a_later_op_lets_earlier_ones_finish() {
+        let mut r = Router::default();
+        let mut six = waiting(&mut r, key(2, 6));
+        let mut seven = waiting(&mut r, key(2, 7));
+        let mut p2p = waiting(
+            &mut r,
+            Key {
+                p2p: true,
+                ..key(2, 0)
+            },
+        );
+        r.deliver(key(3, 6), desc(4), buf());
+        assert!(r.abort(1, aborted("mismatch at 7"), 7));
+        assert!(matches!(seven.try_recv(), Ok(Err(Fail::Aborted(_)))));
+        assert!(matches!(p2p.try_recv(), Ok(Err(Fail::Aborted(_)))));
+        assert!(six.try_recv().is_err(), "op 6 still waits");
+        assert_eq!(r.deliver(key(2, 6), desc(4), buf()), Delivery::Taken);
+        assert!(matches!(six.try_recv(), Ok(Ok(_))));
+        assert!(matches!(r.start_recv(key(3, 6)), Start::Ready(_)));
+        assert_eq!(r.deliver(key(2, 7), desc(4), buf()), Delivery::TellAbort);
+        assert!(r.aborted_for(1, Some(6)).is_none());
+        assert!(r.aborted_for(1, Some(7)).is_some());
+        assert!(r.aborted_for(1, None).is_some());
+        // A later abort changes nothing; an earlier one replaces it.
+        assert!(!r.abort(1, aborted("later"), 9));
+        let mut six = waiting(&mut r, key(4, 6));
+        assert!(r.abort(1, aborted("mismatch at 5"), 5));
+        assert!(matches!(six.try_recv(), Ok(Err(Fail::Aborted(_)))));
+        assert!(r.aborted(1).unwrap().to_string().contains("at 5"));
+    }
+
+    #[test]
+    fn a_gone_peer_fails_only_what_waits_on_it() {
+        let mut r = Router::default();
+        let mut from2 = waiting(&mut r, key(2, 0));
+        let mut from3 = waiting(&mut r, key(3, 0));
+        r.deliver(key(2, 1), desc(4), buf());
+        assert!(r.mark_gone(2, "EOF"));
+        assert!(!r.mark_gone(2, "again"));
+        assert!(matches!(
+            from2.try_recv(),
+            Ok(Err(Fail::Gone { rank: 2, .. }))
+        ));
+        assert!(from3.try_recv().is_err());
+        // What it sent before it went is still there.
+        assert!(matches!(r.start_recv(key(2, 1)), Start::Ready(_)));
+        assert!(matches!(
+            r.start_recv(key(2, 2)),
+            Start::Failed(Fail::Gone { .. })
+        ));
+    }
+}

@@ -1,0 +1,646 @@
+//! Seeded fault schedules over the real group (feature `faults`).
+//!
+//! Each seed makes one scenario: 2–5 ranks in this process over loopback TCP,
+//! a random program of collectives (kind, type, size, root, reduce operator
+//! and algorithm), and at most one fault:
+//!
+//! - a **mismatch**: one rank calls something else at one op (another kind,
+//!   size, type, root or operator);
+//! - a **kill**: one rank dies as a SIGKILLed process does when it is about to
+//!   send its `k`-th frame, or right after set-up (dead before its first op).
+//!
+//! Every rank runs the program until its first error and then drops its group
+//! (its process exits), so bystanders that exit on being told are part of
+//! every schedule. The seed fixes the program and the fault; the interleaving
+//! is the kernel's, so a seed replays the same scenario, not the same order.
+//!
+//! Invariants, checked on every scenario:
+//!
+//! 1. No op waits past its deadline, and no error is a timeout: deaths and
+//!    mismatches are noticed, not waited out.
+//! 2. Without a fault every op succeeds; every op that succeeds, with or
+//!    without one, has the right result (up to a mismatch).
+//! 3. A mismatch fails every rank, with the mismatch as the cause (both sides
+//!    named; or, where the only rank that could compare had finished its
+//!    program and exited, that rank named as gone), never before the
+//!    mismatched op, in it or, at the latest, at the rank's first op
+//!    from there that depends on every rank (barrier, all_reduce, all_gather,
+//!    reduce_scatter, all_to_all, and gather or reduce at their root). An op
+//!    that depends on some ranks only, such as a broadcast at its root, may
+//!    succeed before the news arrives; see the README.
+//! 4. A dead rank is named by every survivor that fails, and every survivor
+//!    fails at the latest at its first op that depends on every rank after
+//!    the one the victim died in; no error ever names a live rank as gone.
+//!
+//! `RALLY_SIM_SEEDS=n` runs n seeds (default 300 in CI);
+//! `RALLY_SIM_SEED=s cargo nextest run -p rallypoint-collectives --all-features
+//! sim::replay --no-capture` replays one.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+use fastrand::Rng;
+use rallypoint_collectives::{
+    AllReduceAlgorithm, BroadcastAlgorithm, Element, Error, Options, ProcessGroup, ReduceOp,
+};
+
+use crate::harness::{data, group, opts};
+
+/// The op timeout: far above anything a scenario needs, so a timeout means a
+/// hang (invariant 1).
+const TIMEOUT: Duration = Duration::from_secs(20);
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Kind {
+    Barrier,
+    AllReduce(ReduceOp, Option<AllReduceAlgorithm>),
+    Broadcast(usize, Option<BroadcastAlgorithm>),
+    Reduce(usize, ReduceOp),
+    AllGather,
+    Gather(usize),
+    Scatter(usize),
+    ReduceScatter(ReduceOp),
+    AllToAll,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Ty {
+    I32,
+    F32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Op {
+    kind: Kind,
+    ty: Ty,
+    /// Elements per rank (per chunk for the chunked ops).
+    count: usize,
+}
+
+impl Op {
+    fn without_algorithm(mut self) -> Op {
+        self.kind = match self.kind {
+            Kind::AllReduce(o, _) => Kind::AllReduce(o, None),
+            Kind::Broadcast(r, _) => Kind::Broadcast(r, None),
+            k => k,
+        };
+        self
+    }
+
+    /// Whether this rank's result depends on every rank (so the op cannot
+    /// complete here while any rank is aborted or dead).
+    fn depends_on_all(&self, rank: usize) -> bool {
+        match self.kind {
+            Kind::Barrier
+            | Kind::AllReduce(..)
+            | Kind::AllGather
+            | Kind::ReduceScatter(_)
+            | Kind::AllToAll => true,
+            Kind::Reduce(root, _) | Kind::Gather(root) => root == rank,
+            Kind::Broadcast(..) | Kind::Scatter(_) => false,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Fault {
+    None,
+    /// Rank `rank` calls `op` instead at index `at`.
+    Mismatch {
+        at: usize,
+        rank: usize,
+        op: Op,
+    },
+    /// Rank `rank` dies when about to send its `frame`-th data frame
+    /// (`None`: right after set-up).
+    Kill {
+        rank: usize,
+        frame: Option<u64>,
+    },
+}
+
+#[derive(Debug)]
+struct Scenario {
+    n: usize,
+    program: Vec<Op>,
+    fault: Fault,
+}
+
+fn reduce_op(rng: &mut Rng) -> ReduceOp {
+    [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min][rng.usize(..3)]
+}
+
+fn random_op(rng: &mut Rng, n: usize) -> Op {
+    let kind = match rng.usize(..9) {
+        0 => Kind::Barrier,
+        1 => Kind::AllReduce(
+            reduce_op(rng),
+            [
+                None,
+                Some(AllReduceAlgorithm::Ring),
+                Some(AllReduceAlgorithm::RecursiveDoubling),
+                Some(AllReduceAlgorithm::Tree),
+            ][rng.usize(..4)],
+        ),
+        2 => Kind::Broadcast(
+            rng.usize(..n),
+            [
+                None,
+                Some(BroadcastAlgorithm::Tree),
+                Some(BroadcastAlgorithm::Chain),
+            ][rng.usize(..3)],
+        ),
+        3 => Kind::Reduce(rng.usize(..n), reduce_op(rng)),
+        4 => Kind::AllGather,
+        5 => Kind::Gather(rng.usize(..n)),
+        6 => Kind::Scatter(rng.usize(..n)),
+        7 => Kind::ReduceScatter(reduce_op(rng)),
+        _ => Kind::AllToAll,
+    };
+    // Mostly small; some cut into several segments (see `sim_opts`).
+    let count = if rng.bool() {
+        rng.usize(1..=16)
+    } else {
+        rng.usize(17..=700)
+    };
+    Op {
+        kind,
+        ty: if rng.bool() { Ty::I32 } else { Ty::F32 },
+        count,
+    }
+}
+
+/// The same op with one thing changed: kind, size, type, root or operator.
+fn mutate(rng: &mut Rng, op: Op, n: usize) -> Op {
+    loop {
+        let mut m = op;
+        match rng.usize(..5) {
+            0 => m.kind = random_op(rng, n).kind,
+            1 => m.count = op.count + rng.usize(1..=40),
+            2 => m.ty = if op.ty == Ty::I32 { Ty::F32 } else { Ty::I32 },
+            3 => {
+                let other = |r: usize, rng: &mut Rng| (r + rng.usize(1..n)) % n;
+                m.kind = match op.kind {
+                    Kind::Broadcast(r, a) => Kind::Broadcast(other(r, rng), a),
+                    Kind::Reduce(r, o) => Kind::Reduce(other(r, rng), o),
+                    Kind::Gather(r) => Kind::Gather(other(r, rng)),
+                    Kind::Scatter(r) => Kind::Scatter(other(r, rng)),
+                    k => k,
+                }
+            }
+            _ => {
+                let other = |o: ReduceOp, rng: &mut Rng| loop {
+                    let x = reduce_op(rng);
+                    if x != o {
+                        return x;
+                    }
+                };
+                m.kind = match op.kind {
+                    Kind::AllReduce(o, a) => Kind::AllReduce(other(o, rng), a),
+                    Kind::Reduce(r, o) => Kind::Reduce(r, other(o, rng)),
+                    Kind::ReduceScatter(o) => Kind::ReduceScatter(other(o, rng)),
+                    k => k,
+                }
+            }
+        }
+        // A barrier carries no size or type, and an algorithm may be the one
+        // the size chooses anyway: such changes change nothing.
+        let same_barrier = matches!(m.kind, Kind::Barrier) && matches!(op.kind, Kind::Barrier);
+        if m.without_algorithm() != op.without_algorithm() && !same_barrier {
+            return m;
+        }
+    }
+}
+
+fn scenario(seed: u64) -> Scenario {
+    let mut rng = Rng::with_seed(seed);
+    let n = rng.usize(2..=5);
+    let program: Vec<Op> = (0..rng.usize(1..=10))
+        .map(|_| random_op(&mut rng, n))
+        .collect();
+    let fault = match rng.usize(..10) {
+        0..=2 => Fault::None,
+        3..=6 => {
+            let at = rng.usize(..program.len());
+            Fault::Mismatch {
+                at,
+                rank: rng.usize(..n),
+                op: mutate(&mut rng, program[at], n),
+            }
+        }
+        _ => Fault::Kill {
+            rank: rng.usize(..n),
+            frame: (!rng.u8(..).is_multiple_of(8)).then(|| rng.u64(..60)),
+        },
+    };
+    Scenario { n, program, fault }
+}
+
+fn sim_opts() -> Options {
+    Options {
+        timeout: TIMEOUT,
+        // Small segments and thresholds, so small buffers take every path:
+        // segmented rings and chains, trees, recursive doubling.
+        segment_bytes: 512,
+        small_bytes: 256,
+        // Notice a peer that never connected soon (the default is 250 ms).
+        probe_after: Duration::from_millis(20),
+        ..opts()
+    }
+}
+
+/// One rank's result of one op: the buffer it returned (empty for a barrier
+/// or a non-root's gather), as i64 for comparison.
+type Out = Vec<i64>;
+
+fn to_i64<T: Element>(v: &[T]) -> Out {
+    // The test values are small integers, exact in every type.
+    v.iter()
+        .map(|x| format!("{x:?}").parse::<f64>().expect("a number") as i64)
+        .collect()
+}
+
+/// Runs `op` as rank `rank` of op index `i`.
+fn run<'a>(
+    pg: &'a ProcessGroup,
+    seed: u64,
+    i: usize,
+    op: Op,
+) -> Pin<Box<dyn Future<Output = Result<Out, Error>> + Send + 'a>> {
+    match op.ty {
+        Ty::I32 => Box::pin(run_typed::<i32>(pg, seed, i, op)),
+        Ty::F32 => Box::pin(run_typed::<f32>(pg, seed, i, op)),
+    }
+}
+
+/// Rank `rank`'s input to op `i`: `len` small values.
+fn input<T: Element>(seed: u64, i: usize, rank: usize, len: usize) -> Vec<T> {
+    data(seed ^ ((i as u64 + 1) << 32), rank, len)
+}
+
+async fn run_typed<T: Element>(
+    pg: &ProcessGroup,
+    seed: u64,
+    i: usize,
+    op: Op,
+) -> Result<Out, Error> {
+    let (n, r, c) = (pg.size(), pg.rank(), op.count);
+    match op.kind {
+        Kind::Barrier => pg.barrier().await.map(|()| Vec::new()),
+        Kind::AllReduce(o, a) => {
+            let pg = match a {
+                Some(a) => pg.with_all_reduce_algorithm(a),
+                None => pg.clone(),
+            };
+            let mut b = input::<T>(seed, i, r, c);
+            pg.all_reduce(&mut b, o).await.map(|()| to_i64(&b))
+        }
+        Kind::Broadcast(root, a) => {
+            let pg = match a {
+                Some(a) => pg.with_broadcast_algorithm(a),
+                None => pg.clone(),
+            };
+            let mut b = input::<T>(seed, i, r, c);
+            pg.broadcast(&mut b, root).await.map(|()| to_i64(&b))
+        }
+        Kind::Reduce(root, o) => {
+            let mut b = input::<T>(seed, i, r, c);
+            pg.reduce(&mut b, root, o)
+                .await
+                .map(|()| if r == root { to_i64(&b) } else { Vec::new() })
+        }
+        Kind::AllGather => {
+            let mut out = vec![T::from_i8(0); c * n];
+            pg.all_gather(&input::<T>(seed, i, r, c), &mut out)
+                .await
+                .map(|()| to_i64(&out))
+        }
+        Kind::Gather(root) => pg
+            .gather(&input::<T>(seed, i, r, c), root)
+            .await
+            .map(|g| g.map_or_else(Vec::new, |g| to_i64(&g))),
+        Kind::Scatter(root) => {
+            let all = input::<T>(seed, i, root, c * n);
+            let mut out = vec![T::from_i8(0); c];
+            pg.scatter((r == root).then_some(&all[..]), &mut out, root)
+                .await
+                .map(|()| to_i64(&out))
+        }
+        Kind::ReduceScatter(o) => {
+            let mut out = vec![T::from_i8(0); c];
+            pg.reduce_scatter(&input::<T>(seed, i, r, c * n), &mut out, o)
+                .await
+                .map(|()| to_i64(&out))
+        }
+        Kind::AllToAll => {
+            let mut out = vec![T::from_i8(0); c * n];
+            pg.all_to_all(&input::<T>(seed, i, r, c * n), &mut out)
+                .await
+                .map(|()| to_i64(&out))
+        }
+    }
+}
+
+/// What rank `r` must get from op `i` when every rank called `op`.
+fn expected(seed: u64, i: usize, op: Op, n: usize, r: usize) -> Out {
+    match op.ty {
+        Ty::I32 => expected_typed::<i32>(seed, i, op, n, r),
+        Ty::F32 => expected_typed::<f32>(seed, i, op, n, r),
+    }
+}
+
+fn expected_typed<T: Element>(seed: u64, i: usize, op: Op, n: usize, r: usize) -> Out {
+    let c = op.count;
+    let reduce_all = |o: ReduceOp, len: usize| {
+        let mut acc = input::<T>(seed, i, 0, len);
+        for q in 1..n {
+            T::reduce(o, &mut acc, &input::<T>(seed, i, q, len));
+        }
+        acc
+    };
+    match op.kind {
+        Kind::Barrier => Vec::new(),
+        Kind::AllReduce(o, _) => to_i64(&reduce_all(o, c)),
+        Kind::Broadcast(root, _) => to_i64(&input::<T>(seed, i, root, c)),
+        Kind::Reduce(root, o) if r == root => to_i64(&reduce_all(o, c)),
+        Kind::Reduce(..) => Vec::new(),
+        Kind::AllGather => (0..n)
+            .flat_map(|q| to_i64(&input::<T>(seed, i, q, c)))
+            .collect(),
+        Kind::Gather(root) if r == root => (0..n)
+            .flat_map(|q| to_i64(&input::<T>(seed, i, q, c)))
+            .collect(),
+        Kind::Gather(_) => Vec::new(),
+        Kind::Scatter(root) => to_i64(&input::<T>(seed, i, root, c * n)[r * c..(r + 1) * c]),
+        Kind::ReduceScatter(o) => to_i64(&reduce_all(o, c * n)[r * c..(r + 1) * c]),
+        Kind::AllToAll => (0..n)
+            .flat_map(|q| to_i64(&input::<T>(seed, i, q, c * n)[r * c..(r + 1) * c]))
+            .collect(),
+    }
+}
+
+/// A rank's run: the results of the ops it finished, then its error if any.
+struct Run {
+    done: Vec<Out>,
+    error: Option<Error>,
+    killed: bool,
+}
+
+async fn play(seed: u64, s: &Scenario) -> Vec<Run> {
+    let pgs = group(s.n, sim_opts()).await;
+    if let Fault::Kill { rank, frame } = s.fault {
+        match frame {
+            None => pgs[rank].kill(),
+            Some(k) => pgs[rank].kill_at_frame(k),
+        }
+    }
+    let tasks: Vec<_> = pgs
+        .into_iter()
+        .map(|pg| {
+            let mut program = s.program.clone();
+            if let Fault::Mismatch { at, rank, op } = s.fault {
+                if rank == pg.rank() {
+                    program[at] = op;
+                }
+            }
+            tokio::spawn(async move {
+                let mut done = Vec::new();
+                for (i, op) in program.into_iter().enumerate() {
+                    match run(&pg, seed, i, op).await {
+                        Ok(out) => done.push(out),
+                        Err(e) => {
+                            return Run {
+                                done,
+                                error: Some(e),
+                                killed: pg.killed(),
+                            }
+                        }
+                    }
+                }
+                // Dropping `pg` here is the process exiting.
+                Run {
+                    done,
+                    error: None,
+                    killed: pg.killed(),
+                }
+            })
+        })
+        .collect();
+    let mut runs = Vec::new();
+    for t in tasks {
+        runs.push(t.await.expect("a rank panicked"));
+    }
+    runs
+}
+
+/// The first index at or after `from` whose op depends on every rank, as
+/// rank `r` calls it (its program's length if none).
+fn first_all_dependent(program: &[Op], from: usize, r: usize) -> usize {
+    (from..program.len())
+        .find(|&i| program[i].depends_on_all(r))
+        .unwrap_or(program.len())
+}
+
+/// Ranks named as gone in `text`.
+fn named_gone(text: &str) -> Vec<usize> {
+    let mut out = Vec::new();
+    let mut rest = text;
+    while let Some(at) = rest.find(" is gone") {
+        let head = &rest[..at];
+        if let Some(num) = head.rsplit("rank ").next() {
+            if let Ok(r) = num.trim().parse() {
+                out.push(r);
+            }
+        }
+        rest = &rest[at + 1..];
+    }
+    out
+}
+
+fn check(seed: u64, s: &Scenario, runs: &[Run]) -> Result<(), String> {
+    let n = s.n;
+    let len = s.program.len();
+    // Invariant 1.
+    for (r, run) in runs.iter().enumerate() {
+        if let Some(e @ Error::Timeout { .. }) = &run.error {
+            return Err(format!("rank {r} timed out: {e}"));
+        }
+    }
+    let program_of = |r: usize| -> Vec<Op> {
+        let mut p = s.program.clone();
+        if let Fault::Mismatch { at, rank, op } = s.fault {
+            if rank == r {
+                p[at] = op;
+            }
+        }
+        p
+    };
+    // Invariant 2: results, for ops every rank called alike.
+    let alike = |i: usize| !matches!(s.fault, Fault::Mismatch { at, .. } if at <= i);
+    for (r, run) in runs.iter().enumerate() {
+        if run.killed {
+            continue;
+        }
+        for (i, out) in run.done.iter().enumerate() {
+            if alike(i) && *out != expected(seed, i, s.program[i], n, r) {
+                return Err(format!(
+                    "rank {r}: op {i} ({:?}) returned a wrong result",
+                    s.program[i]
+                ));
+            }
+        }
+    }
+    match &s.fault {
+        Fault::None => {
+            for (r, run) in runs.iter().enumerate() {
+                if let Some(e) = &run.error {
+                    return Err(format!("rank {r} failed with no fault: {e}"));
+                }
+            }
+        }
+        Fault::Mismatch { at, .. } => {
+            // Invariant 3.
+            for (r, run) in runs.iter().enumerate() {
+                let failed_at = run.done.len();
+                let bound = first_all_dependent(&program_of(r), *at, r);
+                match &run.error {
+                    None if bound < len => {
+                        return Err(format!(
+                            "rank {r} finished every op, though op {bound} depends on every rank after the mismatch at op {at}"
+                        ))
+                    }
+                    None => {}
+                    Some(e) => {
+                        let t = e.to_string();
+                        if failed_at < *at {
+                            return Err(format!("rank {r} failed at op {failed_at}, before the mismatch at op {at}: {t}"));
+                        }
+                        if failed_at > bound {
+                            return Err(format!("rank {r} failed only at op {failed_at}, after op {bound} that depends on every rank: {t}"));
+                        }
+                        // A rank that finished its program and exited can
+                        // be all another rank knows: it needed that rank, in
+                        // its own view of the mismatched op, and found it gone.
+                        let exited = |g: &usize| {
+                            runs[*g].error.is_none() && runs[*g].done.len() == len
+                        };
+                        let gone = named_gone(&t);
+                        let explained = t.contains("mismatched collectives")
+                            || (!gone.is_empty() && gone.iter().all(exited));
+                        if !explained {
+                            return Err(format!("rank {r}'s error names neither the mismatch nor a rank that exited: {t}"));
+                        }
+                    }
+                }
+            }
+        }
+        Fault::Kill { rank: victim, .. } => {
+            // Invariant 4. The op the victim died in (it may also not have
+            // died: its program ended before its frame came).
+            let vrun = &runs[*victim];
+            if !vrun.killed {
+                if vrun.error.is_some() || runs.iter().any(|r| r.error.is_some()) {
+                    return Err("the victim was never killed, yet a rank failed".into());
+                }
+                return Ok(());
+            }
+            let died_in = vrun.done.len();
+            for (r, run) in runs.iter().enumerate() {
+                if r == *victim {
+                    continue;
+                }
+                let bound = first_all_dependent(&s.program, died_in + 1, r);
+                let failed_at = run.done.len();
+                match &run.error {
+                    None if bound < len => {
+                        return Err(format!(
+                            "survivor {r} finished every op, though op {bound} depends on every rank after rank {victim} died in op {died_in}"
+                        ))
+                    }
+                    None => {}
+                    Some(e) => {
+                        let t = e.to_string();
+                        if failed_at < died_in {
+                            return Err(format!("survivor {r} failed at op {failed_at}, before rank {victim} died in op {died_in}: {t}"));
+                        }
+                        if failed_at > bound {
+                            return Err(format!("survivor {r} failed only at op {failed_at}, after op {bound} that depends on every rank: {t}"));
+                        }
+                        let gone = named_gone(&t);
+                        if !gone.contains(victim) {
+                            return Err(format!("survivor {r}'s error does not name rank {victim} as gone: {t}"));
+                        }
+                        if let Some(b) = gone.iter().find(|&&g| g != *victim) {
+                            return Err(format!("survivor {r}'s error names live rank {b} as gone: {t}"));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn one(seed: u64) -> Result<(), String> {
+    let s = scenario(seed);
+    // A hang is caught by the op timeout (invariant 1); this bounds the test.
+    let runs = tokio::time::timeout(TIMEOUT * 2, play(seed, &s))
+        .await
+        .map_err(|_| format!("the scenario hung past {:?}", TIMEOUT * 2))?;
+    check(seed, &s, &runs).map_err(|e| {
+        let mut t = format!("{e}\n  scenario: {s:?}\n  runs:\n");
+        for (r, run) in runs.iter().enumerate() {
+            t += &format!(
+                "    rank {r}: {} ops done, killed {}, error: {:?}\n",
+                run.done.len(),
+                run.killed,
+                run.error.as_ref().map(ToString::to_string)
+            );
+        }
+        t
+    })
+}
+
+fn replay_command(seed: u64) -> String {
+    format!(
+        "RALLY_SIM_SEED={seed} cargo nextest run -p rallypoint-collectives --all-features sim::replay --no-capture"
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seeded_schedules_of_mismatches_and_deaths_keep_the_promises() {
+    let seeds: u64 = std::env::var("RALLY_SIM_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(300);
+    let base: u64 = std::env::var("RALLY_SIM_BASE")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let mut failed = Vec::new();
+    for seed in base..base + seeds {
+        if let Err(e) = one(seed).await {
+            eprintln!(
+                "seed {seed} FAILED: {e}\n  replay: {}",
+                replay_command(seed)
+            );
+            failed.push(seed);
+        }
+    }
+    assert!(failed.is_empty(), "seeds {failed:?} failed (see above)");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay() {
+    let Some(seed) = std::env::var("RALLY_SIM_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+    else {
+        return;
+    };
+    eprintln!("{:#?}", scenario(seed));
+    if let Err(e) = one(seed).await {
+        panic!("seed {seed}: {e}");
+    }
+}
