@@ -495,7 +495,10 @@ impl ProcessGroup {
                 rank_b: c.members.group_rank(src as usize),
                 desc_b: theirs.to_string(),
             };
-            return Err(cx.fail(err));
+            // Fail the group now (no frame of this op is sent), and the op
+            // at its first await, after the others have been told.
+            cx.fail(err.clone());
+            *cx.doomed.lock().unwrap_or_else(|e| e.into_inner()) = Some(err);
         }
         Ok(cx)
     }
@@ -525,6 +528,7 @@ impl ProcessGroup {
             deadline: Instant::now() + self.timeout,
             waiting: Mutex::new(None),
             done: AtomicBool::new(false),
+            doomed: Mutex::new(None),
         }
     }
 
@@ -1003,6 +1007,9 @@ pub(crate) struct OpCtx {
     pub(crate) deadline: Instant,
     waiting: Mutex<Option<(usize, u32, bool)>>,
     done: AtomicBool,
+    /// A mismatch found as the op began: its result, whatever the body did
+    /// (every send and receive of an op the group's abort fails fails at once).
+    doomed: Mutex<Option<Error>>,
 }
 
 impl OpCtx {
@@ -1183,6 +1190,11 @@ impl OpCtx {
         &self,
         r: Result<Result<R>, tokio::time::error::Elapsed>,
     ) -> Result<R> {
+        let doomed = self.doomed.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(e) = doomed {
+            self.comm.sh().told(self.comm.id).await;
+            return Err(e);
+        }
         match r {
             Ok(Ok(v)) => {
                 self.done.store(true, Ordering::Relaxed);
@@ -1205,12 +1217,13 @@ impl OpCtx {
         }
     }
 
+    /// Fails the group with `e` and returns `e` once the others have been
+    /// told (bounded), so a rank that exits on the error does not leave them
+    /// to find only that it, too, is gone.
     async fn fail_told(&self, e: Error) -> Error {
         let e = self.explain(e).await;
-        let (e, telling) = self.fail_and_tell(e);
-        if let Some(t) = telling {
-            let _ = t.await;
-        }
+        let e = self.fail(e);
+        self.comm.sh().told(self.comm.id).await;
         e
     }
 
@@ -1234,35 +1247,28 @@ impl OpCtx {
         }
     }
 
-    /// Aborts the group with `e` (unless `e` is the abort) and returns it; the
-    /// other members are told in the background.
+    /// Aborts the group with `e` (unless it is aborted already) and returns
+    /// `e`; the other members are told in the background.
     fn fail(&self, e: Error) -> Error {
-        self.fail_and_tell(e).0
-    }
-
-    fn fail_and_tell(&self, e: Error) -> (Error, Option<tokio::task::JoinHandle<()>>) {
         self.done.store(true, Ordering::Relaxed);
+        let from = self.abort_from();
         if e.is_aborted() {
             // Usually recorded already (and perhaps from a later op on, which
             // must stay); not when it came from the store.
-            if self.comm.sh().aborted(self.comm.id).is_some() {
-                return (e, None);
+            if self.comm.sh().aborted(self.comm.id).is_none() {
+                self.comm
+                    .sh()
+                    .abort(self.comm.id, e.clone(), false, None, from);
             }
-            let from = self.abort_from();
-            let telling = self
-                .comm
-                .sh()
-                .abort(self.comm.id, e.clone(), false, None, from);
-            return (e, telling);
+            return e;
         }
-        let from = self.abort_from();
         let reason = Error::Aborted {
             group: self.comm.members.name.clone(),
             reason: e.to_string().into(),
             by: None,
         };
-        let telling = self.comm.sh().abort(self.comm.id, reason, true, None, from);
-        (e, telling)
+        self.comm.sh().abort(self.comm.id, reason, true, None, from);
+        e
     }
 }
 

@@ -99,6 +99,8 @@ pub(crate) struct Shared {
     connecting: Mutex<HashMap<usize, Arc<tokio::sync::Mutex<()>>>>,
     router: Mutex<Router>,
     members: Mutex<HashMap<u64, Members>>,
+    /// Per aborted group: true once its abort is recorded and told.
+    telling: Mutex<HashMap<u64, tokio::sync::watch::Receiver<bool>>>,
     refused: AtomicU64,
     next_conn: AtomicU64,
     /// Accepted connections still in their handshake (whose peer is not known yet).
@@ -154,6 +156,7 @@ impl Transport {
             connecting: Mutex::default(),
             router: Mutex::default(),
             members: Mutex::default(),
+            telling: Mutex::default(),
             refused: AtomicU64::new(0),
             next_conn: AtomicU64::new(0),
             handshaking: AtomicUsize::new(0),
@@ -326,6 +329,11 @@ impl Shared {
                 reason: reason.clone(),
             });
         }
+        // With one stream per peer every frame to `dst` takes the same
+        // connection (the first; a second exists when both sides opened one
+        // at once), so a peer reads them in the order sent: it compares our
+        // frames of a mismatched op before it can use our frames of the next.
+        let pick = if self.cfg.streams > 1 { pick } else { 0 };
         let conn = self.conn(dst, pick, deadline).await?;
         let head = header.encode();
         let write = async {
@@ -544,8 +552,7 @@ impl Shared {
     /// aborted rank: an aborted group answers every data frame and every new
     /// connection from a member with the abort.
     ///
-    /// Returns the telling task, for a caller that must not return (and
-    /// perhaps exit) before the others have been told.
+    /// The telling runs in the background; [`Shared::told`] waits for it.
     pub fn abort(
         self: &Arc<Self>,
         comm: u64,
@@ -553,24 +560,28 @@ impl Shared {
         origin: bool,
         sender: Option<usize>,
         from_seq: u64,
-    ) -> Option<tokio::task::JoinHandle<()>> {
+    ) {
         {
             let mut r = lock(&self.router);
             if !r.abort(comm, err, from_seq) {
-                return None;
+                return;
             }
             if let Some(f) = sender {
                 r.note_told(comm, f);
             }
         }
         if self.is_dead() {
-            return None;
+            return;
         }
-        let members = self.members(comm)?;
+        let Some(members) = self.members(comm) else {
+            return;
+        };
+        let (done, told) = tokio::sync::watch::channel(false);
+        lock(&self.telling).insert(comm, told);
         let me = self.clone();
         // Aborts also run from destructors, possibly as the runtime shuts down;
-        // spawning then is a no-op.
-        Some(self.rt.spawn(async move {
+        // spawning then is a no-op (and dropping `done` ends the waits).
+        self.rt.spawn(async move {
             let everyone = origin && me.record_abort(comm, &members).await;
             let targets: Vec<usize> = members
                 .ranks
@@ -584,7 +595,18 @@ impl Shared {
                 tasks.spawn(async move { me.tell_abort(comm, m).await });
             }
             while tasks.join_next().await.is_some() {}
-        }))
+            let _ = done.send(true);
+        });
+    }
+
+    /// Waits (within [`ABORT_DEADLINE`]) until group `comm`'s abort has been
+    /// recorded and told, for a rank that must not return its error (and
+    /// perhaps exit) before.
+    pub async fn told(&self, comm: u64) {
+        let Some(mut told) = lock(&self.telling).get(&comm).cloned() else {
+            return;
+        };
+        let _ = timeout(ABORT_DEADLINE, told.wait_for(|d| *d)).await;
     }
 
     /// The text an abort frame of `comm` carries: the reason alone, which the
