@@ -26,9 +26,32 @@ def iters_for(nbytes):
     return max(5, min(1000, (512 << 20) // max(nbytes, 1)))
 
 
+def check(op, count):
+    """One op on inputs that differ by rank, its result checked (as ours)."""
+    mine = lambda r: (torch.arange(count) + r).remainder(7).to(torch.float32)
+    if op == "all_reduce":
+        t = mine(rank)
+        dist.all_reduce(t)
+        want = sum(mine(q) for q in range(n))
+    elif op == "broadcast":
+        t = mine(rank)
+        dist.broadcast(t, 0)
+        want = mine(0)
+    elif op == "all_gather":
+        t = torch.empty(count * n, dtype=torch.float32)
+        dist.all_gather_into_tensor(t, mine(rank))
+        want = torch.cat([mine(q) for q in range(n)])
+    else:
+        return
+    if not torch.equal(t, want):
+        raise SystemExit(f"gloo {op} of {count} f32 on rank {rank} returned a wrong result")
+
+
 def run(op, nbytes):
     count = max(nbytes // 4, 1)
-    t = torch.ones(count, dtype=torch.float32)
+    check(op, count)
+    # Zeros: repeated sums into one tensor stay exact.
+    t = torch.zeros(count, dtype=torch.float32)
     if op == "all_reduce":
         f = lambda: dist.all_reduce(t)
     elif op == "broadcast":
@@ -48,6 +71,8 @@ def run(op, nbytes):
     for _ in range(iters):
         f()
     dt = (time.perf_counter() - t0) / iters
+    if t.any() or (op == "all_gather" and out.any()):
+        raise SystemExit(f"gloo {op} of {nbytes} bytes: the timed ops corrupted the tensor")
     print(f"RESULT {op} {nbytes} {dt:.9f}", flush=True)
 
 

@@ -332,7 +332,10 @@ pub fn rank(
             };
             for bytes in list {
                 let count = (bytes / 4).max(1);
-                let mut buf = vec![1.0f32; count];
+                check(&pg, op, count).await?;
+                // Zeros: repeated sums into one buffer stay exact (ones
+                // overflowed to infinity after ~128 all_reduces).
+                let mut buf = vec![0.0f32; count];
                 let mut out = vec![0.0f32; if op == "all_gather" { count * n } else { 0 }];
                 let iters = iters_for(bytes);
                 timed(&pg, op, &mut buf, &mut out, (iters / 10).max(2)).await?;
@@ -341,12 +344,52 @@ pub fn rank(
                     .await?
                     .as_secs_f64()
                     / iters as f64;
+                if buf.iter().chain(&out).any(|&x| x != 0.0) {
+                    bail!("{op} of {bytes} bytes: the timed ops corrupted the buffer");
+                }
                 println!("RESULT {op} {bytes} {dt:.9}");
             }
         }
         pg.barrier().await?;
         anyhow::Ok(())
     })
+}
+
+/// One `op` of `count` elements on inputs that differ by rank, with its
+/// result checked, so that a benchmark never times a wrong answer.
+async fn check(pg: &ProcessGroup, op: &str, count: usize) -> Result<()> {
+    let (n, r) = (pg.size(), pg.rank());
+    let mine = |r: usize| (0..count).map(move |i| ((i + r) % 7) as f32);
+    let got: Vec<f32>;
+    let want: Vec<f32>;
+    match op {
+        "all_reduce" => {
+            let mut b: Vec<f32> = mine(r).collect();
+            pg.all_reduce(&mut b, ReduceOp::Sum).await?;
+            want = (0..count)
+                .map(|i| (0..n).map(|q| ((i + q) % 7) as f32).sum())
+                .collect();
+            got = b;
+        }
+        "broadcast" => {
+            let mut b: Vec<f32> = mine(r).collect();
+            pg.broadcast(&mut b, 0).await?;
+            want = mine(0).collect();
+            got = b;
+        }
+        "all_gather" => {
+            let mut out = vec![0.0f32; count * n];
+            pg.all_gather(&mine(r).collect::<Vec<_>>(), &mut out)
+                .await?;
+            want = (0..n).flat_map(mine).collect();
+            got = out;
+        }
+        _ => return Ok(()),
+    }
+    if got != want {
+        bail!("{op} of {count} f32 on rank {r} of {n} returned a wrong result");
+    }
+    Ok(())
 }
 
 async fn timed(

@@ -99,8 +99,8 @@ pub(crate) struct Shared {
     connecting: Mutex<HashMap<usize, Arc<tokio::sync::Mutex<()>>>>,
     router: Mutex<Router>,
     members: Mutex<HashMap<u64, Members>>,
-    /// Per aborted group: true once its abort is recorded and told.
-    telling: Mutex<HashMap<u64, tokio::sync::watch::Receiver<bool>>>,
+    /// Per aborted group: how far its telling has come.
+    telling: Mutex<HashMap<u64, tokio::sync::watch::Receiver<Telling>>>,
     refused: AtomicU64,
     next_conn: AtomicU64,
     /// Accepted connections still in their handshake (whose peer is not known yet).
@@ -112,6 +112,15 @@ pub(crate) struct Shared {
     /// The runtime the group was formed on: its tasks (readers, aborts, `Work`)
     /// run there even when an operation is started from plain blocking code.
     pub rt: tokio::runtime::Handle,
+}
+
+/// How far the telling of an abort has come.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Telling {
+    /// Writing the record to the store (origins only).
+    Recording,
+    Telling,
+    Told,
 }
 
 /// Test faults: a rank that dies the way a killed process does.
@@ -576,13 +585,14 @@ impl Shared {
         let Some(members) = self.members(comm) else {
             return;
         };
-        let (done, told) = tokio::sync::watch::channel(false);
+        let (done, told) = tokio::sync::watch::channel(Telling::Recording);
         lock(&self.telling).insert(comm, told);
         let me = self.clone();
         // Aborts also run from destructors, possibly as the runtime shuts down;
         // spawning then is a no-op (and dropping `done` ends the waits).
         self.rt.spawn(async move {
             let everyone = origin && me.record_abort(comm, &members).await;
+            let _ = done.send(Telling::Telling);
             let targets: Vec<usize> = members
                 .ranks
                 .iter()
@@ -595,18 +605,22 @@ impl Shared {
                 tasks.spawn(async move { me.tell_abort(comm, m).await });
             }
             while tasks.join_next().await.is_some() {}
-            let _ = done.send(true);
+            let _ = done.send(Telling::Told);
         });
     }
 
     /// Waits (within [`ABORT_DEADLINE`]) until group `comm`'s abort has been
     /// recorded and told, for a rank that must not return its error (and
     /// perhaps exit) before.
+    ///
+    /// The record is always waited for (its write has its own deadline): a
+    /// rank that exits before it leaves the others nothing to find.
     pub async fn told(&self, comm: u64) {
         let Some(mut told) = lock(&self.telling).get(&comm).cloned() else {
             return;
         };
-        let _ = timeout(ABORT_DEADLINE, told.wait_for(|d| *d)).await;
+        let _ = told.wait_for(|t| *t != Telling::Recording).await;
+        let _ = timeout(ABORT_DEADLINE, told.wait_for(|t| *t == Telling::Told)).await;
     }
 
     /// The text an abort frame of `comm` carries: the reason alone, which the

@@ -43,9 +43,11 @@ pub enum InitError {
     },
     #[error("{0} is given both in the URL and as an argument")]
     Conflict(&'static str),
+    #[error("{0}")]
+    Taken(String),
     #[error("the {0}:// rendezvous yields one result; it cannot re-rendezvous")]
     Exhausted(String),
-    #[error("rendezvous store failed")]
+    #[error("rendezvous store: {}", with_sources(.0))]
     Store(#[from] rallypoint_store::StoreError),
 }
 
@@ -216,6 +218,23 @@ fn file(url: Url, args: InitArgs) -> SchemeFuture {
     })
 }
 
+/// An error with its causes: `a: b: c`.
+fn with_sources(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut next = e.source();
+    while let Some(s) = next {
+        out += &format!(": {s}");
+        next = s.source();
+    }
+    out
+}
+
+/// Rank 0 hosts the store, unless `agent_store`. A rank 0 that finds the port
+/// taken connects to it as a client instead: it is served already (by `rally
+/// store serve`, or a launcher that did not set
+/// `TORCHELASTIC_USE_AGENT_STORE=True`). PyTorch fails there with "address
+/// already in use"; we say what we did, and fail, naming the port, only if
+/// what listens there is not a store.
 async fn tcp_store(
     host: String,
     port: u16,
@@ -225,12 +244,31 @@ async fn tcp_store(
     timeout: Duration,
 ) -> Result<Rendezvoused, InitError> {
     check_rank(rank, world_size)?;
-    let store = TcpStore::builder(host, port)
-        .is_master(rank == 0 && !agent_store)
-        .world_size(world_size)
-        .timeout(timeout)
-        .connect()
-        .await?;
+    let connect = |master: bool| {
+        TcpStore::builder(host.clone(), port)
+            .is_master(master)
+            .world_size(world_size)
+            .timeout(timeout)
+            .connect()
+    };
+    let master = rank == 0 && !agent_store;
+    let store = match connect(master).await {
+        Err(rallypoint_store::StoreError::Listen { source, .. })
+            if master && source.kind() == std::io::ErrorKind::AddrInUse =>
+        {
+            let store = connect(false).await.map_err(|e| {
+                InitError::Taken(format!(
+                    "rank 0 cannot host the store: {host}:{port} is in use, and what listens there is not a store ({})",
+                    with_sources(&e)
+                ))
+            })?;
+            tracing::warn!(
+                "{host}:{port} is already served by a store (rally store serve, or a launcher's): rank 0 uses it as a client instead of hosting one; set TORCHELASTIC_USE_AGENT_STORE=True to say so"
+            );
+            store
+        }
+        r => r?,
+    };
     Ok(Rendezvoused {
         store: Arc::new(store),
         rank,

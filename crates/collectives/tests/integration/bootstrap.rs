@@ -123,3 +123,53 @@ fn blocking_groups_in_plain_threads() {
         assert_eq!(y, [1 + 3 * r as u8, 2 + 3 * r as u8, 3 + 3 * r as u8]);
     }
 }
+
+/// `from_env`/`from_url` against an address a store already serves (`rally
+/// store serve`, a launcher's store): rank 0 connects to it as a client
+/// instead of failing with "rendezvous store failed" (before: the port was
+/// taken, and the other ranks waited for a generation that never came).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_url_whose_store_is_already_served_is_used_as_a_client() {
+    let server = Server::bind("127.0.0.1:0".parse().unwrap(), Default::default())
+        .await
+        .unwrap();
+    let port = server.local_addr().port();
+    let _h = server.spawn();
+    let tasks: Vec<_> = (0..2)
+        .map(|r| {
+            tokio::spawn(async move {
+                let url = format!("tcp://127.0.0.1:{port}?rank={r}&world_size=2");
+                let pg = ProcessGroup::from_url(&url, opts()).await?;
+                let mut x = [pg.rank() as u32 + 1];
+                pg.all_reduce(&mut x, ReduceOp::Sum).await.map(|()| x[0])
+            })
+        })
+        .collect();
+    for t in tasks {
+        assert_eq!(t.await.unwrap().unwrap(), 3);
+    }
+
+    // A port taken by something that is not a store: rank 0 says so.
+    let squatter = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = squatter.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = squatter.accept().await {
+            use tokio::io::AsyncWriteExt;
+            let _ = s.write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n").await;
+        }
+    });
+    let url = format!("tcp://127.0.0.1:{port}?rank=0&world_size=2");
+    let o = rallypoint_collectives::Options {
+        timeout: std::time::Duration::from_secs(3),
+        ..opts()
+    };
+    let e = ProcessGroup::from_url(&url, o)
+        .await
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains(&format!("127.0.0.1:{port} is in use")) && e.contains("not a store"),
+        "{e}"
+    );
+}
