@@ -42,9 +42,19 @@ pub struct Options {
     pub dissemination_max_ranks: usize,
     /// TCP connections to open per peer; segments are spread over them.
     pub streams_per_peer: usize,
-    /// How long a receive waits on a peer it has no connection with before
-    /// opening one to check that the peer is alive.
+    /// How long a receive waits before asking the peer for its part (which
+    /// opens a connection if there is none, so a dead peer is noticed by the
+    /// refusal, and compares the two calls).
     pub probe_after: Duration,
+    /// How long a peer may take to answer a new connection's handshake. A
+    /// listener that accepts but never answers is a stopped or hung process,
+    /// and its rank is named gone after this.
+    pub handshake_timeout: Duration,
+    /// A connection whose peer's host stops answering (crashed, partitioned)
+    /// fails after about this long: TCP keepalive probes while idle, and
+    /// `TCP_USER_TIMEOUT` while data waits unacknowledged. Zero: the kernel's
+    /// defaults (minutes).
+    pub peer_timeout: Duration,
 }
 
 impl Default for Options {
@@ -58,6 +68,8 @@ impl Default for Options {
             dissemination_max_ranks: 64,
             streams_per_peer: 1,
             probe_after: Duration::from_millis(250),
+            handshake_timeout: Duration::from_millis(700),
+            peer_timeout: Duration::from_secs(5),
         }
     }
 }
@@ -262,6 +274,8 @@ impl ProcessGroup {
             layout: opts.layout_hash(),
             streams: opts.streams_per_peer.max(1),
             probe_after: opts.probe_after,
+            handshake_timeout: opts.handshake_timeout,
+            peer_timeout: opts.peer_timeout,
             segment_bytes: opts.segment_bytes,
         };
         let t = Transport::start(cfg, store, listener).map_err(|e| err(e.to_string()))?;

@@ -85,6 +85,8 @@ pub(crate) struct Config {
     pub layout: u64,
     pub streams: usize,
     pub probe_after: Duration,
+    pub handshake_timeout: Duration,
+    pub peer_timeout: Duration,
     /// The largest data payload (sizes the buffer pool).
     pub segment_bytes: usize,
 }
@@ -458,6 +460,7 @@ impl Shared {
             .map_err(|_| Fail::Timeout)?
             .map_err(gone)?;
         s.set_nodelay(true).map_err(gone)?;
+        watch_liveness(&s, self.cfg.peer_timeout);
         let hello = Hello {
             nonce: self.cfg.nonce,
             layout: self.cfg.layout,
@@ -477,7 +480,15 @@ impl Shared {
             s.read_exact(&mut why).await?;
             Ok::<_, std::io::Error>(Some(String::from_utf8_lossy(&why).into_owned()))
         };
-        match timeout_at(deadline, shake).await {
+        let answer_by = deadline.min(Instant::now() + self.cfg.handshake_timeout);
+        match timeout_at(answer_by, shake).await {
+            Err(_) if answer_by < deadline => Err(Fail::Gone {
+                rank: dst,
+                reason: format!(
+                    "{addr} accepted a connection but did not answer its handshake within {:?}: the process is stopped or hung",
+                    self.cfg.handshake_timeout
+                ),
+            }),
             Err(_) => Err(Fail::Timeout),
             Ok(Err(e)) => Err(gone(e)),
             Ok(Ok(Some(why))) => Err(Fail::Refused {
@@ -870,6 +881,28 @@ impl Drop for WholeFrame<'_> {
     }
 }
 
+/// Makes the kernel fail a connection whose peer's host stops answering
+/// within about `within`: keepalive probes while idle (answered by the peer's
+/// kernel, so a stopped process is not taken for a dead host), and
+/// `TCP_USER_TIMEOUT` for data left unacknowledged.
+fn watch_liveness(s: &TcpStream, within: Duration) {
+    if within.is_zero() {
+        return;
+    }
+    let step = (within / 5).max(Duration::from_secs(1));
+    let ka = socket2::TcpKeepalive::new()
+        .with_time(step)
+        .with_interval(step)
+        .with_retries(4);
+    let sock = socket2::SockRef::from(s);
+    if let Err(e) = sock
+        .set_tcp_keepalive(&ka)
+        .and_then(|()| sock.set_tcp_user_timeout(Some(within)))
+    {
+        tracing::debug!("setting keepalive on a connection failed: {e}");
+    }
+}
+
 /// Why a reader stopped.
 enum End {
     Eof,
@@ -991,6 +1024,7 @@ async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
 
 async fn accept_one(shared: Arc<Shared>, mut s: TcpStream, from: SocketAddr) {
     let _ = s.set_nodelay(true);
+    watch_liveness(&s, shared.cfg.peer_timeout);
     shared.handshaking.fetch_add(1, Ordering::AcqRel);
     let verdict = match timeout(HANDSHAKE_TIMEOUT, read_hello(&mut s)).await {
         Err(_) => Err(format!("no hello within {HANDSHAKE_TIMEOUT:?}")),

@@ -478,3 +478,73 @@ async fn strangers_on_the_listening_port_are_refused_without_harm() {
     }
     assert_eq!(pgs[0].refused_connections(), 2);
 }
+
+/// A peer that is dead or stuck before any op, in each way a connection to it
+/// can go: nothing listens (refused), a listener that never accepts (a stopped
+/// process: the kernel completes the connection, nobody answers), one that
+/// accepts and reads but never answers (a half-open handshake), and one that
+/// resets. Each is named gone, never waited for until the op's timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_dead_or_stuck_before_any_op_is_named_in_every_way_it_can_be() {
+    use std::net::SocketAddr;
+    #[derive(Debug, Clone, Copy)]
+    enum Way {
+        Refused,
+        NeverAccepts,
+        NeverAnswers,
+        Resets,
+    }
+    for way in [
+        Way::Refused,
+        Way::NeverAccepts,
+        Way::NeverAnswers,
+        Way::Resets,
+    ] {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr: SocketAddr = listener.local_addr().unwrap();
+        let _keep = match way {
+            Way::Refused => {
+                drop(listener);
+                None
+            }
+            Way::NeverAccepts => Some(std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_secs(30));
+                drop(listener)
+            })),
+            Way::NeverAnswers | Way::Resets => Some(std::thread::spawn(move || {
+                let mut held = Vec::new();
+                while let Ok((mut s, _)) = listener.accept() {
+                    if matches!(way, Way::Resets) {
+                        let _ = socket2::SockRef::from(&s).set_linger(Some(Duration::ZERO));
+                        drop(s);
+                    } else {
+                        use std::io::Read;
+                        let _ = s.read(&mut [0u8; 64]);
+                        held.push(s);
+                    }
+                }
+            })),
+        };
+        // Rank 1 "published" its address and then died or stopped.
+        store
+            .set(
+                "rallypoint/collectives/default_pg/addr/1",
+                addr.to_string().as_bytes(),
+            )
+            .await
+            .unwrap();
+        let o = Options {
+            timeout: Duration::from_secs(60),
+            ..opts()
+        };
+        let pg = ProcessGroup::new(store, 0, 2, o).await.unwrap();
+        let t0 = Instant::now();
+        let e = pg.barrier().await.unwrap_err();
+        eprintln!("{way:?}: noticed after {:?}: {e}", t0.elapsed());
+        assert!(
+            names_rank(&e, 1) && !matches!(e, Error::Timeout { .. }),
+            "{way:?}: {e}"
+        );
+    }
+}
