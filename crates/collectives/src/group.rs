@@ -1098,7 +1098,11 @@ impl OpCtx {
     }
 
     fn timeout_error(&self) -> Error {
-        let waiting_for = match *self.waiting.lock().unwrap_or_else(|e| e.into_inner()) {
+        let waiting = *self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        let waiting_for = match waiting {
+            Some((r, _, _)) if self.comm.sh().awaiting_address(self.world(r)) => format!(
+                "rank {r}, which never published its address: it never formed the group (not started, or died during set-up)"
+            ),
             Some((r, step, false)) => format!("rank {r} (step {step})"),
             Some((r, step, true)) => format!("rank {r} to take step {step}"),
             None => "the operation to start".into(),

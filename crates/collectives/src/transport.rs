@@ -101,6 +101,8 @@ pub(crate) struct Shared {
     connecting: Mutex<HashMap<usize, Arc<tokio::sync::Mutex<()>>>>,
     router: Mutex<Router>,
     members: Mutex<HashMap<u64, Members>>,
+    /// Peers whose address was looked for and not found (yet).
+    unpublished: Mutex<std::collections::HashSet<usize>>,
     /// Per aborted group: how far its telling has come.
     telling: Mutex<HashMap<u64, tokio::sync::watch::Receiver<Telling>>>,
     refused: AtomicU64,
@@ -168,6 +170,7 @@ impl Transport {
             router: Mutex::default(),
             members: Mutex::default(),
             telling: Mutex::default(),
+            unpublished: Mutex::default(),
             refused: AtomicU64::new(0),
             next_conn: AtomicU64::new(0),
             handshaking: AtomicUsize::new(0),
@@ -207,6 +210,11 @@ impl Shared {
     /// point-to-point message), if any.
     pub fn aborted_for(&self, comm: u64, seq: Option<u64>) -> Option<Error> {
         lock(&self.router).aborted_for(comm, seq)
+    }
+
+    /// Whether this rank is waiting for `peer` to publish its address.
+    pub fn awaiting_address(&self, peer: usize) -> bool {
+        lock(&self.unpublished).contains(&peer)
     }
 
     /// Whether any connection with `peer` exists.
@@ -418,6 +426,17 @@ impl Shared {
         })
     }
 
+    /// Whether `peer`'s address is known or in the store, without waiting.
+    async fn published(&self, peer: usize) -> bool {
+        if lock(&self.addrs).contains_key(&peer) {
+            return true;
+        }
+        let key = format!("addr/{peer}");
+        timeout(ABORT_DEADLINE, self.store.check(&[&key]))
+            .await
+            .is_ok_and(|r| r.unwrap_or(true))
+    }
+
     /// Where `peer` listens, from the cache or the store.
     async fn addr(&self, peer: usize, deadline: Instant) -> Result<SocketAddr, Fail> {
         if let Some(a) = lock(&self.addrs).get(&peer) {
@@ -429,8 +448,14 @@ impl Shared {
             self.store.wait_timeout(&[&key], left).await?;
             self.store.get_now(&key).await
         };
+        // Until it is found (not merely until this wait ends: a timeout may
+        // drop the wait, and its message reads this).
+        lock(&self.unpublished).insert(peer);
         let raw = match fetched.await {
-            Ok(v) => v,
+            Ok(v) => {
+                lock(&self.unpublished).remove(&peer);
+                v
+            }
             Err(rallypoint_store::StoreError::Timeout { .. }) => return Err(Fail::Timeout),
             Err(e) => {
                 return Err(Fail::Refused {
@@ -666,6 +691,11 @@ impl Shared {
         };
         let bytes = &reason.as_bytes()[..h.payload_len() as usize];
         let deadline = Instant::now() + ABORT_DEADLINE;
+        // A member that has not published its address never joined: there is
+        // nothing to tell yet (when it connects, the abort is its answer).
+        if !self.connected(peer) && !self.published(peer).await {
+            return;
+        }
         let _ = self.send_frame(peer, &h, bytes, 0, deadline).await;
     }
 

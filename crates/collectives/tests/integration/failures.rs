@@ -548,3 +548,21 @@ async fn a_peer_dead_or_stuck_before_any_op_is_named_in_every_way_it_can_be() {
         );
     }
 }
+
+/// A rank that never formed the group (never started, or died during set-up)
+/// cannot be told from a slow one: it is waited for until the timeout, which
+/// says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_that_never_joined_is_named_as_such_at_the_timeout() {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let o = Options {
+        timeout: Duration::from_millis(400),
+        ..opts()
+    };
+    let pg = ProcessGroup::new(store, 0, 2, o).await.unwrap();
+    let e = pg.barrier().await.unwrap_err().to_string();
+    assert!(
+        e.contains("timed out") && e.contains("rank 1, which never published its address"),
+        "{e}"
+    );
+}
