@@ -49,18 +49,31 @@
 //! # Failure
 //!
 //! Every operation has a deadline (the group's timeout, or
-//! [`ProcessGroup::with_timeout`]); expiring names the rank it was waiting for. A
-//! peer whose connection ends fails, at once, every operation waiting on it; the
-//! failing rank then aborts the group and tells every member, so ranks waiting on
-//! someone else learn within a round trip. After an error every operation on the
-//! group fails immediately with the first error's text; a new group can be formed
-//! on the same store under a new prefix ([`Options::prefix`]).
+//! [`ProcessGroup::with_timeout`]); expiring names the rank it was waiting for,
+//! or says that rank never published its address (it never joined). A peer
+//! whose connection ends fails, at once, every operation waiting on it; a
+//! receive that has waited [`Options::probe_after`] asks the peer for its part,
+//! which opens a connection if there is none (a dead peer refuses it) and has
+//! the peer compare the two calls. A peer that accepts but does not answer the
+//! handshake within [`Options::handshake_timeout`] is stopped or hung, and
+//! named gone; TCP keepalive and `TCP_USER_TIMEOUT` fail connections to a host
+//! that stopped answering within about [`Options::peer_timeout`].
 //!
-//! A failing operation returns only after the abort has been written to every
-//! member. A process that exits at once after that, with data from a peer still
-//! unread, makes its kernel reset the connection, and a reset can destroy the
-//! abort message still queued at that peer: the peer then reports the exited rank
-//! as gone rather than the root cause. Reporting the error before exiting avoids it.
+//! A failing operation aborts its group from itself on: later operations fail
+//! at once with the first error's text, earlier ones (all of whose frames this
+//! rank sent) may still finish. The rank where the failure happened first
+//! records it in the store (`abort/<group>`, first record wins) and the
+//! record's writer tells every member; other ranks tell the members they have
+//! connections with, and an aborted group answers every frame and connection
+//! from a member with the abort. An operation that finds a member gone reads
+//! the record first, so a rank that exited on being told is not blamed for the
+//! failure. A failing operation returns only after the record is written and
+//! the telling is done (bounded), so a rank may exit on its error. A new group
+//! can be formed on the same store under a new prefix ([`Options::prefix`]).
+//!
+//! What a mismatch promises is in the README ("Mismatches are errors, on every
+//! rank"); `tests/integration/sim.rs` checks it, and the failure promises, on
+//! thousands of seeded schedules of mismatches and deaths.
 
 mod algorithms;
 pub mod blocking;

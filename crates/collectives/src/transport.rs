@@ -5,23 +5,24 @@
 //! most a few TCP connections per peer, opened lazily by whichever side first needs
 //! to send, so an algorithm that talks to `log n` peers opens `log n` connections.
 //! A connection carries frames both ways; when both sides open one at the same
-//! moment both are kept and used, which is harmless because every frame is
-//! addressed by key, not by arrival order.
+//! moment both are kept. With one stream per peer a rank sends every frame to a
+//! peer on the same connection (the first), so the peer reads them in order.
 //!
-//! One reader task per connection reads frames and hands each to the [`Router`]:
-//! to the operation waiting for its key `(group, source, sequence number, step)`,
-//! or into a mailbox until that operation asks. Frames are compared with the
-//! local operation's descriptor as they arrive, so a rank that called a different
-//! collective is caught at its first frame, whatever steps the two algorithms use.
+//! One reader task per connection reads frames and hands each to the
+//! [`Router`] (`router.rs`, synchronous): to the operation waiting for its key
+//! `(group, source, sequence number, step)`, or into a mailbox until that
+//! operation asks. Frames are compared with the local call as they arrive, so a
+//! rank that called a different collective is caught at its first frame,
+//! whatever steps the two algorithms use. Frames are written whole
+//! ([`WholeFrame`]), even when the operation writing one is cancelled.
 //!
 //! A connection that ends (EOF, reset, a bad frame) marks its peer gone: every
 //! operation waiting on that peer fails at once, and so does every later receive
 //! from it that is not already in the mailbox. Nothing fails merely because a peer
-//! exited after doing its part. An operation that has waited a moment on a peer it
-//! has no connection with opens one, so a peer that died before ever connecting is
-//! noticed as a refused connection rather than at the timeout. A failed operation
-//! aborts its group and tells every member with an abort frame, so ranks that were
-//! waiting on someone else learn of the failure within a round trip.
+//! exited after doing its part. A receive that has waited a moment asks the peer
+//! for its part ([`Header::Want`]), which opens a connection if there is none, so
+//! a peer that died before ever connecting is noticed as a refused connection
+//! rather than at the timeout. Aborts are described at [`Shared::abort`].
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -123,8 +124,8 @@ pub(crate) struct Shared {
 enum Telling {
     /// Writing the record to the store (origins only).
     Recording,
-    Telling,
-    Told,
+    Sending,
+    Sent,
 }
 
 /// Test faults: a rank that dies the way a killed process does.
@@ -628,7 +629,7 @@ impl Shared {
         // spawning then is a no-op (and dropping `done` ends the waits).
         self.rt.spawn(async move {
             let everyone = origin && me.record_abort(comm, &members).await;
-            let _ = done.send(Telling::Telling);
+            let _ = done.send(Telling::Sending);
             let targets: Vec<usize> = members
                 .ranks
                 .iter()
@@ -641,7 +642,7 @@ impl Shared {
                 tasks.spawn(async move { me.tell_abort(comm, m).await });
             }
             while tasks.join_next().await.is_some() {}
-            let _ = done.send(Telling::Told);
+            let _ = done.send(Telling::Sent);
         });
     }
 
@@ -656,7 +657,7 @@ impl Shared {
             return;
         };
         let _ = told.wait_for(|t| *t != Telling::Recording).await;
-        let _ = timeout(ABORT_DEADLINE, told.wait_for(|t| *t == Telling::Told)).await;
+        let _ = timeout(ABORT_DEADLINE, told.wait_for(|t| *t == Telling::Sent)).await;
     }
 
     /// The text an abort frame of `comm` carries: the reason alone, which the
@@ -891,7 +892,7 @@ impl WholeFrame<'_> {
 }
 
 /// What is left of a header and a payload after `written` bytes.
-fn rest<'a>([h, p]: [&'a [u8]; 2], written: usize) -> (&'a [u8], &'a [u8]) {
+fn rest([h, p]: [&[u8]; 2], written: usize) -> (&[u8], &[u8]) {
     let from_head = written.min(h.len());
     (&h[from_head..], &p[written - from_head..])
 }

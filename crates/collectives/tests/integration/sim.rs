@@ -231,7 +231,7 @@ fn scenario(seed: u64) -> Scenario {
         }
         _ => Fault::Kill {
             rank: rng.usize(..n),
-            frame: (!rng.u8(..).is_multiple_of(8)).then(|| rng.u64(..60)),
+            frame: (rng.u8(..8) != 0).then(|| rng.u64(..60)),
         },
     };
     Scenario { n, program, fault }
