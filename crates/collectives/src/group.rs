@@ -68,8 +68,8 @@ impl Default for Options {
             dissemination_max_ranks: 64,
             streams_per_peer: 1,
             probe_after: Duration::from_millis(250),
-            handshake_timeout: Duration::from_millis(700),
-            peer_timeout: Duration::from_secs(5),
+            handshake_timeout: Duration::from_secs(2),
+            peer_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -1082,7 +1082,7 @@ impl OpCtx {
         let group = self.comm.members.name.clone();
         match f {
             Fail::Aborted(e) => e,
-            Fail::Gone { rank, reason } => Error::PeerGone {
+            Fail::Gone { rank, reason } | Fail::Unanswered { rank, reason } => Error::PeerGone {
                 group,
                 op: self.name(),
                 rank: self.comm.members.group_rank(rank),
@@ -1252,7 +1252,11 @@ impl OpCtx {
         if !matches!(e, Error::PeerGone { .. }) {
             return e;
         }
-        if let Some(a) = self.comm.sh().aborted(self.comm.id) {
+        if let Some(a) = self
+            .comm
+            .sh()
+            .aborted_for(self.comm.id, self.collective_seq())
+        {
             return a;
         }
         match self.comm.sh().abort_record(self.comm.id).await {
@@ -1271,13 +1275,12 @@ impl OpCtx {
         self.done.store(true, Ordering::Relaxed);
         let from = self.abort_from();
         if e.is_aborted() {
-            // Usually recorded already (and perhaps from a later op on, which
-            // must stay); not when it came from the store.
-            if self.comm.sh().aborted(self.comm.id).is_none() {
-                self.comm
-                    .sh()
-                    .abort(self.comm.id, e.clone(), false, None, from);
-            }
+            // Usually recorded already, from this op or an earlier one (then
+            // this changes nothing); not when it came from the store, or from
+            // a later op (then it widens to this one).
+            self.comm
+                .sh()
+                .abort(self.comm.id, e.clone(), false, None, from);
             return e;
         }
         let reason = Error::Aborted {

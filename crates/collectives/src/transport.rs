@@ -132,7 +132,9 @@ enum Telling {
 struct Faults {
     dead: AtomicBool,
     /// Die on being about to send this data frame (counted from 0).
+    #[cfg(feature = "faults")]
     kill_at: AtomicU64,
+    #[cfg(feature = "faults")]
     frames: AtomicU64,
 }
 
@@ -180,7 +182,9 @@ impl Transport {
             cancel: CancellationToken::new(),
             faults: Faults {
                 dead: AtomicBool::new(false),
+                #[cfg(feature = "faults")]
                 kill_at: AtomicU64::new(u64::MAX),
+                #[cfg(feature = "faults")]
                 frames: AtomicU64::new(0),
             },
         });
@@ -275,15 +279,18 @@ impl Shared {
                     probed = true;
                     let me = self.clone();
                     self.rt.spawn(async move {
-                        match want {
+                        let asked = match want {
                             Some(desc) => {
                                 let h = Header::Want { comm: key.comm, seq: key.seq, step: key.step, desc };
-                                let _ = me.send_frame(src, &h, &[], 0, deadline).await;
+                                me.send_frame(src, &h, &[], 0, deadline).await
                             }
-                            None if !me.connected(src) => {
-                                let _ = me.conn(src, 0, deadline).await;
-                            }
-                            None => {}
+                            None if !me.connected(src) => me.conn(src, 0, deadline).await.map(drop),
+                            None => Ok(()),
+                        };
+                        // A peer that is gone has failed us already; one that
+                        // does not answer fails only this receive.
+                        if let Err(f @ Fail::Unanswered { .. }) = asked {
+                            lock(&me.router).fail_recv(key, f);
                         }
                     });
                 }
@@ -308,9 +315,9 @@ impl Shared {
             unreachable!("only data frames are sent this way")
         };
         let seq = (desc.op != OpKind::Send).then_some(seq);
-        if matches!(header, Header::Data { .. })
-            && self.faults.frames.fetch_add(1, Ordering::Relaxed)
-                >= self.faults.kill_at.load(Ordering::Relaxed)
+        #[cfg(feature = "faults")]
+        if self.faults.frames.fetch_add(1, Ordering::Relaxed)
+            >= self.faults.kill_at.load(Ordering::Relaxed)
         {
             self.kill();
         }
@@ -323,14 +330,19 @@ impl Shared {
         };
         let send = self.send_frame(dst, header, payload, pick, deadline);
         tokio::pin!(send);
-        tokio::select! {
-            r = &mut send => return r,
-            _ = signal.cancelled() => {}
-        }
-        match self.aborted_for(comm, seq) {
-            Some(e) => Err(Fail::Aborted(e)),
-            // An abort from a later op: this one goes on.
-            None => send.await,
+        let mut signal = signal;
+        loop {
+            tokio::select! {
+                r = &mut send => return r,
+                _ = signal.cancelled() => {}
+            }
+            let mut r = lock(&self.router);
+            if let Some(e) = r.aborted_for(comm, seq) {
+                return Err(Fail::Aborted(e));
+            }
+            // An abort from a later op: this one goes on, woken again if the
+            // abort widens.
+            signal = r.abort_signal(comm);
         }
     }
 
@@ -362,6 +374,7 @@ impl Shared {
                 parts: [&head, payload],
                 written: 0,
                 rt: &self.rt,
+                finish_within: self.cfg.peer_timeout.max(ABORT_DEADLINE),
             };
             frame.write().await
         };
@@ -508,7 +521,7 @@ impl Shared {
         };
         let answer_by = deadline.min(Instant::now() + self.cfg.handshake_timeout);
         match timeout_at(answer_by, shake).await {
-            Err(_) if answer_by < deadline => Err(Fail::Gone {
+            Err(_) if answer_by < deadline => Err(Fail::Unanswered {
                 rank: dst,
                 reason: format!(
                     "{addr} accepted a connection but did not answer its handshake within {:?}: the process is stopped or hung",
@@ -530,6 +543,7 @@ impl Shared {
         if self.is_dead() {
             return;
         }
+        lock(&self.unpublished).remove(&peer);
         let (rd, wr) = stream.into_split();
         let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
         let conn = Arc::new(Conn {
@@ -548,6 +562,7 @@ impl Shared {
     /// Test fault: this rank dies as a SIGKILLed process does. Its listener
     /// and connections close with no goodbye and no abort (peers see EOF or a
     /// reset), nothing is written to the store, and its own operations fail.
+    #[cfg(feature = "faults")]
     pub fn kill(self: &Arc<Self>) {
         if self.faults.dead.swap(true, Ordering::Relaxed) {
             return;
@@ -567,11 +582,13 @@ impl Shared {
 
     /// Test fault: [`Shared::kill`] when about to send the `n`-th data frame
     /// from now (0: the next).
+    #[cfg(feature = "faults")]
     pub fn kill_at_frame(&self, n: u64) {
         let now = self.faults.frames.load(Ordering::Relaxed);
         self.faults.kill_at.store(now + n, Ordering::Relaxed);
     }
 
+    #[cfg(feature = "faults")]
     pub fn killed(&self) -> bool {
         self.is_dead()
     }
@@ -607,6 +624,11 @@ impl Shared {
         sender: Option<usize>,
         from_seq: u64,
     ) {
+        let Some(members) = self.members(comm) else {
+            lock(&self.router).abort(comm, err, from_seq);
+            return;
+        };
+        let (done, told) = tokio::sync::watch::channel(Telling::Recording);
         {
             let mut r = lock(&self.router);
             if !r.abort(comm, err, from_seq) {
@@ -615,15 +637,13 @@ impl Shared {
             if let Some(f) = sender {
                 r.note_told(comm, f);
             }
+            // Under the router's lock: the watch of the abort that won is
+            // the one `told` waits for.
+            lock(&self.telling).insert(comm, told);
         }
         if self.is_dead() {
             return;
         }
-        let Some(members) = self.members(comm) else {
-            return;
-        };
-        let (done, told) = tokio::sync::watch::channel(Telling::Recording);
-        lock(&self.telling).insert(comm, told);
         let me = self.clone();
         // Aborts also run from destructors, possibly as the runtime shuts down;
         // spawning then is a no-op (and dropping `done` ends the waits).
@@ -681,8 +701,22 @@ impl Shared {
         if self.is_dead() || !lock(&self.router).note_told(comm, peer) {
             return;
         }
+        let told = self.try_tell_abort(comm, peer).await;
+        if !told {
+            // Not written: its next contact with us tells it.
+            lock(&self.router).unnote_told(comm, peer);
+        }
+    }
+
+    async fn try_tell_abort(self: &Arc<Self>, comm: u64, peer: usize) -> bool {
+        // The record first (an origin's), so that a peer that exits on being
+        // told cannot leave a third rank with nothing to find.
+        let recording = lock(&self.telling).get(&comm).cloned();
+        if let Some(mut r) = recording {
+            let _ = r.wait_for(|t| *t != Telling::Recording).await;
+        }
         let Some((reason, own, from)) = self.abort_reason(comm) else {
-            return;
+            return false;
         };
         let h = Header::Abort {
             comm,
@@ -695,9 +729,9 @@ impl Shared {
         // A member that has not published its address never joined: there is
         // nothing to tell yet (when it connects, the abort is its answer).
         if !self.connected(peer) && !self.published(peer).await {
-            return;
+            return false;
         }
-        let _ = self.send_frame(peer, &h, bytes, 0, deadline).await;
+        self.send_frame(peer, &h, bytes, 0, deadline).await.is_ok()
     }
 
     /// Tells `peer` of every aborted group it is a member of (a new
@@ -861,6 +895,9 @@ struct WholeFrame<'a> {
     parts: [&'a [u8]; 2],
     written: usize,
     rt: &'a tokio::runtime::Handle,
+    /// How long the background finish may take; then the connection's
+    /// sending side is shut (the peer sees it end) rather than held forever.
+    finish_within: Duration,
 }
 
 impl WholeFrame<'_> {
@@ -905,17 +942,22 @@ impl Drop for WholeFrame<'_> {
         }
         let (h, p) = rest(self.parts, self.written);
         let rest = [h, p].concat();
+        let within = self.finish_within;
         // On a runtime shutting down this is a no-op, and so is everything else.
         self.rt.spawn(async move {
-            let _ = w.write_all(&rest).await;
+            if !matches!(timeout(within, w.write_all(&rest)).await, Ok(Ok(()))) {
+                let _ = w.shutdown().await;
+            }
         });
     }
 }
 
 /// Makes the kernel fail a connection whose peer's host stops answering
 /// within about `within`: keepalive probes while idle (answered by the peer's
-/// kernel, so a stopped process is not taken for a dead host), and
-/// `TCP_USER_TIMEOUT` for data left unacknowledged.
+/// kernel, so an idle stopped process is not taken for a dead host), and, on
+/// Linux, `TCP_USER_TIMEOUT` for data left unacknowledged, which since Linux
+/// 5.11 also covers a peer that takes nothing (its window stays shut): a
+/// process stopped that long while we have data for it is taken for gone.
 fn watch_liveness(s: &TcpStream, within: Duration) {
     if within.is_zero() {
         return;
@@ -926,10 +968,10 @@ fn watch_liveness(s: &TcpStream, within: Duration) {
         .with_interval(step)
         .with_retries(4);
     let sock = socket2::SockRef::from(s);
-    if let Err(e) = sock
-        .set_tcp_keepalive(&ka)
-        .and_then(|()| sock.set_tcp_user_timeout(Some(within)))
-    {
+    let set = sock.set_tcp_keepalive(&ka);
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    let set = set.and_then(|()| sock.set_tcp_user_timeout(Some(within)));
+    if let Err(e) = set {
         tracing::debug!("setting keepalive on a connection failed: {e}");
     }
 }

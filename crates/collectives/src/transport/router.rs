@@ -60,6 +60,10 @@ pub(crate) enum Fail {
     Aborted(Error),
     /// The peer refused the handshake or broke the protocol.
     Refused { rank: usize, reason: String },
+    /// The peer accepted a connection but did not answer its handshake in
+    /// time (stopped or hung): fails this operation, without marking the peer
+    /// gone for the others (it may only be slow).
+    Unanswered { rank: usize, reason: String },
     /// The deadline passed.
     Timeout,
 }
@@ -155,6 +159,12 @@ impl Router {
         self.told.insert((comm, peer))
     }
 
+    /// Forgets that `peer` has the abort (telling it failed or was skipped),
+    /// so that its next contact tells it.
+    pub fn unnote_told(&mut self, comm: u64, peer: usize) {
+        self.told.remove(&(comm, peer));
+    }
+
     pub fn was_told(&self, comm: u64, peer: usize) -> bool {
         self.told.contains(&(comm, peer))
     }
@@ -208,6 +218,15 @@ impl Router {
         let (tx, rx) = oneshot::channel();
         self.slots.insert(key, Slot::Waiting(tx));
         Start::Wait(rx)
+    }
+
+    /// Fails the receive waiting for `key`, if one is.
+    pub fn fail_recv(&mut self, key: Key, f: Fail) {
+        if matches!(self.slots.get(&key), Some(Slot::Waiting(_))) {
+            if let Some(Slot::Waiting(tx)) = self.slots.remove(&key) {
+                let _ = tx.send(Err(f));
+            }
+        }
     }
 
     /// Stops waiting for `key` (the deadline passed).
@@ -342,7 +361,11 @@ impl Router {
         }
         self.checks.retain(|(c, s), _| *c != comm || *s < from);
         self.ended.retain(|(c, s), _| *c != comm || *s < from);
-        self.abort_signal(comm).cancel();
+        // Wake every send of the group; a send the abort does not fail takes
+        // a fresh signal, which a later, wider abort fires again.
+        if let Some(old) = self.abort_signals.remove(&comm) {
+            old.cancel();
+        }
         true
     }
 }

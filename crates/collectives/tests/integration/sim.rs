@@ -526,8 +526,16 @@ fn check(seed: u64, s: &Scenario, runs: &[Run]) -> Result<(), String> {
                             runs[*g].error.is_none() && runs[*g].done.len() == len
                         };
                         let gone = named_gone(&t);
-                        let explained = t.contains("mismatched collectives")
-                            || (!gone.is_empty() && gone.iter().all(exited));
+                        // The mismatch named is this one: its op, and the
+                        // deviant's call as one side.
+                        let deviant = match &s.fault {
+                            Fault::Mismatch { rank, .. } => *rank,
+                            _ => unreachable!(),
+                        };
+                        let names_it = t.contains("mismatched collectives")
+                            && t.contains(&format!("at op #{at}:"))
+                            && t.contains(&format!("rank {deviant} called"));
+                        let explained = names_it || (!gone.is_empty() && gone.iter().all(exited));
                         if !explained {
                             return Err(format!("rank {r}'s error names neither the mismatch nor a rank that exited: {t}"));
                         }
