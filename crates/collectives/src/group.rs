@@ -1259,7 +1259,9 @@ impl OpCtx {
         {
             return a;
         }
-        match self.comm.sh().abort_record(self.comm.id).await {
+        let rec = self.comm.sh().abort_record(self.comm.id).await;
+        if std::env::var_os("RALLY_DBG").is_some() { eprintln!("DBG rank {} explain {e}: record {rec:?}", self.me()); }
+        match rec {
             Some(record) => Error::Aborted {
                 group: self.comm.members.name.clone(),
                 reason: record.into(),

@@ -382,8 +382,11 @@ impl Shared {
             Err(_) => Err(Fail::Timeout),
             Ok(Ok(())) => Ok(()),
             Ok(Err(e)) => {
+                // This send fails, but the peer is marked gone by its reader,
+                // after the frames it sent before it went (still unread in our
+                // socket) have been delivered: a peer that did its part and
+                // exited must not fail an op that has its frames.
                 let reason = format!("sending to it failed: {e}");
-                self.mark_gone(dst, &reason);
                 Err(Fail::Gone { rank: dst, reason })
             }
         }
@@ -410,12 +413,36 @@ impl Shared {
                 "this rank was killed (fault injection)".into(),
             )));
         }
+        // Connecting belongs to the transport, not to the op that asked: an
+        // op cancelled or aborted mid-handshake must not drop a connection
+        // the peer has already registered (the peer would read a reset).
+        let me = self.clone();
+        let opening = self.rt.spawn(async move { me.open_streams(dst, deadline).await });
+        match timeout_at(deadline, opening).await {
+            Err(_) => return Err(Fail::Timeout),
+            Ok(Err(_)) => {
+                return Err(Fail::Gone {
+                    rank: dst,
+                    reason: "the transport shut down".into(),
+                })
+            }
+            Ok(Ok(r)) => r?,
+        }
+        self.pick_conn(dst, pick).ok_or_else(|| Fail::Gone {
+            rank: dst,
+            reason: "its connection closed as it opened".into(),
+        })
+    }
+
+    /// Opens the connections to `dst` (one per stream), unless another task
+    /// has meanwhile.
+    async fn open_streams(self: Arc<Self>, dst: usize, deadline: Instant) -> Result<(), Fail> {
         let gate = lock(&self.connecting).entry(dst).or_default().clone();
         let _g = timeout_at(deadline, gate.lock())
             .await
             .map_err(|_| Fail::Timeout)?;
-        if let Some(c) = self.pick_conn(dst, pick) {
-            return Ok(c);
+        if self.connected(dst) {
+            return Ok(());
         }
         if let Some(reason) = lock(&self.router).gone(dst) {
             return Err(Fail::Gone {
@@ -434,10 +461,7 @@ impl Shared {
                 }
             }
         }
-        self.pick_conn(dst, pick).ok_or_else(|| Fail::Gone {
-            rank: dst,
-            reason: "its connection closed as it opened".into(),
-        })
+        Ok(())
     }
 
     /// Whether `peer`'s address is known or in the store, without waiting.
@@ -631,6 +655,7 @@ impl Shared {
         let (done, told) = tokio::sync::watch::channel(Telling::Recording);
         {
             let mut r = lock(&self.router);
+            if std::env::var_os("RALLY_DBG").is_some() { eprintln!("DBG rank {} abort origin={origin} from={from_seq} sender={sender:?}: {err}", self.cfg.rank); }
             if !r.abort(comm, err, from_seq) {
                 return;
             }
@@ -770,6 +795,7 @@ impl Shared {
             members.group_rank(self.cfg.rank)
         );
         let key = Self::record_key(comm);
+        if std::env::var_os("RALLY_DBG").is_some() { eprintln!("DBG rank {} records: {text}", self.cfg.rank); }
         let write = self.store.compare_set(&key, b"", text.as_bytes());
         match timeout(ABORT_DEADLINE, write).await {
             Ok(Ok(now)) => now == text.as_bytes(),
@@ -1011,7 +1037,19 @@ async fn read_loop(shared: Arc<Shared>, peer: usize, id: u64, rd: OwnedReadHalf)
             _ = shared.handshakes_settled() => {}
             _ = shared.cancel.cancelled() => return,
         }
-        if !shared.connected(peer) {
+        if shared.connected(peer) {
+            return;
+        }
+        // Check by connecting anew before naming it gone: a live peer can
+        // close a connection too (one it dropped mid-handshake when the op
+        // that opened it was cancelled, or one we timed out), while a dead one
+        // refuses at once.
+        let within = Instant::now() + shared.cfg.handshake_timeout + ABORT_DEADLINE;
+        let alive = tokio::select! {
+            r = shared.conn(peer, 0, within) => r.is_ok(),
+            _ = shared.cancel.cancelled() => return,
+        };
+        if !alive {
             shared.mark_gone(peer, &reason);
         }
     }
