@@ -1259,9 +1259,7 @@ impl OpCtx {
         {
             return a;
         }
-        let rec = self.comm.sh().abort_record(self.comm.id).await;
-        if std::env::var_os("RALLY_DBG").is_some() { eprintln!("DBG rank {} explain {e}: record {rec:?}", self.me()); }
-        match rec {
+        match self.comm.sh().abort_record(self.comm.id).await {
             Some(record) => Error::Aborted {
                 group: self.comm.members.name.clone(),
                 reason: record.into(),

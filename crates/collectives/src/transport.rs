@@ -417,7 +417,9 @@ impl Shared {
         // op cancelled or aborted mid-handshake must not drop a connection
         // the peer has already registered (the peer would read a reset).
         let me = self.clone();
-        let opening = self.rt.spawn(async move { me.open_streams(dst, deadline).await });
+        let opening = self
+            .rt
+            .spawn(async move { me.open_streams(dst, deadline).await });
         match timeout_at(deadline, opening).await {
             Err(_) => return Err(Fail::Timeout),
             Ok(Err(_)) => {
@@ -655,7 +657,6 @@ impl Shared {
         let (done, told) = tokio::sync::watch::channel(Telling::Recording);
         {
             let mut r = lock(&self.router);
-            if std::env::var_os("RALLY_DBG").is_some() { eprintln!("DBG rank {} abort origin={origin} from={from_seq} sender={sender:?}: {err}", self.cfg.rank); }
             if !r.abort(comm, err, from_seq) {
                 return;
             }
@@ -795,7 +796,6 @@ impl Shared {
             members.group_rank(self.cfg.rank)
         );
         let key = Self::record_key(comm);
-        if std::env::var_os("RALLY_DBG").is_some() { eprintln!("DBG rank {} records: {text}", self.cfg.rank); }
         let write = self.store.compare_set(&key, b"", text.as_bytes());
         match timeout(ABORT_DEADLINE, write).await {
             Ok(Ok(now)) => now == text.as_bytes(),
