@@ -11,8 +11,10 @@
 //! After the handshake both directions carry frames: a fixed 48-byte
 //! little-endian [`Header`] followed by `len` payload bytes, sent raw. A data frame
 //! carries the sender's description of the operation it belongs to ([`Desc`]), so
-//! the receiver can tell a mismatched collective from a slow one. An abort frame
-//! carries a UTF-8 reason. Decoders check every field and every length against a
+//! the receiver can tell a mismatched collective from a slow one. A want frame
+//! (header only) says the sender has waited for the receiver's part of a
+//! collective, and carries the sender's call for the receiver to compare. An
+//! abort frame carries a UTF-8 reason and the first collective it fails. Decoders check every field and every length against a
 //! bound before allocating; a bad frame ends the connection, never the process.
 
 use std::fmt;

@@ -1053,10 +1053,11 @@ impl OpCtx {
         Ok(())
     }
 
-    /// The first collective this op's failure fails: itself, since this rank
-    /// sent every frame of the ones before it, which may still finish
-    /// elsewhere (what needs a dead rank fails on its own). A point-to-point
-    /// message fails them all.
+    /// The first collective this op's failure fails: itself. The ones before
+    /// it go on, here and elsewhere: run one after another, this rank has sent
+    /// all their frames; an earlier `*_async` op still running here goes on
+    /// sending its own. What needs a dead rank fails on its own. A
+    /// point-to-point message fails them all.
     fn abort_from(&self) -> u64 {
         self.collective_seq().unwrap_or(0)
     }

@@ -16,10 +16,16 @@
 //! whatever steps the two algorithms use. Frames are written whole
 //! ([`WholeFrame`]), even when the operation writing one is cancelled.
 //!
-//! A connection that ends (EOF, reset, a bad frame) marks its peer gone: every
-//! operation waiting on that peer fails at once, and so does every later receive
-//! from it that is not already in the mailbox. Nothing fails merely because a peer
-//! exited after doing its part. A receive that has waited a moment asks the peer
+//! When the last connection with a peer ends (EOF, reset), after its reader
+//! has delivered every frame it carried, the peer is checked by connecting
+//! anew: a dead peer refuses, and is marked gone; every operation waiting on it
+//! fails at once, and so does every later receive from it that is not already
+//! in the mailbox. (A live peer can end a connection too: one it dropped
+//! mid-handshake.) A bad frame marks its sender gone at once. A failed send
+//! fails its op, but leaves marking the peer to the reader, so frames the peer
+//! sent before it went are not lost. Nothing fails merely because a peer
+//! exited after doing its part. Connecting is the transport's own task, never
+//! cut short by the op that asked for it. A receive that has waited a moment asks the peer
 //! for its part ([`Header::Want`]), which opens a connection if there is none, so
 //! a peer that died before ever connecting is noticed as a refused connection
 //! rather than at the timeout. Aborts are described at [`Shared::abort`].

@@ -2,7 +2,8 @@
 //!
 //! Each seed makes one scenario: 2–5 ranks in this process over loopback TCP,
 //! a random program of collectives (kind, type, size, root, reduce operator
-//! and algorithm), and at most one fault:
+//! and algorithm; in some scenarios two consecutive ops with an async form are
+//! started together with `*_async`), and at most one fault:
 //!
 //! - a **mismatch**: one rank calls something else at one op (another kind,
 //!   size, type, root or operator);
@@ -23,8 +24,9 @@
 //! 3. A mismatch fails every rank, with the mismatch as the cause (both sides
 //!    named; or, where the only rank that could compare had finished its
 //!    program and exited, that rank named as gone), never before the
-//!    mismatched op, in it or, at the latest, at the rank's first op
-//!    from there that depends on every rank (barrier, all_reduce, all_gather,
+//!    mismatched op, in it or, at the latest, at the rank's first later op
+//!    (begun after it: with ops started two at a time, the one begun with it
+//!    may complete) that depends on every rank (barrier, all_reduce, all_gather,
 //!    reduce_scatter, all_to_all, and gather or reduce at their root). An op
 //!    that depends on some ranks only, such as a broadcast at its root, may
 //!    succeed before the news arrives; see the README.
@@ -79,6 +81,13 @@ struct Op {
 }
 
 impl Op {
+    fn has_async(&self) -> bool {
+        matches!(
+            self.kind,
+            Kind::AllReduce(..) | Kind::Broadcast(..) | Kind::AllGather
+        )
+    }
+
     fn without_algorithm(mut self) -> Op {
         self.kind = match self.kind {
             Kind::AllReduce(o, _) => Kind::AllReduce(o, None),
@@ -125,6 +134,9 @@ struct Scenario {
     n: usize,
     program: Vec<Op>,
     fault: Fault,
+    /// Two consecutive ops that have an async form (all_reduce, broadcast,
+    /// all_gather) are started together with `*_async`, then awaited in order.
+    async_pairs: bool,
 }
 
 fn reduce_op(rng: &mut Rng) -> ReduceOp {
@@ -234,7 +246,13 @@ fn scenario(seed: u64) -> Scenario {
             frame: (rng.u8(..8) != 0).then(|| rng.u64(..60)),
         },
     };
-    Scenario { n, program, fault }
+    let async_pairs = rng.usize(..10) < 3;
+    Scenario {
+        n,
+        program,
+        fault,
+        async_pairs,
+    }
 }
 
 fn sim_opts() -> Options {
@@ -271,6 +289,38 @@ fn run<'a>(
     match op.ty {
         Ty::I32 => Box::pin(run_typed::<i32>(pg, seed, i, op)),
         Ty::F32 => Box::pin(run_typed::<f32>(pg, seed, i, op)),
+    }
+}
+
+type Running<'a> = Pin<Box<dyn Future<Output = Result<Out, Error>> + Send + 'a>>;
+
+/// Starts `op` with its `*_async` form (see [`Op::has_async`]): the
+/// sequence number is taken now.
+fn start_async<'a>(pg: &ProcessGroup, seed: u64, i: usize, op: Op) -> Running<'a> {
+    match op.ty {
+        Ty::I32 => start_typed::<i32>(pg, seed, i, op),
+        Ty::F32 => start_typed::<f32>(pg, seed, i, op),
+    }
+}
+
+fn start_typed<'a, T: Element>(pg: &ProcessGroup, seed: u64, i: usize, op: Op) -> Running<'a> {
+    let (r, c) = (pg.rank(), op.count);
+    match op.kind {
+        Kind::AllReduce(o, a) => {
+            let pg = a.map_or_else(|| pg.clone(), |a| pg.with_all_reduce_algorithm(a));
+            let w = pg.all_reduce_async(input::<T>(seed, i, r, c), o);
+            Box::pin(async move { w.wait().await.map(|b| to_i64(&b)) })
+        }
+        Kind::Broadcast(root, a) => {
+            let pg = a.map_or_else(|| pg.clone(), |a| pg.with_broadcast_algorithm(a));
+            let w = pg.broadcast_async(input::<T>(seed, i, r, c), root);
+            Box::pin(async move { w.wait().await.map(|b| to_i64(&b)) })
+        }
+        Kind::AllGather => {
+            let w = pg.all_gather_async(input::<T>(seed, i, r, c));
+            Box::pin(async move { w.wait().await.map(|b| to_i64(&b)) })
+        }
+        k => unreachable!("{k:?} has no async form"),
     }
 }
 
@@ -404,16 +454,33 @@ async fn play(seed: u64, s: &Scenario) -> Vec<Run> {
                     program[at] = op;
                 }
             }
+            let async_pairs = s.async_pairs;
             tokio::spawn(async move {
                 let mut done = Vec::new();
-                for (i, op) in program.into_iter().enumerate() {
-                    match run(&pg, seed, i, op).await {
-                        Ok(out) => done.push(out),
-                        Err(e) => {
-                            return Run {
-                                done,
-                                error: Some(e),
-                                killed: pg.killed(),
+                let mut i = 0;
+                while i < program.len() {
+                    let mut started = Vec::new();
+                    if async_pairs
+                        && i + 1 < program.len()
+                        && program[i].has_async()
+                        && program[i + 1].has_async()
+                    {
+                        // Both take their sequence numbers now, in order.
+                        started.push(start_async(&pg, seed, i, program[i]));
+                        started.push(start_async(&pg, seed, i + 1, program[i + 1]));
+                    } else {
+                        started.push(run(&pg, seed, i, program[i]));
+                    }
+                    i += started.len();
+                    for op in started {
+                        match op.await {
+                            Ok(out) => done.push(out),
+                            Err(e) => {
+                                return Run {
+                                    done,
+                                    error: Some(e),
+                                    killed: pg.killed(),
+                                }
                             }
                         }
                     }
@@ -461,6 +528,9 @@ fn named_gone(text: &str) -> Vec<usize> {
 fn check(seed: u64, s: &Scenario, runs: &[Run]) -> Result<(), String> {
     let n = s.n;
     let len = s.program.len();
+    // With ops started two at a time, the op after the fault's may have
+    // begun (and sent its frames) everywhere before the news arrived.
+    let in_flight = usize::from(s.async_pairs);
     // Invariant 1.
     for (r, run) in runs.iter().enumerate() {
         if let Some(e @ Error::Timeout { .. }) = &run.error {
@@ -503,7 +573,12 @@ fn check(seed: u64, s: &Scenario, runs: &[Run]) -> Result<(), String> {
             // Invariant 3.
             for (r, run) in runs.iter().enumerate() {
                 let failed_at = run.done.len();
-                let bound = first_all_dependent(&program_of(r), *at, r);
+                let p = program_of(r);
+                let bound = if p[*at].depends_on_all(r) {
+                    *at
+                } else {
+                    first_all_dependent(&p, *at + 1 + in_flight, r)
+                };
                 match &run.error {
                     None if bound < len => {
                         return Err(format!(
@@ -558,7 +633,7 @@ fn check(seed: u64, s: &Scenario, runs: &[Run]) -> Result<(), String> {
                 if r == *victim {
                     continue;
                 }
-                let bound = first_all_dependent(&s.program, died_in + 1, r);
+                let bound = first_all_dependent(&s.program, died_in + 1 + in_flight, r);
                 let failed_at = run.done.len();
                 match &run.error {
                     None if bound < len => {
