@@ -496,10 +496,12 @@ impl ProcessGroup {
     fn begin(&self, desc: Desc) -> Result<OpCtx> {
         let c = &self.comm;
         let seq = c.seq.fetch_add(1, Ordering::Relaxed);
-        if let Some(e) = c.sh().aborted_for(c.id, Some(seq)) {
-            return Err(e);
-        }
         let cx = self.ctx(desc, seq, false);
+        if let Some(e) = c.sh().aborted_for(c.id, Some(seq)) {
+            // Fails at its first await, after the abort (perhaps raised here
+            // by a peer's frame, before this op began) is recorded and told.
+            return Ok(cx.doom(e));
+        }
         if let Err((src, theirs)) = c.sh().begin_seq(c.id, seq, desc) {
             let err = Error::Mismatch {
                 group: self.name().to_owned(),
@@ -512,7 +514,7 @@ impl ProcessGroup {
             // Fail the group now (no frame of this op is sent), and the op
             // at its first await, after the others have been told.
             cx.fail(err.clone());
-            *cx.doomed.lock().unwrap_or_else(|e| e.into_inner()) = Some(err);
+            return Ok(cx.doom(err));
         }
         Ok(cx)
     }
@@ -520,16 +522,17 @@ impl ProcessGroup {
     /// Starts point-to-point message `desc` with `peer` (receive side if `recv`).
     fn begin_p2p(&self, desc: Desc, peer: usize, recv: bool) -> Result<OpCtx> {
         let c = &self.comm;
-        if let Some(e) = c.sh().aborted_for(c.id, None) {
-            return Err(e);
-        }
         let seq = {
             let mut m = c.p2p.lock().unwrap_or_else(|e| e.into_inner());
             let n = m.entry((recv, peer, desc.root)).or_default();
             *n += 1;
             *n - 1
         };
-        Ok(self.ctx(desc, seq, true))
+        let cx = self.ctx(desc, seq, true);
+        match c.sh().aborted_for(c.id, None) {
+            Some(e) => Ok(cx.doom(e)),
+            None => Ok(cx),
+        }
     }
 
     fn ctx(&self, desc: Desc, seq: u64, p2p: bool) -> OpCtx {
@@ -1051,6 +1054,15 @@ impl OpCtx {
             )));
         }
         Ok(())
+    }
+
+    /// This op fails with `e` at its first await, once its group's abort is
+    /// recorded and told: every send and receive of an op the abort fails
+    /// fails at once, so no frame of it is sent.
+    fn doom(self, e: Error) -> OpCtx {
+        self.done.store(true, Ordering::Relaxed);
+        *self.doomed.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+        self
     }
 
     /// The first collective this op's failure fails: itself. The ones before

@@ -256,12 +256,18 @@ async fn tcp_store(
         Err(rallypoint_store::StoreError::Listen { source, .. })
             if master && source.kind() == std::io::ErrorKind::AddrInUse =>
         {
-            let store = connect(false).await.map_err(|e| {
+            // A store answers its handshake at once; what does not within a
+            // few seconds is not one (and must not cost the whole timeout).
+            let quick = timeout.min(Duration::from_secs(5));
+            let not_a_store = |why: String| {
                 InitError::Taken(format!(
-                    "rank 0 cannot host the store: {host}:{port} is in use, and what listens there is not a store ({})",
-                    with_sources(&e)
+                    "rank 0 cannot host the store: {host}:{port} is in use, and what listens there is not a store ({why})"
                 ))
-            })?;
+            };
+            let store = tokio::time::timeout(quick, connect(false))
+                .await
+                .map_err(|_| not_a_store(format!("no store handshake within {quick:?}")))?
+                .map_err(|e| not_a_store(with_sources(&e)))?;
             tracing::warn!(
                 "{host}:{port} is already served by a store (rally store serve, or a launcher's): rank 0 uses it as a client instead of hosting one; set TORCHELASTIC_USE_AGENT_STORE=True to say so"
             );

@@ -163,6 +163,22 @@ async fn a_url_whose_store_is_already_served_is_used_as_a_client() {
         timeout: std::time::Duration::from_secs(3),
         ..opts()
     };
+    let e = ProcessGroup::from_url(&url, o.clone())
+        .await
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains(&format!("127.0.0.1:{port} is in use")) && e.contains("not a store"),
+        "{e}"
+    );
+
+    // One that accepts and never speaks (it once hung a test for the whole
+    // store timeout, when another process took a port between its pick and
+    // its bind): refused after a few seconds, not the timeout.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = silent.local_addr().unwrap().port();
+    let url = format!("tcp://127.0.0.1:{port}?rank=0&world_size=2");
     let e = ProcessGroup::from_url(&url, o)
         .await
         .err()
@@ -172,4 +188,5 @@ async fn a_url_whose_store_is_already_served_is_used_as_a_client() {
         e.contains(&format!("127.0.0.1:{port} is in use")) && e.contains("not a store"),
         "{e}"
     );
+    drop(silent);
 }
