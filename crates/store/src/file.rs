@@ -140,7 +140,14 @@ impl Inner {
         let file = loop {
             match opts.open(&self.path) {
                 Ok(f) => break f,
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound && Instant::now() < deadline => {
+                // Waiting for another process to create the file; creating
+                // it ourselves fails with NotFound only when its directory is
+                // gone, which waiting does not mend.
+                Err(e)
+                    if e.kind() == std::io::ErrorKind::NotFound
+                        && !matches!(how, Open::Create)
+                        && Instant::now() < deadline =>
+                {
                     std::thread::sleep(POLL)
                 }
                 Err(e) => return Err(self.io("open")(e)),
@@ -508,6 +515,30 @@ impl Store for FileStore {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// A write to a store whose directory is gone fails at once. It waited
+    /// for the whole store timeout (30 min by default) for the file to
+    /// appear; the store's drop does such a write (its reference count), and
+    /// a drop that raced the directory's removal stalled the async task that
+    /// dropped it, and a test's runtime with it.
+    #[test]
+    fn a_write_where_the_directory_is_gone_fails_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = FileStore::open_blocking(dir.path().join("s"), 2).unwrap();
+        store.set_timeout(Duration::from_secs(600));
+        drop(dir);
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let r = store.inner.add(&user_key("k"), 1);
+            let _ = tx.send(r.is_err());
+        });
+        // A hang detector, not a timing figure: the write takes microseconds.
+        assert_eq!(
+            rx.recv_timeout(Duration::from_secs(60)),
+            Ok(true),
+            "the write waited for a file in a directory that is gone"
+        );
+    }
 
     #[test]
     fn records_match_pytorch_layout() {
