@@ -1024,8 +1024,9 @@ pub(crate) struct OpCtx {
     pub(crate) deadline: Instant,
     waiting: Mutex<Option<(usize, u32, bool)>>,
     done: AtomicBool,
-    /// A mismatch found as the op began: its result, whatever the body did
-    /// (every send and receive of an op the group's abort fails fails at once).
+    /// The op's result when it was doomed as it began (a mismatch found then,
+    /// or its group already aborted for it), whatever the body did: every
+    /// send and receive of an op the group's abort fails fails at once.
     doomed: Mutex<Option<Error>>,
 }
 
