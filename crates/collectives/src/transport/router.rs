@@ -124,6 +124,9 @@ pub(crate) struct Router {
     slots: HashMap<Key, Slot>,
     checks: HashMap<(u64, u64), Check>,
     ended: HashMap<(u64, u64), Desc>,
+    /// Per group, one past the highest collective that ended here: a frame
+    /// for one more than [`ENDED_KEPT`] below it is dropped unfiled.
+    ended_top: HashMap<u64, u64>,
     gone: HashMap<usize, String>,
     aborted: HashMap<u64, Aborted>,
     /// Cancelled when its group aborts: wakes sends blocked on a full socket.
@@ -193,6 +196,8 @@ impl Router {
         if let Some(local) = self.checks.remove(&(comm, seq)).and_then(|c| c.local) {
             self.ended.insert((comm, seq), local);
         }
+        let top = self.ended_top.entry(comm).or_default();
+        *top = (*top).max(seq + 1);
         if let Some(old) = seq.checked_sub(ENDED_KEPT) {
             self.ended.remove(&(comm, old));
         }
@@ -236,6 +241,22 @@ impl Router {
         }
     }
 
+    /// Whether collective `seq` ended here so long ago that its call is
+    /// forgotten: nothing will wait for a frame of it, or compare one. (An
+    /// `*_async` op still running while over a thousand later ones ended is
+    /// not.)
+    fn forgotten(&self, comm: u64, seq: u64) -> bool {
+        let running = self
+            .checks
+            .get(&(comm, seq))
+            .is_some_and(|c| c.local.is_some());
+        !running
+            && self
+                .ended_top
+                .get(&comm)
+                .is_some_and(|&top| seq + ENDED_KEPT < top)
+    }
+
     /// Compares `desc`, from world rank `src`, with the local call of
     /// collective `seq`, or keeps it to compare when that call starts.
     fn compare(&mut self, comm: u64, seq: u64, src: u32, desc: Desc) -> Option<Clash> {
@@ -275,6 +296,9 @@ impl Router {
             return Delivery::TellAbort;
         }
         if !key.p2p {
+            if self.forgotten(key.comm, key.seq) {
+                return Delivery::Taken;
+            }
             if self.ended.contains_key(&(key.comm, key.seq)) {
                 // Late for an op that ended here: compare, then drop it
                 // (nobody will ever wait for it).
@@ -306,6 +330,9 @@ impl Router {
     pub fn want(&mut self, comm: u64, seq: u64, src: u32, desc: Desc) -> Delivery {
         if self.aborted_for(comm, Some(seq)).is_some() {
             return Delivery::TellAbort;
+        }
+        if self.forgotten(comm, seq) {
+            return Delivery::Taken;
         }
         match self.compare(comm, seq, src, desc) {
             Some(c) => Delivery::Clash(c),
@@ -508,6 +535,24 @@ mod tests {
         assert!(r.abort(1, aborted("mismatch at 5"), 5));
         assert!(matches!(six.try_recv(), Ok(Err(Fail::Aborted(_)))));
         assert!(r.aborted(1).unwrap().to_string().contains("at 5"));
+    }
+
+    #[test]
+    fn a_frame_for_a_long_forgotten_op_is_dropped_unfiled() {
+        let mut r = Router::default();
+        for seq in 0..=ENDED_KEPT + 1 {
+            r.begin_seq(1, seq, desc(4)).unwrap();
+            r.end_seq(1, seq);
+        }
+        // Op 0's call is forgotten: its frame and a want for it leave nothing.
+        assert_eq!(r.deliver(key(2, 0), desc(4), buf()), Delivery::Taken);
+        assert_eq!(r.want(1, 0, 2, desc(9)), Delivery::Taken);
+        assert!(r.slots.is_empty() && r.checks.is_empty());
+        // Recent ones are still compared.
+        assert!(matches!(
+            r.deliver(key(2, ENDED_KEPT + 1), desc(5), buf()),
+            Delivery::Clash(_)
+        ));
     }
 
     #[test]
