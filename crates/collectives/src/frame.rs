@@ -106,16 +106,19 @@ pub enum Algo {
     Dissemination,
     /// Segmented, pipelined chain (large broadcasts).
     Chain,
+    /// Shared memory (every rank on one host; see `shm`).
+    Shm,
 }
 
 impl Algo {
-    const ALL: [Algo; 6] = [
+    const ALL: [Algo; 7] = [
         Algo::Direct,
         Algo::Ring,
         Algo::RecursiveDoubling,
         Algo::Tree,
         Algo::Dissemination,
         Algo::Chain,
+        Algo::Shm,
     ];
 
     fn from_code(c: u8) -> Option<Algo> {

@@ -16,6 +16,7 @@ use crate::algorithms as algo;
 use crate::element::{bytes_of, bytes_of_mut, Buf, DType, Element, ReduceOp};
 use crate::error::{Error, Result};
 use crate::frame::{Algo, Desc, Header, OpKind, MAX_PAYLOAD};
+use crate::shm::{self, ops as shm_ops, Arena, Turn};
 use crate::transport::{Config, Fail, Key, Members, Shared, Transport};
 
 /// gloo's default operation timeout.
@@ -55,6 +56,13 @@ pub struct Options {
     /// `TCP_USER_TIMEOUT` while data waits unacknowledged. Zero: the kernel's
     /// defaults (minutes).
     pub peer_timeout: Duration,
+    /// Ranks that are all on one host (and a world of at most
+    /// 64) run collectives over shared memory rather than loopback TCP;
+    /// `false` keeps them on TCP. Every rank must agree.
+    pub shared_memory: bool,
+    /// Bytes of each half of a rank's shared-memory slot: the most a rank
+    /// moves per round (at least 64 per rank, rounded up to 64).
+    pub shm_slot_bytes: usize,
 }
 
 impl Default for Options {
@@ -70,6 +78,8 @@ impl Default for Options {
             probe_after: Duration::from_millis(250),
             handshake_timeout: Duration::from_secs(2),
             peer_timeout: Duration::from_secs(10),
+            shared_memory: true,
+            shm_slot_bytes: 1 << 20,
         }
     }
 }
@@ -110,11 +120,35 @@ pub(crate) struct Comm {
     p2p: Mutex<HashMap<(bool, usize, u32), u64>>,
     subgroups: Mutex<HashMap<Vec<usize>, u64>>,
     opts: Arc<Options>,
+    /// The group's shared memory, once its first collective has decided
+    /// (`None`: TCP).
+    shm: tokio::sync::OnceCell<Option<Arc<Arena>>>,
+    /// Collectives' turns at the shared memory.
+    turn: Turn,
 }
 
 impl Comm {
     fn sh(&self) -> &Arc<Shared> {
         &self.t.shared
+    }
+
+    pub(crate) fn shm_cell(&self) -> &tokio::sync::OnceCell<Option<Arc<Arena>>> {
+        &self.shm
+    }
+
+    fn new(t: Arc<Transport>, id: u64, members: Members, rank: usize, opts: Arc<Options>) -> Comm {
+        Comm {
+            t,
+            id,
+            members,
+            rank,
+            seq: AtomicU64::new(0),
+            p2p: Mutex::default(),
+            subgroups: Mutex::default(),
+            opts,
+            shm: tokio::sync::OnceCell::new(),
+            turn: Turn::default(),
+        }
     }
 }
 
@@ -284,16 +318,21 @@ impl ProcessGroup {
             ranks: (0..size).collect(),
         };
         t.shared.register_members(0, members.clone());
-        Ok(ProcessGroup::with_comm(Comm {
-            t: Arc::new(t),
-            id: 0,
+        if (2..=shm::MAX_RANKS).contains(&size) {
+            let entry = shm::host_entry(rank, opts.shared_memory);
+            t.shared
+                .store()
+                .set(&format!("host/{rank}"), entry.as_bytes())
+                .await
+                .map_err(|e| store_err("publishing this rank's host", e))?;
+        }
+        Ok(ProcessGroup::with_comm(Comm::new(
+            Arc::new(t),
+            0,
             members,
             rank,
-            seq: AtomicU64::new(0),
-            p2p: Mutex::default(),
-            subgroups: Mutex::default(),
-            opts: Arc::new(opts),
-        }))
+            Arc::new(opts),
+        )))
     }
 
     /// Forms a group through PyTorch's URL init: `env://` (the default under
@@ -374,7 +413,8 @@ impl ProcessGroup {
         }
     }
 
-    /// This group with the all-reduce algorithm fixed. Every rank must choose the same.
+    /// This group with the all-reduce algorithm fixed, over TCP (a group
+    /// over shared memory has one algorithm per op). Every rank must choose the same.
     pub fn with_all_reduce_algorithm(&self, a: AllReduceAlgorithm) -> ProcessGroup {
         let algo = match a {
             AllReduceAlgorithm::Ring => Algo::Ring,
@@ -387,7 +427,8 @@ impl ProcessGroup {
         }
     }
 
-    /// This group with the broadcast algorithm fixed. Every rank must choose the same.
+    /// This group with the broadcast algorithm fixed, over TCP (a group
+    /// over shared memory has one algorithm per op). Every rank must choose the same.
     pub fn with_broadcast_algorithm(&self, a: BroadcastAlgorithm) -> ProcessGroup {
         let algo = match a {
             BroadcastAlgorithm::Tree => Algo::Tree,
@@ -475,16 +516,13 @@ impl ProcessGroup {
         };
         self.comm.sh().register_members(id, members.clone());
         Ok(Some(ProcessGroup {
-            comm: Arc::new(Comm {
-                t: self.comm.t.clone(),
+            comm: Arc::new(Comm::new(
+                self.comm.t.clone(),
                 id,
                 members,
                 rank,
-                seq: AtomicU64::new(0),
-                p2p: Mutex::default(),
-                subgroups: Mutex::default(),
-                opts: self.comm.opts.clone(),
-            }),
+                self.comm.opts.clone(),
+            )),
             ..self.clone()
         }))
     }
@@ -544,6 +582,7 @@ impl ProcessGroup {
             timeout: self.timeout,
             deadline: Instant::now() + self.timeout,
             waiting: Mutex::new(None),
+            note: Mutex::new(None),
             done: AtomicBool::new(false),
             doomed: Mutex::new(None),
         }
@@ -611,6 +650,9 @@ impl ProcessGroup {
         };
         let cx = self.begin(self.desc::<u8>(OpKind::Barrier, None, algo, 0, 0)?)?;
         let fut = async {
+            if let Some(a) = cx.shm().await? {
+                return shm_ops::barrier(&a, &cx).await;
+            }
             match algo {
                 Algo::Dissemination => algo::barrier_dissemination(&cx).await,
                 _ => algo::barrier_tree(&cx).await,
@@ -667,6 +709,9 @@ impl ProcessGroup {
         let cx =
             self.begin(self.desc::<T>(OpKind::Reduce, Some(op), algo, root32, buf.len())?)?;
         let fut = async {
+            if let Some(a) = cx.shm().await? {
+                return shm_ops::reduce(&a, &cx, buf, op, Some(root)).await;
+            }
             let mut scratch;
             let acc: &mut [T] = if cx.me() == root {
                 buf
@@ -710,15 +755,14 @@ impl ProcessGroup {
         }
         let cx = self.begin(self.desc::<T>(OpKind::AllGatherV, None, Algo::Ring, 0, at)?)?;
         let mut all = vec![T::from_i8(0); at];
-        all[bounds[self.rank()].clone()].copy_from_slice(input);
-        cx.finish(
-            timeout_at(
-                cx.deadline,
-                algo::ring_all_gather(&cx, &mut all, &bounds, 0),
-            )
-            .await,
-        )
-        .await?;
+        let fut = async {
+            if let Some(a) = cx.shm().await? {
+                return shm_ops::gather(&a, &cx, input, &bounds, Some(&mut all)).await;
+            }
+            all[bounds[self.rank()].clone()].copy_from_slice(input);
+            algo::ring_all_gather(&cx, &mut all, &bounds, 0).await
+        };
+        cx.finish(timeout_at(cx.deadline, fut).await).await?;
         Ok(bounds.into_iter().map(|b| all[b].to_vec()).collect())
     }
 
@@ -731,6 +775,13 @@ impl ProcessGroup {
         let n = self.size();
         let k = input.len();
         let fut = async {
+            if let Some(a) = cx.shm().await? {
+                let bounds = algo::equal_bounds(k, n);
+                let mut all = vec![T::from_i8(0); if cx.me() == root { n * k } else { 0 }];
+                let out = (cx.me() == root).then_some(&mut all[..]);
+                shm_ops::gather(&a, &cx, input, &bounds, out).await?;
+                return Ok((cx.me() == root).then_some(all));
+            }
             if cx.me() == root {
                 let mut all = vec![T::from_i8(0); n * k];
                 let bounds = algo::equal_bounds(k, n);
@@ -764,8 +815,15 @@ impl ProcessGroup {
         };
         let cx =
             self.begin(self.desc::<T>(OpKind::Scatter, None, Algo::Direct, root32, out.len())?)?;
-        cx.finish(timeout_at(cx.deadline, algo::scatter_direct(&cx, input, out, root)).await)
-            .await
+        let k = out.len();
+        let fut = async {
+            if let Some(a) = cx.shm().await? {
+                let how = shm_ops::Parts::Scatter { root };
+                return shm_ops::parts(&a, &cx, how, input, out, k).await;
+            }
+            algo::scatter_direct(&cx, input, out, root).await
+        };
+        cx.finish(timeout_at(cx.deadline, fut).await).await
     }
 
     /// Reduces every rank's `input` (`size × out.len()` elements) with `op` and
@@ -785,6 +843,10 @@ impl ProcessGroup {
             out.len(),
         )?)?;
         let fut = async {
+            if let Some(a) = cx.shm().await? {
+                let (how, k) = (shm_ops::Parts::ReduceScatter(op), out.len());
+                return shm_ops::parts(&a, &cx, how, input, out, k).await;
+            }
             let mut acc = input.to_vec();
             let bounds = algo::equal_bounds(out.len(), cx.n());
             algo::ring_reduce_scatter(&cx, &mut acc, &bounds, op, 0).await?;
@@ -816,8 +878,14 @@ impl ProcessGroup {
             0,
             input.len() / n,
         )?)?;
-        cx.finish(timeout_at(cx.deadline, algo::all_to_all_pairwise(&cx, input, out)).await)
-            .await
+        let fut = async {
+            if let Some(a) = cx.shm().await? {
+                let k = input.len() / n;
+                return shm_ops::parts(&a, &cx, shm_ops::Parts::AllToAll, input, out, k).await;
+            }
+            algo::all_to_all_pairwise(&cx, input, out).await
+        };
+        cx.finish(timeout_at(cx.deadline, fut).await).await
     }
 
     /// Sends `data` to rank `dst` under `tag`; the matching [`ProcessGroup::recv`]
@@ -963,6 +1031,9 @@ impl ProcessGroup {
 }
 
 async fn broadcast_impl<T: Element>(cx: &OpCtx, buf: &mut [T], root: usize) -> Result<()> {
+    if let Some(a) = cx.shm().await? {
+        return shm_ops::broadcast(&a, cx, buf, root).await;
+    }
     match cx.desc.algo {
         Algo::Chain => algo::chain_broadcast(cx, buf, root).await,
         _ => algo::tree_broadcast(cx, buf, root, 0).await,
@@ -970,6 +1041,9 @@ async fn broadcast_impl<T: Element>(cx: &OpCtx, buf: &mut [T], root: usize) -> R
 }
 
 async fn all_reduce_impl<T: Element>(cx: &OpCtx, buf: &mut [T], op: ReduceOp) -> Result<()> {
+    if let Some(a) = cx.shm().await? {
+        return shm_ops::reduce(&a, cx, buf, op, None).await;
+    }
     match cx.desc.algo {
         Algo::Ring => algo::ring_all_reduce(cx, buf, op).await,
         Algo::Tree => algo::tree_all_reduce(cx, buf, op).await,
@@ -979,6 +1053,9 @@ async fn all_reduce_impl<T: Element>(cx: &OpCtx, buf: &mut [T], op: ReduceOp) ->
 
 async fn all_gather_impl<T: Element>(cx: &OpCtx, input: &[T], out: &mut [T]) -> Result<()> {
     let bounds = algo::equal_bounds(input.len(), cx.n());
+    if let Some(a) = cx.shm().await? {
+        return shm_ops::gather(&a, cx, input, &bounds, Some(out)).await;
+    }
     out[bounds[cx.me()].clone()].copy_from_slice(input);
     algo::ring_all_gather(cx, out, &bounds, 0).await
 }
@@ -1023,6 +1100,8 @@ pub(crate) struct OpCtx {
     timeout: Duration,
     pub(crate) deadline: Instant,
     waiting: Mutex<Option<(usize, u32, bool)>>,
+    /// What the op waits for when that is not a rank's step (set-up).
+    note: Mutex<Option<String>>,
     done: AtomicBool,
     /// The op's result when it was doomed as it began (a mismatch found then,
     /// or its group already aborted for it), whatever the body did: every
@@ -1031,6 +1110,66 @@ pub(crate) struct OpCtx {
 }
 
 impl OpCtx {
+    /// The group's shared memory, if this op runs over it.
+    async fn shm(&self) -> Result<Option<Arc<Arena>>> {
+        if self.p2p
+            || self
+                .doomed
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_some()
+        {
+            return Ok(None);
+        }
+        shm::arena_of(self).await
+    }
+
+    pub(crate) fn sh(&self) -> &Arc<Shared> {
+        self.comm.sh()
+    }
+
+    pub(crate) fn comm_arc(&self) -> &Arc<Comm> {
+        &self.comm
+    }
+
+    pub(crate) fn comm_id(&self) -> u64 {
+        self.comm.id
+    }
+
+    pub(crate) fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    pub(crate) fn desc(&self) -> Desc {
+        self.desc
+    }
+
+    pub(crate) fn opts(&self) -> &Options {
+        &self.comm.opts
+    }
+
+    pub(crate) fn turn(&self) -> &Turn {
+        &self.comm.turn
+    }
+
+    pub(crate) fn group_name(&self) -> String {
+        self.comm.members.name.clone()
+    }
+
+    /// Rank `k` (of the group) is gone, for `reason`.
+    pub(crate) fn gone(&self, k: usize, reason: String) -> Error {
+        self.error(Fail::Gone {
+            rank: self.world(k),
+            reason,
+        })
+    }
+
+    /// What the op waits for, for its timeout message, when that is not a
+    /// rank's step.
+    pub(crate) fn note_waiting(&self, what: String) {
+        *self.note.lock().unwrap_or_else(|e| e.into_inner()) = Some(what);
+    }
+
     pub(crate) fn n(&self) -> usize {
         self.comm.members.ranks.len()
     }
@@ -1088,11 +1227,11 @@ impl OpCtx {
         }
     }
 
-    fn world(&self, grank: usize) -> usize {
+    pub(crate) fn world(&self, grank: usize) -> usize {
         self.comm.members.ranks[grank]
     }
 
-    fn error(&self, f: Fail) -> Error {
+    pub(crate) fn error(&self, f: Fail) -> Error {
         let group = self.comm.members.name.clone();
         match f {
             Fail::Aborted(e) => e,
@@ -1119,7 +1258,12 @@ impl OpCtx {
             ),
             Some((r, step, false)) => format!("rank {r} (step {step})"),
             Some((r, step, true)) => format!("rank {r} to take step {step}"),
-            None => "the operation to start".into(),
+            None => self
+                .note
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone()
+                .unwrap_or_else(|| "the operation to start".into()),
         };
         Error::Timeout {
             group: self.comm.members.name.clone(),
@@ -1129,7 +1273,7 @@ impl OpCtx {
         }
     }
 
-    fn set_waiting(&self, r: usize, step: u32, sending: bool) {
+    pub(crate) fn set_waiting(&self, r: usize, step: u32, sending: bool) {
         *self.waiting.lock().unwrap_or_else(|e| e.into_inner()) = Some((r, step, sending));
     }
 
@@ -1309,6 +1453,9 @@ impl OpCtx {
 
 impl Drop for OpCtx {
     fn drop(&mut self) {
+        if !self.p2p {
+            self.comm.turn.done(self.seq);
+        }
         if !self.done.load(Ordering::Relaxed) {
             let reason = Error::Aborted {
                 group: self.comm.members.name.clone(),

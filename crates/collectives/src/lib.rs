@@ -81,6 +81,7 @@ mod element;
 mod error;
 mod frame;
 mod group;
+mod shm;
 mod transport;
 
 pub use element::{DType, Element, ReduceOp};

@@ -46,6 +46,7 @@ use tokio_util::sync::CancellationToken;
 use crate::element::{Buf, Pool};
 use crate::error::Error;
 use crate::frame::{Desc, Header, Hello, OpKind, HEADER_LEN, HELLO_LEN};
+use crate::shm::Arena;
 
 /// How long an accepted connection may take to say hello.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -112,6 +113,12 @@ pub(crate) struct Shared {
     unpublished: Mutex<std::collections::HashSet<usize>>,
     /// Per aborted group: how far its telling has come.
     telling: Mutex<HashMap<u64, tokio::sync::watch::Receiver<Telling>>>,
+    /// Groups that run over shared memory: an abort is also marked in the
+    /// region (waking its sleepers), and a kill marks this rank dead there.
+    arenas: Mutex<HashMap<u64, std::sync::Weak<Arena>>>,
+    /// Whether every rank of the world is on this host, with their process
+    /// ids (decided at the first collective; see `shm`).
+    pub local: tokio::sync::OnceCell<Option<Arc<[u32]>>>,
     refused: AtomicU64,
     next_conn: AtomicU64,
     /// Accepted connections still in their handshake (whose peer is not known yet).
@@ -179,6 +186,8 @@ impl Transport {
             router: Mutex::default(),
             members: Mutex::default(),
             telling: Mutex::default(),
+            arenas: Mutex::default(),
+            local: tokio::sync::OnceCell::new(),
             unpublished: Mutex::default(),
             refused: AtomicU64::new(0),
             next_conn: AtomicU64::new(0),
@@ -321,12 +330,7 @@ impl Shared {
             unreachable!("only data frames are sent this way")
         };
         let seq = (desc.op != OpKind::Send).then_some(seq);
-        #[cfg(feature = "faults")]
-        if self.faults.frames.fetch_add(1, Ordering::Relaxed)
-            >= self.faults.kill_at.load(Ordering::Relaxed)
-        {
-            self.kill();
-        }
+        self.count_frame();
         let signal = {
             let mut r = lock(&self.router);
             if let Some(e) = r.aborted_for(comm, seq) {
@@ -587,8 +591,54 @@ impl Shared {
         self.tell_aborts_to(peer, None);
     }
 
-    fn is_dead(&self) -> bool {
+    /// Whether this rank was killed (fault injection).
+    pub fn is_dead(&self) -> bool {
         self.faults.dead.load(Ordering::Relaxed)
+    }
+
+    /// Counts a data frame (or a shared-memory stage) about to be sent, for
+    /// [`Shared::kill_at_frame`].
+    pub fn count_frame(self: &Arc<Self>) {
+        #[cfg(feature = "faults")]
+        if self.faults.frames.fetch_add(1, Ordering::Relaxed)
+            >= self.faults.kill_at.load(Ordering::Relaxed)
+        {
+            self.kill();
+        }
+    }
+
+    /// The group's (prefixed) store.
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.store
+    }
+
+    /// Group `comm` runs over `arena` from now on.
+    pub fn add_arena(&self, comm: u64, arena: &Arc<Arena>) {
+        if self.is_dead() {
+            arena.set_presence(crate::shm::Presence::Killed);
+        }
+        lock(&self.arenas).insert(comm, Arc::downgrade(arena));
+        if self.aborted(comm).is_some() {
+            arena.abort();
+        }
+    }
+
+    /// Why `peer` is gone, if it is known to be.
+    pub fn gone_reason(&self, peer: usize) -> Option<String> {
+        lock(&self.router).gone(peer).cloned()
+    }
+
+    /// Checks that `peer` is alive by connecting to it, in the background,
+    /// unless a connection exists: a refusal marks it gone (see
+    /// [`Shared::gone_reason`]).
+    pub fn probe(self: &Arc<Self>, peer: usize, deadline: Instant) {
+        if self.connected(peer) || self.gone_reason(peer).is_some() {
+            return;
+        }
+        let me = self.clone();
+        self.rt.spawn(async move {
+            let _ = me.conn(peer, 0, deadline).await;
+        });
     }
 
     /// Test fault: this rank dies as a SIGKILLed process does. Its listener
@@ -601,6 +651,12 @@ impl Shared {
         }
         self.cancel.cancel();
         lock(&self.peers).clear();
+        for a in lock(&self.arenas)
+            .values()
+            .filter_map(std::sync::Weak::upgrade)
+        {
+            a.set_presence(crate::shm::Presence::Killed);
+        }
         let comms: Vec<u64> = lock(&self.members).keys().copied().collect();
         for comm in comms {
             let err = Error::Aborted {
@@ -673,8 +729,15 @@ impl Shared {
             // the one `told` waits for.
             lock(&self.telling).insert(comm, told);
         }
+        // A killed rank writes nothing, in the region as in the store.
         if self.is_dead() {
             return;
+        }
+        if let Some(a) = lock(&self.arenas)
+            .get(&comm)
+            .and_then(std::sync::Weak::upgrade)
+        {
+            a.abort();
         }
         let me = self.clone();
         // Aborts also run from destructors, possibly as the runtime shuts down;

@@ -536,6 +536,8 @@ async fn a_peer_dead_or_stuck_before_any_op_is_named_in_every_way_it_can_be() {
             .unwrap();
         let o = Options {
             timeout: Duration::from_secs(60),
+            // The fake peers are TCP's: no process behind them to share memory with.
+            shared_memory: false,
             ..opts()
         };
         let pg = ProcessGroup::new(store, 0, 2, o).await.unwrap();

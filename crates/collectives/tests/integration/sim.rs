@@ -1,6 +1,7 @@
 //! Seeded fault schedules over the real group (feature `faults`).
 //!
-//! Each seed makes one scenario: 2–5 ranks in this process over loopback TCP,
+//! Each seed makes one scenario: 2–5 ranks in this process, over shared
+//! memory (rounds of 512 bytes) or over loopback TCP (half the seeds each),
 //! a random program of collectives (kind, type, size, root, reduce operator
 //! and algorithm; in some scenarios two consecutive ops with an async form are
 //! started together with `*_async`), and at most one fault:
@@ -137,6 +138,8 @@ struct Scenario {
     /// Two consecutive ops that have an async form (all_reduce, broadcast,
     /// all_gather) are started together with `*_async`, then awaited in order.
     async_pairs: bool,
+    /// Over shared memory (every rank is in this process, on one host), or TCP.
+    shm: bool,
 }
 
 fn reduce_op(rng: &mut Rng) -> ReduceOp {
@@ -247,16 +250,21 @@ fn scenario(seed: u64) -> Scenario {
         },
     };
     let async_pairs = rng.usize(..10) < 3;
+    let shm = rng.bool();
     Scenario {
         n,
         program,
         fault,
         async_pairs,
+        shm,
     }
 }
 
-fn sim_opts() -> Options {
+fn sim_opts(shm: bool) -> Options {
     Options {
+        shared_memory: shm,
+        // Rounds of 512 bytes: buffers of a few hundred elements take several.
+        shm_slot_bytes: 512,
         timeout: TIMEOUT,
         // Small segments and thresholds, so small buffers take every path:
         // segmented rings and chains, trees, recursive doubling.
@@ -438,7 +446,7 @@ struct Run {
 }
 
 async fn play(seed: u64, s: &Scenario) -> Vec<Run> {
-    let pgs = group(s.n, sim_opts()).await;
+    let pgs = group(s.n, sim_opts(s.shm)).await;
     if let Fault::Kill { rank, frame } = s.fault {
         match frame {
             None => pgs[rank].kill(),

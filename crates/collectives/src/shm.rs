@@ -1,0 +1,570 @@
+//! Shared memory for groups whose ranks are all on one host.
+//!
+//! **Choosing.** At set-up every rank of a world of 2 to [`MAX_RANKS`] ranks
+//! publishes `host/<rank>` = "`<pid> <host>`", where `<host>` is this host's
+//! identity (host name, boot id and PID namespace; `RALLY_HOST_ID` overrides
+//! it, for tests) or `off-<rank>` when [`crate::Options::shared_memory`] is
+//! off. At the first collective every rank reads them all; when every rank
+//! names this host, every group of the world (and its subgroups) runs its
+//! collectives over shared memory, else over TCP. Every rank reads the same
+//! keys, so every rank decides the same. Point-to-point messages stay on TCP.
+//!
+//! **Attaching.** At a group's first collective its rank 0 creates an
+//! anonymous memory file ([`sys`]) and publishes `shm/<group id>` =
+//! "`<pid> <fd>`"; the others open it through `/proc/<pid>/fd/<fd>` and check
+//! that its header carries this group's nonce (from the generation and the
+//! group id), so another job or an earlier round can never attach. The file
+//! has no name: a rank killed at any moment leaves nothing in `/dev/shm`.
+//!
+//! **Running.** Every rank has a slot of two halves in the region
+//! ([`arena`]). An operation runs in rounds: each rank writes its part of the
+//! round into its half, all meet at a stage, each reads what it needs from
+//! every half, and the next round uses the other half. A rank writes into a
+//! half again only two rounds later, after every rank has arrived at the
+//! stage of the round between, which it does only after reading, so one
+//! stage per round suffices (two for the split all-reduce). See [`ops`].
+//!
+//! **Waiting.** A rank spins briefly ([`SPIN`] checks, then [`YIELDS`]
+//! yields), then sleeps on the futex of a rank that has not arrived, in
+//! slices of [`SLICE`] on a blocking thread (the operation's task stays
+//! free). Between slices it checks what ends the wait early: an abort (from
+//! the region, where any local rank marks it, or from the router), and the
+//! rank it waits for: dropped the group (marked in the region), died (its
+//! pidfd is readable), or, before it ever mapped the region, unreachable
+//! (a TCP probe is refused). So a dead rank is named within a slice.
+//!
+//! **Mismatches.** Before an operation's first stage each rank writes its
+//! call into its control line; after that stage every rank compares every
+//! call with its own. So every rank of a mismatched operation fails in that
+//! operation, naming both calls, whatever the kinds.
+//!
+//! **Order.** Operations of a group use the region one at a time in the
+//! order of their sequence numbers ([`Turn`]), so `*_async` operations
+//! started together run one after another here as on every rank.
+
+pub(crate) mod arena;
+pub(crate) mod ops;
+pub(crate) mod sys;
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+pub(crate) use arena::{Arena, Presence};
+
+use crate::error::{Error, Result};
+use crate::frame::{Algo, Desc, Header};
+use crate::group::{stable_hash, OpCtx};
+
+/// The largest world that uses shared memory: every stage reads every rank's
+/// word, so a flat region stops paying off well before a thousand ranks.
+pub const MAX_RANKS: usize = 64;
+/// Checks of the stage words before yielding.
+pub const SPIN: u32 = 2000;
+/// `sched_yield`s before sleeping.
+pub const YIELDS: u32 = 8;
+/// A sleeper's longest nap between its checks.
+pub const SLICE: Duration = Duration::from_millis(50);
+/// How long a rank that found the region aborted waits for the reason.
+const REASON_WAIT: Duration = Duration::from_secs(2);
+
+/// This host's identity: equal on two ranks exactly when they can share memory.
+pub(crate) fn host_key() -> String {
+    if let Ok(id) = std::env::var("RALLY_HOST_ID") {
+        return format!("id:{id}");
+    }
+    let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
+    let pid_ns = std::fs::read_link("/proc/self/ns/pid")
+        .map(|p| p.display().to_string())
+        .unwrap_or_default();
+    format!(
+        "{}/{}/{}",
+        read("/proc/sys/kernel/hostname").trim(),
+        read("/proc/sys/kernel/random/boot_id").trim(),
+        pid_ns
+    )
+}
+
+/// What rank `rank` publishes at set-up (see the module docs).
+pub(crate) fn host_entry(rank: usize, enabled: bool) -> String {
+    let host = if enabled && sys::supported() {
+        host_key()
+    } else {
+        format!("off-{rank}")
+    };
+    format!("{} {host}", std::process::id())
+}
+
+/// Whether every rank of the world (`n` ranks) is on this host: their
+/// process ids if so. Waits for every rank's entry, within the op's deadline.
+async fn decide(cx: &OpCtx, n: usize) -> Result<Option<Arc<[u32]>>> {
+    let sh = cx.sh();
+    let keys: Vec<String> = (0..n).map(|r| format!("host/{r}")).collect();
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    loop {
+        let mut missing = Vec::new();
+        for (r, k) in keys.iter().enumerate() {
+            if !sh.store().check(&[k]).await.unwrap_or(false) {
+                missing.push(r.to_string());
+            }
+        }
+        if missing.is_empty() {
+            break;
+        }
+        let who = match missing.len() {
+            1 => format!("rank {}", missing[0]),
+            _ => format!("ranks {}", missing.join(", ")),
+        };
+        cx.note_waiting(format!(
+            "{who}, which never published its address or host: it never formed the group (not started, or died during set-up)"
+        ));
+        if sh.is_dead() {
+            return Err(killed(cx));
+        }
+        if let Some(e) = sh.aborted_for(cx.comm_id(), Some(cx.seq())) {
+            return Err(e);
+        }
+        tokio::time::sleep(SLICE).await;
+    }
+    let vals = sh
+        .store()
+        .multi_get(&refs)
+        .await
+        .map_err(|e| Error::Setup {
+            group: cx.group_name(),
+            reason: format!("reading the ranks' hosts: {e}"),
+        })?;
+    let mine = host_entry(cx.world(cx.me()), cx.opts().shared_memory);
+    let my_host = mine.split_once(' ').map(|x| x.1);
+    let mut pids = Vec::with_capacity(n);
+    for v in &vals {
+        let v = String::from_utf8_lossy(v);
+        let (pid, host) = v.split_once(' ').unwrap_or(("", ""));
+        if Some(host) != my_host {
+            return Ok(None);
+        }
+        pids.push(pid.parse::<u32>().unwrap_or(0));
+    }
+    Ok(Some(pids.into()))
+}
+
+/// The region of `cx`'s group, attached at its first collective; `None`
+/// when the group runs over TCP.
+pub(crate) async fn arena_of(cx: &OpCtx) -> Result<Option<Arc<Arena>>> {
+    let comm = cx.comm_arc();
+    let cell = comm.shm_cell();
+    if let Some(a) = cell.get() {
+        return Ok(a.clone());
+    }
+    let sh = cx.sh();
+    let world = sh.cfg.world;
+    let local = if (2..=MAX_RANKS).contains(&world) && cx.opts().shared_memory {
+        sh.local
+            .get_or_try_init(|| decide(cx, world))
+            .await?
+            .clone()
+    } else {
+        None
+    };
+    let Some(pids) = local else {
+        return Ok(cell.get_or_init(|| async { None }).await.clone());
+    };
+    cell.get_or_try_init(|| attach(cx, pids))
+        .await
+        .map(Option::clone)
+}
+
+async fn attach(cx: &OpCtx, pids: Arc<[u32]>) -> Result<Option<Arc<Arena>>> {
+    let (n, me, id) = (cx.n(), cx.me(), cx.comm_id());
+    if n < 2 {
+        return Ok(None);
+    }
+    let sh = cx.sh();
+    let key = format!("shm/{id:016x}");
+    let nonce = stable_hash(&[sh.cfg.nonce, id]);
+    let setup = |reason: String| Error::Setup {
+        group: cx.group_name(),
+        reason,
+    };
+    let arena = if me == 0 {
+        let a = Arena::create(n, cx.opts().shm_slot_bytes, nonce)
+            .map_err(|e| setup(format!("creating shared memory: {e}")))?;
+        let v = format!("{} {}", std::process::id(), a.raw_fd());
+        sh.store()
+            .set(&key, v.as_bytes())
+            .await
+            .map_err(|e| setup(format!("publishing the shared memory: {e}")))?;
+        a
+    } else {
+        cx.note_waiting("rank 0 to create the group's shared memory".into());
+        let creator = pids.get(cx.world(0)).copied();
+        while !sh.store().check(&[&key]).await.unwrap_or(false) {
+            check_absent(cx, 0, creator)?;
+            tokio::time::sleep(SLICE).await;
+        }
+        let v = sh
+            .store()
+            .get_now(&key)
+            .await
+            .map_err(|e| setup(format!("reading {key}: {e}")))?;
+        let v = String::from_utf8_lossy(&v).into_owned();
+        let (pid, fd) = v
+            .split_once(' ')
+            .and_then(|(p, f)| Some((p.parse().ok()?, f.parse().ok()?)))
+            .ok_or_else(|| setup(format!("bad {key} {v:?} in the store")))?;
+        match Arena::attach(pid, fd, n, me, nonce) {
+            Ok(a) => a,
+            Err(reason) => return Err(attach_failed(cx, pid, reason).await),
+        }
+    };
+    let arena = Arc::new(arena);
+    sh.add_arena(id, &arena);
+    tracing::info!(
+        group = %cx.group_name(),
+        ranks = n,
+        slot_kib = arena.slot >> 10,
+        "every rank is on this host: collectives run over shared memory"
+    );
+    Ok(Some(arena))
+}
+
+/// Why rank 0's region (of process `pid`) could not be opened: the usual
+/// reason is that rank 0 left the group (having failed, when the group's
+/// abort says why) or died before this rank came; else the system refused.
+async fn attach_failed(cx: &OpCtx, pid: u32, reason: String) -> Error {
+    let sh = cx.sh();
+    let until = Instant::now() + REASON_WAIT;
+    let ended = || pid != std::process::id() && sys::pidfd(pid).map_or(true, |fd| sys::ended(&fd));
+    // The descriptor closed (rank 0 left) reads as no such file, or as
+    // whatever reused its number: another file, a socket. Only a refusal is
+    // the system's.
+    let refused = reason.contains("ermission denied") || reason.contains("not permitted");
+    if refused {
+        return Error::Setup {
+            group: cx.group_name(),
+            reason: format!("rank 0's shared memory: {reason}"),
+        };
+    }
+    loop {
+        if let Some(e) = sh.aborted(cx.comm_id()) {
+            return e;
+        }
+        if let Some(record) = sh.abort_record(cx.comm_id()).await {
+            return Error::Aborted {
+                group: cx.group_name(),
+                reason: record.into(),
+                by: None,
+            };
+        }
+        if Instant::now() >= until {
+            let what = if ended() {
+                "its process ended"
+            } else {
+                "it left the group"
+            };
+            return cx.gone(
+                0,
+                format!("{what} before this rank mapped its shared memory ({reason})"),
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Operations' turns at the region, in sequence order: an operation waits
+/// until every earlier one of its group has ended (here).
+#[derive(Default)]
+pub(crate) struct Turn {
+    /// The first sequence number not yet ended, and those ended past it.
+    state: Mutex<(u64, BTreeSet<u64>)>,
+    moved: tokio::sync::Notify,
+}
+
+impl Turn {
+    pub async fn wait(&self, seq: u64) {
+        loop {
+            let moved = self.moved.notified();
+            tokio::pin!(moved);
+            moved.as_mut().enable();
+            if self.state.lock().unwrap_or_else(|e| e.into_inner()).0 >= seq {
+                return;
+            }
+            moved.await;
+        }
+    }
+
+    pub fn done(&self, seq: u64) {
+        {
+            let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            let (next, ended) = &mut *g;
+            ended.insert(seq);
+            while ended.remove(next) {
+                *next += 1;
+            }
+        }
+        self.moved.notify_waiters();
+    }
+}
+
+/// One operation's use of the region: rounds of writes, a stage, and reads.
+pub(crate) struct Round<'a> {
+    pub a: &'a Arc<Arena>,
+    cx: &'a OpCtx,
+    at: arena::Cursor,
+    compared: bool,
+    ended: bool,
+}
+
+impl Drop for Round<'_> {
+    fn drop(&mut self) {
+        if !self.ended {
+            self.a
+                .cursor
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .broken = true;
+        }
+    }
+}
+
+impl<'a> Round<'a> {
+    /// Waits for this operation's turn and writes its call.
+    pub async fn begin(a: &'a Arc<Arena>, cx: &'a OpCtx) -> Result<Round<'a>> {
+        cx.turn().wait(cx.seq()).await;
+        let at = *a.cursor.lock().unwrap_or_else(|e| e.into_inner());
+        // After a failed op (whose abort may still be on its way here).
+        if let Some(e) = cx.sh().aborted_for(cx.comm_id(), Some(cx.seq())) {
+            return Err(e);
+        }
+        if at.broken {
+            return Err(Error::Aborted {
+                group: cx.group_name(),
+                reason: "an earlier operation failed part-way on this rank".into(),
+                by: None,
+            });
+        }
+        let call = Header::Want {
+            comm: cx.comm_id(),
+            seq: cx.seq(),
+            step: 0,
+            desc: shm_desc(cx.desc()),
+        };
+        a.set_call(at.ops, &call.encode());
+        Ok(Round {
+            a,
+            cx,
+            at,
+            compared: false,
+            ended: false,
+        })
+    }
+
+    /// Elements of `T` that fit in a half.
+    pub fn fits<T>(&self) -> usize {
+        self.a.slot / std::mem::size_of::<T>()
+    }
+
+    /// This round's half of rank `k`.
+    pub fn half(&self, k: usize) -> *mut u8 {
+        self.a.data(k, self.at.half)
+    }
+
+    /// Moves to the next round (the other half).
+    pub fn next(&mut self) {
+        self.at.half ^= 1;
+    }
+
+    /// Meets every rank at the next stage: what this rank wrote before is
+    /// visible to all after. The first stage compares the calls.
+    pub async fn stage(&mut self) -> Result<()> {
+        let sh = self.cx.sh();
+        sh.count_frame();
+        if sh.is_dead() {
+            return Err(killed(self.cx));
+        }
+        self.at.stage = self.at.stage.wrapping_add(1);
+        let s = self.at.stage;
+        self.a.arrive(s);
+        self.wait_all(s).await?;
+        if !self.compared {
+            self.compared = true;
+            self.compare()?;
+        }
+        Ok(())
+    }
+
+    /// The operation is done here: the next one starts where it ended.
+    pub fn end(mut self) {
+        self.at.ops += 1;
+        *self.a.cursor.lock().unwrap_or_else(|e| e.into_inner()) = self.at;
+        self.ended = true;
+    }
+
+    fn compare(&self) -> Result<()> {
+        let me = self.a.me;
+        let mine = shm_desc(self.cx.desc());
+        for k in (0..self.a.n).filter(|&k| k != me) {
+            let theirs = Header::decode(&self.a.call(k, self.at.ops));
+            let bad = |reason: String| Error::Protocol {
+                group: self.cx.group_name(),
+                rank: k,
+                reason,
+            };
+            match theirs {
+                Ok(Header::Want {
+                    comm, seq, desc, ..
+                }) if comm == self.cx.comm_id() => {
+                    if seq != self.cx.seq() || desc != mine {
+                        return Err(Error::Mismatch {
+                            group: self.cx.group_name(),
+                            seq: self.cx.seq(),
+                            rank_a: me,
+                            desc_a: mine.to_string(),
+                            rank_b: k,
+                            desc_b: if seq == self.cx.seq() {
+                                desc.to_string()
+                            } else {
+                                format!("{desc} as op #{seq}")
+                            },
+                        });
+                    }
+                }
+                Ok(h) => return Err(bad(format!("its call in shared memory is {h:?}"))),
+                Err(e) => return Err(bad(format!("its call in shared memory: {e}"))),
+            }
+        }
+        Ok(())
+    }
+
+    async fn wait_all(&self, s: u32) -> Result<()> {
+        let mut tries = 0u32;
+        while let Some(k) = self.a.missing(s) {
+            if tries < SPIN {
+                tries += 1;
+                std::hint::spin_loop();
+                continue;
+            }
+            if tries < SPIN + YIELDS {
+                tries += 1;
+                std::thread::yield_now();
+                continue;
+            }
+            self.cx.set_waiting(k, s, false);
+            self.check(k).await?;
+            let a = self.a.clone();
+            let _ = tokio::task::spawn_blocking(move || a.sleep_on(k, s, SLICE)).await;
+        }
+        Ok(())
+    }
+
+    /// What ends a wait for rank `k` early: an abort, or `k` gone.
+    async fn check(&self, k: usize) -> Result<()> {
+        let (cx, sh) = (self.cx, self.cx.sh());
+        if sh.is_dead() {
+            return Err(killed(cx));
+        }
+        if let Some(e) = sh.aborted_for(cx.comm_id(), Some(cx.seq())) {
+            return Err(e);
+        }
+        if let Some(by) = self.a.aborted_by() {
+            return Err(self.abort_reason(by).await);
+        }
+        let world = cx.world(k);
+        let pid = match self.a.presence(k) {
+            Presence::Left => return Err(cx.gone(k, "it dropped the group".into())),
+            Presence::Killed => return Err(cx.gone(k, "it died (killed)".into())),
+            Presence::Here => self.a.pid(k),
+            Presence::Absent => {
+                let pid = sh.local.get().and_then(|p| p.as_ref()?.get(world).copied());
+                return check_absent(cx, k, pid);
+            }
+        };
+        match pid {
+            Some(p) if self.a.pid_ended(p) => Err(cx.gone(k, format!("its process ({p}) ended"))),
+            _ => Ok(()),
+        }
+    }
+
+    /// The group's abort, marked in the region by rank `by`: its reason
+    /// arrives by TCP or is in the store's record (waited for, bounded).
+    async fn abort_reason(&self, by: usize) -> Error {
+        let (cx, sh) = (self.cx, self.cx.sh());
+        let until = Instant::now() + REASON_WAIT;
+        loop {
+            if let Some(e) = sh.aborted(cx.comm_id()) {
+                return e;
+            }
+            if let Some(record) = sh.abort_record(cx.comm_id()).await {
+                return Error::Aborted {
+                    group: cx.group_name(),
+                    reason: record.into(),
+                    by: None,
+                };
+            }
+            // An aborter that left with no reason sent or recorded was cut
+            // off (its runtime shut down mid-operation, say): it is gone.
+            let gone = match self.a.presence(by) {
+                Presence::Left | Presence::Killed => true,
+                _ => self.a.pid(by).is_some_and(|p| self.a.pid_ended(p)),
+            };
+            if gone || Instant::now() >= until {
+                let what = if gone {
+                    "it left"
+                } else {
+                    "its reason never arrived"
+                };
+                return cx.gone(
+                    by,
+                    format!("it marked the group aborted mid-operation and {what}"),
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+/// Whether group rank `k`, which has not mapped the region (process `pid`,
+/// if known), is gone: its process ended, or a TCP probe of it was
+/// refused (it died before it came); or whether the group is aborted.
+/// Otherwise it is merely late.
+fn check_absent(cx: &OpCtx, k: usize, pid: Option<u32>) -> Result<()> {
+    let sh = cx.sh();
+    if sh.is_dead() {
+        return Err(killed(cx));
+    }
+    if let Some(e) = sh.aborted_for(cx.comm_id(), Some(cx.seq())) {
+        return Err(e);
+    }
+    let world = cx.world(k);
+    if let Some(reason) = sh.gone_reason(world) {
+        return Err(cx.gone(k, reason));
+    }
+    if let Some(p) = pid.filter(|&p| p != std::process::id()) {
+        if sys::pidfd(p).map_or(true, |fd| sys::ended(&fd)) {
+            return Err(cx.gone(
+                k,
+                format!("its process ({p}) ended before it mapped the group's shared memory"),
+            ));
+        }
+    }
+    sh.probe(world, cx.deadline);
+    Ok(())
+}
+
+/// The call shared-memory operations compare.
+fn shm_desc(d: Desc) -> Desc {
+    Desc {
+        algo: Algo::Shm,
+        ..d
+    }
+}
+
+fn killed(cx: &OpCtx) -> Error {
+    Error::Aborted {
+        group: cx.group_name(),
+        reason: "this rank was killed (fault injection)".into(),
+        by: None,
+    }
+}

@@ -1,0 +1,258 @@
+//! The collectives over a shared-memory region, in rounds (see `shm`).
+//!
+//! A round moves at most a half slot per rank. Each rank copies its part in,
+//! every rank meets at a stage, and each copies (or reduces) out what it
+//! needs straight from the others' halves: one copy in and one copy out per
+//! byte, no staging through sockets.
+//!
+//! | op | a round |
+//! |---|---|
+//! | barrier | one stage, no data |
+//! | broadcast | the root writes; a stage; the others read |
+//! | all_reduce, small or 2 ranks | all write; a stage; each reduces every half in rank order (the same on all ranks, so results agree to the bit) |
+//! | all_reduce, larger, 3 or more ranks | all write; a stage; rank `r` reduces part `r` of every half into its own; a stage; all read every reduced part |
+//! | reduce | as all_reduce, only the root reads |
+//! | all_gather (equal or varying), gather | all write; a stage; all (or the root) read every half |
+//! | scatter | the root writes every rank's part; a stage; each reads its own |
+//! | reduce_scatter | all write every part; a stage; rank `r` reduces part `r` of every half |
+//! | all_to_all | all write every part; a stage; rank `r` reads part `r` of every half |
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use super::{Arena, Round};
+use crate::algorithms::even_bounds;
+use crate::element::{Element, ReduceOp};
+use crate::error::Result;
+use crate::group::OpCtx;
+
+/// All-reduces of more bytes than this, on 3 or more ranks, split the
+/// reduction across ranks (two stages a round): each reads its part of
+/// every half instead of all of them.
+pub const SPLIT_ABOVE: usize = 64 << 10;
+
+/// `len` elements in rounds of at most `per` (one empty round for none).
+fn rounds(len: usize, per: usize) -> Vec<Range<usize>> {
+    if len == 0 {
+        return vec![0..0];
+    }
+    (0..len)
+        .step_by(per.max(1))
+        .map(|s| s..(s + per).min(len))
+        .collect()
+}
+
+/// # Safety
+/// `p` is a half (aligned to a cache line) with room for `len` elements, and no
+/// rank writes the elements read until the next stage.
+unsafe fn view<'x, T>(p: *mut u8, len: usize) -> &'x [T] {
+    std::slice::from_raw_parts(p as *const T, len)
+}
+
+/// # Safety
+/// As [`view`], and no rank reads the elements written before the next stage.
+unsafe fn view_mut<'x, T>(p: *mut u8, len: usize) -> &'x mut [T] {
+    std::slice::from_raw_parts_mut(p as *mut T, len)
+}
+
+fn split(n: usize, bytes: usize) -> bool {
+    n > 2 && bytes > SPLIT_ABOVE
+}
+
+pub(crate) async fn barrier(a: &Arc<Arena>, cx: &OpCtx) -> Result<()> {
+    let mut r = Round::begin(a, cx).await?;
+    r.stage().await?;
+    r.end();
+    Ok(())
+}
+
+pub(crate) async fn broadcast<T: Element>(
+    a: &Arc<Arena>,
+    cx: &OpCtx,
+    buf: &mut [T],
+    root: usize,
+) -> Result<()> {
+    let mut r = Round::begin(a, cx).await?;
+    let me = a.me;
+    for c in rounds(buf.len(), r.fits::<T>()) {
+        let len = c.len();
+        if me == root {
+            // SAFETY: the root's half is written by it alone before the stage.
+            unsafe { view_mut::<T>(r.half(me), len) }.copy_from_slice(&buf[c.clone()]);
+        }
+        r.stage().await?;
+        if me != root {
+            // SAFETY: written before the stage; rewritten two rounds on.
+            buf[c].copy_from_slice(unsafe { view::<T>(r.half(root), len) });
+        }
+        r.next();
+    }
+    r.end();
+    Ok(())
+}
+
+/// All-reduce (`root` `None`) or reduce to `root`: other ranks' buffers
+/// are left as they were.
+pub(crate) async fn reduce<T: Element>(
+    a: &Arc<Arena>,
+    cx: &OpCtx,
+    buf: &mut [T],
+    op: ReduceOp,
+    root: Option<usize>,
+) -> Result<()> {
+    let mut r = Round::begin(a, cx).await?;
+    let (n, me) = (a.n, a.me);
+    let reads = root.is_none_or(|x| x == me);
+    let split = split(n, std::mem::size_of_val(buf));
+    for c in rounds(buf.len(), r.fits::<T>()) {
+        let len = c.len();
+        let out = &mut buf[c];
+        // SAFETY: this rank's half, read by others only after the stage.
+        unsafe { view_mut::<T>(r.half(me), len) }.copy_from_slice(out);
+        r.stage().await?;
+        if split {
+            let parts = even_bounds(len, n);
+            let p = parts[me].clone();
+            {
+                // SAFETY: part `me` of every half is read by this rank only,
+                // and written (in its own half) by it only, until the stage.
+                let acc = &mut unsafe { view_mut::<T>(r.half(me), len) }[p.clone()];
+                for k in (0..n).filter(|&k| k != me) {
+                    T::reduce(op, acc, &unsafe { view::<T>(r.half(k), len) }[p.clone()]);
+                }
+                if op == ReduceOp::Avg {
+                    T::divide(acc, n);
+                }
+            }
+            r.stage().await?;
+            if reads {
+                for (k, p) in parts.into_iter().enumerate() {
+                    // SAFETY: reduced before the second stage.
+                    out[p.clone()].copy_from_slice(&unsafe { view::<T>(r.half(k), len) }[p]);
+                }
+            }
+        } else if reads {
+            // SAFETY: every half was written before the stage.
+            out.copy_from_slice(unsafe { view::<T>(r.half(0), len) });
+            for k in 1..n {
+                T::reduce(op, out, unsafe { view::<T>(r.half(k), len) });
+            }
+            if op == ReduceOp::Avg {
+                T::divide(out, n);
+            }
+        }
+        r.next();
+    }
+    r.end();
+    Ok(())
+}
+
+/// Every rank's `input` into `out` at `bounds[rank]` (all ranks, or only
+/// where `out` is given: the root of a gather).
+pub(crate) async fn gather<T: Element>(
+    a: &Arc<Arena>,
+    cx: &OpCtx,
+    input: &[T],
+    bounds: &[Range<usize>],
+    mut out: Option<&mut [T]>,
+) -> Result<()> {
+    let mut r = Round::begin(a, cx).await?;
+    let me = a.me;
+    let longest = bounds.iter().map(|b| b.len()).max().unwrap_or(0);
+    let within = |c: &Range<usize>, len: usize| c.start.min(len)..c.end.min(len);
+    for c in rounds(longest, r.fits::<T>()) {
+        let m = within(&c, input.len());
+        // SAFETY: this rank's half, read by others only after the stage.
+        unsafe { view_mut::<T>(r.half(me), m.len()) }.copy_from_slice(&input[m]);
+        r.stage().await?;
+        if let Some(out) = out.as_deref_mut() {
+            for (k, b) in bounds.iter().enumerate() {
+                let t = within(&c, b.len());
+                let at = b.start + t.start;
+                // SAFETY: written before the stage.
+                out[at..at + t.len()].copy_from_slice(unsafe { view::<T>(r.half(k), t.len()) });
+            }
+        }
+        r.next();
+    }
+    r.end();
+    Ok(())
+}
+
+/// The ops where every rank holds one part per rank (`k` elements each):
+/// each round, a writer puts up to `per` elements of every part into its
+/// half, part `j` at `j * per`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Parts {
+    /// The root's `input` part `j` to rank `j`.
+    Scatter { root: usize },
+    /// Part `r` of every rank's input, reduced, to rank `r`.
+    ReduceScatter(ReduceOp),
+    /// Part `r` of rank `j`'s input to part `j` of rank `r`'s output.
+    AllToAll,
+}
+
+pub(crate) async fn parts<T: Element>(
+    a: &Arc<Arena>,
+    cx: &OpCtx,
+    how: Parts,
+    input: &[T],
+    out: &mut [T],
+    k: usize,
+) -> Result<()> {
+    let mut r = Round::begin(a, cx).await?;
+    let (n, me) = (a.n, a.me);
+    let per = (r.fits::<T>() / n).max(1);
+    let writes = match how {
+        Parts::Scatter { root } => root == me,
+        _ => true,
+    };
+    for c in rounds(k, per) {
+        let len = c.len();
+        if writes {
+            // SAFETY: this rank's half (n parts of `per` fit), read by
+            // others only after the stage.
+            let half = unsafe { view_mut::<T>(r.half(me), n * per) };
+            for j in 0..n {
+                half[j * per..j * per + len]
+                    .copy_from_slice(&input[j * k + c.start..j * k + c.end]);
+            }
+        }
+        r.stage().await?;
+        // SAFETY (every read below): written before the stage.
+        let part = |j: usize| &unsafe { view::<T>(r.half(j), n * per) }[me * per..me * per + len];
+        match how {
+            Parts::Scatter { root } => out[c].copy_from_slice(part(root)),
+            Parts::ReduceScatter(op) => {
+                let o = &mut out[c];
+                o.copy_from_slice(part(0));
+                for j in 1..n {
+                    T::reduce(op, o, part(j));
+                }
+                if op == ReduceOp::Avg {
+                    T::divide(o, n);
+                }
+            }
+            Parts::AllToAll => {
+                for j in 0..n {
+                    out[j * k + c.start..j * k + c.end].copy_from_slice(part(j));
+                }
+            }
+        }
+        r.next();
+    }
+    r.end();
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounds_cover_the_buffer_once_and_empty_buffers_get_one() {
+        assert_eq!(rounds(0, 4), vec![0..0]);
+        assert_eq!(rounds(9, 4), vec![0..4, 4..8, 8..9]);
+        assert_eq!(rounds(8, 4), vec![0..4, 4..8]);
+    }
+}

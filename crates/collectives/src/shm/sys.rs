@@ -1,0 +1,183 @@
+//! The few Linux calls shared memory needs: an anonymous memory file
+//! (`memfd_create`), opened by other processes through `/proc/<pid>/fd/<fd>`,
+//! mapped shared; futex waits and wakes on words in that mapping; and a pidfd
+//! per peer, which becomes readable when the peer's process ends (even
+//! before it is reaped).
+//!
+//! A memory file has no name anywhere: it lives while a process holds it open
+//! or mapped, so a rank killed at any moment leaves nothing behind (nothing in
+//! `/dev/shm` to sweep). On other systems every call fails with `Unsupported`
+//! and groups use TCP.
+
+use std::io;
+use std::os::fd::OwnedFd;
+use std::sync::atomic::AtomicU32;
+use std::time::Duration;
+
+#[cfg(target_os = "linux")]
+mod imp {
+    use super::*;
+    use std::os::fd::{AsRawFd, FromRawFd};
+
+    fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
+        if r < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(r)
+        }
+    }
+
+    pub fn supported() -> bool {
+        true
+    }
+
+    /// A new anonymous memory file of `len` bytes (zeros).
+    pub fn memfd(len: usize) -> io::Result<OwnedFd> {
+        // SAFETY: a valid C string; the returned descriptor is ours.
+        let fd = cvt(unsafe { libc::memfd_create(c"rallypoint-shm".as_ptr(), libc::MFD_CLOEXEC) })?;
+        // SAFETY: `fd` was just opened and is owned by nothing else.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        cvt(unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) })?;
+        Ok(fd)
+    }
+
+    /// Opens descriptor `fd` of process `pid` (a memory file it created).
+    pub fn open_of(pid: u32, fd: i32) -> io::Result<OwnedFd> {
+        let path = std::ffi::CString::new(format!("/proc/{pid}/fd/{fd}")).expect("no NUL");
+        // SAFETY: a valid C string; the returned descriptor is ours.
+        let fd = cvt(unsafe { libc::open(path.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) })?;
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    pub fn file_len(fd: &OwnedFd) -> io::Result<u64> {
+        // SAFETY: `st` is written by fstat before it is read.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        cvt(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) })?;
+        Ok(st.st_size as u64)
+    }
+
+    /// Maps `len` bytes of `fd` shared, read and write.
+    pub fn map(fd: &OwnedFd, len: usize) -> io::Result<*mut u8> {
+        // SAFETY: a fresh mapping chosen by the kernel; checked for failure.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(p.cast())
+    }
+
+    /// # Safety
+    /// `p..p+len` must be a mapping from [`map`] that nothing uses any more.
+    pub unsafe fn unmap(p: *mut u8, len: usize) {
+        libc::munmap(p.cast(), len);
+    }
+
+    /// A pidfd for `pid`.
+    pub fn pidfd(pid: u32) -> io::Result<OwnedFd> {
+        // SAFETY: a plain syscall; the returned descriptor is ours.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+    }
+
+    /// Whether the process behind `pidfd` has ended.
+    pub fn ended(pidfd: &OwnedFd) -> bool {
+        let mut p = libc::pollfd {
+            fd: pidfd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd.
+        let r = unsafe { libc::poll(&mut p, 1, 0) };
+        r > 0 && p.revents & libc::POLLIN != 0
+    }
+
+    /// Sleeps while `word` holds `seen`, at most `max` (a wake, a signal or
+    /// a changed word return early). Shared between processes: no
+    /// `FUTEX_PRIVATE_FLAG`.
+    pub fn futex_wait(word: &AtomicU32, seen: u32, max: Duration) {
+        let ts = libc::timespec {
+            tv_sec: max.as_secs() as libc::time_t,
+            tv_nsec: max.subsec_nanos() as libc::c_long,
+        };
+        // SAFETY: `word` is a live, aligned u32; `ts` outlives the call.
+        unsafe {
+            libc::syscall(
+                libc::SYS_futex,
+                word.as_ptr(),
+                libc::FUTEX_WAIT,
+                seen,
+                &ts as *const libc::timespec,
+                std::ptr::null::<u32>(),
+                0u32,
+            );
+        }
+    }
+
+    /// Wakes every process sleeping on `word`.
+    pub fn futex_wake(word: &AtomicU32) {
+        // SAFETY: `word` is a live, aligned u32.
+        unsafe {
+            libc::syscall(
+                libc::SYS_futex,
+                word.as_ptr(),
+                libc::FUTEX_WAKE,
+                i32::MAX,
+                std::ptr::null::<libc::timespec>(),
+                std::ptr::null::<u32>(),
+                0u32,
+            );
+        }
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+mod imp {
+    use super::*;
+
+    fn no<T>() -> io::Result<T> {
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "shared memory between ranks needs Linux",
+        ))
+    }
+    pub fn supported() -> bool {
+        false
+    }
+    pub fn memfd(_: usize) -> io::Result<OwnedFd> {
+        no()
+    }
+    pub fn open_of(_: u32, _: i32) -> io::Result<OwnedFd> {
+        no()
+    }
+    pub fn file_len(_: &OwnedFd) -> io::Result<u64> {
+        no()
+    }
+    pub fn map(_: &OwnedFd, _: usize) -> io::Result<*mut u8> {
+        no()
+    }
+    pub unsafe fn unmap(_: *mut u8, _: usize) {}
+    pub fn pidfd(_: u32) -> io::Result<OwnedFd> {
+        no()
+    }
+    pub fn ended(_: &OwnedFd) -> bool {
+        false
+    }
+    pub fn futex_wait(_: &AtomicU32, _: u32, max: Duration) {
+        std::thread::sleep(max.min(Duration::from_millis(1)));
+    }
+    pub fn futex_wake(_: &AtomicU32) {}
+}
+
+pub(crate) use imp::*;
