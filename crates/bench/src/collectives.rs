@@ -48,8 +48,9 @@ pub struct CollectivesArgs {
     /// Smallest size in bytes.
     #[arg(long, default_value_t = 4)]
     min_bytes: usize,
-    /// Sides: rally, gloo.
-    #[arg(long, value_delimiter = ',', default_value = "rally,gloo")]
+    /// Sides: rally (shared memory on one host, the default), rally-tcp
+    /// (shared memory off), gloo.
+    #[arg(long, value_delimiter = ',', default_value = "rally,rally-tcp,gloo")]
     sides: Vec<String>,
     /// Bytes per raw TCP measurement.
     #[arg(long, default_value_t = 2 << 30)]
@@ -107,11 +108,13 @@ pub fn run(args: CollectivesArgs) -> Result<()> {
 
     for rep in 0..args.repeat {
         let (uni, duplex) = raw_tcp(args.raw_bytes)?;
+        let copy = memcpy_rate(64 << 20);
         println!(
-            "\n# repetition {}: raw TCP on loopback, same run: one direction {:.2} GB/s; both directions at once {:.2} GB/s each",
+            "\n# repetition {}: raw TCP on loopback, same run: one direction {:.2} GB/s; both directions at once {:.2} GB/s each; single-thread memcpy of 64 MiB {:.2} GB/s",
             rep + 1,
             uni / 1e9,
-            duplex / 1e9
+            duplex / 1e9,
+            copy / 1e9
         );
         for &n in &args.ranks {
             let ring = raw_ring(n, args.raw_bytes / n as u64)?;
@@ -126,24 +129,45 @@ pub fn run(args: CollectivesArgs) -> Result<()> {
                     .with_context(|| format!("{side} with {n} ranks"))?;
                 results.insert(side.clone(), r);
             }
-            report(n, &args.ops, &sizes, &results, uni, ring);
+            for ours in ["rally", "rally-tcp"] {
+                if results.contains_key(ours) {
+                    report(n, ours, &args.ops, &sizes, &results, uni, ring, copy);
+                }
+            }
         }
     }
     Ok(())
 }
 
+/// Single-thread memcpy between two fresh buffers of `bytes`, bytes/s (best of 5).
+fn memcpy_rate(bytes: usize) -> f64 {
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let t0 = Instant::now();
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&mut dst);
+        best = best.min(t0.elapsed().as_secs_f64());
+    }
+    bytes as f64 / best
+}
+
+#[allow(clippy::too_many_arguments)]
 fn report(
     n: usize,
+    side: &str,
     ops: &[String],
     sizes: &[usize],
     results: &BTreeMap<String, Results>,
     uni: f64,
     ring: f64,
+    copy: f64,
 ) {
-    let ours = results.get("rally");
+    let ours = results.get(side);
     let gloo = results.get("gloo");
     for op in ops {
-        println!("\n## {op}, {n} ranks");
+        println!("\n## {op}, {n} ranks, ours = {side}");
         if op == "barrier" {
             let get = |r: Option<&Results>| r.and_then(|r| r.get(&(op.clone(), 4))).copied();
             let (a, b) = (get(ours), get(gloo));
@@ -158,8 +182,8 @@ fn report(
             );
             continue;
         }
-        println!("| bytes | ours us | gloo us | ours busbw GB/s | gloo busbw GB/s | busbw ours/gloo | ours / raw 1-dir | ours / raw ring | gloo / raw ring |");
-        println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+        println!("| bytes | ours us | gloo us | ours busbw GB/s | gloo busbw GB/s | busbw ours/gloo | ours / raw 1-dir | ours / raw ring | gloo / raw ring | ours / memcpy |");
+        println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
         for &s in sizes {
             let key = (op.clone(), s);
             let a = ours.and_then(|r| r.get(&key)).copied();
@@ -171,7 +195,7 @@ fn report(
             let f = |v: Option<f64>, g: &dyn Fn(f64) -> String| v.map_or("-".into(), g);
             let pct = |base: f64| move |t: f64| format!("{:.0}%", bus(t) * 1e9 / base * 100.0);
             println!(
-                "| {s} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {s} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                 f(a, &|t| format!("{:.1}", t * 1e6)),
                 f(b, &|t| format!("{:.1}", t * 1e6)),
                 f(a, &|t| format!("{:.3}", bus(t))),
@@ -183,6 +207,7 @@ fn report(
                 f(a, &pct(uni)),
                 f(a, &pct(ring)),
                 f(b, &pct(ring)),
+                f(a, &pct(copy)),
             );
         }
     }
@@ -201,9 +226,10 @@ fn ranks(
     let mut children = Vec::with_capacity(n);
     for r in 0..n {
         let mut c = match side {
-            "rally" => {
+            "rally" | "rally-tcp" => {
                 let mut c = Command::new(std::env::current_exe()?);
                 c.arg("coll-rank");
+                c.env("RALLY_BENCH_SHM", if side == "rally" { "1" } else { "0" });
                 c
             }
             "gloo" => {
@@ -313,6 +339,13 @@ pub fn rank(
                 .and_then(|s| s.parse().ok())
             {
                 o.segment_bytes = s;
+            }
+            o.shared_memory = std::env::var("RALLY_BENCH_SHM").as_deref() != Ok("0");
+            if let Some(s) = std::env::var("RALLY_BENCH_SLOT")
+                .ok()
+                .and_then(|s| s.parse().ok())
+            {
+                o.shm_slot_bytes = s;
             }
             if let Some(s) = std::env::var("RALLY_BENCH_STREAMS")
                 .ok()

@@ -171,9 +171,7 @@ pub(crate) async fn arena_of(cx: &OpCtx) -> Result<Option<Arc<Arena>>> {
     let Some(pids) = local else {
         return Ok(cell.get_or_init(|| async { None }).await.clone());
     };
-    cell.get_or_try_init(|| attach(cx, pids))
-        .await
-        .map(Option::clone)
+    cell.get_or_try_init(|| attach(cx, pids)).await.cloned()
 }
 
 async fn attach(cx: &OpCtx, pids: Arc<[u32]>) -> Result<Option<Arc<Arena>>> {

@@ -247,88 +247,92 @@ macro_rules! all_types {
 }
 
 /// Segments of 16 bytes: 37 elements of any type span several, 300 many.
-fn small_segments() -> Options {
+/// Over shared memory, rounds of the smallest half (64 bytes a rank): the
+/// same sizes take several rounds.
+fn small_segments(shm: bool) -> Options {
     Options {
         segment_bytes: 16,
+        shared_memory: shm,
+        shm_slot_bytes: 16,
         ..opts()
     }
 }
 
-async fn matrix(n: usize) {
-    let pgs = group(n, small_segments()).await;
+async fn matrix(n: usize, shm: bool) {
+    let pgs = group(n, small_segments(shm)).await;
     for (i, len) in [0usize, 1, 37, 300].into_iter().enumerate() {
         all_types!(&pgs, len, (n * 100 + i) as u64);
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn matrix_1_rank() {
-    matrix(1).await;
+/// The whole matrix (ops × types × operators × sizes) at `n` ranks, on
+/// each transport: `tcp` and `shm` (in one process every rank is on one
+/// host, so the default is shared memory).
+macro_rules! matrices {
+    ($($name:ident: $n:expr;)*) => {
+        mod tcp {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::matrix($n, false).await;
+                }
+            )*
+        }
+        mod shm {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::matrix($n, true).await;
+                }
+            )*
+        }
+    };
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn matrix_2_ranks() {
-    matrix(2).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn matrix_3_ranks() {
-    matrix(3).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn matrix_4_ranks() {
-    matrix(4).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn matrix_5_ranks() {
-    matrix(5).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn matrix_6_ranks() {
-    matrix(6).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn matrix_7_ranks() {
-    matrix(7).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn matrix_8_ranks() {
-    matrix(8).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn matrix_9_ranks() {
-    matrix(9).await;
+matrices! {
+    matrix_1_rank: 1;
+    matrix_2_ranks: 2;
+    matrix_3_ranks: 3;
+    matrix_4_ranks: 4;
+    matrix_5_ranks: 5;
+    matrix_6_ranks: 6;
+    matrix_7_ranks: 7;
+    matrix_8_ranks: 8;
+    matrix_9_ranks: 9;
 }
 
 /// The default segment size with a buffer of several segments: the path the
 /// benchmark measures.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_buffers_with_default_segments() {
-    let pgs = group(3, opts()).await;
-    let len = (3 << 20) / 4 + 5; // ~3 MiB of f32: three segments per rank's chunk
-    let inputs: Vec<Vec<f32>> = (0..3).map(|r| data(9, r, len)).collect();
-    let want = reference(&inputs, ReduceOp::Sum);
-    let got = each(&pgs, |pg| {
-        let mut buf = data::<f32>(9, pg.rank(), len);
-        async move { pg.all_reduce(&mut buf, ReduceOp::Sum).await.map(|()| buf) }
-    })
-    .await;
-    for g in got {
-        assert!(g.unwrap() == want);
-    }
-    let got = each(&pgs, |pg| {
-        let mut buf = data::<f32>(9, pg.rank(), len);
-        async move { pg.broadcast(&mut buf, 1).await.map(|()| buf) }
-    })
-    .await;
-    for g in got {
-        assert!(g.unwrap() == inputs[1]);
+    for shared_memory in [false, true] {
+        let pgs = group(
+            3,
+            Options {
+                shared_memory,
+                ..opts()
+            },
+        )
+        .await;
+        let len = (3 << 20) / 4 + 5; // ~3 MiB of f32: three segments per rank's chunk
+        let inputs: Vec<Vec<f32>> = (0..3).map(|r| data(9, r, len)).collect();
+        let want = reference(&inputs, ReduceOp::Sum);
+        let got = each(&pgs, |pg| {
+            let mut buf = data::<f32>(9, pg.rank(), len);
+            async move { pg.all_reduce(&mut buf, ReduceOp::Sum).await.map(|()| buf) }
+        })
+        .await;
+        for g in got {
+            assert!(g.unwrap() == want);
+        }
+        let got = each(&pgs, |pg| {
+            let mut buf = data::<f32>(9, pg.rank(), len);
+            async move { pg.broadcast(&mut buf, 1).await.map(|()| buf) }
+        })
+        .await;
+        for g in got {
+            assert!(g.unwrap() == inputs[1]);
+        }
     }
 }
 
@@ -338,6 +342,7 @@ async fn several_streams_per_peer() {
     let o = Options {
         streams_per_peer: 3,
         segment_bytes: 64,
+        shared_memory: false,
         ..opts()
     };
     let pgs = group(4, o).await;

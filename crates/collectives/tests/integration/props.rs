@@ -32,9 +32,14 @@ fn fold(inputs: &[Vec<i64>], op: ReduceOp) -> Vec<i64> {
     acc
 }
 
+/// TCP with segments of `seg_words` words (the algorithms are TCP's; over
+/// shared memory every op has one), or, when `seg_words` is odd, shared
+/// memory with rounds of about as many words per rank.
 fn seg_opts(seg_words: usize) -> Options {
     Options {
         segment_bytes: seg_words * 8,
+        shared_memory: seg_words % 2 == 1,
+        shm_slot_bytes: seg_words * 8,
         ..opts()
     }
 }

@@ -32,10 +32,14 @@ fn worker() {
     let Ok(scenario) = std::env::var(WORKER) else {
         return;
     };
-    let g = BlockingGroup::from_env(Options::default()).expect("group from env://");
+    let opts = Options {
+        shared_memory: !scenario.ends_with("-tcp"),
+        ..Options::default()
+    };
+    let g = BlockingGroup::from_env(opts).expect("group from env://");
     match scenario.as_str() {
         "ops" => every_op(&g),
-        "loop" => loop_until_error(&g),
+        "loop" | "loop-tcp" => loop_until_error(&g),
         other => panic!("unknown scenario {other}"),
     }
 }
@@ -128,12 +132,22 @@ fn every_op_under_rally_run_in_four_processes() {
     }
 }
 
+/// Over shared memory (the default: every rank is on this host) and over
+/// TCP; the memory files of the killed rank leave nothing in `/dev/shm`.
 #[test]
 fn a_rank_killed_mid_all_reduce_is_named_by_every_other_rank() {
+    let shm_files = || std::fs::read_dir("/dev/shm").map_or(0, |d| d.count());
+    let before = shm_files();
+    killed_mid_all_reduce("loop");
+    killed_mid_all_reduce("loop-tcp");
+    assert_eq!(shm_files(), before, "something was left in /dev/shm");
+}
+
+fn killed_mid_all_reduce(scenario: &'static str) {
     let n = 4;
     let victim = 2;
     // The job's store: a TCPStore server the workers reach through env://.
-    let (_store, mut children) = ready_workers(&worker_args(), (WORKER, "loop"), n);
+    let (_store, mut children) = ready_workers(&worker_args(), (WORKER, scenario), n);
     // SAFETY: signalling our own child.
     unsafe { libc::kill(children[victim].id() as i32, libc::SIGKILL) };
     let killed_at = std::time::SystemTime::now()
@@ -165,7 +179,7 @@ fn a_rank_killed_mid_all_reduce_is_named_by_every_other_rank() {
     }
     // Reported, not asserted (timing thresholds do not belong in tests); the
     // figure is recorded in docs/benchmarks.md.
-    eprintln!("survivors noticed the kill after (s): {lags:?}");
+    eprintln!("{scenario}: survivors noticed the kill after (s): {lags:?}");
 }
 
 #[test]
