@@ -450,7 +450,13 @@ impl<'a> Round<'a> {
                 continue;
             }
             self.cx.set_waiting(k, s, false);
-            self.check(k).await?;
+            if let Err(e) = self.check(k).await {
+                // It may have arrived, finished and left (or died) since
+                // `missing` looked: its stage, stored before, is visible now.
+                if !self.a.arrived(k, s) {
+                    return Err(e);
+                }
+            }
             let a = self.a.clone();
             let _ = tokio::task::spawn_blocking(move || a.sleep_on(k, s, SLICE)).await;
         }
