@@ -232,7 +232,6 @@ async fn attach(cx: &OpCtx, pids: Arc<[u32]>) -> Result<Option<Arc<Arena>>> {
 /// reason is that rank 0 left the group (having failed, when the group's
 /// abort says why) or died before this rank came; else the system refused.
 async fn attach_failed(cx: &OpCtx, pid: u32, reason: String) -> Error {
-    let sh = cx.sh();
     let until = Instant::now() + REASON_WAIT;
     let ended = || pid != std::process::id() && sys::pidfd(pid).map_or(true, |fd| sys::ended(&fd));
     // The descriptor closed (rank 0 left) reads as no such file, or as
@@ -246,15 +245,8 @@ async fn attach_failed(cx: &OpCtx, pid: u32, reason: String) -> Error {
         };
     }
     loop {
-        if let Some(e) = sh.aborted(cx.comm_id()) {
+        if let Some(e) = known_abort(cx).await {
             return e;
-        }
-        if let Some(record) = sh.abort_record(cx.comm_id()).await {
-            return Error::Aborted {
-                group: cx.group_name(),
-                reason: record.into(),
-                by: None,
-            };
         }
         if Instant::now() >= until {
             let what = if ended() {
@@ -269,6 +261,21 @@ async fn attach_failed(cx: &OpCtx, pid: u32, reason: String) -> Error {
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+/// The group's abort as this rank knows it: told (by TCP), or recorded in
+/// the store by the rank where it happened.
+async fn known_abort(cx: &OpCtx) -> Option<Error> {
+    let sh = cx.sh();
+    if let Some(e) = sh.aborted(cx.comm_id()) {
+        return Some(e);
+    }
+    let record = sh.abort_record(cx.comm_id()).await?;
+    Some(Error::Aborted {
+        group: cx.group_name(),
+        reason: record.into(),
+        by: None,
+    })
 }
 
 /// Operations' turns at the region, in sequence order: an operation waits
@@ -494,18 +501,11 @@ impl<'a> Round<'a> {
     /// The group's abort, marked in the region by rank `by`: its reason
     /// arrives by TCP or is in the store's record (waited for, bounded).
     async fn abort_reason(&self, by: usize) -> Error {
-        let (cx, sh) = (self.cx, self.cx.sh());
+        let cx = self.cx;
         let until = Instant::now() + REASON_WAIT;
         loop {
-            if let Some(e) = sh.aborted(cx.comm_id()) {
+            if let Some(e) = known_abort(cx).await {
                 return e;
-            }
-            if let Some(record) = sh.abort_record(cx.comm_id()).await {
-                return Error::Aborted {
-                    group: cx.group_name(),
-                    reason: record.into(),
-                    by: None,
-                };
             }
             // An aborter that left with no reason sent or recorded was cut
             // off (its runtime shut down mid-operation, say): it is gone.
