@@ -24,8 +24,9 @@
 //! stage of the round between, which it does only after reading, so one
 //! stage per round suffices (two for the split all-reduce). See [`ops`].
 //!
-//! **Waiting.** A rank spins briefly ([`SPIN`] checks, then [`YIELDS`]
-//! yields), then sleeps on the futex of a rank that has not arrived, in
+//! **Waiting.** A rank spins briefly ([`SPIN`]), yields for a while
+//! ([`YIELD`]: the core to a peer that shares it, the worker to another
+//! task), then sleeps on the futex of a rank that has not arrived, in
 //! slices of [`SLICE`] on a blocking thread (the operation's task stays
 //! free). Between slices it checks what ends the wait early: an abort (from
 //! the region, where any local rank marks it, or from the router), and the
@@ -61,10 +62,10 @@ use crate::group::{stable_hash, OpCtx};
 /// The largest world that uses shared memory: every stage reads every rank's
 /// word, so a flat region stops paying off well before a thousand ranks.
 pub const MAX_RANKS: usize = 64;
-/// Checks of the stage words before yielding.
-pub const SPIN: u32 = 2000;
-/// `sched_yield`s before sleeping.
-pub const YIELDS: u32 = 8;
+/// How long a waiter spins on the stage words before it yields.
+pub const SPIN: Duration = Duration::from_micros(20);
+/// How long it then yields (the core and its worker) before it sleeps.
+pub const YIELD: Duration = Duration::from_millis(1);
 /// A sleeper's longest nap between its checks.
 pub const SLICE: Duration = Duration::from_millis(50);
 /// How long a rank that found the region aborted waits for the reason.
@@ -444,16 +445,22 @@ impl<'a> Round<'a> {
     }
 
     async fn wait_all(&self, s: u32) -> Result<()> {
-        let mut tries = 0u32;
+        let t0 = std::time::Instant::now();
+        let (mut spins, mut spinning) = (0u32, true);
         while let Some(k) = self.a.missing(s) {
-            if tries < SPIN {
-                tries += 1;
-                std::hint::spin_loop();
-                continue;
+            if spinning {
+                spins += 1;
+                if spins % 64 != 0 || t0.elapsed() < SPIN {
+                    std::hint::spin_loop();
+                    continue;
+                }
+                spinning = false;
             }
-            if tries < SPIN + YIELDS {
-                tries += 1;
+            if t0.elapsed() < SPIN + YIELD {
+                // Give the core to a peer on it (another process), and the
+                // worker to another task (a rank in this process).
                 std::thread::yield_now();
+                tokio::task::yield_now().await;
                 continue;
             }
             self.cx.set_waiting(k, s, false);

@@ -9,7 +9,7 @@
 //! |---|---|
 //! | barrier | one stage, no data |
 //! | broadcast | the root writes; a stage; the others read |
-//! | all_reduce, small or 2 ranks | all write; a stage; each reduces every half in rank order (the same on all ranks, so results agree to the bit) |
+//! | all_reduce, small or 2 ranks | all write; a stage; each reduces every half in rank order (the same on all ranks, so results agree to the bit); with 2 ranks and an op that commutes, each reduces the other's half into its own buffer (one pass less) |
 //! | all_reduce, larger, 3 or more ranks | all write; a stage; rank `r` reduces part `r` of every half into its own; a stage; all read every reduced part |
 //! | reduce | as all_reduce, only the root reads |
 //! | all_gather (equal or varying), gather | all write; a stage; all (or the root) read every half |
@@ -53,6 +53,14 @@ unsafe fn view<'x, T>(p: *mut u8, len: usize) -> &'x [T] {
 /// As [`view`], and no rank reads the elements written before the next stage.
 unsafe fn view_mut<'x, T>(p: *mut u8, len: usize) -> &'x mut [T] {
     std::slice::from_raw_parts_mut(p as *mut T, len)
+}
+
+/// Whether `a op b` and `b op a` agree to the bit: integers always; floats
+/// for sums and products (IEEE addition and multiplication commute, NaN
+/// payloads aside), not for min and max (which of +0 and −0 is kept
+/// depends on the order).
+fn commutes<T: Element>(op: ReduceOp) -> bool {
+    !T::DTYPE.is_float() || matches!(op, ReduceOp::Sum | ReduceOp::Avg | ReduceOp::Product)
 }
 
 fn split(n: usize, bytes: usize) -> bool {
@@ -130,6 +138,15 @@ pub(crate) async fn reduce<T: Element>(
                     // SAFETY: reduced before the second stage.
                     out[p.clone()].copy_from_slice(&unsafe { view::<T>(r.half(k), len) }[p]);
                 }
+            }
+        } else if reads && n == 2 && commutes::<T>(op) {
+            // Two ranks: this rank's buffer still holds its input, so one
+            // pass reduces the other's half into it (a0 op a1 on one rank,
+            // a1 op a0 on the other: the same, since the op commutes).
+            // SAFETY: written before the stage.
+            T::reduce(op, out, unsafe { view::<T>(r.half(1 - me), len) });
+            if op == ReduceOp::Avg {
+                T::divide(out, n);
             }
         } else if reads {
             // SAFETY: every half was written before the stage.
