@@ -472,6 +472,13 @@ impl ProcessGroup {
         self.comm.sh().killed()
     }
 
+    /// Whether this group's collectives run over shared memory (every rank
+    /// on this host), or over TCP; `None` until its first collective has
+    /// decided.
+    pub fn shared_memory(&self) -> Option<bool> {
+        self.comm.shm.get().map(Option::is_some)
+    }
+
     /// The error operations fail with, if the group is aborted.
     pub fn aborted(&self) -> Option<Error> {
         self.comm.sh().aborted(self.comm.id)
@@ -1170,6 +1177,12 @@ impl OpCtx {
         *self.note.lock().unwrap_or_else(|e| e.into_inner()) = Some(what);
     }
 
+    /// [`OpCtx::note_waiting`], in place of a rank's step.
+    pub(crate) fn wait_note(&self, what: String) {
+        *self.waiting.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        self.note_waiting(what);
+    }
+
     pub(crate) fn n(&self) -> usize {
         self.comm.members.ranks.len()
     }
@@ -1453,9 +1466,17 @@ impl OpCtx {
 
 impl Drop for OpCtx {
     fn drop(&mut self) {
-        if !self.p2p {
-            self.comm.turn.done(self.seq);
+        // The turn passes at the end, after any abort: the next op must
+        // see it before it touches the shared memory.
+        struct PassTurn<'a>(&'a OpCtx);
+        impl Drop for PassTurn<'_> {
+            fn drop(&mut self) {
+                if !self.0.p2p {
+                    self.0.comm.turn.done(self.0.seq);
+                }
+            }
         }
+        let _turn = PassTurn(self);
         if !self.done.load(Ordering::Relaxed) {
             let reason = Error::Aborted {
                 group: self.comm.members.name.clone(),

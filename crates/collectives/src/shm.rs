@@ -58,6 +58,7 @@ pub(crate) use arena::{Arena, Presence};
 use crate::error::{Error, Result};
 use crate::frame::{Algo, Desc, Header};
 use crate::group::{stable_hash, OpCtx};
+use arena::AttachError;
 
 /// The largest world that uses shared memory: every stage reads every rank's
 /// word, so a flat region stops paying off well before a thousand ranks.
@@ -71,30 +72,30 @@ pub const SLICE: Duration = Duration::from_millis(50);
 /// How long a rank that found the region aborted waits for the reason.
 const REASON_WAIT: Duration = Duration::from_secs(2);
 
-/// This host's identity: equal on two ranks exactly when they can share memory.
-pub(crate) fn host_key() -> String {
+/// This host's identity: equal on two ranks exactly when they can share
+/// memory. `None` when a part cannot be read (then this rank shares none).
+fn host_key() -> Option<String> {
     if let Ok(id) = std::env::var("RALLY_HOST_ID") {
-        return format!("id:{id}");
+        return Some(format!("id:{id}"));
     }
-    let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
-    let pid_ns = std::fs::read_link("/proc/self/ns/pid")
-        .map(|p| p.display().to_string())
-        .unwrap_or_default();
-    format!(
-        "{}/{}/{}",
-        read("/proc/sys/kernel/hostname").trim(),
-        read("/proc/sys/kernel/random/boot_id").trim(),
-        pid_ns
-    )
+    let read = |p: &str| Some(std::fs::read_to_string(p).ok()?.trim().to_owned());
+    let pid_ns = std::fs::read_link("/proc/self/ns/pid").ok()?;
+    let parts = [
+        read("/proc/sys/kernel/hostname")?,
+        read("/proc/sys/kernel/random/boot_id")?,
+        pid_ns.display().to_string(),
+    ];
+    (!parts.iter().any(String::is_empty)).then(|| parts.join("/"))
 }
 
 /// What rank `rank` publishes at set-up (see the module docs).
 pub(crate) fn host_entry(rank: usize, enabled: bool) -> String {
-    let host = if enabled && sys::supported() {
-        host_key()
-    } else {
-        format!("off-{rank}")
-    };
+    let host = enabled
+        .then(sys::supported)
+        .unwrap_or(false)
+        .then(host_key)
+        .flatten()
+        .unwrap_or_else(|| format!("off-{rank}"));
     format!("{} {host}", std::process::id())
 }
 
@@ -104,23 +105,27 @@ async fn decide(cx: &OpCtx, n: usize) -> Result<Option<Arc<[u32]>>> {
     let sh = cx.sh();
     let keys: Vec<String> = (0..n).map(|r| format!("host/{r}")).collect();
     let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-    loop {
-        let mut missing = Vec::new();
-        for (r, k) in keys.iter().enumerate() {
-            if !sh.store().check(&[k]).await.unwrap_or(false) {
-                missing.push(r.to_string());
-            }
-        }
-        if missing.is_empty() {
+    for slice in 0u32.. {
+        if sh.store().check(&refs).await.unwrap_or(false) {
             break;
         }
-        let who = match missing.len() {
-            1 => format!("rank {}", missing[0]),
-            _ => format!("ranks {}", missing.join(", ")),
-        };
-        cx.note_waiting(format!(
-            "{who}, which never published its address or host: it never formed the group (not started, or died during set-up)"
-        ));
+        // Who is missing, for the timeout's message (not every slice: a
+        // look per key).
+        if slice % 20 == 0 {
+            let mut missing = Vec::new();
+            for (r, k) in refs.iter().enumerate() {
+                if !sh.store().check(&[k]).await.unwrap_or(false) {
+                    missing.push(r.to_string());
+                }
+            }
+            let who = match missing.len() {
+                1 => format!("rank {}", missing[0]),
+                _ => format!("ranks {}", missing.join(", ")),
+            };
+            cx.note_waiting(format!(
+                "{who}, which never published its address or host: it never formed the group (not started, or died during set-up)"
+            ));
+        }
         if sh.is_dead() {
             return Err(killed(cx));
         }
@@ -137,13 +142,17 @@ async fn decide(cx: &OpCtx, n: usize) -> Result<Option<Arc<[u32]>>> {
             group: cx.group_name(),
             reason: format!("reading the ranks' hosts: {e}"),
         })?;
-    let mine = host_entry(cx.world(cx.me()), cx.opts().shared_memory);
-    let my_host = mine.split_once(' ').map(|x| x.1);
+    // This rank's entry as published, not recomputed: what every rank compares.
+    let host = |v: &[u8]| {
+        let v = String::from_utf8_lossy(v).into_owned();
+        v.split_once(' ').map(|(_, h)| h.to_owned())
+    };
+    let my_host = host(&vals[cx.world(cx.me())]);
     let mut pids = Vec::with_capacity(n);
     for v in &vals {
         let v = String::from_utf8_lossy(v);
         let (pid, host) = v.split_once(' ').unwrap_or(("", ""));
-        if Some(host) != my_host {
+        if my_host.as_deref() != Some(host) || host.starts_with("off-") {
             return Ok(None);
         }
         pids.push(pid.parse::<u32>().unwrap_or(0));
@@ -215,9 +224,14 @@ async fn attach(cx: &OpCtx, pids: Arc<[u32]>) -> Result<Option<Arc<Arena>>> {
             .ok_or_else(|| setup(format!("bad {key} {v:?} in the store")))?;
         match Arena::attach(pid, fd, n, me, nonce) {
             Ok(a) => a,
-            Err(reason) => return Err(attach_failed(cx, pid, reason).await),
+            Err(e) => return Err(attach_failed(cx, pid, e).await),
         }
     };
+    for k in 0..n {
+        if let Some(&p) = pids.get(cx.world(k)) {
+            arena.watch_pid(p);
+        }
+    }
     let arena = Arc::new(arena);
     sh.add_arena(id, &arena);
     tracing::info!(
@@ -232,17 +246,21 @@ async fn attach(cx: &OpCtx, pids: Arc<[u32]>) -> Result<Option<Arc<Arena>>> {
 /// Why rank 0's region (of process `pid`) could not be opened: the usual
 /// reason is that rank 0 left the group (having failed, when the group's
 /// abort says why) or died before this rank came; else the system refused.
-async fn attach_failed(cx: &OpCtx, pid: u32, reason: String) -> Error {
+async fn attach_failed(cx: &OpCtx, pid: u32, e: AttachError) -> Error {
     let until = Instant::now() + REASON_WAIT;
-    let ended = || pid != std::process::id() && sys::pidfd(pid).map_or(true, |fd| sys::ended(&fd));
-    // The descriptor closed (rank 0 left) reads as no such file, or as
-    // whatever reused its number: another file, a socket. Only a refusal is
-    // the system's.
-    let refused = reason.contains("ermission denied") || reason.contains("not permitted");
-    if refused {
+    let ended = || sys::pid_ended(pid).unwrap_or(false) && pid != std::process::id();
+    let reason = e.text;
+    // A closed descriptor reads as no such file, or as whatever reused its
+    // number (another file: not ours; a socket: ENXIO). Anything else is
+    // the system's: a refusal (another user, `/proc` mounted `hidepid`),
+    // too many open files, no memory.
+    let gone = matches!(e.errno, None | Some(libc::ENOENT) | Some(libc::ENXIO));
+    if !gone {
         return Error::Setup {
             group: cx.group_name(),
-            reason: format!("rank 0's shared memory: {reason}"),
+            reason: format!(
+                "rank 0's shared memory: {reason} (ranks must be able to open each other's /proc/<pid>/fd; `Options::shared_memory = false` uses TCP)"
+            ),
         };
     }
     loop {
@@ -463,12 +481,18 @@ impl<'a> Round<'a> {
                 tokio::task::yield_now().await;
                 continue;
             }
-            self.cx.set_waiting(k, s, false);
-            if let Err(e) = self.check(k).await {
-                // It may have arrived, finished and left (or died) since
-                // `missing` looked: its stage, stored before, is visible now.
-                if !self.a.arrived(k, s) {
-                    return Err(e);
+            self.cx
+                .wait_note(format!("rank {k} to reach stage {s} in shared memory"));
+            // Every rank not yet here, not only the one slept on: a dead
+            // rank behind a slow one is named within a slice.
+            for j in (0..self.a.n).filter(|&j| j != self.a.me && !self.a.arrived(j, s)) {
+                if let Err(e) = self.check(j).await {
+                    // It may have arrived, finished and left (or died)
+                    // since it was looked at: its stage, stored before, is
+                    // visible now.
+                    if !self.a.arrived(j, s) {
+                        return Err(e);
+                    }
                 }
             }
             let a = self.a.clone();
@@ -486,7 +510,7 @@ impl<'a> Round<'a> {
         if let Some(e) = sh.aborted_for(cx.comm_id(), Some(cx.seq())) {
             return Err(e);
         }
-        if let Some(by) = self.a.aborted_by() {
+        if let Some(by) = self.a.aborted_by(cx.seq()) {
             return Err(self.abort_reason(by).await);
         }
         let world = cx.world(k);

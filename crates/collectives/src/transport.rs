@@ -614,12 +614,14 @@ impl Shared {
 
     /// Group `comm` runs over `arena` from now on.
     pub fn add_arena(&self, comm: u64, arena: &Arc<Arena>) {
+        // Registered first, so a kill or an abort racing with this sees it.
+        lock(&self.arenas).insert(comm, Arc::downgrade(arena));
         if self.is_dead() {
             arena.set_presence(crate::shm::Presence::Killed);
         }
-        lock(&self.arenas).insert(comm, Arc::downgrade(arena));
-        if self.aborted(comm).is_some() {
-            arena.abort();
+        let from = lock(&self.router).aborted_from(comm);
+        if let Some(from) = from {
+            arena.abort(from);
         }
     }
 
@@ -737,7 +739,7 @@ impl Shared {
             .get(&comm)
             .and_then(std::sync::Weak::upgrade)
         {
-            a.abort();
+            a.abort(from_seq);
         }
         let me = self.clone();
         // Aborts also run from destructors, possibly as the runtime shuts down;

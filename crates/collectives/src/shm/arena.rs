@@ -46,6 +46,9 @@ struct Head {
     slot: AtomicU64,
     /// 0, or the rank that aborted the group plus one.
     abort: AtomicU32,
+    /// The first operation (in the group's numbering) the abort fails;
+    /// earlier ones go on, as over TCP. Only ever lowered.
+    abort_from: AtomicU64,
 }
 
 /// A rank's control line.
@@ -104,6 +107,14 @@ pub(crate) struct Cursor {
     pub broken: bool,
 }
 
+/// Why a region could not be attached: a system error (`errno`), or
+/// (`None`) a file that is not this group's region.
+#[derive(Debug)]
+pub(crate) struct AttachError {
+    pub errno: Option<i32>,
+    pub text: String,
+}
+
 /// A mapped region, as one rank.
 pub(crate) struct Arena {
     base: *mut u8,
@@ -142,6 +153,7 @@ impl Arena {
         h.nonce.store(nonce, Relaxed);
         h.n.store(n as u64, Relaxed);
         h.slot.store(slot as u64, Relaxed);
+        h.abort_from.store(u64::MAX, Relaxed);
         h.magic.store(MAGIC, Release);
         a.join();
         Ok(a)
@@ -149,16 +161,32 @@ impl Arena {
 
     /// Maps the region rank 0 (process `pid`) created as its descriptor
     /// `fd`, as rank `me`, checking that it is this group's.
-    pub fn attach(pid: u32, fd: i32, n: usize, me: usize, nonce: u64) -> Result<Arena, String> {
-        let fd = sys::open_of(pid, fd)
-            .map_err(|e| format!("opening its shared memory (/proc/{pid}/fd/{fd}) failed: {e}"))?;
-        let len = sys::file_len(&fd).map_err(|e| format!("fstat: {e}"))? as usize;
+    pub fn attach(
+        pid: u32,
+        fd: i32,
+        n: usize,
+        me: usize,
+        nonce: u64,
+    ) -> Result<Arena, AttachError> {
+        let sys_err = |what: String, e: io::Error| AttachError {
+            errno: e.raw_os_error(),
+            text: format!("{what}: {e}"),
+        };
+        let not_ours = |text: String| AttachError { errno: None, text };
+        let fd = sys::open_of(pid, fd).map_err(|e| {
+            sys_err(
+                format!("opening its shared memory (/proc/{pid}/fd/{fd})"),
+                e,
+            )
+        })?;
+        let len = sys::file_len(&fd).map_err(|e| sys_err("fstat".into(), e))? as usize;
         if len < HEAD + n * CTL {
-            return Err(format!(
-                "its shared memory has {len} bytes, too few for {n} ranks"
-            ));
+            return Err(not_ours(format!(
+                "its descriptor has {len} bytes, too few for {n} ranks: not this group's shared memory"
+            )));
         }
-        let base = sys::map(&fd, len).map_err(|e| format!("mapping its shared memory: {e}"))?;
+        let base =
+            sys::map(&fd, len).map_err(|e| sys_err("mapping its shared memory".into(), e))?;
         // SAFETY: at least `HEAD` bytes are mapped.
         let h = unsafe { &*(base as *const Head) };
         let (magic, their_n, their_nonce, slot) = (
@@ -171,9 +199,9 @@ impl Arena {
         if magic != MAGIC || their_n != n || their_nonce != nonce || !fits {
             // SAFETY: mapped just above, used by nothing else.
             unsafe { sys::unmap(base, len) };
-            return Err(format!(
+            return Err(not_ours(format!(
                 "its descriptor {fd:?} is not this group's shared memory (another job or an earlier round)"
-            ));
+            )));
         }
         let a = Arena::new(base, len, fd, n, me, slot, layout(n, slot).0);
         a.join();
@@ -278,7 +306,7 @@ impl Arena {
         c.waiters.fetch_add(1, SeqCst);
         let seen = c.stage.load(SeqCst);
         if (seen.wrapping_sub(s) as i32) < 0
-            && self.aborted_by().is_none()
+            && !self.aborted_any()
             && matches!(self.presence(k), Presence::Here | Presence::Absent)
         {
             sys::futex_wait(&c.stage, seen, max);
@@ -292,9 +320,10 @@ impl Arena {
         }
     }
 
-    /// Marks the group aborted in the region (by this rank, unless another
-    /// was first) and wakes every sleeper.
-    pub fn abort(&self) {
+    /// Marks the group aborted in the region from operation `from` on (by
+    /// this rank, unless another was first) and wakes every sleeper.
+    pub fn abort(&self, from: u64) {
+        self.head().abort_from.fetch_min(from, SeqCst);
         let _ = self
             .head()
             .abort
@@ -302,12 +331,18 @@ impl Arena {
         self.wake_all();
     }
 
-    /// The rank that aborted the group in the region.
-    pub fn aborted_by(&self) -> Option<usize> {
+    /// The rank that aborted the group in the region, if the abort fails
+    /// operation `seq`.
+    pub fn aborted_by(&self, seq: u64) -> Option<usize> {
         match self.head().abort.load(SeqCst) {
             0 => None,
+            _ if seq < self.head().abort_from.load(SeqCst) => None,
             r => Some(r as usize - 1),
         }
+    }
+
+    fn aborted_any(&self) -> bool {
+        self.head().abort.load(SeqCst) != 0
     }
 
     pub fn presence(&self, k: usize) -> Presence {
@@ -328,17 +363,33 @@ impl Arena {
         (self.presence(k) != Presence::Absent).then(|| self.ctl(k).pid.load(Relaxed))
     }
 
-    /// Whether process `pid` has ended (through a pidfd, opened once).
+    /// Opens a pidfd for `pid` now, so that a later check sees this
+    /// process even if it ends and its number is reused in between.
+    pub fn watch_pid(&self, pid: u32) {
+        if pid != std::process::id() && pid != 0 {
+            let mut m = self.pidfds.lock().unwrap_or_else(|e| e.into_inner());
+            m.entry(pid).or_insert_with(|| sys::pidfd(pid).ok());
+        }
+    }
+
+    /// Whether process `pid` has ended (through a pidfd, opened once). A
+    /// process that cannot be checked counts as alive: a wait for it ends
+    /// at its deadline, never by naming a live rank gone.
     pub fn pid_ended(&self, pid: u32) -> bool {
         if pid == std::process::id() {
             return false;
         }
         let mut m = self.pidfds.lock().unwrap_or_else(|e| e.into_inner());
-        let fd = m.entry(pid).or_insert_with(|| sys::pidfd(pid).ok());
-        match fd {
-            Some(fd) => sys::ended(fd),
-            // No such process (it ended and was reaped).
-            None => true,
+        if let Some(Some(fd)) = m.get(&pid) {
+            return sys::ended(fd);
+        }
+        match sys::pidfd(pid) {
+            Ok(fd) => {
+                let ended = sys::ended(&fd);
+                m.insert(pid, Some(fd));
+                ended
+            }
+            Err(_) => sys::pid_ended(pid).unwrap_or(false),
         }
     }
 }
@@ -376,8 +427,9 @@ mod tests {
         assert_eq!(unsafe { *b.data(0, 1) }, 42);
         assert_eq!(b.missing(1), None);
         assert_eq!(a.missing(1), Some(1));
-        b.abort();
-        assert_eq!(a.aborted_by(), Some(1));
+        b.abort(3);
+        assert_eq!(a.aborted_by(2), None, "an op before the abort's goes on");
+        assert_eq!(a.aborted_by(3), Some(1));
         drop(b);
         assert_eq!(a.presence(1), Presence::Left);
     }

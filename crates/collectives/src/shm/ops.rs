@@ -26,7 +26,7 @@ use crate::element::{Element, ReduceOp};
 use crate::error::Result;
 use crate::group::OpCtx;
 
-/// All-reduces of more bytes than this, on 3 or more ranks, split the
+/// All-reduces of more bytes than this (or than a half), on 3 or more ranks, split the
 /// reduction across ranks (two stages a round): each reads its part of
 /// every half instead of all of them.
 pub const SPLIT_ABOVE: usize = 64 << 10;
@@ -63,8 +63,10 @@ fn commutes<T: Element>(op: ReduceOp) -> bool {
     !T::DTYPE.is_float() || matches!(op, ReduceOp::Sum | ReduceOp::Avg | ReduceOp::Product)
 }
 
-fn split(n: usize, bytes: usize) -> bool {
-    n > 2 && bytes > SPLIT_ABOVE
+/// Whether a reduction of `bytes` on `n` ranks splits (see [`SPLIT_ABOVE`];
+/// a buffer larger than a half splits too, so small halves reach it).
+fn split(n: usize, bytes: usize, slot: usize) -> bool {
+    n > 2 && bytes > SPLIT_ABOVE.min(slot)
 }
 
 pub(crate) async fn barrier(a: &Arc<Arena>, cx: &OpCtx) -> Result<()> {
@@ -111,7 +113,7 @@ pub(crate) async fn reduce<T: Element>(
     let mut r = Round::begin(a, cx).await?;
     let (n, me) = (a.n, a.me);
     let reads = root.is_none_or(|x| x == me);
-    let split = split(n, std::mem::size_of_val(buf));
+    let split = split(n, std::mem::size_of_val(buf), a.slot);
     for c in rounds(buf.len(), r.fits::<T>()) {
         let len = c.len();
         let out = &mut buf[c];

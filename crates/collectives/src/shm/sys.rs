@@ -27,8 +27,11 @@ mod imp {
         }
     }
 
+    /// Whether this process can create memory files and open pidfds
+    /// (kernels before 5.3, or a seccomp profile, may refuse either).
     pub fn supported() -> bool {
-        true
+        static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *OK.get_or_init(|| memfd(64).is_ok() && pidfd(std::process::id()).is_ok())
     }
 
     /// A new anonymous memory file of `len` bytes (zeros).
@@ -79,6 +82,17 @@ mod imp {
     /// `p..p+len` must be a mapping from [`map`] that nothing uses any more.
     pub unsafe fn unmap(p: *mut u8, len: usize) {
         libc::munmap(p.cast(), len);
+    }
+
+    /// Whether process `pid` has ended: its pidfd is readable, or there is
+    /// no such process. `None` when that cannot be told (a refused
+    /// `pidfd_open`, too many open files).
+    pub fn pid_ended(pid: u32) -> Option<bool> {
+        match pidfd(pid) {
+            Ok(fd) => Some(ended(&fd)),
+            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => Some(true),
+            Err(_) => None,
+        }
     }
 
     /// A pidfd for `pid`.
@@ -170,6 +184,9 @@ mod imp {
     pub unsafe fn unmap(_: *mut u8, _: usize) {}
     pub fn pidfd(_: u32) -> io::Result<OwnedFd> {
         no()
+    }
+    pub fn pid_ended(_: u32) -> Option<bool> {
+        None
     }
     pub fn ended(_: &OwnedFd) -> bool {
         false

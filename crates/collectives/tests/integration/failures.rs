@@ -568,3 +568,74 @@ async fn a_rank_that_never_joined_is_named_as_such_at_the_timeout() {
         "{e}"
     );
 }
+
+/// Shared memory is chosen only when every rank offers it: one rank with it
+/// off puts the whole group on TCP, on every rank alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_rank_chooses_the_same_transport() {
+    for off in [None, Some(1)] {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let tasks: Vec<_> = (0..3)
+            .map(|r| {
+                let o = Options {
+                    shared_memory: off != Some(r),
+                    ..opts()
+                };
+                tokio::spawn(ProcessGroup::new(store.clone(), r, 3, o))
+            })
+            .collect();
+        let mut pgs = Vec::new();
+        for t in tasks {
+            pgs.push(t.await.unwrap().unwrap());
+        }
+        assert_eq!(
+            pgs[0].shared_memory(),
+            None,
+            "decided at the first collective"
+        );
+        for r in each(&pgs, |pg| async move { pg.barrier().await }).await {
+            r.unwrap();
+        }
+        for pg in &pgs {
+            assert_eq!(
+                pg.shared_memory(),
+                Some(off.is_none()),
+                "rank {} with {off:?} off",
+                pg.rank()
+            );
+        }
+    }
+}
+
+/// Over shared memory, a rank that died is named while the waiters sleep on
+/// another, slow, rank that has not arrived yet.
+#[cfg(feature = "faults")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_rank_behind_a_slow_one_is_named_at_once() {
+    let o = Options {
+        timeout: Duration::from_secs(60),
+        ..opts()
+    };
+    let pgs = group(4, o).await;
+    // Every rank attaches the region first.
+    for r in each(&pgs, |pg| async move { pg.barrier().await }).await {
+        r.unwrap();
+    }
+    pgs[3].kill();
+    let t0 = Instant::now();
+    // Rank 1 is slow: it never calls. Ranks 0 and 2 wait for it and for 3.
+    let got = each(&pgs[..], |pg| async move {
+        match pg.rank() {
+            0 | 2 => Some(pg.barrier().await),
+            _ => None,
+        }
+    })
+    .await;
+    for (r, g) in got.into_iter().enumerate() {
+        if let Some(res) = g {
+            let e = res.expect_err("rank 3 is dead");
+            assert!(names_rank(&e, 3), "rank {r}: {e}");
+        }
+    }
+    eprintln!("named after {:?}", t0.elapsed());
+}

@@ -32,9 +32,9 @@ fn fold(inputs: &[Vec<i64>], op: ReduceOp) -> Vec<i64> {
     acc
 }
 
-/// TCP with segments of `seg_words` words (the algorithms are TCP's; over
-/// shared memory every op has one), or, when `seg_words` is odd, shared
-/// memory with rounds of about as many words per rank.
+/// TCP with segments of `seg_words` words, or, when `seg_words` is odd,
+/// shared memory with halves of as many words (at least 64 bytes a rank),
+/// where the forced algorithm does not apply: every op has one there.
 fn seg_opts(seg_words: usize) -> Options {
     Options {
         segment_bytes: seg_words * 8,
