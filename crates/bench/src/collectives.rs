@@ -122,6 +122,10 @@ pub fn run(args: CollectivesArgs) -> Result<()> {
                 "\n# raw TCP ring of {n} processes, same run: {:.2} GB/s per link (the all_reduce busbw ceiling)",
                 ring / 1e9
             );
+            println!(
+                "# {n} threads each copying 64 MiB in and out through a 1 MiB half (shared memory's two copies, no reduction, no waits), same run: all_reduce busbw ceiling {:.2} GB/s",
+                copy_ceiling(n, 64 << 20) * bus_factor("all_reduce", n) / 1e9
+            );
             let mut results: BTreeMap<String, Results> = BTreeMap::new();
             for side in &args.sides {
                 let prefix = format!("bench/{side}/{n}/{rep}");
@@ -149,6 +153,45 @@ fn memcpy_rate(bytes: usize) -> f64 {
         dst.copy_from_slice(std::hint::black_box(&src));
         std::hint::black_box(&mut dst);
         best = best.min(t0.elapsed().as_secs_f64());
+    }
+    bytes as f64 / best
+}
+
+/// `n` threads at once, each copying `bytes` through a half of the
+/// library's default slot (1 MiB) and back out, a round at a time (a rank's
+/// least work in a shared-memory all-reduce): `bytes` per second of the
+/// slowest thread (best of 3), the algbw no such all-reduce passes here.
+fn copy_ceiling(n: usize, bytes: usize) -> f64 {
+    let slot = Options::default().shm_slot_bytes;
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let start = std::sync::Barrier::new(n);
+        let slowest = std::thread::scope(|s| {
+            let threads: Vec<_> = (0..n)
+                .map(|_| {
+                    let start = &start;
+                    s.spawn(move || {
+                        // Touched before the clock starts, as a rank's are.
+                        let mut user = vec![1u8; bytes];
+                        let mut half = vec![0u8; slot];
+                        start.wait();
+                        let t = Instant::now();
+                        for round in user.chunks_mut(slot) {
+                            let h = &mut half[..round.len()];
+                            h.copy_from_slice(std::hint::black_box(round));
+                            round.copy_from_slice(std::hint::black_box(h));
+                        }
+                        std::hint::black_box((&user, &half));
+                        t.elapsed().as_secs_f64()
+                    })
+                })
+                .collect();
+            threads
+                .into_iter()
+                .map(|t| t.join().expect("copy thread"))
+                .fold(0.0, f64::max)
+        });
+        best = best.min(slowest);
     }
     bytes as f64 / best
 }
