@@ -1,5 +1,6 @@
-//! Collectives for Rust programs: a process group over TCP, bootstrapped from a
-//! PyTorch-compatible store, that never hangs on a dead peer.
+//! Collectives for Rust programs: a process group over TCP (over shared memory
+//! when every rank is on one host), bootstrapped from a PyTorch-compatible store,
+//! that never hangs on a dead peer.
 //!
 //! A program started by `rally run` (or anything that sets `MASTER_ADDR`,
 //! `MASTER_PORT`, `RANK` and `WORLD_SIZE`) gets a group in one call:
@@ -45,6 +46,13 @@
 //! Algorithms are chosen by size (see [`algorithms`](crate)): recursive doubling
 //! and binomial trees for small buffers, a segmented, pipelined ring for large
 //! all-reduces, a pipelined chain for large broadcasts, a dissemination barrier.
+//!
+//! When every rank of the world (up to 64) is on one host, collectives run
+//! over shared memory instead (see [`shm`](crate)): an anonymous memory file
+//! each rank maps, with a half-slot per rank, stages on futex words, and every
+//! call compared by every rank at each op's first stage. The choice is made
+//! at the first collective, the same on every rank, and reported by
+//! [`ProcessGroup::shared_memory`]; [`Options::shared_memory`] turns it off.
 //!
 //! # Failure
 //!
