@@ -14,7 +14,9 @@
 //! the receiver can tell a mismatched collective from a slow one. A want frame
 //! (header only) says the sender has waited for the receiver's part of a
 //! collective, and carries the sender's call for the receiver to compare. An
-//! abort frame carries a UTF-8 reason and the first collective it fails. Decoders check every field and every length against a
+//! abort frame carries a UTF-8 reason and the first collective it fails. A
+//! flow frame (header only) asks the receiver to hold, or resume, its data
+//! frames to the sender (see `transport/flow.rs`). Decoders check every field and every length against a
 //! bound before allocating; a bad frame ends the connection, never the process.
 
 use std::fmt;
@@ -192,6 +194,13 @@ pub enum Header {
         step: u32,
         desc: Desc,
     },
+    /// Flow control (`transport/flow.rs`): `hold`, the sender has more of the
+    /// receiver's data frames filed, not yet taken by an operation, than its
+    /// window; the receiver sends only frames of operations the sender has
+    /// asked for (with a want) until a flow frame with `hold` false. `epoch`
+    /// orders them: a receiver applies only one newer than the last it applied.
+    /// No payload.
+    Flow { epoch: u64, hold: bool },
 }
 
 /// Why a header was refused.
@@ -202,12 +211,13 @@ pub struct BadFrame(pub String);
 const KIND_DATA: u8 = 1;
 const KIND_ABORT: u8 = 2;
 const KIND_WANT: u8 = 3;
+const KIND_FLOW: u8 = 4;
 
 impl Header {
     pub fn payload_len(&self) -> u64 {
         match *self {
             Header::Data { len, .. } | Header::Abort { len, .. } => len,
-            Header::Want { .. } => 0,
+            Header::Want { .. } | Header::Flow { .. } => 0,
         }
     }
 
@@ -242,6 +252,11 @@ impl Header {
                 b[8..16].copy_from_slice(&comm.to_le_bytes());
                 b[16..24].copy_from_slice(&from.to_le_bytes());
                 b[40..48].copy_from_slice(&len.to_le_bytes());
+            }
+            Header::Flow { epoch, hold } => {
+                b[0] = KIND_FLOW;
+                b[1] = u8::from(hold);
+                b[16..24].copy_from_slice(&epoch.to_le_bytes());
             }
         }
         b
@@ -321,6 +336,15 @@ impl Header {
                     from: u64_at(16),
                 })
             }
+            KIND_FLOW => {
+                if b[1] > 1 || b[2..5] != [0; 3] || b[8..16] != [0; 8] || b[24..48] != [0; 24] {
+                    return bad("flow frame with other fields set".into());
+                }
+                Ok(Header::Flow {
+                    epoch: u64_at(16),
+                    hold: b[1] == 1,
+                })
+            }
             k => bad(format!("frame kind {k}")),
         }
     }
@@ -364,7 +388,8 @@ pub struct Hello {
 }
 
 const MAGIC: &[u8; 4] = b"RPCG";
-const VERSION: u16 = 1;
+/// 2: flow frames.
+const VERSION: u16 = 2;
 /// Written in the sender's byte order: a peer of the other order reads 0x0201.
 const BYTE_ORDER: u16 = 0x0102;
 /// The fixed part of a hello; the name follows.
@@ -482,6 +507,7 @@ mod tests {
                     desc
                 }
             ),
+            (any::<u64>(), any::<bool>()).prop_map(|(epoch, hold)| Header::Flow { epoch, hold }),
         ]
     }
 

@@ -63,6 +63,13 @@ pub struct Options {
     /// Bytes of each half of a rank's shared-memory slot: the most a rank
     /// moves per round (at least 64 per rank, rounded up to 64).
     pub shm_slot_bytes: usize,
+    /// Bytes a peer may send ahead of the operations here that take them
+    /// (frames that arrive before their receive is posted: a broadcast root
+    /// or a sender of messages runs on while this rank is behind). Past it the
+    /// peer is asked to hold, and sends only the frames this rank asks for,
+    /// one operation at a time, until it has caught up to half. Per peer; 0
+    /// never holds (unbounded memory).
+    pub receive_window: usize,
 }
 
 impl Default for Options {
@@ -80,6 +87,7 @@ impl Default for Options {
             peer_timeout: Duration::from_secs(10),
             shared_memory: true,
             shm_slot_bytes: 1 << 20,
+            receive_window: 32 << 20,
         }
     }
 }
@@ -311,6 +319,7 @@ impl ProcessGroup {
             handshake_timeout: opts.handshake_timeout,
             peer_timeout: opts.peer_timeout,
             segment_bytes: opts.segment_bytes,
+            receive_window: opts.receive_window as u64,
         };
         let t = Transport::start(cfg, store, listener).map_err(|e| err(e.to_string()))?;
         let members = Members {
@@ -477,6 +486,14 @@ impl ProcessGroup {
     /// decided.
     pub fn shared_memory(&self) -> Option<bool> {
         self.comm.shm.get().map(Option::is_some)
+    }
+
+    /// Bytes received from peers ahead of the operations that will take
+    /// them, for this group and every group of its world. Bounded per peer by
+    /// [`Options::receive_window`] (plus what was on its way when the peer
+    /// was asked to hold, and the operations this rank asked for).
+    pub fn received_ahead_bytes(&self) -> u64 {
+        self.comm.sh().filed_bytes()
     }
 
     /// The error operations fail with, if the group is aborted.
@@ -1270,6 +1287,9 @@ impl OpCtx {
                 "rank {r}, which never published its address: it never formed the group (not started, or died during set-up)"
             ),
             Some((r, step, false)) => format!("rank {r} (step {step})"),
+            Some((r, step, true)) if self.comm.sh().held_by(self.world(r)) => format!(
+                "rank {r} to take step {step}: it holds this rank's frames, having more than its receive window not yet taken by an operation (Options::receive_window); it has not asked for this op's"
+            ),
             Some((r, step, true)) => format!("rank {r} to take step {step}"),
             None => self
                 .note

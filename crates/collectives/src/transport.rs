@@ -29,6 +29,12 @@
 //! for its part ([`Header::Want`]), which opens a connection if there is none, so
 //! a peer that died before ever connecting is noticed as a refused connection
 //! rather than at the timeout. Aborts are described at [`Shared::abort`].
+//!
+//! Flow control (`flow.rs`) bounds the frames filed from each peer: past
+//! [`Config::receive_window`] the peer is asked to hold, and then sends only
+//! frames of operations this rank asks for. The router decides; the flow and
+//! want frames it queues go to each peer through one task per peer
+//! ([`control_loop`]), in the order decided.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -55,8 +61,10 @@ const SETTLE_MAX: Duration = Duration::from_millis(250);
 /// How long an abort frame may take to reach a member.
 const ABORT_DEADLINE: Duration = Duration::from_secs(2);
 
+mod flow;
 mod router;
 
+use flow::{Outbound, Release};
 pub(crate) use router::{Clash, Fail, Frame, Key};
 use router::{Delivery, Router, Start};
 
@@ -97,6 +105,9 @@ pub(crate) struct Config {
     pub peer_timeout: Duration,
     /// The largest data payload (sizes the buffer pool).
     pub segment_bytes: usize,
+    /// Bytes filed from one peer, not yet taken by an operation, before the
+    /// peer is asked to hold (0: never).
+    pub receive_window: u64,
 }
 
 pub(crate) struct Shared {
@@ -108,6 +119,13 @@ pub(crate) struct Shared {
     peers: Mutex<HashMap<usize, Peer>>,
     connecting: Mutex<HashMap<usize, Arc<tokio::sync::Mutex<()>>>>,
     router: Mutex<Router>,
+    /// Which peers hold this rank's data frames (flow control).
+    outbound: Mutex<Outbound>,
+    /// Wakes sends waiting on a hold: a flow frame or a want arrived, or a
+    /// peer went.
+    flow_changed: tokio::sync::Notify,
+    /// Per peer, the queue of flow and want frames to send, in order.
+    control: Mutex<HashMap<usize, tokio::sync::mpsc::UnboundedSender<Header>>>,
     members: Mutex<HashMap<u64, Members>>,
     /// Peers whose address was looked for and not found (yet).
     unpublished: Mutex<std::collections::HashSet<usize>>,
@@ -175,6 +193,7 @@ impl Transport {
         listener: TcpListener,
     ) -> std::io::Result<Transport> {
         let local_addr = listener.local_addr()?;
+        let window = cfg.receive_window;
         let shared = Arc::new(Shared {
             pool: Pool::new(cfg.segment_bytes),
             cfg,
@@ -183,7 +202,10 @@ impl Transport {
             addrs: Mutex::default(),
             peers: Mutex::default(),
             connecting: Mutex::default(),
-            router: Mutex::default(),
+            router: Mutex::new(Router::new(window)),
+            outbound: Mutex::default(),
+            flow_changed: tokio::sync::Notify::new(),
+            control: Mutex::default(),
             members: Mutex::default(),
             telling: Mutex::default(),
             arenas: Mutex::default(),
@@ -271,7 +293,7 @@ impl Shared {
         deadline: Instant,
     ) -> Result<Frame, Fail> {
         let src = key.src as usize;
-        let start = lock(&self.router).start_recv(key);
+        let start = self.route(|r| r.start_recv(key));
         let mut rx = match start {
             Start::Ready(f) => return Ok(f),
             Start::Failed(f) => return Err(f),
@@ -329,7 +351,14 @@ impl Shared {
         else {
             unreachable!("only data frames are sent this way")
         };
-        let seq = (desc.op != OpKind::Send).then_some(seq);
+        let p2p = desc.op == OpKind::Send;
+        let release = Release {
+            comm,
+            p2p,
+            tag: if p2p { desc.root } else { 0 },
+            seq,
+        };
+        let seq = (!p2p).then_some(seq);
         self.count_frame();
         let signal = {
             let mut r = lock(&self.router);
@@ -338,7 +367,10 @@ impl Shared {
             }
             r.abort_signal(comm)
         };
-        let send = self.send_frame(dst, header, payload, pick, deadline);
+        let send = async {
+            self.clear_to_send(dst, release, deadline).await?;
+            self.send_frame(dst, header, payload, pick, deadline).await
+        };
         tokio::pin!(send);
         let mut signal = signal;
         loop {
@@ -353,6 +385,77 @@ impl Shared {
             // An abort from a later op: this one goes on, woken again if the
             // abort widens.
             signal = r.abort_signal(comm);
+        }
+    }
+
+    /// Waits until `dst` does not hold this rank, or has asked for `r`.
+    async fn clear_to_send(&self, dst: usize, r: Release, deadline: Instant) -> Result<(), Fail> {
+        loop {
+            let changed = self.flow_changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if lock(&self.outbound).may_send(dst, &r) {
+                return Ok(());
+            }
+            if let Some(reason) = lock(&self.router).gone(dst) {
+                return Err(Fail::Gone {
+                    rank: dst,
+                    reason: reason.clone(),
+                });
+            }
+            tokio::select! {
+                _ = changed => {}
+                _ = sleep_until(deadline) => return Err(Fail::Timeout),
+                _ = self.cancel.cancelled() => return Err(Fail::Gone {
+                    rank: dst,
+                    reason: "the transport shut down".into(),
+                }),
+            }
+        }
+    }
+
+    /// Whether `peer` holds this rank's data frames (it has more than its
+    /// window filed), for timeout messages.
+    pub fn held_by(&self, peer: usize) -> bool {
+        lock(&self.outbound).held_by(peer)
+    }
+
+    /// Bytes received ahead of the operations that take them, from every peer.
+    pub fn filed_bytes(&self) -> u64 {
+        lock(&self.router).filed_bytes()
+    }
+
+    /// Runs `f` on the router, then queues the flow and want frames it
+    /// decided, still under its lock, so they go out in the order decided.
+    fn route<R>(self: &Arc<Self>, f: impl FnOnce(&mut Router) -> R) -> R {
+        let mut r = lock(&self.router);
+        let out = f(&mut r);
+        self.queue_control(&mut r);
+        out
+    }
+
+    /// Queues the flow and want frames the router decided (its lock held).
+    fn queue_control(self: &Arc<Self>, r: &mut Router) {
+        let control = r.take_control();
+        if control.is_empty() {
+            return;
+        }
+        let mut queues = lock(&self.control);
+        for (peer, h) in control {
+            let q = queues.entry(peer).or_insert_with(|| {
+                let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+                self.rt.spawn(control_loop(self.clone(), peer, rx));
+                tx
+            });
+            let _ = q.send(h);
+        }
+    }
+
+    /// Applies a flow frame from `peer`.
+    fn flow(&self, peer: usize, epoch: u64, hold: bool) {
+        if lock(&self.outbound).signal(peer, epoch, hold) {
+            tracing::debug!(peer, hold, "flow control");
+            self.flow_changed.notify_waiters();
         }
     }
 
@@ -686,6 +789,7 @@ impl Shared {
     /// Marks `peer` gone and fails everything waiting on it.
     pub fn mark_gone(&self, peer: usize, reason: &str) {
         lock(&self.router).mark_gone(peer, reason);
+        self.flow_changed.notify_waiters();
     }
 
     /// Aborts group `comm` with `err` (the first abort wins): fails its
@@ -715,13 +819,16 @@ impl Shared {
         from_seq: u64,
     ) {
         let Some(members) = self.members(comm) else {
-            lock(&self.router).abort(comm, err, from_seq);
+            self.route(|r| r.abort(comm, err, from_seq));
             return;
         };
         let (done, told) = tokio::sync::watch::channel(Telling::Recording);
         {
             let mut r = lock(&self.router);
-            if !r.abort(comm, err, from_seq) {
+            let changed = r.abort(comm, err, from_seq);
+            // The abort drops filed frames: a peer held may resume.
+            self.queue_control(&mut r);
+            if !changed {
                 return;
             }
             if let Some(f) = sender {
@@ -919,12 +1026,26 @@ impl Shared {
             seq,
             step,
         };
-        let d = lock(&self.router).deliver(key, desc, buf);
+        let d = self.route(|r| r.deliver(key, desc, buf));
         self.act(src, d)
     }
 
-    /// A peer waits for our part of collective `seq`.
+    /// A peer waits for our part of collective `seq` (or, `desc.op` being
+    /// [`OpKind::Send`], for message `seq` of tag `desc.root`): a hold lets
+    /// it through, and a collective's call is compared with ours.
     fn want(self: &Arc<Self>, src: usize, comm: u64, seq: u64, desc: Desc) -> Result<(), String> {
+        let p2p = desc.op == OpKind::Send;
+        let release = Release {
+            comm,
+            p2p,
+            tag: if p2p { desc.root } else { 0 },
+            seq,
+        };
+        lock(&self.outbound).release(src, release);
+        self.flow_changed.notify_waiters();
+        if p2p {
+            return Ok(());
+        }
         let d = lock(&self.router).want(comm, seq, src as u32, desc);
         self.act(src, d)
     }
@@ -1174,6 +1295,30 @@ async fn read_frames(shared: &Arc<Shared>, peer: usize, rd: &mut BufReader<Owned
                     return End::Bad(why);
                 }
             }
+            Header::Flow { epoch, hold } => shared.flow(peer, epoch, hold),
+        }
+    }
+}
+
+/// Sends the flow and want frames queued for `peer`, in order. A frame that
+/// cannot be sent is dropped: the peer is gone, or its connection is failing
+/// and the reader will say so.
+async fn control_loop(
+    shared: Arc<Shared>,
+    peer: usize,
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<Header>,
+) {
+    loop {
+        let h = tokio::select! {
+            h = rx.recv() => match h { Some(h) => h, None => return },
+            _ = shared.cancel.cancelled() => return,
+        };
+        let deadline = Instant::now() + shared.cfg.handshake_timeout + ABORT_DEADLINE;
+        if let Err(f) = shared.send_frame(peer, &h, &[], 0, deadline).await {
+            if matches!(f, Fail::Gone { .. }) {
+                continue;
+            }
+            tracing::debug!(peer, "a flow-control frame was not sent");
         }
     }
 }

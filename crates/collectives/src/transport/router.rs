@@ -15,15 +15,21 @@
 //! An abort fails the group's operations from sequence number `from` on (a
 //! mismatch at op #7 leaves op #6, whose frames were all sent, to finish),
 //! and every point-to-point message.
+//!
+//! The router also counts the bytes it files per peer ([`Inbound`]) and
+//! queues the flow and want frames that flow control asks for
+//! ([`Router::take_control`]), in the order decided, so that the transport
+//! sends them in that order.
 
 use std::collections::{HashMap, HashSet};
 
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
-use crate::element::Buf;
+use super::flow::{Inbound, Signal};
+use crate::element::{Buf, DType};
 use crate::error::Error;
-use crate::frame::Desc;
+use crate::frame::{Algo, Desc, Header, OpKind};
 
 /// A frame's address.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -119,7 +125,6 @@ struct Aborted {
 }
 
 /// Frames, waiters, dead peers and aborted groups.
-#[derive(Default)]
 pub(crate) struct Router {
     slots: HashMap<Key, Slot>,
     checks: HashMap<(u64, u64), Check>,
@@ -134,9 +139,89 @@ pub(crate) struct Router {
     /// (group, peer) pairs where the peer has the abort: it sent it to us, or
     /// we have written it to the peer.
     told: HashSet<(u64, usize)>,
+    /// Bytes filed per peer, and which peers are held.
+    flow: Inbound,
+    /// Flow and want frames to send, per peer, in the order decided.
+    control: Vec<(usize, Header)>,
 }
 
 impl Router {
+    /// `window`: the bytes filed from one peer before it is held (0: never).
+    pub fn new(window: u64) -> Router {
+        Router {
+            slots: HashMap::new(),
+            checks: HashMap::new(),
+            ended: HashMap::new(),
+            ended_top: HashMap::new(),
+            gone: HashMap::new(),
+            aborted: HashMap::new(),
+            abort_signals: HashMap::new(),
+            told: HashSet::new(),
+            flow: Inbound::new(window),
+            control: Vec::new(),
+        }
+    }
+
+    /// The flow and want frames to send, oldest first.
+    pub fn take_control(&mut self) -> Vec<(usize, Header)> {
+        std::mem::take(&mut self.control)
+    }
+
+    /// Bytes filed, not yet taken by an operation, from every peer.
+    pub fn filed_bytes(&self) -> u64 {
+        self.flow.total()
+    }
+
+    fn flow_signal(&mut self, s: Option<Signal>) {
+        let Some(s) = s else { return };
+        self.control.push((
+            s.peer,
+            Header::Flow {
+                epoch: s.epoch,
+                hold: s.hold,
+            },
+        ));
+        if s.hold {
+            // Receives already waiting on the peer ask for their frames now:
+            // the peer may be holding exactly those.
+            let mut waiting: Vec<Key> = self
+                .slots
+                .iter()
+                .filter(|(k, slot)| k.src as usize == s.peer && matches!(slot, Slot::Waiting(_)))
+                .map(|(k, _)| *k)
+                .collect();
+            waiting.sort_by_key(|k| (k.comm, k.p2p, k.tag, k.seq, k.step));
+            for k in waiting {
+                self.ask(k);
+            }
+        }
+    }
+
+    /// Queues a want frame for `key`, which waits on a held peer.
+    fn ask(&mut self, key: Key) {
+        let desc = if key.p2p {
+            Some(p2p_want(key.tag))
+        } else {
+            self.checks.get(&(key.comm, key.seq)).and_then(|c| c.local)
+        };
+        if let Some(desc) = desc {
+            self.control.push((
+                key.src as usize,
+                Header::Want {
+                    comm: key.comm,
+                    seq: key.seq,
+                    step: key.step,
+                    desc,
+                },
+            ));
+        }
+    }
+
+    fn took(&mut self, key: &Key, bytes: usize) {
+        let s = self.flow.taken(key.src as usize, bytes as u64);
+        self.flow_signal(s);
+    }
+
     /// The group's abort, whatever it fails.
     pub fn aborted(&self, comm: u64) -> Option<&Error> {
         self.aborted.get(&comm).map(|a| &a.err)
@@ -209,7 +294,10 @@ impl Router {
             return Start::Failed(Fail::Aborted(e));
         }
         match self.slots.remove(&key) {
-            Some(Slot::Ready(f)) => return Start::Ready(f),
+            Some(Slot::Ready(f)) => {
+                self.took(&key, f.buf.len());
+                return Start::Ready(f);
+            }
             Some(Slot::Waiting(_)) => unreachable!("two operations wait for one frame key"),
             None => {}
         }
@@ -222,6 +310,9 @@ impl Router {
         }
         let (tx, rx) = oneshot::channel();
         self.slots.insert(key, Slot::Waiting(tx));
+        if self.flow.holds(src) {
+            self.ask(key);
+        }
         Start::Wait(rx)
     }
 
@@ -320,7 +411,9 @@ impl Router {
                 return Delivery::Duplicate(format!("sent a second frame for {key:?}"));
             }
             None => {
+                let s = self.flow.filed(key.src as usize, buf.len() as u64);
                 self.slots.insert(key, Slot::Ready(Frame { desc, buf }));
+                self.flow_signal(s);
             }
         }
         Delivery::Taken
@@ -382,8 +475,12 @@ impl Router {
         let fails = |k: &Key| k.comm == comm && k.collective_seq().is_none_or(|s| s >= from);
         let keys: Vec<Key> = self.slots.keys().filter(|k| fails(k)).copied().collect();
         for k in keys {
-            if let Some(Slot::Waiting(tx)) = self.slots.remove(&k) {
-                let _ = tx.send(Err(Fail::Aborted(err.clone())));
+            match self.slots.remove(&k) {
+                Some(Slot::Waiting(tx)) => {
+                    let _ = tx.send(Err(Fail::Aborted(err.clone())));
+                }
+                Some(Slot::Ready(f)) => self.took(&k, f.buf.len()),
+                None => {}
             }
         }
         self.checks.retain(|(c, s), _| *c != comm || *s < from);
@@ -394,6 +491,19 @@ impl Router {
             old.cancel();
         }
         true
+    }
+}
+
+/// The call a want for a point-to-point message carries: only its kind and
+/// tag are read (a want for a message is compared with nothing).
+fn p2p_want(tag: u32) -> Desc {
+    Desc {
+        op: OpKind::Send,
+        dtype: DType::U8,
+        reduce: None,
+        algo: Algo::Direct,
+        root: tag,
+        count: 0,
     }
 }
 
@@ -446,7 +556,7 @@ mod tests {
 
     #[test]
     fn a_frame_meets_its_waiter_in_either_order() {
-        let mut r = Router::default();
+        let mut r = Router::new(0);
         r.begin_seq(1, 0, desc(4)).unwrap();
         assert_eq!(r.deliver(key(2, 0), desc(4), buf()), Delivery::Taken);
         assert!(matches!(r.start_recv(key(2, 0)), Start::Ready(_)));
@@ -466,11 +576,11 @@ mod tests {
     #[test]
     fn frames_are_compared_before_during_and_after_the_call() {
         // Before: the first peer's call is kept and compared at the start.
-        let mut r = Router::default();
+        let mut r = Router::new(0);
         assert_eq!(r.deliver(key(2, 0), desc(5), buf()), Delivery::Taken);
         assert_eq!(r.begin_seq(1, 0, desc(4)), Err((2, desc(5))));
         // Before, two peers that differ from each other.
-        let mut r = Router::default();
+        let mut r = Router::new(0);
         r.deliver(key(2, 0), desc(5), buf());
         assert_eq!(
             r.deliver(key(3, 0), desc(6), buf()),
@@ -482,14 +592,14 @@ mod tests {
             })
         );
         // During.
-        let mut r = Router::default();
+        let mut r = Router::new(0);
         r.begin_seq(1, 0, desc(4)).unwrap();
         assert!(matches!(
             r.deliver(key(2, 0), desc(5), buf()),
             Delivery::Clash(Clash { a: (None, _), .. })
         ));
         // After the call ended here (a root that only sends).
-        let mut r = Router::default();
+        let mut r = Router::new(0);
         r.begin_seq(1, 0, desc(4)).unwrap();
         r.end_seq(1, 0);
         assert!(matches!(
@@ -500,14 +610,14 @@ mod tests {
         // A want is compared the same way.
         assert!(matches!(r.want(1, 0, 2, desc(9)), Delivery::Clash(_)));
         assert_eq!(r.want(1, 0, 2, desc(4)), Delivery::Taken);
-        let mut r = Router::default();
+        let mut r = Router::new(0);
         assert_eq!(r.want(1, 3, 2, desc(9)), Delivery::Taken);
         assert_eq!(r.begin_seq(1, 3, desc(4)), Err((2, desc(9))));
     }
 
     #[test]
     fn an_abort_from_a_later_op_lets_earlier_ones_finish() {
-        let mut r = Router::default();
+        let mut r = Router::new(0);
         let mut six = waiting(&mut r, key(2, 6));
         let mut seven = waiting(&mut r, key(2, 7));
         let mut p2p = waiting(
@@ -539,7 +649,7 @@ mod tests {
 
     #[test]
     fn a_frame_for_a_long_forgotten_op_is_dropped_unfiled() {
-        let mut r = Router::default();
+        let mut r = Router::new(0);
         for seq in 0..=ENDED_KEPT + 1 {
             r.begin_seq(1, seq, desc(4)).unwrap();
             r.end_seq(1, seq);
@@ -557,7 +667,7 @@ mod tests {
 
     #[test]
     fn a_gone_peer_fails_only_what_waits_on_it() {
-        let mut r = Router::default();
+        let mut r = Router::new(0);
         let mut from2 = waiting(&mut r, key(2, 0));
         let mut from3 = waiting(&mut r, key(3, 0));
         r.deliver(key(2, 1), desc(4), buf());

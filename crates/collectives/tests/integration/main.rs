@@ -3,6 +3,7 @@
 
 mod bootstrap;
 mod failures;
+mod flow;
 mod harness;
 mod ops;
 mod props;

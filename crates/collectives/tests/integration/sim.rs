@@ -1,7 +1,9 @@
 //! Seeded fault schedules over the real group (feature `faults`).
 //!
 //! Each seed makes one scenario: 2–5 ranks in this process, over shared
-//! memory (rounds of 512 bytes) or over loopback TCP (half the seeds each),
+//! memory (rounds of 512 bytes) or over loopback TCP (half the seeds each;
+//! three in four of those with a receive window of at most 2 KiB, so flow
+//! control holds ranks all the time),
 //! a random program of collectives (kind, type, size, root, reduce operator
 //! and algorithm; in some scenarios two consecutive ops with an async form are
 //! started together with `*_async`), and at most one fault:
@@ -140,6 +142,9 @@ struct Scenario {
     async_pairs: bool,
     /// Over shared memory (every rank is in this process, on one host), or TCP.
     shm: bool,
+    /// The receive window (flow control): over TCP, often a few segments or
+    /// less, so ranks hold each other all the time.
+    window: usize,
 }
 
 fn reduce_op(rng: &mut Rng) -> ReduceOp {
@@ -251,18 +256,21 @@ fn scenario(seed: u64) -> Scenario {
     };
     let async_pairs = rng.usize(..10) < 3;
     let shm = rng.bool();
+    let window = [Options::default().receive_window, 2048, 512, 1][rng.usize(..4)];
     Scenario {
         n,
         program,
         fault,
         async_pairs,
         shm,
+        window,
     }
 }
 
-fn sim_opts(shm: bool) -> Options {
+fn sim_opts(shm: bool, window: usize) -> Options {
     Options {
         shared_memory: shm,
+        receive_window: window,
         // Rounds of 512 bytes: buffers of a few hundred elements take several.
         shm_slot_bytes: 512,
         timeout: TIMEOUT,
@@ -446,7 +454,7 @@ struct Run {
 }
 
 async fn play(seed: u64, s: &Scenario) -> Vec<Run> {
-    let pgs = group(s.n, sim_opts(s.shm)).await;
+    let pgs = group(s.n, sim_opts(s.shm, s.window)).await;
     if let Fault::Kill { rank, frame } = s.fault {
         match frame {
             None => pgs[rank].kill(),
