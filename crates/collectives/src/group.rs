@@ -70,6 +70,12 @@ pub struct Options {
     /// one operation at a time, until it has caught up to half. Per peer; 0
     /// never holds (unbounded memory).
     pub receive_window: usize,
+    /// This rank's host, as far as shared memory is concerned: ranks with
+    /// equal ids share memory. Default: the host name, boot id and PID
+    /// namespace (or `RALLY_HOST_ID`). Set it to keep ranks apart that could
+    /// share memory (tests of several hosts in one process), never to join
+    /// ranks that cannot.
+    pub host_id: Option<String>,
 }
 
 impl Default for Options {
@@ -88,6 +94,7 @@ impl Default for Options {
             shared_memory: true,
             shm_slot_bytes: 1 << 20,
             receive_window: 32 << 20,
+            host_id: None,
         }
     }
 }
@@ -327,8 +334,8 @@ impl ProcessGroup {
             ranks: (0..size).collect(),
         };
         t.shared.register_members(0, members.clone());
-        if (2..=shm::MAX_RANKS).contains(&size) {
-            let entry = shm::host_entry(rank, opts.shared_memory);
+        if size >= 2 {
+            let entry = shm::host_entry(rank, opts.shared_memory, opts.host_id.as_deref());
             t.shared
                 .store()
                 .set(&format!("host/{rank}"), entry.as_bytes())
@@ -1154,6 +1161,11 @@ impl OpCtx {
 
     pub(crate) fn comm_arc(&self) -> &Arc<Comm> {
         &self.comm
+    }
+
+    /// The group rank of world rank `w`, for messages.
+    pub(crate) fn group_rank_of(&self, w: usize) -> usize {
+        self.comm.members.group_rank(w)
     }
 
     pub(crate) fn comm_id(&self) -> u64 {

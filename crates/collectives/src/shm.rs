@@ -1,13 +1,16 @@
 //! Shared memory for groups whose ranks are all on one host.
 //!
-//! **Choosing.** At set-up every rank of a world of 2 to [`MAX_RANKS`] ranks
-//! publishes `host/<rank>` = "`<pid> <host>`", where `<host>` is this host's
-//! identity (host name, boot id and PID namespace; `RALLY_HOST_ID` overrides
-//! it, for tests) or `off-<rank>` when [`crate::Options::shared_memory`] is
-//! off. At the first collective every rank reads them all; when every rank
-//! names this host, every group of the world (and its subgroups) runs its
-//! collectives over shared memory, else over TCP. Every rank reads the same
-//! keys, so every rank decides the same. Point-to-point messages stay on TCP.
+//! **Choosing.** At set-up every rank of a world of two or more publishes
+//! `host/<rank>` = "`<pid> <host>`", where `<host>` is this host's identity
+//! (host name, boot id and PID namespace; [`crate::Options::host_id`] or
+//! `RALLY_HOST_ID` overrides it) or `off-<rank>` when
+//! [`crate::Options::shared_memory`] is off or this process cannot share
+//! memory. At a group's first collective each member reads its members'
+//! entries (a group of 2 to [`MAX_RANKS`]); when they all name one host, the
+//! group runs its collectives over shared memory, else over TCP. So in a
+//! world that spans hosts, a subgroup within one host (the usual per-node
+//! group) still shares memory. Every member reads the same keys, so every
+//! member decides the same. Point-to-point messages stay on TCP.
 //!
 //! **Attaching.** At a group's first collective its rank 0 creates an
 //! anonymous memory file ([`sys`]) and publishes `shm/<group id>` =
@@ -74,7 +77,10 @@ const REASON_WAIT: Duration = Duration::from_secs(2);
 
 /// This host's identity: equal on two ranks exactly when they can share
 /// memory. `None` when a part cannot be read (then this rank shares none).
-fn host_key() -> Option<String> {
+fn host_key(host_id: Option<&str>) -> Option<String> {
+    if let Some(id) = host_id {
+        return Some(format!("id:{id}"));
+    }
     if let Ok(id) = std::env::var("RALLY_HOST_ID") {
         return Some(format!("id:{id}"));
     }
@@ -89,21 +95,52 @@ fn host_key() -> Option<String> {
 }
 
 /// What rank `rank` publishes at set-up (see the module docs).
-pub(crate) fn host_entry(rank: usize, enabled: bool) -> String {
+pub(crate) fn host_entry(rank: usize, enabled: bool, host_id: Option<&str>) -> String {
     let host = enabled
         .then(sys::supported)
         .unwrap_or(false)
-        .then(host_key)
+        .then(|| host_key(host_id))
         .flatten()
         .unwrap_or_else(|| format!("off-{rank}"));
     format!("{} {host}", std::process::id())
 }
 
-/// Whether every rank of the world (`n` ranks) is on this host: their
-/// process ids if so. Waits for every rank's entry, within the op's deadline.
-async fn decide(cx: &OpCtx, n: usize) -> Result<Option<Arc<[u32]>>> {
+/// Whether every member of `cx`'s group is on one host: their process ids,
+/// in group-rank order, if so. Waits for the members' entries, within the
+/// op's deadline.
+async fn decide(cx: &OpCtx) -> Result<Option<Arc<[u32]>>> {
     let sh = cx.sh();
-    let keys: Vec<String> = (0..n).map(|r| format!("host/{r}")).collect();
+    let members: Vec<usize> = (0..cx.n()).map(|k| cx.world(k)).collect();
+    let unread: Vec<usize> = {
+        let hosts = sh.hosts.lock().unwrap_or_else(|e| e.into_inner());
+        members
+            .iter()
+            .copied()
+            .filter(|r| !hosts.contains_key(r))
+            .collect()
+    };
+    if !unread.is_empty() {
+        read_hosts(cx, &unread).await?;
+    }
+    let hosts = sh.hosts.lock().unwrap_or_else(|e| e.into_inner());
+    // This rank's entry as published, not recomputed: what every member compares.
+    let mine = &hosts[&cx.world(cx.me())].1;
+    let mut pids = Vec::with_capacity(members.len());
+    for r in &members {
+        let (pid, host) = &hosts[r];
+        if host != mine || host.starts_with("off-") {
+            return Ok(None);
+        }
+        pids.push(*pid);
+    }
+    Ok(Some(pids.into()))
+}
+
+/// Reads the `host/<rank>` entries of world ranks `ranks` into the
+/// transport's cache, waiting for them within the op's deadline.
+async fn read_hosts(cx: &OpCtx, ranks: &[usize]) -> Result<()> {
+    let sh = cx.sh();
+    let keys: Vec<String> = ranks.iter().map(|r| format!("host/{r}")).collect();
     let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
     for slice in 0u32.. {
         if sh.store().check(&refs).await.unwrap_or(false) {
@@ -113,9 +150,9 @@ async fn decide(cx: &OpCtx, n: usize) -> Result<Option<Arc<[u32]>>> {
         // look per key).
         if slice % 20 == 0 {
             let mut missing = Vec::new();
-            for (r, k) in refs.iter().enumerate() {
+            for (k, r) in refs.iter().zip(ranks) {
                 if !sh.store().check(&[k]).await.unwrap_or(false) {
-                    missing.push(r.to_string());
+                    missing.push(cx.group_rank_of(*r).to_string());
                 }
             }
             let who = match missing.len() {
@@ -142,46 +179,34 @@ async fn decide(cx: &OpCtx, n: usize) -> Result<Option<Arc<[u32]>>> {
             group: cx.group_name(),
             reason: format!("reading the ranks' hosts: {e}"),
         })?;
-    // This rank's entry as published, not recomputed: what every rank compares.
-    let host = |v: &[u8]| {
-        let v = String::from_utf8_lossy(v).into_owned();
-        v.split_once(' ').map(|(_, h)| h.to_owned())
-    };
-    let my_host = host(&vals[cx.world(cx.me())]);
-    let mut pids = Vec::with_capacity(n);
-    for v in &vals {
-        let v = String::from_utf8_lossy(v);
+    let mut hosts = sh.hosts.lock().unwrap_or_else(|e| e.into_inner());
+    for (r, v) in ranks.iter().zip(vals) {
+        let v = String::from_utf8_lossy(&v).into_owned();
         let (pid, host) = v.split_once(' ').unwrap_or(("", ""));
-        if my_host.as_deref() != Some(host) || host.starts_with("off-") {
-            return Ok(None);
-        }
-        pids.push(pid.parse::<u32>().unwrap_or(0));
+        hosts.insert(*r, (pid.parse().unwrap_or(0), host.to_owned()));
     }
-    Ok(Some(pids.into()))
+    Ok(())
 }
 
 /// The region of `cx`'s group, attached at its first collective; `None`
 /// when the group runs over TCP.
 pub(crate) async fn arena_of(cx: &OpCtx) -> Result<Option<Arc<Arena>>> {
-    let comm = cx.comm_arc();
-    let cell = comm.shm_cell();
+    let cell = cx.comm_arc().shm_cell();
     if let Some(a) = cell.get() {
         return Ok(a.clone());
     }
-    let sh = cx.sh();
-    let world = sh.cfg.world;
-    let local = if (2..=MAX_RANKS).contains(&world) && cx.opts().shared_memory {
-        sh.local
-            .get_or_try_init(|| decide(cx, world))
-            .await?
-            .clone()
-    } else {
-        None
-    };
-    let Some(pids) = local else {
-        return Ok(cell.get_or_init(|| async { None }).await.clone());
-    };
-    cell.get_or_try_init(|| attach(cx, pids)).await.cloned()
+    // Every op of the group decides the same; the first to get here decides.
+    cell.get_or_try_init(|| async {
+        if !(2..=MAX_RANKS).contains(&cx.n()) || !cx.opts().shared_memory {
+            return Ok(None);
+        }
+        match decide(cx).await? {
+            Some(pids) => attach(cx, pids).await,
+            None => Ok(None),
+        }
+    })
+    .await
+    .cloned()
 }
 
 async fn attach(cx: &OpCtx, pids: Arc<[u32]>) -> Result<Option<Arc<Arena>>> {
@@ -207,7 +232,7 @@ async fn attach(cx: &OpCtx, pids: Arc<[u32]>) -> Result<Option<Arc<Arena>>> {
         a
     } else {
         cx.note_waiting("rank 0 to create the group's shared memory".into());
-        let creator = pids.get(cx.world(0)).copied();
+        let creator = pids.first().copied();
         while !sh.store().check(&[&key]).await.unwrap_or(false) {
             check_absent(cx, 0, creator)?;
             tokio::time::sleep(SLICE).await;
@@ -228,7 +253,7 @@ async fn attach(cx: &OpCtx, pids: Arc<[u32]>) -> Result<Option<Arc<Arena>>> {
         }
     };
     for k in 0..n {
-        if let Some(&p) = pids.get(cx.world(k)) {
+        if let Some(&p) = pids.get(k) {
             arena.watch_pid(p);
         }
     }
@@ -238,7 +263,7 @@ async fn attach(cx: &OpCtx, pids: Arc<[u32]>) -> Result<Option<Arc<Arena>>> {
         group = %cx.group_name(),
         ranks = n,
         slot_kib = arena.slot >> 10,
-        "every rank is on this host: collectives run over shared memory"
+        "every rank of the group is on this host: collectives run over shared memory"
     );
     Ok(Some(arena))
 }
@@ -519,7 +544,7 @@ impl<'a> Round<'a> {
             Presence::Killed => return Err(cx.gone(k, "it died (killed)".into())),
             Presence::Here => self.a.pid(k),
             Presence::Absent => {
-                let pid = sh.local.get().and_then(|p| p.as_ref()?.get(world).copied());
+                let pid = sh.host_pid(world);
                 return check_absent(cx, k, pid);
             }
         };

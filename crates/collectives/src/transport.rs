@@ -134,9 +134,9 @@ pub(crate) struct Shared {
     /// Groups that run over shared memory: an abort is also marked in the
     /// region (waking its sleepers), and a kill marks this rank dead there.
     arenas: Mutex<HashMap<u64, std::sync::Weak<Arena>>>,
-    /// Whether every rank of the world is on this host, with their process
-    /// ids (decided at the first collective; see `shm`).
-    pub local: tokio::sync::OnceCell<Option<Arc<[u32]>>>,
+    /// The `host/<rank>` entries read so far (world rank to process id and
+    /// host), from which each group decides on shared memory (see `shm`).
+    pub hosts: Mutex<HashMap<usize, (u32, String)>>,
     refused: AtomicU64,
     next_conn: AtomicU64,
     /// Accepted connections still in their handshake (whose peer is not known yet).
@@ -209,7 +209,7 @@ impl Transport {
             members: Mutex::default(),
             telling: Mutex::default(),
             arenas: Mutex::default(),
-            local: tokio::sync::OnceCell::new(),
+            hosts: Mutex::default(),
             unpublished: Mutex::default(),
             refused: AtomicU64::new(0),
             next_conn: AtomicU64::new(0),
@@ -418,6 +418,11 @@ impl Shared {
     /// window filed), for timeout messages.
     pub fn held_by(&self, peer: usize) -> bool {
         lock(&self.outbound).held_by(peer)
+    }
+
+    /// World rank `r`'s process id, from its host entry, if read.
+    pub fn host_pid(&self, r: usize) -> Option<u32> {
+        lock(&self.hosts).get(&r).map(|h| h.0)
     }
 
     /// Bytes received ahead of the operations that take them, from every peer.

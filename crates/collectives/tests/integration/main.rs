@@ -5,6 +5,7 @@ mod bootstrap;
 mod failures;
 mod flow;
 mod harness;
+mod hosts;
 mod ops;
 mod props;
 mod scale;
