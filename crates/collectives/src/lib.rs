@@ -47,12 +47,16 @@
 //! and binomial trees for small buffers, a segmented, pipelined ring for large
 //! all-reduces, a pipelined chain for large broadcasts, a dissemination barrier.
 //!
-//! When every rank of the world (up to 64) is on one host, collectives run
+//! When every rank of a group (up to 64) is on one host, its collectives run
 //! over shared memory instead (see [`shm`](crate)): an anonymous memory file
 //! each rank maps, with a half-slot per rank, stages on futex words, and every
 //! call compared by every rank at each op's first stage. The choice is made
-//! at the first collective, the same on every rank, and reported by
-//! [`ProcessGroup::shared_memory`]; [`Options::shared_memory`] turns it off.
+//! at the group's first collective, the same on every member, and reported
+//! by [`ProcessGroup::shared_memory`]; [`Options::shared_memory`] turns it off.
+//!
+//! A rank that falls behind bounds what it files from each peer: past
+//! [`Options::receive_window`] it asks the peer to hold, then asks for each
+//! op's frames as it reaches the op (see `transport/flow.rs`).
 //!
 //! # Failure
 //!
