@@ -563,8 +563,12 @@ impl ProcessGroup {
     /// Starts collective `desc`: checks the group, takes the next sequence number
     /// and compares with what peers already sent.
     fn begin(&self, desc: Desc) -> Result<OpCtx> {
+        self.begin_at(self.comm.seq.fetch_add(1, Ordering::Relaxed), desc)
+    }
+
+    /// [`ProcessGroup::begin`] with a sequence number taken earlier.
+    fn begin_at(&self, seq: u64, desc: Desc) -> Result<OpCtx> {
         let c = &self.comm;
-        let seq = c.seq.fetch_add(1, Ordering::Relaxed);
         let cx = self.ctx(desc, seq, false);
         if let Some(e) = c.sh().aborted_for(c.id, Some(seq)) {
             // Fails at its first await, after the abort (perhaps raised here
@@ -674,29 +678,23 @@ impl ProcessGroup {
 
     /// Waits until every rank has called `barrier`.
     pub async fn barrier(&self) -> Result<()> {
+        let cx = self.begin_barrier()?;
+        drive(&cx, barrier_impl(&cx)).await
+    }
+
+    fn begin_barrier(&self) -> Result<OpCtx> {
         let algo = if self.size() <= self.comm.opts.dissemination_max_ranks {
             Algo::Dissemination
         } else {
             Algo::Tree
         };
-        let cx = self.begin(self.desc::<u8>(OpKind::Barrier, None, algo, 0, 0)?)?;
-        let fut = async {
-            if let Some(a) = cx.shm().await? {
-                return shm_ops::barrier(&a, &cx).await;
-            }
-            match algo {
-                Algo::Dissemination => algo::barrier_dissemination(&cx).await,
-                _ => algo::barrier_tree(&cx).await,
-            }
-        };
-        cx.finish(timeout_at(cx.deadline, fut).await).await
+        self.begin(self.desc::<u8>(OpKind::Barrier, None, algo, 0, 0)?)
     }
 
     /// Copies `root`'s buffer into every rank's.
     pub async fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
         let cx = self.begin_broadcast::<T>(buf.len(), root)?;
-        cx.finish(timeout_at(cx.deadline, broadcast_impl(&cx, buf, root)).await)
-            .await
+        drive(&cx, broadcast_impl(&cx, buf, root)).await
     }
 
     fn begin_broadcast<T: Element>(&self, len: usize, root: usize) -> Result<OpCtx> {
@@ -714,8 +712,7 @@ impl ProcessGroup {
     /// Reduces every rank's buffer element-wise with `op`; every rank gets the result.
     pub async fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
         let cx = self.begin_all_reduce::<T>(buf.len(), op)?;
-        cx.finish(timeout_at(cx.deadline, all_reduce_impl(&cx, buf, op)).await)
-            .await
+        drive(&cx, all_reduce_impl(&cx, buf, op)).await
     }
 
     fn begin_all_reduce<T: Element>(&self, len: usize, op: ReduceOp) -> Result<OpCtx> {
@@ -731,100 +728,56 @@ impl ProcessGroup {
 
     /// Reduces every rank's buffer into `root`'s; other ranks' buffers are unchanged.
     pub async fn reduce<T: Element>(&self, buf: &mut [T], root: usize, op: ReduceOp) -> Result<()> {
+        let cx = self.begin_reduce::<T>(buf.len(), root, op)?;
+        drive(&cx, reduce_impl(&cx, buf, root, op)).await
+    }
+
+    fn begin_reduce<T: Element>(&self, len: usize, root: usize, op: ReduceOp) -> Result<OpCtx> {
         let root32 = self.check_rank("root", root)?;
-        let algo = if self.small(std::mem::size_of_val(buf)) {
+        let algo = if self.small(len * T::DTYPE.size()) {
             Algo::Tree
         } else {
             Algo::Ring
         };
-        let cx =
-            self.begin(self.desc::<T>(OpKind::Reduce, Some(op), algo, root32, buf.len())?)?;
-        let fut = async {
-            if let Some(a) = cx.shm().await? {
-                return shm_ops::reduce(&a, &cx, buf, op, Some(root)).await;
-            }
-            let mut scratch;
-            let acc: &mut [T] = if cx.me() == root {
-                buf
-            } else {
-                scratch = buf.to_vec();
-                &mut scratch
-            };
-            match algo {
-                Algo::Tree => {
-                    algo::tree_reduce(&cx, acc, op, root, 0).await?;
-                    if op == ReduceOp::Avg && cx.me() == root {
-                        T::divide(acc, cx.n());
-                    }
-                    Ok(())
-                }
-                _ => algo::ring_reduce(&cx, acc, op, root).await,
-            }
-        };
-        cx.finish(timeout_at(cx.deadline, fut).await).await
+        self.begin(self.desc::<T>(OpKind::Reduce, Some(op), algo, root32, len)?)
     }
 
     /// Every rank's `input` (all the same length) into `out`, in rank order.
     pub async fn all_gather<T: Element>(&self, input: &[T], out: &mut [T]) -> Result<()> {
         self.expect_len("all_gather output", out.len(), input.len() * self.size())?;
-        let cx =
-            self.begin(self.desc::<T>(OpKind::AllGather, None, Algo::Ring, 0, input.len())?)?;
-        cx.finish(timeout_at(cx.deadline, all_gather_impl(&cx, input, out)).await)
-            .await
+        let cx = self.begin_all_gather::<T>(input.len())?;
+        drive(&cx, all_gather_impl(&cx, input, out)).await
+    }
+
+    fn begin_all_gather<T: Element>(&self, len: usize) -> Result<OpCtx> {
+        self.begin(self.desc::<T>(OpKind::AllGather, None, Algo::Ring, 0, len)?)
     }
 
     /// Every rank's `input`, whatever its length, in rank order. Exchanges the
     /// lengths first (a small all-gather), then runs a ring over unequal chunks.
     pub async fn all_gather_varying<T: Element>(&self, input: &[T]) -> Result<Vec<Vec<T>>> {
-        let mut lens = vec![0u64; self.size()];
-        self.all_gather(&[input.len() as u64], &mut lens).await?;
-        let mut bounds = Vec::with_capacity(lens.len());
-        let mut at = 0usize;
-        for &l in &lens {
-            bounds.push(at..at + l as usize);
-            at += l as usize;
-        }
-        let cx = self.begin(self.desc::<T>(OpKind::AllGatherV, None, Algo::Ring, 0, at)?)?;
-        let mut all = vec![T::from_i8(0); at];
-        let fut = async {
-            if let Some(a) = cx.shm().await? {
-                return shm_ops::gather(&a, &cx, input, &bounds, Some(&mut all)).await;
-            }
-            all[bounds[self.rank()].clone()].copy_from_slice(input);
-            algo::ring_all_gather(&cx, &mut all, &bounds, 0).await
-        };
-        cx.finish(timeout_at(cx.deadline, fut).await).await?;
-        Ok(bounds.into_iter().map(|b| all[b].to_vec()).collect())
+        let (lens, seq) = self.begin_all_gather_varying()?;
+        all_gather_varying_impl(self, lens, seq, input).await
+    }
+
+    /// The two sequence numbers of an all-gather of varying sizes, taken
+    /// now: the lengths' all-gather (begun) and the data's (whose call,
+    /// with the total length, is known only after the first).
+    fn begin_all_gather_varying(&self) -> Result<(OpCtx, u64)> {
+        let lens = self.begin_all_gather::<u64>(1)?;
+        Ok((lens, self.comm.seq.fetch_add(1, Ordering::Relaxed)))
     }
 
     /// Every rank's `input` (all the same length) to `root`, in rank order;
     /// `None` on other ranks.
     pub async fn gather<T: Element>(&self, input: &[T], root: usize) -> Result<Option<Vec<T>>> {
+        let cx = self.begin_gather::<T>(input.len(), root)?;
+        drive(&cx, gather_impl(&cx, input, root)).await
+    }
+
+    fn begin_gather<T: Element>(&self, len: usize, root: usize) -> Result<OpCtx> {
         let root32 = self.check_rank("root", root)?;
-        let cx =
-            self.begin(self.desc::<T>(OpKind::Gather, None, Algo::Direct, root32, input.len())?)?;
-        let n = self.size();
-        let k = input.len();
-        let fut = async {
-            if let Some(a) = cx.shm().await? {
-                let bounds = algo::equal_bounds(k, n);
-                let mut all = vec![T::from_i8(0); if cx.me() == root { n * k } else { 0 }];
-                let out = (cx.me() == root).then_some(&mut all[..]);
-                shm_ops::gather(&a, &cx, input, &bounds, out).await?;
-                return Ok((cx.me() == root).then_some(all));
-            }
-            if cx.me() == root {
-                let mut all = vec![T::from_i8(0); n * k];
-                let bounds = algo::equal_bounds(k, n);
-                all[bounds[root].clone()].copy_from_slice(input);
-                algo::gather_direct(&cx, &mut all, &bounds, root, 0).await?;
-                Ok(Some(all))
-            } else {
-                algo::send_to_root(&cx, input, root, 0, algo::nseg(k, cx.seg::<T>())).await?;
-                Ok(None)
-            }
-        };
-        cx.finish(timeout_at(cx.deadline, fut).await).await
+        self.begin(self.desc::<T>(OpKind::Gather, None, Algo::Direct, root32, len)?)
     }
 
     /// Chunk `i` of `root`'s `input` (`size × out.len()` elements) to rank `i`'s
@@ -835,26 +788,29 @@ impl ProcessGroup {
         out: &mut [T],
         root: usize,
     ) -> Result<()> {
-        let root32 = self.check_rank("root", root)?;
+        let cx = self.begin_scatter::<T>(input.map(<[T]>::len), out.len(), root)?;
         let input = if self.rank() == root {
-            let i = input
-                .ok_or_else(|| Error::Invalid("scatter: the root must pass its input".into()))?;
-            self.expect_len("scatter input", i.len(), out.len() * self.size())?;
-            i
+            input.unwrap_or(&[])
         } else {
             &[]
         };
-        let cx =
-            self.begin(self.desc::<T>(OpKind::Scatter, None, Algo::Direct, root32, out.len())?)?;
-        let k = out.len();
-        let fut = async {
-            if let Some(a) = cx.shm().await? {
-                let how = shm_ops::Parts::Scatter { root };
-                return shm_ops::parts(&a, &cx, how, input, out, k).await;
-            }
-            algo::scatter_direct(&cx, input, out, root).await
-        };
-        cx.finish(timeout_at(cx.deadline, fut).await).await
+        drive(&cx, scatter_impl(&cx, input, out, root)).await
+    }
+
+    /// `input`: the length the root passed (others' is ignored).
+    fn begin_scatter<T: Element>(
+        &self,
+        input: Option<usize>,
+        len: usize,
+        root: usize,
+    ) -> Result<OpCtx> {
+        let root32 = self.check_rank("root", root)?;
+        if self.rank() == root {
+            let i = input
+                .ok_or_else(|| Error::Invalid("scatter: the root must pass its input".into()))?;
+            self.expect_len("scatter input", i, len * self.size())?;
+        }
+        self.begin(self.desc::<T>(OpKind::Scatter, None, Algo::Direct, root32, len)?)
     }
 
     /// Reduces every rank's `input` (`size × out.len()` elements) with `op` and
@@ -866,65 +822,37 @@ impl ProcessGroup {
         op: ReduceOp,
     ) -> Result<()> {
         self.expect_len("reduce_scatter input", input.len(), out.len() * self.size())?;
-        let cx = self.begin(self.desc::<T>(
-            OpKind::ReduceScatter,
-            Some(op),
-            Algo::Ring,
-            0,
-            out.len(),
-        )?)?;
-        let fut = async {
-            if let Some(a) = cx.shm().await? {
-                let (how, k) = (shm_ops::Parts::ReduceScatter(op), out.len());
-                return shm_ops::parts(&a, &cx, how, input, out, k).await;
-            }
-            let mut acc = input.to_vec();
-            let bounds = algo::equal_bounds(out.len(), cx.n());
-            algo::ring_reduce_scatter(&cx, &mut acc, &bounds, op, 0).await?;
-            let mine = &mut acc[bounds[cx.me()].clone()];
-            if op == ReduceOp::Avg {
-                T::divide(mine, cx.n());
-            }
-            out.copy_from_slice(mine);
-            Ok(())
-        };
-        cx.finish(timeout_at(cx.deadline, fut).await).await
+        let cx = self.begin_reduce_scatter::<T>(out.len(), op)?;
+        drive(&cx, reduce_scatter_impl(&cx, input, out, op)).await
+    }
+
+    fn begin_reduce_scatter<T: Element>(&self, len: usize, op: ReduceOp) -> Result<OpCtx> {
+        self.begin(self.desc::<T>(OpKind::ReduceScatter, Some(op), Algo::Ring, 0, len)?)
     }
 
     /// Chunk `j` of rank `i`'s `input` becomes chunk `i` of rank `j`'s `out`
     /// (both `size × k` elements).
     pub async fn all_to_all<T: Element>(&self, input: &[T], out: &mut [T]) -> Result<()> {
-        let n = self.size();
         self.expect_len("all_to_all output", out.len(), input.len())?;
-        if input.len() % n != 0 {
+        let cx = self.begin_all_to_all::<T>(input.len())?;
+        drive(&cx, all_to_all_impl(&cx, input, out)).await
+    }
+
+    fn begin_all_to_all<T: Element>(&self, len: usize) -> Result<OpCtx> {
+        let n = self.size();
+        if len % n != 0 {
             return Err(Error::Invalid(format!(
-                "all_to_all input of {} elements does not split into {n} equal chunks",
-                input.len()
+                "all_to_all input of {len} elements does not split into {n} equal chunks"
             )));
         }
-        let cx = self.begin(self.desc::<T>(
-            OpKind::AllToAll,
-            None,
-            Algo::Direct,
-            0,
-            input.len() / n,
-        )?)?;
-        let fut = async {
-            if let Some(a) = cx.shm().await? {
-                let k = input.len() / n;
-                return shm_ops::parts(&a, &cx, shm_ops::Parts::AllToAll, input, out, k).await;
-            }
-            algo::all_to_all_pairwise(&cx, input, out).await
-        };
-        cx.finish(timeout_at(cx.deadline, fut).await).await
+        self.begin(self.desc::<T>(OpKind::AllToAll, None, Algo::Direct, 0, len / n)?)
     }
 
     /// Sends `data` to rank `dst` under `tag`; the matching [`ProcessGroup::recv`]
     /// must expect the same type and length.
     pub async fn send<T: Element>(&self, data: &[T], dst: usize, tag: u32) -> Result<()> {
         let cx = self.begin_send::<T>(data.len(), dst, tag)?;
-        cx.finish(timeout_at(cx.deadline, algo::send_message(&cx, dst, data)).await)
-            .await
+        drive(&cx, algo::send_message(&cx, dst, data)).await
     }
 
     fn begin_send<T: Element>(&self, len: usize, dst: usize, tag: u32) -> Result<OpCtx> {
@@ -942,8 +870,7 @@ impl ProcessGroup {
     /// Receives the next message from `src` under `tag` into `out`.
     pub async fn recv<T: Element>(&self, out: &mut [T], src: usize, tag: u32) -> Result<()> {
         let cx = self.begin_recv::<T>(out.len(), src, tag)?;
-        cx.finish(timeout_at(cx.deadline, algo::recv_message(&cx, src, out)).await)
-            .await
+        drive(&cx, algo::recv_message(&cx, src, out)).await
     }
 
     fn begin_recv<T: Element>(&self, len: usize, src: usize, tag: u32) -> Result<OpCtx> {
@@ -996,69 +923,306 @@ impl ProcessGroup {
     }
 
     // ---- handles ---------------------------------------------------------------
+    //
+    // Every collective has an `*_async` form: it takes its sequence number
+    // (and checks its arguments) now, so operations started in order run in
+    // order, and runs on the group's runtime, owning its buffers.
+
+    /// Starts an op begun as `cx` (or failed to begin) with `body`.
+    fn spawn_op<C, R, F>(&self, cx: Result<C>, body: impl FnOnce(C) -> F) -> Work<R>
+    where
+        R: Send + 'static,
+        F: std::future::Future<Output = Result<R>> + Send + 'static,
+    {
+        let rt = &self.comm.sh().rt;
+        match cx {
+            Ok(cx) => Work::spawn(rt, body(cx)),
+            Err(e) => Work::spawn(rt, async move { Err(e) }),
+        }
+    }
+
+    /// Starts a barrier; see [`ProcessGroup::all_reduce_async`].
+    pub fn barrier_async(&self) -> Work<()> {
+        self.spawn_op(self.begin_barrier(), |cx| async move {
+            drive(&cx, barrier_impl(&cx)).await
+        })
+    }
 
     /// Starts an all-reduce of `buf` and returns at once; the sequence number is
     /// taken now, so operations started in order run in order.
     pub fn all_reduce_async<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
-        let cx = self.begin_all_reduce::<T>(buf.len(), op);
-        Work::spawn(&self.comm.sh().rt, async move {
-            let cx = cx?;
-            cx.finish(timeout_at(cx.deadline, all_reduce_impl(&cx, &mut buf, op)).await)
-                .await?;
+        self.spawn_op(self.begin_all_reduce::<T>(buf.len(), op), |cx| async move {
+            drive(&cx, all_reduce_impl(&cx, &mut buf, op)).await?;
             Ok(buf)
         })
     }
 
     /// Starts a broadcast; see [`ProcessGroup::all_reduce_async`].
     pub fn broadcast_async<T: Element>(&self, mut buf: Vec<T>, root: usize) -> Work<Vec<T>> {
-        let cx = self.begin_broadcast::<T>(buf.len(), root);
-        Work::spawn(&self.comm.sh().rt, async move {
-            let cx = cx?;
-            cx.finish(timeout_at(cx.deadline, broadcast_impl(&cx, &mut buf, root)).await)
-                .await?;
-            Ok(buf)
-        })
+        self.spawn_op(
+            self.begin_broadcast::<T>(buf.len(), root),
+            |cx| async move {
+                drive(&cx, broadcast_impl(&cx, &mut buf, root)).await?;
+                Ok(buf)
+            },
+        )
+    }
+
+    /// Starts a reduce to `root` (whose result the work returns; other ranks
+    /// get their `buf` back unchanged); see [`ProcessGroup::all_reduce_async`].
+    pub fn reduce_async<T: Element>(
+        &self,
+        mut buf: Vec<T>,
+        root: usize,
+        op: ReduceOp,
+    ) -> Work<Vec<T>> {
+        self.spawn_op(
+            self.begin_reduce::<T>(buf.len(), root, op),
+            |cx| async move {
+                drive(&cx, reduce_impl(&cx, &mut buf, root, op)).await?;
+                Ok(buf)
+            },
+        )
     }
 
     /// Starts an all-gather; see [`ProcessGroup::all_reduce_async`].
     pub fn all_gather_async<T: Element>(&self, input: Vec<T>) -> Work<Vec<T>> {
         let n = self.size();
-        let cx = self.begin(
-            match self.desc::<T>(OpKind::AllGather, None, Algo::Ring, 0, input.len()) {
-                Ok(d) => d,
-                Err(e) => return Work::spawn(&self.comm.sh().rt, async move { Err(e) }),
-            },
-        );
-        Work::spawn(&self.comm.sh().rt, async move {
-            let cx = cx?;
+        self.spawn_op(self.begin_all_gather::<T>(input.len()), |cx| async move {
             let mut out = vec![T::from_i8(0); input.len() * n];
-            cx.finish(timeout_at(cx.deadline, all_gather_impl(&cx, &input, &mut out)).await)
-                .await?;
+            drive(&cx, all_gather_impl(&cx, &input, &mut out)).await?;
+            Ok(out)
+        })
+    }
+
+    /// Starts an all-gather of varying sizes (it takes two sequence
+    /// numbers); see [`ProcessGroup::all_reduce_async`].
+    pub fn all_gather_varying_async<T: Element>(&self, input: Vec<T>) -> Work<Vec<Vec<T>>> {
+        let pg = self.clone();
+        self.spawn_op(self.begin_all_gather_varying(), |(lens, seq)| async move {
+            all_gather_varying_impl(&pg, lens, seq, &input).await
+        })
+    }
+
+    /// Starts a gather to `root` (`Some` there, `None` elsewhere); see
+    /// [`ProcessGroup::all_reduce_async`].
+    pub fn gather_async<T: Element>(&self, input: Vec<T>, root: usize) -> Work<Option<Vec<T>>> {
+        self.spawn_op(self.begin_gather::<T>(input.len(), root), |cx| async move {
+            drive(&cx, gather_impl(&cx, &input, root)).await
+        })
+    }
+
+    /// Starts a scatter from `root` (which passes `Some` input) of `len`
+    /// elements per rank; see [`ProcessGroup::all_reduce_async`].
+    pub fn scatter_async<T: Element>(
+        &self,
+        input: Option<Vec<T>>,
+        len: usize,
+        root: usize,
+    ) -> Work<Vec<T>> {
+        let cx = self.begin_scatter::<T>(input.as_ref().map(Vec::len), len, root);
+        self.spawn_op(cx, |cx| async move {
+            let mut out = vec![T::from_i8(0); len];
+            let input = input.filter(|_| cx.me() == root).unwrap_or_default();
+            drive(&cx, scatter_impl(&cx, &input, &mut out, root)).await?;
+            Ok(out)
+        })
+    }
+
+    /// Starts a reduce-scatter of `input` (`size × k` elements; the work
+    /// returns this rank's `k`); see [`ProcessGroup::all_reduce_async`].
+    pub fn reduce_scatter_async<T: Element>(&self, input: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
+        let n = self.size();
+        let cx = if input.len() % n == 0 {
+            self.begin_reduce_scatter::<T>(input.len() / n, op)
+        } else {
+            Err(Error::Invalid(format!(
+                "reduce_scatter input of {} elements does not split into {n} equal chunks",
+                input.len()
+            )))
+        };
+        self.spawn_op(cx, |cx| async move {
+            let mut out = vec![T::from_i8(0); input.len() / n];
+            drive(&cx, reduce_scatter_impl(&cx, &input, &mut out, op)).await?;
+            Ok(out)
+        })
+    }
+
+    /// Starts an all-to-all; see [`ProcessGroup::all_reduce_async`].
+    pub fn all_to_all_async<T: Element>(&self, input: Vec<T>) -> Work<Vec<T>> {
+        self.spawn_op(self.begin_all_to_all::<T>(input.len()), |cx| async move {
+            let mut out = vec![T::from_i8(0); input.len()];
+            drive(&cx, all_to_all_impl(&cx, &input, &mut out)).await?;
             Ok(out)
         })
     }
 
     /// Starts a send; see [`ProcessGroup::all_reduce_async`].
     pub fn send_async<T: Element>(&self, data: Vec<T>, dst: usize, tag: u32) -> Work<()> {
-        let cx = self.begin_send::<T>(data.len(), dst, tag);
-        Work::spawn(&self.comm.sh().rt, async move {
-            let cx = cx?;
-            cx.finish(timeout_at(cx.deadline, algo::send_message(&cx, dst, &data)).await)
-                .await
-        })
+        self.spawn_op(
+            self.begin_send::<T>(data.len(), dst, tag),
+            |cx| async move { drive(&cx, algo::send_message(&cx, dst, &data)).await },
+        )
     }
 
     /// Starts a receive of `len` elements; see [`ProcessGroup::all_reduce_async`].
     pub fn recv_async<T: Element>(&self, len: usize, src: usize, tag: u32) -> Work<Vec<T>> {
-        let cx = self.begin_recv::<T>(len, src, tag);
-        Work::spawn(&self.comm.sh().rt, async move {
-            let cx = cx?;
+        self.spawn_op(self.begin_recv::<T>(len, src, tag), |cx| async move {
             let mut out = vec![T::from_i8(0); len];
-            cx.finish(timeout_at(cx.deadline, algo::recv_message(&cx, src, &mut out)).await)
-                .await?;
+            drive(&cx, algo::recv_message(&cx, src, &mut out)).await?;
             Ok(out)
         })
     }
+}
+
+/// Runs an op's body within its deadline and ends it (see [`OpCtx::finish`]):
+/// every operation, blocking or `*_async`, goes through here.
+async fn drive<R>(cx: &OpCtx, body: impl std::future::Future<Output = Result<R>>) -> Result<R> {
+    cx.finish(timeout_at(cx.deadline, body).await).await
+}
+
+async fn barrier_impl(cx: &OpCtx) -> Result<()> {
+    if let Some(a) = cx.shm().await? {
+        return shm_ops::barrier(&a, cx).await;
+    }
+    match cx.desc.algo {
+        Algo::Dissemination => algo::barrier_dissemination(cx).await,
+        _ => algo::barrier_tree(cx).await,
+    }
+}
+
+async fn reduce_impl<T: Element>(
+    cx: &OpCtx,
+    buf: &mut [T],
+    root: usize,
+    op: ReduceOp,
+) -> Result<()> {
+    if let Some(a) = cx.shm().await? {
+        return shm_ops::reduce(&a, cx, buf, op, Some(root)).await;
+    }
+    let mut scratch;
+    let acc: &mut [T] = if cx.me() == root {
+        buf
+    } else {
+        scratch = buf.to_vec();
+        &mut scratch
+    };
+    match cx.desc.algo {
+        Algo::Tree => {
+            algo::tree_reduce(cx, acc, op, root, 0).await?;
+            if op == ReduceOp::Avg && cx.me() == root {
+                T::divide(acc, cx.n());
+            }
+            Ok(())
+        }
+        _ => algo::ring_reduce(cx, acc, op, root).await,
+    }
+}
+
+/// The lengths' all-gather (`lens`, begun), then the data's as op `seq`.
+async fn all_gather_varying_impl<T: Element>(
+    pg: &ProcessGroup,
+    lens: OpCtx,
+    seq: u64,
+    input: &[T],
+) -> Result<Vec<Vec<T>>> {
+    let mut all_lens = vec![0u64; pg.size()];
+    let first = drive(
+        &lens,
+        all_gather_impl(&lens, &[input.len() as u64], &mut all_lens),
+    )
+    .await;
+    // Ended: over shared memory its turn passes to the next op (the data's)
+    // when it is dropped.
+    drop(lens);
+    // The data's op, begun even when the first failed (its number is taken;
+    // the group is aborted then, so it fails at once).
+    let mut bounds = Vec::with_capacity(all_lens.len());
+    let mut at = 0usize;
+    for &l in &all_lens {
+        bounds.push(at..at + l as usize);
+        at += l as usize;
+    }
+    let cx = pg.begin_at(
+        seq,
+        pg.desc::<T>(OpKind::AllGatherV, None, Algo::Ring, 0, at)?,
+    )?;
+    if let Err(e) = first {
+        cx.done.store(true, Ordering::Relaxed);
+        return Err(e);
+    }
+    let mut all = vec![T::from_i8(0); at];
+    let fut = async {
+        if let Some(a) = cx.shm().await? {
+            return shm_ops::gather(&a, &cx, input, &bounds, Some(&mut all)).await;
+        }
+        all[bounds[cx.me()].clone()].copy_from_slice(input);
+        algo::ring_all_gather(&cx, &mut all, &bounds, 0).await
+    };
+    drive(&cx, fut).await?;
+    Ok(bounds.into_iter().map(|b| all[b].to_vec()).collect())
+}
+
+async fn gather_impl<T: Element>(cx: &OpCtx, input: &[T], root: usize) -> Result<Option<Vec<T>>> {
+    let (n, k) = (cx.n(), input.len());
+    let bounds = algo::equal_bounds(k, n);
+    if let Some(a) = cx.shm().await? {
+        let mut all = vec![T::from_i8(0); if cx.me() == root { n * k } else { 0 }];
+        let out = (cx.me() == root).then_some(&mut all[..]);
+        shm_ops::gather(&a, cx, input, &bounds, out).await?;
+        return Ok((cx.me() == root).then_some(all));
+    }
+    if cx.me() == root {
+        let mut all = vec![T::from_i8(0); n * k];
+        all[bounds[root].clone()].copy_from_slice(input);
+        algo::gather_direct(cx, &mut all, &bounds, root, 0).await?;
+        Ok(Some(all))
+    } else {
+        algo::send_to_root(cx, input, root, 0, algo::nseg(k, cx.seg::<T>())).await?;
+        Ok(None)
+    }
+}
+
+async fn scatter_impl<T: Element>(
+    cx: &OpCtx,
+    input: &[T],
+    out: &mut [T],
+    root: usize,
+) -> Result<()> {
+    if let Some(a) = cx.shm().await? {
+        let (how, k) = (shm_ops::Parts::Scatter { root }, out.len());
+        return shm_ops::parts(&a, cx, how, input, out, k).await;
+    }
+    algo::scatter_direct(cx, input, out, root).await
+}
+
+async fn reduce_scatter_impl<T: Element>(
+    cx: &OpCtx,
+    input: &[T],
+    out: &mut [T],
+    op: ReduceOp,
+) -> Result<()> {
+    if let Some(a) = cx.shm().await? {
+        let (how, k) = (shm_ops::Parts::ReduceScatter(op), out.len());
+        return shm_ops::parts(&a, cx, how, input, out, k).await;
+    }
+    let mut acc = input.to_vec();
+    let bounds = algo::equal_bounds(out.len(), cx.n());
+    algo::ring_reduce_scatter(cx, &mut acc, &bounds, op, 0).await?;
+    let mine = &mut acc[bounds[cx.me()].clone()];
+    if op == ReduceOp::Avg {
+        T::divide(mine, cx.n());
+    }
+    out.copy_from_slice(mine);
+    Ok(())
+}
+
+async fn all_to_all_impl<T: Element>(cx: &OpCtx, input: &[T], out: &mut [T]) -> Result<()> {
+    if let Some(a) = cx.shm().await? {
+        let k = input.len() / cx.n();
+        return shm_ops::parts(&a, cx, shm_ops::Parts::AllToAll, input, out, k).await;
+    }
+    algo::all_to_all_pairwise(cx, input, out).await
 }
 
 async fn broadcast_impl<T: Element>(cx: &OpCtx, buf: &mut [T], root: usize) -> Result<()> {

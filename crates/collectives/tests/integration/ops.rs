@@ -468,3 +468,99 @@ async fn invalid_arguments_are_refused_before_sending() {
     let got = each(&pgs, |pg| async move { pg.barrier().await }).await;
     assert!(got.iter().all(|r| r.is_ok()));
 }
+
+/// Every collective's `*_async` form, all started at once (each takes its
+/// sequence number as it starts), gives what its blocking form gives; bad
+/// arguments come back through the work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_async_form_started_together_matches_its_blocking_form() {
+    for shared_memory in [false, true] {
+        let (n, k) = (3usize, 37usize);
+        let o = Options {
+            timeout: std::time::Duration::from_secs(20),
+            ..small_segments(shared_memory)
+        };
+        let pgs = group(n, o).await;
+        let got = each(&pgs, move |pg| async move {
+            let r = pg.rank();
+            let mine = |len: usize| data::<i32>(7, r, len);
+            let works = (
+                pg.barrier_async(),
+                pg.all_reduce_async(mine(k), ReduceOp::Sum),
+                pg.broadcast_async(mine(k), 1),
+                pg.reduce_async(mine(k), 2, ReduceOp::Max),
+                pg.all_gather_async(mine(k)),
+                pg.all_gather_varying_async(mine(r + 1)),
+                pg.gather_async(mine(k), 0),
+                pg.scatter_async((r == 1).then(|| mine(k * n)), k, 1),
+                pg.reduce_scatter_async(mine(k * n), ReduceOp::Sum),
+                pg.all_to_all_async(mine(k * n)),
+            );
+            // Started in order, awaited in reverse: nothing waits on order.
+            let all_to_all = works.9.wait().await.unwrap();
+            let reduce_scatter = works.8.wait().await.unwrap();
+            let scatter = works.7.wait().await.unwrap();
+            let gather = works.6.wait().await.unwrap();
+            let varying = works.5.wait().await.unwrap();
+            let all_gather = works.4.wait().await.unwrap();
+            let reduce = works.3.wait().await.unwrap();
+            let broadcast = works.2.wait().await.unwrap();
+            let all_reduce = works.1.wait().await.unwrap();
+            works.0.wait().await.unwrap();
+            // The same ops, blocking, on the same group.
+            let mut b = mine(k);
+            pg.all_reduce(&mut b, ReduceOp::Sum).await.unwrap();
+            assert_eq!(all_reduce, b, "all_reduce rank {r}");
+            let mut b = mine(k);
+            pg.broadcast(&mut b, 1).await.unwrap();
+            assert_eq!(broadcast, b, "broadcast rank {r}");
+            let mut b = mine(k);
+            pg.reduce(&mut b, 2, ReduceOp::Max).await.unwrap();
+            assert_eq!(reduce, b, "reduce rank {r}");
+            let mut b = vec![0; k * n];
+            pg.all_gather(&mine(k), &mut b).await.unwrap();
+            assert_eq!(all_gather, b, "all_gather rank {r}");
+            assert_eq!(varying, pg.all_gather_varying(&mine(r + 1)).await.unwrap());
+            assert_eq!(gather, pg.gather(&mine(k), 0).await.unwrap());
+            let mut b = vec![0; k];
+            let all = (r == 1).then(|| mine(k * n));
+            pg.scatter(all.as_deref(), &mut b, 1).await.unwrap();
+            assert_eq!(scatter, b, "scatter rank {r}");
+            let mut b = vec![0; k];
+            pg.reduce_scatter(&mine(k * n), &mut b, ReduceOp::Sum)
+                .await
+                .unwrap();
+            assert_eq!(reduce_scatter, b, "reduce_scatter rank {r}");
+            let mut b = vec![0; k * n];
+            pg.all_to_all(&mine(k * n), &mut b).await.unwrap();
+            assert_eq!(all_to_all, b, "all_to_all rank {r}");
+            // Against the reference too, for two of them.
+            let inputs: Vec<Vec<i32>> = (0..n).map(|q| data(7, q, k)).collect();
+            assert_eq!(all_reduce, reference(&inputs, ReduceOp::Sum));
+            assert_eq!(varying.len(), n);
+            for (q, v) in varying.iter().enumerate() {
+                assert_eq!(*v, data::<i32>(7, q, q + 1));
+            }
+            // Bad arguments fail the work, not the group.
+            let bad = pg.reduce_scatter_async(mine(k * n + 1), ReduceOp::Sum);
+            assert!(bad
+                .wait()
+                .await
+                .unwrap_err()
+                .to_string()
+                .contains("equal chunks"));
+            if r == 1 {
+                let bad = pg.scatter_async::<i32>(None, k, 1);
+                assert!(bad
+                    .wait()
+                    .await
+                    .unwrap_err()
+                    .to_string()
+                    .contains("root must pass"));
+            }
+            pg.barrier().await.unwrap();
+        })
+        .await;
+        assert_eq!(got.len(), n, "shared_memory {shared_memory}");
+    }
+}
