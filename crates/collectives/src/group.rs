@@ -16,8 +16,9 @@ use crate::algorithms as algo;
 use crate::element::{bytes_of, bytes_of_mut, Buf, DType, Element, ReduceOp};
 use crate::error::{Error, Result};
 use crate::frame::{Algo, Desc, Header, OpKind, MAX_PAYLOAD};
-use crate::shm::{self, ops as shm_ops, Arena, Turn};
+use crate::shm::{self, ops as shm_ops, Arena, Plan, Turn};
 use crate::transport::{Config, Fail, Key, Members, Shared, Transport};
+use crate::two_level::{self, TwoLevel};
 
 /// gloo's default operation timeout.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
@@ -135,9 +136,8 @@ pub(crate) struct Comm {
     p2p: Mutex<HashMap<(bool, usize, u32), u64>>,
     subgroups: Mutex<HashMap<Vec<usize>, u64>>,
     opts: Arc<Options>,
-    /// The group's shared memory, once its first collective has decided
-    /// (`None`: TCP).
-    shm: tokio::sync::OnceCell<Option<Arc<Arena>>>,
+    /// How the group runs its collectives, once its first has decided.
+    plan: tokio::sync::OnceCell<Plan>,
     /// Collectives' turns at the shared memory.
     turn: Turn,
 }
@@ -147,11 +147,17 @@ impl Comm {
         &self.t.shared
     }
 
-    pub(crate) fn shm_cell(&self) -> &tokio::sync::OnceCell<Option<Arc<Arena>>> {
-        &self.shm
+    pub(crate) fn plan_cell(&self) -> &tokio::sync::OnceCell<Plan> {
+        &self.plan
     }
 
-    fn new(t: Arc<Transport>, id: u64, members: Members, rank: usize, opts: Arc<Options>) -> Comm {
+    pub(crate) fn new(
+        t: Arc<Transport>,
+        id: u64,
+        members: Members,
+        rank: usize,
+        opts: Arc<Options>,
+    ) -> Comm {
         Comm {
             t,
             id,
@@ -161,7 +167,7 @@ impl Comm {
             p2p: Mutex::default(),
             subgroups: Mutex::default(),
             opts,
-            shm: tokio::sync::OnceCell::new(),
+            plan: tokio::sync::OnceCell::new(),
             turn: Turn::default(),
         }
     }
@@ -492,7 +498,37 @@ impl ProcessGroup {
     /// on this host), or over TCP; `None` until its first collective has
     /// decided.
     pub fn shared_memory(&self) -> Option<bool> {
-        self.comm.shm.get().map(Option::is_some)
+        self.comm.plan.get().map(|p| matches!(p, Plan::Shm(_)))
+    }
+
+    /// Whether this group spans hosts and runs all_reduce, broadcast and
+    /// barrier in two levels (shared memory within each host, TCP between);
+    /// `None` until its first collective has decided.
+    pub fn two_level(&self) -> Option<bool> {
+        self.comm.plan.get().map(|p| matches!(p, Plan::TwoLevel(_)))
+    }
+
+    /// An internal group of `cx`'s group (see `two_level`): no messages.
+    pub(crate) fn internal(cx: &OpCtx, id: u64, members: Members, rank: usize) -> ProcessGroup {
+        let c = &cx.comm;
+        c.sh().register_members(id, members.clone());
+        ProcessGroup {
+            comm: Arc::new(Comm::new(c.t.clone(), id, members, rank, c.opts.clone())),
+            timeout: cx.timeout,
+            all_reduce_algo: None,
+            broadcast_algo: None,
+        }
+    }
+
+    /// A step of a two-level op on this internal group: op `seq`, reserved
+    /// earlier, with the group op's call and deadline.
+    pub(crate) fn step_ctx(&self, seq: u64, desc: Desc, deadline: Instant) -> OpCtx {
+        let mut cx = match self.begin_at(seq, desc) {
+            Ok(cx) => cx,
+            Err(_) => unreachable!("begin_at never fails"),
+        };
+        cx.deadline = deadline;
+        cx
     }
 
     /// Bytes received from peers ahead of the operations that will take
@@ -1082,6 +1118,15 @@ async fn drive<R>(cx: &OpCtx, body: impl std::future::Future<Output = Result<R>>
 }
 
 async fn barrier_impl(cx: &OpCtx) -> Result<()> {
+    if let Some(t) = cx.two_level().await? {
+        return two_level::barrier(&t, cx).await;
+    }
+    barrier_flat(cx).await
+}
+
+/// The op over this group alone (shared memory or TCP): also a step of a
+/// two-level op.
+pub(crate) async fn barrier_flat(cx: &OpCtx) -> Result<()> {
     if let Some(a) = cx.shm().await? {
         return shm_ops::barrier(&a, cx).await;
     }
@@ -1091,7 +1136,7 @@ async fn barrier_impl(cx: &OpCtx) -> Result<()> {
     }
 }
 
-async fn reduce_impl<T: Element>(
+pub(crate) async fn reduce_impl<T: Element>(
     cx: &OpCtx,
     buf: &mut [T],
     root: usize,
@@ -1226,6 +1271,19 @@ async fn all_to_all_impl<T: Element>(cx: &OpCtx, input: &[T], out: &mut [T]) -> 
 }
 
 async fn broadcast_impl<T: Element>(cx: &OpCtx, buf: &mut [T], root: usize) -> Result<()> {
+    if let Some(t) = cx.two_level().await? {
+        return two_level::broadcast(&t, cx, buf, root).await;
+    }
+    broadcast_flat(cx, buf, root).await
+}
+
+/// The op over this group alone (shared memory or TCP): also a step of a
+/// two-level op.
+pub(crate) async fn broadcast_flat<T: Element>(
+    cx: &OpCtx,
+    buf: &mut [T],
+    root: usize,
+) -> Result<()> {
     if let Some(a) = cx.shm().await? {
         return shm_ops::broadcast(&a, cx, buf, root).await;
     }
@@ -1236,6 +1294,19 @@ async fn broadcast_impl<T: Element>(cx: &OpCtx, buf: &mut [T], root: usize) -> R
 }
 
 async fn all_reduce_impl<T: Element>(cx: &OpCtx, buf: &mut [T], op: ReduceOp) -> Result<()> {
+    if let Some(t) = cx.two_level().await? {
+        return two_level::all_reduce(&t, cx, buf, op).await;
+    }
+    all_reduce_flat(cx, buf, op).await
+}
+
+/// The op over this group alone (shared memory or TCP): also a step of a
+/// two-level op.
+pub(crate) async fn all_reduce_flat<T: Element>(
+    cx: &OpCtx,
+    buf: &mut [T],
+    op: ReduceOp,
+) -> Result<()> {
     if let Some(a) = cx.shm().await? {
         return shm_ops::reduce(&a, cx, buf, op, None).await;
     }
@@ -1305,6 +1376,53 @@ pub(crate) struct OpCtx {
 }
 
 impl OpCtx {
+    /// The group's two levels, if it spans hosts (see `two_level`).
+    async fn two_level(&self) -> Result<Option<Arc<TwoLevel>>> {
+        if self.p2p || self.is_doomed() {
+            return Ok(None);
+        }
+        Ok(match shm::plan_of(self).await? {
+            Plan::TwoLevel(t) => Some(t),
+            _ => None,
+        })
+    }
+
+    fn is_doomed(&self) -> bool {
+        self.doomed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+    }
+
+    /// A two-level step that succeeded (see `two_level`).
+    pub(crate) fn step_done(self) {
+        self.done.store(true, Ordering::Relaxed);
+        self.comm.sh().end_seq(self.comm.id, self.seq);
+    }
+
+    /// A two-level step that failed: the group op's abort aborts this
+    /// internal group, not the step.
+    pub(crate) fn step_failed(self) {
+        self.done.store(true, Ordering::Relaxed);
+    }
+
+    /// The rank (of this op's group) and step the op last waited for.
+    pub(crate) fn waiting_rank(&self) -> Option<(usize, u32)> {
+        self.waiting
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .map(|(r, step, _)| (r, step))
+    }
+
+    /// The group's abort as this rank knows it: told, or recorded.
+    pub(crate) async fn known_abort(&self) -> Option<Error> {
+        shm::known_abort(self).await
+    }
+
+    pub(crate) fn op_name(&self) -> String {
+        self.name()
+    }
+
     /// The group's shared memory, if this op runs over it.
     async fn shm(&self) -> Result<Option<Arc<Arena>>> {
         if self.p2p

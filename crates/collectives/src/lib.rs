@@ -95,6 +95,7 @@ mod frame;
 mod group;
 mod shm;
 mod transport;
+mod two_level;
 
 pub use element::{DType, Element, ReduceOp};
 pub use error::{Error, Result};

@@ -61,6 +61,7 @@ pub(crate) use arena::{Arena, Presence};
 use crate::error::{Error, Result};
 use crate::frame::{Algo, Desc, Header};
 use crate::group::{stable_hash, OpCtx};
+use crate::two_level::TwoLevel;
 use arena::AttachError;
 
 /// The largest world that uses shared memory: every stage reads every rank's
@@ -105,10 +106,33 @@ pub(crate) fn host_entry(rank: usize, enabled: bool, host_id: Option<&str>) -> S
     format!("{} {host}", std::process::id())
 }
 
-/// Whether every member of `cx`'s group is on one host: their process ids,
-/// in group-rank order, if so. Waits for the members' entries, within the
-/// op's deadline.
-async fn decide(cx: &OpCtx) -> Result<Option<Arc<[u32]>>> {
+/// How a group runs its collectives, decided at its first.
+#[derive(Clone)]
+pub(crate) enum Plan {
+    Tcp,
+    /// Every member on this host.
+    Shm(Arc<Arena>),
+    /// Members on several hosts, some sharing one (see `two_level`).
+    TwoLevel(Arc<TwoLevel>),
+}
+
+/// The largest group that looks for a two-level plan (every member reads
+/// every member's host entry once).
+pub const TWO_LEVEL_MAX_RANKS: usize = 256;
+
+/// What the members' host entries say: every member on one host (their
+/// process ids, in group-rank order), several hosts (each host's members,
+/// in group-rank order, hosts ordered by their first member), or nothing
+/// to share (a member that shares nothing, or no host with two members).
+enum Layout {
+    OneHost(Arc<[u32]>),
+    Hosts(Vec<Vec<usize>>),
+    Apart,
+}
+
+/// Reads `cx`'s group's host entries and lays them out. Waits for the
+/// members' entries, within the op's deadline.
+async fn decide(cx: &OpCtx) -> Result<Layout> {
     let sh = cx.sh();
     let members: Vec<usize> = (0..cx.n()).map(|k| cx.world(k)).collect();
     let unread: Vec<usize> = {
@@ -123,17 +147,31 @@ async fn decide(cx: &OpCtx) -> Result<Option<Arc<[u32]>>> {
         read_hosts(cx, &unread).await?;
     }
     let hosts = sh.hosts.lock().unwrap_or_else(|e| e.into_inner());
-    // This rank's entry as published, not recomputed: what every member compares.
-    let mine = &hosts[&cx.world(cx.me())].1;
-    let mut pids = Vec::with_capacity(members.len());
-    for r in &members {
-        let (pid, host) = &hosts[r];
-        if host != mine || host.starts_with("off-") {
-            return Ok(None);
+    let mut by_host: Vec<(&str, Vec<usize>)> = Vec::new();
+    for (k, r) in members.iter().enumerate() {
+        let host = hosts[r].1.as_str();
+        if host.starts_with("off-") {
+            return Ok(Layout::Apart);
         }
-        pids.push(*pid);
+        match by_host.iter_mut().find(|(h, _)| *h == host) {
+            Some((_, ks)) => ks.push(k),
+            None => by_host.push((host, vec![k])),
+        }
     }
-    Ok(Some(pids.into()))
+    if by_host.len() == 1 {
+        if members.len() > MAX_RANKS {
+            return Ok(Layout::Apart);
+        }
+        let pids = members.iter().map(|r| hosts[r].0).collect();
+        return Ok(Layout::OneHost(pids));
+    }
+    let shares = by_host.iter().any(|(_, ks)| ks.len() >= 2);
+    let fits = by_host.iter().all(|(_, ks)| ks.len() <= MAX_RANKS);
+    Ok(if shares && fits {
+        Layout::Hosts(by_host.into_iter().map(|(_, ks)| ks).collect())
+    } else {
+        Layout::Apart
+    })
 }
 
 /// Reads the `host/<rank>` entries of world ranks `ranks` into the
@@ -188,25 +226,45 @@ async fn read_hosts(cx: &OpCtx, ranks: &[usize]) -> Result<()> {
     Ok(())
 }
 
-/// The region of `cx`'s group, attached at its first collective; `None`
-/// when the group runs over TCP.
-pub(crate) async fn arena_of(cx: &OpCtx) -> Result<Option<Arc<Arena>>> {
-    let cell = cx.comm_arc().shm_cell();
-    if let Some(a) = cell.get() {
-        return Ok(a.clone());
+/// How `cx`'s group runs its collectives, decided (and its region
+/// attached) at its first collective.
+pub(crate) async fn plan_of(cx: &OpCtx) -> Result<Plan> {
+    let cell = cx.comm_arc().plan_cell();
+    if let Some(p) = cell.get() {
+        return Ok(p.clone());
     }
     // Every op of the group decides the same; the first to get here decides.
     cell.get_or_try_init(|| async {
-        if !(2..=MAX_RANKS).contains(&cx.n()) || !cx.opts().shared_memory {
-            return Ok(None);
+        if !(2..=TWO_LEVEL_MAX_RANKS).contains(&cx.n()) || !cx.opts().shared_memory {
+            return Ok(Plan::Tcp);
         }
-        match decide(cx).await? {
-            Some(pids) => attach(cx, pids).await,
-            None => Ok(None),
-        }
+        Ok(match decide(cx).await? {
+            Layout::OneHost(pids) => match attach(cx, pids).await? {
+                Some(a) => Plan::Shm(a),
+                None => Plan::Tcp,
+            },
+            Layout::Hosts(hosts) => {
+                let t = TwoLevel::new(cx, hosts);
+                tracing::info!(
+                    group = %cx.group_name(),
+                    hosts = t.hosts(),
+                    "the group spans hosts: all_reduce, broadcast and barrier run over shared memory within each host and TCP between"
+                );
+                Plan::TwoLevel(Arc::new(t))
+            }
+            Layout::Apart => Plan::Tcp,
+        })
     })
     .await
     .cloned()
+}
+
+/// The region of `cx`'s group; `None` when it does not run over one.
+pub(crate) async fn arena_of(cx: &OpCtx) -> Result<Option<Arc<Arena>>> {
+    Ok(match plan_of(cx).await? {
+        Plan::Shm(a) => Some(a),
+        _ => None,
+    })
 }
 
 async fn attach(cx: &OpCtx, pids: Arc<[u32]>) -> Result<Option<Arc<Arena>>> {
@@ -309,7 +367,7 @@ async fn attach_failed(cx: &OpCtx, pid: u32, e: AttachError) -> Error {
 
 /// The group's abort as this rank knows it: told (by TCP), or recorded in
 /// the store by the rank where it happened.
-async fn known_abort(cx: &OpCtx) -> Option<Error> {
+pub(crate) async fn known_abort(cx: &OpCtx) -> Option<Error> {
     let sh = cx.sh();
     if let Some(e) = sh.aborted(cx.comm_id()) {
         return Some(e);

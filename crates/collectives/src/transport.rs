@@ -92,6 +92,44 @@ struct Peer {
     conns: Vec<Arc<Conn>>,
 }
 
+/// An internal group of a group (see `two_level`): the group's abort aborts
+/// it too, from the first step of the first op the abort fails.
+pub(crate) struct ChildLink {
+    pub comm: u64,
+    /// The next sequence number of the internal group, and, per op of the
+    /// group that reserved steps, the first of them.
+    steps: Mutex<(u64, std::collections::BTreeMap<u64, u64>)>,
+}
+
+impl ChildLink {
+    pub fn new(comm: u64) -> ChildLink {
+        ChildLink {
+            comm,
+            steps: Mutex::default(),
+        }
+    }
+
+    /// Reserves `k` sequence numbers of the internal group for op `seq` of
+    /// the group; returns the first. Ops reserve in their order.
+    pub fn reserve(&self, seq: u64, k: u64) -> u64 {
+        let mut g = lock(&self.steps);
+        let first = g.0;
+        g.0 += k;
+        g.1.insert(seq, first);
+        // Keep the recent ones: an abort fails ops from one not yet ended.
+        while g.1.len() > 4096 {
+            g.1.pop_first();
+        }
+        first
+    }
+
+    /// The first internal op that an abort of the group from op `from` fails.
+    fn from(&self, from: u64) -> u64 {
+        let g = lock(&self.steps);
+        g.1.range(from..).next().map_or(g.0, |(_, &first)| first)
+    }
+}
+
 /// Options fixed for a transport's life.
 pub(crate) struct Config {
     pub name: String,
@@ -134,6 +172,8 @@ pub(crate) struct Shared {
     /// Groups that run over shared memory: an abort is also marked in the
     /// region (waking its sleepers), and a kill marks this rank dead there.
     arenas: Mutex<HashMap<u64, std::sync::Weak<Arena>>>,
+    /// Per group, its internal groups (see [`ChildLink`]).
+    children: Mutex<HashMap<u64, Vec<Arc<ChildLink>>>>,
     /// The `host/<rank>` entries read so far (world rank to process id and
     /// host), from which each group decides on shared memory (see `shm`).
     pub hosts: Mutex<HashMap<usize, (u32, String)>>,
@@ -209,6 +249,7 @@ impl Transport {
             members: Mutex::default(),
             telling: Mutex::default(),
             arenas: Mutex::default(),
+            children: Mutex::default(),
             hosts: Mutex::default(),
             unpublished: Mutex::default(),
             refused: AtomicU64::new(0),
@@ -418,6 +459,11 @@ impl Shared {
     /// window filed), for timeout messages.
     pub fn held_by(&self, peer: usize) -> bool {
         lock(&self.outbound).held_by(peer)
+    }
+
+    /// Links internal group `child` to group `parent`'s aborts.
+    pub fn add_child(&self, parent: u64, child: Arc<ChildLink>) {
+        lock(&self.children).entry(parent).or_default().push(child);
     }
 
     /// World rank `r`'s process id, from its host entry, if read.
@@ -823,6 +869,11 @@ impl Shared {
         sender: Option<usize>,
         from_seq: u64,
     ) {
+        let children = lock(&self.children).get(&comm).cloned();
+        for c in children.iter().flatten() {
+            // Passed on here only: each member passes on its own.
+            self.abort(c.comm, err.clone(), false, None, c.from(from_seq));
+        }
         let Some(members) = self.members(comm) else {
             self.route(|r| r.abort(comm, err, from_seq));
             return;

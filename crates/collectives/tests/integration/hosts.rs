@@ -66,3 +66,127 @@ async fn a_group_within_one_host_shares_memory_in_a_world_that_spans_hosts() {
         t.await.unwrap();
     }
 }
+
+/// Two-level all_reduce, broadcast and barrier on several layouts, between
+/// flat ops, blocking and started together; against the flat reference.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_across_hosts_runs_in_two_levels_with_the_right_results() {
+    let layouts: &[&[&str]] = &[
+        &["a", "a", "b", "b"],
+        &["a", "a", "a", "b"],
+        &["a", "b", "a", "b", "c"],
+        &["a", "b", "b", "c", "c", "c"],
+    ];
+    for hosts in layouts {
+        let o = Options {
+            // Small halves and segments: buffers take several rounds.
+            shm_slot_bytes: 256,
+            segment_bytes: 256,
+            small_bytes: 128,
+            ..opts()
+        };
+        let pgs = world_on_hosts(hosts, o).await;
+        let n = hosts.len();
+        let tasks: Vec<_> = pgs
+            .into_iter()
+            .map(|pg| {
+                tokio::spawn(async move {
+                    let r = pg.rank();
+                    let mine = |len: usize| -> Vec<f32> {
+                        (0..len).map(|i| ((i * 7 + r * 3) % 11) as f32).collect()
+                    };
+                    for len in [0usize, 1, 37, 1000] {
+                        let mut x = mine(len);
+                        pg.all_reduce(&mut x, ReduceOp::Sum).await.unwrap();
+                        let want: Vec<f32> = (0..len)
+                            .map(|i| (0..n).map(|q| ((i * 7 + q * 3) % 11) as f32).sum())
+                            .collect();
+                        assert_eq!(x, want, "all_reduce sum, {len}, rank {r} of {n}");
+                        let mut m = mine(len);
+                        pg.all_reduce(&mut m, ReduceOp::Avg).await.unwrap();
+                        let avg: Vec<f32> = want.iter().map(|s| s / n as f32).collect();
+                        for (a, b) in m.iter().zip(&avg) {
+                            assert!((a - b).abs() < 1e-4, "avg {a} vs {b}");
+                        }
+                        for root in 0..n {
+                            let mut b = if r == root { mine(len) } else { vec![0.0; len] };
+                            pg.broadcast(&mut b, root).await.unwrap();
+                            let want: Vec<f32> =
+                                (0..len).map(|i| ((i * 7 + root * 3) % 11) as f32).collect();
+                            assert_eq!(b, want, "broadcast from {root}, {len}, rank {r}");
+                        }
+                        pg.barrier().await.unwrap();
+                        // A flat op between two-level ones.
+                        let mut all = vec![0.0f32; len * n];
+                        pg.all_gather(&mine(len), &mut all).await.unwrap();
+                        // Started together: their steps keep the group's order.
+                        let w1 = pg.all_reduce_async(mine(len), ReduceOp::Max);
+                        let w2 = pg.broadcast_async(mine(len), n - 1);
+                        let w3 = pg.barrier_async();
+                        w3.wait().await.unwrap();
+                        let b = w2.wait().await.unwrap();
+                        let mx = w1.wait().await.unwrap();
+                        for i in 0..len {
+                            let want = (0..n)
+                                .map(|q| ((i * 7 + q * 3) % 11) as f32)
+                                .fold(0.0, f32::max);
+                            assert_eq!(mx[i], want);
+                            assert_eq!(b[i], ((i * 7 + (n - 1) * 3) % 11) as f32);
+                        }
+                    }
+                    pg.two_level()
+                })
+            })
+            .collect();
+        for t in tasks {
+            assert_eq!(t.await.unwrap(), Some(true), "{hosts:?}");
+        }
+    }
+    // One rank per host: nothing to share, so TCP.
+    let pgs = world_on_hosts(&["a", "b", "c"], opts()).await;
+    let tasks: Vec<_> = pgs
+        .into_iter()
+        .map(|pg| {
+            tokio::spawn(async move {
+                pg.barrier().await.unwrap();
+                (pg.two_level(), pg.shared_memory())
+            })
+        })
+        .collect();
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), (Some(false), Some(false)));
+    }
+}
+
+/// A mismatch on one host (a non-leader calls another size) fails every
+/// rank on every host, naming the rank and the group's op.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mismatch_on_one_host_fails_every_rank_of_a_two_level_group() {
+    let o = Options {
+        timeout: std::time::Duration::from_secs(30),
+        ..opts()
+    };
+    let pgs = world_on_hosts(&["a", "a", "b", "b", "b"], o).await;
+    let tasks: Vec<_> = pgs
+        .into_iter()
+        .map(|pg| {
+            tokio::spawn(async move {
+                let r = pg.rank();
+                let mut x = vec![1.0f32; 10];
+                pg.all_reduce(&mut x, ReduceOp::Sum).await.unwrap();
+                let mut y = vec![1.0f32; if r == 3 { 12 } else { 10 }];
+                let e = pg.all_reduce(&mut y, ReduceOp::Sum).await.unwrap_err();
+                e.to_string()
+            })
+        })
+        .collect();
+    for (r, t) in tasks.into_iter().enumerate() {
+        let e = t.await.unwrap();
+        assert!(
+            e.contains("mismatched collectives")
+                && e.contains("at op #1")
+                && e.contains("rank 3 called"),
+            "rank {r}: {e}"
+        );
+    }
+}

@@ -1,0 +1,302 @@
+//! Groups that span hosts: shared memory within each host, TCP between.
+//!
+//! When a group's members are on several hosts and some host has two or
+//! more of them (see `shm::decide`), all_reduce, broadcast and barrier run
+//! in two levels over two kinds of internal groups, formed from the group
+//! without any message (their ids derive from the group's):
+//!
+//! - `local`: the members on this host (over shared memory);
+//! - `leaders`: each host's first member (over TCP).
+//!
+//! | op | steps |
+//! |---|---|
+//! | all_reduce | reduce to the host's leader (local); all_reduce among leaders; broadcast from the leader (local) |
+//! | broadcast | on the root's host, broadcast from the root (local); among leaders from the root's host's; on the other hosts, from the leader (local) |
+//! | barrier | barrier (local); barrier among leaders; barrier (local) |
+//!
+//! Why these: the bytes that cross hosts are one buffer per host, not one per
+//! rank, and every step within a host is a single pass over shared memory.
+//! The other collectives (gathers, scatters, all-to-all, whose bytes mostly
+//! cross hosts anyway) run over TCP among all members, as do point-to-point
+//! messages.
+//!
+//! **One op, one failure.** An internal step is not an op of its own to the
+//! user: it takes the group op's deadline and call (so the members of an
+//! internal group compare the group's call, and a mismatch names the group's
+//! ranks and op number), and a failing step does not abort its internal
+//! group by itself. It fails the group's op, whose abort (recorded and told
+//! as for any op) aborts this rank's internal groups from the step the
+//! failed op began ([`ChildLink`]). So a rank blocked in a step on another
+//! host learns of the failure from the group's abort, and every error names
+//! group ranks: a step's error is lifted (ranks mapped, the group's op
+//! named), or replaced by the group's abort when there is one (a step that
+//! found a rank gone that exited on being told is not blamed on it).
+//!
+//! Steps take their turn in the group's op order, and reserve their internal
+//! sequence numbers then, so `*_async` ops run their steps in order.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::element::{Element, ReduceOp};
+use crate::error::{Error, Result};
+use crate::group::{self, stable_hash, OpCtx, ProcessGroup};
+use crate::transport::{ChildLink, Members};
+
+/// How long a rank whose step failed because an internal group was aborted
+/// waits for the group's abort (the cause) to arrive.
+const CAUSE_WAIT: Duration = Duration::from_secs(2);
+
+/// One internal group: its handle here, its members' group ranks (in its own
+/// rank order), and its link to the group's aborts.
+struct Level {
+    pg: ProcessGroup,
+    ranks: Vec<usize>,
+    link: Arc<ChildLink>,
+}
+
+/// A group's two levels, as this rank sees them.
+pub(crate) struct TwoLevel {
+    /// Each host's members (group ranks), hosts ordered by first member.
+    hosts: Vec<Vec<usize>>,
+    /// This rank's host.
+    host: usize,
+    /// The members on this host, when there are two or more.
+    local: Option<Level>,
+    /// The leaders, on a leader.
+    leaders: Option<Level>,
+}
+
+impl TwoLevel {
+    /// Forms the internal groups of `cx`'s group (no messages: ids derive
+    /// from the group's).
+    pub(crate) fn new(cx: &OpCtx, hosts: Vec<Vec<usize>>) -> TwoLevel {
+        let me = cx.me();
+        let host = hosts
+            .iter()
+            .position(|h| h.contains(&me))
+            .expect("this rank is on a host");
+        let level = |tag: u64, ranks: Vec<usize>, what: &str| -> Level {
+            let id = stable_hash(&[cx.comm_id(), 0x7477_6f6c_6576_656c, tag]) | 1;
+            let members = Members {
+                name: format!("{}/{what}", cx.group_name()),
+                ranks: ranks.iter().map(|&k| cx.world(k)).collect(),
+            };
+            let rank = ranks.iter().position(|&k| k == me).expect("a member");
+            let pg = ProcessGroup::internal(cx, id, members, rank);
+            let link = Arc::new(ChildLink::new(id));
+            cx.sh().add_child(cx.comm_id(), link.clone());
+            Level { pg, ranks, link }
+        };
+        let mine = &hosts[host];
+        let local = (mine.len() >= 2).then(|| level(host as u64, mine.clone(), "host"));
+        let leaders = (mine[0] == me).then(|| {
+            let ranks: Vec<usize> = hosts.iter().map(|h| h[0]).collect();
+            level(u64::MAX, ranks, "leaders")
+        });
+        TwoLevel {
+            hosts,
+            host,
+            local,
+            leaders,
+        }
+    }
+
+    pub(crate) fn hosts(&self) -> usize {
+        self.hosts.len()
+    }
+
+    /// Waits for the op's turn and reserves its steps' sequence numbers:
+    /// `local` on this host's group, `leaders` on the leaders'.
+    async fn steps(&self, cx: &OpCtx, local: u64, leaders: u64) -> (u64, u64) {
+        cx.turn().wait(cx.seq()).await;
+        let l = self
+            .local
+            .as_ref()
+            .map_or(0, |l| l.link.reserve(cx.seq(), local));
+        let d = self
+            .leaders
+            .as_ref()
+            .map_or(0, |l| l.link.reserve(cx.seq(), leaders));
+        (l, d)
+    }
+}
+
+/// Ends step `sub` of level `l` with its result, lifted to the group's
+/// terms when it failed.
+async fn ended<R>(cx: &OpCtx, l: &Level, sub: OpCtx, r: Result<R>) -> Result<R> {
+    match r {
+        Ok(v) => {
+            sub.step_done();
+            Ok(v)
+        }
+        Err(e) => {
+            let waiting = sub.waiting_rank();
+            sub.step_failed();
+            Err(lift(cx, l, e, waiting).await)
+        }
+    }
+}
+
+impl Level {
+    /// Step `seq` of this level, with the group op's call and deadline.
+    fn step(&self, cx: &OpCtx, seq: u64) -> OpCtx {
+        self.pg.step_ctx(seq, cx.desc(), cx.deadline)
+    }
+}
+
+/// A step's error in the group's terms: the group's abort when there is
+/// one (the cause), else the same error with the group's ranks, name and
+/// op.
+async fn lift(cx: &OpCtx, l: &Level, e: Error, waiting: Option<(usize, u32)>) -> Error {
+    let until = Instant::now() + CAUSE_WAIT;
+    loop {
+        if let Some(g) = cx.known_abort().await {
+            return g;
+        }
+        // An internal group aborted: by this rank's group abort, which
+        // brings its cause; wait a little for it.
+        if !e.is_aborted() || Instant::now() >= until {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let g = |k: usize| l.ranks.get(k).copied().unwrap_or(k);
+    let group = cx.group_name();
+    match e {
+        Error::PeerGone { rank, reason, .. } => Error::PeerGone {
+            group,
+            op: cx.op_name(),
+            rank: g(rank),
+            reason,
+        },
+        Error::Mismatch {
+            rank_a,
+            desc_a,
+            rank_b,
+            desc_b,
+            ..
+        } => Error::Mismatch {
+            group,
+            seq: cx.seq(),
+            rank_a: g(rank_a),
+            desc_a,
+            rank_b: g(rank_b),
+            desc_b,
+        },
+        Error::Protocol { rank, reason, .. } => Error::Protocol {
+            group,
+            rank: g(rank),
+            reason,
+        },
+        Error::Timeout { timeout, .. } => Error::Timeout {
+            group,
+            op: cx.op_name(),
+            timeout,
+            waiting_for: match waiting {
+                Some((k, step)) => {
+                    format!("rank {} (step {step} within a host or among hosts)", g(k))
+                }
+                None => "a step within a host or among hosts to start".into(),
+            },
+        },
+        Error::Aborted { reason, by, .. } => Error::Aborted {
+            group,
+            reason,
+            by: by.map(g),
+        },
+        e => e,
+    }
+}
+
+/// The reduce op every step runs (a mean is a sum, divided at the end).
+fn summing(op: ReduceOp) -> ReduceOp {
+    if op == ReduceOp::Avg {
+        ReduceOp::Sum
+    } else {
+        op
+    }
+}
+
+pub(crate) async fn all_reduce<T: Element>(
+    t: &TwoLevel,
+    cx: &OpCtx,
+    buf: &mut [T],
+    op: ReduceOp,
+) -> Result<()> {
+    let (ls, ds) = t.steps(cx, 2, 1).await;
+    let sop = summing(op);
+    if let Some(l) = &t.local {
+        let s = l.step(cx, ls);
+        let r = group::reduce_impl(&s, buf, 0, sop).await;
+        ended(cx, l, s, r).await?;
+    }
+    if let Some(l) = &t.leaders {
+        let s = l.step(cx, ds);
+        let r = group::all_reduce_flat(&s, buf, sop).await;
+        ended(cx, l, s, r).await?;
+        if op == ReduceOp::Avg {
+            T::divide(buf, cx.n());
+        }
+    }
+    if let Some(l) = &t.local {
+        let s = l.step(cx, ls + 1);
+        let r = group::broadcast_flat(&s, buf, 0).await;
+        ended(cx, l, s, r).await?;
+    }
+    Ok(())
+}
+
+pub(crate) async fn broadcast<T: Element>(
+    t: &TwoLevel,
+    cx: &OpCtx,
+    buf: &mut [T],
+    root: usize,
+) -> Result<()> {
+    let (ls, ds) = t.steps(cx, 1, 1).await;
+    let root_host = t
+        .hosts
+        .iter()
+        .position(|h| h.contains(&root))
+        .expect("the root is on a host");
+    let on_root_host = t.host == root_host;
+    if let (true, Some(l)) = (on_root_host, &t.local) {
+        let from = l.ranks.iter().position(|&k| k == root).expect("a member");
+        let s = l.step(cx, ls);
+        let r = group::broadcast_flat(&s, buf, from).await;
+        ended(cx, l, s, r).await?;
+    }
+    if let Some(l) = &t.leaders {
+        let s = l.step(cx, ds);
+        let r = group::broadcast_flat(&s, buf, root_host).await;
+        ended(cx, l, s, r).await?;
+    }
+    if let (false, Some(l)) = (on_root_host, &t.local) {
+        let s = l.step(cx, ls);
+        let r = group::broadcast_flat(&s, buf, 0).await;
+        ended(cx, l, s, r).await?;
+    }
+    Ok(())
+}
+
+pub(crate) async fn barrier(t: &TwoLevel, cx: &OpCtx) -> Result<()> {
+    let (ls, ds) = t.steps(cx, 2, 1).await;
+    if let Some(l) = &t.local {
+        let s = l.step(cx, ls);
+        let r = group::barrier_flat(&s).await;
+        ended(cx, l, s, r).await?;
+    }
+    if let Some(l) = &t.leaders {
+        let s = l.step(cx, ds);
+        let r = group::barrier_flat(&s).await;
+        ended(cx, l, s, r).await?;
+    }
+    if let Some(l) = &t.local {
+        let s = l.step(cx, ls + 1);
+        let r = group::barrier_flat(&s).await;
+        ended(cx, l, s, r).await?;
+    }
+    Ok(())
+}
