@@ -17,7 +17,7 @@ use crate::element::{bytes_of, bytes_of_mut, Buf, DType, Element, ReduceOp};
 use crate::error::{Error, Result};
 use crate::frame::{Algo, Desc, Header, OpKind, MAX_PAYLOAD};
 use crate::shm::{self, ops as shm_ops, Arena, Plan, Turn};
-use crate::transport::{Config, Fail, Key, Members, Shared, Transport};
+use crate::transport::{Clash, Config, Fail, Key, Members, Shared, Transport};
 use crate::two_level::{self, TwoLevel};
 
 /// gloo's default operation timeout.
@@ -523,12 +523,23 @@ impl ProcessGroup {
     /// A step of a two-level op on this internal group: op `seq`, reserved
     /// earlier, with the group op's call and deadline.
     pub(crate) fn step_ctx(&self, seq: u64, desc: Desc, deadline: Instant) -> OpCtx {
-        let mut cx = match self.begin_at(seq, desc) {
-            Ok(cx) => cx,
-            Err(_) => unreachable!("begin_at never fails"),
-        };
+        let c = &self.comm;
+        let mut cx = self.ctx(desc, seq, false);
         cx.deadline = deadline;
-        cx
+        if let Err((src, theirs)) = c.sh().begin_seq(c.id, seq, desc) {
+            // The group's mismatch, at its op: raised on the group, whose
+            // abort reaches this internal group (and fails the step).
+            c.sh().raise(Clash {
+                comm: c.id,
+                seq,
+                a: (None, desc),
+                b: (src, theirs),
+            });
+        }
+        match c.sh().aborted_for(c.id, Some(seq)) {
+            Some(e) => cx.doom(e),
+            None => cx,
+        }
     }
 
     /// Bytes received from peers ahead of the operations that will take

@@ -96,37 +96,66 @@ struct Peer {
 /// it too, from the first step of the first op the abort fails.
 pub(crate) struct ChildLink {
     pub comm: u64,
-    /// The next sequence number of the internal group, and, per op of the
-    /// group that reserved steps, the first of them.
-    steps: Mutex<(u64, std::collections::BTreeMap<u64, u64>)>,
+    pub parent: u64,
+    steps: Mutex<Steps>,
+}
+
+/// The next sequence number of an internal group, per op of the group that
+/// reserved steps the first of them, and the first op of the group that the
+/// group's abort fails.
+#[derive(Default)]
+struct Steps {
+    next: u64,
+    firsts: std::collections::BTreeMap<u64, u64>,
+    aborted_from: Option<u64>,
 }
 
 impl ChildLink {
-    pub fn new(comm: u64) -> ChildLink {
+    pub fn new(comm: u64, parent: u64) -> ChildLink {
         ChildLink {
             comm,
+            parent,
             steps: Mutex::default(),
         }
     }
 
     /// Reserves `k` sequence numbers of the internal group for op `seq` of
-    /// the group; returns the first. Ops reserve in their order.
-    pub fn reserve(&self, seq: u64, k: u64) -> u64 {
+    /// the group; returns the first, or `None` when the group's abort fails
+    /// the op (then it has no steps). Ops reserve in their order.
+    pub fn reserve(&self, seq: u64, k: u64) -> Option<u64> {
         let mut g = lock(&self.steps);
-        let first = g.0;
-        g.0 += k;
-        g.1.insert(seq, first);
-        // Keep the recent ones: an abort fails ops from one not yet ended.
-        while g.1.len() > 4096 {
-            g.1.pop_first();
+        if g.aborted_from.is_some_and(|f| seq >= f) {
+            return None;
         }
-        first
+        let first = g.next;
+        g.next += k;
+        g.firsts.insert(seq, first);
+        // Keep the recent ones: an abort fails ops from one not yet ended.
+        while g.firsts.len() > 4096 {
+            g.firsts.pop_first();
+        }
+        Some(first)
     }
 
-    /// The first internal op that an abort of the group from op `from` fails.
-    fn from(&self, from: u64) -> u64 {
+    /// The group's op that reserved internal op `seq`.
+    fn parent_seq(&self, seq: u64) -> Option<u64> {
         let g = lock(&self.steps);
-        g.1.range(from..).next().map_or(g.0, |(_, &first)| first)
+        g.firsts
+            .iter()
+            .rev()
+            .find(|&(_, &first)| first <= seq)
+            .map(|(&p, _)| p)
+    }
+
+    /// Notes the group's abort from its op `from`; returns the first
+    /// internal op it fails: the first step of the first op from `from` on
+    /// that has reserved its steps. `None` when none has: those that try
+    /// later reserve nothing (see [`ChildLink::reserve`]), and an earlier op
+    /// still waiting for its turn must not be failed.
+    fn abort_from(&self, from: u64) -> Option<u64> {
+        let mut g = lock(&self.steps);
+        g.aborted_from = Some(g.aborted_from.map_or(from, |f| f.min(from)));
+        g.firsts.range(from..).next().map(|(_, &first)| first)
     }
 }
 
@@ -174,6 +203,8 @@ pub(crate) struct Shared {
     arenas: Mutex<HashMap<u64, std::sync::Weak<Arena>>>,
     /// Per group, its internal groups (see [`ChildLink`]).
     children: Mutex<HashMap<u64, Vec<Arc<ChildLink>>>>,
+    /// Per internal group, its link to its group.
+    parents: Mutex<HashMap<u64, Arc<ChildLink>>>,
     /// The `host/<rank>` entries read so far (world rank to process id and
     /// host), from which each group decides on shared memory (see `shm`).
     pub hosts: Mutex<HashMap<usize, (u32, String)>>,
@@ -250,6 +281,7 @@ impl Transport {
             telling: Mutex::default(),
             arenas: Mutex::default(),
             children: Mutex::default(),
+            parents: Mutex::default(),
             hosts: Mutex::default(),
             unpublished: Mutex::default(),
             refused: AtomicU64::new(0),
@@ -277,6 +309,7 @@ impl Shared {
     }
 
     pub fn register_members(&self, comm: u64, m: Members) {
+        lock(&self.router).set_members(comm, m.ranks.clone());
         lock(&self.members).insert(comm, m);
     }
 
@@ -309,8 +342,8 @@ impl Shared {
 
     /// Records the local call of collective `seq`; a mismatch with what a peer
     /// already sent is returned as (peer world rank, its descriptor).
-    pub fn begin_seq(&self, comm: u64, seq: u64, desc: Desc) -> Result<(), (u32, Desc)> {
-        lock(&self.router).begin_seq(comm, seq, desc)
+    pub fn begin_seq(self: &Arc<Self>, comm: u64, seq: u64, desc: Desc) -> Result<(), (u32, Desc)> {
+        self.route(|r| r.begin_seq(comm, seq, desc))
     }
 
     pub fn end_seq(&self, comm: u64, seq: u64) {
@@ -463,6 +496,7 @@ impl Shared {
 
     /// Links internal group `child` to group `parent`'s aborts.
     pub fn add_child(&self, parent: u64, child: Arc<ChildLink>) {
+        lock(&self.parents).insert(child.comm, child.clone());
         lock(&self.children).entry(parent).or_default().push(child);
     }
 
@@ -869,16 +903,13 @@ impl Shared {
         sender: Option<usize>,
         from_seq: u64,
     ) {
-        let children = lock(&self.children).get(&comm).cloned();
-        for c in children.iter().flatten() {
-            // Passed on here only: each member passes on its own.
-            self.abort(c.comm, err.clone(), false, None, c.from(from_seq));
-        }
         let Some(members) = self.members(comm) else {
-            self.route(|r| r.abort(comm, err, from_seq));
+            self.route(|r| r.abort(comm, err.clone(), from_seq));
+            self.abort_children(comm, &err, from_seq);
             return;
         };
         let (done, told) = tokio::sync::watch::channel(Telling::Recording);
+        let err_for_children = err.clone();
         {
             let mut r = lock(&self.router);
             let changed = r.abort(comm, err, from_seq);
@@ -894,6 +925,7 @@ impl Shared {
             // the one `told` waits for.
             lock(&self.telling).insert(comm, told);
         }
+        self.abort_children(comm, &err_for_children, from_seq);
         // A killed rank writes nothing, in the region as in the store.
         if self.is_dead() {
             return;
@@ -924,6 +956,17 @@ impl Shared {
             while tasks.join_next().await.is_some() {}
             let _ = done.send(Telling::Sent);
         });
+    }
+
+    /// Passes group `comm`'s abort (already in place here) on to its internal
+    /// groups, here only: each member passes on its own.
+    fn abort_children(self: &Arc<Self>, comm: u64, err: &Error, from_seq: u64) {
+        let children = lock(&self.children).get(&comm).cloned();
+        for c in children.iter().flatten() {
+            if let Some(from) = c.abort_from(from_seq) {
+                self.abort(c.comm, err.clone(), false, None, from);
+            }
+        }
     }
 
     /// Waits (within [`ABORT_DEADLINE`]) until group `comm`'s abort has been
@@ -1118,7 +1161,19 @@ impl Shared {
     }
 
     /// Aborts the group of a mismatch, naming both sides, from its op on.
-    fn raise(self: &Arc<Self>, c: Clash) {
+    pub fn raise(self: &Arc<Self>, mut c: Clash) {
+        // A step of a two-level op: the mismatch is the group's, at its op
+        // (its abort aborts the step's internal group). The step may have
+        // ended here, and its op with it: a late frame must still fail the
+        // group, not only the internal group.
+        let link = lock(&self.parents).get(&c.comm).cloned();
+        if let Some(l) = link {
+            if let Some(seq) = l.parent_seq(c.seq) {
+                c.comm = l.parent;
+                c.seq = seq;
+                return self.raise(c);
+            }
+        }
         let m = self.members(c.comm);
         let name = m
             .as_ref()

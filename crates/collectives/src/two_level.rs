@@ -86,7 +86,7 @@ impl TwoLevel {
             };
             let rank = ranks.iter().position(|&k| k == me).expect("a member");
             let pg = ProcessGroup::internal(cx, id, members, rank);
-            let link = Arc::new(ChildLink::new(id));
+            let link = Arc::new(ChildLink::new(id, cx.comm_id()));
             cx.sh().add_child(cx.comm_id(), link.clone());
             Level { pg, ranks, link }
         };
@@ -109,18 +109,32 @@ impl TwoLevel {
     }
 
     /// Waits for the op's turn and reserves its steps' sequence numbers:
-    /// `local` on this host's group, `leaders` on the leaders'.
-    async fn steps(&self, cx: &OpCtx, local: u64, leaders: u64) -> (u64, u64) {
+    /// `local` on this host's group, `leaders` on the leaders'. An op the
+    /// group's abort fails reserves nothing (the abort did not reach its
+    /// steps, which did not exist yet).
+    async fn steps(&self, cx: &OpCtx, local: u64, leaders: u64) -> Result<(u64, u64)> {
         cx.turn().wait(cx.seq()).await;
-        let l = self
-            .local
-            .as_ref()
-            .map_or(0, |l| l.link.reserve(cx.seq(), local));
-        let d = self
-            .leaders
-            .as_ref()
-            .map_or(0, |l| l.link.reserve(cx.seq(), leaders));
-        (l, d)
+        // A link refuses only once the group's abort (which fails this op)
+        // is in place.
+        let aborted = || {
+            cx.sh()
+                .aborted_for(cx.comm_id(), Some(cx.seq()))
+                .unwrap_or_else(|| Error::Aborted {
+                    group: cx.group_name(),
+                    reason: "the group was aborted".into(),
+                    by: None,
+                })
+        };
+        let mut firsts = [0u64; 2];
+        for (f, (l, k)) in firsts
+            .iter_mut()
+            .zip([(&self.local, local), (&self.leaders, leaders)])
+        {
+            if let Some(l) = l {
+                *f = l.link.reserve(cx.seq(), k).ok_or_else(aborted)?;
+            }
+        }
+        Ok((firsts[0], firsts[1]))
     }
 }
 
@@ -226,7 +240,7 @@ pub(crate) async fn all_reduce<T: Element>(
     buf: &mut [T],
     op: ReduceOp,
 ) -> Result<()> {
-    let (ls, ds) = t.steps(cx, 2, 1).await;
+    let (ls, ds) = t.steps(cx, 2, 1).await?;
     let sop = summing(op);
     if let Some(l) = &t.local {
         let s = l.step(cx, ls);
@@ -255,7 +269,7 @@ pub(crate) async fn broadcast<T: Element>(
     buf: &mut [T],
     root: usize,
 ) -> Result<()> {
-    let (ls, ds) = t.steps(cx, 1, 1).await;
+    let (ls, ds) = t.steps(cx, 1, 1).await?;
     let root_host = t
         .hosts
         .iter()
@@ -282,7 +296,7 @@ pub(crate) async fn broadcast<T: Element>(
 }
 
 pub(crate) async fn barrier(t: &TwoLevel, cx: &OpCtx) -> Result<()> {
-    let (ls, ds) = t.steps(cx, 2, 1).await;
+    let (ls, ds) = t.steps(cx, 2, 1).await?;
     if let Some(l) = &t.local {
         let s = l.step(cx, ls);
         let r = group::barrier_flat(&s).await;

@@ -143,6 +143,9 @@ pub(crate) struct Router {
     flow: Inbound,
     /// Flow and want frames to send, per peer, in the order decided.
     control: Vec<(usize, Header)>,
+    /// Each group's members (world ranks): a hold releases the group's
+    /// running collectives to the held peer if it is one.
+    members: HashMap<u64, std::sync::Arc<[usize]>>,
 }
 
 impl Router {
@@ -159,7 +162,17 @@ impl Router {
             told: HashSet::new(),
             flow: Inbound::new(window),
             control: Vec::new(),
+            members: HashMap::new(),
         }
+    }
+
+    pub fn set_members(&mut self, comm: u64, ranks: std::sync::Arc<[usize]>) {
+        self.members.insert(comm, ranks);
+    }
+
+    /// Whether world rank `peer` is a member of group `comm`.
+    fn member(&self, comm: u64, peer: usize) -> bool {
+        self.members.get(&comm).is_some_and(|m| m.contains(&peer))
     }
 
     /// The flow and want frames to send, oldest first.
@@ -182,6 +195,28 @@ impl Router {
             },
         ));
         if s.hold {
+            // A hold is for ops this rank has not reached: every collective
+            // it is running takes the peer's frames whatever their size (the
+            // op's buffer bounds them), or ranks that each send before they
+            // receive, as a ring does, would hold each other forever.
+            let mut running: Vec<(u64, u64, Desc)> = self
+                .checks
+                .iter()
+                .filter_map(|(&(c, q), chk)| Some((c, q, chk.local?)))
+                .filter(|&(c, _, _)| self.member(c, s.peer))
+                .collect();
+            running.sort_by_key(|&(c, q, _)| (c, q));
+            for (comm, seq, desc) in running {
+                self.control.push((
+                    s.peer,
+                    Header::Want {
+                        comm,
+                        seq,
+                        step: 0,
+                        desc,
+                    },
+                ));
+            }
             // Receives already waiting on the peer ask for their frames now:
             // the peer may be holding exactly those.
             let mut waiting: Vec<Key> = self
@@ -269,6 +304,24 @@ impl Router {
     /// Records the local call of collective `seq`; a mismatch with what a peer
     /// already sent is returned as (peer world rank, its descriptor).
     pub fn begin_seq(&mut self, comm: u64, seq: u64, desc: Desc) -> Result<(), (u32, Desc)> {
+        // Peers held now send this op's frames (see `flow_signal`).
+        let mut held: Vec<usize> = self
+            .members
+            .get(&comm)
+            .map(|m| m.iter().copied().filter(|&p| self.flow.holds(p)).collect())
+            .unwrap_or_default();
+        held.sort_unstable();
+        for p in held {
+            self.control.push((
+                p,
+                Header::Want {
+                    comm,
+                    seq,
+                    step: 0,
+                    desc,
+                },
+            ));
+        }
         let c = self.checks.entry((comm, seq)).or_default();
         c.local = Some(desc);
         match c.remote {

@@ -31,6 +31,19 @@ pub async fn group_on(store: Arc<dyn Store>, n: usize, opts: Options) -> Vec<Pro
     out
 }
 
+/// `n` ranks of one group on a fresh memory store, rank `r` with `opts(r)`.
+pub async fn group_each(n: usize, opts: impl Fn(usize) -> Options) -> Vec<ProcessGroup> {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let tasks: Vec<_> = (0..n)
+        .map(|r| tokio::spawn(ProcessGroup::new(store.clone(), r, n, opts(r))))
+        .collect();
+    let mut out = Vec::with_capacity(n);
+    for t in tasks {
+        out.push(t.await.expect("task").expect("group set-up"));
+    }
+    out
+}
+
 /// Runs `f` on every rank concurrently; results in rank order.
 pub async fn each<F, Fut, R>(groups: &[ProcessGroup], f: F) -> Vec<R>
 where

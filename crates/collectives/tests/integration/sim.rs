@@ -1,7 +1,9 @@
 //! Seeded fault schedules over the real group (feature `faults`).
 //!
 //! Each seed makes one scenario: 2–5 ranks in this process, over shared
-//! memory (rounds of 512 bytes) or over loopback TCP (half the seeds each;
+//! memory (rounds of 512 bytes; in half of those, the ranks spread over two
+//! or three hosts, so all_reduce, broadcast and barrier run in two levels)
+//! or over loopback TCP (half the seeds each;
 //! three in four of those with a receive window of at most 2 KiB, so flow
 //! control holds ranks all the time),
 //! a random program of collectives (kind, type, size, root, reduce operator
@@ -50,7 +52,7 @@ use rallypoint_collectives::{
     AllReduceAlgorithm, BroadcastAlgorithm, Element, Error, Options, ProcessGroup, ReduceOp,
 };
 
-use crate::harness::{data, group, opts};
+use crate::harness::{data, group_each, opts};
 
 /// The op timeout: far above anything a scenario needs, so a timeout means a
 /// hang (invariant 1).
@@ -144,6 +146,9 @@ struct Scenario {
     /// The receive window (flow control): over TCP, often a few segments or
     /// less, so ranks hold each other all the time.
     window: usize,
+    /// With shared memory, in half the scenarios, each rank's host (2 or 3
+    /// hosts): all_reduce, broadcast and barrier then run in two levels.
+    hosts: Option<Vec<usize>>,
 }
 
 fn reduce_op(rng: &mut Rng) -> ReduceOp {
@@ -256,6 +261,10 @@ fn scenario(seed: u64) -> Scenario {
     let async_pairs = rng.usize(..10) < 3;
     let shm = rng.bool();
     let window = [Options::default().receive_window, 2048, 512, 1][rng.usize(..4)];
+    let hosts = (shm && rng.bool()).then(|| {
+        let k = rng.usize(2..=3);
+        (0..n).map(|_| rng.usize(..k)).collect()
+    });
     Scenario {
         n,
         program,
@@ -263,6 +272,7 @@ fn scenario(seed: u64) -> Scenario {
         async_pairs,
         shm,
         window,
+        hosts,
     }
 }
 
@@ -486,7 +496,11 @@ struct Run {
 }
 
 async fn play(seed: u64, s: &Scenario) -> Vec<Run> {
-    let pgs = group(s.n, sim_opts(s.shm, s.window)).await;
+    let pgs = group_each(s.n, |r| Options {
+        host_id: s.hosts.as_ref().map(|h| format!("host{}", h[r])),
+        ..sim_opts(s.shm, s.window)
+    })
+    .await;
     if let Fault::Kill { rank, frame } = s.fault {
         match frame {
             None => pgs[rank].kill(),
