@@ -49,7 +49,9 @@ pub struct CollectivesArgs {
     #[arg(long, default_value_t = 4)]
     min_bytes: usize,
     /// Sides: rally (shared memory on one host, the default), rally-tcp
-    /// (shared memory off), gloo.
+    /// (shared memory off), rally-2host (the ranks told they are on two
+    /// hosts, half each: two-level all_reduce, broadcast and barrier, with
+    /// loopback TCP between the "hosts"), gloo.
     #[arg(long, value_delimiter = ',', default_value = "rally,rally-tcp,gloo")]
     sides: Vec<String>,
     /// Bytes per raw TCP measurement.
@@ -133,7 +135,7 @@ pub fn run(args: CollectivesArgs) -> Result<()> {
                     .with_context(|| format!("{side} with {n} ranks"))?;
                 results.insert(side.clone(), r);
             }
-            for ours in ["rally", "rally-tcp"] {
+            for ours in ["rally", "rally-tcp", "rally-2host"] {
                 if results.contains_key(ours) {
                     report(n, ours, &args.ops, &sizes, &results, uni, ring, copy);
                 }
@@ -269,10 +271,13 @@ fn ranks(
     let mut children = Vec::with_capacity(n);
     for r in 0..n {
         let mut c = match side {
-            "rally" | "rally-tcp" => {
+            "rally" | "rally-tcp" | "rally-2host" => {
                 let mut c = Command::new(std::env::current_exe()?);
                 c.arg("coll-rank");
-                c.env("RALLY_BENCH_SHM", if side == "rally" { "1" } else { "0" });
+                c.env("RALLY_BENCH_SHM", if side == "rally-tcp" { "0" } else { "1" });
+                if side == "rally-2host" {
+                    c.env("RALLY_BENCH_HOST", format!("h{}", r * 2 / n));
+                }
                 c
             }
             "gloo" => {
@@ -384,6 +389,7 @@ pub fn rank(
                 o.segment_bytes = s;
             }
             o.shared_memory = std::env::var("RALLY_BENCH_SHM").as_deref() != Ok("0");
+            o.host_id = std::env::var("RALLY_BENCH_HOST").ok();
             if let Some(s) = std::env::var("RALLY_BENCH_SLOT")
                 .ok()
                 .and_then(|s| s.parse().ok())

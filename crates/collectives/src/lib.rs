@@ -54,6 +54,10 @@
 //! at the group's first collective, the same on every member, and reported
 //! by [`ProcessGroup::shared_memory`]; [`Options::shared_memory`] turns it off.
 //!
+//! A group whose members are on several hosts, some sharing one, runs
+//! all_reduce, broadcast and barrier in two levels (see `two_level`): shared
+//! memory within each host, TCP among each host's first member.
+//!
 //! A rank that falls behind bounds what it files from each peer: past
 //! [`Options::receive_window`] it asks the peer to hold, then asks for each
 //! op's frames as it reaches the op (see `transport/flow.rs`).

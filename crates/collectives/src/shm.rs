@@ -6,10 +6,12 @@
 //! `RALLY_HOST_ID` overrides it) or `off-<rank>` when
 //! [`crate::Options::shared_memory`] is off or this process cannot share
 //! memory. At a group's first collective each member reads its members'
-//! entries (a group of 2 to [`MAX_RANKS`]); when they all name one host, the
-//! group runs its collectives over shared memory, else over TCP. So in a
-//! world that spans hosts, a subgroup within one host (the usual per-node
-//! group) still shares memory. Every member reads the same keys, so every
+//! entries (a group of 2 to [`TWO_LEVEL_MAX_RANKS`]); when they all name one
+//! host (and the group has at most [`MAX_RANKS`]), the group runs its
+//! collectives over shared memory; when they name several and some host has
+//! two or more members, it runs in two levels (`two_level`); else over TCP.
+//! So in a world that spans hosts, a subgroup within one host (the usual
+//! per-node group) still shares memory. Every member reads the same keys, so every
 //! member decides the same. Point-to-point messages stay on TCP.
 //!
 //! **Attaching.** At a group's first collective its rank 0 creates an

@@ -12,12 +12,14 @@
 //! filed from a peer exceed the window, this rank sends it a flow frame with
 //! `hold`; when they fall to half the window, one without. A held sender
 //! ([`Outbound`]) writes a data frame only for an operation the receiver has
-//! asked for with a want frame, and a held receiver asks at once for every
-//! receive it waits in (and, when it holds, for those already waiting). So a
-//! receiver always gets the frames it waits for, whatever the order in which
-//! a peer's operations sent them, and never files more than the window plus
-//! what was already on its way when the hold arrived, plus the operations it
-//! asked for.
+//! asked for with a want frame. A holding receiver asks for every collective
+//! it begins and every receive it waits in, and, as it starts to hold, for
+//! the collectives it is running and the receives already waiting. So a hold
+//! only ever stops operations the receiver has not reached: the frames of one
+//! it runs are bounded by its buffers, and must flow (ranks of a ring each
+//! send before they receive, and would hold each other forever). A receiver
+//! never files more than the window plus what was already on its way when
+//! the hold arrived, plus the operations it runs or waits in.
 //!
 //! Both halves are synchronous and do no I/O; the transport sends the frames
 //! they ask for. Flow frames carry an epoch (one counter per receiver), so two
