@@ -274,7 +274,10 @@ fn ranks(
             "rally" | "rally-tcp" | "rally-2host" => {
                 let mut c = Command::new(std::env::current_exe()?);
                 c.arg("coll-rank");
-                c.env("RALLY_BENCH_SHM", if side == "rally-tcp" { "0" } else { "1" });
+                c.env(
+                    "RALLY_BENCH_SHM",
+                    if side == "rally-tcp" { "0" } else { "1" },
+                );
                 if side == "rally-2host" {
                     c.env("RALLY_BENCH_HOST", format!("h{}", r * 2 / n));
                 }

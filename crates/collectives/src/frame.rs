@@ -15,8 +15,8 @@
 //! (header only) says the sender has waited for the receiver's part of a
 //! collective, and carries the sender's call for the receiver to compare. An
 //! abort frame carries a UTF-8 reason and the first collective it fails. A
-//! flow frame (header only) asks the receiver to hold, or resume, its data
-//! frames to the sender (see `transport/flow.rs`). Decoders check every field and every length against a
+//! flow frame (header only) returns credit for data frames taken, or says
+//! the sender is out of credit (see `transport/flow.rs`). Decoders check every field and every length against a
 //! bound before allocating; a bad frame ends the connection, never the process.
 
 use std::fmt;
@@ -194,13 +194,12 @@ pub enum Header {
         step: u32,
         desc: Desc,
     },
-    /// Flow control (`transport/flow.rs`): `hold`, the sender has more of the
-    /// receiver's data frames filed, not yet taken by an operation, than its
-    /// window; the receiver sends only frames of operations the sender has
-    /// asked for (with a want) until a flow frame with `hold` false. `epoch`
-    /// orders them: a receiver applies only one newer than the last it applied.
-    /// No payload.
-    Flow { epoch: u64, hold: bool },
+    /// Flow control (`transport/flow.rs`): `credit`, bytes of the receiver's
+    /// data frames the sender's operations have taken since its last; or
+    /// `blocked`, the sender is out of credit with the receiver, which then
+    /// acknowledges at once and asks (with wants) for the operations it runs
+    /// or waits in. No payload.
+    Flow { credit: u64, blocked: bool },
 }
 
 /// Why a header was refused.
@@ -253,10 +252,10 @@ impl Header {
                 b[16..24].copy_from_slice(&from.to_le_bytes());
                 b[40..48].copy_from_slice(&len.to_le_bytes());
             }
-            Header::Flow { epoch, hold } => {
+            Header::Flow { credit, blocked } => {
                 b[0] = KIND_FLOW;
-                b[1] = u8::from(hold);
-                b[16..24].copy_from_slice(&epoch.to_le_bytes());
+                b[1] = u8::from(blocked);
+                b[16..24].copy_from_slice(&credit.to_le_bytes());
             }
         }
         b
@@ -341,8 +340,8 @@ impl Header {
                     return bad("flow frame with other fields set".into());
                 }
                 Ok(Header::Flow {
-                    epoch: u64_at(16),
-                    hold: b[1] == 1,
+                    credit: u64_at(16),
+                    blocked: b[1] == 1,
                 })
             }
             k => bad(format!("frame kind {k}")),
@@ -507,7 +506,8 @@ mod tests {
                     desc
                 }
             ),
-            (any::<u64>(), any::<bool>()).prop_map(|(epoch, hold)| Header::Flow { epoch, hold }),
+            (any::<u64>(), any::<bool>())
+                .prop_map(|(credit, blocked)| Header::Flow { credit, blocked }),
         ]
     }
 

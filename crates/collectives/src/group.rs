@@ -64,12 +64,14 @@ pub struct Options {
     /// Bytes of each half of a rank's shared-memory slot: the most a rank
     /// moves per round (at least 64 per rank, rounded up to 64).
     pub shm_slot_bytes: usize,
-    /// Bytes a peer may send ahead of the operations here that take them
-    /// (frames that arrive before their receive is posted: a broadcast root
-    /// or a sender of messages runs on while this rank is behind). Past it the
-    /// peer is asked to hold, and sends only the frames this rank asks for,
-    /// one operation at a time, until it has caught up to half. Per peer; 0
-    /// never holds (unbounded memory).
+    /// Credit per peer: the bytes this rank may have sent a peer that the
+    /// peer's operations have not taken yet (frames that arrive before their
+    /// receive is posted: a broadcast root or a sender of messages runs on
+    /// while the peer is behind). Out of credit, a rank sends only frames of
+    /// operations the peer has begun or waits in (it asks for them). So a
+    /// rank files at most this from each peer for operations it has not
+    /// reached. Every rank should use the same; 0: no flow control
+    /// (unbounded memory).
     pub receive_window: usize,
     /// This rank's host, as far as shared memory is concerned: ranks with
     /// equal ids share memory. Default: the host name, boot id and PID
@@ -665,6 +667,7 @@ impl ProcessGroup {
             deadline: Instant::now() + self.timeout,
             waiting: Mutex::new(None),
             note: Mutex::new(None),
+            noted: Mutex::new(None),
             done: AtomicBool::new(false),
             doomed: Mutex::new(None),
         }
@@ -1379,6 +1382,8 @@ pub(crate) struct OpCtx {
     waiting: Mutex<Option<(usize, u32, bool)>>,
     /// What the op waits for when that is not a rank's step (set-up).
     note: Mutex<Option<String>>,
+    /// The rank and stage a note is about (shared memory).
+    noted: Mutex<Option<(usize, u32)>>,
     done: AtomicBool,
     /// The op's result when it was doomed as it began (a mismatch found then,
     /// or its group already aborted for it), whatever the body did: every
@@ -1423,6 +1428,7 @@ impl OpCtx {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .map(|(r, step, _)| (r, step))
+            .or(*self.noted.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// The group's abort as this rank knows it: told, or recorded.
@@ -1432,6 +1438,15 @@ impl OpCtx {
 
     pub(crate) fn op_name(&self) -> String {
         self.name()
+    }
+
+    pub(crate) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// The op's timeout error, as its deadline passes.
+    pub(crate) fn timed_out(&self) -> Error {
+        self.timeout_error()
     }
 
     /// The group's shared memory, if this op runs over it.
@@ -1499,9 +1514,11 @@ impl OpCtx {
         *self.note.lock().unwrap_or_else(|e| e.into_inner()) = Some(what);
     }
 
-    /// [`OpCtx::note_waiting`], in place of a rank's step.
-    pub(crate) fn wait_note(&self, what: String) {
+    /// [`OpCtx::note_waiting`], in place of a rank's step; `rank`: the rank
+    /// (of the group) and stage the note is about, if one.
+    pub(crate) fn wait_note(&self, what: String, rank: Option<(usize, u32)>) {
         *self.waiting.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        *self.noted.lock().unwrap_or_else(|e| e.into_inner()) = rank;
         self.note_waiting(what);
     }
 
@@ -1592,9 +1609,19 @@ impl OpCtx {
                 "rank {r}, which never published its address: it never formed the group (not started, or died during set-up)"
             ),
             Some((r, step, false)) => format!("rank {r} (step {step})"),
-            Some((r, step, true)) if self.comm.sh().held_by(self.world(r)) => format!(
-                "rank {r} to take step {step}: it holds this rank's frames, having more than its receive window not yet taken by an operation (Options::receive_window); it has not asked for this op's"
-            ),
+            Some((r, step, true))
+                if self.comm.sh().held_by(
+                    self.world(r),
+                    self.comm.id,
+                    self.seq,
+                    self.p2p,
+                    self.desc.root,
+                ) =>
+            {
+                format!(
+                "rank {r} to take step {step}: this rank is out of credit with it (its operations have not taken the last Options::receive_window bytes sent to it) and it has not asked for this op's frames: it has not reached this op"
+            )
+            }
             Some((r, step, true)) => format!("rank {r} to take step {step}"),
             None => self
                 .note

@@ -566,8 +566,10 @@ impl<'a> Round<'a> {
                 tokio::task::yield_now().await;
                 continue;
             }
-            self.cx
-                .wait_note(format!("rank {k} to reach stage {s} in shared memory"));
+            self.cx.wait_note(
+                format!("rank {k} to reach stage {s} in shared memory"),
+                Some((k, s)),
+            );
             // Every rank not yet here, not only the one slept on: a dead
             // rank behind a slow one is named within a slice.
             for j in (0..self.a.n).filter(|&j| j != self.a.me && !self.a.arrived(j, s)) {

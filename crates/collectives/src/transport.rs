@@ -64,7 +64,7 @@ const ABORT_DEADLINE: Duration = Duration::from_secs(2);
 mod flow;
 mod router;
 
-use flow::{Outbound, Release};
+use flow::{Go, Outbound, Release};
 pub(crate) use router::{Clash, Fail, Frame, Key};
 use router::{Delivery, Router, Start};
 
@@ -108,6 +108,8 @@ struct Steps {
     next: u64,
     firsts: std::collections::BTreeMap<u64, u64>,
     aborted_from: Option<u64>,
+    /// Clashes found in internal ops not reserved here yet.
+    deferred: Vec<Clash>,
 }
 
 impl ChildLink {
@@ -122,7 +124,7 @@ impl ChildLink {
     /// Reserves `k` sequence numbers of the internal group for op `seq` of
     /// the group; returns the first, or `None` when the group's abort fails
     /// the op (then it has no steps). Ops reserve in their order.
-    pub fn reserve(&self, seq: u64, k: u64) -> Option<u64> {
+    pub fn reserve(&self, seq: u64, k: u64) -> Option<(u64, Vec<Clash>)> {
         let mut g = lock(&self.steps);
         if g.aborted_from.is_some_and(|f| seq >= f) {
             return None;
@@ -134,17 +136,37 @@ impl ChildLink {
         while g.firsts.len() > 4096 {
             g.firsts.pop_first();
         }
-        Some(first)
+        // Clashes found in these steps before this op reserved them are
+        // this op's.
+        let (mine, later): (Vec<Clash>, Vec<Clash>) =
+            g.deferred.drain(..).partition(|c| c.seq < first + k);
+        g.deferred = later;
+        Some((first, mine))
     }
 
-    /// The group's op that reserved internal op `seq`.
+    /// The group's op that reserved internal op `seq`; `None` when none has
+    /// here yet (then the clash waits for it: see [`ChildLink::reserve`]).
     fn parent_seq(&self, seq: u64) -> Option<u64> {
         let g = lock(&self.steps);
+        if seq >= g.next {
+            return None;
+        }
         g.firsts
             .iter()
             .rev()
             .find(|&(_, &first)| first <= seq)
             .map(|(&p, _)| p)
+    }
+
+    /// Keeps a clash found in internal op `seq`, not yet reserved here, for
+    /// the op that will reserve it; false if it has been reserved meanwhile.
+    fn defer(&self, c: Clash) -> bool {
+        let mut g = lock(&self.steps);
+        if c.seq < g.next {
+            return false;
+        }
+        g.deferred.push(c);
+        true
     }
 
     /// Notes the group's abort from its op `from`; returns the first
@@ -186,10 +208,10 @@ pub(crate) struct Shared {
     peers: Mutex<HashMap<usize, Peer>>,
     connecting: Mutex<HashMap<usize, Arc<tokio::sync::Mutex<()>>>>,
     router: Mutex<Router>,
-    /// Which peers hold this rank's data frames (flow control).
+    /// This rank's credit with each peer (flow control).
     outbound: Mutex<Outbound>,
-    /// Wakes sends waiting on a hold: a flow frame or a want arrived, or a
-    /// peer went.
+    /// Wakes sends waiting for credit: credit or a want arrived, or a peer
+    /// went.
     flow_changed: tokio::sync::Notify,
     /// Per peer, the queue of flow and want frames to send, in order.
     control: Mutex<HashMap<usize, tokio::sync::mpsc::UnboundedSender<Header>>>,
@@ -274,7 +296,7 @@ impl Transport {
             peers: Mutex::default(),
             connecting: Mutex::default(),
             router: Mutex::new(Router::new(window)),
-            outbound: Mutex::default(),
+            outbound: Mutex::new(Outbound::new(window)),
             flow_changed: tokio::sync::Notify::new(),
             control: Mutex::default(),
             members: Mutex::default(),
@@ -347,6 +369,7 @@ impl Shared {
     }
 
     pub fn end_seq(&self, comm: u64, seq: u64) {
+        lock(&self.outbound).ended(comm, seq);
         lock(&self.router).end_seq(comm, seq)
     }
 
@@ -442,7 +465,8 @@ impl Shared {
             r.abort_signal(comm)
         };
         let send = async {
-            self.clear_to_send(dst, release, deadline).await?;
+            self.clear_to_send(dst, release, payload.len() as u64, deadline)
+                .await?;
             self.send_frame(dst, header, payload, pick, deadline).await
         };
         tokio::pin!(send);
@@ -462,14 +486,32 @@ impl Shared {
         }
     }
 
-    /// Waits until `dst` does not hold this rank, or has asked for `r`.
-    async fn clear_to_send(&self, dst: usize, r: Release, deadline: Instant) -> Result<(), Fail> {
+    /// Waits until `dst` has credit for `len` more bytes, or has asked for
+    /// `r`; the bytes are counted as sent.
+    async fn clear_to_send(
+        self: &Arc<Self>,
+        dst: usize,
+        r: Release,
+        len: u64,
+        deadline: Instant,
+    ) -> Result<(), Fail> {
         loop {
             let changed = self.flow_changed.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
-            if lock(&self.outbound).may_send(dst, &r) {
-                return Ok(());
+            match lock(&self.outbound).send(dst, &r, len) {
+                Go::Now => return Ok(()),
+                Go::Wait { say: true } => {
+                    tracing::debug!(peer = dst, "out of credit");
+                    self.queue(
+                        dst,
+                        Header::Flow {
+                            credit: 0,
+                            blocked: true,
+                        },
+                    );
+                }
+                Go::Wait { say: false } => {}
             }
             if let Some(reason) = lock(&self.router).gone(dst) {
                 return Err(Fail::Gone {
@@ -488,10 +530,17 @@ impl Shared {
         }
     }
 
-    /// Whether `peer` holds this rank's data frames (it has more than its
-    /// window filed), for timeout messages.
-    pub fn held_by(&self, peer: usize) -> bool {
-        lock(&self.outbound).held_by(peer)
+    /// Whether this rank is out of credit with `peer` (it has sent more than
+    /// the window that the peer's operations have not taken), for timeout
+    /// messages.
+    pub fn held_by(&self, peer: usize, comm: u64, seq: u64, p2p: bool, tag: u32) -> bool {
+        let r = Release {
+            comm,
+            p2p,
+            tag: if p2p { tag } else { 0 },
+            seq,
+        };
+        lock(&self.outbound).waits_for(peer, &r)
     }
 
     /// Links internal group `child` to group `parent`'s aborts.
@@ -521,25 +570,28 @@ impl Shared {
 
     /// Queues the flow and want frames the router decided (its lock held).
     fn queue_control(self: &Arc<Self>, r: &mut Router) {
-        let control = r.take_control();
-        if control.is_empty() {
-            return;
-        }
-        let mut queues = lock(&self.control);
-        for (peer, h) in control {
-            let q = queues.entry(peer).or_insert_with(|| {
-                let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-                self.rt.spawn(control_loop(self.clone(), peer, rx));
-                tx
-            });
-            let _ = q.send(h);
+        for (peer, h) in r.take_control() {
+            self.queue(peer, h);
         }
     }
 
+    /// Queues a flow or want frame for `peer`, after those queued before.
+    fn queue(self: &Arc<Self>, peer: usize, h: Header) {
+        let mut queues = lock(&self.control);
+        let q = queues.entry(peer).or_insert_with(|| {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            self.rt.spawn(control_loop(self.clone(), peer, rx));
+            tx
+        });
+        let _ = q.send(h);
+    }
+
     /// Applies a flow frame from `peer`.
-    fn flow(&self, peer: usize, epoch: u64, hold: bool) {
-        if lock(&self.outbound).signal(peer, epoch, hold) {
-            tracing::debug!(peer, hold, "flow control");
+    fn flow(self: &Arc<Self>, peer: usize, credit: u64, blocked: bool) {
+        if blocked {
+            self.route(|r| r.peer_blocked(peer));
+        } else {
+            lock(&self.outbound).credit(peer, credit);
             self.flow_changed.notify_waiters();
         }
     }
@@ -959,7 +1011,8 @@ impl Shared {
     }
 
     /// Passes group `comm`'s abort (already in place here) on to its internal
-    /// groups, here only: each member passes on its own.
+    /// groups (told, like any passed-on abort, to the members this rank is
+    /// connected to; each member also passes on its own).
     fn abort_children(self: &Arc<Self>, comm: u64, err: &Error, from_seq: u64) {
         let children = lock(&self.children).get(&comm).cloned();
         for c in children.iter().flatten() {
@@ -1151,7 +1204,7 @@ impl Shared {
 
     fn act(self: &Arc<Self>, src: usize, d: Delivery) -> Result<(), String> {
         match d {
-            Delivery::Taken => {}
+            Delivery::Taken | Delivery::Filed => {}
             // The sender does not know yet: tell it (once).
             Delivery::TellAbort => self.tell_aborts_to(src, None),
             Delivery::Clash(c) => self.raise(c),
@@ -1168,10 +1221,16 @@ impl Shared {
         // group, not only the internal group.
         let link = lock(&self.parents).get(&c.comm).cloned();
         if let Some(l) = link {
-            if let Some(seq) = l.parent_seq(c.seq) {
-                c.comm = l.parent;
-                c.seq = seq;
-                return self.raise(c);
+            match l.parent_seq(c.seq) {
+                Some(seq) => {
+                    c.comm = l.parent;
+                    c.seq = seq;
+                    return self.raise(c);
+                }
+                // Peers are ahead in the internal group: the op whose step
+                // it is has not reserved it here yet; it raises it then.
+                None if l.defer(c.clone()) => return,
+                None => return self.raise(c),
             }
         }
         let m = self.members(c.comm);
@@ -1406,14 +1465,13 @@ async fn read_frames(shared: &Arc<Shared>, peer: usize, rd: &mut BufReader<Owned
                     return End::Bad(why);
                 }
             }
-            Header::Flow { epoch, hold } => shared.flow(peer, epoch, hold),
+            Header::Flow { credit, blocked } => shared.flow(peer, credit, blocked),
         }
     }
 }
 
-/// Sends the flow and want frames queued for `peer`, in order. A frame that
-/// cannot be sent is dropped: the peer is gone, or its connection is failing
-/// and the reader will say so.
+/// Sends the flow and want frames queued for `peer`, in order. A frame is
+/// dropped only when the peer is gone.
 async fn control_loop(
     shared: Arc<Shared>,
     peer: usize,
@@ -1424,12 +1482,20 @@ async fn control_loop(
             h = rx.recv() => match h { Some(h) => h, None => return },
             _ = shared.cancel.cancelled() => return,
         };
-        let deadline = Instant::now() + shared.cfg.handshake_timeout + ABORT_DEADLINE;
-        if let Err(f) = shared.send_frame(peer, &h, &[], 0, deadline).await {
-            if matches!(f, Fail::Gone { .. }) {
-                continue;
+        // A lost credit or want would leave a sender waiting for good:
+        // retried until sent or the peer is gone.
+        loop {
+            let deadline = Instant::now() + shared.cfg.handshake_timeout + ABORT_DEADLINE;
+            match shared.send_frame(peer, &h, &[], 0, deadline).await {
+                Ok(()) | Err(Fail::Gone { .. }) => break,
+                Err(_) => {
+                    tracing::debug!(peer, "a flow-control frame was not sent; retrying");
+                    tokio::select! {
+                        _ = sleep(Duration::from_millis(10)) => {}
+                        _ = shared.cancel.cancelled() => return,
+                    }
+                }
             }
-            tracing::debug!(peer, "a flow-control frame was not sent");
         }
     }
 }

@@ -55,6 +55,8 @@ struct Level {
     pg: ProcessGroup,
     ranks: Vec<usize>,
     link: Arc<ChildLink>,
+    /// For messages: "step within this host" or "step among hosts".
+    what: &'static str,
 }
 
 /// A group's two levels, as this rank sees them.
@@ -78,7 +80,7 @@ impl TwoLevel {
             .iter()
             .position(|h| h.contains(&me))
             .expect("this rank is on a host");
-        let level = |tag: u64, ranks: Vec<usize>, what: &str| -> Level {
+        let level = |tag: u64, ranks: Vec<usize>, what: &'static str| -> Level {
             let id = stable_hash(&[cx.comm_id(), 0x7477_6f6c_6576_656c, tag]) | 1;
             let members = Members {
                 name: format!("{}/{what}", cx.group_name()),
@@ -88,7 +90,16 @@ impl TwoLevel {
             let pg = ProcessGroup::internal(cx, id, members, rank);
             let link = Arc::new(ChildLink::new(id, cx.comm_id()));
             cx.sh().add_child(cx.comm_id(), link.clone());
-            Level { pg, ranks, link }
+            Level {
+                pg,
+                ranks,
+                link,
+                what: if what == "host" {
+                    "step within this host, stage"
+                } else {
+                    "step among hosts, step"
+                },
+            }
         };
         let mine = &hosts[host];
         let local = (mine.len() >= 2).then(|| level(host as u64, mine.clone(), "host"));
@@ -131,7 +142,11 @@ impl TwoLevel {
             .zip([(&self.local, local), (&self.leaders, leaders)])
         {
             if let Some(l) = l {
-                *f = l.link.reserve(cx.seq(), k).ok_or_else(aborted)?;
+                let (first, clashes) = l.link.reserve(cx.seq(), k).ok_or_else(aborted)?;
+                *f = first;
+                for c in clashes {
+                    cx.sh().raise(c);
+                }
             }
         }
         Ok((firsts[0], firsts[1]))
@@ -161,14 +176,47 @@ impl Level {
     }
 }
 
+/// Runs a step's body within the op's deadline: a step that times out ends
+/// as a step, before the op's own deadline could drop it part-way (which
+/// would abort the internal group as if the step had been cancelled).
+async fn within<R>(s: &OpCtx, body: impl std::future::Future<Output = Result<R>>) -> Result<R> {
+    match tokio::time::timeout_at(s.deadline, body).await {
+        Ok(r) => r,
+        Err(_) => Err(s.timed_out()),
+    }
+}
+
 /// A step's error in the group's terms: the group's abort when there is
 /// one (the cause), else the same error with the group's ranks, name and
 /// op.
 async fn lift(cx: &OpCtx, l: &Level, e: Error, waiting: Option<(usize, u32)>) -> Error {
+    let g = |k: usize| l.ranks.get(k).copied().unwrap_or(k);
+    if let Error::Timeout { .. } = e {
+        // The op's deadline has passed: no waiting for causes.
+        if let Some(e) = cx.sh().aborted_for(cx.comm_id(), Some(cx.seq())) {
+            return e;
+        }
+        return Error::Timeout {
+            group: cx.group_name(),
+            op: cx.op_name(),
+            timeout: cx.timeout(),
+            waiting_for: match waiting {
+                Some((k, at)) => format!("rank {} (in the {}, at {at})", g(k), l.what),
+                None => format!(
+                    "the {} to start",
+                    l.what.split(',').next().unwrap_or(l.what)
+                ),
+            },
+        };
+    }
     let until = Instant::now() + CAUSE_WAIT;
     loop {
-        if let Some(g) = cx.known_abort().await {
-            return g;
+        // The abort that fails this op, told, or recorded in the store.
+        if let Some(e) = cx.sh().aborted_for(cx.comm_id(), Some(cx.seq())) {
+            return e;
+        }
+        if let Some(e) = cx.known_abort().await {
+            return e;
         }
         // An internal group aborted: by this rank's group abort, which
         // brings its cause; wait a little for it.
@@ -177,7 +225,6 @@ async fn lift(cx: &OpCtx, l: &Level, e: Error, waiting: Option<(usize, u32)>) ->
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let g = |k: usize| l.ranks.get(k).copied().unwrap_or(k);
     let group = cx.group_name();
     match e {
         Error::PeerGone { rank, reason, .. } => Error::PeerGone {
@@ -204,17 +251,6 @@ async fn lift(cx: &OpCtx, l: &Level, e: Error, waiting: Option<(usize, u32)>) ->
             group,
             rank: g(rank),
             reason,
-        },
-        Error::Timeout { timeout, .. } => Error::Timeout {
-            group,
-            op: cx.op_name(),
-            timeout,
-            waiting_for: match waiting {
-                Some((k, step)) => {
-                    format!("rank {} (step {step} within a host or among hosts)", g(k))
-                }
-                None => "a step within a host or among hosts to start".into(),
-            },
         },
         Error::Aborted { reason, by, .. } => Error::Aborted {
             group,
@@ -244,12 +280,12 @@ pub(crate) async fn all_reduce<T: Element>(
     let sop = summing(op);
     if let Some(l) = &t.local {
         let s = l.step(cx, ls);
-        let r = group::reduce_impl(&s, buf, 0, sop).await;
+        let r = within(&s, group::reduce_impl(&s, buf, 0, sop)).await;
         ended(cx, l, s, r).await?;
     }
     if let Some(l) = &t.leaders {
         let s = l.step(cx, ds);
-        let r = group::all_reduce_flat(&s, buf, sop).await;
+        let r = within(&s, group::all_reduce_flat(&s, buf, sop)).await;
         ended(cx, l, s, r).await?;
         if op == ReduceOp::Avg {
             T::divide(buf, cx.n());
@@ -257,7 +293,7 @@ pub(crate) async fn all_reduce<T: Element>(
     }
     if let Some(l) = &t.local {
         let s = l.step(cx, ls + 1);
-        let r = group::broadcast_flat(&s, buf, 0).await;
+        let r = within(&s, group::broadcast_flat(&s, buf, 0)).await;
         ended(cx, l, s, r).await?;
     }
     Ok(())
@@ -279,17 +315,17 @@ pub(crate) async fn broadcast<T: Element>(
     if let (true, Some(l)) = (on_root_host, &t.local) {
         let from = l.ranks.iter().position(|&k| k == root).expect("a member");
         let s = l.step(cx, ls);
-        let r = group::broadcast_flat(&s, buf, from).await;
+        let r = within(&s, group::broadcast_flat(&s, buf, from)).await;
         ended(cx, l, s, r).await?;
     }
     if let Some(l) = &t.leaders {
         let s = l.step(cx, ds);
-        let r = group::broadcast_flat(&s, buf, root_host).await;
+        let r = within(&s, group::broadcast_flat(&s, buf, root_host)).await;
         ended(cx, l, s, r).await?;
     }
     if let (false, Some(l)) = (on_root_host, &t.local) {
         let s = l.step(cx, ls);
-        let r = group::broadcast_flat(&s, buf, 0).await;
+        let r = within(&s, group::broadcast_flat(&s, buf, 0)).await;
         ended(cx, l, s, r).await?;
     }
     Ok(())
@@ -299,17 +335,17 @@ pub(crate) async fn barrier(t: &TwoLevel, cx: &OpCtx) -> Result<()> {
     let (ls, ds) = t.steps(cx, 2, 1).await?;
     if let Some(l) = &t.local {
         let s = l.step(cx, ls);
-        let r = group::barrier_flat(&s).await;
+        let r = within(&s, group::barrier_flat(&s)).await;
         ended(cx, l, s, r).await?;
     }
     if let Some(l) = &t.leaders {
         let s = l.step(cx, ds);
-        let r = group::barrier_flat(&s).await;
+        let r = within(&s, group::barrier_flat(&s)).await;
         ended(cx, l, s, r).await?;
     }
     if let Some(l) = &t.local {
         let s = l.step(cx, ls + 1);
-        let r = group::barrier_flat(&s).await;
+        let r = within(&s, group::barrier_flat(&s)).await;
         ended(cx, l, s, r).await?;
     }
     Ok(())

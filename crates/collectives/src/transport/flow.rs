@@ -8,75 +8,97 @@
 //! (a broadcast root, or a sender of point-to-point messages, runs on) piles
 //! its peers' data into its memory until it runs out.
 //!
-//! The bound is per peer, on the receiving side ([`Inbound`]): when the bytes
-//! filed from a peer exceed the window, this rank sends it a flow frame with
-//! `hold`; when they fall to half the window, one without. A held sender
-//! ([`Outbound`]) writes a data frame only for an operation the receiver has
-//! asked for with a want frame. A holding receiver asks for every collective
-//! it begins and every receive it waits in, and, as it starts to hold, for
-//! the collectives it is running and the receives already waiting. So a hold
-//! only ever stops operations the receiver has not reached: the frames of one
-//! it runs are bounded by its buffers, and must flow (ranks of a ring each
-//! send before they receive, and would hold each other forever). A receiver
-//! never files more than the window plus what was already on its way when
-//! the hold arrived, plus the operations it runs or waits in.
+//! **Credit.** A sender counts the data bytes it has sent each peer that the
+//! peer has not yet acknowledged ([`Outbound`]). The peer acknowledges bytes
+//! as its operations take them (or as it drops them), in a flow frame once a
+//! quarter of the window has gathered ([`Inbound`]). A data frame goes out
+//! only while the count plus the frame stays within the window, or when the
+//! peer has asked for the frame's operation with a want frame.
+//!
+//! **Asking.** A sender out of credit says so (a flow frame with `blocked`);
+//! the peer then acknowledges what it has taken at once, and asks (want
+//! frames) for every collective it is running and every receive it waits in,
+//! and from then on for every collective it begins and every receive that
+//! waits, until it next sends credit. So a sender waits only for operations
+//! the peer has not reached: the frames of one it runs are bounded by its
+//! buffers, and must flow (ranks of a ring each send before they receive, and
+//! would otherwise wait for each other forever).
+//!
+//! The bound is the sender's count, so it holds whatever the scheduling: a
+//! rank never has more than the window filed from one peer, plus the frames
+//! of operations it runs or waits in.
 //!
 //! Both halves are synchronous and do no I/O; the transport sends the frames
-//! they ask for. Flow frames carry an epoch (one counter per receiver), so two
-//! sent by different tasks that arrive out of order are applied in order.
+//! they ask for, through one ordered queue per peer.
 
 use std::collections::{HashMap, HashSet};
 
-/// A flow frame to send to `peer`.
+/// A flow frame to send to `peer`: `credit` bytes taken (receiver to
+/// sender), or `blocked` (sender to receiver).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Signal {
     pub peer: usize,
-    pub hold: bool,
-    pub epoch: u64,
+    pub credit: u64,
+    pub blocked: bool,
 }
 
-/// The receiving side: bytes filed per peer, and which peers are held.
+/// The receiving side: bytes filed and bytes taken but not yet acknowledged,
+/// per peer, and which peers are out of credit.
 pub(crate) struct Inbound {
     window: u64,
     filed: HashMap<usize, u64>,
-    held: HashSet<usize>,
-    epoch: u64,
+    unacked: HashMap<usize, u64>,
+    blocked: HashSet<usize>,
 }
 
 impl Inbound {
-    /// `window`: bytes filed from one peer before it is held (0: never).
+    /// `window`: the credit each peer has (0: no flow control).
     pub fn new(window: u64) -> Inbound {
         Inbound {
             window,
             filed: HashMap::new(),
-            held: HashSet::new(),
-            epoch: 0,
+            unacked: HashMap::new(),
+            blocked: HashSet::new(),
         }
     }
 
-    /// `bytes` from `peer` were filed; a hold to send if they crossed the window.
-    pub fn filed(&mut self, peer: usize, bytes: u64) -> Option<Signal> {
-        let f = self.filed.entry(peer).or_default();
-        *f += bytes;
-        (self.window > 0 && *f > self.window && self.held.insert(peer))
-            .then(|| self.signal(peer, true))
+    /// `bytes` from `peer` were filed.
+    pub fn filed(&mut self, peer: usize, bytes: u64) {
+        *self.filed.entry(peer).or_default() += bytes;
     }
 
-    /// `bytes` filed from `peer` were taken (or dropped); a resume to send if
-    /// they fell to half the window.
+    /// `bytes` filed from `peer` were taken (or dropped); the credit to send.
     pub fn taken(&mut self, peer: usize, bytes: u64) -> Option<Signal> {
-        let f = self.filed.entry(peer).or_default();
-        *f = f.saturating_sub(bytes);
-        let low = *f <= self.window / 2;
-        if *f == 0 {
-            self.filed.remove(&peer);
+        if let Some(f) = self.filed.get_mut(&peer) {
+            *f = f.saturating_sub(bytes);
+            if *f == 0 {
+                self.filed.remove(&peer);
+            }
         }
-        (low && self.held.remove(&peer)).then(|| self.signal(peer, false))
+        self.consumed(peer, bytes)
     }
 
-    /// Whether `peer` is held: a receive from it asks at once.
-    pub fn holds(&self, peer: usize) -> bool {
-        self.held.contains(&peer)
+    /// `bytes` from `peer` were used (or dropped) as they arrived; the
+    /// credit to send.
+    pub fn consumed(&mut self, peer: usize, bytes: u64) -> Option<Signal> {
+        if self.window == 0 {
+            return None;
+        }
+        let u = self.unacked.entry(peer).or_default();
+        *u += bytes;
+        (*u >= self.window / 4 || self.blocked.contains(&peer)).then(|| self.credit(peer))?
+    }
+
+    /// `peer` is out of credit: what it has taken goes back at once, and its
+    /// wanted operations are asked for until then.
+    pub fn peer_blocked(&mut self, peer: usize) -> Option<Signal> {
+        self.blocked.insert(peer);
+        self.credit(peer)
+    }
+
+    /// Whether `peer` is out of credit (its operations are asked for).
+    pub fn asks(&self, peer: usize) -> bool {
+        self.blocked.contains(&peer)
     }
 
     /// Bytes filed from every peer.
@@ -84,18 +106,20 @@ impl Inbound {
         self.filed.values().sum()
     }
 
-    fn signal(&mut self, peer: usize, hold: bool) -> Signal {
-        self.epoch += 1;
-        Signal {
+    fn credit(&mut self, peer: usize) -> Option<Signal> {
+        let credit = self.unacked.remove(&peer).filter(|&c| c > 0)?;
+        // Sent credit lets the peer go on; if it runs out again it says so.
+        self.blocked.remove(&peer);
+        Some(Signal {
             peer,
-            hold,
-            epoch: self.epoch,
-        }
+            credit,
+            blocked: false,
+        })
     }
 }
 
-/// An operation a held sender may send frames of: a collective (`p2p`
-/// false, `tag` 0) or a point-to-point message of a (peer, tag) pair.
+/// An operation a sender out of credit may send frames of: a collective
+/// (`p2p` false, `tag` 0) or a point-to-point message of a (peer, tag) pair.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct Release {
     pub comm: u64,
@@ -105,49 +129,93 @@ pub(crate) struct Release {
 }
 
 #[derive(Default)]
-struct Held {
-    epoch: u64,
-    hold: bool,
+struct Credit {
+    unacked: u64,
+    /// Operations the peer asked for.
     released: HashSet<Release>,
+    /// A `blocked` flow frame went out since the last credit came.
+    said: bool,
 }
 
-/// The sending side: which peers hold this rank, and what they asked for.
-#[derive(Default)]
+/// Whether a data frame may go now.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Go {
+    Now,
+    /// Wait for credit or a want; `say`: first send the peer a `blocked`.
+    Wait {
+        say: bool,
+    },
+}
+
+/// The sending side: per peer, the bytes sent and not acknowledged, and
+/// the operations the peer asked for.
 pub(crate) struct Outbound {
-    peers: HashMap<usize, Held>,
+    window: u64,
+    peers: HashMap<usize, Credit>,
 }
 
 impl Outbound {
-    /// Applies a flow frame from `peer`; false if it was older than one applied.
-    pub fn signal(&mut self, peer: usize, epoch: u64, hold: bool) -> bool {
-        let h = self.peers.entry(peer).or_default();
-        if epoch <= h.epoch {
-            return false;
+    pub fn new(window: u64) -> Outbound {
+        Outbound {
+            window,
+            peers: HashMap::new(),
         }
-        h.epoch = epoch;
-        h.hold = hold;
-        // What was asked for under one hold is not carried into the next.
-        h.released.clear();
-        true
+    }
+
+    /// Whether a frame of `len` bytes of `r` may go to `peer` now; if so it
+    /// is counted as sent.
+    pub fn send(&mut self, peer: usize, r: &Release, len: u64) -> Go {
+        if self.window == 0 {
+            return Go::Now;
+        }
+        let c = self.peers.entry(peer).or_default();
+        // A frame larger than the window goes when nothing is outstanding.
+        let fits = c.unacked == 0 || c.unacked + len <= self.window;
+        if fits || c.released.contains(r) {
+            c.unacked += len;
+            return Go::Now;
+        }
+        let say = !std::mem::replace(&mut c.said, true);
+        Go::Wait { say }
+    }
+
+    /// `peer` acknowledged `bytes`.
+    pub fn credit(&mut self, peer: usize, bytes: u64) {
+        let window = self.window;
+        let c = self.peers.entry(peer).or_default();
+        c.unacked = c.unacked.saturating_sub(bytes);
+        c.said = false;
+        // Asks are for a shortage; with half the window free there is none.
+        if c.unacked <= window / 2 {
+            c.released.clear();
+        }
     }
 
     /// `peer` waits for frames of `r`.
     pub fn release(&mut self, peer: usize, r: Release) {
-        if let Some(h) = self.peers.get_mut(&peer).filter(|h| h.hold) {
-            h.released.insert(r);
-        }
+        self.peers.entry(peer).or_default().released.insert(r);
     }
 
-    /// Whether a data frame of `r` may go to `peer` now.
-    pub fn may_send(&self, peer: usize, r: &Release) -> bool {
+    /// Whether this rank is out of credit with `peer` (it said so) and
+    /// `peer` has not asked for `r`.
+    pub fn waits_for(&self, peer: usize, r: &Release) -> bool {
         self.peers
             .get(&peer)
-            .is_none_or(|h| !h.hold || h.released.contains(r))
+            .is_some_and(|c| c.said && !c.released.contains(r))
     }
 
-    /// Whether `peer` holds this rank.
-    pub fn held_by(&self, peer: usize) -> bool {
-        self.peers.get(&peer).is_some_and(|h| h.hold)
+    /// Collective `seq` of `comm` ended here: no frame of it is sent again,
+    /// so asks for it are forgotten.
+    pub fn ended(&mut self, comm: u64, seq: u64) {
+        let r = Release {
+            comm,
+            p2p: false,
+            tag: 0,
+            seq,
+        };
+        for c in self.peers.values_mut() {
+            c.released.remove(&r);
+        }
     }
 }
 
@@ -163,62 +231,76 @@ mod tests {
     };
 
     #[test]
-    fn a_peer_is_held_past_the_window_and_resumed_at_half() {
-        let mut i = Inbound::new(100);
-        assert_eq!(i.filed(3, 60), None);
-        assert_eq!(i.filed(3, 40), None, "at the window, not past it");
-        let hold = i.filed(3, 1).expect("past the window");
-        assert!(hold.hold && hold.peer == 3);
-        assert!(i.holds(3) && !i.holds(4));
-        assert_eq!(i.filed(3, 500), None, "held once");
-        assert_eq!(i.taken(3, 500), None, "101 left: above half");
-        let resume = i.taken(3, 51).expect("50 left: half");
-        assert!(!resume.hold && resume.epoch > hold.epoch);
-        assert_eq!(i.taken(3, 50), None);
-        assert_eq!(i.total(), 0);
-    }
-
-    #[test]
-    fn peers_are_counted_apart_and_a_zero_window_never_holds() {
-        let mut i = Inbound::new(10);
-        assert_eq!(i.filed(1, 8), None);
-        assert_eq!(i.filed(2, 8), None);
-        assert_eq!(i.total(), 16);
-        let mut never = Inbound::new(0);
-        assert_eq!(never.filed(1, u64::MAX / 2), None);
-        assert!(!never.holds(1));
-    }
-
-    #[test]
-    fn a_held_sender_sends_only_what_was_asked_for() {
-        let mut o = Outbound::default();
-        assert!(o.may_send(2, &OP), "not held");
-        assert!(o.signal(2, 1, true));
-        assert!(o.held_by(2) && !o.held_by(5));
-        assert!(!o.may_send(2, &OP));
-        assert!(o.may_send(5, &OP), "another peer");
-        o.release(2, OP);
-        assert!(o.may_send(2, &OP));
-        let p2p = Release { p2p: true, ..OP };
-        assert!(
-            !o.may_send(2, &p2p),
-            "a message is not the collective of the same number"
+    fn a_sender_stops_at_the_window_and_goes_on_with_credit() {
+        let mut o = Outbound::new(100);
+        assert_eq!(o.send(2, &OP, 60), Go::Now);
+        assert_eq!(o.send(2, &OP, 40), Go::Now, "up to the window");
+        assert_eq!(o.send(2, &OP, 1), Go::Wait { say: true });
+        assert_eq!(o.send(2, &OP, 1), Go::Wait { say: false }, "said once");
+        assert!(o.waits_for(2, &OP) && !o.waits_for(3, &OP));
+        assert_eq!(o.send(3, &OP, 100), Go::Now, "peers have their own credit");
+        o.credit(2, 30);
+        assert_eq!(o.send(2, &OP, 30), Go::Now);
+        assert_eq!(
+            o.send(2, &OP, 1),
+            Go::Wait { say: true },
+            "said again after credit"
         );
-        assert!(o.signal(2, 2, false));
-        assert!(o.may_send(2, &p2p));
-        assert!(o.signal(2, 3, true));
-        assert!(!o.may_send(2, &OP), "a new hold forgets the old asks");
     }
 
     #[test]
-    fn flow_frames_out_of_order_apply_in_order() {
-        let mut o = Outbound::default();
-        assert!(o.signal(2, 2, false));
-        assert!(!o.signal(2, 1, true), "the hold was sent before the resume");
-        assert!(o.may_send(2, &OP));
-        // A release while not held is not kept for a later hold.
+    fn an_asked_for_operation_goes_without_credit_until_half_is_free() {
+        let mut o = Outbound::new(100);
+        assert_eq!(o.send(2, &OP, 100), Go::Now);
+        let other = Release { seq: 5, ..OP };
         o.release(2, OP);
-        assert!(o.signal(2, 3, true));
-        assert!(!o.may_send(2, &OP));
+        assert_eq!(o.send(2, &OP, 50), Go::Now, "asked for");
+        assert_eq!(o.send(2, &other, 1), Go::Wait { say: true });
+        let p2p = Release { p2p: true, ..OP };
+        assert_eq!(
+            o.send(2, &p2p, 1),
+            Go::Wait { say: false },
+            "a message is not the collective"
+        );
+        o.credit(2, 100);
+        assert_eq!(
+            o.send(2, &OP, 60),
+            Go::Wait { say: true },
+            "50 left; the ask was cleared at half free"
+        );
+        assert_eq!(o.send(2, &OP, 50), Go::Now);
+    }
+
+    #[test]
+    fn a_frame_larger_than_the_window_goes_alone() {
+        let mut o = Outbound::new(10);
+        assert_eq!(o.send(1, &OP, 64), Go::Now);
+        assert_eq!(o.send(1, &OP, 1), Go::Wait { say: true });
+        o.credit(1, 64);
+        assert_eq!(o.send(1, &OP, 1), Go::Now);
+    }
+
+    #[test]
+    fn a_receiver_acknowledges_by_quarters_and_at_once_for_a_blocked_peer() {
+        let mut i = Inbound::new(100);
+        i.filed(3, 60);
+        assert_eq!(i.total(), 60);
+        assert_eq!(i.consumed(3, 10), None, "under a quarter");
+        let c = i.taken(3, 20).expect("30 taken: a quarter");
+        assert_eq!((c.peer, c.credit, c.blocked), (3, 30, false));
+        assert_eq!(i.total(), 40);
+        assert_eq!(i.peer_blocked(3), None, "nothing to acknowledge");
+        assert!(i.asks(3));
+        let c = i.taken(3, 1).expect("a blocked peer gets what there is");
+        assert_eq!(c.credit, 1);
+        assert!(!i.asks(3), "credit sent: it says again if it must");
+    }
+
+    #[test]
+    fn no_window_no_flow_control() {
+        let mut o = Outbound::new(0);
+        assert_eq!(o.send(1, &OP, u64::MAX / 2), Go::Now);
+        let mut i = Inbound::new(0);
+        assert_eq!(i.consumed(1, 1 << 40), None);
     }
 }

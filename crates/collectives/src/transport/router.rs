@@ -90,7 +90,7 @@ struct Check {
 pub(crate) const ENDED_KEPT: u64 = 1024;
 
 /// Two calls of one collective that differ. `a`'s rank is `None` for this rank.
-#[derive(Debug, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Clash {
     pub comm: u64,
     pub seq: u64,
@@ -109,6 +109,8 @@ pub(crate) enum Delivery {
     Clash(Clash),
     /// A second frame for one key: the sender broke the protocol.
     Duplicate(String),
+    /// Filed until its operation asks (within `Router`; returned as `Taken`).
+    Filed,
 }
 
 /// How a receive starts.
@@ -185,50 +187,54 @@ impl Router {
         self.flow.total()
     }
 
-    fn flow_signal(&mut self, s: Option<Signal>) {
-        let Some(s) = s else { return };
-        self.control.push((
-            s.peer,
-            Header::Flow {
-                epoch: s.epoch,
-                hold: s.hold,
-            },
-        ));
-        if s.hold {
-            // A hold is for ops this rank has not reached: every collective
-            // it is running takes the peer's frames whatever their size (the
-            // op's buffer bounds them), or ranks that each send before they
-            // receive, as a ring does, would hold each other forever.
-            let mut running: Vec<(u64, u64, Desc)> = self
-                .checks
-                .iter()
-                .filter_map(|(&(c, q), chk)| Some((c, q, chk.local?)))
-                .filter(|&(c, _, _)| self.member(c, s.peer))
-                .collect();
-            running.sort_by_key(|&(c, q, _)| (c, q));
-            for (comm, seq, desc) in running {
-                self.control.push((
-                    s.peer,
-                    Header::Want {
-                        comm,
-                        seq,
-                        step: 0,
-                        desc,
-                    },
-                ));
-            }
-            // Receives already waiting on the peer ask for their frames now:
-            // the peer may be holding exactly those.
-            let mut waiting: Vec<Key> = self
-                .slots
-                .iter()
-                .filter(|(k, slot)| k.src as usize == s.peer && matches!(slot, Slot::Waiting(_)))
-                .map(|(k, _)| *k)
-                .collect();
-            waiting.sort_by_key(|k| (k.comm, k.p2p, k.tag, k.seq, k.step));
-            for k in waiting {
-                self.ask(k);
-            }
+    /// Queues a credit to send, if any.
+    fn credit(&mut self, s: Option<Signal>) {
+        if let Some(s) = s {
+            self.control.push((
+                s.peer,
+                Header::Flow {
+                    credit: s.credit,
+                    blocked: false,
+                },
+            ));
+        }
+    }
+
+    /// `peer` is out of credit with this rank: it gets back what was taken,
+    /// and every collective running here that it is in, and every receive
+    /// waiting on it, asks for its frames (it may be waiting to send exactly
+    /// those). From now until the next credit, so does every collective
+    /// that begins and every receive that waits.
+    pub fn peer_blocked(&mut self, peer: usize) {
+        let c = self.flow.peer_blocked(peer);
+        self.credit(c);
+        let mut running: Vec<(u64, u64, Desc)> = self
+            .checks
+            .iter()
+            .filter_map(|(&(c, q), chk)| Some((c, q, chk.local?)))
+            .filter(|&(c, _, _)| self.member(c, peer))
+            .collect();
+        running.sort_by_key(|&(c, q, _)| (c, q));
+        for (comm, seq, desc) in running {
+            self.control.push((
+                peer,
+                Header::Want {
+                    comm,
+                    seq,
+                    step: 0,
+                    desc,
+                },
+            ));
+        }
+        let mut waiting: Vec<Key> = self
+            .slots
+            .iter()
+            .filter(|(k, slot)| k.src as usize == peer && matches!(slot, Slot::Waiting(_)))
+            .map(|(k, _)| *k)
+            .collect();
+        waiting.sort_by_key(|k| (k.comm, k.p2p, k.tag, k.seq, k.step));
+        for k in waiting {
+            self.ask(k);
         }
     }
 
@@ -252,9 +258,16 @@ impl Router {
         }
     }
 
+    /// A filed frame was taken (or dropped).
     fn took(&mut self, key: &Key, bytes: usize) {
         let s = self.flow.taken(key.src as usize, bytes as u64);
-        self.flow_signal(s);
+        self.credit(s);
+    }
+
+    /// A frame was used (or dropped) as it arrived.
+    fn consumed(&mut self, key: &Key, bytes: usize) {
+        let s = self.flow.consumed(key.src as usize, bytes as u64);
+        self.credit(s);
     }
 
     /// The group's abort, whatever it fails.
@@ -304,11 +317,11 @@ impl Router {
     /// Records the local call of collective `seq`; a mismatch with what a peer
     /// already sent is returned as (peer world rank, its descriptor).
     pub fn begin_seq(&mut self, comm: u64, seq: u64, desc: Desc) -> Result<(), (u32, Desc)> {
-        // Peers held now send this op's frames (see `flow_signal`).
+        // Peers out of credit send this op's frames (see `peer_blocked`).
         let mut held: Vec<usize> = self
             .members
             .get(&comm)
-            .map(|m| m.iter().copied().filter(|&p| self.flow.holds(p)).collect())
+            .map(|m| m.iter().copied().filter(|&p| self.flow.asks(p)).collect())
             .unwrap_or_default();
         held.sort_unstable();
         for p in held {
@@ -363,7 +376,7 @@ impl Router {
         }
         let (tx, rx) = oneshot::channel();
         self.slots.insert(key, Slot::Waiting(tx));
-        if self.flow.holds(src) {
+        if self.flow.asks(src) {
             self.ask(key);
         }
         Start::Wait(rx)
@@ -436,6 +449,20 @@ impl Router {
 
     /// Hands a data frame from `src` to its waiter or files it.
     pub fn deliver(&mut self, key: Key, desc: Desc, buf: Buf) -> Delivery {
+        let len = buf.len();
+        let d = self.file(key, desc, buf);
+        // Every frame but one filed is used or dropped now: its sender's
+        // credit comes back (a filed one's when it is taken).
+        if !matches!(d, Delivery::Filed) {
+            self.consumed(&key, len);
+        }
+        match d {
+            Delivery::Filed => Delivery::Taken,
+            d => d,
+        }
+    }
+
+    fn file(&mut self, key: Key, desc: Desc, buf: Buf) -> Delivery {
         if self.aborted_for(key.comm, key.collective_seq()).is_some() {
             return Delivery::TellAbort;
         }
@@ -464,9 +491,9 @@ impl Router {
                 return Delivery::Duplicate(format!("sent a second frame for {key:?}"));
             }
             None => {
-                let s = self.flow.filed(key.src as usize, buf.len() as u64);
+                self.flow.filed(key.src as usize, buf.len() as u64);
                 self.slots.insert(key, Slot::Ready(Frame { desc, buf }));
-                self.flow_signal(s);
+                return Delivery::Filed;
             }
         }
         Delivery::Taken

@@ -190,3 +190,61 @@ async fn a_mismatch_on_one_host_fails_every_rank_of_a_two_level_group() {
         );
     }
 }
+
+/// A rank that never comes to a two-level all_reduce: every other rank
+/// times out naming, in the group's ranks, whom it waited for (on its host,
+/// the rank itself; elsewhere, its host's leader), never "the operation to
+/// start" and never an internal rank.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_rank_in_a_two_level_op_is_named_at_the_timeout() {
+    let o = Options {
+        timeout: std::time::Duration::from_secs(2),
+        ..opts()
+    };
+    let pgs = world_on_hosts(&["a", "a", "b", "b"], o).await;
+    let tasks: Vec<_> = pgs
+        .into_iter()
+        .map(|pg| {
+            tokio::spawn(async move {
+                let r = pg.rank();
+                let mut x = vec![1.0f32; 100];
+                pg.all_reduce(&mut x, ReduceOp::Sum).await.unwrap();
+                if r == 3 {
+                    // Stalls: alive, its group held, never calling.
+                    tokio::time::sleep(std::time::Duration::from_secs(4)).await;
+                    return None;
+                }
+                Some(pg.all_reduce(&mut x, ReduceOp::Sum).await.unwrap_err())
+            })
+        })
+        .collect();
+    for (r, t) in tasks.into_iter().enumerate() {
+        let Some(e) = t.await.unwrap() else { continue };
+        let s = e.to_string();
+        assert!(s.contains("timed out"), "rank {r}: {s}");
+        assert!(
+            !s.contains("to start") && !s.contains("dropped"),
+            "rank {r}: {s}"
+        );
+        // Rank 2 waits for rank 3 on its host; ranks 0 and 1 time out
+        // waiting for host b's leader (rank 2) or host a's (rank 0), or
+        // first get rank 2's abort, which names rank 3.
+        if r == 2 {
+            assert!(
+                matches!(e, rallypoint_collectives::Error::Timeout { .. }),
+                "{s}"
+            );
+            assert!(
+                s.contains("op #1") && s.contains("rank 3 (in the step within this host"),
+                "{s}"
+            );
+        } else {
+            assert!(
+                s.contains("rank 3 (in the step within this host")
+                    || s.contains("rank 2 (in the step among hosts")
+                    || (r == 1 && s.contains("rank 0 (in the step within this host")),
+                "rank {r}: {s}"
+            );
+        }
+    }
+}
