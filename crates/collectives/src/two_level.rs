@@ -57,6 +57,8 @@ struct Level {
     link: Arc<ChildLink>,
     /// For messages: "step within this host" or "step among hosts".
     what: &'static str,
+    /// What a point in the step is: a shared-memory "stage" or a TCP "step".
+    unit: &'static str,
 }
 
 /// A group's two levels, as this rank sees them.
@@ -95,10 +97,11 @@ impl TwoLevel {
                 ranks,
                 link,
                 what: if what == "host" {
-                    "step within this host, stage"
+                    "step within this host"
                 } else {
-                    "step among hosts, step"
+                    "step among hosts"
                 },
+                unit: if what == "host" { "stage" } else { "step" },
             }
         };
         let mine = &hosts[host];
@@ -124,6 +127,10 @@ impl TwoLevel {
     /// group's abort fails reserves nothing (the abort did not reach its
     /// steps, which did not exist yet).
     async fn steps(&self, cx: &OpCtx, local: u64, leaders: u64) -> Result<(u64, u64)> {
+        cx.wait_note(
+            "the group's earlier ops to end (two-level ops take their steps in order)".into(),
+            None,
+        );
         cx.turn().wait(cx.seq()).await;
         // A link refuses only once the group's abort (which fails this op)
         // is in place.
@@ -164,6 +171,12 @@ async fn ended<R>(cx: &OpCtx, l: &Level, sub: OpCtx, r: Result<R>) -> Result<R> 
         Err(e) => {
             let waiting = sub.waiting_rank();
             sub.step_failed();
+            // Should the op's deadline pass while the cause is looked for,
+            // its timeout names whom the step waited for.
+            if let Some((k, at)) = waiting {
+                let g = l.ranks.get(k).copied().unwrap_or(k);
+                cx.wait_note(l.waiting_for(g, at), Some((g, at)));
+            }
             Err(lift(cx, l, e, waiting).await)
         }
     }
@@ -172,7 +185,13 @@ async fn ended<R>(cx: &OpCtx, l: &Level, sub: OpCtx, r: Result<R>) -> Result<R> 
 impl Level {
     /// Step `seq` of this level, with the group op's call and deadline.
     fn step(&self, cx: &OpCtx, seq: u64) -> OpCtx {
+        cx.wait_note(format!("the {}", self.what), None);
         self.pg.step_ctx(seq, cx.desc(), cx.deadline)
+    }
+
+    /// "rank g (in the step among hosts, at step 2)": group rank `g`.
+    fn waiting_for(&self, g: usize, at: u32) -> String {
+        format!("rank {g} (in the {}, at {} {at})", self.what, self.unit)
     }
 }
 
@@ -201,15 +220,12 @@ async fn lift(cx: &OpCtx, l: &Level, e: Error, waiting: Option<(usize, u32)>) ->
             op: cx.op_name(),
             timeout: cx.timeout(),
             waiting_for: match waiting {
-                Some((k, at)) => format!("rank {} (in the {}, at {at})", g(k), l.what),
-                None => format!(
-                    "the {} to start",
-                    l.what.split(',').next().unwrap_or(l.what)
-                ),
+                Some((k, at)) => l.waiting_for(g(k), at),
+                None => format!("the {} to start", l.what),
             },
         };
     }
-    let until = Instant::now() + CAUSE_WAIT;
+    let until = (Instant::now() + CAUSE_WAIT).min(cx.deadline);
     loop {
         // The abort that fails this op, told, or recorded in the store.
         if let Some(e) = cx.sh().aborted_for(cx.comm_id(), Some(cx.seq())) {

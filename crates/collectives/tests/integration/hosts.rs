@@ -226,25 +226,19 @@ async fn a_stalled_rank_in_a_two_level_op_is_named_at_the_timeout() {
             !s.contains("to start") && !s.contains("dropped"),
             "rank {r}: {s}"
         );
-        // Rank 2 waits for rank 3 on its host; ranks 0 and 1 time out
-        // waiting for host b's leader (rank 2) or host a's (rank 0), or
-        // first get rank 2's abort, which names rank 3.
-        if r == 2 {
-            assert!(
-                matches!(e, rallypoint_collectives::Error::Timeout { .. }),
-                "{s}"
-            );
-            assert!(
-                s.contains("op #1") && s.contains("rank 3 (in the step within this host"),
-                "{s}"
-            );
-        } else {
-            assert!(
-                s.contains("rank 3 (in the step within this host")
-                    || s.contains("rank 2 (in the step among hosts")
-                    || (r == 1 && s.contains("rank 0 (in the step within this host")),
-                "rank {r}: {s}"
-            );
+        // Whom each waited for: rank 2, rank 3 (on its host); rank 0, host
+        // b's leader, rank 2 (among hosts); rank 1, its leader, rank 0 (on
+        // its host). Whoever times out first aborts the others with its
+        // reason, so any of these may be the one reported; never an
+        // internal rank, and never a rank not on that path.
+        assert!(
+            s.contains("rank 3 (in the step within this host, at stage")
+                || s.contains("rank 2 (in the step among hosts, at step")
+                || s.contains("rank 0 (in the step within this host, at stage"),
+            "rank {r}: {s}"
+        );
+        if r == 2 && matches!(e, rallypoint_collectives::Error::Timeout { .. }) {
+            assert!(s.contains("rank 3 ("), "{s}");
         }
     }
 }
