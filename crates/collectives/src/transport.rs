@@ -448,14 +448,8 @@ impl Shared {
         else {
             unreachable!("only data frames are sent this way")
         };
-        let p2p = desc.op == OpKind::Send;
-        let release = Release {
-            comm,
-            p2p,
-            tag: if p2p { desc.root } else { 0 },
-            seq,
-        };
-        let seq = (!p2p).then_some(seq);
+        let release = Release::of(comm, seq, &desc);
+        let seq = (!release.p2p).then_some(seq);
         self.count_frame();
         let signal = {
             let mut r = lock(&self.router);
@@ -1183,19 +1177,13 @@ impl Shared {
     }
 
     /// A peer waits for our part of collective `seq` (or, `desc.op` being
-    /// [`OpKind::Send`], for message `seq` of tag `desc.root`): a hold lets
-    /// it through, and a collective's call is compared with ours.
+    /// [`OpKind::Send`], for message `seq` of tag `desc.root`): its frames
+    /// go without credit, and a collective's call is compared with ours.
     fn want(self: &Arc<Self>, src: usize, comm: u64, seq: u64, desc: Desc) -> Result<(), String> {
-        let p2p = desc.op == OpKind::Send;
-        let release = Release {
-            comm,
-            p2p,
-            tag: if p2p { desc.root } else { 0 },
-            seq,
-        };
+        let release = Release::of(comm, seq, &desc);
         lock(&self.outbound).release(src, release);
         self.flow_changed.notify_waiters();
-        if p2p {
+        if release.p2p {
             return Ok(());
         }
         let d = lock(&self.router).want(comm, seq, src as u32, desc);

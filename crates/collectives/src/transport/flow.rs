@@ -128,6 +128,20 @@ pub(crate) struct Release {
     pub seq: u64,
 }
 
+impl Release {
+    /// The operation of a frame of `comm` numbered `seq` with call `desc`
+    /// (a message's tag is its call's root).
+    pub fn of(comm: u64, seq: u64, desc: &crate::frame::Desc) -> Release {
+        let p2p = desc.op == crate::frame::OpKind::Send;
+        Release {
+            comm,
+            p2p,
+            tag: if p2p { desc.root } else { 0 },
+            seq,
+        }
+    }
+}
+
 #[derive(Default)]
 struct Credit {
     unacked: u64,
