@@ -78,7 +78,15 @@ fn sizes(max: usize) -> Vec<usize> {
     v
 }
 
+/// Timed ops per size: about 512 MiB moved, 5 to 1,000 ops.
+/// `RALLY_BENCH_ITERS` overrides it (for profiling one size).
 fn iters_for(bytes: usize) -> usize {
+    if let Some(n) = std::env::var("RALLY_BENCH_ITERS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+    {
+        return n;
+    }
     ((512usize << 20) / bytes.max(1)).clamp(5, 1000)
 }
 

@@ -546,8 +546,8 @@ impl ProcessGroup {
 
     /// Bytes received from peers ahead of the operations that will take
     /// them, for this group and every group of its world. Bounded per peer by
-    /// [`Options::receive_window`] (plus what was on its way when the peer
-    /// was asked to hold, and the operations this rank asked for).
+    /// [`Options::receive_window`] (plus the frames of operations this rank
+    /// asked for: those it runs or waits in).
     pub fn received_ahead_bytes(&self) -> u64 {
         self.comm.sh().filed_bytes()
     }

@@ -58,9 +58,10 @@
 //! all_reduce, broadcast and barrier in two levels (see `two_level`): shared
 //! memory within each host, TCP among each host's first member.
 //!
-//! A rank that falls behind bounds what it files from each peer: past
-//! [`Options::receive_window`] it asks the peer to hold, then asks for each
-//! op's frames as it reaches the op (see `transport/flow.rs`).
+//! A rank that falls behind files at most [`Options::receive_window`] bytes
+//! from each peer for ops it has not reached: past that the peer's sends wait
+//! for credit, and this rank asks for each op's frames as it reaches the op
+//! (see `transport/flow.rs`).
 //!
 //! # Failure
 //!

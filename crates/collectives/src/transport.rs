@@ -30,9 +30,10 @@
 //! a peer that died before ever connecting is noticed as a refused connection
 //! rather than at the timeout. Aborts are described at [`Shared::abort`].
 //!
-//! Flow control (`flow.rs`) bounds the frames filed from each peer: past
-//! [`Config::receive_window`] the peer is asked to hold, and then sends only
-//! frames of operations this rank asks for. The router decides; the flow and
+//! Flow control (`flow.rs`) bounds the frames filed from each peer by credit:
+//! a sender counts the bytes it sent that the peer's operations have not
+//! taken, and past [`Config::receive_window`] sends only frames of operations
+//! the peer asked for. The router decides; the flow and
 //! want frames it queues go to each peer through one task per peer
 //! ([`control_loop`]), in the order decided.
 
@@ -194,8 +195,8 @@ pub(crate) struct Config {
     pub peer_timeout: Duration,
     /// The largest data payload (sizes the buffer pool).
     pub segment_bytes: usize,
-    /// Bytes filed from one peer, not yet taken by an operation, before the
-    /// peer is asked to hold (0: never).
+    /// Bytes a peer may send this rank that its operations have not taken,
+    /// before the peer sends only frames asked for (0: no bound).
     pub receive_window: u64,
 }
 
@@ -288,7 +289,9 @@ impl Transport {
         let local_addr = listener.local_addr()?;
         let window = cfg.receive_window;
         let shared = Arc::new(Shared {
-            pool: Pool::new(cfg.segment_bytes),
+            // What one peer can have in flight (the ring's case); more
+            // than that, from several peers at once, is allocated afresh.
+            pool: Pool::new(cfg.segment_bytes, window.max(32 << 20) as usize),
             cfg,
             store,
             local_addr,
@@ -1352,6 +1355,9 @@ fn watch_liveness(s: &TcpStream, within: Duration) {
     }
 }
 
+/// The reader's buffer, in bytes.
+const READ_BUFFER: usize = 8 << 10;
+
 /// Why a reader stopped.
 enum End {
     Eof,
@@ -1360,7 +1366,10 @@ enum End {
 }
 
 async fn read_loop(shared: Arc<Shared>, peer: usize, id: u64, rd: OwnedReadHalf) {
-    let mut rd = BufReader::with_capacity(64 << 10, rd);
+    // Small: headers and small frames come in one read, while most of a large
+    // payload bypasses the buffer (what is buffered is copied twice; at 64 KiB
+    // that was a quarter of each 256 KiB segment).
+    let mut rd = BufReader::with_capacity(READ_BUFFER, rd);
     let end = tokio::select! {
         e = read_frames(&shared, peer, &mut rd) => e,
         _ = shared.cancel.cancelled() => return,

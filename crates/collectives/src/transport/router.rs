@@ -145,8 +145,8 @@ pub(crate) struct Router {
     flow: Inbound,
     /// Flow and want frames to send, per peer, in the order decided.
     control: Vec<(usize, Header)>,
-    /// Each group's members (world ranks): a hold releases the group's
-    /// running collectives to the held peer if it is one.
+    /// Each group's members (world ranks): a peer out of credit is asked for
+    /// the group's running collectives if it is one.
     members: HashMap<u64, std::sync::Arc<[usize]>>,
 }
 
@@ -616,7 +616,7 @@ mod tests {
     }
 
     fn buf() -> Buf {
-        Pool::new(64).get(0)
+        Pool::new(64, 0).get(0)
     }
 
     fn aborted(why: &str) -> Error {
