@@ -48,7 +48,7 @@ pub enum OpKind {
 }
 
 impl OpKind {
-    const ALL: [OpKind; 11] = [
+    pub(crate) const ALL: [OpKind; 11] = [
         OpKind::Barrier,
         OpKind::Broadcast,
         OpKind::AllReduce,

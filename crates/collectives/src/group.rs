@@ -13,6 +13,7 @@ use tokio::net::TcpListener;
 use tokio::time::{timeout_at, Instant};
 
 use crate::algorithms as algo;
+use crate::algorithms::choice;
 use crate::element::{bytes_of, bytes_of_mut, Buf, DType, Element, ReduceOp};
 use crate::error::{Error, Result};
 use crate::frame::{Algo, Desc, Header, OpKind, MAX_PAYLOAD};
@@ -711,8 +712,18 @@ impl ProcessGroup {
         })
     }
 
-    fn small(&self, bytes: usize) -> bool {
-        bytes <= self.comm.opts.small_bytes
+    /// The algorithm `op` of `bytes` takes here (see `algorithms/choice.rs`).
+    fn choose(&self, op: OpKind, bytes: usize) -> Algo {
+        let o = &self.comm.opts;
+        choice::choose(
+            op,
+            self.size(),
+            bytes,
+            choice::Limits {
+                small_bytes: o.small_bytes,
+                dissemination_max_ranks: o.dissemination_max_ranks,
+            },
+        )
     }
 
     fn expect_len(&self, what: &str, got: usize, want: usize) -> Result<()> {
@@ -733,11 +744,7 @@ impl ProcessGroup {
     }
 
     fn begin_barrier(&self) -> Result<OpCtx> {
-        let algo = if self.size() <= self.comm.opts.dissemination_max_ranks {
-            Algo::Dissemination
-        } else {
-            Algo::Tree
-        };
+        let algo = self.choose(OpKind::Barrier, 0);
         self.begin(self.desc::<u8>(OpKind::Barrier, None, algo, 0, 0)?)
     }
 
@@ -749,13 +756,9 @@ impl ProcessGroup {
 
     fn begin_broadcast<T: Element>(&self, len: usize, root: usize) -> Result<OpCtx> {
         let root32 = self.check_rank("root", root)?;
-        let algo = self.broadcast_algo.unwrap_or(
-            if self.size() <= 2 || self.small(len * T::DTYPE.size()) {
-                Algo::Tree
-            } else {
-                Algo::Chain
-            },
-        );
+        let algo = self
+            .broadcast_algo
+            .unwrap_or_else(|| self.choose(OpKind::Broadcast, len * T::DTYPE.size()));
         self.begin(self.desc::<T>(OpKind::Broadcast, None, algo, root32, len)?)
     }
 
@@ -768,11 +771,7 @@ impl ProcessGroup {
     fn begin_all_reduce<T: Element>(&self, len: usize, op: ReduceOp) -> Result<OpCtx> {
         let algo = self
             .all_reduce_algo
-            .unwrap_or(if self.small(len * T::DTYPE.size()) {
-                Algo::RecursiveDoubling
-            } else {
-                Algo::Ring
-            });
+            .unwrap_or_else(|| self.choose(OpKind::AllReduce, len * T::DTYPE.size()));
         self.begin(self.desc::<T>(OpKind::AllReduce, Some(op), algo, 0, len)?)
     }
 
@@ -784,11 +783,7 @@ impl ProcessGroup {
 
     fn begin_reduce<T: Element>(&self, len: usize, root: usize, op: ReduceOp) -> Result<OpCtx> {
         let root32 = self.check_rank("root", root)?;
-        let algo = if self.small(len * T::DTYPE.size()) {
-            Algo::Tree
-        } else {
-            Algo::Ring
-        };
+        let algo = self.choose(OpKind::Reduce, len * T::DTYPE.size());
         self.begin(self.desc::<T>(OpKind::Reduce, Some(op), algo, root32, len)?)
     }
 
@@ -800,7 +795,13 @@ impl ProcessGroup {
     }
 
     fn begin_all_gather<T: Element>(&self, len: usize) -> Result<OpCtx> {
-        self.begin(self.desc::<T>(OpKind::AllGather, None, Algo::Ring, 0, len)?)
+        self.begin(self.desc::<T>(
+            OpKind::AllGather,
+            None,
+            self.choose(OpKind::AllGather, len * T::DTYPE.size()),
+            0,
+            len,
+        )?)
     }
 
     /// Every rank's `input`, whatever its length, in rank order. Exchanges the
@@ -827,7 +828,13 @@ impl ProcessGroup {
 
     fn begin_gather<T: Element>(&self, len: usize, root: usize) -> Result<OpCtx> {
         let root32 = self.check_rank("root", root)?;
-        self.begin(self.desc::<T>(OpKind::Gather, None, Algo::Direct, root32, len)?)
+        self.begin(self.desc::<T>(
+            OpKind::Gather,
+            None,
+            self.choose(OpKind::Gather, len * T::DTYPE.size()),
+            root32,
+            len,
+        )?)
     }
 
     /// Chunk `i` of `root`'s `input` (`size × out.len()` elements) to rank `i`'s
@@ -860,7 +867,13 @@ impl ProcessGroup {
                 .ok_or_else(|| Error::Invalid("scatter: the root must pass its input".into()))?;
             self.expect_len("scatter input", i, len * self.size())?;
         }
-        self.begin(self.desc::<T>(OpKind::Scatter, None, Algo::Direct, root32, len)?)
+        self.begin(self.desc::<T>(
+            OpKind::Scatter,
+            None,
+            self.choose(OpKind::Scatter, len * T::DTYPE.size()),
+            root32,
+            len,
+        )?)
     }
 
     /// Reduces every rank's `input` (`size × out.len()` elements) with `op` and
@@ -877,7 +890,13 @@ impl ProcessGroup {
     }
 
     fn begin_reduce_scatter<T: Element>(&self, len: usize, op: ReduceOp) -> Result<OpCtx> {
-        self.begin(self.desc::<T>(OpKind::ReduceScatter, Some(op), Algo::Ring, 0, len)?)
+        self.begin(self.desc::<T>(
+            OpKind::ReduceScatter,
+            Some(op),
+            self.choose(OpKind::ReduceScatter, len * T::DTYPE.size()),
+            0,
+            len,
+        )?)
     }
 
     /// Chunk `j` of rank `i`'s `input` becomes chunk `i` of rank `j`'s `out`
@@ -895,7 +914,13 @@ impl ProcessGroup {
                 "all_to_all input of {len} elements does not split into {n} equal chunks"
             )));
         }
-        self.begin(self.desc::<T>(OpKind::AllToAll, None, Algo::Direct, 0, len / n)?)
+        self.begin(self.desc::<T>(
+            OpKind::AllToAll,
+            None,
+            self.choose(OpKind::AllToAll, (len / n) * T::DTYPE.size()),
+            0,
+            len / n,
+        )?)
     }
 
     /// Sends `data` to rank `dst` under `tag`; the matching [`ProcessGroup::recv`]
@@ -911,7 +936,13 @@ impl ProcessGroup {
             return Err(Error::Invalid("send to self".into()));
         }
         self.begin_p2p(
-            self.desc::<T>(OpKind::Send, None, Algo::Direct, tag, len)?,
+            self.desc::<T>(
+                OpKind::Send,
+                None,
+                self.choose(OpKind::Send, len * T::DTYPE.size()),
+                tag,
+                len,
+            )?,
             dst,
             false,
         )
@@ -929,7 +960,13 @@ impl ProcessGroup {
             return Err(Error::Invalid("recv from self".into()));
         }
         self.begin_p2p(
-            self.desc::<T>(OpKind::Send, None, Algo::Direct, tag, len)?,
+            self.desc::<T>(
+                OpKind::Send,
+                None,
+                self.choose(OpKind::Send, len * T::DTYPE.size()),
+                tag,
+                len,
+            )?,
             src,
             true,
         )
@@ -1204,7 +1241,13 @@ async fn all_gather_varying_impl<T: Element>(
     }
     let cx = pg.begin_at(
         seq,
-        pg.desc::<T>(OpKind::AllGatherV, None, Algo::Ring, 0, at)?,
+        pg.desc::<T>(
+            OpKind::AllGatherV,
+            None,
+            pg.choose(OpKind::AllGatherV, at * T::DTYPE.size()),
+            0,
+            at,
+        )?,
     )?;
     if let Err(e) = first {
         cx.done.store(true, Ordering::Relaxed);
