@@ -38,6 +38,19 @@ pub enum Error {
         rank_b: usize,
         desc_b: String,
     },
+    /// A point-to-point message arrived with another type or length than its
+    /// receive asked for (messages are matched by sender, tag and order).
+    #[error("mismatched message on group {group:?}: rank {sender} sent message #{seq} of tag {tag} as {sent} but rank {receiver} expected {expected}")]
+    MessageMismatch {
+        group: String,
+        tag: u32,
+        /// The message's number among the sender's messages of this tag.
+        seq: u64,
+        sender: usize,
+        sent: String,
+        receiver: usize,
+        expected: String,
+    },
     /// The group was aborted, here or by another rank; every later op fails at once.
     #[error("group {group:?} is aborted: {reason}")]
     Aborted {

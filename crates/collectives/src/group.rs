@@ -664,6 +664,11 @@ impl ProcessGroup {
             seq,
             desc,
             p2p,
+            abort_at: if p2p {
+                self.comm.seq.load(Ordering::Relaxed)
+            } else {
+                seq
+            },
             timeout: self.timeout,
             deadline: Instant::now() + self.timeout,
             waiting: Mutex::new(None),
@@ -1420,6 +1425,10 @@ pub(crate) struct OpCtx {
     seq: u64,
     desc: Desc,
     p2p: bool,
+    /// The first collective this op's failure fails: its own, or, for a
+    /// message, the next this rank begins (collectives it began before the
+    /// message may finish, as with any failure at a later op).
+    abort_at: u64,
     timeout: Duration,
     pub(crate) deadline: Instant,
     waiting: Mutex<Option<(usize, u32, bool)>>,
@@ -1606,7 +1615,7 @@ impl OpCtx {
     /// sending its own. What needs a dead rank fails on its own. A
     /// point-to-point message fails them all.
     fn abort_from(&self) -> u64 {
-        self.collective_seq().unwrap_or(0)
+        self.abort_at
     }
 
     /// The sequence number aborts compare with (none for point-to-point).
@@ -1719,13 +1728,14 @@ impl OpCtx {
             .await
             .map_err(|f| self.error(f))?;
         if self.p2p && (f.desc.dtype != dtype || f.desc.count != self.desc.count) {
-            return Err(Error::Mismatch {
+            return Err(Error::MessageMismatch {
                 group: self.comm.members.name.clone(),
+                tag: self.desc.root,
                 seq: self.seq,
-                rank_a: from,
-                desc_a: format!("sent {}", f.desc),
-                rank_b: self.me(),
-                desc_b: format!("expected {}", self.desc),
+                sender: from,
+                sent: format!("{} x {}", f.desc.dtype, f.desc.count),
+                receiver: self.me(),
+                expected: format!("{} x {}", self.desc.dtype, self.desc.count),
             });
         }
         let want = elems * dtype.size();

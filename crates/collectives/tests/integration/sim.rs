@@ -7,11 +7,13 @@
 //! three in four of those with a receive window of at most 2 KiB, so flow
 //! control holds ranks all the time),
 //! a random program of collectives (kind, type, size, root, reduce operator
-//! and algorithm; in some scenarios consecutive ops are started two at a
-//! time with their `*_async` forms), and at most one fault:
+//! and algorithm) and exchanges of point-to-point messages (each rank sends
+//! to the rank `shift` ahead and receives from the one `shift` behind); in
+//! some scenarios consecutive ops are started two at a time with their
+//! `*_async` forms; and at most one fault:
 //!
 //! - a **mismatch**: one rank calls something else at one op (another kind,
-//!   size, type, root or operator);
+//!   size, type, root or operator; a message of another size or type);
 //! - a **kill**: one rank dies as a SIGKILLed process does when it is about to
 //!   send its `k`-th frame, or right after set-up (dead before its first op).
 //!
@@ -24,10 +26,14 @@
 //!
 //! 1. No op waits past its deadline, and no error is a timeout: deaths and
 //!    mismatches are noticed, not waited out.
+//!
+//! (Below, "before" allows one exception: an abort fails every message not
+//! yet received, so a rank still in an exchange when a later op fails may
+//! fail in the exchange, with that failure as the cause.)
 //! 2. Without a fault every op succeeds; every op that succeeds, with or
 //!    without one, has the right result (up to a mismatch).
 //! 3. A mismatch fails every rank, with the mismatch as the cause (both sides
-//!    named; or, where the only rank that could compare had finished its
+//!    named, or a message's sender and receiver; or, where the only rank that could compare had finished its
 //!    program and exited, that rank named as gone), never before the
 //!    mismatched op, in it or, at the latest, at the rank's first later op
 //!    (begun after it: with ops started two at a time, the one begun with it
@@ -69,6 +75,9 @@ enum Kind {
     Scatter(usize),
     ReduceScatter(ReduceOp),
     AllToAll,
+    /// Point-to-point: rank `r` sends its input to `r + shift` (tag: the op's
+    /// index) and receives from `r − shift`, the receive posted first.
+    Exchange(usize),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -111,8 +120,13 @@ impl Op {
             | Kind::ReduceScatter(_)
             | Kind::AllToAll => true,
             Kind::Reduce(root, _) | Kind::Gather(root) => root == rank,
-            Kind::Broadcast(..) | Kind::Scatter(_) => false,
+            Kind::Broadcast(..) | Kind::Scatter(_) | Kind::Exchange(_) => false,
         }
+    }
+
+    /// Whether this is a collective (takes a sequence number of the group).
+    fn collective(&self) -> bool {
+        !matches!(self.kind, Kind::Exchange(_))
     }
 }
 
@@ -156,7 +170,7 @@ fn reduce_op(rng: &mut Rng) -> ReduceOp {
 }
 
 fn random_op(rng: &mut Rng, n: usize) -> Op {
-    let kind = match rng.usize(..9) {
+    let kind = match rng.usize(..10) {
         0 => Kind::Barrier,
         1 => Kind::AllReduce(
             reduce_op(rng),
@@ -180,7 +194,8 @@ fn random_op(rng: &mut Rng, n: usize) -> Op {
         5 => Kind::Gather(rng.usize(..n)),
         6 => Kind::Scatter(rng.usize(..n)),
         7 => Kind::ReduceScatter(reduce_op(rng)),
-        _ => Kind::AllToAll,
+        8 => Kind::AllToAll,
+        _ => Kind::Exchange(rng.usize(1..n)),
     };
     // Mostly small; some cut into several segments (see `sim_opts`).
     let count = if rng.bool() {
@@ -196,11 +211,23 @@ fn random_op(rng: &mut Rng, n: usize) -> Op {
 }
 
 /// The same op with one thing changed: kind, size, type, root or operator.
+/// A message exchange changes only its size or type, and stays one (a
+/// message to another rank than the one that waits for it is waited for
+/// until the timeout: point-to-point has no order to compare against).
 fn mutate(rng: &mut Rng, op: Op, n: usize) -> Op {
     loop {
         let mut m = op;
-        match rng.usize(..5) {
-            0 => m.kind = random_op(rng, n).kind,
+        let what = rng.usize(..5);
+        if !op.collective() && !matches!(what, 1 | 2) {
+            continue;
+        }
+        match what {
+            0 => {
+                m.kind = random_op(rng, n).kind;
+                if !m.collective() {
+                    continue;
+                }
+            }
             1 => m.count = op.count + rng.usize(1..=40),
             2 => m.ty = if op.ty == Ty::I32 { Ty::F32 } else { Ty::I32 },
             3 => {
@@ -379,6 +406,15 @@ fn start_typed<'a, T: Element>(pg: &ProcessGroup, seed: u64, i: usize, op: Op) -
             let w = pg.all_to_all_async(input::<T>(seed, i, r, c * pg.size()));
             Box::pin(async move { w.wait().await.map(|b| to_i64(&b)) })
         }
+        Kind::Exchange(shift) => {
+            let n = pg.size();
+            let rx = pg.recv_async::<T>(c, (r + n - shift) % n, i as u32);
+            let tx = pg.send_async(input::<T>(seed, i, r, c), (r + shift) % n, i as u32);
+            Box::pin(async move {
+                tx.wait().await?;
+                rx.wait().await.map(|b| to_i64(&b))
+            })
+        }
     }
 }
 
@@ -447,6 +483,14 @@ async fn run_typed<T: Element>(
                 .await
                 .map(|()| to_i64(&out))
         }
+        Kind::Exchange(shift) => {
+            // The receive is posted first, so that a send larger than the
+            // receive window does not wait for it (see the README).
+            let rx = pg.recv_async::<T>(c, (r + n - shift) % n, i as u32);
+            pg.send(&input::<T>(seed, i, r, c), (r + shift) % n, i as u32)
+                .await?;
+            rx.wait().await.map(|b| to_i64(&b))
+        }
     }
 }
 
@@ -485,6 +529,7 @@ fn expected_typed<T: Element>(seed: u64, i: usize, op: Op, n: usize, r: usize) -
         Kind::AllToAll => (0..n)
             .flat_map(|q| to_i64(&input::<T>(seed, i, q, c * n)[r * c..(r + 1) * c]))
             .collect(),
+        Kind::Exchange(shift) => to_i64(&input::<T>(seed, i, (r + n - shift) % n, c)),
     }
 }
 
@@ -650,7 +695,7 @@ fn check(seed: u64, s: &Scenario, runs: &[Run]) -> Result<(), String> {
                     None => {}
                     Some(e) => {
                         let t = e.to_string();
-                        if failed_at < *at {
+                        if failed_at < *at && p[failed_at].collective() {
                             return Err(format!("rank {r} failed at op {failed_at}, before the mismatch at op {at}: {t}"));
                         }
                         if failed_at > bound {
@@ -669,9 +714,20 @@ fn check(seed: u64, s: &Scenario, runs: &[Run]) -> Result<(), String> {
                             Fault::Mismatch { rank, .. } => *rank,
                             _ => unreachable!(),
                         };
-                        let names_it = t.contains("mismatched collectives")
-                            && t.contains(&format!("at op #{at}:"))
-                            && t.contains(&format!("rank {deviant} called"));
+                        // Collectives are numbered in the group without the
+                        // messages; a message's mismatch names its sender
+                        // and receiver, one of them the deviant.
+                        let seq = s.program[..*at].iter().filter(|o| o.collective()).count();
+                        let names_it = if s.program[*at].collective() {
+                            t.contains("mismatched collectives")
+                                && t.contains(&format!("at op #{seq}:"))
+                                && t.contains(&format!("rank {deviant} called"))
+                        } else {
+                            t.contains("mismatched message")
+                                && t.contains(&format!("of tag {at} "))
+                                && (t.contains(&format!("rank {deviant} sent"))
+                                    || t.contains(&format!("rank {deviant} expected")))
+                        };
                         let explained = names_it || (!gone.is_empty() && gone.iter().all(exited));
                         if !explained {
                             return Err(format!("rank {r}'s error names neither the mismatch nor a rank that exited: {t}"));
@@ -706,7 +762,7 @@ fn check(seed: u64, s: &Scenario, runs: &[Run]) -> Result<(), String> {
                     None => {}
                     Some(e) => {
                         let t = e.to_string();
-                        if failed_at < died_in {
+                        if failed_at < died_in && s.program[failed_at].collective() {
                             return Err(format!("survivor {r} failed at op {failed_at}, before rank {victim} died in op {died_in}: {t}"));
                         }
                         if failed_at > bound {
