@@ -78,6 +78,14 @@ enum Kind {
     /// Point-to-point: rank `r` sends its input to `r + shift` (tag: the op's
     /// index) and receives from `r − shift`, the receive posted first.
     Exchange(usize),
+    /// all_gather_varying: rank `r` gives [`varying_len`] elements.
+    AllGatherV,
+}
+
+/// Rank `r`'s length in an all_gather_varying of `count`: differs by rank,
+/// sometimes 0.
+fn varying_len(count: usize, r: usize) -> usize {
+    (count * (r + 1) + 3 * r) % (count + 5)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -118,7 +126,8 @@ impl Op {
             | Kind::AllReduce(..)
             | Kind::AllGather
             | Kind::ReduceScatter(_)
-            | Kind::AllToAll => true,
+            | Kind::AllToAll
+            | Kind::AllGatherV => true,
             Kind::Reduce(root, _) | Kind::Gather(root) => root == rank,
             Kind::Broadcast(..) | Kind::Scatter(_) | Kind::Exchange(_) => false,
         }
@@ -127,6 +136,16 @@ impl Op {
     /// Whether this is a collective (takes a sequence number of the group).
     fn collective(&self) -> bool {
         !matches!(self.kind, Kind::Exchange(_))
+    }
+
+    /// The group sequence numbers it takes: all_gather_varying takes two
+    /// (the lengths' all-gather, then the data's).
+    fn seqs(&self) -> usize {
+        match self.kind {
+            Kind::Exchange(_) => 0,
+            Kind::AllGatherV => 2,
+            _ => 1,
+        }
     }
 }
 
@@ -170,7 +189,7 @@ fn reduce_op(rng: &mut Rng) -> ReduceOp {
 }
 
 fn random_op(rng: &mut Rng, n: usize) -> Op {
-    let kind = match rng.usize(..10) {
+    let kind = match rng.usize(..11) {
         0 => Kind::Barrier,
         1 => Kind::AllReduce(
             reduce_op(rng),
@@ -195,6 +214,7 @@ fn random_op(rng: &mut Rng, n: usize) -> Op {
         6 => Kind::Scatter(rng.usize(..n)),
         7 => Kind::ReduceScatter(reduce_op(rng)),
         8 => Kind::AllToAll,
+        9 => Kind::AllGatherV,
         _ => Kind::Exchange(rng.usize(1..n)),
     };
     // Mostly small; some cut into several segments (see `sim_opts`).
@@ -219,6 +239,10 @@ fn mutate(rng: &mut Rng, op: Op, n: usize) -> Op {
         let mut m = op;
         let what = rng.usize(..5);
         if !op.collective() && !matches!(what, 1 | 2) {
+            continue;
+        }
+        // Lengths may differ by rank in all_gather_varying: not a mismatch.
+        if op.kind == Kind::AllGatherV && what == 1 {
             continue;
         }
         match what {
@@ -406,6 +430,14 @@ fn start_typed<'a, T: Element>(pg: &ProcessGroup, seed: u64, i: usize, op: Op) -
             let w = pg.all_to_all_async(input::<T>(seed, i, r, c * pg.size()));
             Box::pin(async move { w.wait().await.map(|b| to_i64(&b)) })
         }
+        Kind::AllGatherV => {
+            let w = pg.all_gather_varying_async(input::<T>(seed, i, r, varying_len(c, r)));
+            Box::pin(async move {
+                w.wait()
+                    .await
+                    .map(|v| v.iter().flat_map(|b| to_i64(b)).collect())
+            })
+        }
         Kind::Exchange(shift) => {
             let n = pg.size();
             let rx = pg.recv_async::<T>(c, (r + n - shift) % n, i as u32);
@@ -483,6 +515,10 @@ async fn run_typed<T: Element>(
                 .await
                 .map(|()| to_i64(&out))
         }
+        Kind::AllGatherV => pg
+            .all_gather_varying(&input::<T>(seed, i, r, varying_len(c, r)))
+            .await
+            .map(|v| v.iter().flat_map(|b| to_i64(b)).collect()),
         Kind::Exchange(shift) => {
             // The receive is posted first, so that a send larger than the
             // receive window does not wait for it (see the README).
@@ -530,6 +566,9 @@ fn expected_typed<T: Element>(seed: u64, i: usize, op: Op, n: usize, r: usize) -
             .flat_map(|q| to_i64(&input::<T>(seed, i, q, c * n)[r * c..(r + 1) * c]))
             .collect(),
         Kind::Exchange(shift) => to_i64(&input::<T>(seed, i, (r + n - shift) % n, c)),
+        Kind::AllGatherV => (0..n)
+            .flat_map(|q| to_i64(&input::<T>(seed, i, q, varying_len(c, q))))
+            .collect(),
     }
 }
 
@@ -717,10 +756,14 @@ fn check(seed: u64, s: &Scenario, runs: &[Run]) -> Result<(), String> {
                         // Collectives are numbered in the group without the
                         // messages; a message's mismatch names its sender
                         // and receiver, one of them the deviant.
-                        let seq = s.program[..*at].iter().filter(|o| o.collective()).count();
+                        // all_gather_varying takes two numbers; a type
+                        // changed in one shows at its second (the data's).
+                        let seq: usize = s.program[..*at].iter().map(Op::seqs).sum();
+                        let at_seq = |q: usize| t.contains(&format!("at op #{q}:"));
                         let names_it = if s.program[*at].collective() {
                             t.contains("mismatched collectives")
-                                && t.contains(&format!("at op #{seq}:"))
+                                && (at_seq(seq)
+                                    || (s.program[*at].kind == Kind::AllGatherV && at_seq(seq + 1)))
                                 && t.contains(&format!("rank {deviant} called"))
                         } else {
                             t.contains("mismatched message")
