@@ -1851,6 +1851,13 @@ impl OpCtx {
         self.done.store(true, Ordering::Relaxed);
         let from = self.abort_from();
         if e.is_aborted() {
+            // A message fails under any abort of its group: when one is
+            // recorded, that is why, and widening it to the collectives this
+            // rank had not begun when the message began would fail ones the
+            // abort leaves to finish.
+            if self.p2p && self.comm.sh().aborted_for(self.comm.id, None).is_some() {
+                return e;
+            }
             // Usually recorded already, from this op or an earlier one (then
             // this changes nothing); not when it came from the store, or from
             // a later op (then it widens to this one).
