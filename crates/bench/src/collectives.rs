@@ -79,11 +79,13 @@ fn sizes(max: usize) -> Vec<usize> {
 }
 
 /// Timed ops per size: about 512 MiB moved, 5 to 1,000 ops.
-/// `RALLY_BENCH_ITERS` overrides it (for profiling one size).
+/// `RALLY_BENCH_ITERS`, a positive integer, overrides it (for profiling one
+/// size); anything else is ignored, as on the Python side.
 fn iters_for(bytes: usize) -> usize {
     if let Some(n) = std::env::var("RALLY_BENCH_ITERS")
         .ok()
-        .and_then(|s| s.parse().ok())
+        .and_then(|s| s.parse::<usize>().ok())
+        .filter(|&n| n > 0)
     {
         return n;
     }

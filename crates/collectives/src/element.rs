@@ -308,11 +308,12 @@ pub(crate) struct Buf {
 
 /// Recycled payload buffers of one capacity.
 ///
-/// The pool keeps as many free buffers as `keep_bytes` holds, so that it
-/// covers what can be in flight at once (a receive window's worth of
-/// segments): with fewer kept, a sender running a window ahead made each
-/// rank allocate and fault in fresh pages for most segments (5,000 page
-/// faults per 64 MiB all_reduce at 4 ranks, a third more CPU per op).
+/// The pool keeps as many free buffers as `keep_bytes` holds (at least 32),
+/// so that it covers what can be in flight at once (the transport asks for
+/// a receive window's worth, capped): with fewer kept, a sender running a
+/// window ahead made each rank allocate and fault in fresh pages for most
+/// segments (5,000 page faults per 64 MiB all_reduce at 4 ranks, a third
+/// more CPU per op). Kept buffers are not trimmed.
 pub(crate) struct Pool {
     words: usize,
     keep: usize,
@@ -325,7 +326,8 @@ const POOL_KEEP_MIN: usize = 32;
 const POOL_MIN: usize = 64 << 10;
 
 impl Pool {
-    /// Buffers of `bytes`, keeping up to `keep_bytes` of them free.
+    /// Buffers of `bytes`, keeping up to `keep_bytes` of them free (at
+    /// least 32).
     pub(crate) fn new(bytes: usize, keep_bytes: usize) -> Arc<Pool> {
         Arc::new(Pool {
             words: bytes.div_ceil(8),

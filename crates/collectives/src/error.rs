@@ -44,7 +44,8 @@ pub enum Error {
     MessageMismatch {
         group: String,
         tag: u32,
-        /// The message's number among the sender's messages of this tag.
+        /// The message's number among the sender's messages of this tag to
+        /// this receiver.
         seq: u64,
         sender: usize,
         sent: String,

@@ -664,11 +664,7 @@ impl ProcessGroup {
             seq,
             desc,
             p2p,
-            abort_at: if p2p {
-                self.comm.seq.load(Ordering::Relaxed)
-            } else {
-                seq
-            },
+
             timeout: self.timeout,
             deadline: Instant::now() + self.timeout,
             waiting: Mutex::new(None),
@@ -1425,10 +1421,6 @@ pub(crate) struct OpCtx {
     seq: u64,
     desc: Desc,
     p2p: bool,
-    /// The first collective this op's failure fails: its own, or, for a
-    /// message, the next this rank begins (collectives it began before the
-    /// message may finish, as with any failure at a later op).
-    abort_at: u64,
     timeout: Duration,
     pub(crate) deadline: Instant,
     waiting: Mutex<Option<(usize, u32, bool)>>,
@@ -1609,13 +1601,18 @@ impl OpCtx {
         self
     }
 
-    /// The first collective this op's failure fails: itself. The ones before
-    /// it go on, here and elsewhere: run one after another, this rank has sent
-    /// all their frames; an earlier `*_async` op still running here goes on
-    /// sending its own. What needs a dead rank fails on its own. A
-    /// point-to-point message fails them all.
+    /// The first collective this op's failure fails: itself, or, for a
+    /// message, the next collective this rank begins. The ones before go on,
+    /// here and elsewhere: run one after another, this rank has sent all
+    /// their frames; an earlier `*_async` op still running here goes on
+    /// sending its own (and one dropped unfinished aborts from itself). What
+    /// needs a dead rank fails on its own.
     fn abort_from(&self) -> u64 {
-        self.abort_at
+        if self.p2p {
+            self.comm.seq.load(Ordering::Relaxed)
+        } else {
+            self.seq
+        }
     }
 
     /// The sequence number aborts compare with (none for point-to-point).

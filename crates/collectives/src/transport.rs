@@ -289,9 +289,10 @@ impl Transport {
         let local_addr = listener.local_addr()?;
         let window = cfg.receive_window;
         let shared = Arc::new(Shared {
-            // What one peer can have in flight (the ring's case); more
-            // than that, from several peers at once, is allocated afresh.
-            pool: Pool::new(cfg.segment_bytes, window.max(32 << 20) as usize),
+            // What one peer can have in flight (the ring's case), within
+            // 32 to 64 MiB; more than that, from several peers at once or a
+            // larger window, is allocated afresh.
+            pool: Pool::new(cfg.segment_bytes, window.clamp(32 << 20, 64 << 20) as usize),
             cfg,
             store,
             local_addr,
@@ -962,7 +963,8 @@ impl Shared {
         {
             let mut r = lock(&self.router);
             let changed = r.abort(comm, err, from_seq);
-            // The abort drops filed frames: a peer held may resume.
+            // The abort drops filed frames: their credit goes back, and a
+            // peer out of credit may resume.
             self.queue_control(&mut r);
             if !changed {
                 return;

@@ -1,16 +1,18 @@
 //! Which algorithm each op takes over TCP, in one table.
 //!
-//! Each op has two algorithms: one for small inputs (few rounds, latency
-//! bound) and one for large (least bytes per link, bandwidth bound). The
-//! table says which, and what "small" measures: the payload against
+//! Four ops have two algorithms: one for small inputs (few rounds, latency
+//! bound) and one for large (least bytes per link, bandwidth bound); the
+//! others have one, in both columns. The table says which, and what "small"
+//! measures: the payload against
 //! [`Options::small_bytes`](crate::Options::small_bytes) (64 KiB), or, for the
 //! barrier, the group's ranks against
 //! [`Options::dissemination_max_ranks`](crate::Options::dissemination_max_ranks)
 //! (64: past it a dissemination barrier would connect every rank to
 //! `2⌈lg n⌉` peers, where the tree keeps each at its parent and children).
-//! Every rank of a group computes the same choice from the same call, and
-//! the choice travels in each frame's descriptor, so ranks that chose
-//! differently (different options) are a mismatch, not a hang.
+//! Every rank of a group computes the same choice from the same call (the
+//! handshake refuses peers whose limits differ), and the choice travels in
+//! each frame's descriptor, so ranks that override it differently
+//! (`with_*_algorithm` on some ranks only) are a mismatch, not a hang.
 //!
 //! [`ProcessGroup::with_all_reduce_algorithm`](crate::ProcessGroup::with_all_reduce_algorithm)
 //! and [`ProcessGroup::with_broadcast_algorithm`](crate::ProcessGroup::with_broadcast_algorithm)

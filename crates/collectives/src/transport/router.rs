@@ -141,7 +141,7 @@ pub(crate) struct Router {
     /// (group, peer) pairs where the peer has the abort: it sent it to us, or
     /// we have written it to the peer.
     told: HashSet<(u64, usize)>,
-    /// Bytes filed per peer, and which peers are held.
+    /// Bytes filed per peer, and which peers are out of credit (asked for ops).
     flow: Inbound,
     /// Flow and want frames to send, per peer, in the order decided.
     control: Vec<(usize, Header)>,
@@ -151,7 +151,8 @@ pub(crate) struct Router {
 }
 
 impl Router {
-    /// `window`: the bytes filed from one peer before it is held (0: never).
+    /// `window`: the bytes a peer may send that ops have not taken before it
+    /// sends only frames asked for (0: no bound).
     pub fn new(window: u64) -> Router {
         Router {
             slots: HashMap::new(),
@@ -238,7 +239,7 @@ impl Router {
         }
     }
 
-    /// Queues a want frame for `key`, which waits on a held peer.
+    /// Queues a want frame for `key`, which waits on a peer out of credit.
     fn ask(&mut self, key: Key) {
         let desc = if key.p2p {
             Some(p2p_want(key.tag))
@@ -318,13 +319,13 @@ impl Router {
     /// already sent is returned as (peer world rank, its descriptor).
     pub fn begin_seq(&mut self, comm: u64, seq: u64, desc: Desc) -> Result<(), (u32, Desc)> {
         // Peers out of credit send this op's frames (see `peer_blocked`).
-        let mut held: Vec<usize> = self
+        let mut blocked: Vec<usize> = self
             .members
             .get(&comm)
             .map(|m| m.iter().copied().filter(|&p| self.flow.asks(p)).collect())
             .unwrap_or_default();
-        held.sort_unstable();
-        for p in held {
+        blocked.sort_unstable();
+        for p in blocked {
             self.control.push((
                 p,
                 Header::Want {

@@ -281,8 +281,8 @@ async fn mismatched_messages_name_both_sides() {
 }
 
 /// A failed message fails the collectives its rank had not begun, not one it
-/// began before the message: here an all_reduce in flight on rank 0 when its
-/// receive finds a mismatch, which rank 1 joins after hearing of the abort.
+/// began before: here an all_reduce in flight on rank 0 when its receive
+/// finds a mismatch, which rank 1 joins after hearing of the abort.
 /// (Found by the seeded simulation once it exchanged messages: a message's
 /// failure aborted the group from op #0, failing earlier collectives still
 /// running elsewhere.)
