@@ -153,6 +153,15 @@ pub trait RendezvousHandler: Send + Sync {
         None
     }
 
+    /// Whether the node (or server) that served the rendezvous store has
+    /// ended: nothing listens at its endpoint any more (a connection is
+    /// refused), as opposed to a store that does not answer (stalled, or cut
+    /// off from this node), which may come back. `false` where the backend
+    /// cannot tell or the store is not served by a node of the job.
+    async fn store_host_ended(&self) -> bool {
+        false
+    }
+
     /// Whether a round can re-form with other members (a dead member replaced
     /// or dropped). `static` cannot: its nodes are fixed.
     fn reforms(&self) -> bool {

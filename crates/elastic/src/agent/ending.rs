@@ -114,22 +114,27 @@ impl Agent {
 
     /// Keeps this node's stores up until every other node of the run left or
     /// was found dead ([`RendezvousHandler::remaining`] is 0), or `bound`
-    /// passed; a signal cuts it short.
+    /// passed; a signal cuts it short. After the exit barrier, a rendezvous
+    /// host that has ended ends it too: the host leaves only once the others
+    /// have (or its own bound passed), so nobody is left to need our stores.
     pub(super) async fn linger(
         &self,
         run: &mut Run<'_>,
-        _round: u64,
-        _nodes: usize,
         bound: Option<Duration>,
+        after_barrier: bool,
+        serves: bool,
     ) -> Vec<Action> {
         let Some(store) = self.run_store(run) else {
             return self.decide(&mut run.policy, Event::Lingered(None));
         };
         let until = bound.map(|b| tokio::time::Instant::now() + b);
         let mut said = false;
+        let mut left = false;
         let mut unreachable_since: Option<Instant> = None;
-        // By then every other node has stopped its workers on its own.
-        let give_up = if self.handler.hosts_store() {
+        // By then every other node has stopped its workers on its own. A job
+        // store's host waits as long: the others' workers use its store, not
+        // the rendezvous one, and stop only once they lose the rendezvous.
+        let give_up = if self.handler.hosts_store() || serves {
             self.limits().linger_after_failure
         } else {
             self.spec.lost_grace
@@ -141,13 +146,24 @@ impl Agent {
             // is gone); the host of that store waits until the others, who
             // cannot reach it either, have stopped their workers on their own.
             // The bound, if any, still ends the wait.
+            //
+            // A lingering node runs no workers: it counts itself out of the
+            // run first (when the store answers; an ending that could not
+            // reach it skipped that), or two nodes that linger, the
+            // rendezvous host and a job store's host, wait for each other
+            // forever (both alive, both still beating).
+            if !left {
+                left = matches!(bounded(self.handler.leave()).await, Some(Ok(())));
+            }
             let remaining = bounded(self.handler.remaining()).await.and_then(Result::ok);
             if remaining == Some(0) {
                 break;
             }
             if remaining.is_some() {
                 unreachable_since = None;
-            } else if unreachable_since.get_or_insert_with(Instant::now).elapsed() >= give_up {
+            } else if unreachable_since.get_or_insert_with(Instant::now).elapsed() >= give_up
+                || (after_barrier && self.handler.store_host_ended().await)
+            {
                 break;
             }
             if let (false, Some(n)) = (said, remaining) {

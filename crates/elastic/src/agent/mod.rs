@@ -313,10 +313,11 @@ impl Agent {
                 Action::CloseRendezvous => self.close_rendezvous(&mut run).await,
                 Action::MarkFinished { round } => self.mark_finished(&mut run, round).await,
                 Action::Linger {
-                    round,
-                    nodes,
                     bound,
-                } => self.linger(&mut run, round, nodes, bound).await,
+                    after_barrier,
+                    serves,
+                    ..
+                } => self.linger(&mut run, bound, after_barrier, serves).await,
                 Action::NoteClosedAfterSuccess { .. }
                 | Action::NoteUnreachable { .. }
                 | Action::NoteReform { .. }

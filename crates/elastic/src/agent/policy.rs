@@ -385,11 +385,19 @@ pub enum Action {
     },
     /// Keep this node's stores up until every other node of the run left or
     /// died, or `bound` passed (`round` and `nodes`: its last round, for
-    /// reports).
+    /// reports). `after_barrier`: the exit barrier passed, so no worker
+    /// needs the stores any more; a node whose rendezvous host has ended
+    /// (the host leaves last) then stops at once instead of waiting out
+    /// `lost_grace` for a store that will not come back. `serves`: this
+    /// node serves a store the round's other nodes use (its job store, or
+    /// the rendezvous store), so it gives up on an unreachable rendezvous
+    /// only once the others must have stopped their workers.
     Linger {
         round: u64,
         nodes: usize,
         bound: Option<Duration>,
+        after_barrier: bool,
+        serves: bool,
     },
     /// Another node closed the run after success: no more rounds.
     NoteClosedAfterSuccess {
@@ -1250,6 +1258,7 @@ impl Policy {
             _ => self.limits.linger_after_success,
         };
         let (round, nodes) = self.member.map_or((0, 0), |m| (m.round, m.nodes));
+        let after_barrier = matches!(verdict, Verdict::Succeeded { barrier: None, .. });
         (
             Phase::Ending {
                 verdict,
@@ -1259,6 +1268,8 @@ impl Policy {
                 round,
                 nodes,
                 bound,
+                after_barrier,
+                serves: job_store,
             }],
         )
     }

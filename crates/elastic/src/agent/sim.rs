@@ -24,7 +24,11 @@
 //!   call that cannot reach the store answers its error after the driver's bound
 //!   ([`CHECK_MS`]); rank assignment waits for every member, up to the store
 //!   timeout; the job store is rank 0's and goes away when that node ends its
-//!   round; the run store lives with the rendezvous host (node 0).
+//!   round; the run store lives with the rendezvous host (node 0). Ranks of a
+//!   `c10d` round follow the nodes' ids, drawn from the seed (the real
+//!   rendezvous sorts by node id), so the rendezvous host is rank 0 only
+//!   sometimes. A host that ended (exited or killed) refuses connections, so
+//!   a lingering node can tell it from a stalled one.
 //! - **The watch** (`watcher.rs`): a node looks at the run 0.1 s (or one
 //!   monitor interval) after its round starts, then only when woken: a verdict published, a node waiting or a
 //!   member found dead in its round, the host gone (every wait reads EOF), or
@@ -76,8 +80,12 @@
 //!    node is cut off from the store at the time (a partition longer than the
 //!    keep-alive expiry looks like a death to the host, and its workers cannot
 //!    use the store anyway).
-//! 4. Every node ends: within a bound after a failure is published, and by the
-//!    end of the simulated time otherwise (no hang).
+//! 4. Every node ends: within a bound after a failure is published; after
+//!    the exit barrier passed, within a bound once its rendezvous host has
+//!    ended (killed, or exited: the host leaves last, so nobody needs a
+//!    lingering node's stores any more; its connection is refused, unlike a
+//!    stalled store's); and by the end of the simulated time otherwise (no
+//!    hang).
 //! 5. Every node that read the published failure reports the same root cause,
 //!    the earliest failure recorded when it was published (a node that could
 //!    not reach the store reports its own).
@@ -242,6 +250,11 @@ struct Node {
     /// A signal reached it.
     signalled: bool,
     exited_at: Option<u64>,
+    killed_at: Option<u64>,
+    /// Since when it lingers after the exit barrier passed.
+    lingering_after_barrier: Option<u64>,
+    /// It lingers serving a store others use (the policy's word).
+    linger_serves: bool,
     /// The step at which an answer carrying the verdict reached it.
     read_at: Option<u64>,
     /// Counted in the census; left the rendezvous (counted out).
@@ -281,7 +294,8 @@ enum Ev {
     BarrierTimeout(usize, u64, u64),
     StartTimeout(usize, u64, u64),
     /// Node, generation, round, nodes, the bound, unreachable since.
-    /// ..., and since when no member it could wait for beats.
+    /// ..., since when no member it could wait for beats, and whether the
+    /// exit barrier passed.
     LingerPoll(
         usize,
         u64,
@@ -290,6 +304,7 @@ enum Ev {
         Option<u64>,
         Option<u64>,
         Option<u64>,
+        bool,
     ),
 }
 
@@ -412,6 +427,9 @@ impl Sim {
                     joins: 0,
                     signalled: false,
                     exited_at: None,
+                    killed_at: None,
+                    lingering_after_barrier: None,
+                    linger_serves: false,
                     decided_at: None,
                     read_at: None,
                     counted_in: false,
@@ -692,11 +710,20 @@ impl Sim {
                 round,
                 nodes,
                 bound,
+                after_barrier,
+                serves,
             } => {
+                self.nodes[i].linger_serves = serves;
                 let until = bound.map(|b| self.now + b.as_millis() as u64);
                 let gen = self.nodes[i].gen;
                 let t = self.now;
-                self.at(t, Ev::LingerPoll(i, gen, round, nodes, until, None, None));
+                if after_barrier {
+                    self.nodes[i].lingering_after_barrier = Some(t);
+                }
+                self.at(
+                    t,
+                    Ev::LingerPoll(i, gen, round, nodes, until, None, None, after_barrier),
+                );
             }
             Action::NoteClosedAfterSuccess { .. }
             | Action::NoteUnreachable { .. }
@@ -824,7 +851,18 @@ impl Sim {
         self.s.next_round += 1;
         self.s.last_call_armed = false;
         let mut members = std::mem::take(&mut self.s.joiners);
-        members.sort();
+        // Ranks follow the nodes' ids (their natural order in the real
+        // rendezvous), which have nothing to do with who hosts the store: so
+        // the rendezvous host is rank 0, and hosts the job store, only
+        // sometimes. Drawn from the seed without touching the schedule's
+        // generator.
+        let seed = self.cfg.seed;
+        members.sort_by_key(|&j| {
+            (
+                Rng::new(seed ^ (j as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)).next_u64(),
+                j,
+            )
+        });
         let n = members.len();
         self.s.members.insert(round, members.clone());
         for (rank, &j) in members.iter().enumerate() {
@@ -1139,6 +1177,7 @@ impl Sim {
         self.faults += 1;
         self.note(|| format!("node {i} KILLED"));
         self.nodes[i].life = Life::Killed;
+        self.nodes[i].killed_at = Some(self.now);
         if i == 0 {
             // The store goes with its host: every waiting watch reads EOF.
             self.wake(None);
@@ -1261,8 +1300,23 @@ impl Sim {
         Ok(self)
     }
 
-    /// Invariant 4 after a published failure.
+    /// Invariant 4 after a published failure, and after the exit barrier.
     fn check_bounds(&mut self) {
+        let host = &self.nodes[0];
+        if let Some(ended) = host.exited_at.or(host.killed_at) {
+            let late = (1..self.nodes.len()).find(|&i| {
+                let n = &self.nodes[i];
+                self.alive(i)
+                    && n.lingering_after_barrier
+                        .is_some_and(|t| self.now > t.max(ended) + 1_000)
+            });
+            if let Some(i) = late {
+                self.violation(format!(
+                    "invariant 4: node {i} still lingers {} ms after its rendezvous host ended, the exit barrier passed",
+                    self.now - ended
+                ));
+            }
+        }
         let Some(at) = self.s.failed_at else { return };
         let c = &self.cfg;
         let bound = at
@@ -1482,12 +1536,23 @@ impl Sim {
                     Event::StartFailed(StartError::Store("rank assignment timed out".into())),
                 );
             }
-            Ev::LingerPoll(i, gen, round, nodes, until, unreachable_since, quiet_since) => {
+            Ev::LingerPoll(
+                i,
+                gen,
+                round,
+                nodes,
+                until,
+                unreachable_since,
+                quiet_since,
+                after_barrier,
+            ) => {
                 if !self.alive(i) || gen != self.nodes[i].gen {
                     return;
                 }
                 // An unreachable store may be stalled: keep lingering.
                 let _ = (round, nodes);
+                // A lingering node counts itself out when it can (ending.rs).
+                self.leave(i);
                 let census_zero = {
                     let me = i64::from(self.nodes[i].counted_in && !self.nodes[i].left);
                     let s = &self.s;
@@ -1520,14 +1585,19 @@ impl Sim {
                     Some(unreachable_since.unwrap_or(self.now))
                 };
                 // Node 0 hosts the rendezvous store: it gives up on it only
-                // once the others must have stopped their workers.
+                // once the others must have stopped their workers; so does a
+                // job store's host (their workers use its store).
                 let c = &self.cfg;
-                let give_up = if i == 0 {
+                let give_up = if i == 0 || self.nodes[i].linger_serves {
                     c.shutdown_ms + c.monitor_ms + 2 * CHECK_MS + c.lost_grace_ms
                 } else {
                     c.lost_grace_ms
                 };
                 let lost = unreachable_since.is_some_and(|t| self.now - t >= give_up);
+                // A host that ended refuses connections (`store_host_ended`).
+                let host = &self.nodes[0];
+                let host_ended = i != 0 && (host.killed_at.is_some() || host.exited_at.is_some());
+                let lost = lost || (after_barrier && host_ended);
                 if done || lost || until.is_some_and(|u| self.now >= u) {
                     let s = &self.s;
                     let (j, g, d) = (s.census_joined, s.census_gone, s.census_dead);
@@ -1543,7 +1613,16 @@ impl Sim {
                     let t = self.now + 50;
                     self.at(
                         t,
-                        Ev::LingerPoll(i, gen, round, nodes, until, unreachable_since, quiet_since),
+                        Ev::LingerPoll(
+                            i,
+                            gen,
+                            round,
+                            nodes,
+                            until,
+                            unreachable_since,
+                            quiet_since,
+                            after_barrier,
+                        ),
                     );
                 }
             }

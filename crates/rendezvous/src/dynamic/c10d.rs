@@ -84,6 +84,8 @@ pub fn create(p: RendezvousParameters) -> Created {
         );
         if hosts {
             h = h.hosting_store();
+        } else {
+            h = h.served_by_peer();
         }
         Ok(Box::new(h.with_endpoint(endpoint)) as Box<dyn RendezvousHandler>)
     })

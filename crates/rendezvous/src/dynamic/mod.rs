@@ -115,6 +115,9 @@ pub struct DynamicRendezvous {
     hosts_store: bool,
     /// Where the rendezvous store is, for errors.
     endpoint: Option<String>,
+    /// The store is served at `endpoint` by another node of the job (or a
+    /// `rally store serve`), whose end a refused connection shows.
+    served_by_peer: bool,
 }
 
 /// How workers reach the job's store.
@@ -169,7 +172,15 @@ impl DynamicRendezvous {
             node: Mutex::new(Node::default()),
             hosts_store: false,
             endpoint: None,
+            served_by_peer: false,
         }
+    }
+
+    /// The store at the endpoint is served by another node of the job (a
+    /// `c10d` client): see [`RendezvousHandler::store_host_ended`].
+    pub fn served_by_peer(mut self) -> Self {
+        self.served_by_peer = true;
+        self
     }
 
     /// Names where the rendezvous store is (for errors).
@@ -912,6 +923,23 @@ impl RendezvousHandler for DynamicRendezvous {
 
     fn endpoint(&self) -> Option<String> {
         self.endpoint.clone()
+    }
+
+    async fn store_host_ended(&self) -> bool {
+        let Some(endpoint) = self.endpoint.as_deref().filter(|_| self.served_by_peer) else {
+            return false;
+        };
+        // A process that ended leaves nothing listening: the connect is
+        // refused at once. A stalled one still accepts (its kernel does), and
+        // a host cut off times out: both may come back.
+        matches!(
+            tokio::time::timeout(
+                std::time::Duration::from_secs(1),
+                tokio::net::TcpStream::connect(endpoint),
+            )
+            .await,
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused
+        )
     }
 
     async fn shutdown(&self) -> Result<bool, RendezvousError> {

@@ -290,6 +290,46 @@ async fn hundreds_of_nodes_each_with_its_own_connection() {
     eprintln!("{N} nodes through one round in {took:?}");
 }
 
+/// A c10d client tells a host that ended (nothing listens: refused) from one
+/// that is up, so a node lingering after the exit barrier stops when the
+/// host has gone instead of waiting out `lost_grace` (a two-node `rally run`
+/// took 66 s when the host left first).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_c10d_client_tells_a_host_that_ended_from_one_that_is_up() {
+    use rallypoint_rendezvous::api::RendezvousParameters;
+    use rallypoint_rendezvous::registry::Registry;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let registry = Arc::new(Registry::with_builtins());
+    let make = |registry: Arc<Registry>| async move {
+        let mut p =
+            RendezvousParameters::new("c10d", &format!("127.0.0.1:{port}"), "ended", 2, 2).unwrap();
+        p.config = RendezvousParameters::parse_conf("last_call_timeout=1,join_timeout=10").unwrap();
+        registry.create_handler(p).await.unwrap()
+    };
+    // The first hosts the store (the port is free), the second is a client.
+    let host = make(registry.clone()).await;
+    let client = make(registry.clone()).await;
+    assert!(host.hosts_store() && !client.hosts_store());
+    assert!(
+        !host.store_host_ended().await,
+        "a host never says so of itself"
+    );
+    assert!(!client.store_host_ended().await, "the host is up");
+    drop(host);
+    let t0 = Instant::now();
+    while !client.store_host_ended().await {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the ended host was never seen"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_c10d_backend_from_the_registry_hosts_its_store() {
     use rallypoint_rendezvous::api::RendezvousParameters;

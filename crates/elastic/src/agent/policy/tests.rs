@@ -479,10 +479,13 @@ fn defect_1_and_2_hosts_linger_until_every_node_finished() {
         Some(&A::Linger {
             round: 0,
             nodes: 3,
-            bound: None
+            bound: None,
+            after_barrier: false,
+            serves: true,
         })
     );
-    // After a barrier that passed, every member's workers are done: bounded.
+    // After a barrier that passed, every member's workers are done: bounded,
+    // and a rendezvous host that ended ends it.
     let (mut p, t0) = policy(0);
     running_as(&mut p, t0, 0, 3, true);
     let a = drive(
@@ -501,7 +504,9 @@ fn defect_1_and_2_hosts_linger_until_every_node_finished() {
         Some(&A::Linger {
             round: 0,
             nodes: 3,
-            bound: Some(LINGER_FAILED)
+            bound: Some(LINGER_FAILED),
+            after_barrier: true,
+            serves: true,
         })
     );
     // After a failure, bounded.
@@ -530,7 +535,9 @@ fn defect_1_and_2_hosts_linger_until_every_node_finished() {
         Some(&A::Linger {
             round: 0,
             nodes: 3,
-            bound: Some(LINGER_FAILED)
+            bound: Some(LINGER_FAILED),
+            after_barrier: false,
+            serves: true,
         })
     );
     // A lone node lingers only if it serves the rendezvous store (spares

@@ -73,6 +73,12 @@ const FOUND: &[(u64, &str)] = &[
     (1178, "a look delivered before the queued Start was performed stalled the node's actions behind the start (model of the watch)"),
     (4277, "a host's pulse gave up on a partitioned member while the member's lost_grace ran: allowed, the member is cut off (invariant 3 made precise)"),
     (10192, "the static host left while a partitioned node's workers ran (as 4277)"),
+    // Once ranks followed node ids rather than node order (so the rendezvous
+    // host is rank 0, and hosts the job store, only sometimes): the schedules
+    // above changed with it, and these were found.
+    (6, "a job store's host lingered lost_grace after the exit barrier for a rendezvous host that had ended (a two-node `rally run` took 66 s)"),
+    (2, "the rendezvous host and a job store's host, both lingering after an unreachable store, waited for each other forever"),
+    (2477, "a job store's host gave up on a stalled rendezvous after lost_grace while another node's workers still used its store"),
 ];
 
 #[test]
