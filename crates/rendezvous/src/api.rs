@@ -157,7 +157,10 @@ pub trait RendezvousHandler: Send + Sync {
     /// ended: nothing listens at its endpoint any more (a connection is
     /// refused), as opposed to a store that does not answer (stalled, or cut
     /// off from this node), which may come back. `false` where the backend
-    /// cannot tell or the store is not served by a node of the job.
+    /// cannot tell, or where this node serves the store itself. A `c10d`
+    /// client says so of any server at its endpoint, a `rally store serve`
+    /// included; the agent asks only once the exit barrier passed, when no
+    /// worker needs the stores any more.
     async fn store_host_ended(&self) -> bool {
         false
     }

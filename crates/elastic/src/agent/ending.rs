@@ -141,11 +141,12 @@ impl Agent {
         };
         loop {
             // A store that does not answer now may be stalled: keep it up and
-            // look again. A node whose rendezvous store is another's gives up
+            // look again. A node that serves no store the others use gives up
             // after `lost_grace` (nobody can count itself out of a store that
-            // is gone); the host of that store waits until the others, who
-            // cannot reach it either, have stopped their workers on their own.
-            // The bound, if any, still ends the wait.
+            // is gone); the rendezvous host, and a job store's host, wait
+            // until the others, who cannot reach the rendezvous either, have
+            // stopped their workers on their own. The bound, if any, still
+            // ends the wait.
             //
             // A lingering node runs no workers: it counts itself out of the
             // run first (when the store answers; an ending that could not
