@@ -293,19 +293,22 @@ enum Ev {
     StaticDeadCheck(usize, bool),
     BarrierTimeout(usize, u64, u64),
     StartTimeout(usize, u64, u64),
-    /// Node, generation, round, nodes, the bound, unreachable since.
-    /// ..., since when no member it could wait for beats, and whether the
-    /// exit barrier passed.
-    LingerPoll(
-        usize,
-        u64,
-        u64,
-        usize,
-        Option<u64>,
-        Option<u64>,
-        Option<u64>,
-        bool,
-    ),
+    /// A lingering node looks again.
+    LingerPoll(Linger),
+}
+
+/// One lingering node's state between its polls.
+#[derive(Debug, Clone, Copy)]
+struct Linger {
+    node: usize,
+    gen: u64,
+    /// The bound, if any.
+    until: Option<u64>,
+    unreachable_since: Option<u64>,
+    /// Since when no member it could wait for beats.
+    quiet_since: Option<u64>,
+    /// The exit barrier passed.
+    after_barrier: bool,
 }
 
 /// The shared run store and rendezvous.
@@ -707,11 +710,10 @@ impl Sim {
                 self.reply(i, if reach { lat } else { CHECK_MS }, Event::MarkedFinished);
             }
             Action::Linger {
-                round,
-                nodes,
                 bound,
                 after_barrier,
                 serves,
+                ..
             } => {
                 self.nodes[i].linger_serves = serves;
                 let until = bound.map(|b| self.now + b.as_millis() as u64);
@@ -722,7 +724,14 @@ impl Sim {
                 }
                 self.at(
                     t,
-                    Ev::LingerPoll(i, gen, round, nodes, until, None, None, after_barrier),
+                    Ev::LingerPoll(Linger {
+                        node: i,
+                        gen,
+                        until,
+                        unreachable_since: None,
+                        quiet_since: None,
+                        after_barrier,
+                    }),
                 );
             }
             Action::NoteClosedAfterSuccess { .. }
@@ -1536,21 +1545,20 @@ impl Sim {
                     Event::StartFailed(StartError::Store("rank assignment timed out".into())),
                 );
             }
-            Ev::LingerPoll(
-                i,
-                gen,
-                round,
-                nodes,
-                until,
-                unreachable_since,
-                quiet_since,
-                after_barrier,
-            ) => {
+            Ev::LingerPoll(l) => {
+                let Linger {
+                    node: i,
+                    gen,
+                    until,
+                    unreachable_since,
+                    quiet_since,
+                    after_barrier,
+                    ..
+                } = l;
                 if !self.alive(i) || gen != self.nodes[i].gen {
                     return;
                 }
                 // An unreachable store may be stalled: keep lingering.
-                let _ = (round, nodes);
                 // A lingering node counts itself out when it can (ending.rs).
                 self.leave(i);
                 let census_zero = {
@@ -1613,16 +1621,11 @@ impl Sim {
                     let t = self.now + 50;
                     self.at(
                         t,
-                        Ev::LingerPoll(
-                            i,
-                            gen,
-                            round,
-                            nodes,
-                            until,
+                        Ev::LingerPoll(Linger {
                             unreachable_since,
                             quiet_since,
-                            after_barrier,
-                        ),
+                            ..l
+                        }),
                     );
                 }
             }
