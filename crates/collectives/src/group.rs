@@ -523,10 +523,13 @@ impl ProcessGroup {
         }
     }
 
-    /// A step of a two-level op on this internal group: op `seq`, reserved
-    /// earlier, with the group op's call and deadline.
+    /// A step of a two-level op on this internal group: op `seq` (owned by
+    /// the group op), with the group op's call and deadline.
     pub(crate) fn step_ctx(&self, seq: u64, desc: Desc, deadline: Instant) -> OpCtx {
         let c = &self.comm;
+        // Every earlier internal op has ended here (the group's turn orders
+        // two-level ops); those the group's ops left unused never will.
+        c.turn.skip_to(seq);
         let mut cx = self.ctx(desc, seq, false);
         cx.deadline = deadline;
         if let Err((src, theirs)) = c.sh().begin_seq(c.id, seq, desc) {

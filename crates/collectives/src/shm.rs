@@ -404,6 +404,24 @@ impl Turn {
         }
     }
 
+    /// Every op before `seq` has ended, or will never run (see
+    /// `ProcessGroup::step_ctx`).
+    pub fn skip_to(&self, seq: u64) {
+        {
+            let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            let (next, ended) = &mut *g;
+            if seq <= *next {
+                return;
+            }
+            *next = seq;
+            *ended = ended.split_off(&seq);
+            while ended.remove(next) {
+                *next += 1;
+            }
+        }
+        self.moved.notify_waiters();
+    }
+
     pub fn done(&self, seq: u64) {
         {
             let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
@@ -525,6 +543,16 @@ impl<'a> Round<'a> {
                 Ok(Header::Want {
                     comm, seq, desc, ..
                 }) if comm == self.cx.comm_id() => {
+                    if seq != self.cx.seq() {
+                        let them = self.cx.world(k) as u32;
+                        if let Some(e) =
+                            self.cx
+                                .sh()
+                                .steps_apart(comm, self.cx.seq(), them, seq, desc)
+                        {
+                            return Err(e);
+                        }
+                    }
                     if seq != self.cx.seq() || desc != mine {
                         return Err(Error::Mismatch {
                             group: self.cx.group_name(),

@@ -95,90 +95,57 @@ struct Peer {
 
 /// An internal group of a group (see `two_level`): the group's abort aborts
 /// it too, from the first step of the first op the abort fails.
+///
+/// **Step numbers follow from op numbers.** Op `s` of the group owns the
+/// internal ops `s * width ..= s * width + width - 1` (its steps on this
+/// internal group), whether it runs them or not: a flat op, or a broadcast's
+/// unused second stage, leaves its numbers unused. So one rank's step can
+/// only ever be taken for the same op's step on another rank: were the
+/// numbers handed out in the order ops came, a rank that called a flat op
+/// where the others called a two-level one would run its next op's steps
+/// as the others' steps of this one, on their data (and, the calls being
+/// alike, without a mismatch).
 pub(crate) struct ChildLink {
     pub comm: u64,
     pub parent: u64,
-    steps: Mutex<Steps>,
-}
-
-/// The next sequence number of an internal group, per op of the group that
-/// reserved steps the first of them, and the first op of the group that the
-/// group's abort fails.
-#[derive(Default)]
-struct Steps {
-    next: u64,
-    firsts: std::collections::BTreeMap<u64, u64>,
-    aborted_from: Option<u64>,
-    /// Clashes found in internal ops not reserved here yet.
-    deferred: Vec<Clash>,
+    /// Internal ops per op of the group.
+    width: u64,
+    /// The first op of the group that the group's abort fails.
+    aborted_from: Mutex<Option<u64>>,
 }
 
 impl ChildLink {
-    pub fn new(comm: u64, parent: u64) -> ChildLink {
+    pub fn new(comm: u64, parent: u64, width: u64) -> ChildLink {
+        assert!(width > 0, "an op owns at least one internal op");
         ChildLink {
             comm,
             parent,
-            steps: Mutex::default(),
+            width,
+            aborted_from: Mutex::default(),
         }
     }
 
-    /// Reserves `k` sequence numbers of the internal group for op `seq` of
-    /// the group; returns the first, or `None` when the group's abort fails
-    /// the op (then it has no steps). Ops reserve in their order.
-    pub fn reserve(&self, seq: u64, k: u64) -> Option<(u64, Vec<Clash>)> {
-        let mut g = lock(&self.steps);
-        if g.aborted_from.is_some_and(|f| seq >= f) {
+    /// The first internal op that op `seq` of the group owns; `None` when
+    /// the group's abort fails the op (then it runs no step).
+    pub fn steps_of(&self, seq: u64) -> Option<u64> {
+        if lock(&self.aborted_from).is_some_and(|f| seq >= f) {
             return None;
         }
-        let first = g.next;
-        g.next += k;
-        g.firsts.insert(seq, first);
-        // Keep the recent ones: an abort fails ops from one not yet ended.
-        while g.firsts.len() > 4096 {
-            g.firsts.pop_first();
-        }
-        // Clashes found in these steps before this op reserved them are
-        // this op's.
-        let (mine, later): (Vec<Clash>, Vec<Clash>) =
-            g.deferred.drain(..).partition(|c| c.seq < first + k);
-        g.deferred = later;
-        Some((first, mine))
+        Some(seq * self.width)
     }
 
-    /// The group's op that reserved internal op `seq`; `None` when none has
-    /// here yet (then the clash waits for it: see [`ChildLink::reserve`]).
-    fn parent_seq(&self, seq: u64) -> Option<u64> {
-        let g = lock(&self.steps);
-        if seq >= g.next {
-            return None;
-        }
-        g.firsts
-            .iter()
-            .rev()
-            .find(|&(_, &first)| first <= seq)
-            .map(|(&p, _)| p)
-    }
-
-    /// Keeps a clash found in internal op `seq`, not yet reserved here, for
-    /// the op that will reserve it; false if it has been reserved meanwhile.
-    fn defer(&self, c: Clash) -> bool {
-        let mut g = lock(&self.steps);
-        if c.seq < g.next {
-            return false;
-        }
-        g.deferred.push(c);
-        true
+    /// The op of the group that owns internal op `seq`.
+    pub fn parent_seq(&self, seq: u64) -> u64 {
+        seq / self.width
     }
 
     /// Notes the group's abort from its op `from`; returns the first
-    /// internal op it fails: the first step of the first op from `from` on
-    /// that has reserved its steps. `None` when none has: those that try
-    /// later reserve nothing (see [`ChildLink::reserve`]), and an earlier op
-    /// still waiting for its turn must not be failed.
-    fn abort_from(&self, from: u64) -> Option<u64> {
-        let mut g = lock(&self.steps);
-        g.aborted_from = Some(g.aborted_from.map_or(from, |f| f.min(from)));
-        g.firsts.range(from..).next().map(|(_, &first)| first)
+    /// internal op it fails (the first that op `from` owns: the steps of
+    /// earlier ops, which the abort leaves to finish, are all below it).
+    fn abort_from(&self, from: u64) -> u64 {
+        let mut f = lock(&self.aborted_from);
+        *f = Some(f.map_or(from, |f| f.min(from)));
+        from * self.width
     }
 }
 
@@ -1015,9 +982,8 @@ impl Shared {
     fn abort_children(self: &Arc<Self>, comm: u64, err: &Error, from_seq: u64) {
         let children = lock(&self.children).get(&comm).cloned();
         for c in children.iter().flatten() {
-            if let Some(from) = c.abort_from(from_seq) {
-                self.abort(c.comm, err.clone(), false, None, from);
-            }
+            let from = c.abort_from(from_seq);
+            self.abort(c.comm, err.clone(), false, None, from);
         }
     }
 
@@ -1214,17 +1180,9 @@ impl Shared {
         // group, not only the internal group.
         let link = lock(&self.parents).get(&c.comm).cloned();
         if let Some(l) = link {
-            match l.parent_seq(c.seq) {
-                Some(seq) => {
-                    c.comm = l.parent;
-                    c.seq = seq;
-                    return self.raise(c);
-                }
-                // Peers are ahead in the internal group: the op whose step
-                // it is has not reserved it here yet; it raises it then.
-                None if l.defer(c.clone()) => return,
-                None => return self.raise(c),
-            }
+            c.comm = l.parent;
+            c.seq = l.parent_seq(c.seq);
+            return self.raise(c);
         }
         let m = self.members(c.comm);
         let name = m
@@ -1240,6 +1198,55 @@ impl Shared {
             desc_b: c.b.1.to_string(),
         };
         self.abort(c.comm, err, true, None, c.seq);
+    }
+
+    /// Two ranks' calls at one place of internal group `comm`'s shared
+    /// memory are steps of different ops of its group: internal op `mine`
+    /// here, `theirs` (called `desc`) on world rank `src`. So at the earlier
+    /// of the two ops the ranks called different things, one of them an op
+    /// that does not run in two levels (or it would own this place).
+    ///
+    /// The rank past that op knows both calls there: it raises the mismatch
+    /// (at the group's op, naming both). The rank at it knows only its own,
+    /// and leaves the naming to the other. Either way the step fails with an
+    /// abort, which the group's (the mismatch) replaces once in place.
+    /// `None` when `comm` is not an internal group.
+    pub fn steps_apart(
+        self: &Arc<Self>,
+        comm: u64,
+        mine: u64,
+        src: u32,
+        theirs: u64,
+        desc: Desc,
+    ) -> Option<Error> {
+        let l = lock(&self.parents).get(&comm).cloned()?;
+        let (pm, pt) = (l.parent_seq(mine), l.parent_seq(theirs));
+        if pm == pt {
+            return None;
+        }
+        let m = self.members(l.parent);
+        let grank = |w: usize| m.as_ref().map_or(w, |m| m.group_rank(w));
+        if pt < pm {
+            let local = lock(&self.router).call(l.parent, pt);
+            if let Some(local) = local {
+                self.raise(Clash {
+                    comm: l.parent,
+                    seq: pt,
+                    a: (None, local),
+                    b: (src, desc),
+                });
+            }
+        }
+        Some(Error::Aborted {
+            group: self.members(comm).map_or_else(String::new, |m| m.name),
+            reason: format!(
+                "rank {} called op #{pt} where this rank called op #{pm}: they called different ops at op #{}",
+                grank(src as usize),
+                pt.min(pm)
+            )
+            .into(),
+            by: None,
+        })
     }
 
     /// Removes a closed connection; returns whether it was the peer's last.

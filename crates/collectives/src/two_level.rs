@@ -32,8 +32,11 @@
 //! named), or replaced by the group's abort when there is one (a step that
 //! found a rank gone that exited on being told is not blamed on it).
 //!
-//! Steps take their turn in the group's op order, and reserve their internal
-//! sequence numbers then, so `*_async` ops run their steps in order.
+//! Steps take their turn in the group's op order, so `*_async` ops run their
+//! steps in order. Their internal op numbers follow from the group op's
+//! (two per op within a host, one among hosts: see [`ChildLink`]), so that a
+//! rank that called a flat op where the others called a two-level one never
+//! runs a later op's step as theirs.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -82,7 +85,9 @@ impl TwoLevel {
             .iter()
             .position(|h| h.contains(&me))
             .expect("this rank is on a host");
-        let level = |tag: u64, ranks: Vec<usize>, what: &'static str| -> Level {
+        // `width`: the internal ops each op of the group owns (see
+        // `ChildLink`): two stages within a host, one step among hosts.
+        let level = |tag: u64, ranks: Vec<usize>, what: &'static str, width: u64| -> Level {
             let id = stable_hash(&[cx.comm_id(), 0x7477_6f6c_6576_656c, tag]) | 1;
             let members = Members {
                 name: format!("{}/{what}", cx.group_name()),
@@ -90,7 +95,7 @@ impl TwoLevel {
             };
             let rank = ranks.iter().position(|&k| k == me).expect("a member");
             let pg = ProcessGroup::internal(cx, id, members, rank);
-            let link = Arc::new(ChildLink::new(id, cx.comm_id()));
+            let link = Arc::new(ChildLink::new(id, cx.comm_id(), width));
             cx.sh().add_child(cx.comm_id(), link.clone());
             Level {
                 pg,
@@ -105,10 +110,10 @@ impl TwoLevel {
             }
         };
         let mine = &hosts[host];
-        let local = (mine.len() >= 2).then(|| level(host as u64, mine.clone(), "host"));
+        let local = (mine.len() >= 2).then(|| level(host as u64, mine.clone(), "host", 2));
         let leaders = (mine[0] == me).then(|| {
             let ranks: Vec<usize> = hosts.iter().map(|h| h[0]).collect();
-            level(u64::MAX, ranks, "leaders")
+            level(u64::MAX, ranks, "leaders", 1)
         });
         TwoLevel {
             hosts,
@@ -122,11 +127,11 @@ impl TwoLevel {
         self.hosts.len()
     }
 
-    /// Waits for the op's turn and reserves its steps' sequence numbers:
-    /// `local` on this host's group, `leaders` on the leaders'. An op the
-    /// group's abort fails reserves nothing (the abort did not reach its
-    /// steps, which did not exist yet).
-    async fn steps(&self, cx: &OpCtx, local: u64, leaders: u64) -> Result<(u64, u64)> {
+    /// Waits for the op's turn; returns the first internal op it owns on
+    /// each level (`local` on this host's group, `leaders` on the leaders'),
+    /// 0 on a level this rank is not in. An op the group's abort fails has
+    /// no steps (the abort did not reach them, which had not begun).
+    async fn steps(&self, cx: &OpCtx) -> Result<(u64, u64)> {
         cx.wait_note(
             "the group's earlier ops to end (two-level ops take their steps in order)".into(),
             None,
@@ -144,16 +149,9 @@ impl TwoLevel {
                 })
         };
         let mut firsts = [0u64; 2];
-        for (f, (l, k)) in firsts
-            .iter_mut()
-            .zip([(&self.local, local), (&self.leaders, leaders)])
-        {
+        for (f, l) in firsts.iter_mut().zip([&self.local, &self.leaders]) {
             if let Some(l) = l {
-                let (first, clashes) = l.link.reserve(cx.seq(), k).ok_or_else(aborted)?;
-                *f = first;
-                for c in clashes {
-                    cx.sh().raise(c);
-                }
+                *f = l.link.steps_of(cx.seq()).ok_or_else(aborted)?;
             }
         }
         Ok((firsts[0], firsts[1]))
@@ -292,7 +290,7 @@ pub(crate) async fn all_reduce<T: Element>(
     buf: &mut [T],
     op: ReduceOp,
 ) -> Result<()> {
-    let (ls, ds) = t.steps(cx, 2, 1).await?;
+    let (ls, ds) = t.steps(cx).await?;
     let sop = summing(op);
     if let Some(l) = &t.local {
         let s = l.step(cx, ls);
@@ -321,7 +319,7 @@ pub(crate) async fn broadcast<T: Element>(
     buf: &mut [T],
     root: usize,
 ) -> Result<()> {
-    let (ls, ds) = t.steps(cx, 1, 1).await?;
+    let (ls, ds) = t.steps(cx).await?;
     let root_host = t
         .hosts
         .iter()
@@ -348,7 +346,7 @@ pub(crate) async fn broadcast<T: Element>(
 }
 
 pub(crate) async fn barrier(t: &TwoLevel, cx: &OpCtx) -> Result<()> {
-    let (ls, ds) = t.steps(cx, 2, 1).await?;
+    let (ls, ds) = t.steps(cx).await?;
     if let Some(l) = &t.local {
         let s = l.step(cx, ls);
         let r = within(&s, group::barrier_flat(&s)).await;

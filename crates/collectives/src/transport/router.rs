@@ -344,6 +344,14 @@ impl Router {
         }
     }
 
+    /// The local call of collective `seq`: running, or ended and kept.
+    pub fn call(&self, comm: u64, seq: u64) -> Option<Desc> {
+        self.checks
+            .get(&(comm, seq))
+            .and_then(|c| c.local)
+            .or_else(|| self.ended.get(&(comm, seq)).copied())
+    }
+
     pub fn end_seq(&mut self, comm: u64, seq: u64) {
         if let Some(local) = self.checks.remove(&(comm, seq)).and_then(|c| c.local) {
             self.ended.insert((comm, seq), local);

@@ -191,6 +191,70 @@ async fn a_mismatch_on_one_host_fails_every_rank_of_a_two_level_group() {
     }
 }
 
+/// One rank calls a flat op where the others call a two-level one, or the
+/// other way round: the internal groups' steps of the two ops must never
+/// meet as if they were one op's. Every rank names op #1 and the deviant's
+/// call, not op #2 (found by sim seeds 112400, 113077 and 118414, where the
+/// deviant's step met the others' next op's step in shared memory). Wants
+/// are held back (`probe_after`) so the shared memory is the first to see it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flat_op_against_a_two_level_one_is_named_at_its_op_on_every_rank() {
+    for deviant_two_level in [true, false] {
+        let o = Options {
+            timeout: std::time::Duration::from_secs(30),
+            probe_after: std::time::Duration::from_secs(20),
+            ..opts()
+        };
+        let pgs = world_on_hosts(&["a", "a", "b", "b"], o).await;
+        let tasks: Vec<_> = pgs
+            .into_iter()
+            .map(|pg| {
+                tokio::spawn(async move {
+                    let r = pg.rank();
+                    let mut x = vec![1i32; 10];
+                    pg.all_reduce(&mut x, ReduceOp::Sum).await.unwrap();
+                    // Op #1: rank 1 deviates.
+                    let two_level = two_level_on(r, deviant_two_level);
+                    let first = if two_level {
+                        pg.all_reduce(&mut x, ReduceOp::Sum).await
+                    } else {
+                        pg.gather(&x, 3).await.map(drop)
+                    };
+                    if let Err(e) = first {
+                        return (1, e.to_string());
+                    }
+                    // Op #2.
+                    let e = pg.all_reduce(&mut x, ReduceOp::Sum).await.unwrap_err();
+                    (2, e.to_string())
+                })
+            })
+            .collect();
+        for (r, t) in tasks.into_iter().enumerate() {
+            let (at, e) = t.await.unwrap();
+            // Only a rank whose op #1 sent without waiting (a gather's
+            // non-root) may finish it: a deviant's all_reduce must not
+            // complete on another op's data.
+            let may_finish = !two_level_on(r, deviant_two_level) && r != 3;
+            assert!(
+                at == 1 || may_finish,
+                "deviant two-level {deviant_two_level}, rank {r} finished op #1: {e}"
+            );
+            assert!(
+                e.contains("mismatched collectives")
+                    && e.contains("at op #1:")
+                    && e.contains("rank 1 called"),
+                "deviant two-level {deviant_two_level}, rank {r}: {e}"
+            );
+        }
+    }
+}
+
+/// Whether rank `r` calls the two-level op (all_reduce) at op #1, where rank
+/// 1 deviates from the others.
+fn two_level_on(r: usize, deviant_two_level: bool) -> bool {
+    (r == 1) == deviant_two_level
+}
+
 /// A rank that never comes to a two-level all_reduce: every other rank
 /// times out naming, in the group's ranks, whom it waited for (on its host,
 /// the rank itself; elsewhere, its host's leader), never "the operation to
