@@ -15,9 +15,21 @@
 //! `joined - gone - dead`. Reading it costs three counter reads whatever the
 //! number of nodes.
 //!
-//! A node marked dead that was only partitioned and later leaves is counted
-//! twice, so `remaining` can reach 0 one node early; that node had already
-//! been given up on by its round (which re-formed without it). A node that
+//! A node found dead may only have been partitioned for a keep-alive expiry:
+//! it is alive, its workers may still run, it may join a later round, and it
+//! leaves some day. Counted dead *and* gone, `remaining` would reach 0 one
+//! node early and a host could take its store down under a running node. So
+//! each member's count-out has one owner per round, decided by one key
+//! (`r<round>/census/<rank>`, bumped by whoever comes first): the watcher
+//! that finds it dead counts it dead only if first; the member claims the
+//! key itself ([`Standing::reconcile`]) when its beats reach the store
+//! again after failing, as it joins a later round, and as it leaves, and if
+//! a watcher was first it counts itself in again. So at any time a live
+//! member that can reach the store is counted in exactly once, and every
+//! member is counted out at most once per time it was counted in. (A member
+//! that claimed its key is never counted dead in that round: if it dies
+//! later, nobody counts it out, and the host waits for [`Pulse`], as for a
+//! node that vanished unwatched: longer, never shorter.) A node that
 //! vanished where nobody watched it (killed while joining, or in a round every
 //! watcher of which had moved on) is never counted out: [`Pulse`] ends the
 //! wait once no member the host could be waiting for beats any more.
@@ -49,9 +61,69 @@ pub(crate) async fn gone(store: &dyn Store) -> Result<(), StoreError> {
     store.add(GONE, 1).await.map(drop)
 }
 
-/// Counts a node found dead by its watcher.
-pub(crate) async fn dead(store: &dyn Store) -> Result<(), StoreError> {
-    store.add(DEAD, 1).await.map(drop)
+/// The key that decides who counts member `rank` of `round` out when it is
+/// found dead (see the module doc).
+fn census_key(round: u64, rank: usize) -> String {
+    format!("r{round}/census/{rank}")
+}
+
+/// Counts member `rank` of `round`, found dead by a watcher, out of the run:
+/// unless another watcher, or the member itself, came first.
+pub(crate) async fn found_dead(
+    store: &dyn Store,
+    round: u64,
+    rank: usize,
+) -> Result<(), StoreError> {
+    if store.add(&census_key(round, rank), 1).await? == 1 {
+        store.add(DEAD, 1).await?;
+    }
+    Ok(())
+}
+
+/// A member's standing in the census in one round (shared by its keep-alive
+/// and its leave): whether it has claimed its count-out key, and whether a
+/// watcher, first, had counted it dead.
+#[derive(Debug)]
+pub(crate) struct Standing {
+    round: u64,
+    rank: usize,
+    claim: tokio::sync::Mutex<Claim>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Claim {
+    /// Not claimed: a watcher may still count it dead.
+    Open,
+    /// Claimed after a watcher counted it dead; to count in again.
+    CountedDead,
+    /// Claimed; counted in.
+    In,
+}
+
+impl Standing {
+    pub(crate) fn new(round: u64, rank: usize) -> std::sync::Arc<Standing> {
+        std::sync::Arc::new(Standing {
+            round,
+            rank,
+            claim: tokio::sync::Mutex::new(Claim::Open),
+        })
+    }
+
+    /// Claims the member's count-out key, if not yet, and counts it in again
+    /// if a watcher had counted it dead. From then on no watcher counts it
+    /// dead in this round. A call cut short is taken up where it stopped.
+    pub(crate) async fn reconcile(&self, store: &dyn Store) -> Result<(), StoreError> {
+        let mut c = self.claim.lock().await;
+        if *c == Claim::Open {
+            let first = store.add(&census_key(self.round, self.rank), 1).await? == 1;
+            *c = if first { Claim::In } else { Claim::CountedDead };
+        }
+        if *c == Claim::CountedDead {
+            joined(store).await?;
+            *c = Claim::In;
+        }
+        Ok(())
+    }
 }
 
 /// Nodes still running besides this one; `counted_in`: this node counted

@@ -56,8 +56,11 @@ pub struct StaticTcpRendezvous {
     heartbeat: Mutex<Option<JoinHandle<()>>>,
     /// Cleared when it leaves: no more beats, the watching goes on.
     beating: Arc<std::sync::atomic::AtomicBool>,
-    /// Left the run (counted out of the census).
+    /// Left the run: counted out of the census (a leave cut short is
+    /// retried, never counting out twice).
     left: tokio::sync::Mutex<bool>,
+    /// Its standing in the census (see `census`).
+    standing: Arc<crate::census::Standing>,
     /// The heartbeats a lingering rank 0 looks at.
     pulse: tokio::sync::Mutex<crate::census::Pulse>,
     /// Whether this node's beats reach the store.
@@ -102,6 +105,7 @@ impl StaticTcpRendezvous {
             heartbeat: Mutex::new(None),
             beating: Arc::new(std::sync::atomic::AtomicBool::new(true)),
             left: tokio::sync::Mutex::new(false),
+            standing: crate::census::Standing::new(ROUND, rank as usize),
             pulse: Default::default(),
             health: Default::default(),
         })
@@ -249,17 +253,22 @@ impl RendezvousHandler for StaticTcpRendezvous {
         }
         // Said before the beats stop, so the watcher never sees them stop
         // without the reason; the watching goes on (a lingering rank 0 still
-        // notices the last nodes die). Counted out at most once.
+        // notices the last nodes die). Counted in (again, if a watcher found
+        // it dead while it was partitioned), then out, once.
         store
             .set(&format!("r{ROUND}/left/{}", self.rank), b"1")
             .await
             .map_err(|e| self.connection(e))?;
-        *left = true;
         self.beating
             .store(false, std::sync::atomic::Ordering::Release);
+        self.standing
+            .reconcile(&**store)
+            .await
+            .map_err(|e| self.connection(e))?;
         crate::census::gone(&**store)
             .await
             .map_err(|e| self.connection(e))?;
+        *left = true;
         Ok(())
     }
 
@@ -339,6 +348,7 @@ impl StaticTcpRendezvous {
             timing: self.timing,
             beating: self.beating.clone(),
             health: self.health.clone(),
+            standing: self.standing.clone(),
         };
         let host = self.rank == 0;
         tokio::spawn(async move {

@@ -50,7 +50,10 @@
 //!   the round (one that re-joins stops watching it; one that left goes on);
 //!   ranks below `WATCHERS` mark at the expiry, the others only after the
 //!   ring's slow read (`RING_INTERVALS` intervals later); nobody watching,
-//!   nobody marks. Both keep the census (nodes in, out, dead)
+//!   nobody marks. A node partitioned from the store for an expiry looks
+//!   dead to its watchers as a killed one does; its first beat back claims
+//!   its census key (`census::Standing`) and counts it in again if it was
+//!   counted dead, as do its next join and its leave. Both keep the census (nodes in, out, dead)
 //!   that hosts linger on, and the pulse: a lingering host stops once no member
 //!   of its round or the newest one has beaten for an expiry. A join probes the
 //!   store and fails after `lost_grace` without it.
@@ -100,6 +103,8 @@ use super::policy::{
 use super::run_store::{Closed, FailureRecord};
 use rallypoint_rendezvous::dynamic::{RING_INTERVALS, WATCHERS};
 
+/// The static backend's dead marks are of one round for the whole run.
+const STATIC_ROUND: u64 = u64::MAX;
 /// The driver's bound on one store call at the end of a run (`CHECK_TIMEOUT`).
 const CHECK_MS: u64 = 2_000;
 /// The store client's timeout (rank assignment, the job store's address).
@@ -260,6 +265,8 @@ struct Node {
     /// Counted in the census; left the rendezvous (counted out).
     counted_in: bool,
     left: bool,
+    /// It claimed its census key in its current round (`Standing::reconcile`).
+    reconciled: bool,
     /// The step at which it last read or wrote the verdict (its decision,
     /// invariant 1). Steps, not milliseconds: two events of one millisecond
     /// still happen in an order.
@@ -291,6 +298,13 @@ enum Ev {
     JoinProbe(usize, u64, Option<u64>),
     /// Static: the keep-alive watcher of node `i` looks at its heartbeat.
     StaticDeadCheck(usize, bool),
+    /// Node `i`, partitioned, has not beaten for a keep-alive expiry: if it
+    /// still does not reach the store, its watcher finds it as it finds a
+    /// node that stopped keeping alive.
+    SilentCheck(usize),
+    /// Node `i`'s first beat after a partition or a stall: it reconciles
+    /// its standing in the census (it may have been found dead meanwhile).
+    BeatBack(usize),
     BarrierTimeout(usize, u64, u64),
     StartTimeout(usize, u64, u64),
     /// A lingering node looks again.
@@ -337,6 +351,11 @@ struct Shared {
     census_joined: i64,
     census_gone: i64,
     census_dead: i64,
+    /// Census keys claimed, by a watcher that found the node dead or by the
+    /// node itself, per (round, node); `STATIC_ROUND` for the static
+    /// backend's one set of keys (`census::Standing`: whoever is first
+    /// decides who counts the node out).
+    census_keys: BTreeSet<(u64, usize)>,
     /// Static: nodes found dead by their watcher, and nodes that left.
     static_dead: BTreeSet<usize>,
     static_left: BTreeSet<usize>,
@@ -436,6 +455,7 @@ impl Sim {
                     decided_at: None,
                     read_at: None,
                     counted_in: false,
+                    reconciled: false,
                     left: false,
                 }
             })
@@ -499,6 +519,8 @@ impl Sim {
                     self.s.stalls.push((t, t + d));
                     for k in 0..total {
                         self.beat_fails(k, t);
+                        let back = t + d + self.rng.range(0, self.cfg.keep_alive_ms);
+                        self.at(back, Ev::BeatBack(k));
                     }
                 }
                 2 => {
@@ -506,6 +528,13 @@ impl Sim {
                     let d = self.rng.range(100, 2 * self.cfg.lost_grace_ms);
                     self.nodes[who].partitioned = (t, t + d);
                     self.beat_fails(who, t);
+                    // Its beats stop reaching the store: for a watcher it
+                    // looks dead once they are stale (see `DeadCheck`).
+                    let stale =
+                        t + self.cfg.keep_alive_ms * self.cfg.misses + self.cfg.keep_alive_ms / 4;
+                    self.at(stale, Ev::SilentCheck(who));
+                    let back = t + d + self.rng.range(0, self.cfg.keep_alive_ms);
+                    self.at(back, Ev::BeatBack(who));
                 }
                 _ => {
                     let who = self.rng.range(0, total as u64 - 1) as usize;
@@ -876,6 +905,13 @@ impl Sim {
         self.s.members.insert(round, members.clone());
         for (rank, &j) in members.iter().enumerate() {
             self.nodes[j].joining = false;
+            // A node found dead in its last round (partitioned for an
+            // expiry) counts itself in again; its claim keeps any later
+            // watcher of that round from counting it dead.
+            if self.nodes[j].counted_in {
+                self.reconcile(j);
+            }
+            self.nodes[j].reconciled = false;
             self.end_job_store(j);
             self.nodes[j].round = Some((round, rank, n));
             self.count_in(j);
@@ -1213,6 +1249,15 @@ impl Sim {
     /// Node `i` stopped keeping alive: its watcher looks after the expiry.
     fn watch_for_death(&mut self, i: usize) {
         let t = self.now + self.cfg.keep_alive_ms * self.cfg.misses + self.cfg.keep_alive_ms / 4;
+        self.watch_for_death_at(i, t);
+    }
+
+    /// Node `i`'s beats are stale now: its watcher looks.
+    fn watch_for_death_now(&mut self, i: usize) {
+        self.watch_for_death_at(i, self.now);
+    }
+
+    fn watch_for_death_at(&mut self, i: usize, t: u64) {
         match (self.cfg.backend, self.nodes[i].round) {
             (Backend::C10d, Some((r, _, _))) => self.at(t, Ev::DeadCheck(i, r, false)),
             (Backend::Static, Some(_)) => self.at(t, Ev::StaticDeadCheck(i, false)),
@@ -1246,11 +1291,30 @@ impl Sim {
             }
             _ => {}
         }
+        // Counted in (again, if a watcher found it dead while it was
+        // partitioned), then out.
         if self.nodes[i].counted_in {
+            self.reconcile(i);
             self.s.census_gone += 1;
         }
         self.nodes[i].left = true;
         true
+    }
+
+    /// Node `i` claims its census key in its current round, if not yet, and
+    /// counts itself in again if a watcher had counted it dead.
+    fn reconcile(&mut self, i: usize) {
+        let key = match (self.cfg.backend, self.nodes[i].round) {
+            (Backend::C10d, Some((r, _, _))) => (r, i),
+            (Backend::Static, Some(_)) => (STATIC_ROUND, i),
+            _ => return,
+        };
+        if std::mem::replace(&mut self.nodes[i].reconciled, true) {
+            return;
+        }
+        if !self.s.census_keys.insert(key) {
+            self.s.census_joined += 1;
+        }
     }
 
     /// Checks only `invariants` (by number).
@@ -1412,7 +1476,23 @@ impl Sim {
                     self.try_form(true);
                 }
             }
+            Ev::BeatBack(i) => {
+                let n = &self.nodes[i];
+                if self.alive(i) && !n.left && n.counted_in && self.reaches(i) {
+                    self.reconcile(i);
+                }
+            }
+            Ev::SilentCheck(i) => {
+                if self.alive(i) && !self.reaches(i) {
+                    self.note(|| format!("node {i} silent for a keep-alive expiry"));
+                    self.watch_for_death_now(i);
+                }
+            }
             Ev::DeadCheck(i, r, slow) => {
+                // A partitioned node that reaches the store again beats.
+                if self.alive(i) && self.reaches(i) {
+                    return;
+                }
                 // Unless it left, a watcher marks `i` dead: one of the first
                 // ranks at once, any other member after the ring's slow read.
                 let left = self.nodes[i].round.is_some_and(|(rr, rank, _)| {
@@ -1435,8 +1515,10 @@ impl Sim {
                     self.at(t, Ev::DeadCheck(i, r, true));
                 } else if !left && (fast || ring) {
                     if self.s.dead.entry(r).or_default().insert(i) {
+                        if self.s.census_keys.insert((r, i)) {
+                            self.s.census_dead += 1;
+                        }
                         self.wake(Some(r));
-                        self.s.census_dead += 1;
                         self.note(|| format!("node {i} found dead in round {r}"));
                     }
                 } else if !left {
@@ -1491,7 +1573,7 @@ impl Sim {
                 // Unless it left, a watcher (a live node that reaches the
                 // store) marks it dead: nodes 0 and 1 at once, the others after
                 // the ring's slow read; with none now, look again later.
-                if self.s.static_left.contains(&i) {
+                if self.s.static_left.contains(&i) || (self.alive(i) && self.reaches(i)) {
                     return;
                 }
                 let others = (0..self.nodes.len()).filter(|&k| k != i && self.alive(k));
@@ -1502,8 +1584,10 @@ impl Sim {
                     self.at(t, Ev::StaticDeadCheck(i, true));
                 } else if ring {
                     if self.s.static_dead.insert(i) {
+                        if self.s.census_keys.insert((STATIC_ROUND, i)) {
+                            self.s.census_dead += 1;
+                        }
                         self.wake(None);
-                        self.s.census_dead += 1;
                         self.note(|| format!("node {i} found dead"));
                     }
                 } else if others.count() > 0 {

@@ -24,6 +24,7 @@ use tokio::time::Instant;
 
 use super::state::Liveness;
 use super::{mark_changed, Timing};
+use crate::census::Standing;
 use crate::Health;
 
 /// Ranks that watch every member of their round.
@@ -46,6 +47,10 @@ pub struct Beat {
     pub beating: Arc<std::sync::atomic::AtomicBool>,
     /// Where each beat's outcome goes (a failed beat wakes a waiting agent).
     pub health: Health,
+    /// This member's standing in the census: reconciled when its beats
+    /// reach the store again after failing (it may have been found dead
+    /// meanwhile: see `census`).
+    pub(crate) standing: Arc<Standing>,
 }
 
 impl Beat {
@@ -70,7 +75,9 @@ impl Beat {
     }
 
     /// Records that member `rank` is dead: the round should re-form, and the
-    /// run has one node fewer. Counted once, by whichever watcher comes first.
+    /// run has one node fewer. Counted once, by whichever watcher comes first,
+    /// and not at all if the member claimed its mark before any (as it
+    /// leaves, or joins a later round: see `census::claim_dead_mark`).
     pub async fn died(&self, rank: usize) {
         match self
             .store
@@ -92,7 +99,7 @@ impl Beat {
         if let Err(e) = mark_changed(&*self.store, &format!("r{}", self.round), "dead").await {
             tracing::warn!(error = %e, "could not mark the round changed");
         }
-        if let Err(e) = crate::census::dead(&*self.store).await {
+        if let Err(e) = crate::census::found_dead(&*self.store, self.round, rank).await {
             tracing::warn!(error = %e, "could not count the dead node");
         }
     }
@@ -131,16 +138,25 @@ impl Keepalive for CounterKeepalive {
             let spread = |every: Duration| every.mul_f64(spread(beat.rank));
             let mut next_beat = Instant::now() + spread(ka);
             let mut next_look = Instant::now() + spread(watch.every);
+            // A beat failed since the standing was last reconciled.
+            let mut missed = false;
             loop {
                 if Instant::now() >= next_beat {
                     if beat.beating.load(Ordering::Acquire) {
                         // A beat slower than an interval is as bad as a lost one.
                         let done = tokio::time::timeout(ka, beat.store.add(&mine, 1)).await;
+                        let ok = matches!(done, Ok(Ok(_)));
                         beat.health.report(match done {
                             Ok(Ok(_)) => Ok(()),
                             Ok(Err(e)) => Err(e.to_string()),
                             Err(_) => Err(format!("a keep-alive beat got no answer within {ka:?}")),
                         });
+                        missed |= !ok;
+                        // Back after failing: perhaps found dead meanwhile.
+                        if ok && missed {
+                            let r = tokio::time::timeout(ka, beat.standing.reconcile(&*beat.store));
+                            missed = !matches!(r.await, Ok(Ok(())));
+                        }
                     }
                     next_beat += ka;
                 }

@@ -93,6 +93,10 @@ struct Node {
     /// Counted in the run's census (at its first round), and out (it left).
     counted_in: bool,
     left: bool,
+    /// Counted gone: a leave cut short is retried, never counting out twice.
+    counted_out: bool,
+    /// Its standing in the census in its latest round (see `census`).
+    standing: Option<Arc<crate::census::Standing>>,
     /// The heartbeats a lingering host looks at (see [`crate::census::Pulse`]).
     pulse: crate::census::Pulse,
     /// Whether this node's beats in its round reach the store.
@@ -675,7 +679,14 @@ impl DynamicRendezvous {
                         continue;
                     };
                     let bootstrap = self.bootstrap_for(round, rank, deadline).await?;
-                    // Arrival 1 counted every member in (crate::census).
+                    // Arrival 1 counted every member in (crate::census),
+                    // once per run; a node found dead in its last round
+                    // (partitioned for an expiry) counts itself in again.
+                    if let Some(old) = node.standing.take() {
+                        old.reconcile(&*self.store).await.map_err(self.err())?;
+                    }
+                    let standing = crate::census::Standing::new(round, rank);
+                    node.standing = Some(standing.clone());
                     node.counted_in = true;
                     node.member_of = Some((round, rank, members));
                     let beating = Arc::new(std::sync::atomic::AtomicBool::new(true));
@@ -690,6 +701,7 @@ impl DynamicRendezvous {
                         timing: self.timing,
                         beating,
                         health: node.health.clone(),
+                        standing,
                     }));
                     let job: Arc<dyn Store> = Arc::new(PrefixStore::new(
                         format!("torch.rendezvous.{}.{round}", self.run_id),
@@ -831,7 +843,7 @@ impl RendezvousHandler for DynamicRendezvous {
     /// store from under a running node.
     async fn leave(&self) -> Result<(), RendezvousError> {
         let mut node = self.node.lock().await;
-        if node.left {
+        if node.left && (node.counted_out || !node.counted_in) {
             return Ok(());
         }
         // Said before the beats stop, so the watcher never sees them stop
@@ -846,10 +858,16 @@ impl RendezvousHandler for DynamicRendezvous {
         if let Some(b) = &node.beating {
             b.store(false, Ordering::Release);
         }
-        if node.counted_in {
+        if node.counted_in && !node.counted_out {
+            // Counted in now (even if found dead while partitioned), and
+            // never counted dead in this round after: then out, once.
+            if let Some(st) = &node.standing {
+                st.reconcile(&*self.store).await.map_err(self.err())?;
+            }
             crate::census::gone(&*self.store)
                 .await
                 .map_err(self.err())?;
+            node.counted_out = true;
         }
         Ok(())
     }
@@ -859,7 +877,7 @@ impl RendezvousHandler for DynamicRendezvous {
     /// where nobody could count them out).
     async fn remaining(&self) -> Result<usize, RendezvousError> {
         let mut node = self.node.lock().await;
-        let n = crate::census::remaining(&*self.store, node.counted_in && !node.left)
+        let n = crate::census::remaining(&*self.store, node.counted_in && !node.counted_out)
             .await
             .map_err(self.err())?;
         if n == 0 {

@@ -548,3 +548,157 @@ async fn a_member_is_woken_by_an_arrival_and_the_census_counts_each_node_once() 
     members[1].leave().await.unwrap();
     assert_eq!(members[0].remaining().await.unwrap(), 1);
 }
+
+/// A store a test can cut a node off from (every call fails) and reconnect.
+struct Cuttable {
+    inner: MemoryStore,
+    cut: std::sync::atomic::AtomicBool,
+}
+
+impl Cuttable {
+    fn check(&self) -> rallypoint_store::Result<()> {
+        if self.cut.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(rallypoint_store::StoreError::Disconnected {
+                op: "any",
+                addr: "cut off (test)".into(),
+                source: std::io::ErrorKind::ConnectionReset.into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for Cuttable {
+    async fn set(&self, key: &str, value: &[u8]) -> rallypoint_store::Result<()> {
+        self.check()?;
+        self.inner.set(key, value).await
+    }
+    async fn get_now(&self, key: &str) -> rallypoint_store::Result<Vec<u8>> {
+        self.check()?;
+        self.inner.get_now(key).await
+    }
+    async fn add(&self, key: &str, delta: i64) -> rallypoint_store::Result<i64> {
+        self.check()?;
+        self.inner.add(key, delta).await
+    }
+    async fn compare_set(
+        &self,
+        key: &str,
+        expected: &[u8],
+        desired: &[u8],
+    ) -> rallypoint_store::Result<Vec<u8>> {
+        self.check()?;
+        self.inner.compare_set(key, expected, desired).await
+    }
+    async fn wait_timeout(&self, keys: &[&str], timeout: Duration) -> rallypoint_store::Result<()> {
+        self.check()?;
+        self.inner.wait_timeout(keys, timeout).await
+    }
+    async fn check(&self, keys: &[&str]) -> rallypoint_store::Result<bool> {
+        self.check()?;
+        self.inner.check(keys).await
+    }
+    async fn delete_key(&self, key: &str) -> rallypoint_store::Result<bool> {
+        self.check()?;
+        self.inner.delete_key(key).await
+    }
+    async fn num_keys(&self) -> rallypoint_store::Result<i64> {
+        self.check()?;
+        self.inner.num_keys().await
+    }
+    async fn multi_get(&self, keys: &[&str]) -> rallypoint_store::Result<Vec<Vec<u8>>> {
+        self.check()?;
+        self.inner.multi_get(keys).await
+    }
+    async fn multi_set(&self, pairs: &[(&str, &[u8])]) -> rallypoint_store::Result<()> {
+        self.check()?;
+        self.inner.multi_set(pairs).await
+    }
+    async fn append(&self, key: &str, value: &[u8]) -> rallypoint_store::Result<()> {
+        self.check()?;
+        self.inner.append(key, value).await
+    }
+    async fn list_keys(&self) -> rallypoint_store::Result<Vec<String>> {
+        self.check()?;
+        self.inner.list_keys().await
+    }
+    async fn queue_push(&self, key: &str, value: &[u8]) -> rallypoint_store::Result<()> {
+        self.check()?;
+        self.inner.queue_push(key, value).await
+    }
+    async fn queue_pop(&self, key: &str, block: bool) -> rallypoint_store::Result<Vec<u8>> {
+        self.check()?;
+        self.inner.queue_pop(key, block).await
+    }
+    async fn queue_len(&self, key: &str) -> rallypoint_store::Result<i64> {
+        self.check()?;
+        self.inner.queue_len(key).await
+    }
+    fn timeout(&self) -> Duration {
+        self.inner.timeout()
+    }
+    fn set_timeout(&self, timeout: Duration) {
+        self.inner.set_timeout(timeout)
+    }
+}
+
+/// Polls `a.remaining()` until it is `want` (within 10 s, far above the
+/// keep-alive expiry of 0.4 s); panics with `what` otherwise.
+async fn remaining_becomes(a: &DynamicRendezvous, want: usize, what: &str) {
+    let t0 = Instant::now();
+    loop {
+        let n = a.remaining().await.unwrap();
+        if n == want {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "{what}: {n} remaining, not {want}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A node cut off from the store for a keep-alive expiry is found dead and
+/// counted out; when its beats reach the store again it counts itself back
+/// in, and as it leaves it is counted out once. Before, it stayed counted
+/// out while it ran on, and its leave counted it out a second time: a host
+/// lingering on the census could take its store down under a running node
+/// (found by the agent simulator once partitions looked like deaths to the
+/// watchers, as they do here).
+#[tokio::test]
+async fn a_node_found_dead_while_cut_off_is_counted_back_in_and_out_once() {
+    let store = MemoryStore::new();
+    let cuttable = Arc::new(Cuttable {
+        inner: store.clone(),
+        cut: Default::default(),
+    });
+    let a = node(&store, "a", 2, 2, timing());
+    let b = Arc::new(DynamicRendezvous::new(
+        cuttable.clone(),
+        "run",
+        "b".to_owned(),
+        Bounds { min: 2, max: 2 },
+        timing(),
+        BootstrapStoreInfo {
+            master_addr: "127.0.0.1".into(),
+            master_port: 1,
+        },
+    ));
+    join_ok(&[a.clone(), b.clone()]).await;
+    remaining_becomes(&a, 1, "both in").await;
+    cuttable
+        .cut
+        .store(true, std::sync::atomic::Ordering::Relaxed);
+    remaining_becomes(&a, 0, "b found dead while cut off").await;
+    cuttable
+        .cut
+        .store(false, std::sync::atomic::Ordering::Relaxed);
+    remaining_becomes(&a, 1, "b back: counted in again").await;
+    b.leave().await.unwrap();
+    assert_eq!(a.remaining().await.unwrap(), 0, "b counted out once");
+    // A second leave changes nothing.
+    b.leave().await.unwrap();
+    assert_eq!(a.remaining().await.unwrap(), 0, "b counted out once");
+}
