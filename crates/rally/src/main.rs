@@ -156,6 +156,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 ..Limits::default()
             },
             shutdown_grace: Duration::from_secs(5),
+            ..ServerConfig::default()
         };
         let addr = SocketAddr::new(args.host, args.port);
         let server = Server::bind(addr, config)

@@ -145,8 +145,10 @@ impl Agent {
             // after `lost_grace` (nobody can count itself out of a store that
             // is gone); the rendezvous host, and a job store's host, wait
             // until the others, who cannot reach the rendezvous either, have
-            // stopped their workers on their own. The bound, if any, still
-            // ends the wait.
+            // stopped their workers on their own, and a job store's host
+            // also until no client is connected to its store (the others may
+            // reach the rendezvous, and run on, when this node does not).
+            // The bound, if any, still ends the wait.
             //
             // A lingering node runs no workers: it counts itself out of the
             // run first (when the store answers; an ending that could not
@@ -157,12 +159,24 @@ impl Agent {
                 left = matches!(bounded(self.handler.leave()).await, Some(Ok(())));
             }
             let remaining = bounded(self.handler.remaining()).await.and_then(Result::ok);
-            if remaining == Some(0) {
+            // Clients of this node's job store: other nodes' workers, still
+            // using it (a client whose host died or was cut off is closed by
+            // TCP keep-alive). While any is connected the store stays: the
+            // rendezvous may be out of reach from here only, and the census
+            // may count a node out that is back from a partition but has not
+            // beaten yet (its first beat counts it in again).
+            let clients = run
+                .round
+                .as_ref()
+                .and_then(|r| r.server.as_ref())
+                .map_or(0, |s| s.stats().open);
+            if remaining == Some(0) && clients == 0 {
                 break;
             }
             if remaining.is_some() {
                 unreachable_since = None;
-            } else if unreachable_since.get_or_insert_with(Instant::now).elapsed() >= give_up
+            } else if (unreachable_since.get_or_insert_with(Instant::now).elapsed() >= give_up
+                && clients == 0)
                 || (after_barrier && self.handler.store_host_ended().await)
             {
                 break;

@@ -44,7 +44,10 @@
 //! nodes counted in at their first round, out when they leave, on every way
 //! out; a node of a later round that re-formed without this one counts too):
 //! bounded by the shutdown grace after a failure, for as long as the others
-//! live after a success. A node whose
+//! live after a success. A job store's host also keeps it up while any client
+//! is connected to it (other nodes' workers; TCP keep-alive closes those of a
+//! host that died or was cut off): it may be out of reach of the rendezvous
+//! when the others are not, and run on. A node whose
 //! rendezvous checks fail for `lost_grace` while its workers run stops them and
 //! fails with "lost the rendezvous host": never "succeeded". A failed exit
 //! barrier is classified by what the run store says, not by the error alone.

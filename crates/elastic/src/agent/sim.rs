@@ -103,6 +103,9 @@ use super::policy::{
 use super::run_store::{Closed, FailureRecord};
 use rallypoint_rendezvous::dynamic::{RING_INTERVALS, WATCHERS};
 
+/// How long a job store keeps a dead client's connection open: the server's
+/// TCP keep-alive (30 s idle, then three probes 10 s apart).
+const KEEPALIVE_DROP_MS: u64 = 60_000;
 /// The static backend's dead marks are of one round for the whole run.
 const STATIC_ROUND: u64 = u64::MAX;
 /// The driver's bound on one store call at the end of a run (`CHECK_TIMEOUT`).
@@ -1301,6 +1304,27 @@ impl Sim {
         true
     }
 
+    /// Whether node `i`'s job store has clients: another node's workers of
+    /// its round, running, or killed less than the server's TCP keep-alive
+    /// ago (a dead host's connections stay open until then). A partition
+    /// cuts a node off from the run store only: connections between nodes
+    /// stay up.
+    fn job_store_in_use(&self, i: usize) -> bool {
+        let Some(r) = self.nodes[i].job_store else {
+            return false;
+        };
+        (0..self.nodes.len()).filter(|&k| k != i).any(|k| {
+            let n = &self.nodes[k];
+            let Some(w) = n.workers.as_ref().filter(|w| w.round == r) else {
+                return false;
+            };
+            match n.killed_at {
+                Some(t) => self.now - t < KEEPALIVE_DROP_MS,
+                None => self.alive(k) && w.running,
+            }
+        })
+    }
+
     /// Node `i` claims its census key in its current round, if not yet, and
     /// counts itself in again if a watcher had counted it dead.
     fn reconcile(&mut self, i: usize) {
@@ -1670,7 +1694,7 @@ impl Sim {
                 };
                 let expiry = self.cfg.keep_alive_ms * (self.cfg.misses + 1);
                 let quiet = quiet_since.is_some_and(|t| self.now - t >= expiry);
-                let done = self.reaches(i) && (census_zero || quiet);
+                let done = self.reaches(i) && (census_zero || quiet) && !self.job_store_in_use(i);
                 let unreachable_since = if self.reaches(i) {
                     None
                 } else {
@@ -1685,7 +1709,10 @@ impl Sim {
                 } else {
                     c.lost_grace_ms
                 };
-                let lost = unreachable_since.is_some_and(|t| self.now - t >= give_up);
+                // A job store's host gives up only once no client is
+                // connected to its store (`ServerHandle::stats().open`).
+                let lost = unreachable_since.is_some_and(|t| self.now - t >= give_up)
+                    && !self.job_store_in_use(i);
                 // A host that ended refuses connections (`store_host_ended`).
                 let host = &self.nodes[0];
                 let host_ended = i != 0 && (host.killed_at.is_some() || host.exited_at.is_some());

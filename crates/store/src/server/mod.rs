@@ -46,6 +46,13 @@ pub struct ServerConfig {
     pub limits: Limits,
     /// How long [`ServerHandle::shutdown`] waits for connection tasks to finish.
     pub shutdown_grace: Duration,
+    /// TCP keep-alive on every accepted connection: the first probe after
+    /// this long idle, then every third of it, three probes. So a client
+    /// whose host died or was cut off is closed within about twice this, and
+    /// [`StatsSnapshot::open`] counts only clients that can still reach the
+    /// server (an agent keeps its job store up while it has any). `None`:
+    /// the system's default (usually none: such a connection stays open).
+    pub keepalive: Option<Duration>,
 }
 
 impl Default for ServerConfig {
@@ -53,6 +60,7 @@ impl Default for ServerConfig {
         ServerConfig {
             limits: Limits::default(),
             shutdown_grace: Duration::from_secs(5),
+            keepalive: Some(Duration::from_secs(30)),
         }
     }
 }
@@ -190,6 +198,7 @@ impl Server {
             shared.clone(),
             cancel.clone(),
             tracker.clone(),
+            self.config.keepalive,
         ));
         ServerHandle {
             local_addr: self.local_addr,
@@ -275,7 +284,14 @@ async fn accept_loop(
     shared: Arc<Shared>,
     cancel: CancellationToken,
     tracker: TaskTracker,
+    keepalive: Option<Duration>,
 ) {
+    let keepalive = keepalive.map(|idle| {
+        socket2::TcpKeepalive::new()
+            .with_time(idle)
+            .with_interval((idle / 3).max(Duration::from_secs(1)))
+            .with_retries(3)
+    });
     loop {
         let accepted = tokio::select! {
             biased;
@@ -287,6 +303,11 @@ async fn accept_loop(
                 shared.stats.accepted.fetch_add(1, Ordering::Relaxed);
                 if let Err(e) = stream.set_nodelay(true) {
                     tracing::debug!(%peer, error = %e, "could not set TCP_NODELAY");
+                }
+                if let Some(k) = &keepalive {
+                    if let Err(e) = socket2::SockRef::from(&stream).set_tcp_keepalive(k) {
+                        tracing::debug!(%peer, error = %e, "could not set TCP keep-alive");
+                    }
                 }
                 tracker.spawn(connection::serve(
                     stream,

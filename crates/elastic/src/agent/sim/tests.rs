@@ -79,6 +79,11 @@ const FOUND: &[(u64, &str)] = &[
     (6, "a job store's host lingered lost_grace after the exit barrier for a rendezvous host that had ended (a two-node `rally run` took 66 s)"),
     (2, "the rendezvous host and a job store's host, both lingering after an unreachable store, waited for each other forever"),
     (2477, "a job store's host gave up on a stalled rendezvous after lost_grace while another node's workers still used its store"),
+    // Once a partitioned node looked dead to its watchers (as it does for
+    // real) and came back: these were found (515 and 9305 in the model just
+    // before its beat back was drawn).
+    (20895, "a job store's host cut off from the rendezvous gave up while another node's workers, which reached the rendezvous, used its store"),
+    (51450, "a job store's host left on a census that counted out a node back from a partition but not yet beating"),
 ];
 
 #[test]
