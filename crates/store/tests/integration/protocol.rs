@@ -526,3 +526,49 @@ fn pipelined_replies_over_the_output_bound_arrive_whole() {
     assert_eq!(read_n(&mut c, 8), i64le(5));
     writer.join().unwrap();
 }
+
+/// The server's side of the connection from `client` (Linux: its timer in
+/// `/proc/net/tcp`, 2 while a keep-alive timer runs, and when it fires, in
+/// clock ticks).
+fn server_side_timer(server: std::net::SocketAddr, client: std::net::SocketAddr) -> (u32, u64) {
+    let tcp = std::fs::read_to_string("/proc/net/tcp").unwrap();
+    let port = |a: &str| u16::from_str_radix(a.rsplit(':').next().unwrap(), 16).unwrap();
+    for l in tcp.lines().skip(1) {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        if port(f[1]) == server.port() && port(f[2]) == client.port() {
+            let (tr, when) = f[5].split_once(':').unwrap();
+            return (
+                tr.parse().unwrap(),
+                u64::from_str_radix(when, 16).unwrap(),
+            );
+        }
+    }
+    panic!("no server side for {client} in /proc/net/tcp")
+}
+
+/// Every accepted connection has TCP keep-alive (30 s idle by default), so a
+/// client whose host died or was cut off is closed and stops counting as
+/// open (an agent keeps its job store up while any client is); `None`
+/// leaves the system's default (off).
+#[test]
+fn accepted_connections_keep_alive_as_configured() {
+    for (keepalive, want) in [(Some(Duration::from_secs(30)), 2), (None, 0)] {
+        let server = blocking::serve(
+            "127.0.0.1:0".parse().unwrap(),
+            ServerConfig {
+                keepalive,
+                ..ServerConfig::default()
+            },
+        )
+        .unwrap();
+        let c = raw(server.local_addr());
+        wait_until("accepted", || server.stats().open == 1);
+        let (tr, when) = server_side_timer(server.local_addr(), c.local_addr().unwrap());
+        assert_eq!(tr, want, "keepalive {keepalive:?}");
+        if keepalive.is_some() {
+            // In clock ticks (USER_HZ, 100 here): within the idle time.
+            let hz = 100;
+            assert!(when > 20 * hz && when <= 30 * hz, "fires in {when} ticks");
+        }
+    }
+}
