@@ -169,6 +169,7 @@ impl Agent {
                 .round
                 .as_ref()
                 .and_then(|r| r.server.as_ref())
+                .or(run.kept_store.as_ref())
                 .map_or(0, |s| s.stats().open);
             if remaining == Some(0) && clients == 0 {
                 break;
@@ -252,6 +253,9 @@ impl Agent {
         }
         if let Some(r) = round {
             self.end_round(r).await;
+        }
+        if let Some(s) = run.kept_store.take() {
+            s.shutdown().await;
         }
         outcome
     }

@@ -8,7 +8,9 @@ impl Agent {
     /// Joins the next round (ending the previous one). The previous round's job
     /// store stays up until the join ends: a member that has not yet noticed the
     /// re-form still runs workers on it, and a store gone under them would read
-    /// as their failure.
+    /// as their failure. When the join forms no round (the run closed while
+    /// this node re-joined: others may still be finishing on that store), it
+    /// stays until the run ends, and this node lingers for its clients.
     pub(super) async fn join(&self, run: &mut Run<'_>) -> Vec<Action> {
         let previous = match run.round.take() {
             Some(mut r) => {
@@ -19,8 +21,12 @@ impl Agent {
             None => None,
         };
         let actions = self.join_next(run).await;
-        if let Some(server) = previous {
-            server.shutdown().await;
+        if run.round.is_none() {
+            run.kept_store = previous.or(run.kept_store.take());
+        } else {
+            for server in [previous, run.kept_store.take()].into_iter().flatten() {
+                server.shutdown().await;
+            }
         }
         actions
     }

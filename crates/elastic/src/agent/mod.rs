@@ -288,6 +288,7 @@ impl Agent {
             signals: &mut signals,
             round: None,
             join_error: None,
+            kept_store: None,
             failed_rounds: 0,
             last_run_store: None,
         };
@@ -468,6 +469,10 @@ struct Run<'s> {
     policy: Policy,
     signals: &'s mut Signals,
     round: Option<Round>,
+    /// The previous round's job store, kept after a join that formed no
+    /// round (the run closed meanwhile, or the join failed): other nodes'
+    /// workers may still use it. It goes when the run ends (see `linger`).
+    kept_store: Option<ServerHandle>,
     /// Why the last join failed, for the outcome.
     join_error: Option<RendezvousError>,
     failed_rounds: u64,

@@ -537,10 +537,7 @@ fn server_side_timer(server: std::net::SocketAddr, client: std::net::SocketAddr)
         let f: Vec<&str> = l.split_whitespace().collect();
         if port(f[1]) == server.port() && port(f[2]) == client.port() {
             let (tr, when) = f[5].split_once(':').unwrap();
-            return (
-                tr.parse().unwrap(),
-                u64::from_str_radix(when, 16).unwrap(),
-            );
+            return (tr.parse().unwrap(), u64::from_str_radix(when, 16).unwrap());
         }
     }
     panic!("no server side for {client} in /proc/net/tcp")
