@@ -8,8 +8,10 @@ use std::time::Duration;
 /// A collective's result.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// Why a collective (or setting up a group) failed.
+/// Why a collective (or setting up a group) failed. New kinds of failure
+/// may be added (as `MessageMismatch` was): match with a catch-all arm.
 #[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// A peer's connection ended (EOF, reset, refused) while this rank needed it.
     #[error("{op} on group {group:?}: rank {rank} is gone: {reason}")]
