@@ -131,7 +131,7 @@ impl ChildLink {
         if lock(&self.aborted_from).is_some_and(|f| seq >= f) {
             return None;
         }
-        Some(seq * self.width)
+        Some(seq.saturating_mul(self.width))
     }
 
     /// The op of the group that owns internal op `seq`.
@@ -145,7 +145,7 @@ impl ChildLink {
     fn abort_from(&self, from: u64) -> u64 {
         let mut f = lock(&self.aborted_from);
         *f = Some(f.map_or(from, |f| f.min(from)));
-        from * self.width
+        from.saturating_mul(self.width)
     }
 }
 

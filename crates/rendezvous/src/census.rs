@@ -111,7 +111,10 @@ impl Standing {
 
     /// Claims the member's count-out key, if not yet, and counts it in again
     /// if a watcher had counted it dead. From then on no watcher counts it
-    /// dead in this round. A call cut short is taken up where it stopped.
+    /// dead in this round. A call cut short is taken up where it stopped; one
+    /// whose claim reached the store but whose answer was lost reads the key
+    /// at 2 on its retry and counts the member in once more: too many in, so
+    /// a host waits longer, never shorter.
     pub(crate) async fn reconcile(&self, store: &dyn Store) -> Result<(), StoreError> {
         let mut c = self.claim.lock().await;
         if *c == Claim::Open {

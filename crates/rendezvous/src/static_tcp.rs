@@ -56,8 +56,8 @@ pub struct StaticTcpRendezvous {
     heartbeat: Mutex<Option<JoinHandle<()>>>,
     /// Cleared when it leaves: no more beats, the watching goes on.
     beating: Arc<std::sync::atomic::AtomicBool>,
-    /// Left the run: counted out of the census (a leave cut short is
-    /// retried, never counting out twice).
+    /// Left the run: counted out of the census, or tried to be (a count cut
+    /// short is never retried).
     left: tokio::sync::Mutex<bool>,
     /// Its standing in the census (see `census`).
     standing: Arc<crate::census::Standing>,
@@ -242,7 +242,8 @@ impl RendezvousHandler for StaticTcpRendezvous {
     }
 
     /// Stops beating and says so, so the node watching this one does not count
-    /// it dead. Once: later calls do nothing.
+    /// it dead. Once counted out (or tried to be), later calls do nothing;
+    /// a call cut short before is retried.
     async fn leave(&self) -> Result<(), RendezvousError> {
         let mut left = self.left.lock().await;
         let Some(store) = self.store.get() else {
@@ -265,10 +266,12 @@ impl RendezvousHandler for StaticTcpRendezvous {
             .reconcile(&**store)
             .await
             .map_err(|e| self.connection(e))?;
+        // Never retried: a lost count keeps rank 0 waiting, a double one
+        // could take its store from under a running node.
+        *left = true;
         crate::census::gone(&**store)
             .await
             .map_err(|e| self.connection(e))?;
-        *left = true;
         Ok(())
     }
 

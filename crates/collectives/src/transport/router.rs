@@ -21,7 +21,7 @@
 //! ([`Router::take_control`]), in the order decided, so that the transport
 //! sends them in that order.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
@@ -130,7 +130,9 @@ struct Aborted {
 pub(crate) struct Router {
     slots: HashMap<Key, Slot>,
     checks: HashMap<(u64, u64), Check>,
-    ended: HashMap<(u64, u64), Desc>,
+    /// Per (group, op), in order: pruned by range, as op numbers of
+    /// internal groups have gaps (see `ChildLink`).
+    ended: BTreeMap<(u64, u64), Desc>,
     /// Per group, one past the highest collective that ended here: a frame
     /// for one more than [`ENDED_KEPT`] below it is dropped unfiled.
     ended_top: HashMap<u64, u64>,
@@ -157,7 +159,7 @@ impl Router {
         Router {
             slots: HashMap::new(),
             checks: HashMap::new(),
-            ended: HashMap::new(),
+            ended: BTreeMap::new(),
             ended_top: HashMap::new(),
             gone: HashMap::new(),
             aborted: HashMap::new(),
@@ -359,7 +361,14 @@ impl Router {
         let top = self.ended_top.entry(comm).or_default();
         *top = (*top).max(seq + 1);
         if let Some(old) = seq.checked_sub(ENDED_KEPT) {
-            self.ended.remove(&(comm, old));
+            while let Some(&k) = self
+                .ended
+                .range((comm, 0)..=(comm, old))
+                .next()
+                .map(|(k, _)| k)
+            {
+                self.ended.remove(&k);
+            }
         }
     }
 
@@ -641,6 +650,22 @@ mod tests {
             Start::Wait(rx) => rx,
             _ => panic!("expected to wait"),
         }
+    }
+
+    /// An internal group's op numbers have gaps (two per group op, one of
+    /// them unused by a broadcast, both by a flat op): ended calls are
+    /// still kept for the last `ENDED_KEPT` numbers only, not forever.
+    #[test]
+    fn ended_calls_are_pruned_across_gaps_in_op_numbers() {
+        let mut r = Router::new(0);
+        for seq in (0..20 * ENDED_KEPT).step_by(3) {
+            r.begin_seq(1, seq, desc(4)).unwrap();
+            r.end_seq(1, seq);
+        }
+        let kept = r.ended.keys().filter(|(c, _)| *c == 1).count() as u64;
+        assert!(kept <= ENDED_KEPT / 3 + 1, "{kept} ended calls kept");
+        let last = 20 * ENDED_KEPT - 1 - (20 * ENDED_KEPT - 1) % 3;
+        assert_eq!(r.call(1, last), Some(desc(4)), "the recent ones are kept");
     }
 
     #[test]

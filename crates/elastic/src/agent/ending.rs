@@ -131,6 +131,7 @@ impl Agent {
         let mut said = false;
         let mut left = false;
         let mut unreachable_since: Option<Instant> = None;
+        let mut everyone_out_since: Option<Instant> = None;
         // By then every other node has stopped its workers on its own. A job
         // store's host waits as long: the others' workers use its store, not
         // the rendezvous one, and stop only once they lose the rendezvous.
@@ -171,8 +172,16 @@ impl Agent {
                 .and_then(|r| r.server.as_ref())
                 .or(run.kept_store.as_ref())
                 .map_or(0, |s| s.stats().open);
-            if remaining == Some(0) && clients == 0 {
-                break;
+            // With everyone counted out, a client still connected is such a
+            // node about to beat, or one outside the run: waited for at most
+            // `lost_grace`.
+            if remaining == Some(0) {
+                let since = *everyone_out_since.get_or_insert_with(Instant::now);
+                if clients == 0 || since.elapsed() >= self.spec.lost_grace {
+                    break;
+                }
+            } else {
+                everyone_out_since = None;
             }
             if remaining.is_some() {
                 unreachable_since = None;

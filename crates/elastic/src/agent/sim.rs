@@ -104,7 +104,8 @@ use super::run_store::{Closed, FailureRecord};
 use rallypoint_rendezvous::dynamic::{RING_INTERVALS, WATCHERS};
 
 /// How long a job store keeps a dead client's connection open: the server's
-/// TCP keep-alive (30 s idle, then three probes 10 s apart).
+/// TCP keep-alive (30 s idle, then three probes 10 s apart) and, with data
+/// unanswered, its `TCP_USER_TIMEOUT` (60 s).
 const KEEPALIVE_DROP_MS: u64 = 60_000;
 /// The static backend's dead marks are of one round for the whole run.
 const STATIC_ROUND: u64 = u64::MAX;
@@ -324,6 +325,8 @@ struct Linger {
     unreachable_since: Option<u64>,
     /// Since when no member it could wait for beats.
     quiet_since: Option<u64>,
+    /// Since when the census (or the pulse) says everyone is out.
+    out_since: Option<u64>,
     /// The exit barrier passed.
     after_barrier: bool,
 }
@@ -762,6 +765,7 @@ impl Sim {
                         until,
                         unreachable_since: None,
                         quiet_since: None,
+                        out_since: None,
                         after_barrier,
                     }),
                 );
@@ -1660,6 +1664,7 @@ impl Sim {
                     until,
                     unreachable_since,
                     quiet_since,
+                    out_since,
                     after_barrier,
                     ..
                 } = l;
@@ -1694,7 +1699,13 @@ impl Sim {
                 };
                 let expiry = self.cfg.keep_alive_ms * (self.cfg.misses + 1);
                 let quiet = quiet_since.is_some_and(|t| self.now - t >= expiry);
-                let done = self.reaches(i) && (census_zero || quiet) && !self.job_store_in_use(i);
+                // Everyone out: a job store's host still waits for its
+                // clients, at most `lost_grace` (ending.rs).
+                let out = self.reaches(i) && (census_zero || quiet);
+                let out_since = out.then(|| out_since.unwrap_or(self.now));
+                let done = out_since.is_some_and(|t| {
+                    !self.job_store_in_use(i) || self.now - t >= self.cfg.lost_grace_ms
+                });
                 let unreachable_since = if self.reaches(i) {
                     None
                 } else {
@@ -1735,6 +1746,7 @@ impl Sim {
                         Ev::LingerPoll(Linger {
                             unreachable_since,
                             quiet_since,
+                            out_since,
                             ..l
                         }),
                     );

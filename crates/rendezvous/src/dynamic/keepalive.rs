@@ -11,8 +11,11 @@
 //! successor's counter once every [`RING_INTERVALS`] intervals, so that a
 //! round whose watchers all died together is still noticed, later. A watcher
 //! that sees a counter stop checks `r/left/<rank>` and, unless the member
-//! left, marks it dead; the first to mark a member counts it
-//! (`r/dead/<rank>`), so two watchers never count one death twice.
+//! left, marks it dead; the first to mark a member (`r/dead/<rank>`) marks
+//! the round to re-form, and the first to bump `r/census/<rank>` counts it out
+//! of the run, so two watchers never count one death twice, and a member
+//! found dead while only cut off, which bumps it on its way back, is not
+//! counted out twice (see `census`).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -74,10 +77,10 @@ impl Beat {
             .unwrap_or(false)
     }
 
-    /// Records that member `rank` is dead: the round should re-form, and the
-    /// run has one node fewer. Counted once, by whichever watcher comes first,
-    /// and not at all if the member claimed its mark before any (as it
-    /// leaves, or joins a later round: see `census::claim_dead_mark`).
+    /// Records that member `rank` is dead (`r/dead/<rank>`, the first
+    /// watcher marks the round to re-form) and counts it out of the run: by
+    /// whoever bumps `r/census/<rank>` first, a watcher or the member itself,
+    /// alive after all (see `census::Standing`).
     pub async fn died(&self, rank: usize) {
         match self
             .store
@@ -138,8 +141,12 @@ impl Keepalive for CounterKeepalive {
             let spread = |every: Duration| every.mul_f64(spread(beat.rank));
             let mut next_beat = Instant::now() + spread(ka);
             let mut next_look = Instant::now() + spread(watch.every);
-            // A beat failed since the standing was last reconciled.
+            // A beat failed, or none reached the store for an expiry (the
+            // process was stopped, or this loop held up), since the standing
+            // was last reconciled: a watcher may have counted it dead.
             let mut missed = false;
+            let expiry = ka * beat.timing.max_misses;
+            let mut last_ok = Instant::now();
             loop {
                 if Instant::now() >= next_beat {
                     if beat.beating.load(Ordering::Acquire) {
@@ -151,7 +158,10 @@ impl Keepalive for CounterKeepalive {
                             Ok(Err(e)) => Err(e.to_string()),
                             Err(_) => Err(format!("a keep-alive beat got no answer within {ka:?}")),
                         });
-                        missed |= !ok;
+                        missed |= !ok || last_ok.elapsed() >= expiry;
+                        if ok {
+                            last_ok = Instant::now();
+                        }
                         // Back after failing: perhaps found dead meanwhile.
                         if ok && missed {
                             let r = tokio::time::timeout(ka, beat.standing.reconcile(&*beat.store));

@@ -14,7 +14,8 @@
 //! | `r/complete` | the `max`-th arrival, or whoever's last call ends first (`compare_set`) | the member count `K`: arrivals `1..=K` |
 //! | `r/rank/<i>`, `r/assigned` | arrival 1, for all members | rank of each member; `assigned` is `abandoned` when the members gave the round up |
 //! | `r/waiting`, `r/dead` | late arrivals and members coming back; heartbeat watchers | the group should re-form |
-//! | `r/dead/<rank>` | the first watcher to find member `rank` dead | counts each death once |
+//! | `r/dead/<rank>` | the first watcher to find member `rank` dead | marks each death once |
+//! | `r/census/<rank>` | the first of: a watcher finding member `rank` dead (counts it out of the run), the member itself back from a partition, re-joining or leaving (see `census`) | one owner of the member's count-out per round |
 //! | `r/wakes`, `r/wake/<n>` | whoever counts `waiting` or `dead` | wakes the members ([`crate::wake`]) |
 //! | `r/hb/<rank>` | arrival 1 (at 0), then each member, every keep-alive interval | its heartbeat counter |
 //! | `r/left/<rank>` | a member ending for good | it stopped keeping alive on purpose: not dead |
@@ -82,6 +83,25 @@ const ABANDONED: &[u8] = b"abandoned";
 /// Default port of the c10d rendezvous store.
 pub const DEFAULT_PORT: u16 = 29400;
 
+impl Node {
+    /// Reconciles the standings not reconciled yet; keeps those the store
+    /// did not take, and returns the first error.
+    async fn settle(&mut self, store: &dyn Store) -> Result<(), StoreError> {
+        let mut first = Ok(());
+        let mut left = Vec::new();
+        for st in self.unsettled.drain(..) {
+            if let Err(e) = st.reconcile(store).await {
+                left.push(st);
+                if first.is_ok() {
+                    first = Err(e);
+                }
+            }
+        }
+        self.unsettled = left;
+        first
+    }
+}
+
 /// This node's place in its latest round.
 #[derive(Default)]
 struct Node {
@@ -93,10 +113,14 @@ struct Node {
     /// Counted in the run's census (at its first round), and out (it left).
     counted_in: bool,
     left: bool,
-    /// Counted gone: a leave cut short is retried, never counting out twice.
+    /// Counted gone, or tried to be: a count cut short is never retried (a
+    /// lost count keeps a host waiting; a double one could take its store
+    /// from under a running node).
     counted_out: bool,
-    /// Its standing in the census in its latest round (see `census`).
+    /// Its standing in the census in its latest round (see `census`), and
+    /// those of earlier rounds not reconciled yet (the store did not answer).
     standing: Option<Arc<crate::census::Standing>>,
+    unsettled: Vec<Arc<crate::census::Standing>>,
     /// The heartbeats a lingering host looks at (see [`crate::census::Pulse`]).
     pulse: crate::census::Pulse,
     /// Whether this node's beats in its round reach the store.
@@ -680,10 +704,14 @@ impl DynamicRendezvous {
                     };
                     let bootstrap = self.bootstrap_for(round, rank, deadline).await?;
                     // Arrival 1 counted every member in (crate::census),
-                    // once per run; a node found dead in its last round
+                    // once per run; a node found dead in an earlier round
                     // (partitioned for an expiry) counts itself in again.
-                    if let Some(old) = node.standing.take() {
-                        old.reconcile(&*self.store).await.map_err(self.err())?;
+                    // Not a reason to fail the join: one the store did not
+                    // take now is taken up at the next join or the leave.
+                    let old = node.standing.take();
+                    node.unsettled.extend(old);
+                    if let Err(e) = node.settle(&*self.store).await {
+                        tracing::warn!(error = %e, "could not reconcile this node's census standing; will at its leave");
                     }
                     let standing = crate::census::Standing::new(round, rank);
                     node.standing = Some(standing.clone());
@@ -859,15 +887,16 @@ impl RendezvousHandler for DynamicRendezvous {
             b.store(false, Ordering::Release);
         }
         if node.counted_in && !node.counted_out {
-            // Counted in now (even if found dead while partitioned), and
-            // never counted dead in this round after: then out, once.
-            if let Some(st) = &node.standing {
-                st.reconcile(&*self.store).await.map_err(self.err())?;
-            }
+            // Counted in now (even if found dead while partitioned, in this
+            // round or an earlier one), and never counted dead in this round
+            // after: then out, once.
+            let current = node.standing.take();
+            node.unsettled.extend(current);
+            node.settle(&*self.store).await.map_err(self.err())?;
+            node.counted_out = true;
             crate::census::gone(&*self.store)
                 .await
                 .map_err(self.err())?;
-            node.counted_out = true;
         }
         Ok(())
     }

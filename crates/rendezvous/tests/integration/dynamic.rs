@@ -674,31 +674,34 @@ async fn a_node_found_dead_while_cut_off_is_counted_back_in_and_out_once() {
         inner: store.clone(),
         cut: Default::default(),
     });
-    let a = node(&store, "a", 2, 2, timing());
+    let a = node(&store, "a", 3, 3, timing());
+    let c = node(&store, "c", 3, 3, timing());
     let b = Arc::new(DynamicRendezvous::new(
         cuttable.clone(),
         "run",
         "b".to_owned(),
-        Bounds { min: 2, max: 2 },
+        Bounds { min: 3, max: 3 },
         timing(),
         BootstrapStoreInfo {
             master_addr: "127.0.0.1".into(),
             master_port: 1,
         },
     ));
-    join_ok(&[a.clone(), b.clone()]).await;
-    remaining_becomes(&a, 1, "both in").await;
+    join_ok(&[a.clone(), b.clone(), c.clone()]).await;
+    // From a's view: b and c run (c keeps a's count above 0, which it
+    // never goes below, so that a count too low shows).
+    remaining_becomes(&a, 2, "all in").await;
     cuttable
         .cut
         .store(true, std::sync::atomic::Ordering::Relaxed);
-    remaining_becomes(&a, 0, "b found dead while cut off").await;
+    remaining_becomes(&a, 1, "b found dead while cut off").await;
     cuttable
         .cut
         .store(false, std::sync::atomic::Ordering::Relaxed);
-    remaining_becomes(&a, 1, "b back: counted in again").await;
+    remaining_becomes(&a, 2, "b back: counted in again").await;
     b.leave().await.unwrap();
-    assert_eq!(a.remaining().await.unwrap(), 0, "b counted out once");
+    assert_eq!(a.remaining().await.unwrap(), 1, "b counted out once");
     // A second leave changes nothing.
     b.leave().await.unwrap();
-    assert_eq!(a.remaining().await.unwrap(), 0, "b counted out once");
+    assert_eq!(a.remaining().await.unwrap(), 1, "b counted out once");
 }

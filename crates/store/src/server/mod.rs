@@ -47,8 +47,10 @@ pub struct ServerConfig {
     /// How long [`ServerHandle::shutdown`] waits for connection tasks to finish.
     pub shutdown_grace: Duration,
     /// TCP keep-alive on every accepted connection: the first probe after
-    /// this long idle, then every third of it, three probes. So a client
-    /// whose host died or was cut off is closed within about twice this, and
+    /// this long idle, then every third of it, three probes; and unanswered
+    /// data (a reply, or the probes) given up after twice this
+    /// (`TCP_USER_TIMEOUT`). So a client whose host died or was cut off is
+    /// closed within about twice this, idle or not, and
     /// [`StatsSnapshot::open`] counts only clients that can still reach the
     /// server (an agent keeps its job store up while it has any). `None`:
     /// the system's default (usually none: such a connection stays open).
@@ -286,11 +288,15 @@ async fn accept_loop(
     tracker: TaskTracker,
     keepalive: Option<Duration>,
 ) {
+    // TCP_USER_TIMEOUT as well: keep-alive probes are not sent while a reply
+    // is unacknowledged (say, a WAIT answered to a host that died), and
+    // retransmissions would otherwise go on for about 15 minutes.
     let keepalive = keepalive.map(|idle| {
-        socket2::TcpKeepalive::new()
+        let k = socket2::TcpKeepalive::new()
             .with_time(idle)
             .with_interval((idle / 3).max(Duration::from_secs(1)))
-            .with_retries(3)
+            .with_retries(3);
+        (k, idle * 2)
     });
     loop {
         let accepted = tokio::select! {
@@ -300,15 +306,20 @@ async fn accept_loop(
         };
         match accepted {
             Ok((stream, peer)) => {
-                shared.stats.accepted.fetch_add(1, Ordering::Relaxed);
                 if let Err(e) = stream.set_nodelay(true) {
                     tracing::debug!(%peer, error = %e, "could not set TCP_NODELAY");
                 }
-                if let Some(k) = &keepalive {
-                    if let Err(e) = socket2::SockRef::from(&stream).set_tcp_keepalive(k) {
+                if let Some((k, user_timeout)) = &keepalive {
+                    let sock = socket2::SockRef::from(&stream);
+                    if let Err(e) = sock
+                        .set_tcp_keepalive(k)
+                        .and_then(|()| sock.set_tcp_user_timeout(Some(*user_timeout)))
+                    {
                         tracing::debug!(%peer, error = %e, "could not set TCP keep-alive");
                     }
                 }
+                // Counted once set up: an open connection is one that keeps alive.
+                shared.stats.accepted.fetch_add(1, Ordering::Relaxed);
                 tracker.spawn(connection::serve(
                     stream,
                     peer,
