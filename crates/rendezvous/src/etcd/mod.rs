@@ -91,6 +91,19 @@ impl Keepalive for LeaseKeepalive {
                 // Without our lease our predecessor will count us dead, and the
                 // round re-forms: the safe outcome.
                 tracing::warn!(error = %e, round = beat.round, rank = beat.rank, "etcd keep-alive failed");
+                // This member is alive, and may run on (a run closed after
+                // success does not re-form): once etcd answers, it counts
+                // itself back into the census (see `census::Standing`).
+                while beat.beating.load(std::sync::atomic::Ordering::Acquire) {
+                    let r = tokio::time::timeout(
+                        beat.timing.keep_alive,
+                        beat.standing.reconcile(&*beat.store),
+                    );
+                    if matches!(r.await, Ok(Ok(()))) {
+                        break;
+                    }
+                    tokio::time::sleep(beat.timing.keep_alive).await;
+                }
             }
         })
     }

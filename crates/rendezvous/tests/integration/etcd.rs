@@ -340,3 +340,82 @@ async fn a_killed_member_is_noticed_through_its_lease_and_the_survivors_re_form(
         died_at.elapsed()
     );
 }
+
+/// The run's census, read from etcd: nodes counted in, less those counted
+/// out (gone or dead). (`remaining()` also asks the heartbeat counters, which
+/// the etcd backend does not use.)
+async fn census(store: &EtcdStore, run: &str) -> i64 {
+    let mut n = 0;
+    for k in store.list_keys().await.unwrap() {
+        if !k.contains(run) {
+            continue;
+        }
+        let sign = if k.ends_with("nodes/joined") {
+            1
+        } else if k.ends_with("nodes/gone") || k.ends_with("nodes/dead") {
+            -1
+        } else {
+            continue;
+        };
+        n += sign * store.add(&k, 0).await.unwrap();
+    }
+    n
+}
+
+/// A member whose lease ends while it is alive (here revoked; for real, etcd
+/// out of reach for a TTL) is found dead by its watcher, but runs on: once
+/// etcd answers it counts itself back into the census, so a host lingering
+/// on the census waits for it. Before, its keep-alive just ended, and it
+/// stayed counted out while it ran (a run closed after success does not
+/// re-form).
+#[tokio::test]
+async fn a_member_whose_lease_ended_while_alive_is_counted_back_in() {
+    let etcd = Etcd::start().await;
+    let nodes = handlers(&etcd, "revoked", 3, 3, 3).await;
+    let infos: Vec<_> = join_all(&nodes)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let store = etcd.store("/rallypoint/").await;
+    assert_eq!(census(&store, "revoked").await, 3);
+    let mut client = etcd_client::Client::connect([etcd.endpoint.as_str()], None)
+        .await
+        .unwrap();
+    // Revoke member 1's lease: its key goes, its watcher finds it dead.
+    let rank = infos[1].rank;
+    let keys = client
+        .get("", Some(etcd_client::GetOptions::new().with_all_keys()))
+        .await
+        .unwrap();
+    let kv = keys
+        .kvs()
+        .iter()
+        .find(|kv| {
+            let k = String::from_utf8_lossy(kv.key());
+            k.contains("revoked") && k.ends_with(&format!("/alive/{rank}"))
+        })
+        .expect("member 1's alive key");
+    client.lease_revoke(kv.lease()).await.unwrap();
+    // Its watcher marks it dead (the round is to re-form) ...
+    let t0 = Instant::now();
+    while nodes[0].membership().await.unwrap().dead == 0 {
+        assert!(t0.elapsed() < Duration::from_secs(15), "never found dead");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // ... and it, alive, is counted in: three nodes in the census again.
+    let t0 = Instant::now();
+    loop {
+        let n = census(&store, "revoked").await;
+        if n == 3 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(15),
+            "{n} in the census, not 3"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    nodes[1].leave().await.unwrap();
+    assert_eq!(census(&store, "revoked").await, 2, "counted out once");
+}
