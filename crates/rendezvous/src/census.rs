@@ -129,15 +129,49 @@ impl Standing {
     }
 }
 
-/// Nodes still running besides this one; `counted_in`: this node counted
-/// itself joined and not yet gone.
-pub(crate) async fn remaining(store: &dyn Store, counted_in: bool) -> Result<usize, StoreError> {
+/// What the census reads: nodes still running besides this one, and how many
+/// nodes were ever counted dead.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Count {
+    pub running: usize,
+    pub dead: i64,
+}
+
+/// The census; `counted_in`: this node counted itself joined and not yet
+/// gone.
+pub(crate) async fn remaining(store: &dyn Store, counted_in: bool) -> Result<Count, StoreError> {
     // `joined` last: a node joining and leaving between the reads can only
     // make this too large (a longer wait), never too small.
     let gone = store.add(GONE, 0).await?;
     let dead = store.add(DEAD, 0).await?;
     let joined = store.add(JOINED, 0).await?;
-    Ok((joined - gone - dead - i64::from(counted_in)).max(0) as usize)
+    Ok(Count {
+        running: (joined - gone - dead - i64::from(counted_in)).max(0) as usize,
+        dead,
+    })
+}
+
+/// A census of 0 while some node was counted dead is believed only once it
+/// has held for two keep-alive intervals: a node found dead while only cut
+/// off counts itself back in at its first beat back, within an interval of
+/// the partition's end, and a host that left in between would leave it
+/// without its store (found by the agent simulator, seed 51450).
+#[derive(Debug, Default)]
+pub(crate) struct Zero {
+    since: Option<std::time::Instant>,
+}
+
+impl Zero {
+    /// Nodes to wait for: the census's count, or 1 while its 0 is not yet
+    /// believed.
+    pub(crate) fn hold(&mut self, c: Count, interval: std::time::Duration) -> usize {
+        if c.running > 0 || c.dead == 0 {
+            self.since = None;
+            return c.running;
+        }
+        let since = *self.since.get_or_insert_with(std::time::Instant::now);
+        usize::from(since.elapsed() < 2 * interval)
+    }
 }
 
 /// Whether any of some heartbeat counters moved lately. The census cannot
@@ -172,5 +206,30 @@ impl Pulse {
             }
         }
         Ok(self.moved.is_some_and(|t| now - t < expiry))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn a_zero_with_nodes_counted_dead_is_believed_only_once_it_held() {
+        let hour = Duration::from_secs(3600);
+        let mut z = Zero::default();
+        let c = |running, dead| Count { running, dead };
+        assert_eq!(
+            z.hold(c(0, 0), hour),
+            0,
+            "nobody counted dead: believed at once"
+        );
+        assert_eq!(z.hold(c(2, 1), hour), 2);
+        assert_eq!(z.hold(c(0, 1), hour), 1, "someone counted dead: not yet");
+        assert_eq!(z.hold(c(0, 1), hour), 1);
+        assert_eq!(z.hold(c(0, 1), Duration::ZERO), 0, "held for two intervals");
+        // A count above 0 starts it over.
+        assert_eq!(z.hold(c(1, 1), Duration::ZERO), 1);
+        assert_eq!(z.hold(c(0, 1), hour), 1);
     }
 }

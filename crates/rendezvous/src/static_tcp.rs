@@ -63,6 +63,8 @@ pub struct StaticTcpRendezvous {
     standing: Arc<crate::census::Standing>,
     /// The heartbeats a lingering rank 0 looks at.
     pulse: tokio::sync::Mutex<crate::census::Pulse>,
+    /// When the census last read 0 (see [`crate::census::Zero`]).
+    zero: tokio::sync::Mutex<crate::census::Zero>,
     /// Whether this node's beats reach the store.
     health: crate::Health,
 }
@@ -107,6 +109,7 @@ impl StaticTcpRendezvous {
             left: tokio::sync::Mutex::new(false),
             standing: crate::census::Standing::new(ROUND, rank as usize),
             pulse: Default::default(),
+            zero: Default::default(),
             health: Default::default(),
         })
     }
@@ -280,9 +283,10 @@ impl RendezvousHandler for StaticTcpRendezvous {
             return Ok(0);
         };
         let counted_in = !*self.left.lock().await;
-        let n = crate::census::remaining(&**store, counted_in)
+        let count = crate::census::remaining(&**store, counted_in)
             .await
             .map_err(|e| self.connection(e))?;
+        let n = self.zero.lock().await.hold(count, self.timing.keep_alive);
         if n == 0 {
             return Ok(0);
         }

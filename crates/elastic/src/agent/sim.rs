@@ -77,8 +77,10 @@
 //!    0: torchrun's exit-barrier timeout lets a node finish before another fails.
 //! 2. No running worker is stopped in a run that has had no fault at all
 //!    (another node finishing is not a reason).
-//! 3. A job store is never shut by its host while another node's workers of
-//!    that round still run and have not been told to stop, unless the host was
+//! 3. A job store (or the static run store, or the `c10d` rendezvous host,
+//!    without which a node's agent fails its run) is never shut by its host
+//!    while another node's workers of that round still run and have not been
+//!    told to stop, unless the host was
 //!    signalled (a user stopping that node takes its store with it) or that
 //!    node is cut off from the store at the time (a partition longer than the
 //!    keep-alive expiry looks like a death to the host, and its workers cannot
@@ -327,6 +329,8 @@ struct Linger {
     quiet_since: Option<u64>,
     /// Since when the census (or the pulse) says everyone is out.
     out_since: Option<u64>,
+    /// Since when the census reads 0 (`census::Zero`).
+    zero_since: Option<u64>,
     /// The exit barrier passed.
     after_barrier: bool,
 }
@@ -766,6 +770,7 @@ impl Sim {
                         unreachable_since: None,
                         quiet_since: None,
                         out_since: None,
+                        zero_since: None,
                         after_barrier,
                     }),
                 );
@@ -1208,16 +1213,23 @@ impl Sim {
                     .workers
                     .as_ref()
                     .is_some_and(|w| w.running && !w.told)
-                && self.cfg.backend == Backend::Static
                 // Cut off from the store, it was silent to the host (see
                 // invariant 3).
                 && self.reaches(k)
             {
-                // Static: the run store is the workers' store too.
                 let r = self.nodes[k].workers.as_ref().map_or(0, |w| w.round);
-                self.violation(format!(
-                    "invariant 3: the static host left while node {k}'s workers of round {r} run"
-                ));
+                if self.cfg.backend == Backend::Static {
+                    // Static: the run store is the workers' store too.
+                    self.violation(format!(
+                        "invariant 3: the static host left while node {k}'s workers of round {r} run"
+                    ));
+                } else {
+                    // c10d: the node loses its rendezvous, and fails a run
+                    // that may succeed.
+                    self.violation(format!(
+                        "invariant 3: the rendezvous host left while node {k}'s workers of round {r} run"
+                    ));
+                }
             }
         }
     }
@@ -1665,6 +1677,7 @@ impl Sim {
                     unreachable_since,
                     quiet_since,
                     out_since,
+                    zero_since,
                     after_barrier,
                     ..
                 } = l;
@@ -1679,6 +1692,12 @@ impl Sim {
                     let s = &self.s;
                     s.census_joined - s.census_gone - s.census_dead - me <= 0
                 };
+                // A 0 with nodes counted dead is believed once it held for two
+                // keep-alive intervals (`census::Zero`).
+                let zero_since =
+                    (census_zero && self.s.census_dead > 0).then(|| zero_since.unwrap_or(self.now));
+                let census_zero = census_zero
+                    && zero_since.is_none_or(|t| self.now - t >= 2 * self.cfg.keep_alive_ms);
                 // The pulse: a member of this node's round, or of the newest
                 // one, still beats (alive, in that round, not left or joining).
                 let own = self.nodes[i].round.map(|r| r.0);
@@ -1747,6 +1766,7 @@ impl Sim {
                             unreachable_since,
                             quiet_since,
                             out_since,
+                            zero_since,
                             ..l
                         }),
                     );

@@ -123,6 +123,8 @@ struct Node {
     unsettled: Vec<Arc<crate::census::Standing>>,
     /// The heartbeats a lingering host looks at (see [`crate::census::Pulse`]).
     pulse: crate::census::Pulse,
+    /// When the census last read 0 (see [`crate::census::Zero`]).
+    zero: crate::census::Zero,
     /// Whether this node's beats in its round reach the store.
     health: crate::Health,
 }
@@ -906,9 +908,10 @@ impl RendezvousHandler for DynamicRendezvous {
     /// where nobody could count them out).
     async fn remaining(&self) -> Result<usize, RendezvousError> {
         let mut node = self.node.lock().await;
-        let n = crate::census::remaining(&*self.store, node.counted_in && !node.counted_out)
+        let count = crate::census::remaining(&*self.store, node.counted_in && !node.counted_out)
             .await
             .map_err(self.err())?;
+        let n = node.zero.hold(count, self.timing.keep_alive);
         if n == 0 {
             return Ok(0);
         }
