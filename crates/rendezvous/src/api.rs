@@ -142,8 +142,10 @@ pub trait RendezvousHandler: Send + Sync {
 
     /// Nodes of the run still running besides this one: every node that was a
     /// member of a round, less those that left and those found dead. A node
-    /// serving a store the others use keeps it up until this is 0. Backends
-    /// that do not count answer 0.
+    /// serving a store the others use keeps it up until this is 0. A 0 while
+    /// some node was found dead is answered only once it has held for two
+    /// keep-alive intervals (that node may be back from a partition and about
+    /// to count itself in again). Backends that do not count answer 0.
     async fn remaining(&self) -> Result<usize, RendezvousError> {
         Ok(0)
     }

@@ -283,9 +283,14 @@ impl RendezvousHandler for StaticTcpRendezvous {
             return Ok(0);
         };
         let counted_in = !*self.left.lock().await;
-        let count = crate::census::remaining(&**store, counted_in)
-            .await
-            .map_err(|e| self.connection(e))?;
+        // A 0 is held from an answered read on (see `census::Zero`).
+        let count = match crate::census::remaining(&**store, counted_in).await {
+            Ok(c) => c,
+            Err(e) => {
+                *self.zero.lock().await = Default::default();
+                return Err(self.connection(e));
+            }
+        };
         let n = self.zero.lock().await.hold(count, self.timing.keep_alive);
         if n == 0 {
             return Ok(0);

@@ -1694,8 +1694,9 @@ impl Sim {
                 };
                 // A 0 with nodes counted dead is believed once it held for two
                 // keep-alive intervals (`census::Zero`).
-                let zero_since =
-                    (census_zero && self.s.census_dead > 0).then(|| zero_since.unwrap_or(self.now));
+                // Held from an answered read on: an unreachable one resets it.
+                let zero_since = (census_zero && self.s.census_dead > 0 && self.reaches(i))
+                    .then(|| zero_since.unwrap_or(self.now));
                 let census_zero = census_zero
                     && zero_since.is_none_or(|t| self.now - t >= 2 * self.cfg.keep_alive_ms);
                 // The pulse: a member of this node's round, or of the newest

@@ -908,9 +908,19 @@ impl RendezvousHandler for DynamicRendezvous {
     /// where nobody could count them out).
     async fn remaining(&self) -> Result<usize, RendezvousError> {
         let mut node = self.node.lock().await;
-        let count = crate::census::remaining(&*self.store, node.counted_in && !node.counted_out)
-            .await
-            .map_err(self.err())?;
+        // A 0 is held from an answered read on (see `census::Zero`).
+        let count = match crate::census::remaining(
+            &*self.store,
+            node.counted_in && !node.counted_out,
+        )
+        .await
+        {
+            Ok(c) => c,
+            Err(e) => {
+                node.zero = Default::default();
+                return Err(self.err()(e));
+            }
+        };
         let n = node.zero.hold(count, self.timing.keep_alive);
         if n == 0 {
             return Ok(0);

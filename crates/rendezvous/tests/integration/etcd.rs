@@ -403,7 +403,30 @@ async fn a_member_whose_lease_ended_while_alive_is_counted_back_in() {
         assert!(t0.elapsed() < Duration::from_secs(15), "never found dead");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    // ... and it, alive, is counted in: three nodes in the census again.
+    // ... and both it and its watcher claim its count-out (the key reads 2:
+    // whichever came second found it taken). Without the member's claim it
+    // stays at 1 until the leave.
+    let t0 = Instant::now();
+    loop {
+        let key = store
+            .list_keys()
+            .await
+            .unwrap()
+            .into_iter()
+            .find(|k| k.contains("revoked") && k.ends_with(&format!("/census/{rank}")));
+        if let Some(k) = key {
+            if store.add(&k, 0).await.unwrap() >= 2 {
+                break;
+            }
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(15),
+            "member 1 never claimed its count-out"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // It, alive, is counted in: three nodes in the census again (once the
+    // watcher's count, if it was first, has landed too).
     let t0 = Instant::now();
     loop {
         let n = census(&store, "revoked").await;
