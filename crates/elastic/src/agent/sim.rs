@@ -1700,7 +1700,9 @@ impl Sim {
                 let census_zero = census_zero
                     && zero_since.is_none_or(|t| self.now - t >= 2 * self.cfg.keep_alive_ms);
                 // The pulse: a member of this node's round, or of the newest
-                // one, still beats (alive, in that round, not left or joining).
+                // one, still beats (alive, in that round, not left or joining,
+                // and reaching the store: a cut-off node's counter stands
+                // still, as the driver's `Pulse` sees it).
                 let own = self.nodes[i].round.map(|r| r.0);
                 let latest = self.s.members.keys().next_back().copied();
                 // Static nodes keep one heartbeat for the whole run.
@@ -1710,7 +1712,11 @@ impl Sim {
                     let in_watched_round = !n.joining
                         && n.round
                             .is_some_and(|(r, _, _)| Some(r) == own || Some(r) == latest);
-                    k != i && self.alive(k) && !n.left && (fixed || in_watched_round)
+                    k != i
+                        && self.alive(k)
+                        && !n.left
+                        && self.reaches(k)
+                        && (fixed || in_watched_round)
                 });
                 let quiet_since = if beating {
                     None
