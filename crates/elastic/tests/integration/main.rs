@@ -264,6 +264,10 @@ fn tee_role() {
         r.is_failed(),
         rallypoint_elastic::multiprocessing::logs::console_lines_dropped()
     );
+    // exit skips destructors: remove the 100 MB log ourselves (every run
+    // leaked one into /tmp, which filled a CI machine's disk).
+    drop(run);
+    dir.close().unwrap();
     std::process::exit(0);
 }
 
@@ -627,6 +631,8 @@ fn stalled_console_role() {
         .unwrap()
         .len();
     eprintln!("DONE failed={} bytes={len}", r.is_failed());
+    drop((ctx, run));
+    dir.close().unwrap(); // exit skips destructors
     // Exit before the test harness prints to the stdout nobody reads.
     std::process::exit(0);
 }
