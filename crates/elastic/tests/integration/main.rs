@@ -633,7 +633,7 @@ fn stalled_console_role() {
     eprintln!("DONE failed={} bytes={len}", r.is_failed());
     drop((ctx, run));
     dir.close().unwrap(); // exit skips destructors
-    // Exit before the test harness prints to the stdout nobody reads.
+                          // Exit before the test harness prints to the stdout nobody reads.
     std::process::exit(0);
 }
 
