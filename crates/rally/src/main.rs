@@ -1,6 +1,13 @@
 //! `rally`: the rallypoint command line. `main` parses arguments, sets up logging and
 //! calls into the libraries.
 
+/// `eprintln!`, written in one `write` (see [`say`]).
+macro_rules! say {
+    ($($arg:tt)*) => {
+        $crate::say(format_args!($($arg)*))
+    };
+}
+
 mod run;
 mod stacks;
 
@@ -84,14 +91,14 @@ fn main() -> anyhow::Result<()> {
         Command::Run(args) => match run::run(*args) {
             Ok(code) => std::process::exit(code),
             Err(e) => {
-                eprintln!("rally run: {e:#}");
+                say!("rally run: {e:#}");
                 std::process::exit(2)
             }
         },
         Command::Stacks(args) => match stacks::run(args) {
             Ok(code) => std::process::exit(code),
             Err(e) => {
-                eprintln!("rally stacks: {e:#}");
+                say!("rally stacks: {e:#}");
                 std::process::exit(2)
             }
         },
@@ -179,4 +186,16 @@ async fn shutdown_signal() {
         _ = tokio::signal::ctrl_c() => {}
         _ = term.recv() => {}
     }
+}
+
+/// Writes one line to stderr in one `write`. The workers share the
+/// launcher's stderr (inherited), and `eprintln!` writes each formatted
+/// piece separately, so a worker's line could land inside one of ours (seen
+/// in CI: "rally run: round 0 formed: node err-1"); a single write of a
+/// line (under `PIPE_BUF`, 4 KiB, on a pipe) is never split.
+pub(crate) fn say(args: std::fmt::Arguments) {
+    use std::io::Write;
+    let mut line = args.to_string();
+    line.push('\n');
+    let _ = std::io::stderr().lock().write_all(line.as_bytes());
 }

@@ -509,7 +509,7 @@ fn plan(a: &RunArgs) -> anyhow::Result<Plan> {
             // other job shares it, and torchrun does not warn either.
             (None, _) if backend == "static" => "none".into(),
             (None, _) => {
-                eprintln!("rally run: warning: no --rdzv-id; jobs sharing this rendezvous endpoint will collide (run id \"none\")");
+                say!("rally run: warning: no --rdzv-id; jobs sharing this rendezvous endpoint will collide (run id \"none\")");
                 "none".into()
             }
         };
@@ -628,7 +628,7 @@ fn numa_bindings(mode: &str, nproc: usize) -> anyhow::Result<Vec<numa::Binding>>
     let Some(mut bindings) =
         numa::plan(&topo, parsed, nproc, &allowed, visible.as_deref()).with_context(flag)?
     else {
-        eprintln!(
+        say!(
             "rally run: {}: this machine has no GPU to bind near; the workers run unbound",
             flag()
         );
@@ -639,7 +639,7 @@ fn numa_bindings(mode: &str, nproc: usize) -> anyhow::Result<Vec<numa::Binding>>
         if !memory {
             b.mem_nodes.clear();
         }
-        eprintln!(
+        say!(
             "rally run: {}: local rank {rank} (GPU {}, NUMA node {}) on CPUs {}{}",
             flag(),
             b.gpu,
@@ -662,7 +662,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<i32> {
     let plan = plan(&a)?;
     // Workers inherit these, as under torchrun.
     if plan.spec.local_world_size > 1 && std::env::var_os("OMP_NUM_THREADS").is_none() {
-        eprintln!("rally run: setting OMP_NUM_THREADS=1 for each worker (set it yourself to tune)");
+        say!("rally run: setting OMP_NUM_THREADS=1 for each worker (set it yourself to tune)");
         std::env::set_var("OMP_NUM_THREADS", "1");
     }
     std::env::set_var("TORCHELASTIC_SIGNALS_TO_HANDLE", &a.signals_to_handle);
@@ -687,7 +687,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<i32> {
     let handler = match rt.block_on(registry.create_handler(plan.params.clone())) {
         Ok(h) => Arc::<dyn rallypoint_rendezvous::RendezvousHandler>::from(h),
         Err(e) => {
-            eprintln!(
+            say!(
                 "rally run: cannot set up the {:?} rendezvous: {}",
                 plan.params.backend,
                 chain(&e)
@@ -695,7 +695,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<i32> {
             return Ok(Outcome::Rendezvous(e).exit_code());
         }
     };
-    eprintln!(
+    say!(
         "rally run: run {} | {} rendezvous at {} | nodes {nodes} | {} worker(s) per node | max restarts {}",
         plan.params.run_id,
         plan.params.backend,
@@ -725,7 +725,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<i32> {
         let bound = rt
             .block_on(status::serve(addr, agent.status()))
             .with_context(|| format!("--status-port {port}"))?;
-        eprintln!("rally run: status at http://{bound}/status, metrics at /metrics");
+        say!("rally run: status at http://{bound}/status, metrics at /metrics");
     }
     // On this thread: the workers' parent-death signal follows it.
     let outcome = rt.block_on(agent.run());
@@ -746,11 +746,11 @@ pub fn run(a: RunArgs) -> anyhow::Result<i32> {
     ) = (&outcome, runs_python(&a))
     {
         if let Some(hint) = interpreter_hint(root) {
-            eprintln!("{hint}");
+            say!("{hint}");
         }
     }
     if let Err(e) = write_launcher_error_file(&outcome) {
-        eprintln!("rally run: {e:#}");
+        say!("rally run: {e:#}");
     }
     let code = outcome.exit_code();
     // Do not wait for background tasks (heartbeats, the hosted store).
@@ -764,7 +764,7 @@ struct Console;
 impl EventSink for Console {
     fn emit(&self, event: &AgentEvent) {
         match event {
-            AgentEvent::RendezvousWaiting { run_id, waited } => eprintln!(
+            AgentEvent::RendezvousWaiting { run_id, waited } => say!(
                 "rally run: still waiting for the rendezvous of run {run_id:?} after {:.0?}",
                 waited
             ),
@@ -777,7 +777,7 @@ impl EventSink for Console {
                 master_addr,
                 master_port,
                 ..
-            } => eprintln!(
+            } => say!(
                 "rally run: round {round} formed: node {group_rank} of {group_world_size}, ranks {}..{} of {world_size}, job store {master_addr}:{master_port}",
                 ranks.start, ranks.end
             ),
@@ -785,41 +785,41 @@ impl EventSink for Console {
                 nodes_waiting,
                 members_dead,
                 ..
-            } => eprintln!(
+            } => say!(
                 "rally run: membership changed ({nodes_waiting} node(s) waiting, {members_dead} lost); re-forming the group"
             ),
             AgentEvent::GroupRestarting {
                 failed_rounds,
                 max_restarts,
                 cause,
-            } => eprintln!(
+            } => say!(
                 "rally run: worker failed ({}); restarting the group (restart {failed_rounds} of {max_restarts})",
                 cause.as_deref().unwrap_or("unknown")
             ),
-            AgentEvent::RunClosedAfterSuccess { .. } => eprintln!(
+            AgentEvent::RunClosedAfterSuccess { .. } => say!(
                 "rally run: another node finished and closed the run; this node's workers keep running (no more restarts)"
             ),
-            AgentEvent::RendezvousUnreachable { error } => eprintln!(
+            AgentEvent::RendezvousUnreachable { error } => say!(
                 "rally run: cannot reach the rendezvous ({error}); the workers keep running for now"
             ),
-            AgentEvent::SignalReceived { signal, phase } => eprintln!(
+            AgentEvent::SignalReceived { signal, phase } => say!(
                 "rally run: {} received during {phase}; stopping",
                 rallypoint_elastic::multiprocessing::signal_name(*signal)
             ),
             AgentEvent::StacksDumped { workers, took, .. } => {
                 let read = workers.iter().filter(|(.., error)| error.is_none()).count();
-                eprintln!(
+                say!(
                     "rally run: read the stacks of {read} of {} running worker(s) in {took:.0?} before stopping them",
                     workers.len()
                 );
             }
-            AgentEvent::StopIncomplete { pids } => eprintln!(
+            AgentEvent::StopIncomplete { pids } => say!(
                 "rally run: processes {pids:?} did not die after SIGKILL (stuck in the kernel?)"
             ),
             AgentEvent::ExitBarrierTimedOut { error } => {
-                eprintln!("rally run: exit barrier did not complete: {error}")
+                say!("rally run: exit barrier did not complete: {error}")
             }
-            AgentEvent::HostLingering { nodes_left } => eprintln!(
+            AgentEvent::HostLingering { nodes_left } => say!(
                 "rally run: keeping the rendezvous store up until {nodes_left} other node(s) have seen the outcome"
             ),
             AgentEvent::CleanupFailed { what, error } => {
@@ -835,14 +835,14 @@ fn report(outcome: &Outcome, name: &str) {
         Outcome::Succeeded { attempts, barrier } => {
             let restarts = attempts.saturating_sub(1);
             match barrier {
-                None => eprintln!("rally run: job succeeded ({restarts} restart(s))"),
-                Some(why) => eprintln!(
+                None => say!("rally run: job succeeded ({restarts} restart(s))"),
+                Some(why) => say!(
                     "rally run: this node's workers succeeded ({restarts} restart(s)); the exit barrier did not complete: {why}"
                 ),
             }
         }
         Outcome::NotNeeded => {
-            eprintln!("rally run: the job ended without this node (it was a spare)")
+            say!("rally run: the job ended without this node (it was a spare)")
         }
         Outcome::Failed {
             reason,
@@ -850,7 +850,7 @@ fn report(outcome: &Outcome, name: &str) {
             failures,
             stopped,
         } => {
-            eprintln!("rally run: job FAILED: {reason} (failed rounds: {failures})");
+            say!("rally run: job FAILED: {reason} (failed rounds: {failures})");
             // torchrun's ChildFailedError layout; the root cause is job-wide here
             // (torchrun's is per node).
             let border = "=".repeat(60);
@@ -866,24 +866,24 @@ fn report(outcome: &Outcome, name: &str) {
                     where_stopped(stopped)
                 ),
             };
-            eprintln!(
+            say!(
                 "{border}\n{name} FAILED\n{section}\nRoot Cause (first observed failure, across all nodes):\n{root}{stopped}\n{border}"
             );
         }
         Outcome::Signaled { signal, stopped } => {
-            eprintln!(
+            say!(
                 "rally run: stopped by {}; workers were sent the signal",
                 rallypoint_elastic::multiprocessing::signal_name(*signal)
             );
             if !stopped.is_empty() {
-                eprintln!(
+                say!(
                     "rally run: where each worker was:\n{}",
                     where_stopped(stopped)
                 );
             }
         }
-        Outcome::Rendezvous(e) => eprintln!("rally run: rendezvous failed: {}", chain(e)),
-        Outcome::Error(e) => eprintln!("rally run: {e}"),
+        Outcome::Rendezvous(e) => say!("rally run: rendezvous failed: {}", chain(e)),
+        Outcome::Error(e) => say!("rally run: {e}"),
     }
 }
 

@@ -134,7 +134,7 @@ pub fn run(a: StacksArgs) -> anyhow::Result<i32> {
         if let Err(e) = &d.stacks {
             all_read = false;
             if e.contains("ermission") || e.contains("EPERM") {
-                eprintln!("rally stacks: pid {}: reading its memory needs ptrace permission (run as root, or set kernel.yama.ptrace_scope=0)", d.target.pid);
+                say!("rally stacks: pid {}: reading its memory needs ptrace permission (run as root, or set kernel.yama.ptrace_scope=0)", d.target.pid);
             }
         }
     }

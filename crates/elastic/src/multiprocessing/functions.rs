@@ -91,7 +91,9 @@ pub fn dispatch(registry: &Registry) -> Option<i32> {
     Some(match result {
         Ok(()) => 0,
         Err(e) => {
-            eprintln!("worker function {name:?} failed: {e}");
+            // One write, so that other workers' output cannot split it.
+            let line = format!("worker function {name:?} failed: {e}\n");
+            let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
             1
         }
     })

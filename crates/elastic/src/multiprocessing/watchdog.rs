@@ -194,7 +194,10 @@ fn watch(mark: &str, mut pipe: File) -> ! {
     }
     let left = kill_marked(mark, Duration::from_secs(2));
     if !left.is_empty() {
-        eprintln!("rally watchdog: processes {left:?} survived SIGKILL (stuck in the kernel?)");
+        // One write: a line in pieces could be split by the workers' output.
+        let line =
+            format!("rally watchdog: processes {left:?} survived SIGKILL (stuck in the kernel?)\n");
+        let _ = std::io::stderr().write_all(line.as_bytes());
     }
     std::process::exit(0);
 }

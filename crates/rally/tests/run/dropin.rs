@@ -554,3 +554,59 @@ fn flags_torchrun_has_are_listed_completed_or_refused_clearly() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("CUDA_VISIBLE_DEVICES=\"\""), "{err}");
 }
+
+/// The launcher's own lines reach a console shared with the workers (their
+/// stderr is inherited) in one write each, so a worker's output never lands
+/// mid-line in them. `eprintln!` writes each formatted piece separately: CI
+/// once saw "rally run: round 0 formed: node err-1" with a worker's "err-1"
+/// inside. Here stderr is a datagram socket, which keeps every write apart.
+#[test]
+fn the_launchers_lines_are_written_whole() {
+    use std::os::unix::net::UnixDatagram;
+    let (ours, theirs) = UnixDatagram::pair().unwrap();
+    let mut c = rally(&[
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--no-python",
+        "sh",
+        "-c",
+        "exit 0",
+    ]);
+    c.stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::from(std::os::fd::OwnedFd::from(
+            theirs,
+        )));
+    let mut child = c.spawn().unwrap();
+    drop(c); // our copy of the child's end
+    ours.set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    let mut writes = Vec::new();
+    let mut buf = vec![0u8; 1 << 16];
+    let deadline = Instant::now() + LIMIT;
+    loop {
+        match ours.recv(&mut buf) {
+            Ok(k) => writes.push(String::from_utf8_lossy(&buf[..k]).into_owned()),
+            Err(_) if child.try_wait().unwrap().is_some() => break,
+            Err(_) => assert!(Instant::now() < deadline, "rally run did not end"),
+        }
+    }
+    assert!(child.wait().unwrap().success(), "{writes:?}");
+    let ours: Vec<&String> = writes
+        .iter()
+        .filter(|w| w.starts_with("rally run"))
+        .collect();
+    assert!(ours.len() >= 3, "{writes:?}");
+    for w in &ours {
+        assert!(
+            w.ends_with('\n') && w.matches('\n').count() == 1,
+            "a launcher line in pieces: {w:?} (all writes: {writes:?})"
+        );
+    }
+    for w in &writes {
+        assert!(
+            w.ends_with('\n'),
+            "a write that ends mid-line: {w:?} (all writes: {writes:?})"
+        );
+    }
+}
