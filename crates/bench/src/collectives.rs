@@ -49,9 +49,11 @@ pub struct CollectivesArgs {
     #[arg(long, default_value_t = 4)]
     min_bytes: usize,
     /// Sides: rally (shared memory on one host, the default), rally-tcp
-    /// (shared memory off), rally-2host (the ranks told they are on two
-    /// hosts, half each: two-level all_reduce, broadcast and barrier, with
-    /// loopback TCP between the "hosts"), gloo.
+    /// (shared memory off), rally-tcp-owned (the same through the `*_async`
+    /// forms, which own their buffers and so receive straight into them),
+    /// rally-2host (the ranks told they are on two hosts, half each:
+    /// two-level all_reduce, broadcast and barrier, with loopback TCP between
+    /// the "hosts"), gloo.
     #[arg(long, value_delimiter = ',', default_value = "rally,rally-tcp,gloo")]
     sides: Vec<String>,
     /// Bytes per raw TCP measurement.
@@ -145,7 +147,7 @@ pub fn run(args: CollectivesArgs) -> Result<()> {
                     .with_context(|| format!("{side} with {n} ranks"))?;
                 results.insert(side.clone(), r);
             }
-            for ours in ["rally", "rally-tcp", "rally-2host"] {
+            for ours in ["rally", "rally-tcp", "rally-tcp-owned", "rally-2host"] {
                 if results.contains_key(ours) {
                     report(n, ours, &args.ops, &sizes, &results, uni, ring, copy);
                 }
@@ -281,13 +283,20 @@ fn ranks(
     let mut children = Vec::with_capacity(n);
     for r in 0..n {
         let mut c = match side {
-            "rally" | "rally-tcp" | "rally-2host" => {
+            "rally" | "rally-tcp" | "rally-tcp-owned" | "rally-2host" => {
                 let mut c = Command::new(std::env::current_exe()?);
                 c.arg("coll-rank");
                 c.env(
                     "RALLY_BENCH_SHM",
-                    if side == "rally-tcp" { "0" } else { "1" },
+                    if side.starts_with("rally-tcp") {
+                        "0"
+                    } else {
+                        "1"
+                    },
                 );
+                if side == "rally-tcp-owned" {
+                    c.env("RALLY_BENCH_OWNED", "1");
+                }
                 if side == "rally-2host" {
                     c.env("RALLY_BENCH_HOST", format!("h{}", r * 2 / n));
                 }
@@ -419,6 +428,7 @@ pub fn rank(
         })
         .await?;
         let sizes: Vec<usize> = sizes.split(',').map(str::parse).collect::<Result<_, _>>()?;
+        let owned = std::env::var("RALLY_BENCH_OWNED").as_deref() == Ok("1");
         for op in ops.split(',') {
             let list = if op == "barrier" {
                 vec![4]
@@ -427,15 +437,15 @@ pub fn rank(
             };
             for bytes in list {
                 let count = (bytes / 4).max(1);
-                check(&pg, op, count).await?;
+                check(&pg, op, count, owned).await?;
                 // Zeros: repeated sums into one buffer stay exact (ones
                 // overflowed to infinity after ~128 all_reduces).
                 let mut buf = vec![0.0f32; count];
                 let mut out = vec![0.0f32; if op == "all_gather" { count * n } else { 0 }];
                 let iters = iters_for(bytes);
-                timed(&pg, op, &mut buf, &mut out, (iters / 10).max(2)).await?;
+                timed(&pg, op, &mut buf, &mut out, (iters / 10).max(2), owned).await?;
                 pg.barrier().await?;
-                let dt = timed(&pg, op, &mut buf, &mut out, iters)
+                let dt = timed(&pg, op, &mut buf, &mut out, iters, owned)
                     .await?
                     .as_secs_f64()
                     / iters as f64;
@@ -452,7 +462,7 @@ pub fn rank(
 
 /// One `op` of `count` elements on inputs that differ by rank, with its
 /// result checked, so that a benchmark never times a wrong answer.
-async fn check(pg: &ProcessGroup, op: &str, count: usize) -> Result<()> {
+async fn check(pg: &ProcessGroup, op: &str, count: usize, owned: bool) -> Result<()> {
     let (n, r) = (pg.size(), pg.rank());
     let mine = |r: usize| (0..count).map(move |i| ((i + r) % 7) as f32);
     let got: Vec<f32>;
@@ -460,7 +470,11 @@ async fn check(pg: &ProcessGroup, op: &str, count: usize) -> Result<()> {
     match op {
         "all_reduce" => {
             let mut b: Vec<f32> = mine(r).collect();
-            pg.all_reduce(&mut b, ReduceOp::Sum).await?;
+            if owned {
+                b = pg.all_reduce_async(b, ReduceOp::Sum).wait().await?;
+            } else {
+                pg.all_reduce(&mut b, ReduceOp::Sum).await?;
+            }
             want = (0..count)
                 .map(|i| (0..n).map(|q| ((i + q) % 7) as f32).sum())
                 .collect();
@@ -468,14 +482,22 @@ async fn check(pg: &ProcessGroup, op: &str, count: usize) -> Result<()> {
         }
         "broadcast" => {
             let mut b: Vec<f32> = mine(r).collect();
-            pg.broadcast(&mut b, 0).await?;
+            if owned {
+                b = pg.broadcast_async(b, 0).wait().await?;
+            } else {
+                pg.broadcast(&mut b, 0).await?;
+            }
             want = mine(0).collect();
             got = b;
         }
         "all_gather" => {
             let mut out = vec![0.0f32; count * n];
-            pg.all_gather(&mine(r).collect::<Vec<_>>(), &mut out)
-                .await?;
+            let input: Vec<f32> = mine(r).collect();
+            if owned {
+                out = pg.all_gather_async(input).wait().await?;
+            } else {
+                pg.all_gather(&input, &mut out).await?;
+            }
             want = (0..n).flat_map(mine).collect();
             got = out;
         }
@@ -487,15 +509,28 @@ async fn check(pg: &ProcessGroup, op: &str, count: usize) -> Result<()> {
     Ok(())
 }
 
+/// `k` ops; `owned`: all_reduce and broadcast through their `*_async`
+/// forms, moving the buffer in and out (no copy).
 async fn timed(
     pg: &ProcessGroup,
     op: &str,
-    buf: &mut [f32],
+    buf: &mut Vec<f32>,
     out: &mut [f32],
     k: usize,
+    owned: bool,
 ) -> Result<Duration> {
     let t0 = Instant::now();
     for _ in 0..k {
+        // all_gather_async consumes its input: the borrowing form is timed
+        // for it (its input would need a copy per op).
+        if owned && (op == "all_reduce" || op == "broadcast") {
+            let b = std::mem::take(buf);
+            *buf = match op {
+                "all_reduce" => pg.all_reduce_async(b, ReduceOp::Sum).wait().await?,
+                _ => pg.broadcast_async(b, 0).wait().await?,
+            };
+            continue;
+        }
         match op {
             "all_reduce" => pg.all_reduce(buf, ReduceOp::Sum).await?,
             "broadcast" => pg.broadcast(buf, 0).await?,

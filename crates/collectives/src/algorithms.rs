@@ -31,6 +31,7 @@ pub(crate) mod choice;
 mod direct;
 mod dissemination;
 mod doubling;
+mod posted;
 mod ring;
 mod tree;
 

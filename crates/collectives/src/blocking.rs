@@ -76,16 +76,24 @@ impl BlockingGroup {
         self.run(|pg| pg.barrier())
     }
 
+    // These three receive large payloads straight into the caller's buffer
+    // (see `algorithms/posted.rs`): SAFETY: `block_on` runs the op's future
+    // to completion, or drops it while unwinding, before the call returns,
+    // so it is never leaked and `buf` outlives it.
+
     pub fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
-        self.run(|pg| pg.all_reduce(buf, op))
+        self.rt
+            .block_on(unsafe { self.pg.all_reduce_posting(buf, op) })
     }
 
     pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
-        self.run(|pg| pg.broadcast(buf, root))
+        self.rt
+            .block_on(unsafe { self.pg.broadcast_posting(buf, root) })
     }
 
     pub fn all_gather<T: Element>(&self, input: &[T], out: &mut [T]) -> Result<()> {
-        self.run(|pg| pg.all_gather(input, out))
+        self.rt
+            .block_on(unsafe { self.pg.all_gather_posting(input, out) })
     }
 
     pub fn send<T: Element>(&self, data: &[T], dst: usize, tag: u32) -> Result<()> {

@@ -556,6 +556,16 @@ impl ProcessGroup {
         self.comm.sh().filed_bytes()
     }
 
+    /// Payload bytes received over TCP straight into the caller's buffers,
+    /// for this group and every group of its world: the large receives of
+    /// the `*_async` forms of all_reduce, broadcast and all_gather, and of
+    /// [`crate::blocking::BlockingGroup`]'s. The borrowing `async` methods
+    /// copy each segment out of a receive buffer instead (a borrowed buffer
+    /// can outlive nothing its future leaks; see `algorithms/posted.rs`).
+    pub fn received_in_place_bytes(&self) -> u64 {
+        self.comm.sh().landed_bytes()
+    }
+
     /// The error operations fail with, if the group is aborted.
     pub fn aborted(&self) -> Option<Error> {
         self.comm.sh().aborted(self.comm.id)
@@ -675,6 +685,7 @@ impl ProcessGroup {
             noted: Mutex::new(None),
             done: AtomicBool::new(false),
             doomed: Mutex::new(None),
+            posting: false,
         }
     }
 
@@ -770,6 +781,51 @@ impl ProcessGroup {
     pub async fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
         let cx = self.begin_all_reduce::<T>(buf.len(), op)?;
         drive(&cx, all_reduce_impl(&cx, buf, op)).await
+    }
+
+    /// [`ProcessGroup::all_reduce`], receiving large payloads straight into
+    /// `buf`.
+    ///
+    /// # Safety
+    ///
+    /// The future must not be leaked: run it to completion or drop it
+    /// before `buf`'s borrow ends (see [`OpCtx::allow_posting`]).
+    pub(crate) async unsafe fn all_reduce_posting<T: Element>(
+        &self,
+        buf: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let cx = self.begin_all_reduce::<T>(buf.len(), op)?.allow_posting();
+        drive(&cx, all_reduce_impl(&cx, buf, op)).await
+    }
+
+    /// [`ProcessGroup::broadcast`], receiving into `buf` in place.
+    ///
+    /// # Safety
+    ///
+    /// As [`ProcessGroup::all_reduce_posting`].
+    pub(crate) async unsafe fn broadcast_posting<T: Element>(
+        &self,
+        buf: &mut [T],
+        root: usize,
+    ) -> Result<()> {
+        let cx = self.begin_broadcast::<T>(buf.len(), root)?.allow_posting();
+        drive(&cx, broadcast_impl(&cx, buf, root)).await
+    }
+
+    /// [`ProcessGroup::all_gather`], receiving into `out` in place.
+    ///
+    /// # Safety
+    ///
+    /// As [`ProcessGroup::all_reduce_posting`].
+    pub(crate) async unsafe fn all_gather_posting<T: Element>(
+        &self,
+        input: &[T],
+        out: &mut [T],
+    ) -> Result<()> {
+        self.expect_len("all_gather output", out.len(), input.len() * self.size())?;
+        let cx = self.begin_all_gather::<T>(input.len())?.allow_posting();
+        drive(&cx, all_gather_impl(&cx, input, out)).await
     }
 
     fn begin_all_reduce<T: Element>(&self, len: usize, op: ReduceOp) -> Result<OpCtx> {
@@ -1041,22 +1097,34 @@ impl ProcessGroup {
 
     /// Starts an all-reduce of `buf` and returns at once; the sequence number is
     /// taken now, so operations started in order run in order.
-    pub fn all_reduce_async<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
-        self.spawn_op(self.begin_all_reduce::<T>(buf.len(), op), |cx| async move {
+    ///
+    /// Large payloads are received straight into `buf` (see
+    /// `algorithms/posted.rs`); the borrowing [`ProcessGroup::all_reduce`]
+    /// copies each received segment once more.
+    pub fn all_reduce_async<T: Element>(&self, buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
+        // SAFETY: the task owns `buf`, declared before the op's future, which
+        // is dropped first however the task ends.
+        let cx = self
+            .begin_all_reduce::<T>(buf.len(), op)
+            .map(|cx| unsafe { cx.allow_posting() });
+        self.spawn_op(cx, |cx| async move {
+            let mut buf = buf;
             drive(&cx, all_reduce_impl(&cx, &mut buf, op)).await?;
             Ok(buf)
         })
     }
 
     /// Starts a broadcast; see [`ProcessGroup::all_reduce_async`].
-    pub fn broadcast_async<T: Element>(&self, mut buf: Vec<T>, root: usize) -> Work<Vec<T>> {
-        self.spawn_op(
-            self.begin_broadcast::<T>(buf.len(), root),
-            |cx| async move {
-                drive(&cx, broadcast_impl(&cx, &mut buf, root)).await?;
-                Ok(buf)
-            },
-        )
+    pub fn broadcast_async<T: Element>(&self, buf: Vec<T>, root: usize) -> Work<Vec<T>> {
+        // SAFETY: as in `all_reduce_async`.
+        let cx = self
+            .begin_broadcast::<T>(buf.len(), root)
+            .map(|cx| unsafe { cx.allow_posting() });
+        self.spawn_op(cx, |cx| async move {
+            let mut buf = buf;
+            drive(&cx, broadcast_impl(&cx, &mut buf, root)).await?;
+            Ok(buf)
+        })
     }
 
     /// Starts a reduce to `root` (whose result the work returns; other ranks
@@ -1079,7 +1147,11 @@ impl ProcessGroup {
     /// Starts an all-gather; see [`ProcessGroup::all_reduce_async`].
     pub fn all_gather_async<T: Element>(&self, input: Vec<T>) -> Work<Vec<T>> {
         let n = self.size();
-        self.spawn_op(self.begin_all_gather::<T>(input.len()), |cx| async move {
+        // SAFETY: as in `all_reduce_async` (`out` is the task's).
+        let cx = self
+            .begin_all_gather::<T>(input.len())
+            .map(|cx| unsafe { cx.allow_posting() });
+        self.spawn_op(cx, |cx| async move {
             let mut out = vec![T::from_i8(0); input.len() * n];
             drive(&cx, all_gather_impl(&cx, &input, &mut out)).await?;
             Ok(out)
@@ -1436,6 +1508,10 @@ pub(crate) struct OpCtx {
     /// or its group already aborted for it), whatever the body did: every
     /// send and receive of an op the group's abort fails fails at once.
     doomed: Mutex<Option<Error>>,
+    /// Whether the op's future is dropped before its buffers' borrows end
+    /// (it cannot be leaked), so that it may post receives into them (see
+    /// `algorithms/posted.rs`).
+    posting: bool,
 }
 
 impl OpCtx {
@@ -1711,16 +1787,40 @@ impl OpCtx {
             .map_err(|f| self.error(f))
     }
 
-    async fn recv(&self, from: usize, step: u32, elems: usize, dtype: DType) -> Result<Buf> {
-        self.set_waiting(from, step, false);
-        let key = Key {
+    /// The key of this op's frame from `from` at `step`.
+    pub(crate) fn key(&self, from: usize, step: u32) -> Key {
+        Key {
             comm: self.comm.id,
             src: self.world(from) as u32,
             p2p: self.p2p,
             tag: if self.p2p { self.desc.root } else { 0 },
             seq: self.seq,
             step,
-        };
+        }
+    }
+
+    /// Whether the op may post receives into its buffers: its future is
+    /// dropped before their borrows end (see `algorithms/posted.rs`).
+    pub(crate) fn may_post(&self) -> bool {
+        self.posting && !self.p2p
+    }
+
+    /// Lets the op post receives into its buffers.
+    ///
+    /// # Safety
+    ///
+    /// The op's future must be dropped (or run to completion) before the
+    /// borrows of the buffers it is given end: it is never leaked. True of a
+    /// future owned by a task that owns the buffers (`*_async`), and of one
+    /// run within a blocking call ([`crate::blocking::BlockingGroup`]).
+    pub(crate) unsafe fn allow_posting(mut self) -> OpCtx {
+        self.posting = true;
+        self
+    }
+
+    async fn recv(&self, from: usize, step: u32, elems: usize, dtype: DType) -> Result<Buf> {
+        self.set_waiting(from, step, false);
+        let key = self.key(from, step);
         let f = self
             .comm
             .sh()
@@ -1738,19 +1838,23 @@ impl OpCtx {
                 expected: format!("{} x {}", self.desc.dtype, self.desc.count),
             });
         }
-        let want = elems * dtype.size();
-        if f.buf.len() != want {
+        self.check_len(from, step, f.buf.len(), elems * dtype.size())?;
+        Ok(f.buf)
+    }
+
+    /// A frame from `from` at `step` of `got` bytes where `want` were due.
+    pub(crate) fn check_len(&self, from: usize, step: u32, got: usize, want: usize) -> Result<()> {
+        if got != want {
             return Err(Error::Protocol {
                 group: self.comm.members.name.clone(),
                 rank: from,
                 reason: format!(
-                    "sent {} bytes for step {step} of {}; expected {want}",
-                    f.buf.len(),
+                    "sent {got} bytes for step {step} of {}; expected {want}",
                     self.name()
                 ),
             });
         }
-        Ok(f.buf)
+        Ok(())
     }
 
     pub(crate) async fn recv_copy<T: Element>(

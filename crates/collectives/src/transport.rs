@@ -63,11 +63,13 @@ const SETTLE_MAX: Duration = Duration::from_millis(250);
 const ABORT_DEADLINE: Duration = Duration::from_secs(2);
 
 mod flow;
+mod landing;
 mod router;
 
 use flow::{Go, Outbound, Release};
-pub(crate) use router::{Clash, Fail, Frame, Key};
-use router::{Delivery, Router, Start};
+pub(crate) use landing::{Gate, Landing};
+pub(crate) use router::{Clash, Fail, Frame, Key, Start};
+use router::{Delivery, Router};
 
 /// A group's name and members (world ranks, in group-rank order).
 #[derive(Clone)]
@@ -199,6 +201,8 @@ pub(crate) struct Shared {
     /// host), from which each group decides on shared memory (see `shm`).
     pub hosts: Mutex<HashMap<usize, (u32, String)>>,
     refused: AtomicU64,
+    /// See [`Shared::landed_bytes`].
+    landed_bytes: AtomicU64,
     next_conn: AtomicU64,
     /// Accepted connections still in their handshake (whose peer is not known yet).
     handshaking: AtomicUsize,
@@ -278,6 +282,7 @@ impl Transport {
             hosts: Mutex::default(),
             unpublished: Mutex::default(),
             refused: AtomicU64::new(0),
+            landed_bytes: AtomicU64::new(0),
             next_conn: AtomicU64::new(0),
             handshaking: AtomicUsize::new(0),
             handshakes_done: tokio::sync::Notify::new(),
@@ -360,8 +365,33 @@ impl Shared {
         want: Option<Desc>,
         deadline: Instant,
     ) -> Result<Frame, Fail> {
+        let start = self.start_recv(key, None);
+        self.wait_recv(key, start, want, deadline).await
+    }
+
+    /// Starts a receive (see [`Shared::recv`]) without waiting, posting
+    /// `landing` for its payload (see `landing.rs`).
+    pub fn start_recv(self: &Arc<Self>, key: Key, landing: Option<Landing>) -> Start {
+        self.route(|r| r.start_recv(key, landing))
+    }
+
+    /// Stops the receives of `keys` still waiting (their op ended).
+    pub fn cancel_recvs(&self, keys: &[Key]) {
+        let mut r = lock(&self.router);
+        for &k in keys {
+            r.cancel_recv(k);
+        }
+    }
+
+    /// Waits for a receive begun with [`Shared::start_recv`].
+    pub async fn wait_recv(
+        self: &Arc<Self>,
+        key: Key,
+        start: Start,
+        want: Option<Desc>,
+        deadline: Instant,
+    ) -> Result<Frame, Fail> {
         let src = key.src as usize;
-        let start = self.route(|r| r.start_recv(key));
         let mut rx = match start {
             Start::Ready(f) => return Ok(f),
             Start::Failed(f) => return Err(f),
@@ -1124,27 +1154,32 @@ impl Shared {
     /// Hands a data frame to its waiter or the mailbox, checking it against the
     /// local operation first.
     fn deliver(self: &Arc<Self>, src: usize, header: Header, buf: Buf) -> Result<(), String> {
-        let Header::Data {
-            comm,
-            seq,
-            step,
-            desc,
-            ..
-        } = header
-        else {
-            unreachable!("only data frames are delivered")
-        };
-        let p2p = desc.op == OpKind::Send;
-        let key = Key {
-            comm,
-            src: src as u32,
-            p2p,
-            tag: if p2p { desc.root } else { 0 },
-            seq,
-            step,
-        };
+        let (key, desc) = data_key(src, &header);
         let d = self.route(|r| r.deliver(key, desc, buf));
         self.act(src, d)
+    }
+
+    /// The landing posted for a data frame from `src`, if its payload may be
+    /// read straight into it.
+    fn land(self: &Arc<Self>, src: usize, header: &Header) -> Option<Landing> {
+        let (key, desc) = data_key(src, header);
+        lock(&self.router).land(key, desc, header.payload_len() as usize)
+    }
+
+    /// A payload taken by [`Shared::land`] was read (into its landing if
+    /// `whole`).
+    fn landed(self: &Arc<Self>, src: usize, header: &Header, whole: bool) {
+        let (key, desc) = data_key(src, header);
+        let len = header.payload_len();
+        if whole {
+            self.landed_bytes.fetch_add(len, Ordering::Relaxed);
+        }
+        self.route(|r| r.landed(key, desc, len as usize));
+    }
+
+    /// Payload bytes read straight into operations' buffers.
+    pub fn landed_bytes(&self) -> u64 {
+        self.landed_bytes.load(Ordering::Relaxed)
     }
 
     /// A peer waits for our part of collective `seq` (or, `desc.op` being
@@ -1367,6 +1402,68 @@ fn watch_liveness(s: &TcpStream, within: Duration) {
 /// The reader's buffer, in bytes.
 const READ_BUFFER: usize = 8 << 10;
 
+/// A data frame's key and description.
+fn data_key(src: usize, header: &Header) -> (Key, Desc) {
+    let Header::Data {
+        comm,
+        seq,
+        step,
+        desc,
+        ..
+    } = *header
+    else {
+        unreachable!("only data frames are delivered")
+    };
+    let p2p = desc.op == OpKind::Send;
+    let key = Key {
+        comm,
+        src: src as u32,
+        p2p,
+        tag: if p2p { desc.root } else { 0 },
+        seq,
+        step,
+    };
+    (key, desc)
+}
+
+/// Reads a payload into `l`, one non-blocking read at a time under its
+/// gate; once the gate is revoked, reads the rest into scratch (false).
+async fn read_landing(
+    rd: &mut BufReader<OwnedReadHalf>,
+    l: &Landing,
+    pool: &Arc<Pool>,
+) -> std::io::Result<bool> {
+    use std::io::ErrorKind;
+    use tokio::io::AsyncBufRead;
+    let len = l.len();
+    let (mut at, mut revoked) = (0, false);
+    // What the reader's buffer holds already.
+    let n = rd.buffer().len().min(len);
+    if n > 0 {
+        let buffered = &rd.buffer()[..n];
+        revoked = l.write(0, |s| s[..n].copy_from_slice(buffered)).is_none();
+        std::pin::Pin::new(&mut *rd).consume(n);
+        at = n;
+    }
+    while at < len && !revoked {
+        rd.get_ref().readable().await?;
+        match l.write(at, |s| rd.get_ref().try_read(s)) {
+            None => revoked = true,
+            Some(Ok(0)) => return Err(ErrorKind::UnexpectedEof.into()),
+            Some(Ok(k)) => at += k,
+            Some(Err(e)) if e.kind() == ErrorKind::WouldBlock => {}
+            Some(Err(e)) => return Err(e),
+        }
+    }
+    if at < len {
+        // Revoked: the op ended; the rest of the payload is nobody's.
+        let mut b = pool.get(len - at);
+        rd.read_exact(b.bytes_mut()).await?;
+        return Ok(false);
+    }
+    Ok(true)
+}
+
 /// Why a reader stopped.
 enum End {
     Eof,
@@ -1439,6 +1536,16 @@ async fn read_frames(shared: &Arc<Shared>, peer: usize, rd: &mut BufReader<Owned
             Ok(h) => h,
             Err(e) => return End::Bad(e.0),
         };
+        if let Some(l) = matches!(h, Header::Data { .. })
+            .then(|| shared.land(peer, &h))
+            .flatten()
+        {
+            match read_landing(rd, &l, &shared.pool).await {
+                Ok(whole) => shared.landed(peer, &h, whole),
+                Err(e) => return End::Io(e),
+            }
+            continue;
+        }
         let mut buf = shared.pool.get(h.payload_len() as usize);
         if let Err(e) = rd.read_exact(buf.bytes_mut()).await {
             return End::Io(e);
@@ -1615,4 +1722,67 @@ fn check_hello(cfg: &Config, h: &Hello) -> Result<(), String> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncBufReadExt;
+
+    async fn pair() -> (TcpStream, BufReader<OwnedReadHalf>) {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let tx = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+        let (rx, _) = l.accept().await.unwrap();
+        let (rd, wr) = rx.into_split();
+        std::mem::forget(wr); // keep the connection open
+        (tx, BufReader::with_capacity(READ_BUFFER, rd))
+    }
+
+    /// A payload lands whole, part of it already in the reader's buffer;
+    /// the bytes after it are left for the next frame.
+    #[tokio::test]
+    async fn a_payload_lands_whole_from_the_buffer_and_the_socket() {
+        let (mut tx, mut rd) = pair().await;
+        let pool = Pool::new(1024, 1 << 20);
+        let data: Vec<u8> = (0..1000u32).map(|i| i as u8).collect();
+        tx.write_all(&data[..400]).await.unwrap();
+        while rd.buffer().len() < 400 {
+            rd.fill_buf().await.unwrap(); // the first 400 bytes sit in the buffer
+        }
+        let mut buf = vec![0u8; 1000];
+        let gate = Arc::new(Gate::default());
+        let l = unsafe { Landing::new(buf.as_mut_ptr(), buf.len(), gate.clone()) };
+        let writer = tokio::spawn(async move {
+            tx.write_all(&data[400..]).await.unwrap();
+            tx.write_all(b"next").await.unwrap();
+            tx
+        });
+        assert!(read_landing(&mut rd, &l, &pool).await.unwrap());
+        let _tx = writer.await.unwrap();
+        gate.revoke();
+        let want: Vec<u8> = (0..1000u32).map(|i| i as u8).collect();
+        assert_eq!(buf, want);
+        let mut next = [0u8; 4];
+        rd.read_exact(&mut next).await.unwrap();
+        assert_eq!(&next, b"next");
+    }
+
+    /// Once its op revoked the landing, a payload is read into scratch and
+    /// the op's buffer is never written; the next frame is intact.
+    #[tokio::test]
+    async fn a_revoked_landing_is_drained_never_written() {
+        let (mut tx, mut rd) = pair().await;
+        let pool = Pool::new(1024, 1 << 20);
+        let mut buf = vec![0u8; 1000];
+        let gate = Arc::new(Gate::default());
+        let l = unsafe { Landing::new(buf.as_mut_ptr(), buf.len(), gate.clone()) };
+        gate.revoke();
+        tx.write_all(&[7u8; 1000]).await.unwrap();
+        tx.write_all(b"next").await.unwrap();
+        assert!(!read_landing(&mut rd, &l, &pool).await.unwrap());
+        assert!(buf.iter().all(|&b| b == 0), "a revoked landing was written");
+        let mut next = [0u8; 4];
+        rd.read_exact(&mut next).await.unwrap();
+        assert_eq!(&next, b"next");
+    }
 }

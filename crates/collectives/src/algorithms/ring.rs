@@ -6,6 +6,7 @@
 use std::ops::Range;
 
 use super::direct::gather_direct;
+use super::posted::{Place, Posted, Posts};
 use super::{even_bounds, nseg, seg_range, Steps};
 use crate::element::{Element, ReduceOp};
 use crate::error::Result;
@@ -41,7 +42,9 @@ pub(crate) async fn ring_all_gather<T: Element>(
 /// `r` sends chunk `r − t − shift` to `r + 1` and receives chunk
 /// `r − t − 1 − shift` from `r − 1`, reducing it in (`reduce`) or copying it,
 /// and forwards each received segment at the next step without waiting for the
-/// rest of its chunk.
+/// rest of its chunk. An all-gather pass, where the op may, posts every
+/// receive as it starts, so each segment lands in place (see `posted.rs`):
+/// the chunks it receives are not otherwise touched until received.
 async fn ring_pass<T: Element>(
     cx: &OpCtx,
     buf: &mut [T],
@@ -59,8 +62,31 @@ async fn ring_pass<T: Element>(
     let segs = |c: usize| nseg(bounds[c].len(), seg);
     let steps = Steps::new(cx, phase0 + n - 1, (0..n).map(segs).max().unwrap_or(1))?;
     let first_out = (r + n - shift) % n;
+    let chunk_in = |t: usize| (r + 2 * n - t - 1 - shift) % n;
+    let place = Place::new(buf);
+    let mut posts = reduce.is_none().then(|| Posts::of(cx)).flatten();
+    // Per step, its segments' posted receives, in order.
+    let mut posted: Vec<std::vec::IntoIter<Posted>> = match posts.as_mut() {
+        Some(p) => (0..n - 1)
+            .map(|t| {
+                let c = chunk_in(t);
+                (0..segs(c))
+                    .map(|s| {
+                        let rg = seg_range(&bounds[c], seg, s);
+                        // SAFETY: chunks received are touched only once
+                        // received (the one sent first is this rank's own).
+                        unsafe { p.post(prev, steps.at(phase0 + t, s), &place, rg) }
+                    })
+                    .collect::<Vec<_>>()
+                    .into_iter()
+            })
+            .collect(),
+        None => Vec::new(),
+    };
+    let mut posted_by_step = posted.iter_mut();
     for t in 0..n - 1 {
-        let cin = (r + 2 * n - t - 1 - shift) % n;
+        let mut posted_here = posted_by_step.next();
+        let cin = chunk_in(t);
         let m = if t == 0 {
             segs(cin).max(segs(first_out))
         } else {
@@ -69,17 +95,35 @@ async fn ring_pass<T: Element>(
         for s in 0..m {
             if t == 0 && s < segs(first_out) {
                 let out = seg_range(&bounds[first_out], seg, s);
-                cx.send(next, steps.at(phase0, s), &buf[out]).await?;
+                // SAFETY: never posted (this rank's own, or reduced into below).
+                cx.send(next, steps.at(phase0, s), unsafe { place.get(out) })
+                    .await?;
             }
             if s < segs(cin) {
                 let rg = seg_range(&bounds[cin], seg, s);
                 let at = steps.at(phase0 + t, s);
-                match reduce {
-                    Some(op) => cx.recv_reduce(prev, at, &mut buf[rg.clone()], op).await?,
-                    None => cx.recv_copy(prev, at, &mut buf[rg.clone()]).await?,
+                // SAFETY (each arm): segment `rg` of chunk `cin` is used by
+                // this step alone, after its receive when it was posted.
+                match (reduce, &posts) {
+                    (Some(op), _) => {
+                        cx.recv_reduce(prev, at, unsafe { place.range(rg.clone()) }, op)
+                            .await?
+                    }
+                    (None, Some(p)) => {
+                        let one = posted_here
+                            .as_mut()
+                            .and_then(|it| it.next())
+                            .expect("every segment was posted");
+                        p.recv(one, &place, rg.clone()).await?
+                    }
+                    (None, None) => {
+                        cx.recv_copy(prev, at, unsafe { place.range(rg.clone()) })
+                            .await?
+                    }
                 }
                 if t + 2 < n {
-                    cx.send(next, steps.at(phase0 + t + 1, s), &buf[rg]).await?;
+                    cx.send(next, steps.at(phase0 + t + 1, s), unsafe { place.get(rg) })
+                        .await?;
                 }
             }
         }

@@ -27,6 +27,7 @@ use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
 use super::flow::{Inbound, Signal};
+use super::landing::Landing;
 use crate::element::{Buf, DType};
 use crate::error::Error;
 use crate::frame::{Algo, Desc, Header, OpKind};
@@ -55,7 +56,10 @@ impl Key {
 /// A received data frame.
 pub(crate) struct Frame {
     pub desc: Desc,
+    /// The payload; empty when it `landed`.
     pub buf: Buf,
+    /// The payload was read straight into the waiter's posted buffer.
+    pub landed: bool,
 }
 
 /// Why a transport operation failed, before the op adds its names.
@@ -76,7 +80,25 @@ pub(crate) enum Fail {
 
 enum Slot {
     Ready(Frame),
-    Waiting(oneshot::Sender<Result<Frame, Fail>>),
+    /// A receive waits; with a [`Landing`], its payload may be read straight
+    /// into the waiter's buffer.
+    Waiting(oneshot::Sender<Result<Frame, Fail>>, Option<Landing>),
+    /// A reader is reading the frame's payload into the waiter's landing.
+    Landing(oneshot::Sender<Result<Frame, Fail>>),
+}
+
+impl Slot {
+    /// Whether an operation waits on it.
+    fn waits(&self) -> bool {
+        !matches!(self, Slot::Ready(_))
+    }
+
+    fn into_waiter(self) -> Option<oneshot::Sender<Result<Frame, Fail>>> {
+        match self {
+            Slot::Waiting(tx, _) | Slot::Landing(tx) => Some(tx),
+            Slot::Ready(_) => None,
+        }
+    }
 }
 
 /// What one rank saw first in a collective it has not started yet.
@@ -232,7 +254,7 @@ impl Router {
         let mut waiting: Vec<Key> = self
             .slots
             .iter()
-            .filter(|(k, slot)| k.src as usize == peer && matches!(slot, Slot::Waiting(_)))
+            .filter(|(k, slot)| k.src as usize == peer && matches!(slot, Slot::Waiting(..)))
             .map(|(k, _)| *k)
             .collect();
         waiting.sort_by_key(|k| (k.comm, k.p2p, k.tag, k.seq, k.step));
@@ -372,8 +394,9 @@ impl Router {
         }
     }
 
-    /// Starts waiting for the frame at `key`.
-    pub fn start_recv(&mut self, key: Key) -> Start {
+    /// Starts waiting for the frame at `key`; with a `landing`, its payload
+    /// may be read straight into it (see [`Router::land`]).
+    pub fn start_recv(&mut self, key: Key, landing: Option<Landing>) -> Start {
         if let Some(e) = self.aborted_for(key.comm, key.collective_seq()) {
             return Start::Failed(Fail::Aborted(e));
         }
@@ -382,7 +405,7 @@ impl Router {
                 self.took(&key, f.buf.len());
                 return Start::Ready(f);
             }
-            Some(Slot::Waiting(_)) => unreachable!("two operations wait for one frame key"),
+            Some(_) => unreachable!("two operations wait for one frame key"),
             None => {}
         }
         let src = key.src as usize;
@@ -393,7 +416,7 @@ impl Router {
             });
         }
         let (tx, rx) = oneshot::channel();
-        self.slots.insert(key, Slot::Waiting(tx));
+        self.slots.insert(key, Slot::Waiting(tx, landing));
         if self.flow.asks(src) {
             self.ask(key);
         }
@@ -402,16 +425,16 @@ impl Router {
 
     /// Fails the receive waiting for `key`, if one is.
     pub fn fail_recv(&mut self, key: Key, f: Fail) {
-        if matches!(self.slots.get(&key), Some(Slot::Waiting(_))) {
-            if let Some(Slot::Waiting(tx)) = self.slots.remove(&key) {
+        if self.slots.get(&key).is_some_and(Slot::waits) {
+            if let Some(tx) = self.slots.remove(&key).and_then(Slot::into_waiter) {
                 let _ = tx.send(Err(f));
             }
         }
     }
 
-    /// Stops waiting for `key` (the deadline passed).
+    /// Stops waiting for `key` (the deadline passed, or the op ended).
     pub fn cancel_recv(&mut self, key: Key) {
-        if matches!(self.slots.get(&key), Some(Slot::Waiting(_))) {
+        if self.slots.get(&key).is_some_and(Slot::waits) {
             self.slots.remove(&key);
         }
     }
@@ -501,20 +524,75 @@ impl Router {
             }
         }
         match self.slots.remove(&key) {
-            Some(Slot::Waiting(tx)) => {
-                let _ = tx.send(Ok(Frame { desc, buf }));
+            Some(Slot::Waiting(tx, _)) => {
+                let _ = tx.send(Ok(Frame {
+                    desc,
+                    buf,
+                    landed: false,
+                }));
             }
-            Some(Slot::Ready(old)) => {
-                self.slots.insert(key, Slot::Ready(old));
+            Some(old @ (Slot::Ready(_) | Slot::Landing(_))) => {
+                self.slots.insert(key, old);
                 return Delivery::Duplicate(format!("sent a second frame for {key:?}"));
             }
             None => {
                 self.flow.filed(key.src as usize, buf.len() as u64);
-                self.slots.insert(key, Slot::Ready(Frame { desc, buf }));
+                self.slots.insert(
+                    key,
+                    Slot::Ready(Frame {
+                        desc,
+                        buf,
+                        landed: false,
+                    }),
+                );
                 return Delivery::Filed;
             }
         }
         Delivery::Taken
+    }
+
+    /// A data frame's header, of a `len`-byte payload: the landing its
+    /// waiter posted, if the frame may go straight into it (the same checks
+    /// as [`Router::deliver`] pass, and the sizes agree). The slot then
+    /// waits for [`Router::landed`]; any other frame for the key is a
+    /// duplicate. `None`: read the payload and deliver it as usual (which
+    /// raises what the checks found).
+    pub fn land(&mut self, key: Key, desc: Desc, len: usize) -> Option<Landing> {
+        if key.p2p
+            || self.aborted_for(key.comm, key.collective_seq()).is_some()
+            || self.forgotten(key.comm, key.seq)
+            || self.ended.contains_key(&(key.comm, key.seq))
+            || self.compare(key.comm, key.seq, key.src, desc).is_some()
+        {
+            return None;
+        }
+        match self.slots.remove(&key) {
+            Some(Slot::Waiting(tx, Some(l))) if l.len() == len => {
+                self.slots.insert(key, Slot::Landing(tx));
+                Some(l)
+            }
+            Some(other) => {
+                self.slots.insert(key, other);
+                None
+            }
+            None => None,
+        }
+    }
+
+    /// The payload of the frame [`Router::land`] took a landing for is in
+    /// it (or, the landing revoked, was read and dropped): the waiter, if it
+    /// still waits, gets the frame.
+    pub fn landed(&mut self, key: Key, desc: Desc, len: usize) {
+        self.consumed(&key, len);
+        if matches!(self.slots.get(&key), Some(Slot::Landing(_))) {
+            if let Some(tx) = self.slots.remove(&key).and_then(Slot::into_waiter) {
+                let _ = tx.send(Ok(Frame {
+                    desc,
+                    buf: Buf::new(0),
+                    landed: true,
+                }));
+            }
+        }
     }
 
     /// A peer waits for our part of collective `seq`, which it called as `desc`.
@@ -540,11 +618,11 @@ impl Router {
         let keys: Vec<Key> = self
             .slots
             .iter()
-            .filter(|(k, s)| k.src as usize == peer && matches!(s, Slot::Waiting(_)))
+            .filter(|(k, s)| k.src as usize == peer && s.waits())
             .map(|(k, _)| *k)
             .collect();
         for k in keys {
-            if let Some(Slot::Waiting(tx)) = self.slots.remove(&k) {
+            if let Some(tx) = self.slots.remove(&k).and_then(Slot::into_waiter) {
                 let _ = tx.send(Err(Fail::Gone {
                     rank: peer,
                     reason: reason.to_owned(),
@@ -574,7 +652,7 @@ impl Router {
         let keys: Vec<Key> = self.slots.keys().filter(|k| fails(k)).copied().collect();
         for k in keys {
             match self.slots.remove(&k) {
-                Some(Slot::Waiting(tx)) => {
+                Some(Slot::Waiting(tx, _) | Slot::Landing(tx)) => {
                     let _ = tx.send(Err(Fail::Aborted(err.clone())));
                 }
                 Some(Slot::Ready(f)) => self.took(&k, f.buf.len()),
@@ -646,7 +724,7 @@ mod tests {
     }
 
     fn waiting(r: &mut Router, k: Key) -> oneshot::Receiver<Result<Frame, Fail>> {
-        match r.start_recv(k) {
+        match r.start_recv(k, None) {
             Start::Wait(rx) => rx,
             _ => panic!("expected to wait"),
         }
@@ -673,7 +751,7 @@ mod tests {
         let mut r = Router::new(0);
         r.begin_seq(1, 0, desc(4)).unwrap();
         assert_eq!(r.deliver(key(2, 0), desc(4), buf()), Delivery::Taken);
-        assert!(matches!(r.start_recv(key(2, 0)), Start::Ready(_)));
+        assert!(matches!(r.start_recv(key(2, 0), None), Start::Ready(_)));
         let mut rx = waiting(&mut r, key(3, 0));
         assert_eq!(r.deliver(key(3, 0), desc(4), buf()), Delivery::Taken);
         assert!(matches!(rx.try_recv(), Ok(Ok(_))));
@@ -748,7 +826,7 @@ mod tests {
         assert!(six.try_recv().is_err(), "op 6 still waits");
         assert_eq!(r.deliver(key(2, 6), desc(4), buf()), Delivery::Taken);
         assert!(matches!(six.try_recv(), Ok(Ok(_))));
-        assert!(matches!(r.start_recv(key(3, 6)), Start::Ready(_)));
+        assert!(matches!(r.start_recv(key(3, 6), None), Start::Ready(_)));
         assert_eq!(r.deliver(key(2, 7), desc(4), buf()), Delivery::TellAbort);
         assert!(r.aborted_for(1, Some(6)).is_none());
         assert!(r.aborted_for(1, Some(7)).is_some());
@@ -793,9 +871,9 @@ mod tests {
         ));
         assert!(from3.try_recv().is_err());
         // What it sent before it went is still there.
-        assert!(matches!(r.start_recv(key(2, 1)), Start::Ready(_)));
+        assert!(matches!(r.start_recv(key(2, 1), None), Start::Ready(_)));
         assert!(matches!(
-            r.start_recv(key(2, 2)),
+            r.start_recv(key(2, 2), None),
             Start::Failed(Fail::Gone { .. })
         ));
     }
