@@ -124,6 +124,55 @@ fn blocking_groups_in_plain_threads() {
     }
 }
 
+/// Over TCP the blocking group's all_reduce, broadcast and all_gather post
+/// their receives: large payloads land in the caller's buffer, with the
+/// results of the async forms.
+#[test]
+fn blocking_groups_receive_large_payloads_in_place() {
+    let store: Arc<dyn Store> = Arc::new(rallypoint_store::MemoryStore::new());
+    const LEN: usize = (1 << 20) + 3; // 4 MiB of f32: ring and chain, 16 segments
+    let len = LEN;
+    fn mine(r: usize) -> Vec<f32> {
+        (0..LEN).map(|i| ((i * 7 + r) % 13) as f32).collect()
+    }
+    let threads: Vec<_> = (0..3)
+        .map(|r| {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                let o = Options {
+                    shared_memory: false,
+                    ..opts()
+                };
+                let g = BlockingGroup::new(store, r, 3, o).unwrap();
+                let mut sum = mine(r);
+                g.all_reduce(&mut sum, ReduceOp::Sum).unwrap();
+                let mut cast = mine(r);
+                g.broadcast(&mut cast, 2).unwrap();
+                let mut all = vec![0.0f32; 3 * len];
+                g.all_gather(&mine(r), &mut all).unwrap();
+                (sum, cast, all, g.group().received_in_place_bytes())
+            })
+        })
+        .collect();
+    let want_sum: Vec<f32> = (0..len)
+        .map(|i| (0..3).map(|r| ((i * 7 + r) % 13) as f32).sum())
+        .collect();
+    let mut landed = 0;
+    for (r, t) in threads.into_iter().enumerate() {
+        let (sum, cast, all, in_place) = t.join().unwrap();
+        assert!(sum == want_sum, "all_reduce on rank {r}");
+        assert!(cast == mine(2), "broadcast on rank {r}");
+        assert!(
+            all == [mine(0), mine(1), mine(2)].concat(),
+            "all_gather on rank {r}"
+        );
+        landed += in_place;
+    }
+    // How much lands depends on timing (a frame that arrives before its
+    // receive is posted is copied); none at all would mean posting is broken.
+    assert!(landed > 0, "nothing landed in place");
+}
+
 /// `from_env`/`from_url` against an address a store already serves (`rally
 /// store serve`, a launcher's store): rank 0 connects to it as a client
 /// instead of failing with "rendezvous store failed" (before: the port was
