@@ -557,11 +557,14 @@ impl ProcessGroup {
     }
 
     /// Payload bytes received over TCP straight into the caller's buffers,
-    /// for this group and every group of its world: the large receives of
-    /// the `*_async` forms of all_reduce, broadcast and all_gather, and of
-    /// [`crate::blocking::BlockingGroup`]'s. The borrowing `async` methods
-    /// copy each segment out of a receive buffer instead (a borrowed buffer
-    /// can outlive nothing its future leaks; see `algorithms/posted.rs`).
+    /// for this group and every group of its world. Posted, so received in
+    /// place: the chain broadcast's receives (large broadcasts of 3 ranks or
+    /// more) and the ring's all-gather pass (large all_reduce, all_gather),
+    /// also as steps of a two-level op, in the `*_async` forms and in
+    /// [`crate::blocking::BlockingGroup`]'s methods. The borrowing `async`
+    /// methods copy each segment out of a receive buffer instead: their
+    /// future could be leaked, ending the buffer's borrow while the reader
+    /// still writes into it (see `algorithms/posted.rs`).
     pub fn received_in_place_bytes(&self) -> u64 {
         self.comm.sh().landed_bytes()
     }

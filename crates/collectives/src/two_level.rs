@@ -184,7 +184,14 @@ impl Level {
     /// Step `seq` of this level, with the group op's call and deadline.
     fn step(&self, cx: &OpCtx, seq: u64) -> OpCtx {
         cx.wait_note(format!("the {}", self.what), None);
-        self.pg.step_ctx(seq, cx.desc(), cx.deadline)
+        let s = self.pg.step_ctx(seq, cx.desc(), cx.deadline);
+        if cx.may_post() {
+            // SAFETY: a step runs within its op's future, on the op's
+            // buffer, so it is dropped when the op's is: never leaked.
+            unsafe { s.allow_posting() }
+        } else {
+            s
+        }
     }
 
     /// "rank g (in the step among hosts, at step 2)": group rank `g`.

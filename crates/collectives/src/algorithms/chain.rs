@@ -22,26 +22,23 @@ pub(crate) async fn chain_broadcast<T: Element>(
     let steps = Steps::new(cx, 1, ns)?;
     let all = 0..buf.len();
     let (prev, next) = ((r + n - 1) % n, (r + 1) % n);
-    if v > 0 {
-        if let Some(mut posts) = Posts::of(cx) {
-            let place = Place::new(buf);
-            // SAFETY: each segment is touched only once its receive returned.
-            let posted: Vec<_> = (0..ns)
-                .map(|s| unsafe {
-                    posts.post(prev, steps.at(0, s), &place, seg_range(&all, seg, s))
-                })
-                .collect();
-            for (s, p) in posted.into_iter().enumerate() {
-                let rg = seg_range(&all, seg, s);
-                posts.recv(p, &place, rg.clone()).await?;
-                if v + 1 < n {
-                    // SAFETY: received; only read from now on.
-                    cx.send(next, steps.at(0, s), unsafe { place.get(rg) })
-                        .await?;
-                }
+    if v > 0 && cx.may_post() {
+        let place = Place::new(buf);
+        let mut posts = Posts::of(cx, &place).expect("the op may post");
+        // SAFETY: each segment is touched only once its receive returned.
+        let posted: Vec<_> = (0..ns)
+            .map(|s| unsafe { posts.post(prev, steps.at(0, s), &place, seg_range(&all, seg, s)) })
+            .collect();
+        for (s, p) in posted.into_iter().enumerate() {
+            let rg = seg_range(&all, seg, s);
+            posts.recv(p, &place, rg.clone()).await?;
+            if v + 1 < n {
+                // SAFETY: received; only read from now on.
+                cx.send(next, steps.at(0, s), unsafe { place.get(rg) })
+                    .await?;
             }
-            return Ok(());
         }
+        return Ok(());
     }
     for s in 0..ns {
         let rg = seg_range(&all, seg, s);

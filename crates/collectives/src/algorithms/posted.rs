@@ -28,7 +28,7 @@ pub(crate) struct Place<'a, T> {
 // SAFETY: as `&mut [T]`, which a `Place` stands for; its slices are taken
 // through its unsafe methods, whose callers keep them apart.
 unsafe impl<T: Send> Send for Place<'_, T> {}
-unsafe impl<T: Sync> Sync for Place<'_, T> {}
+unsafe impl<T: Send + Sync> Sync for Place<'_, T> {}
 
 impl<'a, T> Place<'a, T> {
     pub(crate) fn new(buf: &'a mut [T]) -> Place<'a, T> {
@@ -84,8 +84,10 @@ pub(crate) struct Posted {
 }
 
 impl<'a> Posts<'a> {
-    /// `None` where the op may not post (see the module docs).
-    pub(crate) fn of(cx: &'a OpCtx) -> Option<Posts<'a>> {
+    /// `None` where the op may not post (see the module docs). Borrows
+    /// `place` while the posts live, so the buffer cannot be used whole
+    /// until they are dropped.
+    pub(crate) fn of<T>(cx: &'a OpCtx, _place: &'a Place<'_, T>) -> Option<Posts<'a>> {
         cx.may_post().then(|| Posts {
             cx,
             gate: Arc::default(),

@@ -64,7 +64,7 @@ async fn ring_pass<T: Element>(
     let first_out = (r + n - shift) % n;
     let chunk_in = |t: usize| (r + 2 * n - t - 1 - shift) % n;
     let place = Place::new(buf);
-    let mut posts = reduce.is_none().then(|| Posts::of(cx)).flatten();
+    let mut posts = reduce.is_none().then(|| Posts::of(cx, &place)).flatten();
     // Per step, its segments' posted receives, in order.
     let mut posted: Vec<std::vec::IntoIter<Posted>> = match posts.as_mut() {
         Some(p) => (0..n - 1)

@@ -21,7 +21,7 @@
 //! completion (or drops it while unwinding) within the call. A borrowing
 //! `async fn` op can be leaked by its caller (`mem::forget` after a poll),
 //! ending the borrow with the reader still writing, so those ops do not post
-//! and copy instead (see `OpCtx::posts`).
+//! and copy instead (see `OpCtx::allow_posting`).
 
 use std::sync::{Arc, Mutex};
 

@@ -258,6 +258,9 @@ impl Router {
             .map(|(k, _)| *k)
             .collect();
         waiting.sort_by_key(|k| (k.comm, k.p2p, k.tag, k.seq, k.step));
+        // One ask per op or message releases all its frames (an op that
+        // posted its receives waits on many keys at once).
+        waiting.dedup_by_key(|k| (k.comm, k.p2p, k.tag, k.seq));
         for k in waiting {
             self.ask(k);
         }
@@ -416,10 +419,12 @@ impl Router {
             });
         }
         let (tx, rx) = oneshot::channel();
-        self.slots.insert(key, Slot::Waiting(tx, landing));
-        if self.flow.asks(src) {
+        // A posted receive needs no ask of its own: its op asked for all its
+        // frames as it began (`begin_seq`), and posts many receives at once.
+        if self.flow.asks(src) && landing.is_none() {
             self.ask(key);
         }
+        self.slots.insert(key, Slot::Waiting(tx, landing));
         Start::Wait(rx)
     }
 
@@ -558,7 +563,10 @@ impl Router {
     /// duplicate. `None`: read the payload and deliver it as usual (which
     /// raises what the checks found).
     pub fn land(&mut self, key: Key, desc: Desc, len: usize) -> Option<Landing> {
-        if key.p2p
+        let posted =
+            matches!(self.slots.get(&key), Some(Slot::Waiting(_, Some(l))) if l.len() == len);
+        if !posted
+            || key.p2p
             || self.aborted_for(key.comm, key.collective_seq()).is_some()
             || self.forgotten(key.comm, key.seq)
             || self.ended.contains_key(&(key.comm, key.seq))
@@ -567,15 +575,11 @@ impl Router {
             return None;
         }
         match self.slots.remove(&key) {
-            Some(Slot::Waiting(tx, Some(l))) if l.len() == len => {
+            Some(Slot::Waiting(tx, l)) => {
                 self.slots.insert(key, Slot::Landing(tx));
-                Some(l)
+                l
             }
-            Some(other) => {
-                self.slots.insert(key, other);
-                None
-            }
-            None => None,
+            _ => unreachable!("checked above"),
         }
     }
 
@@ -763,6 +767,86 @@ mod tests {
             r.deliver(key(2, 0), desc(4), buf()),
             Delivery::Duplicate(_)
         ));
+    }
+
+    /// A receive posted with a landing of `len` bytes (into `mem`).
+    fn posted(r: &mut Router, k: Key, mem: &mut [u8]) -> oneshot::Receiver<Result<Frame, Fail>> {
+        let gate = std::sync::Arc::new(super::super::landing::Gate::default());
+        let l = unsafe { Landing::new(mem.as_mut_ptr(), mem.len(), gate) };
+        match r.start_recv(k, Some(l)) {
+            Start::Wait(rx) => rx,
+            _ => panic!("expected to wait"),
+        }
+    }
+
+    /// A frame for a posted receive lands once: the waiter gets it as
+    /// landed, a second frame for the key is a duplicate, and its bytes are
+    /// never counted as filed (the sender's credit comes back at once).
+    #[test]
+    fn a_posted_receive_lands_once() {
+        let mut r = Router::new(1 << 20);
+        r.begin_seq(1, 0, desc(4)).unwrap();
+        let mut mem = [0u8; 16];
+        let mut rx = posted(&mut r, key(2, 0), &mut mem);
+        assert!(r.land(key(2, 0), desc(4), 16).is_some());
+        assert!(r.land(key(2, 0), desc(4), 16).is_none(), "landed twice");
+        assert!(matches!(
+            r.deliver(key(2, 0), desc(4), buf()),
+            Delivery::Duplicate(_)
+        ));
+        assert!(rx.try_recv().is_err(), "woken before the payload was in");
+        r.landed(key(2, 0), desc(4), 16);
+        assert!(matches!(rx.try_recv(), Ok(Ok(f)) if f.landed));
+        assert_eq!(r.filed_bytes(), 0);
+    }
+
+    /// A frame that does not fit its posted receive (another size, or
+    /// another call) is not landed: it is delivered as usual, so the size
+    /// check or the mismatch names it.
+    #[test]
+    fn a_frame_unlike_its_posted_receive_is_delivered_as_usual() {
+        let mut r = Router::new(0);
+        r.begin_seq(1, 0, desc(4)).unwrap();
+        let mut mem = [0u8; 16];
+        let mut rx = posted(&mut r, key(2, 0), &mut mem);
+        assert!(r.land(key(2, 0), desc(4), 12).is_none(), "other size");
+        assert_eq!(r.deliver(key(2, 0), desc(4), buf()), Delivery::Taken);
+        assert!(matches!(rx.try_recv(), Ok(Ok(f)) if !f.landed));
+        let mut rx = posted(&mut r, key(3, 0), &mut mem);
+        assert!(r.land(key(3, 0), desc(5), 16).is_none(), "other call");
+        assert!(matches!(
+            r.deliver(key(3, 0), desc(5), buf()),
+            Delivery::Clash(_)
+        ));
+        assert!(rx.try_recv().is_err());
+    }
+
+    /// An abort, or the peer gone, while a payload is landing fails the
+    /// waiter at once; the landing's end then finds nobody to wake.
+    #[test]
+    fn a_landing_receive_fails_on_abort_or_gone() {
+        let mut r = Router::new(0);
+        r.begin_seq(1, 0, desc(4)).unwrap();
+        let mut mem = [0u8; 16];
+        let mut rx = posted(&mut r, key(2, 0), &mut mem);
+        assert!(r.land(key(2, 0), desc(4), 16).is_some());
+        r.abort(1, aborted("x"), 0);
+        assert!(matches!(rx.try_recv(), Ok(Err(Fail::Aborted(_)))));
+        r.landed(key(2, 0), desc(4), 16);
+        let mut r = Router::new(0);
+        r.begin_seq(1, 0, desc(4)).unwrap();
+        let mut rx = posted(&mut r, key(2, 0), &mut mem);
+        assert!(r.land(key(2, 0), desc(4), 16).is_some());
+        r.mark_gone(2, "it died");
+        assert!(matches!(rx.try_recv(), Ok(Err(Fail::Gone { rank: 2, .. }))));
+        r.landed(key(2, 0), desc(4), 16);
+        // Stopped (its op ended) while landing: nothing is left behind.
+        let mut rx = posted(&mut r, key(3, 0), &mut mem);
+        assert!(r.land(key(3, 0), desc(4), 16).is_some());
+        r.cancel_recv(key(3, 0));
+        r.landed(key(3, 0), desc(4), 16);
+        assert!(rx.try_recv().is_err());
+        assert!(r.slots.is_empty());
     }
 
     #[test]

@@ -262,8 +262,12 @@ impl JsonLines {
 
 impl EventSink for JsonLines {
     fn emit(&self, event: &AgentEvent) {
+        // One write: on a console shared with the workers (`--events
+        // console`), a line in two writes could have theirs in between.
+        let mut line = event.to_json().to_string();
+        line.push('\n');
         let mut out = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        let _ = writeln!(out, "{}", event.to_json());
+        let _ = out.write_all(line.as_bytes());
         let _ = out.flush();
     }
 }

@@ -562,6 +562,7 @@ fn flags_torchrun_has_are_listed_completed_or_refused_clearly() {
 /// inside. Here stderr is a datagram socket, which keeps every write apart.
 #[test]
 fn the_launchers_lines_are_written_whole() {
+    use std::io::ErrorKind;
     use std::os::unix::net::UnixDatagram;
     let (ours, theirs) = UnixDatagram::pair().unwrap();
     let mut c = rally(&[
@@ -577,21 +578,39 @@ fn the_launchers_lines_are_written_whole() {
         .stderr(std::process::Stdio::from(std::os::fd::OwnedFd::from(
             theirs,
         )));
-    let mut child = c.spawn().unwrap();
+    /// Kills rally if the test fails before it ends.
+    struct Reaped(std::process::Child);
+    impl Drop for Reaped {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut child = Reaped(c.spawn().unwrap());
     drop(c); // our copy of the child's end
     ours.set_read_timeout(Some(Duration::from_millis(200)))
         .unwrap();
     let mut writes = Vec::new();
     let mut buf = vec![0u8; 1 << 16];
     let deadline = Instant::now() + LIMIT;
-    loop {
+    let status = loop {
         match ours.recv(&mut buf) {
             Ok(k) => writes.push(String::from_utf8_lossy(&buf[..k]).into_owned()),
-            Err(_) if child.try_wait().unwrap().is_some() => break,
-            Err(_) => assert!(Instant::now() < deadline, "rally run did not end"),
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                if let Some(s) = child.0.try_wait().unwrap() {
+                    break s;
+                }
+                assert!(Instant::now() < deadline, "rally run did not end");
+            }
+            Err(e) => panic!("reading rally's stderr: {e}"),
         }
+    };
+    // What it wrote just before it ended.
+    ours.set_nonblocking(true).unwrap();
+    while let Ok(k) = ours.recv(&mut buf) {
+        writes.push(String::from_utf8_lossy(&buf[..k]).into_owned());
     }
-    assert!(child.wait().unwrap().success(), "{writes:?}");
+    assert!(status.success(), "{writes:?}");
     let ours: Vec<&String> = writes
         .iter()
         .filter(|w| w.starts_with("rally run"))
