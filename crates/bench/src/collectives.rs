@@ -418,6 +418,12 @@ pub fn rank(
             {
                 o.shm_slot_bytes = s;
             }
+            if let Some(w) = std::env::var("RALLY_BENCH_WINDOW")
+                .ok()
+                .and_then(|s| s.parse().ok())
+            {
+                o.receive_window = w;
+            }
             if let Some(s) = std::env::var("RALLY_BENCH_STREAMS")
                 .ok()
                 .and_then(|s| s.parse().ok())
