@@ -259,6 +259,7 @@ fn tee_role() {
     let len = std::fs::metadata(rank_file(&run, 0, "stdout.log"))
         .unwrap()
         .len();
+    eprintln!("LOGS {}", dir.path().display());
     eprintln!(
         "DONE failed={} bytes={len} dropped={}",
         r.is_failed(),
@@ -269,6 +270,17 @@ fn tee_role() {
     drop(run);
     dir.close().unwrap();
     std::process::exit(0);
+}
+
+/// The log directory a launcher role named (`LOGS <dir>`) is gone: the
+/// role exits with `process::exit`, which runs no destructor, and once
+/// left 100 MB in /tmp per run.
+fn assert_logs_removed(stderr: &str) {
+    let dir = stderr
+        .lines()
+        .find_map(|l| l.strip_prefix("LOGS "))
+        .unwrap_or_else(|| panic!("no LOGS line: {stderr}"));
+    assert!(!Path::new(dir).exists(), "the role left {dir} behind");
 }
 
 /// Runs the tee role of `test` with `lines` lines; the console (a pipe) is
@@ -309,6 +321,7 @@ fn tee_through_console(test: &str, lines: usize, stall: Duration) {
         "{done}"
     );
     assert!(done.ends_with("dropped=0"), "{done}");
+    assert_logs_removed(&err);
     let line = b"[trainer0]:123456789012345678901234567890123456789012345678901234567890123456789012345678901234567890123456789";
     // Every line of ours is whole; the harness's own lines are not ours.
     let ours = stdout
@@ -630,6 +643,7 @@ fn stalled_console_role() {
     let len = std::fs::metadata(rank_file(&run, 0, "stdout.log"))
         .unwrap()
         .len();
+    eprintln!("LOGS {}", dir.path().display());
     eprintln!("DONE failed={} bytes={len}", r.is_failed());
     drop((ctx, run));
     dir.close().unwrap(); // exit skips destructors
@@ -658,4 +672,5 @@ fn a_console_nobody_reads_never_blocks_the_workers() {
     let mut err = String::new();
     std::io::Read::read_to_string(launcher.stderr.as_mut().unwrap(), &mut err).unwrap();
     assert!(err.contains("DONE failed=false bytes=20000000"), "{err}");
+    assert_logs_removed(&err);
 }
