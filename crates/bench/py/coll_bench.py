@@ -15,6 +15,9 @@ import torch
 import torch.distributed as dist
 
 port, prefix, n, rank = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+if os.environ.get("RALLY_BENCH_PIN") == "1":
+    # As our side does: this rank on CPU rank mod CPUs, threads included.
+    os.sched_setaffinity(0, {rank % os.cpu_count()})
 ops, sizes = sys.argv[5].split(","), [int(s) for s in sys.argv[6].split(",")]
 
 store = dist.TCPStore("127.0.0.1", port, n, is_master=False, timeout=timedelta(seconds=600))

@@ -375,6 +375,9 @@ pub fn rank(
     ops: String,
     sizes: String,
 ) -> Result<()> {
+    if std::env::var("RALLY_BENCH_PIN").as_deref() == Ok("1") {
+        pin_to_one_cpu(rank);
+    }
     let rt = match std::env::var("RALLY_BENCH_RT")
         .ok()
         .and_then(|s| s.parse::<usize>().ok())
@@ -701,4 +704,17 @@ pub fn raw(role: &str, port: u16, bytes: u64, mode: &str) -> Result<()> {
     let receives = mode == "duplex" || role == "listen";
     let w = s.try_clone()?;
     stream(w, receives.then_some(s), bytes, sends)
+}
+
+/// `RALLY_BENCH_PIN=1` (both sides): each rank's process, and every thread
+/// it starts, runs on CPU `rank mod CPUs` only, so the scheduler cannot
+/// stack a woken rank on its waker's CPU while another idles.
+fn pin_to_one_cpu(rank: usize) {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // SAFETY: a zeroed cpu_set_t is an empty set; CPU_SET stays in bounds.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(rank % cpus, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+    }
 }
