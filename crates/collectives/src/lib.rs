@@ -38,7 +38,9 @@
 //! Each frame carries the sender's description of its operation (kind, type,
 //! count, operator, root, algorithm) and is addressed by group, sequence number
 //! and step. A reader task per connection hands frames to the operation waiting
-//! for them, so reduction of one segment overlaps receipt of the next, and
+//! for them (or, for the `*_async` forms and [`blocking::BlockingGroup`],
+//! reads large payloads straight into the op's buffer: posted receives, see
+//! `algorithms/posted.rs`), so reduction of one segment overlaps receipt of the next, and
 //! compares them with the local operation as they arrive: ranks that called
 //! different collectives are told so, with both sides named, instead of hanging
 //! or corrupting memory as PyTorch does outside its debug mode.

@@ -11,7 +11,9 @@
 //! One reader task per connection reads frames and hands each to the
 //! [`Router`] (`router.rs`, synchronous): to the operation waiting for its key
 //! `(group, source, sequence number, step)`, or into a mailbox until that
-//! operation asks. Frames are compared with the local call as they arrive, so a
+//! operation asks; an operation that cannot be leaked may instead post a
+//! receive with a landing in its own buffer, and the reader reads the payload
+//! straight into it (`landing.rs`). Frames are compared with the local call as they arrive, so a
 //! rank that called a different collective is caught at its first frame,
 //! whatever steps the two algorithms use. Frames are written whole
 //! ([`WholeFrame`]), even when the operation writing one is cancelled.
