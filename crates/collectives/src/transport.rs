@@ -704,6 +704,16 @@ impl Shared {
                 Ok(stream) => self.register(dst, stream),
                 Err(f) => {
                     if let Fail::Gone { reason, .. } = &f {
+                        // The peer may have connected to us meanwhile (both
+                        // sides connect at once): what it sent on its own
+                        // connection is still to be read, and its reader
+                        // names it gone when that ends (as `read_loop` does).
+                        // An exiting peer's listener closes under our connect
+                        // before its connections have been read.
+                        self.handshakes_settled().await;
+                        if self.connected(dst) {
+                            return Ok(());
+                        }
                         self.mark_gone(dst, reason);
                     }
                     return Err(f);

@@ -594,6 +594,66 @@ async fn a_peer_dead_or_stuck_before_any_op_is_named_in_every_way_it_can_be() {
     }
 }
 
+/// Two ranks connect to each other at once, and the connection this rank
+/// opened fails (reset) while the one the peer opened is up: the peer is not
+/// gone. Its process may be exiting (its listener closed first), but what it
+/// sent on its own connection is still to be read; naming it gone then failed
+/// ops that had every frame they needed (the seeded test's seed 1954 did, 1
+/// run in 300: a barrier failed with "rank 0 is gone: connecting to ...
+/// failed: Connection reset by peer" though rank 0 had sent its part).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_connect_does_not_name_gone_a_peer_whose_own_connection_is_up() {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let o = Options {
+        timeout: Duration::from_secs(60),
+        handshake_timeout: Duration::from_secs(60),
+        shared_memory: false,
+        ..opts()
+    };
+    let pgs = group_on(store.clone(), 2, o).await;
+    // Rank 0 finds rank 1 at a listener that accepts, reads the hello and
+    // holds the connection unanswered until told to reset it: rank 1's
+    // listener, closing under a connect.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    store
+        .set(
+            "rallypoint/collectives/default_pg/addr/1",
+            listener.local_addr().unwrap().to_string().as_bytes(),
+        )
+        .await
+        .unwrap();
+    let (hello_read, got_hello) = std::sync::mpsc::channel();
+    let (reset, do_reset) = std::sync::mpsc::channel::<()>();
+    let fake = std::thread::spawn(move || {
+        use std::io::Read;
+        let (mut s, _) = listener.accept().unwrap();
+        let _ = s.read(&mut [0u8; 64]);
+        hello_read.send(()).unwrap();
+        do_reset.recv().unwrap();
+        socket2::SockRef::from(&s)
+            .set_linger(Some(Duration::ZERO))
+            .unwrap();
+    });
+    let (p0, p1) = (pgs[0].clone(), pgs[1].clone());
+    // Rank 0's barrier connects to rank 1, and waits for the answer.
+    let b0 = tokio::spawn(async move { p0.barrier().await });
+    tokio::task::spawn_blocking(move || got_hello.recv().unwrap())
+        .await
+        .unwrap();
+    // Rank 1 connects to rank 0 (its message is written once connected),
+    // then joins the barrier, sending its part.
+    p1.send(&[7u8], 0, 5).await.unwrap();
+    let b1 = tokio::spawn(async move { p1.barrier().await });
+    // Rank 0's connect fails; rank 1's connection is up.
+    reset.send(()).unwrap();
+    fake.join().unwrap();
+    b0.await.unwrap().expect("rank 0's barrier");
+    b1.await.unwrap().expect("rank 1's barrier");
+    let mut got = [0u8];
+    pgs[0].recv(&mut got, 1, 5).await.unwrap();
+    assert_eq!(got, [7]);
+}
+
 /// A rank that never formed the group (never started, or died during set-up)
 /// cannot be told from a slow one: it is waited for until the timeout, which
 /// says so.
