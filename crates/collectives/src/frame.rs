@@ -4,9 +4,13 @@
 //! naming the group, its instance nonce (the group's generation: a fresh random
 //! number per group, published by rank 0), the world size, both ranks and a hash
 //! of the options that decide message layout; the accepting side answers with a
-//! status byte, and a reason when it refuses. A connection from another job, an
-//! earlier round or a rank with other segment sizes is refused before any data
-//! moves.
+//! status byte ([`ACCEPTED`], [`REFUSED`], [`NOT_HERE`]), and a reason when it
+//! refuses. A connection from another job, an earlier round or a rank with
+//! other segment sizes is refused before any data moves. [`NOT_HERE`] says the
+//! hello is another group's or instance's: to the side that opened the
+//! connection, the member it dialled no longer listens at that address (it
+//! exited and another process has the port), so that member is gone, not
+//! broken.
 //!
 //! After the handshake both directions carry frames: a fixed 48-byte
 //! little-endian [`Header`] followed by `len` payload bytes, sent raw. A data frame
@@ -371,6 +375,15 @@ fn encode_data(
     b[32..40].copy_from_slice(&desc.count.to_le_bytes());
     b[40..48].copy_from_slice(&len.to_le_bytes());
 }
+
+/// The handshake's answer: the connection is taken.
+pub const ACCEPTED: u8 = 0;
+/// The handshake's answer: a member of this group instance that cannot be
+/// taken (other options, a bad hello); a reason follows.
+pub const REFUSED: u8 = 1;
+/// The handshake's answer: the hello is for another group or instance than
+/// the one listening here; a reason follows.
+pub const NOT_HERE: u8 = 2;
 
 /// The handshake's first message.
 #[derive(Debug, Clone, PartialEq, Eq)]

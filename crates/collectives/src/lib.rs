@@ -114,6 +114,7 @@ pub use half::{bf16, f16};
 /// The wire format, public for fuzzing and for tools that inspect traffic.
 pub mod wire {
     pub use crate::frame::{
-        Algo, BadFrame, Desc, Header, Hello, OpKind, HEADER_LEN, HELLO_LEN, MAX_PAYLOAD, MAX_REASON,
+        Algo, BadFrame, Desc, Header, Hello, OpKind, ACCEPTED, HEADER_LEN, HELLO_LEN, MAX_PAYLOAD,
+        MAX_REASON, NOT_HERE, REFUSED,
     };
 }

@@ -54,7 +54,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::element::{Buf, Pool};
 use crate::error::Error;
-use crate::frame::{Desc, Header, Hello, OpKind, HEADER_LEN, HELLO_LEN};
+use crate::frame::{
+    Desc, Header, Hello, OpKind, ACCEPTED, HEADER_LEN, HELLO_LEN, NOT_HERE, REFUSED,
+};
 use crate::shm::Arena;
 
 /// How long an accepted connection may take to say hello.
@@ -794,13 +796,14 @@ impl Shared {
         let shake = async {
             s.write_all(&hello.encode()).await?;
             let status = s.read_u8().await?;
-            if status == 0 {
+            if status == ACCEPTED {
                 return Ok(None);
             }
             let n = s.read_u16_le().await?;
             let mut why = vec![0; usize::from(n)];
             s.read_exact(&mut why).await?;
-            Ok::<_, std::io::Error>(Some(String::from_utf8_lossy(&why).into_owned()))
+            let why = String::from_utf8_lossy(&why).into_owned();
+            Ok::<_, std::io::Error>(Some((status, why)))
         };
         let answer_by = deadline.min(Instant::now() + self.cfg.handshake_timeout);
         match timeout_at(answer_by, shake).await {
@@ -813,7 +816,16 @@ impl Shared {
             }),
             Err(_) => Err(Fail::Timeout),
             Ok(Err(e)) => Err(gone(e)),
-            Ok(Ok(Some(why))) => Err(Fail::Refused {
+            // The address it published answers for another group or
+            // instance: its listener closed (the process exited) and the port
+            // went to another process.
+            Ok(Ok(Some((NOT_HERE, why)))) => Err(Fail::Gone {
+                rank: dst,
+                reason: format!(
+                    "its address {addr} is another group's now (the process there refused us: {why}): it exited"
+                ),
+            }),
+            Ok(Ok(Some((_, why)))) => Err(Fail::Refused {
                 rank: dst,
                 reason: format!("it refused the connection: {why}"),
             }),
@@ -1659,8 +1671,8 @@ async fn accept_one(shared: Arc<Shared>, mut s: TcpStream, from: SocketAddr) {
     watch_liveness(&s, shared.cfg.peer_timeout);
     shared.handshaking.fetch_add(1, Ordering::AcqRel);
     let verdict = match timeout(HANDSHAKE_TIMEOUT, read_hello(&mut s)).await {
-        Err(_) => Err(format!("no hello within {HANDSHAKE_TIMEOUT:?}")),
-        Ok(Err(e)) => Err(e),
+        Err(_) => Err((REFUSED, format!("no hello within {HANDSHAKE_TIMEOUT:?}"))),
+        Ok(Err(e)) => Err((REFUSED, e)),
         Ok(Ok(h)) => check_hello(&shared.cfg, &h).map(|()| h.src as usize),
     };
     let settle = |shared: &Shared| {
@@ -1670,17 +1682,17 @@ async fn accept_one(shared: Arc<Shared>, mut s: TcpStream, from: SocketAddr) {
     };
     match verdict {
         Ok(src) => {
-            if s.write_all(&[0]).await.is_ok() {
+            if s.write_all(&[ACCEPTED]).await.is_ok() {
                 shared.register(src, s);
             }
             settle(&shared);
         }
-        Err(why) => {
+        Err((status, why)) => {
             settle(&shared);
             shared.refused.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(%from, "refused a connection: {why}");
             let why = &why.as_bytes()[..why.len().min(4096)];
-            let mut reply = vec![1];
+            let mut reply = vec![status];
             reply.extend_from_slice(&(why.len() as u16).to_le_bytes());
             reply.extend_from_slice(why);
             let _ = timeout(Duration::from_secs(1), s.write_all(&reply)).await;
@@ -1702,19 +1714,27 @@ async fn read_hello(s: &mut TcpStream) -> Result<Hello, String> {
     Ok(h)
 }
 
-fn check_hello(cfg: &Config, h: &Hello) -> Result<(), String> {
+/// The status a refused hello is answered with, and why.
+fn check_hello(cfg: &Config, h: &Hello) -> Result<(), (u8, String)> {
+    // Another group's or instance's member dialled an address that is ours
+    // now: the one it wanted is not here.
     if h.name != cfg.name {
-        return Err(format!(
-            "it is for group {:?}; this is group {:?}",
-            h.name, cfg.name
+        return Err((
+            NOT_HERE,
+            format!("it is for group {:?}; this is group {:?}", h.name, cfg.name),
         ));
     }
     if h.nonce != cfg.nonce {
-        return Err(format!(
+        return Err((NOT_HERE, format!(
             "it is from another instance of group {:?} (generation {:016x}, ours {:016x}): an earlier round or another job",
             cfg.name, h.nonce, cfg.nonce
-        ));
+        )));
     }
+    check_member(cfg, h).map_err(|why| (REFUSED, why))
+}
+
+/// A hello of this group instance that this member still cannot accept.
+fn check_member(cfg: &Config, h: &Hello) -> Result<(), String> {
     if h.world as usize != cfg.world {
         return Err(format!(
             "it has world size {}, ours is {}",

@@ -594,6 +594,55 @@ async fn a_peer_dead_or_stuck_before_any_op_is_named_in_every_way_it_can_be() {
     }
 }
 
+/// A rank that died had its port taken by a member of another group (or
+/// another instance of this one: the next round of an elastic job, another
+/// job on the host). Connecting to its published address reaches that
+/// process, which refuses a hello that is not for it: the rank is gone, and
+/// every survivor says so at once, whether it was sending to the rank or
+/// waiting for it. (The seeded test found it with parallel runs sharing the
+/// port range: a survivor waited out its timeout, or blamed the dead rank for
+/// "breaking the protocol".)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_ranks_port_taken_by_another_group_names_it_gone() {
+    let o = Options {
+        timeout: Duration::from_secs(20),
+        shared_memory: false,
+        ..opts()
+    };
+    // The other group: same name, its own store, so another instance.
+    let other = ProcessGroup::new(Arc::new(MemoryStore::new()), 0, 2, o.clone())
+        .await
+        .unwrap();
+    let taken = other.local_addr().to_string();
+    type Probe =
+        fn(ProcessGroup) -> std::pin::Pin<Box<dyn std::future::Future<Output = Error> + Send>>;
+    let ways: [(&str, Probe); 3] = [
+        ("sending (barrier)", |pg| {
+            Box::pin(async move { pg.barrier().await.unwrap_err() })
+        }),
+        ("receiving a collective (broadcast from it)", |pg| {
+            Box::pin(async move { pg.broadcast(&mut [0u8; 4], 1).await.unwrap_err() })
+        }),
+        ("receiving a message", |pg| {
+            Box::pin(async move { pg.recv(&mut [0u8; 4], 1, 0).await.unwrap_err() })
+        }),
+    ];
+    for (way, probe) in ways {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        // Rank 1 published its address, then died; the other group has it.
+        store
+            .set("rallypoint/collectives/default_pg/addr/1", taken.as_bytes())
+            .await
+            .unwrap();
+        let pg = ProcessGroup::new(store, 0, 2, o.clone()).await.unwrap();
+        let t0 = Instant::now();
+        let e = probe(pg).await;
+        eprintln!("{way}: noticed after {:?}: {e}", t0.elapsed());
+        assert!(names_rank(&e, 1), "{way}: {e}");
+    }
+    assert_eq!(other.refused_connections(), 3);
+}
+
 /// Two ranks connect to each other at once, and the connection this rank
 /// opened fails (reset) while the one the peer opened is up: the peer is not
 /// gone. Its process may be exiting (its listener closed first), but what it
