@@ -3,6 +3,7 @@
 //! `(n − 1)/n` of the buffer per pass, the least any algorithm can: the
 //! choice for large payloads.
 
+use std::collections::VecDeque;
 use std::ops::Range;
 
 use super::direct::gather_direct;
@@ -23,115 +24,47 @@ pub(crate) async fn ring_reduce_scatter<T: Element>(
     op: ReduceOp,
     phase0: usize,
 ) -> Result<()> {
-    ring_pass(cx, buf, bounds, Some(op), 1, phase0).await
+    let Some(ring) = Ring::new::<T>(cx, bounds, phase0 + cx.n() - 1)? else {
+        return Ok(());
+    };
+    let place = Place::new(buf);
+    ring.pass(&place, Some(op), phase0, None, &mut [], |_| {})
+        .await
 }
 
 /// Ring all-gather over `bounds`: chunk `r` is this rank's; at step `t` rank `r`
 /// sends chunk `r − t` and receives chunk `r − t − 1`, forwarding each segment at
-/// once. Uses phases `phase0 .. phase0 + n − 1`.
+/// once. Uses phases `phase0 .. phase0 + n − 1`. Where the op may, every
+/// receive is posted as the pass starts, so each segment lands in place (see
+/// `posted.rs`): the chunks it receives are not otherwise touched until
+/// received.
 pub(crate) async fn ring_all_gather<T: Element>(
     cx: &OpCtx,
     buf: &mut [T],
     bounds: &[Range<usize>],
     phase0: usize,
 ) -> Result<()> {
-    ring_pass(cx, buf, bounds, None, 0, phase0).await
-}
-
-/// One pass around the ring, the shape both ring phases share: at step `t` rank
-/// `r` sends chunk `r − t − shift` to `r + 1` and receives chunk
-/// `r − t − 1 − shift` from `r − 1`, reducing it in (`reduce`) or copying it,
-/// and forwards each received segment at the next step without waiting for the
-/// rest of its chunk. An all-gather pass, where the op may, posts every
-/// receive as it starts, so each segment lands in place (see `posted.rs`):
-/// the chunks it receives are not otherwise touched until received.
-async fn ring_pass<T: Element>(
-    cx: &OpCtx,
-    buf: &mut [T],
-    bounds: &[Range<usize>],
-    reduce: Option<ReduceOp>,
-    shift: usize,
-    phase0: usize,
-) -> Result<()> {
-    let (n, r) = (cx.n(), cx.me());
-    if n == 1 {
+    let Some(ring) = Ring::new::<T>(cx, bounds, phase0 + cx.n() - 1)? else {
         return Ok(());
-    }
-    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
-    let seg = cx.seg::<T>();
-    let segs = |c: usize| nseg(bounds[c].len(), seg);
-    let steps = Steps::new(cx, phase0 + n - 1, (0..n).map(segs).max().unwrap_or(1))?;
-    let first_out = (r + n - shift) % n;
-    let chunk_in = |t: usize| (r + 2 * n - t - 1 - shift) % n;
+    };
     let place = Place::new(buf);
-    let mut posts = reduce.is_none().then(|| Posts::of(cx, &place)).flatten();
-    // Per step, its segments' posted receives, in order.
-    let mut posted: Vec<std::vec::IntoIter<Posted>> = match posts.as_mut() {
-        Some(p) => (0..n - 1)
-            .map(|t| {
-                let c = chunk_in(t);
-                (0..segs(c))
-                    .map(|s| {
-                        let rg = seg_range(&bounds[c], seg, s);
-                        // SAFETY: chunks received are touched only once
-                        // received (the one sent first is this rank's own).
-                        unsafe { p.post(prev, steps.at(phase0 + t, s), &place, rg) }
-                    })
-                    .collect::<Vec<_>>()
-                    .into_iter()
-            })
+    let mut posts = Posts::of(cx, &place);
+    let mut ahead: Vec<VecDeque<Posted>> = match posts.as_mut() {
+        // SAFETY: nothing else touches the chunks received (above).
+        Some(p) => (0..ring.n - 1)
+            .map(|t| unsafe { ring.post_gather_step(p, &place, phase0, t) })
             .collect(),
         None => Vec::new(),
     };
-    let mut posted_by_step = posted.iter_mut();
-    for t in 0..n - 1 {
-        let mut posted_here = posted_by_step.next();
-        let cin = chunk_in(t);
-        let m = if t == 0 {
-            segs(cin).max(segs(first_out))
-        } else {
-            segs(cin)
-        };
-        for s in 0..m {
-            if t == 0 && s < segs(first_out) {
-                let out = seg_range(&bounds[first_out], seg, s);
-                // SAFETY: never posted (this rank's own, or reduced into below).
-                cx.send(next, steps.at(phase0, s), unsafe { place.get(out) })
-                    .await?;
-            }
-            if s < segs(cin) {
-                let rg = seg_range(&bounds[cin], seg, s);
-                let at = steps.at(phase0 + t, s);
-                // SAFETY (each arm): segment `rg` of chunk `cin` is used by
-                // this step alone, after its receive when it was posted.
-                match (reduce, &posts) {
-                    (Some(op), _) => {
-                        cx.recv_reduce(prev, at, unsafe { place.range(rg.clone()) }, op)
-                            .await?
-                    }
-                    (None, Some(p)) => {
-                        let one = posted_here
-                            .as_mut()
-                            .and_then(|it| it.next())
-                            .expect("every segment was posted");
-                        p.recv(one, &place, rg.clone()).await?
-                    }
-                    (None, None) => {
-                        cx.recv_copy(prev, at, unsafe { place.range(rg.clone()) })
-                            .await?
-                    }
-                }
-                if t + 2 < n {
-                    cx.send(next, steps.at(phase0 + t + 1, s), unsafe { place.get(rg) })
-                        .await?;
-                }
-            }
-        }
-    }
-    Ok(())
+    ring.pass(&place, None, phase0, posts.as_ref(), &mut ahead, |_| {})
+        .await
 }
 
-/// Ring all-reduce: reduce-scatter, the mean taken on the owned chunk, all-gather.
+/// Ring all-reduce: reduce-scatter, the mean taken on the owned chunk,
+/// all-gather. Where the op may, the all-gather's receives are posted during
+/// the reduce-scatter, each chunk's as soon as the reduce-scatter is done
+/// with it, so that segments sent by a neighbour that reached its all-gather
+/// first land in place too.
 pub(crate) async fn ring_all_reduce<T: Element>(
     cx: &OpCtx,
     buf: &mut [T],
@@ -139,11 +72,172 @@ pub(crate) async fn ring_all_reduce<T: Element>(
 ) -> Result<()> {
     let n = cx.n();
     let bounds = even_bounds(buf.len(), n);
-    ring_reduce_scatter(cx, buf, &bounds, op, 0).await?;
+    let Some(ring) = Ring::new::<T>(cx, &bounds, 2 * n - 2)? else {
+        return Ok(());
+    };
+    let gather0 = n - 1;
+    let place = Place::new(buf);
+    let mut posts = Posts::of(cx, &place);
+    let mut ahead: Vec<VecDeque<Posted>> = (0..n - 1).map(|_| VecDeque::new()).collect();
+    let after_step = |t: usize| {
+        let Some(p) = posts.as_mut() else { return };
+        // The reduce-scatter's step `t` was the last to touch the chunk the
+        // all-gather receives at step `t + 1` (and step 0 sent the one it
+        // receives at step 0); later steps touch neither.
+        let free = if t == 0 { 0..2 } else { t + 1..t + 2 };
+        for g in free.filter(|&g| g < n - 1) {
+            // SAFETY: as above; the all-gather touches a received chunk only
+            // once received.
+            ahead[g] = unsafe { ring.post_gather_step(p, &place, gather0, g) };
+        }
+    };
+    ring.pass(&place, Some(op), 0, None, &mut [], after_step)
+        .await?;
     if op == ReduceOp::Avg {
-        T::divide(&mut buf[bounds[cx.me()].clone()], n);
+        // SAFETY: chunk `r` is never received in the all-gather.
+        T::divide(unsafe { place.range(bounds[cx.me()].clone()) }, n);
     }
-    ring_all_gather(cx, buf, &bounds, n - 1).await
+    ring.pass(&place, None, gather0, posts.as_ref(), &mut ahead, |_| {})
+        .await
+}
+
+/// One ring over `bounds`: who is next and previous, the segment size, and
+/// the step keys of both passes.
+struct Ring<'a, 'c> {
+    cx: &'c OpCtx,
+    bounds: &'a [Range<usize>],
+    n: usize,
+    r: usize,
+    next: usize,
+    prev: usize,
+    seg: usize,
+    steps: Steps,
+}
+
+impl<'a, 'c> Ring<'a, 'c> {
+    /// `None` for a group of one, where a pass does nothing. `phases`: how
+    /// many phases the op's step keys must hold.
+    fn new<T: Element>(
+        cx: &'c OpCtx,
+        bounds: &'a [Range<usize>],
+        phases: usize,
+    ) -> Result<Option<Self>> {
+        let (n, r) = (cx.n(), cx.me());
+        if n == 1 {
+            return Ok(None);
+        }
+        let seg = cx.seg::<T>();
+        let stride = (0..n)
+            .map(|c| nseg(bounds[c].len(), seg))
+            .max()
+            .unwrap_or(1);
+        let steps = Steps::new(cx, phases, stride)?;
+        Ok(Some(Ring {
+            cx,
+            bounds,
+            n,
+            r,
+            next: (r + 1) % n,
+            prev: (r + n - 1) % n,
+            seg,
+            steps,
+        }))
+    }
+
+    fn segs(&self, c: usize) -> usize {
+        nseg(self.bounds[c].len(), self.seg)
+    }
+
+    /// The chunk received at step `t` of a pass shifted by `shift`.
+    fn chunk_in(&self, t: usize, shift: usize) -> usize {
+        (self.r + 2 * self.n - t - 1 - shift) % self.n
+    }
+
+    /// Posts the receives of an all-gather pass's step `t` (phase `phase0 +
+    /// t`), one per segment, in order.
+    ///
+    /// # Safety
+    ///
+    /// The chunk that step receives must be untouched until each receive
+    /// returns or `p` is dropped.
+    unsafe fn post_gather_step<T: Element>(
+        &self,
+        p: &mut Posts<'_>,
+        place: &Place<'_, T>,
+        phase0: usize,
+        t: usize,
+    ) -> VecDeque<Posted> {
+        let c = self.chunk_in(t, 0);
+        (0..self.segs(c))
+            .map(|s| {
+                let rg = seg_range(&self.bounds[c], self.seg, s);
+                p.post(self.prev, self.steps.at(phase0 + t, s), place, rg)
+            })
+            .collect()
+    }
+
+    /// One pass around the ring, the shape both ring phases share: at step
+    /// `t` rank `r` sends chunk `r − t − shift` to `r + 1` and receives chunk
+    /// `r − t − 1 − shift` from `r − 1`, reducing it in (`reduce`, shift 1)
+    /// or copying it (shift 0), and forwards each received segment at the
+    /// next step without waiting for the rest of its chunk. `ahead`: the
+    /// receives posted for each step (empty where none were); `after_step`
+    /// runs after each step.
+    async fn pass<T: Element>(
+        &self,
+        place: &Place<'_, T>,
+        reduce: Option<ReduceOp>,
+        phase0: usize,
+        posts: Option<&Posts<'_>>,
+        ahead: &mut [VecDeque<Posted>],
+        mut after_step: impl FnMut(usize),
+    ) -> Result<()> {
+        let (cx, n, next, prev) = (self.cx, self.n, self.next, self.prev);
+        let shift = usize::from(reduce.is_some());
+        let first_out = (self.r + n - shift) % n;
+        for t in 0..n - 1 {
+            let cin = self.chunk_in(t, shift);
+            let m = if t == 0 {
+                self.segs(cin).max(self.segs(first_out))
+            } else {
+                self.segs(cin)
+            };
+            for s in 0..m {
+                if t == 0 && s < self.segs(first_out) {
+                    let out = seg_range(&self.bounds[first_out], self.seg, s);
+                    // SAFETY: never posted (this rank's own, or reduced into below).
+                    cx.send(next, self.steps.at(phase0, s), unsafe { place.get(out) })
+                        .await?;
+                }
+                if s < self.segs(cin) {
+                    let rg = seg_range(&self.bounds[cin], self.seg, s);
+                    let at = self.steps.at(phase0 + t, s);
+                    let one = ahead.get_mut(t).and_then(VecDeque::pop_front);
+                    // SAFETY (each arm): segment `rg` of chunk `cin` is used
+                    // by this step alone, after its receive when it was posted.
+                    match (reduce, posts, one) {
+                        (Some(op), ..) => {
+                            cx.recv_reduce(prev, at, unsafe { place.range(rg.clone()) }, op)
+                                .await?
+                        }
+                        (None, Some(p), Some(one)) => p.recv(one, place, rg.clone()).await?,
+                        (None, ..) => {
+                            cx.recv_copy(prev, at, unsafe { place.range(rg.clone()) })
+                                .await?
+                        }
+                    }
+                    if t + 2 < n {
+                        cx.send(next, self.steps.at(phase0 + t + 1, s), unsafe {
+                            place.get(rg)
+                        })
+                        .await?;
+                    }
+                }
+            }
+            after_step(t);
+        }
+        Ok(())
+    }
 }
 
 /// Large reduce: ring reduce-scatter, then every rank sends its reduced chunk to
