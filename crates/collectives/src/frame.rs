@@ -378,8 +378,9 @@ fn encode_data(
 
 /// The handshake's answer: the connection is taken.
 pub const ACCEPTED: u8 = 0;
-/// The handshake's answer: a member of this group instance that cannot be
-/// taken (other options, a bad hello); a reason follows.
+/// The handshake's answer: refused for any other reason (a member of this
+/// group instance with other options, a hello that is not one or never
+/// came); a reason follows.
 pub const REFUSED: u8 = 1;
 /// The handshake's answer: the hello is for another group or instance than
 /// the one listening here; a reason follows.

@@ -20,13 +20,17 @@
 //!
 //! When the last connection with a peer ends (EOF, reset), after its reader
 //! has delivered every frame it carried, the peer is checked by connecting
-//! anew: a dead peer refuses, and is marked gone; every operation waiting on it
+//! anew: a dead peer refuses (or another group's process, which took its port,
+//! answers [`crate::frame::NOT_HERE`]), and is marked gone; every operation waiting on it
 //! fails at once, and so does every later receive from it that is not already
 //! in the mailbox. (A live peer can end a connection too: one it dropped
 //! mid-handshake.) A bad frame marks its sender gone at once. A failed send
 //! fails its op, but leaves marking the peer to the reader, so frames the peer
 //! sent before it went are not lost. Nothing fails merely because a peer
-//! exited after doing its part. Connecting is the transport's own task, never
+//! exited after doing its part. Nor does a connect that fails while the peer's
+//! own connection with us is up (both sides connected at once, and the
+//! exiting peer's listener closed first): its reader names it gone, after its
+//! frames. Connecting is the transport's own task, never
 //! cut short by the op that asked for it. A receive that has waited a moment asks the peer
 //! for its part ([`Header::Want`]), which opens a connection if there is none, so
 //! a peer that died before ever connecting is noticed as a refused connection
@@ -822,7 +826,7 @@ impl Shared {
             Ok(Ok(Some((NOT_HERE, why)))) => Err(Fail::Gone {
                 rank: dst,
                 reason: format!(
-                    "its address {addr} is another group's now (the process there refused us: {why}): it exited"
+                    "it no longer listens at {addr}, another group's process does (it refused us: {why}): it exited, or the address is wrong"
                 ),
             }),
             Ok(Ok(Some((_, why)))) => Err(Fail::Refused {
@@ -890,8 +894,10 @@ impl Shared {
     }
 
     /// Checks that `peer` is alive by connecting to it, in the background,
-    /// unless a connection exists: a refusal marks it gone (see
-    /// [`Shared::gone_reason`]).
+    /// unless a connection exists: a refused connect, or another group's
+    /// process answering at its address, marks it gone (see
+    /// [`Shared::gone_reason`]), unless the peer's own connection with us
+    /// came up meanwhile.
     pub fn probe(self: &Arc<Self>, peer: usize, deadline: Instant) {
         if self.connected(peer) || self.gone_reason(peer).is_some() {
             return;
@@ -1669,28 +1675,47 @@ async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
 async fn accept_one(shared: Arc<Shared>, mut s: TcpStream, from: SocketAddr) {
     let _ = s.set_nodelay(true);
     watch_liveness(&s, shared.cfg.peer_timeout);
+    // Counted until settled, or until dropped (the transport shut down
+    // mid-handshake), so that nobody waits on it in vain.
+    struct Handshaking<'a>(&'a Shared, bool);
+    impl Handshaking<'_> {
+        fn settle(&mut self) {
+            if std::mem::take(&mut self.1)
+                && self.0.handshaking.fetch_sub(1, Ordering::AcqRel) == 1
+            {
+                self.0.handshakes_done.notify_waiters();
+            }
+        }
+    }
+    impl Drop for Handshaking<'_> {
+        fn drop(&mut self) {
+            self.settle();
+        }
+    }
     shared.handshaking.fetch_add(1, Ordering::AcqRel);
+    let mut shaking = Handshaking(&shared, true);
     let verdict = match timeout(HANDSHAKE_TIMEOUT, read_hello(&mut s)).await {
         Err(_) => Err((REFUSED, format!("no hello within {HANDSHAKE_TIMEOUT:?}"))),
         Ok(Err(e)) => Err((REFUSED, e)),
         Ok(Ok(h)) => check_hello(&shared.cfg, &h).map(|()| h.src as usize),
-    };
-    let settle = |shared: &Shared| {
-        if shared.handshaking.fetch_sub(1, Ordering::AcqRel) == 1 {
-            shared.handshakes_done.notify_waiters();
-        }
     };
     match verdict {
         Ok(src) => {
             if s.write_all(&[ACCEPTED]).await.is_ok() {
                 shared.register(src, s);
             }
-            settle(&shared);
+            shaking.settle();
         }
         Err((status, why)) => {
-            settle(&shared);
+            shaking.settle();
             shared.refused.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(%from, "refused a connection: {why}");
+            if status == NOT_HERE {
+                // Whoever had this port before us exited; its group's
+                // survivors find it gone here. Not a fault of ours.
+                tracing::debug!(%from, "refused a connection: {why}");
+            } else {
+                tracing::warn!(%from, "refused a connection: {why}");
+            }
             let why = &why.as_bytes()[..why.len().min(4096)];
             let mut reply = vec![status];
             reply.extend_from_slice(&(why.len() as u16).to_le_bytes());

@@ -181,8 +181,12 @@ impl<'a, 'c> Ring<'a, 'c> {
     /// `r − t − 1 − shift` from `r − 1`, reducing it in (`reduce`, shift 1)
     /// or copying it (shift 0), and forwards each received segment at the
     /// next step without waiting for the rest of its chunk. `ahead`: the
-    /// receives posted for each step (empty where none were); `after_step`
-    /// runs after each step.
+    /// receives posted for each step of a copying pass (empty where none
+    /// were); `after_step` runs after each step.
+    ///
+    /// Sound only if whatever `after_step` posts (or `ahead` holds) is a
+    /// chunk the rest of the pass touches only through those receives:
+    /// step `t` touches its chunk in, and at step 0 the chunk sent first.
     async fn pass<T: Element>(
         &self,
         place: &Place<'_, T>,
@@ -205,7 +209,9 @@ impl<'a, 'c> Ring<'a, 'c> {
             for s in 0..m {
                 if t == 0 && s < self.segs(first_out) {
                     let out = seg_range(&self.bounds[first_out], self.seg, s);
-                    // SAFETY: never posted (this rank's own, or reduced into below).
+                    // SAFETY: not posted before step 0 ends (this rank's own
+                    // chunk, or, in an all_reduce's reduce-scatter, the one
+                    // `after_step(0)` posts after it is sent).
                     cx.send(next, self.steps.at(phase0, s), unsafe { place.get(out) })
                         .await?;
                 }
@@ -213,6 +219,14 @@ impl<'a, 'c> Ring<'a, 'c> {
                     let rg = seg_range(&self.bounds[cin], self.seg, s);
                     let at = self.steps.at(phase0 + t, s);
                     let one = ahead.get_mut(t).and_then(VecDeque::pop_front);
+                    debug_assert!(
+                        reduce.is_none() || one.is_none(),
+                        "a reducing pass posts nothing"
+                    );
+                    debug_assert!(
+                        one.is_some() || posts.is_none() || ahead.is_empty(),
+                        "every segment of a posting pass is posted"
+                    );
                     // SAFETY (each arm): segment `rg` of chunk `cin` is used
                     // by this step alone, after its receive when it was posted.
                     match (reduce, posts, one) {
