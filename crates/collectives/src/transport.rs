@@ -1680,8 +1680,7 @@ async fn accept_one(shared: Arc<Shared>, mut s: TcpStream, from: SocketAddr) {
     struct Handshaking<'a>(&'a Shared, bool);
     impl Handshaking<'_> {
         fn settle(&mut self) {
-            if std::mem::take(&mut self.1)
-                && self.0.handshaking.fetch_sub(1, Ordering::AcqRel) == 1
+            if std::mem::take(&mut self.1) && self.0.handshaking.fetch_sub(1, Ordering::AcqRel) == 1
             {
                 self.0.handshakes_done.notify_waiters();
             }
