@@ -19,6 +19,9 @@ if os.environ.get("RALLY_BENCH_PIN") == "1":
     # As our side does: this rank on CPU rank mod CPUs, threads included.
     os.sched_setaffinity(0, {rank % os.cpu_count()})
 ops, sizes = sys.argv[5].split(","), [int(s) for s in sys.argv[6].split(",")]
+dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[
+    os.environ.get("RALLY_BENCH_DTYPE", "f32")
+]
 
 store = dist.TCPStore("127.0.0.1", port, n, is_master=False, timeout=timedelta(seconds=600))
 store = dist.PrefixStore(prefix, store)
@@ -35,7 +38,7 @@ def iters_for(nbytes):
 
 def check(op, count):
     """One op on inputs that differ by rank, its result checked (as ours)."""
-    mine = lambda r: (torch.arange(count) + r).remainder(7).to(torch.float32)
+    mine = lambda r: (torch.arange(count) + r).remainder(7).to(dtype)
     if op == "all_reduce":
         t = mine(rank)
         dist.all_reduce(t)
@@ -45,26 +48,26 @@ def check(op, count):
         dist.broadcast(t, 0)
         want = mine(0)
     elif op == "all_gather":
-        t = torch.empty(count * n, dtype=torch.float32)
+        t = torch.empty(count * n, dtype=dtype)
         dist.all_gather_into_tensor(t, mine(rank))
         want = torch.cat([mine(q) for q in range(n)])
     else:
         return
     if not torch.equal(t, want):
-        raise SystemExit(f"gloo {op} of {count} f32 on rank {rank} returned a wrong result")
+        raise SystemExit(f"gloo {op} of {count} {dtype} on rank {rank} returned a wrong result")
 
 
 def run(op, nbytes):
-    count = max(nbytes // 4, 1)
+    count = max(nbytes // dtype.itemsize, 1)
     check(op, count)
     # Zeros: repeated sums into one tensor stay exact.
-    t = torch.zeros(count, dtype=torch.float32)
+    t = torch.zeros(count, dtype=dtype)
     if op == "all_reduce":
         f = lambda: dist.all_reduce(t)
     elif op == "broadcast":
         f = lambda: dist.broadcast(t, 0)
     elif op == "all_gather":
-        out = torch.empty(count * n, dtype=torch.float32)
+        out = torch.empty(count * n, dtype=dtype)
         f = lambda: dist.all_gather_into_tensor(out, t)
     elif op == "barrier":
         f = lambda: dist.barrier()

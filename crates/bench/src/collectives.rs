@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use rallypoint_collectives::{Options, ProcessGroup, ReduceOp};
+use rallypoint_collectives::{Element, Options, ProcessGroup, ReduceOp};
 use rallypoint_store::{Store, TcpStore};
 
 #[derive(clap::Args, Clone)]
@@ -68,6 +68,10 @@ pub struct CollectivesArgs {
     /// Repetitions of the whole comparison (sides alternate within each).
     #[arg(long, default_value_t = 1)]
     repeat: usize,
+    /// Element type of every buffer, both sides: f32, f16 or bf16. Sizes
+    /// stay in bytes.
+    #[arg(long, default_value = "f32", value_parser = ["f32", "f16", "bf16"])]
+    dtype: String,
 }
 
 fn sizes(max: usize) -> Vec<usize> {
@@ -120,6 +124,7 @@ pub fn run(args: CollectivesArgs) -> Result<()> {
         .collect::<Vec<_>>()
         .join(",");
 
+    println!("# elements: {}, both sides", args.dtype);
     for rep in 0..args.repeat {
         let (uni, duplex) = raw_tcp(args.raw_bytes)?;
         let copy = memcpy_rate(64 << 20);
@@ -250,7 +255,16 @@ fn report(
                 total as f64 / t * bus_factor(op, n) / 1e9
             };
             let f = |v: Option<f64>, g: &dyn Fn(f64) -> String| v.map_or("-".into(), g);
-            let pct = |base: f64| move |t: f64| format!("{:.0}%", bus(t) * 1e9 / base * 100.0);
+            // A ceiling not measured (`--raw-bytes 0`) is shown as "-".
+            let pct = |base: f64| {
+                move |t: f64| {
+                    if base > 0.0 {
+                        format!("{:.0}%", bus(t) * 1e9 / base * 100.0)
+                    } else {
+                        "-".into()
+                    }
+                }
+            };
             println!(
                 "| {s} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                 f(a, &|t| format!("{:.1}", t * 1e6)),
@@ -317,6 +331,7 @@ fn ranks(
         ])
         .args([ops, sizes])
         .env("OMP_NUM_THREADS", "1")
+        .env("RALLY_BENCH_DTYPE", &args.dtype)
         .env(
             "RALLY_BENCH_SEGMENT",
             args.segment_bytes
@@ -438,59 +453,78 @@ pub fn rank(
         .await?;
         let sizes: Vec<usize> = sizes.split(',').map(str::parse).collect::<Result<_, _>>()?;
         let owned = std::env::var("RALLY_BENCH_OWNED").as_deref() == Ok("1");
-        for op in ops.split(',') {
-            let list = if op == "barrier" {
-                vec![4]
-            } else {
-                sizes.clone()
-            };
-            for bytes in list {
-                let count = (bytes / 4).max(1);
-                check(&pg, op, count, owned).await?;
-                // Zeros: repeated sums into one buffer stay exact (ones
-                // overflowed to infinity after ~128 all_reduces).
-                let mut buf = vec![0.0f32; count];
-                let mut out = vec![0.0f32; if op == "all_gather" { count * n } else { 0 }];
-                let iters = iters_for(bytes);
-                timed(&pg, op, &mut buf, &mut out, (iters / 10).max(2), owned).await?;
-                pg.barrier().await?;
-                let dt = timed(&pg, op, &mut buf, &mut out, iters, owned)
-                    .await?
-                    .as_secs_f64()
-                    / iters as f64;
-                if buf.iter().chain(&out).any(|&x| x != 0.0) {
-                    bail!("{op} of {bytes} bytes: the timed ops corrupted the buffer");
-                }
-                println!("RESULT {op} {bytes} {dt:.9}");
-            }
+        match std::env::var("RALLY_BENCH_DTYPE").as_deref() {
+            Ok("f16") => each_op::<rallypoint_collectives::f16>(&pg, &ops, &sizes, owned).await?,
+            Ok("bf16") => each_op::<rallypoint_collectives::bf16>(&pg, &ops, &sizes, owned).await?,
+            Ok("f32") | Err(_) => each_op::<f32>(&pg, &ops, &sizes, owned).await?,
+            Ok(other) => bail!("unknown element type {other}"),
         }
         pg.barrier().await?;
         anyhow::Ok(())
     })
 }
 
+/// Every op and size of one rank, in elements of `T`.
+async fn each_op<T: Element>(
+    pg: &ProcessGroup,
+    ops: &str,
+    sizes: &[usize],
+    owned: bool,
+) -> Result<()> {
+    let n = pg.size();
+    let zero = T::from_i8(0);
+    for op in ops.split(',') {
+        let list = if op == "barrier" {
+            vec![4]
+        } else {
+            sizes.to_vec()
+        };
+        for bytes in list {
+            let count = (bytes / std::mem::size_of::<T>()).max(1);
+            check::<T>(pg, op, count, owned).await?;
+            // Zeros: repeated sums into one buffer stay exact (ones
+            // overflowed to infinity after ~128 all_reduces).
+            let mut buf = vec![zero; count];
+            let mut out = vec![zero; if op == "all_gather" { count * n } else { 0 }];
+            let iters = iters_for(bytes);
+            timed(pg, op, &mut buf, &mut out, (iters / 10).max(2), owned).await?;
+            pg.barrier().await?;
+            let dt = timed(pg, op, &mut buf, &mut out, iters, owned)
+                .await?
+                .as_secs_f64()
+                / iters as f64;
+            if buf.iter().chain(&out).any(|&x| x != zero) {
+                bail!("{op} of {bytes} bytes: the timed ops corrupted the buffer");
+            }
+            println!("RESULT {op} {bytes} {dt:.9}");
+        }
+    }
+    Ok(())
+}
+
 /// One `op` of `count` elements on inputs that differ by rank, with its
 /// result checked, so that a benchmark never times a wrong answer.
-async fn check(pg: &ProcessGroup, op: &str, count: usize, owned: bool) -> Result<()> {
+async fn check<T: Element>(pg: &ProcessGroup, op: &str, count: usize, owned: bool) -> Result<()> {
     let (n, r) = (pg.size(), pg.rank());
-    let mine = |r: usize| (0..count).map(move |i| ((i + r) % 7) as f32);
-    let got: Vec<f32>;
-    let want: Vec<f32>;
+    // Small integers: exact in every type, and so are their sums.
+    let mine = |r: usize| (0..count).map(move |i| T::from_i8(((i + r) % 7) as i8));
+    let got: Vec<T>;
+    let want: Vec<T>;
     match op {
         "all_reduce" => {
-            let mut b: Vec<f32> = mine(r).collect();
+            let mut b: Vec<T> = mine(r).collect();
             if owned {
                 b = pg.all_reduce_async(b, ReduceOp::Sum).wait().await?;
             } else {
                 pg.all_reduce(&mut b, ReduceOp::Sum).await?;
             }
             want = (0..count)
-                .map(|i| (0..n).map(|q| ((i + q) % 7) as f32).sum())
+                .map(|i| T::from_i8((0..n).map(|q| ((i + q) % 7) as i8).sum()))
                 .collect();
             got = b;
         }
         "broadcast" => {
-            let mut b: Vec<f32> = mine(r).collect();
+            let mut b: Vec<T> = mine(r).collect();
             if owned {
                 b = pg.broadcast_async(b, 0).wait().await?;
             } else {
@@ -500,8 +534,8 @@ async fn check(pg: &ProcessGroup, op: &str, count: usize, owned: bool) -> Result
             got = b;
         }
         "all_gather" => {
-            let mut out = vec![0.0f32; count * n];
-            let input: Vec<f32> = mine(r).collect();
+            let mut out = vec![T::from_i8(0); count * n];
+            let input: Vec<T> = mine(r).collect();
             if owned {
                 out = pg.all_gather_async(input).wait().await?;
             } else {
@@ -513,18 +547,21 @@ async fn check(pg: &ProcessGroup, op: &str, count: usize, owned: bool) -> Result
         _ => return Ok(()),
     }
     if got != want {
-        bail!("{op} of {count} f32 on rank {r} of {n} returned a wrong result");
+        bail!(
+            "{op} of {count} {} on rank {r} of {n} returned a wrong result",
+            T::DTYPE
+        );
     }
     Ok(())
 }
 
 /// `k` ops; `owned`: all_reduce and broadcast through their `*_async`
 /// forms, moving the buffer in and out (no copy).
-async fn timed(
+async fn timed<T: Element>(
     pg: &ProcessGroup,
     op: &str,
-    buf: &mut Vec<f32>,
-    out: &mut [f32],
+    buf: &mut Vec<T>,
+    out: &mut [T],
     k: usize,
     owned: bool,
 ) -> Result<Duration> {

@@ -12,6 +12,8 @@ use std::sync::{Arc, Mutex};
 
 use half::{bf16, f16};
 
+mod halves;
+
 /// The element type of a buffer, as it appears in frames and error messages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u8)]
@@ -251,19 +253,17 @@ macro_rules! float_element {
 
 float_element!(f32 => F32, f64 => F64);
 
+/// The 16-bit floats: reduced in `f32` by the kernels in `halves.rs`.
 macro_rules! half_element {
-    ($($t:ty => $d:ident),*) => {$(
+    ($($t:ty => $d:ident, $zip:path, $map:path);*) => {$(
         unsafe impl Element for $t {
             const DTYPE: DType = DType::$d;
             fn reduce(op: ReduceOp, acc: &mut [Self], other: &[Self]) {
-                let mut via = |f: fn(f32, f32) -> f32| {
-                    zip_apply(acc, other, |a, b| <$t>::from_f32(f(a.to_f32(), b.to_f32())))
-                };
                 match op {
-                    ReduceOp::Sum | ReduceOp::Avg => via(|a, b| a + b),
-                    ReduceOp::Product => via(|a, b| a * b),
-                    ReduceOp::Min => via(|a, b| float_minmax!(a, b, <)),
-                    ReduceOp::Max => via(|a, b| float_minmax!(a, b, >)),
+                    ReduceOp::Sum | ReduceOp::Avg => $zip(acc, other, |a, b| a + b),
+                    ReduceOp::Product => $zip(acc, other, |a, b| a * b),
+                    ReduceOp::Min => $zip(acc, other, |a, b| float_minmax!(a, b, <)),
+                    ReduceOp::Max => $zip(acc, other, |a, b| float_minmax!(a, b, >)),
                     ReduceOp::Band | ReduceOp::Bor | ReduceOp::Bxor => {
                         unreachable!("bitwise reduction of a float type is refused before it runs")
                     }
@@ -271,9 +271,7 @@ macro_rules! half_element {
             }
             fn divide(acc: &mut [Self], n: usize) {
                 let n = n as f32;
-                for a in acc {
-                    *a = <$t>::from_f32(a.to_f32() / n);
-                }
+                $map(acc, move |a| a / n);
             }
             fn from_i8(v: i8) -> Self {
                 <$t>::from_f32(f32::from(v))
@@ -282,7 +280,10 @@ macro_rules! half_element {
     )*};
 }
 
-half_element!(f16 => F16, bf16 => BF16);
+half_element!(
+    f16 => F16, halves::zip_f16, halves::map_f16;
+    bf16 => BF16, halves::zip_bf16, halves::map_bf16
+);
 
 /// The bytes of a slice of elements.
 pub(crate) fn bytes_of<T: Element>(s: &[T]) -> &[u8] {
