@@ -5,6 +5,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+/// How long a rank that finds calls diverged (see [`Error::Diverged`]) waits
+/// for the abort of the first mismatch before it reports what it found.
+pub const DIVERGED_GRACE: Duration = Duration::from_secs(1);
+
 /// A collective's result.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -33,6 +37,20 @@ pub enum Error {
     /// Ranks called different collectives at the same point.
     #[error("mismatched collectives on group {group:?} at op #{seq}: rank {rank_a} called {desc_a} but rank {rank_b} called {desc_b}")]
     Mismatch {
+        group: String,
+        seq: u64,
+        rank_a: usize,
+        desc_a: String,
+        rank_b: usize,
+        desc_b: String,
+    },
+    /// Ranks' calls diverged before op `seq` (one called a collective that
+    /// takes another number of ops, such as an all-gather of varying sizes,
+    /// where another called a single op), and no rank reported the first
+    /// difference within [`DIVERGED_GRACE`]: the calls named are the first
+    /// that met, not the first that differed.
+    #[error("mismatched collectives on group {group:?}: the calls of ranks {rank_a} and {rank_b} diverged before op #{seq} (an earlier call differed, and no rank reported it), at op #{seq}: rank {rank_a} called {desc_a} but rank {rank_b} called {desc_b}")]
+    Diverged {
         group: String,
         seq: u64,
         rank_a: usize,

@@ -15,7 +15,10 @@
 //! After the handshake both directions carry frames: a fixed 48-byte
 //! little-endian [`Header`] followed by `len` payload bytes, sent raw. A data frame
 //! carries the sender's description of the operation it belongs to ([`Desc`]), so
-//! the receiver can tell a mismatched collective from a slow one. A want frame
+//! the receiver can tell a mismatched collective from a slow one, and a hash
+//! of the sender's calls before it on the group ([`Desc::hist`]), so the
+//! receiver can tell a mismatch at this op from calls that diverged earlier
+//! (see `transport/router.rs`). A want frame
 //! (header only) says the sender has waited for the receiver's part of a
 //! collective, and carries the sender's call for the receiver to compare. An
 //! abort frame carries a UTF-8 reason and the first collective it fails. A
@@ -145,6 +148,56 @@ pub struct Desc {
     /// part (all_gather, gather, scatter, reduce_scatter, all_to_all), of the
     /// whole result (all_gather with varying sizes), of the message (send).
     pub count: u64,
+    /// A 24-bit hash of the calls before this one on the group ([`HIST_NONE`]:
+    /// not tracked, as for messages and the steps of two-level ops). Ranks
+    /// whose histories differ have called different sequences of
+    /// collectives before this one: a difference of this call from theirs
+    /// is a consequence, not the first mismatch. Not shown in messages.
+    pub hist: u32,
+}
+
+/// [`Desc::hist`] of a call whose history is not tracked.
+pub const HIST_NONE: u32 = 0;
+/// [`Desc::hist`] holds this many bits.
+const HIST_BITS: u32 = 24;
+
+/// The history after `call`, of calls whose history before it was
+/// `before` (`call.hist` is not read): FNV-1a over the call's fields and
+/// `before`, folded to [`HIST_BITS`], never [`HIST_NONE`]. Fixed, so ranks of
+/// different builds agree.
+pub fn hist_after(before: u32, call: &Desc) -> u32 {
+    let mut b = [0u8; 20];
+    b[0] = call.op as u8;
+    b[1] = call.dtype as u8;
+    b[2] = call.reduce.map_or(0, |r| r as u8);
+    b[3] = call.algo as u8;
+    b[4..8].copy_from_slice(&call.root.to_le_bytes());
+    b[8..16].copy_from_slice(&call.count.to_le_bytes());
+    b[16..20].copy_from_slice(&before.to_le_bytes());
+    let h = b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
+        (h ^ u64::from(x)).wrapping_mul(0x0100_0000_01b3)
+    });
+    let folded = ((h >> 32) ^ h) as u32 & ((1 << HIST_BITS) - 1);
+    folded.max(1)
+}
+
+impl Desc {
+    /// Whether `other`, a call at the same place in the group's sequence,
+    /// agrees with this one: the same call, after the same calls where both
+    /// histories are tracked.
+    pub fn agrees(&self, other: &Desc) -> bool {
+        let call = |d: &Desc| Desc {
+            hist: HIST_NONE,
+            ..*d
+        };
+        call(self) == call(other) && !self.diverged_from(other)
+    }
+
+    /// Whether `self` and `other` are calls of one place in the group's
+    /// sequence whose histories differ (both tracked).
+    pub fn diverged_from(&self, other: &Desc) -> bool {
+        self.hist != HIST_NONE && other.hist != HIST_NONE && self.hist != other.hist
+    }
 }
 
 impl fmt::Display for Desc {
@@ -269,9 +322,6 @@ impl Header {
         let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
         let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
         let bad = |s: String| Err(BadFrame(s));
-        if b[5..8] != [0, 0, 0] {
-            return bad(format!("reserved bytes {:?} are not zero", &b[5..8]));
-        }
         let comm = u64_at(8);
         let len = u64_at(40);
         match b[0] {
@@ -305,6 +355,7 @@ impl Header {
                     algo,
                     root: u32_at(28),
                     count: u64_at(32),
+                    hist: u32::from_le_bytes([b[5], b[6], b[7], 0]),
                 };
                 if b[0] == KIND_WANT {
                     if len != 0 {
@@ -326,7 +377,7 @@ impl Header {
                 })
             }
             KIND_ABORT => {
-                if b[1] > 1 || b[2..5] != [0; 3] || b[24..40] != [0; 16] {
+                if b[1] > 1 || b[2..8] != [0; 6] || b[24..40] != [0; 16] {
                     return bad("abort frame with data fields set".into());
                 }
                 if len > MAX_REASON {
@@ -340,7 +391,7 @@ impl Header {
                 })
             }
             KIND_FLOW => {
-                if b[1] > 1 || b[2..5] != [0; 3] || b[8..16] != [0; 8] || b[24..48] != [0; 24] {
+                if b[1] > 1 || b[2..16] != [0; 14] || b[24..48] != [0; 24] {
                     return bad("flow frame with other fields set".into());
                 }
                 Ok(Header::Flow {
@@ -368,6 +419,7 @@ fn encode_data(
     b[2] = desc.dtype as u8;
     b[3] = desc.reduce.map_or(0, |r| r as u8);
     b[4] = desc.algo as u8;
+    b[5..8].copy_from_slice(&desc.hist.to_le_bytes()[..3]);
     b[8..16].copy_from_slice(&comm.to_le_bytes());
     b[16..24].copy_from_slice(&seq.to_le_bytes());
     b[24..28].copy_from_slice(&step.to_le_bytes());
@@ -401,8 +453,8 @@ pub struct Hello {
 }
 
 const MAGIC: &[u8; 4] = b"RPCG";
-/// 2: flow frames.
-const VERSION: u16 = 2;
+/// 2: flow frames. 3: call histories in data and want frames.
+const VERSION: u16 = 3;
 /// Written in the sender's byte order: a peer of the other order reads 0x0201.
 const BYTE_ORDER: u16 = 0x0102;
 /// The fixed part of a hello; the name follows.
@@ -477,14 +529,16 @@ mod tests {
             prop::sample::select(Algo::ALL.to_vec()),
             any::<u32>(),
             any::<u64>(),
+            0..1u32 << HIST_BITS,
         )
-            .prop_map(|(op, dtype, reduce, algo, root, count)| Desc {
+            .prop_map(|(op, dtype, reduce, algo, root, count, hist)| Desc {
                 op,
                 dtype,
                 reduce,
                 algo,
                 root,
                 count,
+                hist,
             })
     }
 
@@ -589,6 +643,7 @@ mod tests {
                 algo: Algo::Ring,
                 root: 0,
                 count: 3,
+                hist: HIST_NONE,
             },
             len: MAX_PAYLOAD + 4,
         };
@@ -613,7 +668,38 @@ mod tests {
             algo: Algo::Tree,
             root: 2,
             count: 10,
+            hist: 0x12_3456,
         };
         assert_eq!(d.to_string(), "broadcast(bf16 x 10, root 2, Tree)");
+    }
+
+    #[test]
+    fn histories_are_fixed_24_bit_and_tell_orders_apart() {
+        let d = |op, count| Desc {
+            op,
+            dtype: DType::F32,
+            reduce: None,
+            algo: Algo::Direct,
+            root: 0,
+            count,
+            hist: HIST_NONE,
+        };
+        let (a, b) = (d(OpKind::Barrier, 0), d(OpKind::AllGather, 1));
+        let ab = hist_after(hist_after(HIST_NONE, &a), &b);
+        let ba = hist_after(hist_after(HIST_NONE, &b), &a);
+        assert_ne!(ab, ba);
+        assert!(ab < 1 << HIST_BITS && ab != HIST_NONE);
+        // Fixed: a change of the function would split ranks of two builds.
+        assert_eq!(hist_after(7, &a), hist_after(7, &Desc { hist: 9, ..a }));
+        // Computed independently (Python, from the definition above).
+        assert_eq!(ab, 0x0012_ce65, "{ab:#010x}");
+        let (x, y) = (Desc { hist: ab, ..a }, Desc { hist: ba, ..a });
+        assert!(x.diverged_from(&y) && !x.agrees(&y));
+        let untracked = Desc {
+            hist: HIST_NONE,
+            ..a
+        };
+        assert!(!x.diverged_from(&untracked) && x.agrees(&untracked));
+        assert!(!x.agrees(&Desc { count: 1, ..x }));
     }
 }

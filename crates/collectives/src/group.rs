@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs, UdpSocket};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -16,9 +16,9 @@ use crate::algorithms as algo;
 use crate::algorithms::choice;
 use crate::element::{bytes_of, bytes_of_mut, Buf, DType, Element, ReduceOp};
 use crate::error::{Error, Result};
-use crate::frame::{Algo, Desc, Header, OpKind, MAX_PAYLOAD};
+use crate::frame::{hist_after, Algo, Desc, Header, OpKind, HIST_NONE, MAX_PAYLOAD};
 use crate::shm::{self, ops as shm_ops, Arena, Plan, Turn};
-use crate::transport::{Clash, Config, Fail, Key, Members, Shared, Transport};
+use crate::transport::{Config, Fail, Key, Members, Shared, Transport};
 use crate::two_level::{self, TwoLevel};
 
 /// gloo's default operation timeout.
@@ -134,7 +134,8 @@ pub(crate) struct Comm {
     members: Members,
     /// This rank's place in `members`.
     rank: usize,
-    seq: AtomicU64,
+    /// Collective sequence numbers taken, and the history of calls.
+    calls: Mutex<Calls>,
     /// Message numbers per (is-receive, peer, tag).
     p2p: Mutex<HashMap<(bool, usize, u32), u64>>,
     subgroups: Mutex<HashMap<Vec<usize>, u64>>,
@@ -145,9 +146,58 @@ pub(crate) struct Comm {
     turn: Turn,
 }
 
+/// A group's collectives so far, in the order they were called here.
+struct Calls {
+    /// The next collective's sequence number.
+    next: u64,
+    /// [`Desc::hist`] of the next collective: a hash of every call before it.
+    hist: u32,
+}
+
+/// The call that stands for the data's half of an all-gather of varying
+/// sizes in the history: its length is known only once the lengths' half
+/// has run, after later calls may have taken their numbers.
+impl Default for Calls {
+    fn default() -> Calls {
+        Calls {
+            next: 0,
+            // Tracked from the first op on.
+            hist: HIST_START,
+        }
+    }
+}
+
+/// [`Desc::hist`] of a group's first collective.
+const HIST_START: u32 = 1;
+
+const VARYING_DATA: Desc = Desc {
+    op: OpKind::AllGatherV,
+    dtype: crate::element::DType::U8,
+    reduce: None,
+    algo: Algo::Direct,
+    root: 0,
+    count: 0,
+    hist: HIST_NONE,
+};
+
 impl Comm {
     fn sh(&self) -> &Arc<Shared> {
         &self.t.shared
+    }
+
+    /// Takes the next sequence number for `call`: the number, and the
+    /// history of the calls before it.
+    fn take_seq(&self, call: &Desc) -> (u64, u32) {
+        let mut c = self.calls.lock().unwrap_or_else(|e| e.into_inner());
+        let taken = (c.next, c.hist);
+        c.next += 1;
+        c.hist = hist_after(c.hist, call);
+        taken
+    }
+
+    /// The sequence number the next collective will take.
+    fn next_seq(&self) -> u64 {
+        self.calls.lock().unwrap_or_else(|e| e.into_inner()).next
     }
 
     pub(crate) fn plan_cell(&self) -> &tokio::sync::OnceCell<Plan> {
@@ -166,7 +216,7 @@ impl Comm {
             id,
             members,
             rank,
-            seq: AtomicU64::new(0),
+            calls: Mutex::default(),
             p2p: Mutex::default(),
             subgroups: Mutex::default(),
             opts,
@@ -532,15 +582,10 @@ impl ProcessGroup {
         c.turn.skip_to(seq);
         let mut cx = self.ctx(desc, seq, false);
         cx.deadline = deadline;
-        if let Err((src, theirs)) = c.sh().begin_seq(c.id, seq, desc) {
+        if let Err(clash) = c.sh().begin_seq(c.id, seq, desc) {
             // The group's mismatch, at its op: raised on the group, whose
             // abort reaches this internal group (and fails the step).
-            c.sh().raise(Clash {
-                comm: c.id,
-                seq,
-                a: (None, desc),
-                b: (src, theirs),
-            });
+            c.sh().raise(clash);
         }
         match c.sh().aborted_for(c.id, Some(seq)) {
             Some(e) => cx.doom(e),
@@ -629,11 +674,14 @@ impl ProcessGroup {
     /// Starts collective `desc`: checks the group, takes the next sequence number
     /// and compares with what peers already sent.
     fn begin(&self, desc: Desc) -> Result<OpCtx> {
-        self.begin_at(self.comm.seq.fetch_add(1, Ordering::Relaxed), desc)
+        let (seq, hist) = self.comm.take_seq(&desc);
+        self.begin_at((seq, hist), desc)
     }
 
-    /// [`ProcessGroup::begin`] with a sequence number taken earlier.
-    fn begin_at(&self, seq: u64, desc: Desc) -> Result<OpCtx> {
+    /// [`ProcessGroup::begin`] with a sequence number (and the history
+    /// before it) taken earlier.
+    fn begin_at(&self, (seq, hist): (u64, u32), desc: Desc) -> Result<OpCtx> {
+        let desc = Desc { hist, ..desc };
         let c = &self.comm;
         let cx = self.ctx(desc, seq, false);
         if let Some(e) = c.sh().aborted_for(c.id, Some(seq)) {
@@ -641,7 +689,14 @@ impl ProcessGroup {
             // by a peer's frame, before this op began) is recorded and told.
             return Ok(cx.doom(e));
         }
-        if let Err((src, theirs)) = c.sh().begin_seq(c.id, seq, desc) {
+        if let Err(clash) = c.sh().begin_seq(c.id, seq, desc) {
+            if clash.diverged {
+                // Not the first mismatch: the op waits for the abort of
+                // the one that is (see `Shared::raise`).
+                c.sh().raise(clash);
+                return Ok(cx);
+            }
+            let (src, theirs) = clash.b;
             let err = Error::Mismatch {
                 group: self.name().to_owned(),
                 seq,
@@ -727,6 +782,8 @@ impl ProcessGroup {
             algo,
             root,
             count: count as u64,
+            // Set as the call takes its number (`Comm::take_seq`).
+            hist: HIST_NONE,
         })
     }
 
@@ -876,10 +933,11 @@ impl ProcessGroup {
 
     /// The two sequence numbers of an all-gather of varying sizes, taken
     /// now: the lengths' all-gather (begun) and the data's (whose call,
-    /// with the total length, is known only after the first).
-    fn begin_all_gather_varying(&self) -> Result<(OpCtx, u64)> {
+    /// with the total length, is known only after the first), with its
+    /// history.
+    fn begin_all_gather_varying(&self) -> Result<(OpCtx, (u64, u32))> {
         let lens = self.begin_all_gather::<u64>(1)?;
-        Ok((lens, self.comm.seq.fetch_add(1, Ordering::Relaxed)))
+        Ok((lens, self.comm.take_seq(&VARYING_DATA)))
     }
 
     /// Every rank's `input` (all the same length) to `root`, in rank order;
@@ -1298,7 +1356,7 @@ pub(crate) async fn reduce_impl<T: Element>(
 async fn all_gather_varying_impl<T: Element>(
     pg: &ProcessGroup,
     lens: OpCtx,
-    seq: u64,
+    seq: (u64, u32),
     input: &[T],
 ) -> Result<Vec<Vec<T>>> {
     let mut all_lens = vec![0u64; pg.size()];
@@ -1691,7 +1749,7 @@ impl OpCtx {
     /// needs a dead rank fails on its own.
     fn abort_from(&self) -> u64 {
         if self.p2p {
-            self.comm.seq.load(Ordering::Relaxed)
+            self.comm.next_seq()
         } else {
             self.seq
         }

@@ -61,7 +61,7 @@ use tokio::time::Instant;
 pub(crate) use arena::{Arena, Presence};
 
 use crate::error::{Error, Result};
-use crate::frame::{Algo, Desc, Header};
+use crate::frame::{Algo, Desc, Header, HIST_NONE};
 use crate::group::{stable_hash, OpCtx};
 use crate::two_level::TwoLevel;
 use arena::AttachError;
@@ -703,10 +703,13 @@ fn check_absent(cx: &OpCtx, k: usize, pid: Option<u32>) -> Result<()> {
     Ok(())
 }
 
-/// The call shared-memory operations compare.
+/// The call shared-memory operations compare. Without its history: every
+/// rank compares every other's call at every op here, so the first
+/// mismatch is found where it is, never after calls diverged.
 fn shm_desc(d: Desc) -> Desc {
     Desc {
         algo: Algo::Shm,
+        hist: HIST_NONE,
         ..d
     }
 }

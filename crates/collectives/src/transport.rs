@@ -57,7 +57,7 @@ use tokio::time::{sleep, sleep_until, timeout, timeout_at, Instant};
 use tokio_util::sync::CancellationToken;
 
 use crate::element::{Buf, Pool};
-use crate::error::Error;
+use crate::error::{Error, DIVERGED_GRACE};
 use crate::frame::{
     Desc, Header, Hello, OpKind, ACCEPTED, HEADER_LEN, HELLO_LEN, NOT_HERE, REFUSED,
 };
@@ -198,6 +198,9 @@ pub(crate) struct Shared {
     unpublished: Mutex<std::collections::HashSet<usize>>,
     /// Per aborted group: how far its telling has come.
     telling: Mutex<HashMap<u64, tokio::sync::watch::Receiver<Telling>>>,
+    /// Groups whose calls were found diverged here, waiting for the first
+    /// mismatch to be reported (see [`Shared::raise`]).
+    diverged: Mutex<std::collections::HashSet<u64>>,
     /// Groups that run over shared memory: an abort is also marked in the
     /// region (waking its sleepers), and a kill marks this rank dead there.
     arenas: Mutex<HashMap<u64, std::sync::Weak<Arena>>>,
@@ -284,6 +287,7 @@ impl Transport {
             control: Mutex::default(),
             members: Mutex::default(),
             telling: Mutex::default(),
+            diverged: Mutex::default(),
             arenas: Mutex::default(),
             children: Mutex::default(),
             parents: Mutex::default(),
@@ -348,7 +352,7 @@ impl Shared {
 
     /// Records the local call of collective `seq`; a mismatch with what a peer
     /// already sent is returned as (peer world rank, its descriptor).
-    pub fn begin_seq(self: &Arc<Self>, comm: u64, seq: u64, desc: Desc) -> Result<(), (u32, Desc)> {
+    pub fn begin_seq(self: &Arc<Self>, comm: u64, seq: u64, desc: Desc) -> Result<(), Clash> {
         self.route(|r| r.begin_seq(comm, seq, desc))
     }
 
@@ -1241,6 +1245,16 @@ impl Shared {
     }
 
     /// Aborts the group of a mismatch, naming both sides, from its op on.
+    ///
+    /// A clash of calls whose histories differ ([`Clash::diverged`]) is not
+    /// the first mismatch: the calls diverged at an earlier op, where some
+    /// rank (one whose frames cross between the two sides there) finds the
+    /// calls that differ and aborts the group from that op, which fails this
+    /// one too. So such a clash waits [`DIVERGED_GRACE`] for that abort, and
+    /// only if none fails its op by then (the ranks that could tell died, or
+    /// exchanged nothing at the first difference) aborts with what it found,
+    /// as [`Error::Diverged`]. The op it clashed in waits meanwhile: its
+    /// frame is not delivered.
     pub fn raise(self: &Arc<Self>, mut c: Clash) {
         // A step of a two-level op: the mismatch is the group's, at its op
         // (its abort aborts the step's internal group). The step may have
@@ -1252,20 +1266,60 @@ impl Shared {
             c.seq = l.parent_seq(c.seq);
             return self.raise(c);
         }
+        if c.diverged {
+            if !lock(&self.diverged).insert(c.comm) {
+                return; // the first found here waits already
+            }
+            let me = self.clone();
+            self.rt.spawn(async move {
+                tokio::select! {
+                    _ = sleep(DIVERGED_GRACE) => {}
+                    _ = me.cancel.cancelled() => return,
+                }
+                if me.aborted_for(c.comm, Some(c.seq)).is_none() {
+                    let err = me.clash_error(&c);
+                    me.abort(c.comm, err, true, None, c.seq);
+                }
+            });
+            return;
+        }
+        let err = self.clash_error(&c);
+        self.abort(c.comm, err, true, None, c.seq);
+    }
+
+    /// The error a clash raises, naming both sides by group rank.
+    fn clash_error(&self, c: &Clash) -> Error {
         let m = self.members(c.comm);
-        let name = m
+        let group = m
             .as_ref()
             .map_or_else(|| self.cfg.name.clone(), |m| m.name.clone());
         let grank = |w: usize| m.as_ref().map_or(w, |m| m.group_rank(w));
-        let err = Error::Mismatch {
-            group: name,
-            seq: c.seq,
-            rank_a: grank(c.a.0.map_or(self.cfg.rank, |r| r as usize)),
-            desc_a: c.a.1.to_string(),
-            rank_b: grank(c.b.0 as usize),
-            desc_b: c.b.1.to_string(),
-        };
-        self.abort(c.comm, err, true, None, c.seq);
+        let (seq, rank_a, desc_a, rank_b, desc_b) = (
+            c.seq,
+            grank(c.a.0.map_or(self.cfg.rank, |r| r as usize)),
+            c.a.1.to_string(),
+            grank(c.b.0 as usize),
+            c.b.1.to_string(),
+        );
+        if c.diverged {
+            Error::Diverged {
+                group,
+                seq,
+                rank_a,
+                desc_a,
+                rank_b,
+                desc_b,
+            }
+        } else {
+            Error::Mismatch {
+                group,
+                seq,
+                rank_a,
+                desc_a,
+                rank_b,
+                desc_b,
+            }
+        }
     }
 
     /// Two ranks' calls at one place of internal group `comm`'s shared
@@ -1297,12 +1351,7 @@ impl Shared {
         if pt < pm {
             let local = lock(&self.router).call(l.parent, pt);
             if let Some(local) = local {
-                self.raise(Clash {
-                    comm: l.parent,
-                    seq: pt,
-                    a: (None, local),
-                    b: (src, desc),
-                });
+                self.raise(Clash::new(l.parent, pt, (None, local), (src, desc)));
             }
         }
         Some(Error::Aborted {

@@ -30,7 +30,7 @@ use super::flow::{Inbound, Signal};
 use super::landing::Landing;
 use crate::element::{Buf, DType};
 use crate::error::Error;
-use crate::frame::{Algo, Desc, Header, OpKind};
+use crate::frame::{Algo, Desc, Header, OpKind, HIST_NONE};
 
 /// A frame's address.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -118,6 +118,21 @@ pub(crate) struct Clash {
     pub seq: u64,
     pub a: (Option<u32>, Desc),
     pub b: (u32, Desc),
+    /// The two histories differ: the calls diverged before this op, and
+    /// the first mismatch is elsewhere (see [`Desc::hist`]).
+    pub diverged: bool,
+}
+
+impl Clash {
+    pub fn new(comm: u64, seq: u64, a: (Option<u32>, Desc), b: (u32, Desc)) -> Clash {
+        Clash {
+            comm,
+            seq,
+            diverged: a.1.diverged_from(&b.1),
+            a,
+            b,
+        }
+    }
 }
 
 /// What became of a frame handed to the router.
@@ -343,8 +358,8 @@ impl Router {
     }
 
     /// Records the local call of collective `seq`; a mismatch with what a peer
-    /// already sent is returned as (peer world rank, its descriptor).
-    pub fn begin_seq(&mut self, comm: u64, seq: u64, desc: Desc) -> Result<(), (u32, Desc)> {
+    /// already sent is returned.
+    pub fn begin_seq(&mut self, comm: u64, seq: u64, desc: Desc) -> Result<(), Clash> {
         // Peers out of credit send this op's frames (see `peer_blocked`).
         let mut blocked: Vec<usize> = self
             .members
@@ -366,8 +381,35 @@ impl Router {
         let c = self.checks.entry((comm, seq)).or_default();
         c.local = Some(desc);
         match c.remote {
-            Some((src, d)) if d != desc => Err((src, d)),
+            Some((src, d)) if !d.agrees(&desc) => {
+                let clash = Clash::new(comm, seq, (None, desc), (src, d));
+                if clash.diverged {
+                    // The op runs on until an abort fails it (see
+                    // `Shared::raise`): the frames filed for it agree with
+                    // the first peer's call, not with this one, so none is
+                    // for it.
+                    self.drop_filed(comm, seq);
+                }
+                Err(clash)
+            }
             _ => Ok(()),
+        }
+    }
+
+    /// Drops the frames filed for collective `seq` of group `comm`.
+    fn drop_filed(&mut self, comm: u64, seq: u64) {
+        let keys: Vec<Key> = self
+            .slots
+            .iter()
+            .filter(|(k, slot)| {
+                k.comm == comm && k.collective_seq() == Some(seq) && matches!(slot, Slot::Ready(_))
+            })
+            .map(|(k, _)| *k)
+            .collect();
+        for k in keys {
+            if let Some(Slot::Ready(f)) = self.slots.remove(&k) {
+                self.took(&k, f.buf.len());
+            }
         }
     }
 
@@ -464,27 +506,14 @@ impl Router {
     /// collective `seq`, or keeps it to compare when that call starts.
     fn compare(&mut self, comm: u64, seq: u64, src: u32, desc: Desc) -> Option<Clash> {
         if let Some(&l) = self.ended.get(&(comm, seq)) {
-            return (l != desc).then_some(Clash {
-                comm,
-                seq,
-                a: (None, l),
-                b: (src, desc),
-            });
+            return (!l.agrees(&desc)).then(|| Clash::new(comm, seq, (None, l), (src, desc)));
         }
         let c = self.checks.entry((comm, seq)).or_default();
         match (c.local, c.remote) {
-            (Some(l), _) if l != desc => Some(Clash {
-                comm,
-                seq,
-                a: (None, l),
-                b: (src, desc),
-            }),
-            (None, Some((other, d))) if d != desc => Some(Clash {
-                comm,
-                seq,
-                a: (Some(other), d),
-                b: (src, desc),
-            }),
+            (Some(l), _) if !l.agrees(&desc) => Some(Clash::new(comm, seq, (None, l), (src, desc))),
+            (None, Some((other, d))) if !d.agrees(&desc) => {
+                Some(Clash::new(comm, seq, (Some(other), d), (src, desc)))
+            }
             (None, None) => {
                 c.remote = Some((src, desc));
                 None
@@ -684,6 +713,7 @@ fn p2p_want(tag: u32) -> Desc {
         algo: Algo::Direct,
         root: tag,
         count: 0,
+        hist: HIST_NONE,
     }
 }
 
@@ -701,6 +731,7 @@ mod tests {
             algo: Algo::Ring,
             root: 0,
             count,
+            hist: HIST_NONE,
         }
     }
 
@@ -854,7 +885,10 @@ mod tests {
         // Before: the first peer's call is kept and compared at the start.
         let mut r = Router::new(0);
         assert_eq!(r.deliver(key(2, 0), desc(5), buf()), Delivery::Taken);
-        assert_eq!(r.begin_seq(1, 0, desc(4)), Err((2, desc(5))));
+        assert_eq!(
+            r.begin_seq(1, 0, desc(4)),
+            Err(Clash::new(1, 0, (None, desc(4)), (2, desc(5))))
+        );
         // Before, two peers that differ from each other.
         let mut r = Router::new(0);
         r.deliver(key(2, 0), desc(5), buf());
@@ -864,7 +898,8 @@ mod tests {
                 comm: 1,
                 seq: 0,
                 a: (Some(2), desc(5)),
-                b: (3, desc(6))
+                b: (3, desc(6)),
+                diverged: false,
             })
         );
         // During.
@@ -888,7 +923,43 @@ mod tests {
         assert_eq!(r.want(1, 0, 2, desc(4)), Delivery::Taken);
         let mut r = Router::new(0);
         assert_eq!(r.want(1, 3, 2, desc(9)), Delivery::Taken);
-        assert_eq!(r.begin_seq(1, 3, desc(4)), Err((2, desc(9))));
+        assert_eq!(
+            r.begin_seq(1, 3, desc(4)),
+            Err(Clash::new(1, 3, (None, desc(4)), (2, desc(9))))
+        );
+    }
+
+    #[test]
+    fn a_clash_of_calls_with_different_histories_is_marked_diverged() {
+        let with = |count, hist| Desc {
+            hist,
+            ..desc(count)
+        };
+        let clash = |r: &mut Router, src, d| match r.deliver(key(src, 0), d, buf()) {
+            Delivery::Clash(c) => Some(c.diverged),
+            _ => None,
+        };
+        // The same call after different calls: a clash, and a consequence.
+        let mut r = Router::new(0);
+        r.begin_seq(1, 0, with(4, 7)).unwrap();
+        assert_eq!(clash(&mut r, 2, with(4, 8)), Some(true));
+        // Another call after the same calls: the first mismatch.
+        assert_eq!(clash(&mut r, 3, with(5, 7)), Some(false));
+        // An untracked history agrees with any.
+        assert_eq!(clash(&mut r, 4, with(4, HIST_NONE)), None);
+        let mut r = Router::new(0);
+        r.begin_seq(1, 0, with(4, HIST_NONE)).unwrap();
+        assert_eq!(clash(&mut r, 2, with(4, 8)), None);
+        // Before the call, between two peers; and when it begins.
+        let mut r = Router::new(0);
+        r.deliver(key(2, 0), with(4, 7), buf());
+        assert_eq!(clash(&mut r, 3, with(4, 9)), Some(true));
+        let e = r.begin_seq(1, 0, with(4, 5)).unwrap_err();
+        assert!(e.diverged && e.b == (2, with(4, 7)));
+        // Their frames are not for this call: dropped, and their credit
+        // goes back.
+        assert!(r.slots.is_empty());
+        assert_eq!(r.filed_bytes(), 0);
     }
 
     #[test]
