@@ -149,10 +149,11 @@ pub struct Desc {
     /// whole result (all_gather with varying sizes), of the message (send).
     pub count: u64,
     /// A 24-bit hash of the calls before this one on the group ([`HIST_NONE`]:
-    /// not tracked, as for messages and the steps of two-level ops). Ranks
-    /// whose histories differ have called different sequences of
-    /// collectives before this one: a difference of this call from theirs
-    /// is a consequence, not the first mismatch. Not shown in messages.
+    /// not tracked, as for messages; the steps of a two-level op carry their
+    /// op's). Ranks whose histories differ have called different sequences
+    /// of collectives before this one: a difference of this call from
+    /// theirs is a consequence, not the first mismatch. Not shown in
+    /// messages but those of [`crate::Error::Diverged`].
     pub hist: u32,
 }
 
@@ -164,13 +165,14 @@ const HIST_BITS: u32 = 24;
 /// The history after `call`, of calls whose history before it was
 /// `before` (`call.hist` is not read): FNV-1a over the call's fields and
 /// `before`, folded to [`HIST_BITS`], never [`HIST_NONE`]. Fixed, so ranks of
-/// different builds agree.
+/// different builds agree. Not the algorithm: shared memory does not compare
+/// it, so ranks of a two-level group that chose differently are not
+/// misaligned.
 pub fn hist_after(before: u32, call: &Desc) -> u32 {
     let mut b = [0u8; 20];
     b[0] = call.op as u8;
     b[1] = call.dtype as u8;
     b[2] = call.reduce.map_or(0, |r| r as u8);
-    b[3] = call.algo as u8;
     b[4..8].copy_from_slice(&call.root.to_le_bytes());
     b[8..16].copy_from_slice(&call.count.to_le_bytes());
     b[16..20].copy_from_slice(&before.to_le_bytes());
@@ -689,10 +691,20 @@ mod tests {
         let ba = hist_after(hist_after(HIST_NONE, &b), &a);
         assert_ne!(ab, ba);
         assert!(ab < 1 << HIST_BITS && ab != HIST_NONE);
-        // Fixed: a change of the function would split ranks of two builds.
         assert_eq!(hist_after(7, &a), hist_after(7, &Desc { hist: 9, ..a }));
+        assert_eq!(
+            hist_after(7, &a),
+            hist_after(
+                7,
+                &Desc {
+                    algo: Algo::Shm,
+                    ..a
+                }
+            )
+        );
+        // Fixed: a change of the function would split ranks of two builds.
         // Computed independently (Python, from the definition above).
-        assert_eq!(ab, 0x0012_ce65, "{ab:#010x}");
+        assert_eq!(ab, 0x008a_31b5, "{ab:#010x}");
         let (x, y) = (Desc { hist: ab, ..a }, Desc { hist: ba, ..a });
         assert!(x.diverged_from(&y) && !x.agrees(&y));
         let untracked = Desc {

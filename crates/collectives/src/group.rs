@@ -154,9 +154,6 @@ struct Calls {
     hist: u32,
 }
 
-/// The call that stands for the data's half of an all-gather of varying
-/// sizes in the history: its length is known only once the lengths' half
-/// has run, after later calls may have taken their numbers.
 impl Default for Calls {
     fn default() -> Calls {
         Calls {
@@ -170,6 +167,9 @@ impl Default for Calls {
 /// [`Desc::hist`] of a group's first collective.
 const HIST_START: u32 = 1;
 
+/// The call that stands for the data's half of an all-gather of varying
+/// sizes in the history: its length is known only once the lengths' half
+/// has run, after later calls may have taken their numbers.
 const VARYING_DATA: Desc = Desc {
     op: OpKind::AllGatherV,
     dtype: crate::element::DType::U8,

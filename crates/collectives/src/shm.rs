@@ -553,7 +553,11 @@ impl<'a> Round<'a> {
                             return Err(e);
                         }
                     }
-                    if seq != self.cx.seq() || desc != mine {
+                    let call = |d: Desc| Desc {
+                        hist: HIST_NONE,
+                        ..d
+                    };
+                    if seq != self.cx.seq() || call(desc) != call(mine) {
                         return Err(Error::Mismatch {
                             group: self.cx.group_name(),
                             seq: self.cx.seq(),
@@ -703,13 +707,13 @@ fn check_absent(cx: &OpCtx, k: usize, pid: Option<u32>) -> Result<()> {
     Ok(())
 }
 
-/// The call shared-memory operations compare. Without its history: every
-/// rank compares every other's call at every op here, so the first
-/// mismatch is found where it is, never after calls diverged.
+/// The call shared-memory operations record and compare (its history is
+/// recorded, for `Shared::steps_apart`, but not compared: every rank
+/// compares every other's call at every op here, so the first mismatch is
+/// found where it is).
 fn shm_desc(d: Desc) -> Desc {
     Desc {
         algo: Algo::Shm,
-        hist: HIST_NONE,
         ..d
     }
 }

@@ -198,9 +198,9 @@ pub(crate) struct Shared {
     unpublished: Mutex<std::collections::HashSet<usize>>,
     /// Per aborted group: how far its telling has come.
     telling: Mutex<HashMap<u64, tokio::sync::watch::Receiver<Telling>>>,
-    /// Groups whose calls were found diverged here, waiting for the first
-    /// mismatch to be reported (see [`Shared::raise`]).
-    diverged: Mutex<std::collections::HashSet<u64>>,
+    /// Per group whose calls were found diverged here: the clash at the
+    /// lowest op, and whether its grace has ended (see [`Shared::raise`]).
+    diverged: Mutex<HashMap<u64, (Clash, bool)>>,
     /// Groups that run over shared memory: an abort is also marked in the
     /// region (waking its sleepers), and a kill marks this rank dead there.
     arenas: Mutex<HashMap<u64, std::sync::Weak<Arena>>>,
@@ -1249,12 +1249,16 @@ impl Shared {
     /// A clash of calls whose histories differ ([`Clash::diverged`]) is not
     /// the first mismatch: the calls diverged at an earlier op, where some
     /// rank (one whose frames cross between the two sides there) finds the
-    /// calls that differ and aborts the group from that op, which fails this
-    /// one too. So such a clash waits [`DIVERGED_GRACE`] for that abort, and
-    /// only if none fails its op by then (the ranks that could tell died, or
-    /// exchanged nothing at the first difference) aborts with what it found,
-    /// as [`Error::Diverged`]. The op it clashed in waits meanwhile: its
-    /// frame is not delivered.
+    /// calls that differ and aborts the group from that op, which fails the
+    /// later ones too. So the first such clash on a group starts a grace
+    /// ([`DIVERGED_GRACE`], or four probes if longer: the first mismatch may
+    /// be found only by a probe) for that abort, and only if none fails the
+    /// lowest op found diverged by then (the ranks that could tell died, or
+    /// exchanged nothing at the first difference) aborts from that op with
+    /// what it found, as [`Error::Diverged`]. The ops it clashed in wait
+    /// meanwhile: their frames are not delivered. A group dropped during the
+    /// grace reports at once (nobody else may), and a lower op found diverged
+    /// after the grace, at once.
     pub fn raise(self: &Arc<Self>, mut c: Clash) {
         // A step of a two-level op: the mismatch is the group's, at its op
         // (its abort aborts the step's internal group). The step may have
@@ -1267,20 +1271,46 @@ impl Shared {
             return self.raise(c);
         }
         if c.diverged {
-            if !lock(&self.diverged).insert(c.comm) {
-                return; // the first found here waits already
+            let comm = c.comm;
+            let (start, now) = {
+                let mut d = lock(&self.diverged);
+                match d.get_mut(&comm) {
+                    None => {
+                        d.insert(comm, (c, false));
+                        (true, None)
+                    }
+                    Some((held, ended)) if c.seq < held.seq => {
+                        *held = c.clone();
+                        (false, ended.then_some(c))
+                    }
+                    Some(_) => (false, None),
+                }
+            };
+            if let Some(c) = now {
+                let err = self.clash_error(&c);
+                self.abort(comm, err, true, None, c.seq);
             }
-            let me = self.clone();
-            self.rt.spawn(async move {
-                tokio::select! {
-                    _ = sleep(DIVERGED_GRACE) => {}
-                    _ = me.cancel.cancelled() => return,
-                }
-                if me.aborted_for(c.comm, Some(c.seq)).is_none() {
-                    let err = me.clash_error(&c);
-                    me.abort(c.comm, err, true, None, c.seq);
-                }
-            });
+            if start {
+                let me = self.clone();
+                let grace = DIVERGED_GRACE.max(self.cfg.probe_after * 4);
+                self.rt.spawn(async move {
+                    tokio::select! {
+                        _ = sleep(grace) => {}
+                        _ = me.cancel.cancelled() => {}
+                    }
+                    let lowest = match lock(&me.diverged).get_mut(&comm) {
+                        Some((held, ended)) => {
+                            *ended = true;
+                            held.clone()
+                        }
+                        None => return,
+                    };
+                    if me.aborted_for(comm, Some(lowest.seq)).is_none() {
+                        let err = me.clash_error(&lowest);
+                        me.abort(comm, err, true, None, lowest.seq);
+                    }
+                });
+            }
             return;
         }
         let err = self.clash_error(&c);
@@ -1302,13 +1332,15 @@ impl Shared {
             c.b.1.to_string(),
         );
         if c.diverged {
+            // The calls may be alike: their histories tell them apart.
+            let after = |d: &Desc| format!(" after calls {:06x}", d.hist);
             Error::Diverged {
                 group,
                 seq,
                 rank_a,
-                desc_a,
+                desc_a: desc_a + &after(&c.a.1),
                 rank_b,
-                desc_b,
+                desc_b: desc_b + &after(&c.b.1),
             }
         } else {
             Error::Mismatch {

@@ -18,8 +18,8 @@
 //!   AVX2 (checked at run time) it is compiled a second time for AVX2.
 //!
 //! Results are bit for bit those of `half`'s own conversions (rounding to
-//! nearest even; NaN stays NaN), which the tests check over every class of
-//! input.
+//! nearest even; NaN stays NaN, its payload aside), which the tests check
+//! over every class of input.
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
@@ -85,17 +85,25 @@ mod x86 {
         let (mut x, mut y) = ([0f32; CHUNK], [0f32; CHUNK]);
         for (a, b) in acc.chunks_mut(CHUNK).zip(other.chunks(CHUNK)) {
             let k = a.len();
-            widen(a, &mut x[..k]);
-            widen(b, &mut y[..k]);
+            // SAFETY: the caller's promise of the features.
+            unsafe {
+                widen(a, &mut x[..k]);
+                widen(b, &mut y[..k]);
+            }
             for (p, q) in x[..k].iter_mut().zip(&y[..k]) {
                 *p = f(*p, *q);
             }
-            narrow(&x[..k], a);
+            // SAFETY: as above.
+            unsafe { narrow(&x[..k], a) };
         }
     }
 
+    /// # Safety
+    ///
+    /// The CPU must have F16C and AVX. (`unsafe fn`: safe functions with
+    /// target features need Rust 1.86, and the workspace supports 1.85.)
     #[target_feature(enable = "avx,f16c")]
-    fn widen(src: &[f16], dst: &mut [f32]) {
+    unsafe fn widen(src: &[f16], dst: &mut [f32]) {
         let mut s8 = src.chunks_exact(8);
         let mut d8 = dst.chunks_exact_mut(8);
         for (s, d) in (&mut s8).zip(&mut d8) {
@@ -111,8 +119,11 @@ mod x86 {
         }
     }
 
+    /// # Safety
+    ///
+    /// As [`widen`].
     #[target_feature(enable = "avx,f16c")]
-    fn narrow(src: &[f32], dst: &mut [f16]) {
+    unsafe fn narrow(src: &[f32], dst: &mut [f16]) {
         let mut s8 = src.chunks_exact(8);
         let mut d8 = dst.chunks_exact_mut(8);
         for (s, d) in (&mut s8).zip(&mut d8) {

@@ -322,10 +322,12 @@ async fn a_deviant_call_of_two_collectives_is_named_at_its_own_op_not_a_later_on
 }
 
 /// Calls that diverged with no rank to report the first difference: here
-/// rank 1 is a hand-written peer whose frame for op #0 is rank 0's own call
-/// after other calls (another history). Rank 0 waits for the abort of the
-/// first mismatch, which never comes, then reports what it found, as
-/// diverged calls: never a timeout.
+/// rank 1 is a hand-written peer whose frames for ops #0 and #1 are rank 0's
+/// own calls after other calls (another history), op #1's first. Rank 0
+/// waits for the abort of the first mismatch, which never comes, then
+/// reports what it found, as diverged calls, from the lowest op it found
+/// diverged: both ops fail so, never with a timeout (the review found op #0
+/// left waiting when only the first op found diverged was kept).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn diverged_calls_with_no_first_mismatch_reported_are_named_diverged() {
     use rallypoint_collectives::wire::{Header, ACCEPTED, HEADER_LEN, HELLO_LEN};
@@ -345,31 +347,43 @@ async fn diverged_calls_with_no_first_mismatch_reported_are_named_diverged() {
         let (_, name_len) = Hello::decode_fixed(&hello).unwrap();
         s.read_exact(&mut vec![0u8; name_len]).await.unwrap();
         s.write_all(&[ACCEPTED]).await.unwrap();
-        // Rank 0's frame of op #0, echoed with another history.
-        let mut h = [0u8; HEADER_LEN];
-        s.read_exact(&mut h).await.unwrap();
-        let Header::Data {
-            comm,
-            seq,
-            step,
-            mut desc,
-            len,
-        } = Header::decode(&h).unwrap()
-        else {
-            panic!("rank 0 sent {h:?} first")
-        };
-        let mut payload = vec![0u8; len as usize];
-        s.read_exact(&mut payload).await.unwrap();
-        desc.hist = (desc.hist ^ 0x5a).max(2);
-        let echo = Header::Data {
-            comm,
-            seq,
-            step,
-            desc,
-            len,
-        };
-        s.write_all(&echo.encode()).await.unwrap();
-        s.write_all(&payload).await.unwrap();
+        // Rank 0's frames of ops #0 and #1, echoed with other histories, in
+        // the other order.
+        let mut echoes = Vec::new();
+        for _ in 0..2 {
+            let mut h = [0u8; HEADER_LEN];
+            s.read_exact(&mut h).await.unwrap();
+            let Header::Data {
+                comm,
+                seq,
+                step,
+                mut desc,
+                len,
+            } = Header::decode(&h).unwrap()
+            else {
+                panic!("rank 0 sent {h:?}")
+            };
+            let mut payload = vec![0u8; len as usize];
+            s.read_exact(&mut payload).await.unwrap();
+            desc.hist = (desc.hist ^ 0x5a).max(2);
+            let echo = Header::Data {
+                comm,
+                seq,
+                step,
+                desc,
+                len,
+            };
+            echoes.push((echo, payload));
+        }
+        // Op #1's first, whichever rank 0 sent first.
+        echoes.sort_by_key(|(h, _)| match h {
+            Header::Data { seq, .. } => std::cmp::Reverse(*seq),
+            _ => unreachable!(),
+        });
+        for (echo, payload) in &echoes {
+            s.write_all(&echo.encode()).await.unwrap();
+            s.write_all(payload).await.unwrap();
+        }
         // Silent from now on, the connection held open.
         let _ = s.read_to_end(&mut Vec::new()).await;
     });
@@ -385,13 +399,16 @@ async fn diverged_calls_with_no_first_mismatch_reported_are_named_diverged() {
     )
     .await
     .unwrap();
-    let e = pg.barrier().await.unwrap_err();
-    assert!(matches!(e, Error::Diverged { .. }), "{e}");
-    let s = e.to_string();
-    assert!(
-        s.contains("diverged before op #0") && s.contains("rank 1 called barrier"),
-        "{s}"
-    );
+    let (first, second) = (pg.barrier_async(), pg.barrier_async());
+    for e in [first.wait().await, second.wait().await] {
+        let e = e.unwrap_err();
+        assert!(matches!(e, Error::Diverged { .. }), "{e}");
+        let s = e.to_string();
+        assert!(
+            s.contains("diverged before op #0") && s.contains("rank 1 called barrier"),
+            "{s}"
+        );
+    }
     peer.abort();
 }
 

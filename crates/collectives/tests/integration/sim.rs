@@ -50,9 +50,7 @@
 //!
 //! A deviant call that is another number of collectives (an all-gather of
 //! varying sizes is two) misaligns every later call: in 3, the error must
-//! still name the first mismatch, or, only where no rank reported it in
-//! time, say the calls "diverged before" a later op (`RALLY_SIM_STRICT=1`
-//! refuses that too).
+//! still name the first mismatch.
 //!
 //! `RALLY_SIM_SEEDS=n` runs n seeds (default 2,000 in CI, about 10 s) from
 //! `RALLY_SIM_BASE` (default 0);
@@ -783,22 +781,13 @@ fn check(seed: u64, s: &Scenario, runs: &[Run]) -> Result<(), String> {
                         // (all_gather_varying takes two) misaligns every
                         // later call. Calls carry their history, so a later
                         // clash is known as a consequence: the error names
-                        // the first mismatch, unless no rank reported it
-                        // within the grace (then "diverged before" a later
-                        // op; `RALLY_SIM_STRICT` refuses even that, to count
-                        // how often it happens).
-                        let misaligned = match &s.fault {
-                            Fault::Mismatch { op, .. } => op.seqs() != s.program[*at].seqs(),
-                            _ => false,
-                        };
-                        let later_seq = || {
-                            (seq..seq + 2 * s.program.len() + 2).any(at_seq)
-                        };
+                        // the first mismatch (every rank is alive here to
+                        // report it, so never "diverged before" a later op).
                         let names_it = if s.program[*at].collective() {
                             t.contains("mismatched collectives")
                                 && (at_seq(seq)
                                     || (s.program[*at].kind == Kind::AllGatherV && at_seq(seq + 1))
-                                    || (misaligned && std::env::var("RALLY_SIM_STRICT").is_err() && t.contains("diverged before") && later_seq()))
+                                )
                                 && t.contains(&format!("rank {deviant} called"))
                         } else {
                             t.contains("mismatched message")
