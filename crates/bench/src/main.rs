@@ -39,6 +39,7 @@ mod collectives;
 mod etcd;
 mod idle;
 mod launch;
+mod reduce;
 mod rendezvous;
 mod rpc;
 
@@ -68,6 +69,8 @@ enum Cmd {
     Collectives(collectives::CollectivesArgs),
     /// RPC: ours against PyTorch's (TensorPipe), and the raw TCP ceilings.
     Rpc(rpc::RpcArgs),
+    /// One rank's reduction of a segment, per element type, beside a copy.
+    Reduce(reduce::ReduceArgs),
     /// (internal) One of our RPC workers.
     #[command(hide = true)]
     RpcWorker { mode: String },
@@ -167,6 +170,7 @@ fn main() -> Result<()> {
         Cmd::Echo { req, reply } => async_echo(req, reply),
         Cmd::Collectives(args) => collectives::run(args),
         Cmd::Rpc(args) => rpc::run(args),
+        Cmd::Reduce(args) => reduce::run(args),
         Cmd::RpcWorker { mode } => rpc::worker(&mode),
         Cmd::RpcPing { port, rounds } => rpc::ping(port, rounds),
         Cmd::CollRank {
