@@ -5,8 +5,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-/// How long a rank that finds calls diverged (see [`Error::Diverged`]) waits
-/// for the abort of the first mismatch before it reports what it found.
+/// How long at least a rank that finds calls diverged (see
+/// [`Error::Diverged`]) waits for the abort of the first mismatch before it
+/// reports what it found (four probes if longer).
 pub const DIVERGED_GRACE: Duration = Duration::from_secs(1);
 
 /// A collective's result.
@@ -47,8 +48,9 @@ pub enum Error {
     /// Ranks' calls diverged before op `seq` (one called a collective that
     /// takes another number of ops, such as an all-gather of varying sizes,
     /// where another called a single op), and no rank reported the first
-    /// difference within [`DIVERGED_GRACE`]: the calls named are the first
-    /// that met, not the first that differed.
+    /// difference within a grace (a second, or four of
+    /// `Options::probe_after` if longer): the calls named are the first that
+    /// met, not the first that differed, shown with their histories.
     #[error("mismatched collectives on group {group:?}: the calls of ranks {rank_a} and {rank_b} diverged before op #{seq} (an earlier call differed, and no rank reported it), at op #{seq}: rank {rank_a} called {desc_a} but rank {rank_b} called {desc_b}")]
     Diverged {
         group: String,
