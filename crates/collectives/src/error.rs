@@ -7,8 +7,13 @@ use std::time::Duration;
 
 /// How long at least a rank that finds calls diverged (see
 /// [`Error::Diverged`]) waits for the abort of the first mismatch before it
-/// reports what it found (four probes if longer).
-pub const DIVERGED_GRACE: Duration = Duration::from_secs(1);
+/// reports what it found (four probes if longer). Any mismatch makes every
+/// later call's history differ, so this wait is the common path of every
+/// mismatch with ops in flight, and the abort it waits for may need a probe,
+/// a store write and a connection on a loaded machine: 1 s was short once
+/// in 18 runs of the simulator beside two CPU-bound processes. The wait
+/// ends only the rare case where no rank reports the first mismatch.
+pub const DIVERGED_GRACE: Duration = Duration::from_secs(5);
 
 /// A collective's result.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -48,7 +53,7 @@ pub enum Error {
     /// Ranks' calls diverged before op `seq` (one called a collective that
     /// takes another number of ops, such as an all-gather of varying sizes,
     /// where another called a single op), and no rank reported the first
-    /// difference within a grace (a second, or four of
+    /// difference within a grace (five seconds, or four of
     /// `Options::probe_after` if longer): the calls named are the first that
     /// met, not the first that differed, shown with their histories.
     #[error("mismatched collectives on group {group:?}: the calls of ranks {rank_a} and {rank_b} diverged before op #{seq} (an earlier call differed, and no rank reported it), at op #{seq}: rank {rank_a} called {desc_a} but rank {rank_b} called {desc_b}")]

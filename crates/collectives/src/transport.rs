@@ -1271,50 +1271,55 @@ impl Shared {
             return self.raise(c);
         }
         if c.diverged {
-            let comm = c.comm;
-            let (start, now) = {
-                let mut d = lock(&self.diverged);
-                match d.get_mut(&comm) {
-                    None => {
-                        d.insert(comm, (c, false));
-                        (true, None)
-                    }
-                    Some((held, ended)) if c.seq < held.seq => {
-                        *held = c.clone();
-                        (false, ended.then_some(c))
-                    }
-                    Some(_) => (false, None),
-                }
-            };
-            if let Some(c) = now {
-                let err = self.clash_error(&c);
-                self.abort(comm, err, true, None, c.seq);
-            }
-            if start {
-                let me = self.clone();
-                let grace = DIVERGED_GRACE.max(self.cfg.probe_after * 4);
-                self.rt.spawn(async move {
-                    tokio::select! {
-                        _ = sleep(grace) => {}
-                        _ = me.cancel.cancelled() => {}
-                    }
-                    let lowest = match lock(&me.diverged).get_mut(&comm) {
-                        Some((held, ended)) => {
-                            *ended = true;
-                            held.clone()
-                        }
-                        None => return,
-                    };
-                    if me.aborted_for(comm, Some(lowest.seq)).is_none() {
-                        let err = me.clash_error(&lowest);
-                        me.abort(comm, err, true, None, lowest.seq);
-                    }
-                });
-            }
-            return;
+            return self.hold(c);
         }
         let err = self.clash_error(&c);
         self.abort(c.comm, err, true, None, c.seq);
+    }
+
+    /// A diverged clash waits for the first mismatch's abort (see
+    /// [`Shared::raise`]).
+    fn hold(self: &Arc<Self>, c: Clash) {
+        let comm = c.comm;
+        let (start, now) = {
+            let mut d = lock(&self.diverged);
+            match d.get_mut(&comm) {
+                None => {
+                    d.insert(comm, (c, false));
+                    (true, None)
+                }
+                Some((held, ended)) if c.seq < held.seq => {
+                    *held = c.clone();
+                    (false, ended.then_some(c))
+                }
+                Some(_) => (false, None),
+            }
+        };
+        if let Some(c) = now {
+            let err = self.clash_error(&c);
+            self.abort(comm, err, true, None, c.seq);
+        }
+        if start {
+            let me = self.clone();
+            let grace = DIVERGED_GRACE.max(self.cfg.probe_after * 4);
+            self.rt.spawn(async move {
+                tokio::select! {
+                    _ = sleep(grace) => {}
+                    _ = me.cancel.cancelled() => {}
+                }
+                let lowest = match lock(&me.diverged).get_mut(&comm) {
+                    Some((held, ended)) => {
+                        *ended = true;
+                        held.clone()
+                    }
+                    None => return,
+                };
+                if me.aborted_for(comm, Some(lowest.seq)).is_none() {
+                    let err = me.clash_error(&lowest);
+                    me.abort(comm, err, true, None, lowest.seq);
+                }
+            });
+        }
     }
 
     /// The error a clash raises, naming both sides by group rank.

@@ -10,7 +10,12 @@
 //! (the last [`ENDED_KEPT`] per group: a broadcast root that only sends ends
 //! before its frames arrive), or, before it starts, with what the first peer
 //! sent (compared when it starts). A [`Want`](crate::frame::Header::Want) from
-//! a peer that waits for us is compared the same way.
+//! a peer that waits for us is compared the same way. Calls compare with
+//! their histories ([`Desc::hist`]): a frame of a call with another history
+//! is never delivered, even if the calls look alike, and its clash is marked
+//! [`Clash::diverged`], a consequence of an earlier mismatch, which the
+//! transport holds back (see `Shared::raise`); a call that begins diverged
+//! from the first peer's drops the frames filed for it.
 //!
 //! An abort fails the group's operations from sequence number `from` on (a
 //! mismatch at op #7 leaves op #6, whose frames were all sent, to finish),
