@@ -236,12 +236,17 @@ pub enum Header {
     /// the sender itself gave up the group ([`crate::ProcessGroup::abort`]),
     /// rather than passing on an operation's failure. `from`: the first
     /// collective it fails (a mismatch at op #7 leaves op #6 to finish); 0 for
-    /// all. Point-to-point messages always fail.
+    /// all. Point-to-point messages always fail. `provisional`: the reason is
+    /// calls the sender found diverged and reports as it leaves the group,
+    /// before the first mismatch's abort could reach it; the receiver holds
+    /// it as if found there (`transport/diverged.rs`) rather than failing
+    /// its operations at once.
     Abort {
         comm: u64,
         len: u64,
         own: bool,
         from: u64,
+        provisional: bool,
     },
     /// The sender has waited a while for step `step` of collective `seq` from
     /// the receiver, which compares `desc` with its own call: two ranks that
@@ -304,9 +309,11 @@ impl Header {
                 len,
                 own,
                 from,
+                provisional,
             } => {
                 b[0] = KIND_ABORT;
                 b[1] = u8::from(own);
+                b[2] = u8::from(provisional);
                 b[8..16].copy_from_slice(&comm.to_le_bytes());
                 b[16..24].copy_from_slice(&from.to_le_bytes());
                 b[40..48].copy_from_slice(&len.to_le_bytes());
@@ -379,7 +386,7 @@ impl Header {
                 })
             }
             KIND_ABORT => {
-                if b[1] > 1 || b[2..8] != [0; 6] || b[24..40] != [0; 16] {
+                if b[1] > 1 || b[2] > 1 || b[3..8] != [0; 5] || b[24..40] != [0; 16] {
                     return bad("abort frame with data fields set".into());
                 }
                 if len > MAX_REASON {
@@ -390,6 +397,7 @@ impl Header {
                     len,
                     own: b[1] == 1,
                     from: u64_at(16),
+                    provisional: b[2] == 1,
                 })
             }
             KIND_FLOW => {
@@ -455,8 +463,9 @@ pub struct Hello {
 }
 
 const MAGIC: &[u8; 4] = b"RPCG";
-/// 2: flow frames. 3: call histories in data and want frames.
-const VERSION: u16 = 3;
+/// 2: flow frames. 3: call histories in data and want frames. 4: provisional
+/// aborts.
+const VERSION: u16 = 4;
 /// Written in the sender's byte order: a peer of the other order reads 0x0201.
 const BYTE_ORDER: u16 = 0x0102;
 /// The fixed part of a hello; the name follows.
@@ -560,14 +569,20 @@ mod tests {
                     desc,
                     len: words * 8 / desc.dtype.size() as u64 * desc.dtype.size() as u64,
                 }),
-            (any::<u64>(), 0..=MAX_REASON, any::<bool>(), any::<u64>()).prop_map(
-                |(comm, len, own, from)| Header::Abort {
+            (
+                any::<u64>(),
+                0..=MAX_REASON,
+                any::<bool>(),
+                any::<u64>(),
+                any::<bool>()
+            )
+                .prop_map(|(comm, len, own, from, provisional)| Header::Abort {
                     comm,
                     len,
                     own,
-                    from
-                }
-            ),
+                    from,
+                    provisional,
+                }),
             (any::<u64>(), any::<u64>(), any::<u32>(), desc()).prop_map(
                 |(comm, seq, step, desc)| Header::Want {
                     comm,

@@ -18,7 +18,7 @@ use crate::element::{bytes_of, bytes_of_mut, Buf, DType, Element, ReduceOp};
 use crate::error::{Error, Result};
 use crate::frame::{hist_after, Algo, Desc, Header, OpKind, HIST_NONE, MAX_PAYLOAD};
 use crate::shm::{self, ops as shm_ops, Arena, Plan, Turn};
-use crate::transport::{Config, Fail, Key, Members, Shared, Transport};
+use crate::transport::{Config, Fail, Key, Members, Origin, Shared, Transport};
 use crate::two_level::{self, TwoLevel};
 
 /// gloo's default operation timeout.
@@ -522,7 +522,7 @@ impl ProcessGroup {
             reason: format!("rank {} aborted it: {reason}", self.rank()).into(),
             by: Some(self.rank()),
         };
-        self.comm.sh().abort(self.comm.id, err, true, None, 0);
+        self.comm.sh().abort(self.comm.id, err, Origin::Here, 0);
     }
 
     /// Test fault (feature `faults`): this rank dies now, as a SIGKILLed
@@ -1987,12 +1987,20 @@ impl OpCtx {
     }
 
     /// A member found gone may be a bystander that exited on being told of an
-    /// abort (or whose process ended before the telling reached us): the
-    /// group's abort, or else its record in the store, names the cause.
+    /// abort (or whose process ended before the telling reached us, or that
+    /// finished its part of calls found diverged here): the group's abort
+    /// (once the grace of calls found diverged has settled, see
+    /// `transport/diverged.rs`), or else its record in the store, names the
+    /// cause.
     async fn explain(&self, e: Error) -> Error {
         if !matches!(e, Error::PeerGone { .. }) {
             return e;
         }
+        // Calls found diverged explain it better, once their grace settles.
+        self.comm
+            .sh()
+            .settle_diverged(self.comm.id, self.deadline)
+            .await;
         if let Some(a) = self
             .comm
             .sh()
@@ -2028,7 +2036,7 @@ impl OpCtx {
             // a later op (then it widens to this one).
             self.comm
                 .sh()
-                .abort(self.comm.id, e.clone(), false, None, from);
+                .abort(self.comm.id, e.clone(), Origin::Passed(None), from);
             return e;
         }
         let reason = Error::Aborted {
@@ -2036,7 +2044,9 @@ impl OpCtx {
             reason: e.to_string().into(),
             by: None,
         };
-        self.comm.sh().abort(self.comm.id, reason, true, None, from);
+        self.comm
+            .sh()
+            .abort(self.comm.id, reason, Origin::Here, from);
         e
     }
 }
@@ -2066,7 +2076,9 @@ impl Drop for OpCtx {
                 by: None,
             };
             let from = self.abort_from();
-            self.comm.sh().abort(self.comm.id, reason, true, None, from);
+            self.comm
+                .sh()
+                .abort(self.comm.id, reason, Origin::Here, from);
         }
     }
 }

@@ -105,7 +105,7 @@ mod transport;
 mod two_level;
 
 pub use element::{DType, Element, ReduceOp};
-pub use error::{Error, Result};
+pub use error::{Error, Result, DIVERGED_GRACE};
 pub use group::{
     route_ip, AllReduceAlgorithm, BroadcastAlgorithm, Options, ProcessGroup, Work, DEFAULT_TIMEOUT,
 };

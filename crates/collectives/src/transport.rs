@@ -57,7 +57,7 @@ use tokio::time::{sleep, sleep_until, timeout, timeout_at, Instant};
 use tokio_util::sync::CancellationToken;
 
 use crate::element::{Buf, Pool};
-use crate::error::{Error, DIVERGED_GRACE};
+use crate::error::Error;
 use crate::frame::{
     Desc, Header, Hello, OpKind, ACCEPTED, HEADER_LEN, HELLO_LEN, NOT_HERE, REFUSED,
 };
@@ -70,6 +70,7 @@ const SETTLE_MAX: Duration = Duration::from_millis(250);
 /// How long an abort frame may take to reach a member.
 const ABORT_DEADLINE: Duration = Duration::from_secs(2);
 
+mod diverged;
 mod flow;
 mod landing;
 mod router;
@@ -198,9 +199,11 @@ pub(crate) struct Shared {
     unpublished: Mutex<std::collections::HashSet<usize>>,
     /// Per aborted group: how far its telling has come.
     telling: Mutex<HashMap<u64, tokio::sync::watch::Receiver<Telling>>>,
-    /// Per group whose calls were found diverged here: the clash at the
-    /// lowest op, and whether its grace has ended (see [`Shared::raise`]).
-    diverged: Mutex<HashMap<u64, (Clash, bool)>>,
+    /// Per group whose calls were found diverged here (or told so by a
+    /// member that left): see `diverged.rs`.
+    diverged: Mutex<HashMap<u64, diverged::Held>>,
+    /// Groups whose abort in place is provisional ([`Origin::Leaving`]).
+    provisional: Mutex<std::collections::HashSet<u64>>,
     /// Groups that run over shared memory: an abort is also marked in the
     /// region (waking its sleepers), and a kill marks this rank dead there.
     arenas: Mutex<HashMap<u64, std::sync::Weak<Arena>>>,
@@ -233,6 +236,24 @@ enum Telling {
     Recording,
     Sending,
     Sent,
+}
+
+/// Where an abort comes from, which decides who records and tells it (see
+/// [`Shared::abort`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Origin {
+    /// The failure happened here: recorded in the store first, and told to
+    /// every member if the record is the first.
+    Here,
+    /// Passed on: told by this member (not told back), or from the group's
+    /// parent or an operation that failed on another's abort (`None`).
+    Passed(Option<usize>),
+    /// Calls found diverged here, reported as this rank leaves the group
+    /// before their grace ended (`diverged.rs`): told, marked provisional,
+    /// to the members this rank is connected with, and not recorded (a
+    /// record would stop the first mismatch's, which wins over it, from
+    /// being told to every member).
+    Leaving,
 }
 
 /// Test faults: a rank that dies the way a killed process does.
@@ -288,6 +309,7 @@ impl Transport {
             members: Mutex::default(),
             telling: Mutex::default(),
             diverged: Mutex::default(),
+            provisional: Mutex::default(),
             arenas: Mutex::default(),
             children: Mutex::default(),
             parents: Mutex::default(),
@@ -935,7 +957,7 @@ impl Shared {
                 reason: "this rank was killed (fault injection)".into(),
                 by: None,
             };
-            self.abort(comm, err, false, None, 0);
+            self.abort(comm, err, Origin::Passed(None), 0);
         }
     }
 
@@ -963,10 +985,11 @@ impl Shared {
     /// this rank has a connection with (but not `sender`, which sent it).
     /// `from_seq`: the first collective it fails (see [`Router::abort`]).
     ///
-    /// `origin`: this rank is where the failure happened (not passing on
-    /// another's abort). The origin first records the reason in the store
-    /// (`abort/<group>`), so a rank that later finds some member gone (one
-    /// that exited on being told, say) reports the cause, not the bystander.
+    /// [`Origin::Here`]: this rank is where the failure happened (not
+    /// passing on another's abort). The origin first records the reason in
+    /// the store (`abort/<group>`), so a rank that later finds some member
+    /// gone (one that exited on being told, say) reports the cause, not the
+    /// bystander.
     ///
     /// The origin whose record is the store's first tells every member,
     /// opening connections as needed; other ranks tell only the members they
@@ -976,14 +999,12 @@ impl Shared {
     /// connection from a member with the abort.
     ///
     /// The telling runs in the background; [`Shared::told`] waits for it.
-    pub fn abort(
-        self: &Arc<Self>,
-        comm: u64,
-        err: Error,
-        origin: bool,
-        sender: Option<usize>,
-        from_seq: u64,
-    ) {
+    pub fn abort(self: &Arc<Self>, comm: u64, err: Error, how: Origin, from_seq: u64) {
+        let (origin, sender) = match how {
+            Origin::Here => (true, None),
+            Origin::Passed(s) => (false, s),
+            Origin::Leaving => (false, None),
+        };
         let Some(members) = self.members(comm) else {
             self.route(|r| r.abort(comm, err.clone(), from_seq));
             self.abort_children(comm, &err, from_seq);
@@ -999,6 +1020,11 @@ impl Shared {
             self.queue_control(&mut r);
             if !changed {
                 return;
+            }
+            if how == Origin::Leaving {
+                lock(&self.provisional).insert(comm);
+            } else {
+                lock(&self.provisional).remove(&comm);
             }
             if let Some(f) = sender {
                 r.note_told(comm, f);
@@ -1047,7 +1073,7 @@ impl Shared {
         let children = lock(&self.children).get(&comm).cloned();
         for c in children.iter().flatten() {
             let from = c.abort_from(from_seq);
-            self.abort(c.comm, err.clone(), false, None, from);
+            self.abort(c.comm, err.clone(), Origin::Passed(None), from);
         }
     }
 
@@ -1108,6 +1134,7 @@ impl Shared {
             len: reason.len().min(crate::frame::MAX_REASON as usize) as u64,
             own,
             from,
+            provisional: lock(&self.provisional).contains(&comm),
         };
         let bytes = &reason.as_bytes()[..h.payload_len() as usize];
         let deadline = Instant::now() + ABORT_DEADLINE;
@@ -1247,18 +1274,8 @@ impl Shared {
     /// Aborts the group of a mismatch, naming both sides, from its op on.
     ///
     /// A clash of calls whose histories differ ([`Clash::diverged`]) is not
-    /// the first mismatch: the calls diverged at an earlier op, where some
-    /// rank (one whose frames cross between the two sides there) finds the
-    /// calls that differ and aborts the group from that op, which fails the
-    /// later ones too. So the first such clash on a group starts a grace
-    /// ([`DIVERGED_GRACE`], or four probes if longer: the first mismatch may
-    /// be found only by a probe) for that abort, and only if none fails the
-    /// lowest op found diverged by then (the ranks that could tell died, or
-    /// exchanged nothing at the first difference) aborts from that op with
-    /// what it found, as [`Error::Diverged`]. The ops it clashed in wait
-    /// meanwhile: their frames are not delivered. A group dropped during the
-    /// grace reports at once (nobody else may), and a lower op found diverged
-    /// after the grace, at once.
+    /// the first mismatch: it is held for a grace, for the first mismatch's
+    /// abort (`diverged.rs`).
     pub fn raise(self: &Arc<Self>, mut c: Clash) {
         // A step of a two-level op: the mismatch is the group's, at its op
         // (its abort aborts the step's internal group). The step may have
@@ -1274,52 +1291,7 @@ impl Shared {
             return self.hold(c);
         }
         let err = self.clash_error(&c);
-        self.abort(c.comm, err, true, None, c.seq);
-    }
-
-    /// A diverged clash waits for the first mismatch's abort (see
-    /// [`Shared::raise`]).
-    fn hold(self: &Arc<Self>, c: Clash) {
-        let comm = c.comm;
-        let (start, now) = {
-            let mut d = lock(&self.diverged);
-            match d.get_mut(&comm) {
-                None => {
-                    d.insert(comm, (c, false));
-                    (true, None)
-                }
-                Some((held, ended)) if c.seq < held.seq => {
-                    *held = c.clone();
-                    (false, ended.then_some(c))
-                }
-                Some(_) => (false, None),
-            }
-        };
-        if let Some(c) = now {
-            let err = self.clash_error(&c);
-            self.abort(comm, err, true, None, c.seq);
-        }
-        if start {
-            let me = self.clone();
-            let grace = DIVERGED_GRACE.max(self.cfg.probe_after * 4);
-            self.rt.spawn(async move {
-                tokio::select! {
-                    _ = sleep(grace) => {}
-                    _ = me.cancel.cancelled() => {}
-                }
-                let lowest = match lock(&me.diverged).get_mut(&comm) {
-                    Some((held, ended)) => {
-                        *ended = true;
-                        held.clone()
-                    }
-                    None => return,
-                };
-                if me.aborted_for(comm, Some(lowest.seq)).is_none() {
-                    let err = me.clash_error(&lowest);
-                    me.abort(comm, err, true, None, lowest.seq);
-                }
-            });
-        }
+        self.abort(c.comm, err, Origin::Here, c.seq);
     }
 
     /// The error a clash raises, naming both sides by group rank.
@@ -1678,7 +1650,11 @@ async fn read_frames(shared: &Arc<Shared>, peer: usize, rd: &mut BufReader<Owned
                 }
             }
             Header::Abort {
-                comm, own, from, ..
+                comm,
+                own,
+                from,
+                provisional,
+                ..
             } => {
                 let why = String::from_utf8_lossy(buf.bytes()).into_owned();
                 let group = shared
@@ -1690,7 +1666,11 @@ async fn read_frames(shared: &Arc<Shared>, peer: usize, rd: &mut BufReader<Owned
                     reason: format!("rank {grank} aborted it: {why}").into(),
                     by: own.then_some(grank),
                 };
-                shared.abort(comm, err, false, Some(peer), from);
+                if provisional {
+                    shared.hold_told(comm, err, from, peer);
+                } else {
+                    shared.abort(comm, err, Origin::Passed(Some(peer)), from);
+                }
             }
             Header::Data { .. } => {
                 if let Err(why) = shared.deliver(peer, h, buf) {

@@ -3,11 +3,12 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rallypoint_collectives::wire::Hello;
-use rallypoint_collectives::{Error, Options, ProcessGroup, ReduceOp};
+use rallypoint_collectives::wire::{Header, Hello};
+use rallypoint_collectives::{Error, Options, ProcessGroup, ReduceOp, DIVERGED_GRACE};
 use rallypoint_store::{MemoryStore, Store};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use crate::fake_peer::{read_frame, write_abort, write_frame, FakePeer, PREFIX};
 use crate::harness::{each, group, group_on, opts};
 
 /// Forms an `n`-rank group where rank `victim` lives on its own runtime, so
@@ -330,50 +331,20 @@ async fn a_deviant_call_of_two_collectives_is_named_at_its_own_op_not_a_later_on
 /// left waiting when only the first op found diverged was kept).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn diverged_calls_with_no_first_mismatch_reported_are_named_diverged() {
-    use rallypoint_collectives::wire::{Header, ACCEPTED, HEADER_LEN, HELLO_LEN};
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    store
-        .set(
-            "rallypoint/collectives/default_pg/addr/1",
-            listener.local_addr().unwrap().to_string().as_bytes(),
-        )
-        .await
-        .unwrap();
+    let fake = FakePeer::publish(&store, 1).await;
     let peer = tokio::spawn(async move {
-        let (mut s, _) = listener.accept().await.unwrap();
-        let mut hello = [0u8; HELLO_LEN];
-        s.read_exact(&mut hello).await.unwrap();
-        let (_, name_len) = Hello::decode_fixed(&hello).unwrap();
-        s.read_exact(&mut vec![0u8; name_len]).await.unwrap();
-        s.write_all(&[ACCEPTED]).await.unwrap();
+        let (_, mut s) = fake.accept().await;
         // Rank 0's frames of ops #0 and #1, echoed with other histories, in
         // the other order.
         let mut echoes = Vec::new();
         for _ in 0..2 {
-            let mut h = [0u8; HEADER_LEN];
-            s.read_exact(&mut h).await.unwrap();
-            let Header::Data {
-                comm,
-                seq,
-                step,
-                mut desc,
-                len,
-            } = Header::decode(&h).unwrap()
-            else {
+            let (mut h, payload) = read_frame(&mut s).await;
+            let Header::Data { desc, .. } = &mut h else {
                 panic!("rank 0 sent {h:?}")
             };
-            let mut payload = vec![0u8; len as usize];
-            s.read_exact(&mut payload).await.unwrap();
             desc.hist = (desc.hist ^ 0x5a).max(2);
-            let echo = Header::Data {
-                comm,
-                seq,
-                step,
-                desc,
-                len,
-            };
-            echoes.push((echo, payload));
+            echoes.push((h, payload));
         }
         // Op #1's first, whichever rank 0 sent first.
         echoes.sort_by_key(|(h, _)| match h {
@@ -381,8 +352,7 @@ async fn diverged_calls_with_no_first_mismatch_reported_are_named_diverged() {
             _ => unreachable!(),
         });
         for (echo, payload) in &echoes {
-            s.write_all(&echo.encode()).await.unwrap();
-            s.write_all(payload).await.unwrap();
+            write_frame(&mut s, echo, payload).await;
         }
         // Silent from now on, the connection held open.
         let _ = s.read_to_end(&mut Vec::new()).await;
@@ -410,6 +380,153 @@ async fn diverged_calls_with_no_first_mismatch_reported_are_named_diverged() {
         );
     }
     peer.abort();
+}
+
+/// Seed 1189 of the simulator, its order made certain. Rank 0 calls op #0
+/// (a gather to rank 1) with another type, so its op #1 (a gather to rank
+/// 2, called alike) comes after other calls: rank 2 finds the calls
+/// diverged in rank 0's frame, and rank 0 in a want for op #1 of another
+/// history. Rank 0, whose ops only send, finishes and drops its group (its
+/// process exits) while both wait for the first mismatch's abort. Only then
+/// does rank 1, a hand-written peer slow to find the mismatch, record it
+/// and tell rank 2. Rank 2 must name the first mismatch: not the diverged
+/// calls rank 0 reported as it left (the simulator's failure), nor rank 0
+/// as gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_that_leaves_with_calls_found_diverged_does_not_preempt_the_first_mismatch() {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let fake = FakePeer::publish(&store, 1).await;
+    let peer_store = store.clone();
+    let peer = tokio::spawn(async move {
+        // Ranks 0 and 2 connect to send their part of op #0.
+        let mut conns = std::collections::HashMap::new();
+        for _ in 0..2 {
+            let (src, s) = fake.accept().await;
+            conns.insert(src, s);
+        }
+        let (mut from0, mut from2) = (conns.remove(&0).unwrap(), conns.remove(&2).unwrap());
+        let (Header::Data { comm, seq: 0, .. }, _) = read_frame(&mut from2).await else {
+            panic!("rank 2 sent another frame first")
+        };
+        // Rank 0's op #0; then a want for its op #1 as called after other
+        // calls (in the simulator, rank 2 asked, its window full).
+        let (
+            Header::Data {
+                seq: 0, mut desc, ..
+            },
+            _,
+        ) = read_frame(&mut from0).await
+        else {
+            panic!("rank 0 sent another frame first")
+        };
+        desc.root = 2;
+        desc.count = 548;
+        desc.hist = 0xabcdef;
+        let want = Header::Want {
+            comm,
+            seq: 1,
+            step: 0,
+            desc,
+        };
+        write_frame(&mut from0, &want, &[]).await;
+        // Rank 0 leaves; only now is the mismatch found, recorded and told.
+        let _ = from0.read_to_end(&mut Vec::new()).await;
+        let reason = "mismatched collectives on group \"default_pg\" at op #0: \
+                      rank 1 called gather(f32 x 1, root 1, Direct) \
+                      but rank 0 called gather(i32 x 1, root 1, Direct)";
+        let record = format!("rank 1 aborted it: {reason}");
+        peer_store
+            .compare_set(
+                &format!("{PREFIX}abort/{comm:016x}"),
+                b"",
+                record.as_bytes(),
+            )
+            .await
+            .unwrap();
+        write_abort(&mut from2, comm, 0, false, reason).await;
+        let _ = from2.read_to_end(&mut Vec::new()).await;
+    });
+    let o = Options {
+        shared_memory: false,
+        timeout: Duration::from_secs(60),
+        ..opts()
+    };
+    let (pg0, pg2) = tokio::join!(
+        ProcessGroup::new(store.clone(), 0, 3, o.clone()),
+        ProcessGroup::new(store.clone(), 2, 3, o.clone())
+    );
+    let (pg0, pg2) = (pg0.unwrap(), pg2.unwrap());
+    let rank0 = tokio::spawn(async move {
+        pg0.gather(&[1i32], 1).await?;
+        pg0.gather(&[0i32; 548], 2).await?;
+        Ok::<_, Error>(())
+        // Dropping `pg0` here is the process exiting.
+    });
+    let rank2 = tokio::spawn(async move {
+        pg2.gather(&[1f32], 1).await.unwrap();
+        pg2.gather(&[0i32; 548], 2).await.map(drop)
+    });
+    rank0
+        .await
+        .unwrap()
+        .expect("rank 0's ops only send: they succeed");
+    let e = rank2.await.unwrap().unwrap_err();
+    let s = e.to_string();
+    assert!(
+        s.contains("mismatched collectives")
+            && s.contains("at op #0:")
+            && s.contains("rank 0 called gather(i32"),
+        "{s}"
+    );
+    peer.abort();
+}
+
+/// A member that leaves the group with calls it found diverged reports them
+/// provisionally: the receiver holds the report as if it had found the calls
+/// diverged itself, for a grace, and reports it only if the first
+/// mismatch's abort has not come by then. Rank 1 is a hand-written peer that
+/// sends the report while rank 0 waits in a barrier; then, or not, the
+/// first mismatch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provisional_report_of_diverged_calls_is_held_for_the_first_mismatch() {
+    const DIVERGED: &str = "mismatched collectives on group \"default_pg\": the calls of \
+                            ranks 1 and 0 diverged before op #0 (reported as rank 1 left)";
+    const FIRST: &str = "mismatched collectives on group \"default_pg\" at op #0: the first";
+    for then_first in [true, false] {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let fake = FakePeer::publish(&store, 1).await;
+        let peer = tokio::spawn(async move {
+            let (_, mut s) = fake.accept().await;
+            let (Header::Data { comm, .. }, _) = read_frame(&mut s).await else {
+                panic!("rank 0 sent another frame first")
+            };
+            write_abort(&mut s, comm, 0, true, DIVERGED).await;
+            if then_first {
+                write_abort(&mut s, comm, 0, false, FIRST).await;
+            }
+            let _ = s.read_to_end(&mut Vec::new()).await;
+        });
+        let o = Options {
+            shared_memory: false,
+            timeout: Duration::from_secs(60),
+            ..opts()
+        };
+        let pg = ProcessGroup::new(store, 0, 2, o).await.unwrap();
+        let began = Instant::now();
+        let e = pg.barrier().await.unwrap_err().to_string();
+        if then_first {
+            assert!(e.contains(FIRST), "{e}");
+        } else {
+            assert!(e.contains(DIVERGED), "{e}");
+            // The report came after the barrier began, so its grace too.
+            assert!(
+                began.elapsed() >= DIVERGED_GRACE,
+                "reported within the grace, after {:?}: {e}",
+                began.elapsed()
+            );
+        }
+        peer.abort();
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -3,6 +3,7 @@
 
 mod bootstrap;
 mod failures;
+mod fake_peer;
 mod flow;
 mod harness;
 mod hosts;
