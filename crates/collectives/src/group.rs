@@ -2008,7 +2008,14 @@ impl OpCtx {
         {
             return a;
         }
-        match self.comm.sh().abort_record(self.comm.id).await {
+        let record = self.comm.sh().abort_record(self.comm.id).await;
+        tracing::debug!(
+            rank = self.comm.sh().cfg.rank,
+            op = %self.name(),
+            found = record.is_some(),
+            "a peer gone: looked for the abort's record"
+        );
+        match record {
             Some(record) => Error::Aborted {
                 group: self.comm.members.name.clone(),
                 reason: record.into(),

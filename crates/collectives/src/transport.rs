@@ -976,7 +976,9 @@ impl Shared {
 
     /// Marks `peer` gone and fails everything waiting on it.
     pub fn mark_gone(&self, peer: usize, reason: &str) {
-        lock(&self.router).mark_gone(peer, reason);
+        if lock(&self.router).mark_gone(peer, reason) {
+            tracing::debug!(rank = self.cfg.rank, peer, "gone: {reason}");
+        }
         self.flow_changed.notify_waiters();
     }
 
@@ -1021,6 +1023,13 @@ impl Shared {
             if !changed {
                 return;
             }
+            tracing::debug!(
+                rank = self.cfg.rank,
+                comm,
+                from = from_seq,
+                ?how,
+                "aborted: {err_for_children}"
+            );
             if how == Origin::Leaving {
                 lock(&self.provisional).insert(comm);
             } else {
@@ -1113,6 +1122,7 @@ impl Shared {
             return;
         }
         let told = self.try_tell_abort(comm, peer).await;
+        tracing::debug!(rank = self.cfg.rank, comm, peer, told, "telling the abort");
         if !told {
             // Not written: its next contact with us tells it.
             lock(&self.router).unnote_told(comm, peer);
@@ -1184,7 +1194,11 @@ impl Shared {
         let key = Self::record_key(comm);
         let write = self.store.compare_set(&key, b"", text.as_bytes());
         match timeout(ABORT_DEADLINE, write).await {
-            Ok(Ok(now)) => now == text.as_bytes(),
+            Ok(Ok(now)) => {
+                let first = now == text.as_bytes();
+                tracing::debug!(rank = self.cfg.rank, comm, first, "recorded the abort");
+                first
+            }
             Ok(Err(e)) => {
                 tracing::debug!("recording the abort in the store failed: {e}");
                 true

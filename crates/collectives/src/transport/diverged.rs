@@ -74,6 +74,13 @@ impl Shared {
     }
 
     fn hold_finding(self: &Arc<Self>, comm: u64, seq: u64, err: Error, told_by: Option<usize>) {
+        tracing::debug!(
+            rank = self.cfg.rank,
+            comm,
+            seq,
+            ?told_by,
+            "calls found diverged: {err}"
+        );
         let tx = {
             let mut d = lock(&self.diverged);
             match d.get_mut(&comm) {
@@ -118,6 +125,13 @@ impl Shared {
                 (held.seq, held.err.clone(), held.told_by)
             });
             if let Some((seq, err, told_by)) = lowest {
+                tracing::debug!(
+                    rank = me.cfg.rank,
+                    comm,
+                    seq,
+                    leaving,
+                    "the grace of calls found diverged ended"
+                );
                 if me.aborted_for(comm, Some(seq)).is_none() {
                     let how = if leaving {
                         Origin::Leaving

@@ -52,6 +52,15 @@
 //! varying sizes is two) misaligns every later call: in 3, the error must
 //! still name the first mismatch.
 //!
+//! A failing seed prints, besides the scenario and each rank's outcome, the
+//! group's debug trace of it (aborts, records, tellings, peers found gone,
+//! calls found diverged; each event with its rank), the last
+//! [`TRACE_LINES`] lines: a seed that fails once in thousands of runs may
+//! not fail again when replayed. (Tasks of the previous scenario that were
+//! still ending may add a line or two at the top.)
+//!
+//! `RALLY_SIM_TRACE=1` prints the trace of a replayed seed that passes.
+//!
 //! `RALLY_SIM_SEEDS=n` runs n seeds (default 2,000 in CI, about 10 s) from
 //! `RALLY_SIM_BASE` (default 0);
 //! `RALLY_SIM_SEED=s cargo nextest run -p rallypoint-collectives --all-features
@@ -850,7 +859,55 @@ fn check(seed: u64, s: &Scenario, runs: &[Run]) -> Result<(), String> {
     Ok(())
 }
 
+/// Lines of trace a failing seed prints.
+const TRACE_LINES: usize = 400;
+
+/// The debug trace of the scenario running (see the module docs).
+static TRACE: std::sync::Mutex<Vec<u8>> = std::sync::Mutex::new(Vec::new());
+
+struct TraceWriter;
+
+impl std::io::Write for TraceWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let mut t = TRACE.lock().unwrap_or_else(|e| e.into_inner());
+        // Bounded: a scenario that traces without end keeps its first 4 MiB.
+        if t.len() < 4 << 20 {
+            t.extend_from_slice(buf);
+        }
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Starts tracing the group's debug events into [`TRACE`], emptied.
+fn trace_start() {
+    static INIT: std::sync::Once = std::sync::Once::new();
+    INIT.call_once(|| {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter("rallypoint_collectives=debug")
+            .with_writer(|| TraceWriter)
+            .with_timer(tracing_subscriber::fmt::time::uptime())
+            .with_ansi(false)
+            .with_target(false)
+            .try_init();
+    });
+    TRACE.lock().unwrap_or_else(|e| e.into_inner()).clear();
+}
+
+/// The last [`TRACE_LINES`] lines of the trace.
+fn trace_tail() -> String {
+    let t = TRACE.lock().unwrap_or_else(|e| e.into_inner());
+    let text = String::from_utf8_lossy(&t);
+    let lines: Vec<&str> = text.lines().collect();
+    let from = lines.len().saturating_sub(TRACE_LINES);
+    lines[from..].join("\n")
+}
+
 async fn one(seed: u64) -> Result<(), String> {
+    trace_start();
     let s = scenario(seed);
     // A hang is caught by the op timeout (invariant 1); this bounds the test.
     let runs = tokio::time::timeout(TIMEOUT * 2, play(seed, &s))
@@ -866,7 +923,7 @@ async fn one(seed: u64) -> Result<(), String> {
                 run.error.as_ref().map(ToString::to_string)
             );
         }
-        t
+        t + "  trace:\n" + &trace_tail()
     })
 }
 
@@ -908,7 +965,12 @@ async fn replay() {
         return;
     };
     eprintln!("{:#?}", scenario(seed));
-    if let Err(e) = one(seed).await {
+    let r = one(seed).await;
+    // `RALLY_SIM_TRACE=1`: the trace of a seed that passed, too.
+    if r.is_ok() && std::env::var_os("RALLY_SIM_TRACE").is_some() {
+        eprintln!("trace:\n{}", trace_tail());
+    }
+    if let Err(e) = r {
         panic!("seed {seed}: {e}");
     }
 }
