@@ -54,8 +54,9 @@ pub enum Error {
     /// takes another number of ops, such as an all-gather of varying sizes,
     /// where another called a single op), and no rank reported the first
     /// difference within a grace (five seconds, or four of
-    /// `Options::probe_after` if longer): the calls named are the first that
-    /// met, not the first that differed, shown with their histories.
+    /// `Options::probe_after` if longer; or by the op's deadline, if that
+    /// comes first): the calls named are the first that met, not the first
+    /// that differed, shown with their histories.
     #[error("mismatched collectives on group {group:?}: the calls of ranks {rank_a} and {rank_b} diverged before op #{seq} (an earlier call differed, and no rank reported it), at op #{seq}: rank {rank_a} called {desc_a} but rank {rank_b} called {desc_b}")]
     Diverged {
         group: String,

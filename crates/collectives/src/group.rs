@@ -1986,6 +1986,8 @@ impl OpCtx {
         e
     }
 
+    /// A timeout while calls found diverged are held is explained by them.
+    ///
     /// A member found gone may be a bystander that exited on being told of an
     /// abort (or whose process ended before the telling reached us, or that
     /// finished its part of calls found diverged here): the group's abort
@@ -1993,6 +1995,15 @@ impl OpCtx {
     /// `transport/diverged.rs`), or else its record in the store, names the
     /// cause.
     async fn explain(&self, e: Error) -> Error {
+        if matches!(e, Error::Timeout { .. }) {
+            // Calls found diverged, held for the first mismatch, are why the
+            // op waited (their frames are not delivered), not the rank it
+            // waited for.
+            let held = self
+                .collective_seq()
+                .and_then(|s| self.comm.sh().diverged_before(self.comm.id, s));
+            return held.unwrap_or(e);
+        }
         if !matches!(e, Error::PeerGone { .. }) {
             return e;
         }

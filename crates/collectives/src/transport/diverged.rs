@@ -17,6 +17,8 @@
 //!   that could tell died, or exchanged nothing at the first difference) does
 //!   the rank abort from that op with what it found, as [`Error::Diverged`];
 //!   a lower op found diverged after the grace aborts at once.
+//! - An operation whose **deadline** passes during the grace fails with what
+//!   was found, not as a timeout ([`Shared::diverged_before`]).
 //! - An operation that fails on a **peer gone** while its group holds such a
 //!   finding waits for the grace to settle first ([`Shared::settle_diverged`]):
 //!   the peer is most likely a bystander that finished its part and exited
@@ -152,6 +154,16 @@ impl Shared {
             None => Origin::Here,
             Some(p) => Origin::Passed(Some(p)),
         }
+    }
+
+    /// What calls found diverged on group `comm` at op `seq` or before, held
+    /// in their grace, report: for an op whose deadline passed meanwhile
+    /// (they are why it waited, not the rank it waited for).
+    pub fn diverged_before(&self, comm: u64, seq: u64) -> Option<Error> {
+        lock(&self.diverged)
+            .get(&comm)
+            .filter(|h| h.seq <= seq)
+            .map(|h| h.err.clone())
     }
 
     /// Waits (until `deadline` at the latest) for the grace of calls found
