@@ -668,6 +668,22 @@ mod tests {
             .unwrap_err()
             .0
             .contains("exceeds"));
+        // An abort's flags are 0 or 1.
+        let abort = Header::Abort {
+            comm: 1,
+            len: 0,
+            own: true,
+            from: 0,
+            provisional: true,
+        };
+        for at in [1, 2] {
+            let mut b = abort.encode();
+            b[at] = 2;
+            assert!(Header::decode(&b)
+                .unwrap_err()
+                .0
+                .contains("abort frame with data fields set"));
+        }
         let mut hello = [0u8; HELLO_LEN];
         hello[..4].copy_from_slice(b"GET ");
         assert!(Hello::decode_fixed(&hello)

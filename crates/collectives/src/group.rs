@@ -1995,28 +1995,24 @@ impl OpCtx {
     /// `transport/diverged.rs`), or else its record in the store, names the
     /// cause.
     async fn explain(&self, e: Error) -> Error {
+        let (sh, id, seq) = (self.comm.sh(), self.comm.id, self.collective_seq());
+        let held = || seq.and_then(|s| sh.give_up_diverged(id, s));
         if matches!(e, Error::Timeout { .. }) {
-            // Calls found diverged, held for the first mismatch, are why the
-            // op waited (their frames are not delivered), not the rank it
-            // waited for.
-            let held = self
-                .collective_seq()
-                .and_then(|s| self.comm.sh().diverged_before(self.comm.id, s));
-            return held.unwrap_or(e);
+            return held().unwrap_or(e);
         }
         if !matches!(e, Error::PeerGone { .. }) {
             return e;
         }
-        // Calls found diverged explain it better, once their grace settles.
-        self.comm
-            .sh()
-            .settle_diverged(self.comm.id, self.deadline)
-            .await;
-        if let Some(a) = self
-            .comm
-            .sh()
-            .aborted_for(self.comm.id, self.collective_seq())
-        {
+        if let Some(a) = sh.aborted_for(id, seq) {
+            return a;
+        }
+        sh.settle_diverged(id, self.deadline).await;
+        if Instant::now() >= self.deadline {
+            if let Some(d) = held() {
+                return d;
+            }
+        }
+        if let Some(a) = sh.aborted_for(id, seq) {
             return a;
         }
         let record = self.comm.sh().abort_record(self.comm.id).await;
@@ -2040,6 +2036,17 @@ impl OpCtx {
     /// `e`; the other members are told in the background.
     fn fail(&self, e: Error) -> Error {
         self.done.store(true, Ordering::Relaxed);
+        // The group's abort is in place for this op already: nothing to add
+        // (and a provisional one must stay so, see `transport/diverged.rs`).
+        if !self.p2p
+            && self
+                .comm
+                .sh()
+                .aborted_for(self.comm.id, Some(self.seq))
+                .is_some()
+        {
+            return e;
+        }
         let from = self.abort_from();
         if e.is_aborted() {
             // A message fails under any abort of its group: when one is

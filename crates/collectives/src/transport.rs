@@ -202,8 +202,6 @@ pub(crate) struct Shared {
     /// Per group whose calls were found diverged here (or told so by a
     /// member that left): see `diverged.rs`.
     diverged: Mutex<HashMap<u64, diverged::Held>>,
-    /// Groups whose abort in place is provisional ([`Origin::Leaving`]).
-    provisional: Mutex<std::collections::HashSet<u64>>,
     /// Groups that run over shared memory: an abort is also marked in the
     /// region (waking its sleepers), and a kill marks this rank dead there.
     arenas: Mutex<HashMap<u64, std::sync::Weak<Arena>>>,
@@ -248,11 +246,13 @@ pub(crate) enum Origin {
     /// Passed on: told by this member (not told back), or from the group's
     /// parent or an operation that failed on another's abort (`None`).
     Passed(Option<usize>),
-    /// Calls found diverged here, reported as this rank leaves the group
-    /// before their grace ended (`diverged.rs`): told, marked provisional,
-    /// to the members this rank is connected with, and not recorded (a
-    /// record would stop the first mismatch's, which wins over it, from
-    /// being told to every member).
+    /// Calls found diverged, reported before their grace ended, as this
+    /// rank leaves the group or an op's deadline passes (`diverged.rs`):
+    /// told, marked provisional, to the members this rank is connected
+    /// with, who hold it for the first mismatch; not recorded (a record
+    /// would stop the first mismatch's, which wins over it, from being
+    /// told to every member), and not passed to internal groups or marked
+    /// in shared memory (which would fail their members for good).
     Leaving,
 }
 
@@ -309,7 +309,6 @@ impl Transport {
             members: Mutex::default(),
             telling: Mutex::default(),
             diverged: Mutex::default(),
-            provisional: Mutex::default(),
             arenas: Mutex::default(),
             children: Mutex::default(),
             parents: Mutex::default(),
@@ -1000,6 +999,10 @@ impl Shared {
     /// aborted rank: an aborted group answers every data frame and every new
     /// connection from a member with the abort.
     ///
+    /// [`Origin::Leaving`]: calls found diverged, reported before their
+    /// grace ended; told marked provisional and not recorded (see the
+    /// variant).
+    ///
     /// The telling runs in the background; [`Shared::told`] waits for it.
     pub fn abort(self: &Arc<Self>, comm: u64, err: Error, how: Origin, from_seq: u64) {
         let (origin, sender) = match how {
@@ -1008,14 +1011,20 @@ impl Shared {
             Origin::Leaving => (false, None),
         };
         let Some(members) = self.members(comm) else {
-            self.route(|r| r.abort(comm, err.clone(), from_seq));
-            self.abort_children(comm, &err, from_seq);
+            if how != Origin::Leaving {
+                self.route(|r| r.abort(comm, err.clone(), from_seq));
+                self.abort_children(comm, &err, how, from_seq);
+            }
             return;
         };
         let (done, told) = tokio::sync::watch::channel(Telling::Recording);
         let err_for_children = err.clone();
         {
             let mut r = lock(&self.router);
+            // A provisional report never replaces what is in place.
+            if how == Origin::Leaving && r.aborted_for(comm, Some(from_seq)).is_some() {
+                return;
+            }
             let changed = r.abort(comm, err, from_seq);
             // The abort drops filed frames: their credit goes back, and a
             // peer out of credit may resume.
@@ -1023,17 +1032,8 @@ impl Shared {
             if !changed {
                 return;
             }
-            tracing::debug!(
-                rank = self.cfg.rank,
-                comm,
-                from = from_seq,
-                ?how,
-                "aborted: {err_for_children}"
-            );
             if how == Origin::Leaving {
-                lock(&self.provisional).insert(comm);
-            } else {
-                lock(&self.provisional).remove(&comm);
+                r.mark_provisional(comm);
             }
             if let Some(f) = sender {
                 r.note_told(comm, f);
@@ -1042,7 +1042,14 @@ impl Shared {
             // the one `told` waits for.
             lock(&self.telling).insert(comm, told);
         }
-        self.abort_children(comm, &err_for_children, from_seq);
+        tracing::debug!(
+            rank = self.cfg.rank,
+            comm,
+            from = from_seq,
+            ?how,
+            "aborted: {err_for_children}"
+        );
+        self.abort_children(comm, &err_for_children, how, from_seq);
         // A killed rank writes nothing, in the region as in the store.
         if self.is_dead() {
             return;
@@ -1050,6 +1057,7 @@ impl Shared {
         if let Some(a) = lock(&self.arenas)
             .get(&comm)
             .and_then(std::sync::Weak::upgrade)
+            .filter(|_| how != Origin::Leaving)
         {
             a.abort(from_seq);
         }
@@ -1077,12 +1085,18 @@ impl Shared {
 
     /// Passes group `comm`'s abort (already in place here) on to its internal
     /// groups (told, like any passed-on abort, to the members this rank is
-    /// connected to; each member also passes on its own).
-    fn abort_children(self: &Arc<Self>, comm: u64, err: &Error, from_seq: u64) {
+    /// connected to; each member also passes on its own). A provisional
+    /// abort stays provisional: a member told holds it for the group (see
+    /// `diverged.rs`).
+    fn abort_children(self: &Arc<Self>, comm: u64, err: &Error, how: Origin, from_seq: u64) {
+        let how = match how {
+            Origin::Leaving => Origin::Leaving,
+            _ => Origin::Passed(None),
+        };
         let children = lock(&self.children).get(&comm).cloned();
         for c in children.iter().flatten() {
             let from = c.abort_from(from_seq);
-            self.abort(c.comm, err.clone(), Origin::Passed(None), from);
+            self.abort(c.comm, err.clone(), how, from);
         }
     }
 
@@ -1102,10 +1116,14 @@ impl Shared {
 
     /// The text an abort frame of `comm` carries: the reason alone, which the
     /// receiver wraps in its own [`Error::Aborted`].
-    fn abort_reason(&self, comm: u64) -> Option<(String, bool, u64)> {
-        let (err, from) = {
+    fn abort_reason(&self, comm: u64) -> Option<(String, bool, u64, bool)> {
+        let (err, from, provisional) = {
             let r = lock(&self.router);
-            (r.aborted(comm)?.clone(), r.aborted_from(comm)?)
+            (
+                r.aborted(comm)?.clone(),
+                r.aborted_from(comm)?,
+                r.aborted_provisional(comm),
+            )
         };
         let members = self.members(comm)?;
         let own = matches!(&err, Error::Aborted { by: Some(r), .. } if *r == members.group_rank(self.cfg.rank));
@@ -1113,7 +1131,7 @@ impl Shared {
             Error::Aborted { reason, .. } => reason.to_string(),
             e => e.to_string(),
         };
-        Some((reason, own, from))
+        Some((reason, own, from, provisional))
     }
 
     /// Writes the abort of `comm` to `peer`, once.
@@ -1136,7 +1154,7 @@ impl Shared {
         if let Some(mut r) = recording {
             let _ = r.wait_for(|t| *t != Telling::Recording).await;
         }
-        let Some((reason, own, from)) = self.abort_reason(comm) else {
+        let Some((reason, own, from, provisional)) = self.abort_reason(comm) else {
             return false;
         };
         let h = Header::Abort {
@@ -1144,7 +1162,7 @@ impl Shared {
             len: reason.len().min(crate::frame::MAX_REASON as usize) as u64,
             own,
             from,
-            provisional: lock(&self.provisional).contains(&comm),
+            provisional,
         };
         let bytes = &reason.as_bytes()[..h.payload_len() as usize];
         let deadline = Instant::now() + ABORT_DEADLINE;

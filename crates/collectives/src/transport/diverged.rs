@@ -15,26 +15,32 @@
 //!   frames are not delivered.
 //! - Only if no abort fails the lowest op found diverged by then (the ranks
 //!   that could tell died, or exchanged nothing at the first difference) does
-//!   the rank abort from that op with what it found, as [`Error::Diverged`];
-//!   a lower op found diverged after the grace aborts at once.
-//! - An operation whose **deadline** passes during the grace fails with what
-//!   was found, not as a timeout ([`Shared::diverged_before`]).
+//!   the rank abort from that op with what it found, as [`Error::Diverged`],
+//!   recorded in the store and told to every member like any failure found
+//!   here; a lower op found diverged after the grace aborts at once.
+//! - A rank that cannot wait the grace out reports what it found
+//!   **provisionally** ([`Origin::Leaving`]): the members it is connected
+//!   with hold the report as if they had found it themselves, with a grace
+//!   of their own, and any abort from the same op or an earlier one
+//!   supersedes it. That is a rank that **leaves the group** (drops it: its
+//!   process exits) during the grace, and one whose op's **deadline** passes
+//!   during it ([`Shared::give_up_diverged`]: the op fails with what was
+//!   found, not as a timeout). Reporting it as final, as this module once
+//!   did as a rank left, let a rank whose part was only to send, and that
+//!   had finished, preempt the first mismatch on the others (simulator seed
+//!   1189, with the first mismatch found by a rank slower than the one
+//!   leaving).
 //! - An operation that fails on a **peer gone** while its group holds such a
 //!   finding waits for the grace to settle first ([`Shared::settle_diverged`]):
 //!   the peer is most likely a bystander that finished its part and exited
 //!   (a rank whose calls differ from ours sends us nothing we can take), and
 //!   the first mismatch is the cause to report.
-//! - A rank that **leaves the group** (drops it: its process exits) during
-//!   the grace cannot wait it out. It reports what it found as it leaves, but
-//!   provisionally ([`Origin::Leaving`]): the members it is connected with
-//!   hold the report as if they had found it themselves, with a grace of
-//!   their own. Reporting it as final, as this module once did, let a rank
-//!   whose part was only to send, and that had finished, preempt the first
-//!   mismatch on the others (simulator seed 1189, with the first mismatch
-//!   found by a rank slower than the one leaving).
 //!
-//! Shared memory compares calls without their histories (its calls meet in
-//! one place, in order), so only the TCP transport holds.
+//! A finding is kept for the group's life once made (a group whose calls
+//! diverged is aborted for good). Shared memory compares calls without their
+//! histories (its calls meet in one place, in order), so only the TCP
+//! transport holds; a provisional report about an internal group of a group
+//! on several hosts is held for the group, at the op that owns the step.
 
 use std::sync::Arc;
 
@@ -50,9 +56,6 @@ pub(crate) struct Held {
     seq: u64,
     /// The error it reports.
     err: Error,
-    /// Whence the finding: `None`, found here; a member that reported it
-    /// provisionally as it left.
-    told_by: Option<usize>,
     /// The grace ended (later findings abort at once).
     ended: bool,
     /// Turns true when the grace has ended and its outcome is in place.
@@ -63,26 +66,39 @@ impl Shared {
     /// Holds a clash of calls found diverged here.
     pub(super) fn hold(self: &Arc<Self>, c: Clash) {
         let err = self.clash_error(&c);
-        self.hold_finding(c.comm, c.seq, err, None);
+        tracing::debug!(
+            rank = self.cfg.rank,
+            comm = c.comm,
+            seq = c.seq,
+            "calls found diverged: {err}"
+        );
+        self.hold_finding(c.comm, c.seq, err);
     }
 
     /// Holds calls found diverged by member `peer`, which reported them
-    /// provisionally as it left the group (from op `from`).
+    /// provisionally (from op `from`).
     pub(super) fn hold_told(self: &Arc<Self>, comm: u64, err: Error, from: u64, peer: usize) {
-        if self.aborted_for(comm, Some(from)).is_some() {
-            return;
-        }
-        self.hold_finding(comm, from, err, Some(peer));
-    }
-
-    fn hold_finding(self: &Arc<Self>, comm: u64, seq: u64, err: Error, told_by: Option<usize>) {
+        // About an internal group: held for its group, at the op that owns
+        // the step (whose own provisional report comes too).
+        let link = lock(&self.parents).get(&comm).cloned();
+        let (comm, from) = match link {
+            Some(l) => (l.parent, l.parent_seq(from)),
+            None => (comm, from),
+        };
         tracing::debug!(
             rank = self.cfg.rank,
             comm,
-            seq,
-            ?told_by,
-            "calls found diverged: {err}"
+            from,
+            peer,
+            "told of calls found diverged: {err}"
         );
+        if self.aborted_for(comm, Some(from)).is_some() {
+            return;
+        }
+        self.hold_finding(comm, from, err);
+    }
+
+    fn hold_finding(self: &Arc<Self>, comm: u64, seq: u64, err: Error) {
         let tx = {
             let mut d = lock(&self.diverged);
             match d.get_mut(&comm) {
@@ -93,7 +109,6 @@ impl Shared {
                         Held {
                             seq,
                             err,
-                            told_by,
                             ended: false,
                             settled: rx,
                         },
@@ -105,10 +120,9 @@ impl Shared {
                 Some(held) if seq < held.seq => {
                     held.seq = seq;
                     held.err = err.clone();
-                    held.told_by = told_by;
                     if held.ended {
                         drop(d);
-                        self.abort(comm, err, Self::reporting(told_by), seq);
+                        self.abort(comm, err, Origin::Here, seq);
                     }
                     return;
                 }
@@ -124,9 +138,9 @@ impl Shared {
             };
             let lowest = lock(&me.diverged).get_mut(&comm).map(|held| {
                 held.ended = true;
-                (held.seq, held.err.clone(), held.told_by)
+                (held.seq, held.err.clone())
             });
-            if let Some((seq, err, told_by)) = lowest {
+            if let Some((seq, err)) = lowest {
                 tracing::debug!(
                     rank = me.cfg.rank,
                     comm,
@@ -134,51 +148,62 @@ impl Shared {
                     leaving,
                     "the grace of calls found diverged ended"
                 );
-                if me.aborted_for(comm, Some(seq)).is_none() {
-                    let how = if leaving {
-                        Origin::Leaving
-                    } else {
-                        Self::reporting(told_by)
-                    };
-                    me.abort(comm, err, how, seq);
-                }
+                // Final after the grace (it replaces this rank's own
+                // provisional report, made as an op's deadline passed).
+                let how = if leaving {
+                    Origin::Leaving
+                } else {
+                    Origin::Here
+                };
+                me.abort(comm, err, how, seq);
             }
             let _ = tx.send(true);
         });
     }
 
-    /// How a finding whose grace ended is reported: as found here, or as
-    /// passed on from the member that reported it.
-    fn reporting(told_by: Option<usize>) -> Origin {
-        match told_by {
-            None => Origin::Here,
-            Some(p) => Origin::Passed(Some(p)),
+    /// For an op (collective `seq` of group `comm`) whose deadline passed:
+    /// the group's abort that fails it, if one is in place; else, if calls
+    /// found diverged at `seq` or before are held, what they report (they
+    /// are why it waited, not the rank it waited for), reported
+    /// provisionally from their op (see the module docs).
+    pub fn give_up_diverged(self: &Arc<Self>, comm: u64, seq: u64) -> Option<Error> {
+        if let Some(e) = self.aborted_for(comm, Some(seq)) {
+            return Some(e);
         }
-    }
-
-    /// What calls found diverged on group `comm` at op `seq` or before, held
-    /// in their grace, report: for an op whose deadline passed meanwhile
-    /// (they are why it waited, not the rank it waited for).
-    pub fn diverged_before(&self, comm: u64, seq: u64) -> Option<Error> {
-        lock(&self.diverged)
+        let (at, err) = lock(&self.diverged)
             .get(&comm)
             .filter(|h| h.seq <= seq)
-            .map(|h| h.err.clone())
+            .map(|h| (h.seq, h.err.clone()))?;
+        self.abort(comm, err.clone(), Origin::Leaving, at);
+        Some(self.aborted_for(comm, Some(seq)).unwrap_or(err))
     }
 
-    /// Waits (until `deadline` at the latest) for the grace of calls found
-    /// diverged on group `comm`, if one runs, to end or be cut short by an
-    /// abort of the group.
+    /// Waits (until `deadline` at the latest) while calls found diverged on
+    /// group `comm` are held in their grace and no abort fails the op they
+    /// were found at (the first mismatch's would): the wait ends when the
+    /// grace ends or such an abort comes.
     pub async fn settle_diverged(&self, comm: u64, deadline: Instant) {
-        let Some(mut settled) = lock(&self.diverged).get(&comm).map(|h| h.settled.clone()) else {
-            return;
-        };
-        let aborted = lock(&self.router).abort_signal(comm);
-        tokio::select! {
-            _ = settled.wait_for(|s| *s) => {}
-            _ = aborted.cancelled() => {}
-            _ = self.cancel.cancelled() => {}
-            _ = sleep_until(deadline) => {}
+        loop {
+            let Some((at, mut settled)) = lock(&self.diverged)
+                .get(&comm)
+                .filter(|h| !h.ended)
+                .map(|h| (h.seq, h.settled.clone()))
+            else {
+                return;
+            };
+            let aborted = {
+                let mut r = lock(&self.router);
+                if r.aborted_for(comm, Some(at)).is_some() {
+                    return;
+                }
+                r.abort_signal(comm)
+            };
+            tokio::select! {
+                _ = settled.wait_for(|s| *s) => return,
+                _ = aborted.cancelled() => {}
+                _ = self.cancel.cancelled() => return,
+                _ = sleep_until(deadline) => return,
+            }
         }
     }
 }

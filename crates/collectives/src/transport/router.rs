@@ -166,6 +166,9 @@ struct Aborted {
     err: Error,
     /// The first collective sequence number the abort fails.
     from: u64,
+    /// Calls found diverged, reported by a rank as it gave up waiting for
+    /// the first mismatch (see `diverged.rs`): told marked so.
+    provisional: bool,
 }
 
 /// Frames, waiters, dead peers and aborted groups.
@@ -326,6 +329,20 @@ impl Router {
     /// The first collective the group's abort fails (0: all).
     pub fn aborted_from(&self, comm: u64) -> Option<u64> {
         self.aborted.get(&comm).map(|a| a.from)
+    }
+
+    /// Whether the group's abort is provisional (see [`Router::abort`]).
+    pub fn aborted_provisional(&self, comm: u64) -> bool {
+        self.aborted.get(&comm).is_some_and(|a| a.provisional)
+    }
+
+    /// Marks the group's abort, just made, provisional: calls found diverged
+    /// that a rank gave up waiting on; the members told hold it for the
+    /// first mismatch. A later abort (one that fails more) is not.
+    pub fn mark_provisional(&mut self, comm: u64) {
+        if let Some(a) = self.aborted.get_mut(&comm) {
+            a.provisional = true;
+        }
     }
 
     /// The abort that fails collective `seq` (`None`: a point-to-point message).
@@ -672,10 +689,12 @@ impl Router {
 
     /// Aborts group `comm` from collective `from` on. The first abort wins,
     /// except that one failing earlier collectives replaces it (a mismatch
-    /// found at op #6 after one at op #7). Returns whether anything changed;
+    /// found at op #6 after one at op #7), and any replaces a provisional
+    /// one from the same op. Returns whether anything changed;
     /// then whoever had the abort must be told again.
     pub fn abort(&mut self, comm: u64, err: Error, from: u64) -> bool {
-        if self.aborted.get(&comm).is_some_and(|a| a.from <= from) {
+        let stays = |a: &Aborted| a.from < from || (a.from == from && !a.provisional);
+        if self.aborted.get(&comm).is_some_and(stays) {
             return false;
         }
         self.aborted.insert(
@@ -683,6 +702,7 @@ impl Router {
             Aborted {
                 err: err.clone(),
                 from,
+                provisional: false,
             },
         );
         self.told.retain(|(c, _)| *c != comm);
@@ -965,6 +985,19 @@ mod tests {
         // goes back.
         assert!(r.slots.is_empty());
         assert_eq!(r.filed_bytes(), 0);
+    }
+
+    #[test]
+    fn a_provisional_abort_gives_way_to_any_from_its_op_or_before() {
+        let mut r = Router::new(0);
+        assert!(r.abort(1, aborted("diverged, provisional"), 3));
+        r.mark_provisional(1);
+        assert!(!r.abort(1, aborted("a later op"), 4));
+        assert!(r.aborted_provisional(1));
+        assert!(r.abort(1, aborted("the same op, final"), 3));
+        assert!(!r.aborted_provisional(1));
+        assert!(!r.abort(1, aborted("the same op again"), 3));
+        assert_eq!(r.aborted_from(1), Some(3));
     }
 
     #[test]

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rallypoint_collectives::wire::{Header, Hello};
+use rallypoint_collectives::wire::{Desc, Header, Hello, HEADER_LEN};
 use rallypoint_collectives::{Error, Options, ProcessGroup, ReduceOp, DIVERGED_GRACE};
 use rallypoint_store::{MemoryStore, Store};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -357,8 +357,22 @@ async fn diverged_calls_with_no_first_mismatch_reported_are_named_diverged() {
             for (echo, payload) in &echoes {
                 write_frame(&mut s, echo, payload).await;
             }
-            // Silent from now on, the connection held open.
-            let _ = s.read_to_end(&mut Vec::new()).await;
+            // Silent from now on; the aborts rank 0 tells, marked
+            // provisional or not, until it drops its group.
+            let mut aborts = Vec::new();
+            loop {
+                let mut h = [0u8; HEADER_LEN];
+                if s.read_exact(&mut h).await.is_err() {
+                    return aborts;
+                }
+                let h = Header::decode(&h).unwrap();
+                s.read_exact(&mut vec![0u8; h.payload_len() as usize])
+                    .await
+                    .unwrap();
+                if let Header::Abort { provisional, .. } = h {
+                    aborts.push(provisional);
+                }
+            }
         });
         let o = Options {
             shared_memory: false,
@@ -381,7 +395,12 @@ async fn diverged_calls_with_no_first_mismatch_reported_are_named_diverged() {
                 "timeout {timeout:?}: {s}"
             );
         }
-        peer.abort();
+        drop(pg);
+        // Reported at the grace's end: final. At an op's deadline within
+        // it: provisional (rank 1 may yet find the first mismatch).
+        let aborts = peer.await.unwrap();
+        let provisional = timeout < DIVERGED_GRACE;
+        assert_eq!(aborts.first(), Some(&provisional), "timeout {timeout:?}");
     }
 }
 
@@ -389,12 +408,14 @@ async fn diverged_calls_with_no_first_mismatch_reported_are_named_diverged() {
 /// (a gather to rank 1) with another type, so its op #1 (a gather to rank
 /// 2, called alike) comes after other calls: rank 2 finds the calls
 /// diverged in rank 0's frame, and rank 0 in a want for op #1 of another
-/// history. Rank 0, whose ops only send, finishes and drops its group (its
-/// process exits) while both wait for the first mismatch's abort. Only then
-/// does rank 1, a hand-written peer slow to find the mismatch, record it
-/// and tell rank 2. Rank 2 must name the first mismatch: not the diverged
-/// calls rank 0 reported as it left (the simulator's failure), nor rank 0
-/// as gone.
+/// history, which rank 1 (a hand-written peer) sends before the want that
+/// lets rank 0's op #0 finish (a receive window of one segment holds it).
+/// Rank 0, whose ops only send, finishes and drops its group (its process
+/// exits) while both wait for the first mismatch's abort; it reports what
+/// it found provisionally. Only then does rank 1, slow to find the
+/// mismatch, record it and tell rank 2. Rank 2 must name the first
+/// mismatch: not the diverged calls rank 0 reported as it left (the
+/// simulator's failure), nor rank 0 as gone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rank_that_leaves_with_calls_found_diverged_does_not_preempt_the_first_mismatch() {
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
@@ -408,35 +429,66 @@ async fn a_rank_that_leaves_with_calls_found_diverged_does_not_preempt_the_first
             conns.insert(src, s);
         }
         let (mut from0, mut from2) = (conns.remove(&0).unwrap(), conns.remove(&2).unwrap());
-        let (Header::Data { comm, seq: 0, .. }, _) = read_frame(&mut from2).await else {
-            panic!("rank 2 sent another frame first")
-        };
-        // Rank 0's op #0; then a want for its op #1 as called after other
-        // calls (in the simulator, rank 2 asked, its window full).
-        let (
-            Header::Data {
-                seq: 0, mut desc, ..
-            },
-            _,
-        ) = read_frame(&mut from0).await
-        else {
-            panic!("rank 0 sent another frame first")
-        };
-        desc.root = 2;
-        desc.count = 548;
-        desc.hist = 0xabcdef;
-        let want = Header::Want {
+        let want = |comm, seq, desc| Header::Want {
             comm,
-            seq: 1,
+            seq,
             step: 0,
             desc,
         };
-        write_frame(&mut from0, &want, &[]).await;
-        // Rank 0 leaves; only now is the mismatch found, recorded and told.
-        let _ = from0.read_to_end(&mut Vec::new()).await;
+        // Rank 2's op #0: let it all come.
+        let (
+            Header::Data {
+                comm, seq: 0, desc, ..
+            },
+            _,
+        ) = read_frame(&mut from2).await
+        else {
+            panic!("rank 2 sent another frame first")
+        };
+        write_frame(&mut from2, &want(comm, 0, desc), &[]).await;
+        let (mut rd2, mut wr2) = from2.into_split();
+        let drain2 = tokio::spawn(async move {
+            let _ = rd2.read_to_end(&mut Vec::new()).await;
+        });
+        // Rank 0's op #0: first a want for its op #1 as called after other
+        // calls (in the simulator, rank 3 asked, its window full), then
+        // the one that lets op #0 finish.
+        let (Header::Data { seq: 0, desc, .. }, _) = read_frame(&mut from0).await else {
+            panic!("rank 0 sent another frame first")
+        };
+        let other = Desc {
+            root: 2,
+            count: 548,
+            hist: 0xabcdef,
+            ..desc
+        };
+        write_frame(&mut from0, &want(comm, 1, other), &[]).await;
+        write_frame(&mut from0, &want(comm, 0, desc), &[]).await;
+        // Rank 0 leaves, reporting what it found provisionally.
+        let mut provisional = false;
+        loop {
+            let mut h = [0u8; HEADER_LEN];
+            if from0.read_exact(&mut h).await.is_err() {
+                break;
+            }
+            let h = Header::decode(&h).unwrap();
+            from0
+                .read_exact(&mut vec![0u8; h.payload_len() as usize])
+                .await
+                .unwrap();
+            provisional |= matches!(
+                h,
+                Header::Abort {
+                    provisional: true,
+                    from: 1,
+                    ..
+                }
+            );
+        }
+        // Only now is the mismatch found, recorded and told.
         let reason = "mismatched collectives on group \"default_pg\" at op #0: \
-                      rank 1 called gather(f32 x 1, root 1, Direct) \
-                      but rank 0 called gather(i32 x 1, root 1, Direct)";
+                      rank 1 called gather(f32 x 300, root 1, Direct) \
+                      but rank 0 called gather(i32 x 300, root 1, Direct)";
         let record = format!("rank 1 aborted it: {reason}");
         peer_store
             .compare_set(
@@ -446,12 +498,23 @@ async fn a_rank_that_leaves_with_calls_found_diverged_does_not_preempt_the_first
             )
             .await
             .unwrap();
-        write_abort(&mut from2, comm, 0, false, reason).await;
-        let _ = from2.read_to_end(&mut Vec::new()).await;
+        let h = Header::Abort {
+            comm,
+            len: reason.len() as u64,
+            own: false,
+            from: 0,
+            provisional: false,
+        };
+        wr2.write_all(&h.encode()).await.unwrap();
+        wr2.write_all(reason.as_bytes()).await.unwrap();
+        let _ = drain2.await;
+        provisional
     });
     let o = Options {
         shared_memory: false,
         timeout: Duration::from_secs(60),
+        segment_bytes: 512,
+        receive_window: 512,
         ..opts()
     };
     let (pg0, pg2) = tokio::join!(
@@ -460,14 +523,16 @@ async fn a_rank_that_leaves_with_calls_found_diverged_does_not_preempt_the_first
     );
     let (pg0, pg2) = (pg0.unwrap(), pg2.unwrap());
     let rank0 = tokio::spawn(async move {
-        pg0.gather(&[1i32], 1).await?;
+        pg0.gather(&[1i32; 300], 1).await?;
         pg0.gather(&[0i32; 548], 2).await?;
         Ok::<_, Error>(())
         // Dropping `pg0` here is the process exiting.
     });
     let rank2 = tokio::spawn(async move {
-        pg2.gather(&[1f32], 1).await.unwrap();
-        pg2.gather(&[0i32; 548], 2).await.map(drop)
+        pg2.gather(&[1f32; 300], 1).await.unwrap();
+        let r = pg2.gather(&[0i32; 548], 2).await.map(drop);
+        drop(pg2);
+        r
     });
     rank0
         .await
@@ -481,7 +546,10 @@ async fn a_rank_that_leaves_with_calls_found_diverged_does_not_preempt_the_first
             && s.contains("rank 0 called gather(i32"),
         "{s}"
     );
-    peer.abort();
+    assert!(
+        peer.await.unwrap(),
+        "rank 0 left without reporting its finding provisionally"
+    );
 }
 
 /// A member that leaves the group with calls it found diverged reports them

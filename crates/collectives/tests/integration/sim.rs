@@ -870,9 +870,12 @@ struct TraceWriter;
 impl std::io::Write for TraceWriter {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         let mut t = TRACE.lock().unwrap_or_else(|e| e.into_inner());
-        // Bounded: a scenario that traces without end keeps its first 4 MiB.
-        if t.len() < 4 << 20 {
-            t.extend_from_slice(buf);
+        t.extend_from_slice(buf);
+        // Bounded: a scenario that traces without end keeps its latest
+        // 2–4 MiB (whole lines: each write is one).
+        if t.len() > 4 << 20 {
+            let cut = t.len() - (2 << 20);
+            t.drain(..cut);
         }
         Ok(buf.len())
     }
