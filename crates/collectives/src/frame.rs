@@ -159,6 +159,8 @@ pub struct Desc {
 
 /// [`Desc::hist`] of a call whose history is not tracked.
 pub const HIST_NONE: u32 = 0;
+/// [`Desc::hist`] of a group's first collective.
+pub const HIST_START: u32 = 1;
 /// [`Desc::hist`] holds this many bits.
 const HIST_BITS: u32 = 24;
 

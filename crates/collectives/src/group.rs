@@ -16,7 +16,7 @@ use crate::algorithms as algo;
 use crate::algorithms::choice;
 use crate::element::{bytes_of, bytes_of_mut, Buf, DType, Element, ReduceOp};
 use crate::error::{Error, Result};
-use crate::frame::{hist_after, Algo, Desc, Header, OpKind, HIST_NONE, MAX_PAYLOAD};
+use crate::frame::{hist_after, Algo, Desc, Header, OpKind, HIST_NONE, HIST_START, MAX_PAYLOAD};
 use crate::shm::{self, ops as shm_ops, Arena, Plan, Turn};
 use crate::transport::{Config, Fail, Key, Members, Origin, Shared, Transport};
 use crate::two_level::{self, TwoLevel};
@@ -163,9 +163,6 @@ impl Default for Calls {
         }
     }
 }
-
-/// [`Desc::hist`] of a group's first collective.
-const HIST_START: u32 = 1;
 
 /// The call that stands for the data's half of an all-gather of varying
 /// sizes in the history: its length is known only once the lengths' half
@@ -1961,13 +1958,18 @@ impl OpCtx {
                     self.comm.sh().end_seq(self.comm.id, self.seq);
                 }
                 // An abort raised while the op ran (a peer's frame for it that
-                // did not match, say) fails it even though its part is done.
+                // did not match, say) fails it even though its part is done,
+                // once recorded and told like any failure (this rank may exit
+                // on the error: simulator seed 973).
                 match self
                     .comm
                     .sh()
                     .aborted_for(self.comm.id, self.collective_seq())
                 {
-                    Some(e) => Err(e),
+                    Some(e) => {
+                        self.comm.sh().told(self.comm.id).await;
+                        Err(e)
+                    }
                     None => Ok(v),
                 }
             }
@@ -2111,6 +2113,33 @@ impl Drop for OpCtx {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An op whose own part is done when its group is aborted (a peer's
+    /// frame for it that did not match came while it ran: simulator seed
+    /// 973) returns the abort only once it is recorded in the store, as any
+    /// failing op does: its rank may exit at once, and a rank that then
+    /// finds it gone reads the record to name the cause (it named the
+    /// bystander). On a current-thread runtime the recording task runs only
+    /// when the op yields, so an op that returns without waiting shows.
+    #[tokio::test(flavor = "current_thread")]
+    async fn an_op_done_when_its_group_is_aborted_returns_once_the_abort_is_recorded() {
+        let store: Arc<dyn Store> = Arc::new(rallypoint_store::MemoryStore::new());
+        let o = Options {
+            advertise: Some(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST)),
+            shared_memory: false,
+            ..Options::default()
+        };
+        let pg = ProcessGroup::new(store.clone(), 0, 1, o).await.unwrap();
+        let cx = pg.begin_barrier().unwrap();
+        let found = Error::Invalid("a peer's frame for the op did not match".into());
+        pg.comm.sh().abort(pg.comm.id, found, Origin::Here, cx.seq);
+        assert!(cx.finish(Ok(Ok(()))).await.is_err());
+        let keys = store.list_keys().await.unwrap();
+        assert!(
+            keys.iter().any(|k| k.contains("/abort/")),
+            "the op returned before its abort was recorded: {keys:?}"
+        );
+    }
 
     #[test]
     fn the_layout_hash_never_changes() {
