@@ -251,8 +251,9 @@ pub(crate) enum Origin {
     /// told, marked provisional, to the members this rank is connected
     /// with, who hold it for the first mismatch; not recorded (a record
     /// would stop the first mismatch's, which wins over it, from being
-    /// told to every member), and not passed to internal groups or marked
-    /// in shared memory (which would fail their members for good).
+    /// told to every member); passed to internal groups as provisional too,
+    /// and not marked in shared memory (which would fail the members there
+    /// for good).
     Leaving,
 }
 
