@@ -1598,7 +1598,7 @@ enum End {
 async fn read_loop(shared: Arc<Shared>, peer: usize, id: u64, rd: OwnedReadHalf) {
     // Small: headers and small frames come in one read, while most of a large
     // payload bypasses the buffer (what is buffered is copied twice; at 64 KiB
-    // that was a quarter of each 256 KiB segment).
+    // that was a quarter of each segment when they were 256 KiB).
     let mut rd = BufReader::with_capacity(READ_BUFFER, rd);
     let end = tokio::select! {
         e = read_frames(&shared, peer, &mut rd) => e,
