@@ -145,6 +145,10 @@ pub fn run(args: CollectivesArgs) -> Result<()> {
                 "# {n} threads each copying 64 MiB in and out through a 1 MiB half (shared memory's two copies, no reduction, no waits), same run: all_reduce busbw ceiling {:.2} GB/s",
                 copy_ceiling(n, 64 << 20) * bus_factor("all_reduce", n) / 1e9
             );
+            println!(
+                "# {n} threads doing the same and summing their 1/{n} of every round from the others' inputs (a split shared-memory all-reduce's least work, no waits), same run: all_reduce busbw ceiling {:.2} GB/s",
+                reduce_ceiling(n, 64 << 20) * bus_factor("all_reduce", n) / 1e9
+            );
             let mut results: BTreeMap<String, Results> = BTreeMap::new();
             for side in &args.sides {
                 let prefix = format!("bench/{side}/{n}/{rep}");
@@ -208,6 +212,62 @@ fn copy_ceiling(n: usize, bytes: usize) -> f64 {
             threads
                 .into_iter()
                 .map(|t| t.join().expect("copy thread"))
+                .fold(0.0, f64::max)
+        });
+        best = best.min(slowest);
+    }
+    bytes as f64 / best
+}
+
+/// As [`copy_ceiling`], with the reduction that a split shared-memory
+/// all-reduce adds (`shm/ops.rs`): each round, every thread copies its part
+/// of the round into its half, sums its `1/n` share of the round from the
+/// other `n − 1` threads' inputs (read only, so no thread ever waits for
+/// another), and copies the round back out. The bytes a rank moves and the
+/// sums it does, without the stages between: f32 `bytes` per second of the
+/// slowest thread (best of 3), the algbw no such all-reduce passes here.
+fn reduce_ceiling(n: usize, bytes: usize) -> f64 {
+    let slot = Options::default().shm_slot_bytes / 4;
+    let count = bytes / 4;
+    // Other ranks' inputs, written before the clock starts and only read.
+    let inputs: Vec<Vec<f32>> = (0..n).map(|_| vec![1.0f32; count]).collect();
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let start = std::sync::Barrier::new(n);
+        let slowest = std::thread::scope(|s| {
+            let threads: Vec<_> = (0..n)
+                .map(|me| {
+                    let (start, inputs) = (&start, &inputs);
+                    s.spawn(move || {
+                        let mut user = vec![1.0f32; count];
+                        let mut half = vec![0.0f32; slot];
+                        start.wait();
+                        let t = Instant::now();
+                        for (i, round) in user.chunks_mut(slot).enumerate() {
+                            let len = round.len();
+                            let h = &mut half[..len];
+                            h.copy_from_slice(std::hint::black_box(round));
+                            let part = len * me / n..len * (me + 1) / n;
+                            for (k, other) in inputs.iter().enumerate() {
+                                if k != me {
+                                    let src = &other[i * slot..i * slot + len][part.clone()];
+                                    f32::reduce(
+                                        ReduceOp::Sum,
+                                        &mut h[part.clone()],
+                                        std::hint::black_box(src),
+                                    );
+                                }
+                            }
+                            round.copy_from_slice(std::hint::black_box(h));
+                        }
+                        std::hint::black_box((&user, &half));
+                        t.elapsed().as_secs_f64()
+                    })
+                })
+                .collect();
+            threads
+                .into_iter()
+                .map(|t| t.join().expect("reduce thread"))
                 .fold(0.0, f64::max)
         });
         best = best.min(slowest);

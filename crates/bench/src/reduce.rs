@@ -10,7 +10,8 @@ use rallypoint_collectives::{bf16, f16, Element, ReduceOp};
 
 #[derive(clap::Args, Clone)]
 pub struct ReduceArgs {
-    /// Bytes of each buffer (the default is one TCP segment).
+    /// Bytes of each buffer (the default is the smallest segment the ring
+    /// and chain cut a large buffer into).
     #[arg(long, default_value_t = 256 << 10)]
     bytes: usize,
     /// Bytes reduced per measurement.

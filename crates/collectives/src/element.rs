@@ -304,63 +304,90 @@ pub(crate) fn bytes_of_mut<T: Element>(s: &mut [T]) -> &mut [u8] {
 pub(crate) struct Buf {
     words: Vec<u64>,
     len: usize,
-    pool: Option<Arc<Pool>>,
+    /// The pool and class the words go back to.
+    pool: Option<(Arc<Pool>, usize)>,
 }
 
-/// Recycled payload buffers of one capacity.
+/// Recycled payload buffers, in two capacities.
 ///
-/// The pool keeps as many free buffers as `keep_bytes` holds (at least 32),
-/// so that it covers what can be in flight at once (the transport asks for
-/// a receive window's worth, capped): with fewer kept, a sender running a
-/// window ahead made each rank allocate and fault in fresh pages for most
+/// Each class keeps as many free buffers as `keep_bytes` holds (at least
+/// 32), so that it covers what can be in flight at once (the transport asks
+/// for a receive window's worth, capped): with fewer kept, a sender running
+/// a window ahead made each rank allocate and fault in fresh pages for most
 /// segments (5,000 page faults per 64 MiB all_reduce at 4 ranks, a third
 /// more CPU per op). Kept buffers are not trimmed.
+///
+/// The classes: the largest payload (`bytes`, a segment), and a quarter of
+/// it (at least [`POOL_MIN`]) for the rest. A payload takes the smaller
+/// class that holds it, so no pooled buffer is more than 4 times its
+/// payload, whatever the segment size (a receive window counts payload
+/// bytes, and the memory it bounds should stay within a small factor).
 pub(crate) struct Pool {
+    classes: [Class; 2],
+}
+
+/// Free buffers of `words` words each.
+struct Class {
     words: usize,
     keep: usize,
     free: Mutex<Vec<Vec<u64>>>,
 }
 
-/// Buffers kept per pool at least, whatever `keep_bytes` says.
+impl Class {
+    fn new(bytes: usize, keep_bytes: usize) -> Class {
+        Class {
+            words: bytes.div_ceil(8),
+            keep: (keep_bytes / bytes.max(1)).max(POOL_KEEP_MIN),
+            free: Mutex::new(Vec::new()),
+        }
+    }
+}
+
+/// Buffers kept per class at least, whatever `keep_bytes` says.
 const POOL_KEEP_MIN: usize = 32;
 /// Payloads below this are allocated plainly (small allocations are cheap).
 const POOL_MIN: usize = 64 << 10;
 
 impl Pool {
-    /// Buffers of `bytes`, keeping up to `keep_bytes` of them free (at
-    /// least 32).
+    /// Buffers of `bytes` and of a quarter of it, each class keeping up to
+    /// `keep_bytes` of them free (at least 32).
     pub(crate) fn new(bytes: usize, keep_bytes: usize) -> Arc<Pool> {
+        let small = (bytes / 4).max(POOL_MIN).min(bytes);
         Arc::new(Pool {
-            words: bytes.div_ceil(8),
-            keep: (keep_bytes / bytes.max(1)).max(POOL_KEEP_MIN),
-            free: Mutex::new(Vec::new()),
+            classes: [Class::new(small, keep_bytes), Class::new(bytes, keep_bytes)],
         })
     }
 
-    /// A buffer of `len` bytes: pooled if it fits the pool's capacity and is large.
+    /// A buffer of `len` bytes: pooled, from the smallest class that holds
+    /// it, if it is large and fits.
     pub(crate) fn get(self: &Arc<Pool>, len: usize) -> Buf {
-        if len < POOL_MIN || len.div_ceil(8) > self.words {
+        let Some(class) = (len >= POOL_MIN)
+            .then(|| self.classes.iter().position(|c| len.div_ceil(8) <= c.words))
+            .flatten()
+        else {
             return Buf::new(len);
-        }
-        let words = self
+        };
+        let c = &self.classes[class];
+        let words = c
             .free
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .pop()
-            .unwrap_or_else(|| vec![0; self.words]);
+            .unwrap_or_else(|| vec![0; c.words]);
         Buf {
             words,
             len,
-            pool: Some(self.clone()),
+            pool: Some((self.clone(), class)),
         }
     }
 }
 
 impl Drop for Buf {
     fn drop(&mut self) {
-        if let Some(p) = self.pool.take() {
-            let mut free = p.free.lock().unwrap_or_else(|e| e.into_inner());
-            if free.len() < p.keep {
+        if let Some((p, class)) = self.pool.take() {
+            let c = &p.classes[class];
+            let mut free = c.free.lock().unwrap_or_else(|e| e.into_inner());
+            if free.len() < c.keep {
                 free.push(std::mem::take(&mut self.words));
             }
         }
@@ -465,11 +492,11 @@ mod tests {
         // 100 buffers in flight at once, a budget of 80: 80 are kept.
         let pool = Pool::new(64 << 10, 80 * (64 << 10));
         drop((0..100).map(|_| pool.get(64 << 10)).collect::<Vec<_>>());
-        assert_eq!(pool.free.lock().unwrap().len(), 80);
+        assert_eq!(pool.classes[0].free.lock().unwrap().len(), 80);
         // The floor: a budget below one buffer still keeps 32.
         let small = Pool::new(64 << 10, 0);
         drop((0..40).map(|_| small.get(64 << 10)).collect::<Vec<_>>());
-        assert_eq!(small.free.lock().unwrap().len(), POOL_KEEP_MIN);
+        assert_eq!(small.classes[0].free.lock().unwrap().len(), POOL_KEEP_MIN);
     }
 
     #[test]
@@ -489,5 +516,27 @@ mod tests {
             pool.get(2 << 20).pool.is_none(),
             "nor ones above the capacity"
         );
+    }
+
+    #[test]
+    fn no_pooled_buffer_is_more_than_four_times_its_payload() {
+        let pool = Pool::new(1 << 20, 0);
+        for len in [64 << 10, 100 << 10, 256 << 10, (256 << 10) + 8, 1 << 20] {
+            let b = pool.get(len);
+            assert!(b.pool.is_some(), "{len} is pooled");
+            assert!(
+                b.words.len() * 8 <= 4 * len,
+                "{len} took {} words",
+                b.words.len()
+            );
+            assert!(b.words.len() * 8 >= len);
+        }
+        // A quarter-size buffer freed comes back for a quarter-size payload,
+        // never for a full one.
+        let q = pool.get(200 << 10);
+        let ptr = q.bytes().as_ptr();
+        drop(q);
+        assert_ne!(pool.get(1 << 20).bytes().as_ptr(), ptr);
+        assert_eq!(pool.get(256 << 10).bytes().as_ptr(), ptr);
     }
 }

@@ -37,10 +37,14 @@ pub struct Options {
     /// `MASTER_ADDR` if set, else of the route to this host's name, else loopback.
     pub advertise: Option<IpAddr>,
     /// Largest frame payload; larger buffers are cut into segments and
-    /// pipelined. Default 1 MiB: over loopback TCP, at 2 and 4 ranks and 1 to
-    /// 64 MiB, as fast as 256 KiB or faster (a 64 MiB broadcast at 4 ranks
-    /// about 25% faster), since each segment costs a frame, a wake-up and a
-    /// hand-off however small it is (`docs/benchmarks.md`, issue 20's tenth
+    /// pipelined. The pipelined algorithms (ring and chain) cut a buffer into
+    /// segments of a quarter of each rank's share of it (`bytes / 4n`),
+    /// within `[min(256 KiB, segment_bytes), segment_bytes]`: large segments
+    /// where a buffer has many (each costs a frame, a wake-up and a hand-off,
+    /// so over loopback TCP at 4 ranks a 64 MiB broadcast is about 25% faster
+    /// at 1 MiB than at 256 KiB), and at least four per share, so that a
+    /// chain or ring of many ranks still pipelines. The other algorithms use
+    /// `segment_bytes`. Default 1 MiB (`docs/benchmarks.md`, issue 20's tenth
     /// part).
     pub segment_bytes: usize,
     /// Buffers up to this size use the latency algorithms (recursive doubling, trees).
@@ -119,6 +123,19 @@ impl Options {
             self.dissemination_max_ranks as u64,
         ])
     }
+}
+
+/// The smallest segment a pipelined op chooses by size (or `segment_bytes`,
+/// if that is less).
+pub(crate) const MIN_PIPELINE_SEGMENT: usize = 256 << 10;
+
+/// Segment bytes for a pipelined op over `bytes` on `n` ranks with
+/// `segment_bytes` the largest: a quarter of each rank's share, within
+/// `[min(MIN_PIPELINE_SEGMENT, segment_bytes), segment_bytes]`.
+pub(crate) fn pipeline_segment_bytes(bytes: usize, n: usize, segment_bytes: usize) -> usize {
+    let max = segment_bytes.max(1);
+    let min = MIN_PIPELINE_SEGMENT.min(max);
+    (bytes / (4 * n.max(1))).clamp(min, max)
 }
 
 /// FNV-1a (64 bits) of `words` in little-endian order: the same on every
@@ -1721,6 +1738,19 @@ impl OpCtx {
         (self.comm.opts.segment_bytes / std::mem::size_of::<T>()).max(1)
     }
 
+    /// Segment length in elements of `T` for a pipelined op (ring, chain)
+    /// over a buffer of `total` elements, the same on every rank (see
+    /// [`Options::segment_bytes`] and [`pipeline_segment_bytes`]).
+    pub(crate) fn seg_for<T: Element>(&self, total: usize) -> usize {
+        let size = std::mem::size_of::<T>();
+        let bytes = pipeline_segment_bytes(
+            total.saturating_mul(size),
+            self.n(),
+            self.comm.opts.segment_bytes,
+        );
+        (bytes / size).max(1)
+    }
+
     pub(crate) fn check_steps(&self, phases: usize, stride: usize) -> Result<()> {
         if phases
             .checked_mul(stride)
@@ -2144,6 +2174,24 @@ mod tests {
             keys.iter().any(|k| k.contains("/abort/")),
             "the op returned before its abort was recorded: {keys:?}"
         );
+    }
+
+    #[test]
+    fn pipelined_segments_are_a_quarter_share_within_bounds() {
+        const M: usize = 1 << 20;
+        // Many segments: the largest.
+        assert_eq!(pipeline_segment_bytes(64 * M, 4, M), M);
+        assert_eq!(pipeline_segment_bytes(16 * M, 4, M), M);
+        // Fewer: a quarter of each rank's share, so at least four per share.
+        assert_eq!(pipeline_segment_bytes(8 * M, 4, M), M / 2);
+        assert_eq!(pipeline_segment_bytes(16 * M, 8, M), M / 2);
+        // Never below 256 KiB (the old fixed size), nor above the option.
+        assert_eq!(pipeline_segment_bytes(M, 4, M), MIN_PIPELINE_SEGMENT);
+        assert_eq!(pipeline_segment_bytes(4, 4, M), MIN_PIPELINE_SEGMENT);
+        assert_eq!(pipeline_segment_bytes(1 << 30, 2, 4 * M), 4 * M);
+        // A small `segment_bytes` (tests cut buffers finely) is used as is.
+        assert_eq!(pipeline_segment_bytes(64 * M, 4, 512), 512);
+        assert_eq!(pipeline_segment_bytes(0, 1, 16), 16);
     }
 
     #[test]

@@ -17,7 +17,7 @@ pub(crate) async fn chain_broadcast<T: Element>(
 ) -> Result<()> {
     let (n, r) = (cx.n(), cx.me());
     let v = (r + n - root) % n;
-    let seg = cx.seg::<T>();
+    let seg = cx.seg_for::<T>(buf.len());
     let ns = nseg(buf.len(), seg);
     let steps = Steps::new(cx, 1, ns)?;
     let all = 0..buf.len();

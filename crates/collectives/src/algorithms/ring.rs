@@ -126,7 +126,8 @@ impl<'a, 'c> Ring<'a, 'c> {
         if n == 1 {
             return Ok(None);
         }
-        let seg = cx.seg::<T>();
+        // Every rank knows every chunk's length, so all choose one size.
+        let seg = cx.seg_for::<T>(bounds.iter().map(Range::len).sum());
         let stride = (0..n)
             .map(|c| nseg(bounds[c].len(), seg))
             .max()

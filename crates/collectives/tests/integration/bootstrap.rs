@@ -130,7 +130,7 @@ fn blocking_groups_in_plain_threads() {
 #[test]
 fn blocking_groups_receive_large_payloads_in_place() {
     let store: Arc<dyn Store> = Arc::new(rallypoint_store::MemoryStore::new());
-    const LEN: usize = (1 << 20) + 3; // 4 MiB of f32: ring and chain, 16 segments
+    const LEN: usize = (1 << 20) + 3; // 4 MiB of f32: ring and chain, 12 segments
     let len = LEN;
     fn mine(r: usize) -> Vec<f32> {
         (0..LEN).map(|i| ((i * 7 + r) % 13) as f32).collect()

@@ -353,7 +353,7 @@ async fn large_buffers_with_default_segments() {
             },
         )
         .await;
-        let len = (3 << 20) / 4 + 5; // ~3 MiB of f32: three segments per rank's chunk
+        let len = (3 << 20) / 4 + 5; // ~3 MiB of f32: four segments per rank's chunk
         let inputs: Vec<Vec<f32>> = (0..3).map(|r| data(9, r, len)).collect();
         let want = reference(&inputs, ReduceOp::Sum);
         let got = each(&pgs, |pg| {
@@ -378,7 +378,7 @@ async fn large_buffers_with_default_segments() {
 /// Over TCP the `*_async` forms receive large payloads straight into the
 /// caller's buffer (posted receives): the same results as the borrowing
 /// forms, and each of the three posting ops lands bytes in place. Default
-/// segments, several per chunk, uneven chunks, 2 to 4 ranks.
+/// segments (four per rank's chunk), uneven chunks, 2 to 4 ranks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn posted_receives_land_in_the_callers_buffer() {
     // Bytes landed per op: all_reduce (the ring's all-gather pass),
@@ -390,7 +390,7 @@ async fn posted_receives_land_in_the_callers_buffer() {
             ..opts()
         };
         let pgs = group(n, o).await;
-        let len = (1 << 20) + 3; // 4 MiB of f32: 16 segments, uneven chunks
+        let len = (1 << 20) + 3; // 4 MiB of f32: 4 segments a chunk, uneven chunks
         let inputs: Vec<Vec<f32>> = (0..n).map(|r| data(5, r, len)).collect();
         let in_place =
             |pgs: &[ProcessGroup]| -> u64 { pgs.iter().map(|p| p.received_in_place_bytes()).sum() };
