@@ -180,43 +180,52 @@ fn memcpy_rate(bytes: usize) -> f64 {
     bytes as f64 / best
 }
 
+/// Runs `work(me)` on `n` threads at once, three times, and returns the
+/// slowest thread's seconds, best of the three. `work` prepares what it
+/// needs, waits on the barrier it is given, and returns the seconds it took
+/// after that.
+fn slowest_thread(n: usize, work: impl Fn(usize, &std::sync::Barrier) -> f64 + Sync) -> f64 {
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let start = std::sync::Barrier::new(n);
+        let slowest = std::thread::scope(|s| {
+            let threads: Vec<_> = (0..n)
+                .map(|me| {
+                    let (start, work) = (&start, &work);
+                    s.spawn(move || work(me, start))
+                })
+                .collect();
+            threads
+                .into_iter()
+                .map(|t| t.join().expect("ceiling thread"))
+                .fold(0.0, f64::max)
+        });
+        best = best.min(slowest);
+    }
+    best
+}
+
 /// `n` threads at once, each copying `bytes` through a half of the
 /// library's default slot (1 MiB) and back out, a round at a time (a rank's
 /// least work in a shared-memory all-reduce): `bytes` per second of the
 /// slowest thread (best of 3), the algbw no such all-reduce passes here.
 fn copy_ceiling(n: usize, bytes: usize) -> f64 {
     let slot = Options::default().shm_slot_bytes;
-    let mut best = f64::MAX;
-    for _ in 0..3 {
-        let start = std::sync::Barrier::new(n);
-        let slowest = std::thread::scope(|s| {
-            let threads: Vec<_> = (0..n)
-                .map(|_| {
-                    let start = &start;
-                    s.spawn(move || {
-                        // Touched before the clock starts, as a rank's are.
-                        let mut user = vec![1u8; bytes];
-                        let mut half = vec![0u8; slot];
-                        start.wait();
-                        let t = Instant::now();
-                        for round in user.chunks_mut(slot) {
-                            let h = &mut half[..round.len()];
-                            h.copy_from_slice(std::hint::black_box(round));
-                            round.copy_from_slice(std::hint::black_box(h));
-                        }
-                        std::hint::black_box((&user, &half));
-                        t.elapsed().as_secs_f64()
-                    })
-                })
-                .collect();
-            threads
-                .into_iter()
-                .map(|t| t.join().expect("copy thread"))
-                .fold(0.0, f64::max)
-        });
-        best = best.min(slowest);
-    }
-    bytes as f64 / best
+    let secs = slowest_thread(n, |_, start| {
+        // Touched before the clock starts, as a rank's are.
+        let mut user = vec![1u8; bytes];
+        let mut half = vec![0u8; slot];
+        start.wait();
+        let t = Instant::now();
+        for round in user.chunks_mut(slot) {
+            let h = &mut half[..round.len()];
+            h.copy_from_slice(std::hint::black_box(round));
+            round.copy_from_slice(std::hint::black_box(h));
+        }
+        std::hint::black_box((&user, &half));
+        t.elapsed().as_secs_f64()
+    });
+    bytes as f64 / secs
 }
 
 /// As [`copy_ceiling`], with the reduction that a split shared-memory
@@ -231,48 +240,32 @@ fn reduce_ceiling(n: usize, bytes: usize) -> f64 {
     let count = bytes / 4;
     // Other ranks' inputs, written before the clock starts and only read.
     let inputs: Vec<Vec<f32>> = (0..n).map(|_| vec![1.0f32; count]).collect();
-    let mut best = f64::MAX;
-    for _ in 0..3 {
-        let start = std::sync::Barrier::new(n);
-        let slowest = std::thread::scope(|s| {
-            let threads: Vec<_> = (0..n)
-                .map(|me| {
-                    let (start, inputs) = (&start, &inputs);
-                    s.spawn(move || {
-                        let mut user = vec![1.0f32; count];
-                        let mut half = vec![0.0f32; slot];
-                        start.wait();
-                        let t = Instant::now();
-                        for (i, round) in user.chunks_mut(slot).enumerate() {
-                            let len = round.len();
-                            let h = &mut half[..len];
-                            h.copy_from_slice(std::hint::black_box(round));
-                            let part = len * me / n..len * (me + 1) / n;
-                            for (k, other) in inputs.iter().enumerate() {
-                                if k != me {
-                                    let src = &other[i * slot..i * slot + len][part.clone()];
-                                    f32::reduce(
-                                        ReduceOp::Sum,
-                                        &mut h[part.clone()],
-                                        std::hint::black_box(src),
-                                    );
-                                }
-                            }
-                            round.copy_from_slice(std::hint::black_box(h));
-                        }
-                        std::hint::black_box((&user, &half));
-                        t.elapsed().as_secs_f64()
-                    })
-                })
-                .collect();
-            threads
-                .into_iter()
-                .map(|t| t.join().expect("reduce thread"))
-                .fold(0.0, f64::max)
-        });
-        best = best.min(slowest);
-    }
-    bytes as f64 / best
+    let secs = slowest_thread(n, |me, start| {
+        let mut user = vec![1.0f32; count];
+        let mut half = vec![0.0f32; slot];
+        start.wait();
+        let t = Instant::now();
+        for (i, round) in user.chunks_mut(slot).enumerate() {
+            let len = round.len();
+            let h = &mut half[..len];
+            h.copy_from_slice(std::hint::black_box(round));
+            let part = len * me / n..len * (me + 1) / n;
+            for (k, other) in inputs.iter().enumerate() {
+                if k != me {
+                    let src = &other[i * slot..i * slot + len][part.clone()];
+                    f32::reduce(
+                        ReduceOp::Sum,
+                        &mut h[part.clone()],
+                        std::hint::black_box(src),
+                    );
+                }
+            }
+            round.copy_from_slice(std::hint::black_box(h));
+        }
+        std::hint::black_box((&user, &half));
+        t.elapsed().as_secs_f64()
+    });
+    bytes as f64 / secs
 }
 
 #[allow(clippy::too_many_arguments)]
