@@ -1,9 +1,13 @@
 //! The algorithms, written against [`OpCtx`]'s keyed send and receive: one
 //! family per file, and which one an op takes in [`choice`].
 //!
-//! Every payload larger than the segment size is cut into segments, and each
+//! Every payload larger than a segment is cut into segments, and each
 //! (phase, segment) pair has its own step key, `phase * stride + segment`, so a
-//! receiver never depends on arrival order. The ring and chain algorithms are
+//! receiver never depends on arrival order. The ring and chain size their
+//! segments by the buffer (`OpCtx::seg_for`: a quarter of each rank's share,
+//! 256 KiB to `segment_bytes`), the others use `segment_bytes`; an op that
+//! runs a second algorithm after the ring (a reduce's gather) uses the ring's
+//! segments, so the strides agree and the keys of the two never meet. The ring and chain algorithms are
 //! pipelined at segment granularity: a segment received (and reduced) in one
 //! phase is forwarded at once, while the connection's reader task is already
 //! receiving the next one, so reduction overlaps transfer.

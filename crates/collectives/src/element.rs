@@ -319,9 +319,11 @@ pub(crate) struct Buf {
 ///
 /// The classes: the largest payload (`bytes`, a segment), and a quarter of
 /// it (at least [`POOL_MIN`]) for the rest. A payload takes the smaller
-/// class that holds it, so no pooled buffer is more than 4 times its
-/// payload, whatever the segment size (a receive window counts payload
-/// bytes, and the memory it bounds should stay within a small factor).
+/// class that holds it, so at segments up to 1 MiB (the default) no pooled
+/// buffer is more than 4 times its payload (a receive window counts
+/// payload bytes, and the memory it bounds should stay within a small
+/// factor). Each class keeps up to `keep_bytes`, so a process whose
+/// traffic peaked in both keeps up to twice that.
 pub(crate) struct Pool {
     classes: [Class; 2],
 }
@@ -489,13 +491,18 @@ mod tests {
 
     #[test]
     fn a_pool_keeps_what_its_budget_holds() {
-        // 100 buffers in flight at once, a budget of 80: 80 are kept.
-        let pool = Pool::new(64 << 10, 80 * (64 << 10));
-        drop((0..100).map(|_| pool.get(64 << 10)).collect::<Vec<_>>());
-        assert_eq!(pool.classes[0].free.lock().unwrap().len(), 80);
-        // The floor: a budget below one buffer still keeps 32.
-        let small = Pool::new(64 << 10, 0);
-        drop((0..40).map(|_| small.get(64 << 10)).collect::<Vec<_>>());
+        // 100 buffers of each class in flight at once, a budget of 80 MiB:
+        // 80 segments of 1 MiB are kept, and all 100 quarter-size ones.
+        let pool = Pool::new(1 << 20, 80 << 20);
+        drop((0..100).map(|_| pool.get(1 << 20)).collect::<Vec<_>>());
+        drop((0..100).map(|_| pool.get(256 << 10)).collect::<Vec<_>>());
+        assert_eq!(pool.classes[1].free.lock().unwrap().len(), 80);
+        assert_eq!(pool.classes[0].free.lock().unwrap().len(), 100);
+        // The floor: a budget below one buffer still keeps 32 of each.
+        let small = Pool::new(1 << 20, 0);
+        drop((0..40).map(|_| small.get(1 << 20)).collect::<Vec<_>>());
+        drop((0..40).map(|_| small.get(100 << 10)).collect::<Vec<_>>());
+        assert_eq!(small.classes[1].free.lock().unwrap().len(), POOL_KEEP_MIN);
         assert_eq!(small.classes[0].free.lock().unwrap().len(), POOL_KEEP_MIN);
     }
 

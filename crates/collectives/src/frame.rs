@@ -466,8 +466,9 @@ pub struct Hello {
 
 const MAGIC: &[u8; 4] = b"RPCG";
 /// 2: flow frames. 3: call histories in data and want frames. 4: provisional
-/// aborts.
-const VERSION: u16 = 4;
+/// aborts. 5: ring and chain segments sized by the buffer (the same
+/// `segment_bytes` cuts buffers differently from 4).
+const VERSION: u16 = 5;
 /// Written in the sender's byte order: a peer of the other order reads 0x0201.
 const BYTE_ORDER: u16 = 0x0102;
 /// The fixed part of a hello; the name follows.

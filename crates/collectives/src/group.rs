@@ -129,13 +129,16 @@ impl Options {
 /// if that is less).
 pub(crate) const MIN_PIPELINE_SEGMENT: usize = 256 << 10;
 
-/// Segment bytes for a pipelined op over `bytes` on `n` ranks with
-/// `segment_bytes` the largest: a quarter of each rank's share, within
-/// `[min(MIN_PIPELINE_SEGMENT, segment_bytes), segment_bytes]`.
-pub(crate) fn pipeline_segment_bytes(bytes: usize, n: usize, segment_bytes: usize) -> usize {
-    let max = segment_bytes.max(1);
-    let min = MIN_PIPELINE_SEGMENT.min(max);
-    (bytes / (4 * n.max(1))).clamp(min, max)
+/// Segment length, in elements of `size` bytes, for a pipelined op over
+/// `total` elements on `n` ranks with `segment_bytes` the largest: a
+/// quarter of each rank's share, rounded up (so a share is at most four
+/// segments), within `[min(MIN_PIPELINE_SEGMENT, segment_bytes),
+/// segment_bytes]` in bytes; at least one element.
+pub(crate) fn pipeline_segment(total: usize, size: usize, n: usize, segment_bytes: usize) -> usize {
+    let size = size.max(1);
+    let max = (segment_bytes / size).max(1);
+    let min = (MIN_PIPELINE_SEGMENT.min(segment_bytes) / size).clamp(1, max);
+    total.div_ceil(4 * n.max(1)).clamp(min, max)
 }
 
 /// FNV-1a (64 bits) of `words` in little-endian order: the same on every
@@ -1433,7 +1436,7 @@ async fn gather_impl<T: Element>(cx: &OpCtx, input: &[T], root: usize) -> Result
     if cx.me() == root {
         let mut all = vec![T::from_i8(0); n * k];
         all[bounds[root].clone()].copy_from_slice(input);
-        algo::gather_direct(cx, &mut all, &bounds, root, 0).await?;
+        algo::gather_direct(cx, &mut all, &bounds, root, 0, cx.seg::<T>()).await?;
         Ok(Some(all))
     } else {
         algo::send_to_root(cx, input, root, 0, algo::nseg(k, cx.seg::<T>())).await?;
@@ -1740,15 +1743,14 @@ impl OpCtx {
 
     /// Segment length in elements of `T` for a pipelined op (ring, chain)
     /// over a buffer of `total` elements, the same on every rank (see
-    /// [`Options::segment_bytes`] and [`pipeline_segment_bytes`]).
+    /// [`Options::segment_bytes`] and [`pipeline_segment`]).
     pub(crate) fn seg_for<T: Element>(&self, total: usize) -> usize {
-        let size = std::mem::size_of::<T>();
-        let bytes = pipeline_segment_bytes(
-            total.saturating_mul(size),
+        pipeline_segment(
+            total,
+            std::mem::size_of::<T>(),
             self.n(),
             self.comm.opts.segment_bytes,
-        );
-        (bytes / size).max(1)
+        )
     }
 
     pub(crate) fn check_steps(&self, phases: usize, stride: usize) -> Result<()> {
@@ -2179,19 +2181,33 @@ mod tests {
     #[test]
     fn pipelined_segments_are_a_quarter_share_within_bounds() {
         const M: usize = 1 << 20;
+        let seg = |bytes: usize, n: usize, max: usize| pipeline_segment(bytes / 4, 4, n, max) * 4;
         // Many segments: the largest.
-        assert_eq!(pipeline_segment_bytes(64 * M, 4, M), M);
-        assert_eq!(pipeline_segment_bytes(16 * M, 4, M), M);
-        // Fewer: a quarter of each rank's share, so at least four per share.
-        assert_eq!(pipeline_segment_bytes(8 * M, 4, M), M / 2);
-        assert_eq!(pipeline_segment_bytes(16 * M, 8, M), M / 2);
-        // Never below 256 KiB (the old fixed size), nor above the option.
-        assert_eq!(pipeline_segment_bytes(M, 4, M), MIN_PIPELINE_SEGMENT);
-        assert_eq!(pipeline_segment_bytes(4, 4, M), MIN_PIPELINE_SEGMENT);
-        assert_eq!(pipeline_segment_bytes(1 << 30, 2, 4 * M), 4 * M);
+        assert_eq!(seg(64 * M, 4, M), M);
+        assert_eq!(seg(16 * M, 4, M), M);
+        // Fewer: a quarter of each rank's share, so at most four per share.
+        assert_eq!(seg(8 * M, 4, M), M / 2);
+        assert_eq!(seg(16 * M, 8, M), M / 2);
+        // Never below 256 KiB, nor above the option.
+        assert_eq!(seg(M, 4, M), MIN_PIPELINE_SEGMENT);
+        assert_eq!(seg(4, 4, M), MIN_PIPELINE_SEGMENT);
+        assert_eq!(seg(1 << 30, 2, 4 * M), 4 * M);
         // A small `segment_bytes` (tests cut buffers finely) is used as is.
-        assert_eq!(pipeline_segment_bytes(64 * M, 4, 512), 512);
-        assert_eq!(pipeline_segment_bytes(0, 1, 16), 16);
+        assert_eq!(seg(64 * M, 4, 512), 512);
+        assert_eq!(pipeline_segment(0, 4, 1, 16), 4);
+        // Below one element: one element.
+        assert_eq!(pipeline_segment(100, 8, 2, 4), 1);
+        // Uneven buffers: every share is at most four segments.
+        for (total, n) in [
+            ((1 << 20) + 3, 2),
+            ((1 << 20) + 3, 3),
+            ((3 << 20) + 5, 4),
+            (999_999, 7),
+        ] {
+            let s = pipeline_segment(total, 4, n, M);
+            let share = total.div_ceil(n);
+            assert!(share.div_ceil(s) <= 4, "{total} on {n}: {s}");
+        }
     }
 
     #[test]

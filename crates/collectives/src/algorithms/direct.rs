@@ -9,16 +9,19 @@ use crate::element::Element;
 use crate::error::Result;
 use crate::group::OpCtx;
 
-/// Every rank's chunk `bounds[rank]` of `buf` to the root's `buf`.
+/// Every rank's chunk `bounds[rank]` of `buf` to the root's `buf`, in
+/// segments of `seg` elements at `phase`. After another algorithm's phases
+/// (a ring reduce's), `seg` must be that algorithm's, so that the strides
+/// agree and the step keys of the two stay apart.
 pub(crate) async fn gather_direct<T: Element>(
     cx: &OpCtx,
     buf: &mut [T],
     bounds: &[Range<usize>],
     root: usize,
     phase: usize,
+    seg: usize,
 ) -> Result<()> {
     let (n, r) = (cx.n(), cx.me());
-    let seg = cx.seg::<T>();
     let stride = bounds.iter().map(|b| nseg(b.len(), seg)).max().unwrap_or(1);
     if r != root {
         return send_to_root(cx, &buf[bounds[r].clone()], root, phase, stride).await;

@@ -266,7 +266,11 @@ pub(crate) async fn ring_reduce<T: Element>(
     let (n, r) = (cx.n(), cx.me());
     let bounds = even_bounds(buf.len(), n);
     ring_reduce_scatter(cx, buf, &bounds, op, 0).await?;
-    gather_direct(cx, buf, &bounds, root, n - 1).await?;
+    // The ring's segments (sized by the buffer): with `segment_bytes`'
+    // instead the stride differed, and the gather's keys fell among the
+    // ring's last phase's.
+    let seg = cx.seg_for::<T>(buf.len());
+    gather_direct(cx, buf, &bounds, root, n - 1, seg).await?;
     if op == ReduceOp::Avg && r == root {
         T::divide(buf, n);
     }

@@ -375,6 +375,58 @@ async fn large_buffers_with_default_segments() {
     }
 }
 
+/// Where the ring cuts its segments by size (default options, a buffer
+/// whose quarter-share segments are smaller than `segment_bytes` and each
+/// chunk several of them), every op built on it keeps its steps apart from
+/// the steps that follow it: a reduce's gather to the root came on the
+/// same connection with keys inside the ring's last phase, so a frame of
+/// one could be filed under the other's key (a duplicate that dropped the
+/// connection, or with several streams the wrong data). 4 ranks, 12 MiB of
+/// f32, one and three streams.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ops_on_the_ring_at_size_chosen_segments_keep_their_steps_apart() {
+    let n = 4;
+    let len = (3 << 20) + 5;
+    let inputs: Vec<Vec<f32>> = (0..n).map(|r| data(11, r, len)).collect();
+    let want = reference(&inputs, ReduceOp::Sum);
+    for streams in [1, 3] {
+        let o = Options {
+            shared_memory: false,
+            streams_per_peer: streams,
+            ..opts()
+        };
+        let pgs = group(n, o).await;
+        for root in [1, 3, 0] {
+            let got = each(&pgs, |pg| {
+                let mut buf = data::<f32>(11, pg.rank(), len);
+                async move { pg.reduce(&mut buf, root, ReduceOp::Sum).await.map(|()| buf) }
+            })
+            .await;
+            let got = got.into_iter().nth(root).unwrap();
+            assert!(got.unwrap() == want, "reduce to {root}, {streams} streams");
+        }
+        let got = each(&pgs, |pg| {
+            let mut buf = data::<f32>(11, pg.rank(), len);
+            async move { pg.all_reduce(&mut buf, ReduceOp::Sum).await.map(|()| buf) }
+        })
+        .await;
+        for g in got {
+            assert!(g.unwrap() == want, "all_reduce, {streams} streams");
+        }
+        let got = each(&pgs, |pg| {
+            let buf = data::<f32>(11, pg.rank(), len);
+            async move { pg.all_gather_varying(&buf).await }
+        })
+        .await;
+        for g in got {
+            assert!(
+                g.unwrap() == inputs,
+                "all_gather_varying, {streams} streams"
+            );
+        }
+    }
+}
+
 /// Over TCP the `*_async` forms receive large payloads straight into the
 /// caller's buffer (posted receives): the same results as the borrowing
 /// forms, and each of the three posting ops lands bytes in place. Default
