@@ -18,6 +18,12 @@
 //! so its bus bandwidth cannot exceed that per-link rate; on a 2-core machine,
 //! where loopback TCP is CPU memcpy shared by every process, the ring rate is
 //! the ceiling both we and gloo are measured against.
+//!
+//! Before and after each side, the bench measures the host's cross-core
+//! penalty (`ceilings::cross_core`) and prints it beside the table: on this
+//! VM, moving data between cores is 4–7 times slower for seconds at a
+//! time, and a ratio is only like with like when both sides ran in the
+//! same condition (every probe around them about 1, or every one high).
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -29,6 +35,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use rallypoint_collectives::{Element, Options, ProcessGroup, ReduceOp};
 use rallypoint_store::{Store, TcpStore};
+
+use crate::ceilings::{copy_ceiling, cross_core, memcpy_rate, pin_thread, reduce_ceiling};
 
 #[derive(clap::Args, Clone)]
 pub struct CollectivesArgs {
@@ -146,128 +154,39 @@ pub fn run(args: CollectivesArgs) -> Result<()> {
                 copy_ceiling(n, 64 << 20) * bus_factor("all_reduce", n) / 1e9
             );
             println!(
-                "# {n} threads doing the same and summing their 1/{n} of every round from the others' inputs (a split shared-memory all-reduce's least work, no waits), same run: all_reduce busbw ceiling {:.2} GB/s",
+                "# {n} threads doing a split shared-memory all-reduce's least work (the others' parts in and out, their own 1/{n} summed from the others' halves; no waits), same run: all_reduce busbw ceiling {:.2} GB/s",
                 reduce_ceiling(n, 64 << 20) * bus_factor("all_reduce", n) / 1e9
             );
             let mut results: BTreeMap<String, Results> = BTreeMap::new();
+            let mut penalty: BTreeMap<String, String> = BTreeMap::new();
             for side in &args.sides {
                 let prefix = format!("bench/{side}/{n}/{rep}");
+                let (before, rate0) = cross_core_penalty();
                 let r = ranks(side, port, &prefix, n, &ops, &size_list, &args)
                     .with_context(|| format!("{side} with {n} ranks"))?;
+                let (after, rate1) = cross_core_penalty();
+                println!(
+                    "# {side}: cross-core penalty {before:.2} before, {after:.2} after (two-rank exchange across cores {:.2}, {:.2} GB/s)",
+                    rate0 / 1e9,
+                    rate1 / 1e9
+                );
+                penalty.insert(side.clone(), format!("{before:.1}-{after:.1}"));
                 results.insert(side.clone(), r);
             }
             for ours in ["rally", "rally-tcp", "rally-tcp-owned", "rally-2host"] {
                 if results.contains_key(ours) {
+                    let penalty = |s: &str| penalty.get(s).map_or("-", |p| p.as_str());
+                    println!(
+                        "\n# cross-core penalty (before-after each side): ours {}, gloo {}",
+                        penalty(ours),
+                        penalty("gloo")
+                    );
                     report(n, ours, &args.ops, &sizes, &results, uni, ring, copy);
                 }
             }
         }
     }
     Ok(())
-}
-
-/// Single-thread memcpy between two fresh buffers of `bytes`, bytes/s (best of 5).
-fn memcpy_rate(bytes: usize) -> f64 {
-    let src = vec![1u8; bytes];
-    let mut dst = vec![0u8; bytes];
-    let mut best = f64::MAX;
-    for _ in 0..5 {
-        let t0 = Instant::now();
-        dst.copy_from_slice(std::hint::black_box(&src));
-        std::hint::black_box(&mut dst);
-        best = best.min(t0.elapsed().as_secs_f64());
-    }
-    bytes as f64 / best
-}
-
-/// Runs `work(me)` on `n` threads at once, three times, and returns the
-/// slowest thread's seconds, best of the three. `work` prepares what it
-/// needs, waits on the barrier it is given, and returns the seconds it took
-/// after that.
-fn slowest_thread(n: usize, work: impl Fn(usize, &std::sync::Barrier) -> f64 + Sync) -> f64 {
-    let mut best = f64::MAX;
-    for _ in 0..3 {
-        let start = std::sync::Barrier::new(n);
-        let slowest = std::thread::scope(|s| {
-            let threads: Vec<_> = (0..n)
-                .map(|me| {
-                    let (start, work) = (&start, &work);
-                    s.spawn(move || work(me, start))
-                })
-                .collect();
-            threads
-                .into_iter()
-                .map(|t| t.join().expect("ceiling thread"))
-                .fold(0.0, f64::max)
-        });
-        best = best.min(slowest);
-    }
-    best
-}
-
-/// `n` threads at once, each copying `bytes` through a half of the
-/// library's default slot (1 MiB) and back out, a round at a time (a rank's
-/// least work in a shared-memory all-reduce): `bytes` per second of the
-/// slowest thread (best of 3), the algbw no such all-reduce passes here.
-fn copy_ceiling(n: usize, bytes: usize) -> f64 {
-    let slot = Options::default().shm_slot_bytes;
-    let secs = slowest_thread(n, |_, start| {
-        // Touched before the clock starts, as a rank's are.
-        let mut user = vec![1u8; bytes];
-        let mut half = vec![0u8; slot];
-        start.wait();
-        let t = Instant::now();
-        for round in user.chunks_mut(slot) {
-            let h = &mut half[..round.len()];
-            h.copy_from_slice(std::hint::black_box(round));
-            round.copy_from_slice(std::hint::black_box(h));
-        }
-        std::hint::black_box((&user, &half));
-        t.elapsed().as_secs_f64()
-    });
-    bytes as f64 / secs
-}
-
-/// As [`copy_ceiling`], with the reduction that a split shared-memory
-/// all-reduce adds (`shm/ops.rs`): each round, every thread copies its part
-/// of the round into its half, sums its `1/n` share of the round from the
-/// other `n − 1` threads' halves, and copies the round back out. The bytes
-/// a rank moves and the sums it does, without the stages between, and
-/// optimistic: the halves it sums from are written once, before the clock
-/// starts, and only read (so no thread waits for another, and they stay in
-/// cache, where a rank's peers rewrite theirs every round). f32 `bytes` per
-/// second of the slowest thread (best of 3): the algbw no such all-reduce
-/// passes here.
-fn reduce_ceiling(n: usize, bytes: usize) -> f64 {
-    let slot = Options::default().shm_slot_bytes / 4;
-    let count = bytes / 4;
-    let halves: Vec<Vec<f32>> = (0..n).map(|_| vec![1.0f32; slot]).collect();
-    let secs = slowest_thread(n, |me, start| {
-        let mut user = vec![1.0f32; count];
-        let mut half = vec![0.0f32; slot];
-        start.wait();
-        let t = Instant::now();
-        for round in user.chunks_mut(slot) {
-            let len = round.len();
-            let h = &mut half[..len];
-            h.copy_from_slice(std::hint::black_box(round));
-            let part = len * me / n..len * (me + 1) / n;
-            for (k, other) in halves.iter().enumerate() {
-                if k != me {
-                    let src = &other[..len][part.clone()];
-                    f32::reduce(
-                        ReduceOp::Sum,
-                        &mut h[part.clone()],
-                        std::hint::black_box(src),
-                    );
-                }
-            }
-            round.copy_from_slice(std::hint::black_box(h));
-        }
-        std::hint::black_box((&user, &half));
-        t.elapsed().as_secs_f64()
-    });
-    bytes as f64 / secs
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -337,6 +256,15 @@ fn report(
             );
         }
     }
+}
+
+/// The host's cross-core penalty now (see `ceilings`): how many times
+/// slower the two-rank exchange runs when its data crosses cores than when
+/// it does not (about 1 normally), and the crossing rate in bytes/s (a
+/// two-rank all-reduce's busbw ceiling at this moment).
+fn cross_core_penalty() -> (f64, f64) {
+    let (crossing, private) = cross_core(16 << 20);
+    (private / crossing, crossing)
 }
 
 /// Runs `n` rank processes of `side`; returns the slowest rank's seconds per op.
@@ -445,8 +373,11 @@ pub fn rank(
     ops: String,
     sizes: String,
 ) -> Result<()> {
+    // `RALLY_BENCH_PIN=1` (both sides): each rank's process, and every
+    // thread it starts, runs on CPU `rank mod CPUs` only, so the scheduler
+    // cannot stack a woken rank on its waker's CPU while another idles.
     if std::env::var("RALLY_BENCH_PIN").as_deref() == Ok("1") {
-        pin_to_one_cpu(rank);
+        pin_thread(rank);
     }
     let rt = match std::env::var("RALLY_BENCH_RT")
         .ok()
@@ -801,17 +732,4 @@ pub fn raw(role: &str, port: u16, bytes: u64, mode: &str) -> Result<()> {
     let receives = mode == "duplex" || role == "listen";
     let w = s.try_clone()?;
     stream(w, receives.then_some(s), bytes, sends)
-}
-
-/// `RALLY_BENCH_PIN=1` (both sides): each rank's process, and every thread
-/// it starts, runs on CPU `rank mod CPUs` only, so the scheduler cannot
-/// stack a woken rank on its waker's CPU while another idles.
-fn pin_to_one_cpu(rank: usize) {
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    // SAFETY: a zeroed cpu_set_t is an empty set; CPU_SET stays in bounds.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(rank % cpus, &mut set);
-        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
-    }
 }

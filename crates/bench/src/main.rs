@@ -35,6 +35,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 mod agent;
+mod ceilings;
 mod collectives;
 mod etcd;
 mod idle;

@@ -10,8 +10,8 @@
 //! | barrier | one stage, no data |
 //! | broadcast | the root writes; a stage; the others read |
 //! | all_reduce, small or 2 ranks | all write; a stage; each reduces every half in rank order (the same on all ranks, so results agree to the bit); with 2 ranks and an op that commutes, each reduces the other's half into its own buffer (one pass less) |
-//! | all_reduce, larger, 3 or more ranks | all write; a stage; rank `r` reduces part `r` of every half into its own; a stage; all read every reduced part |
-//! | reduce | as all_reduce, only the root reads |
+//! | all_reduce, larger, 3 or more ranks | all write the parts the others sum; a stage; rank `r` sums part `r` of every other half into its own buffer, a block at a time, and copies each block into its half; a stage; all read the others' summed parts |
+//! | reduce | as all_reduce, but each rank writes its whole buffer and sums in its half (the others' buffers stay as they were); only the root reads |
 //! | all_gather (equal or varying), gather | all write; a stage; all (or the root) read every half |
 //! | scatter | the root writes every rank's part; a stage; each reads its own |
 //! | reduce_scatter | all write every part; a stage; rank `r` reduces part `r` of every half |
@@ -114,31 +114,51 @@ pub(crate) async fn reduce<T: Element>(
     let (n, me) = (a.n, a.me);
     let reads = root.is_none_or(|x| x == me);
     let split = split(n, std::mem::size_of_val(buf), a.slot);
+    // An all-reduce overwrites every buffer with the result, so a rank can
+    // sum its part in its own buffer (its input is there already) and copy
+    // in only what the others sum. A reduce leaves the others' buffers as
+    // they were: they sum in their half.
+    let in_place = root.is_none();
     for c in rounds(buf.len(), r.fits::<T>()) {
         let len = c.len();
         let out = &mut buf[c];
-        // SAFETY: this rank's half, read by others only after the stage.
-        unsafe { view_mut::<T>(r.half(me), len) }.copy_from_slice(out);
+        let parts = even_bounds(len, n);
+        {
+            // SAFETY: this rank's half, read by others only after the stage.
+            let half = unsafe { view_mut::<T>(r.half(me), len) };
+            if split && in_place {
+                for (_, q) in parts.iter().enumerate().filter(|&(k, _)| k != me) {
+                    half[q.clone()].copy_from_slice(&out[q.clone()]);
+                }
+            } else {
+                half.copy_from_slice(out);
+            }
+        }
         r.stage().await?;
         if split {
-            let parts = even_bounds(len, n);
             let p = parts[me].clone();
             {
                 // SAFETY: part `me` of every half is read by this rank only,
                 // and written (in its own half) by it only, until the stage.
-                let acc = &mut unsafe { view_mut::<T>(r.half(me), len) }[p.clone()];
-                for k in (0..n).filter(|&k| k != me) {
-                    T::reduce(op, acc, &unsafe { view::<T>(r.half(k), len) }[p.clone()]);
-                }
-                if op == ReduceOp::Avg {
-                    T::divide(acc, n);
+                let mine = &mut unsafe { view_mut::<T>(r.half(me), len) }[p.clone()];
+                let others: Vec<&[T]> = (0..n)
+                    .filter(|&k| k != me)
+                    .map(|k| &unsafe { view::<T>(r.half(k), len) }[p.clone()])
+                    .collect();
+                if in_place {
+                    sum_parts(op, n, &mut out[p.clone()], &others, Some(mine));
+                } else {
+                    sum_parts(op, n, mine, &others, None);
                 }
             }
             r.stage().await?;
             if reads {
-                for (k, p) in parts.into_iter().enumerate() {
+                for (k, q) in parts.into_iter().enumerate() {
+                    if in_place && k == me {
+                        continue;
+                    }
                     // SAFETY: reduced before the second stage.
-                    out[p.clone()].copy_from_slice(&unsafe { view::<T>(r.half(k), len) }[p]);
+                    out[q.clone()].copy_from_slice(&unsafe { view::<T>(r.half(k), len) }[q]);
                 }
             }
         } else if reads && n == 2 && commutes::<T>(op) {
@@ -164,6 +184,37 @@ pub(crate) async fn reduce<T: Element>(
     }
     r.end();
     Ok(())
+}
+
+/// Elements summed at a time: the accumulator's block stays in L1 while
+/// every other part's block is added to it.
+const BLOCK_BYTES: usize = 8 << 10;
+
+/// `acc op= others[0] op= others[1] ...` (then `/ n` for an average), a
+/// block at a time, so the accumulator is read and written once, not once
+/// per other part; each finished block is also copied to `copy` (the half
+/// the others read it from).
+fn sum_parts<T: Element>(
+    op: ReduceOp,
+    n: usize,
+    acc: &mut [T],
+    others: &[&[T]],
+    mut copy: Option<&mut [T]>,
+) {
+    let block = (BLOCK_BYTES / std::mem::size_of::<T>()).max(1);
+    for at in (0..acc.len()).step_by(block) {
+        let b = at..(at + block).min(acc.len());
+        let acc = &mut acc[b.clone()];
+        for other in others {
+            T::reduce(op, acc, &other[b.clone()]);
+        }
+        if op == ReduceOp::Avg {
+            T::divide(acc, n);
+        }
+        if let Some(copy) = copy.as_deref_mut() {
+            copy[b].copy_from_slice(acc);
+        }
+    }
 }
 
 /// Every rank's `input` into `out` at `bounds[rank]` (all ranks, or only
@@ -274,5 +325,37 @@ mod tests {
         assert!(rounds(0, 4)[0].is_empty());
         assert_eq!(rounds(9, 4), vec![0..4, 4..8, 8..9]);
         assert_eq!(rounds(8, 4), vec![0..4, 4..8]);
+    }
+
+    /// Block by block gives what one pass per part gives, to the bit, for
+    /// parts of several blocks and a remainder, with and without the copy,
+    /// and for an average (divided once, after every part).
+    #[test]
+    fn summing_parts_by_blocks_is_summing_them_whole() {
+        let block = BLOCK_BYTES / 4;
+        for len in [0, 1, block - 1, block, 3 * block + 7] {
+            let val = |k: usize, i: usize| ((i * 7 + k * 3) % 11) as f32 * 0.25 - 1.0;
+            let others: Vec<Vec<f32>> = (1..4)
+                .map(|k| (0..len).map(|i| val(k, i)).collect())
+                .collect();
+            let refs: Vec<&[f32]> = others.iter().map(|o| o.as_slice()).collect();
+            for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Avg] {
+                let mut want: Vec<f32> = (0..len).map(|i| val(0, i)).collect();
+                for o in &others {
+                    f32::reduce(op, &mut want, o);
+                }
+                if op == ReduceOp::Avg {
+                    f32::divide(&mut want, 4);
+                }
+                let mut acc: Vec<f32> = (0..len).map(|i| val(0, i)).collect();
+                let mut copy = vec![f32::NAN; len];
+                sum_parts(op, 4, &mut acc, &refs, Some(&mut copy));
+                assert_eq!(acc, want, "{op} of {len}");
+                assert_eq!(copy, want, "{op} of {len}, the copy");
+                let mut alone: Vec<f32> = (0..len).map(|i| val(0, i)).collect();
+                sum_parts(op, 4, &mut alone, &refs, None);
+                assert_eq!(alone, want, "{op} of {len}, no copy");
+            }
+        }
     }
 }

@@ -375,6 +375,45 @@ async fn large_buffers_with_default_segments() {
     }
 }
 
+/// Over shared memory, 3 and 4 ranks at the default slot: the split
+/// all-reduce (each rank sums its part in its own buffer, block by block)
+/// and the reduce to a root (the others sum in their halves, their buffers
+/// left as they were), for a sum and an average, to the bit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn split_reductions_in_shared_memory() {
+    for n in [3, 4] {
+        let pgs = group(n, opts()).await;
+        let len = (5 << 20) / 4 + 7; // 5 MiB of f32: rounds of 1 MiB halves, and a rest
+        let inputs: Vec<Vec<f32>> = (0..n).map(|r| data(13, r, len)).collect();
+        for op in [ReduceOp::Sum, ReduceOp::Avg] {
+            let want = reference(&inputs, op);
+            let got = each(&pgs, |pg| {
+                let mut buf = data::<f32>(13, pg.rank(), len);
+                async move { pg.all_reduce(&mut buf, op).await.map(|()| buf) }
+            })
+            .await;
+            for (r, g) in got.into_iter().enumerate() {
+                assert!(g.unwrap() == want, "all_reduce {op}, {n} ranks, rank {r}");
+            }
+            assert_eq!(pgs[0].shared_memory(), Some(true));
+            let root = n - 2;
+            let got = each(&pgs, |pg| {
+                let mut buf = data::<f32>(13, pg.rank(), len);
+                async move { pg.reduce(&mut buf, root, op).await.map(|()| buf) }
+            })
+            .await;
+            for (r, g) in got.into_iter().enumerate() {
+                let g = g.unwrap();
+                if r == root {
+                    assert!(g == want, "reduce {op} to {root}, {n} ranks");
+                } else {
+                    assert!(g == inputs[r], "reduce {op}: rank {r}'s buffer changed");
+                }
+            }
+        }
+    }
+}
+
 /// Where the ring cuts its segments by size (default options, a buffer
 /// whose quarter-share segments are smaller than `segment_bytes` and each
 /// chunk several of them), every op built on it keeps its steps apart from
