@@ -3,7 +3,7 @@
 //! cannot avoid, and the host's cross-core penalty at this moment.
 //!
 //! The last one exists because of this VM. Every so often, for seconds at a
-//! time, moving cache lines between its two vCPUs gets four to five times
+//! time, moving cache lines between its two vCPUs gets several times (4–9x)
 //! slower while work that stays on one core does not (the host moves or
 //! shares the physical cores under them; nothing inside the VM changes).
 //! Any collective between ranks on different cores slows in such a period,
@@ -93,6 +93,7 @@ pub(crate) fn copy_ceiling(n: usize, bytes: usize) -> f64 {
 pub(crate) fn reduce_ceiling(n: usize, bytes: usize) -> f64 {
     let slot = Options::default().shm_slot_bytes / 4;
     let count = bytes / 4;
+    // As the library's `BLOCK_BYTES` (private to it; `shm/ops.rs`).
     let block = (8 << 10) / 4;
     let halves: Vec<Vec<f32>> = (0..n).map(|_| vec![1.0f32; slot]).collect();
     let secs = slowest_thread(n, |me, start| {
@@ -134,7 +135,7 @@ pub(crate) fn reduce_ceiling(n: usize, bytes: usize) -> f64 {
 /// summed byte was written on the other core (`crossing`). Then the same
 /// again, each summing its own previous half instead (`private`): the same
 /// instructions, and nothing crosses cores but the meeting. `private /
-/// crossing` is about 1 in a normal period and 4–5 in a slow one.
+/// crossing` is about 1 in a normal period and 5–9 in a slow one.
 pub(crate) fn cross_core(bytes: usize) -> (f64, f64) {
     let crossing = exchange(bytes, true);
     let private = exchange(bytes, false);
@@ -193,23 +194,43 @@ fn exchange(bytes: usize, crossing: bool) -> f64 {
             h ^= 1;
         }
         std::hint::black_box(&user);
-        let secs = t.elapsed().as_secs_f64();
-        // The next of `slowest_thread`'s runs starts its stages afresh.
-        start.wait();
-        arrived[me].store(0, Ordering::Relaxed);
-        secs
+        // Both counters end every run equal (the same rounds), so the next
+        // of `slowest_thread`'s runs continues from them.
+        t.elapsed().as_secs_f64()
     });
     drop(store);
     secs
 }
 
-/// Pins the calling thread to CPU `i mod CPUs`.
+/// Pins the calling thread to the `i`-th (mod their number) of the CPUs it
+/// may run on now; says so on stderr when it cannot.
 pub(crate) fn pin_thread(i: usize) {
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    // SAFETY: a zeroed cpu_set_t is an empty set; CPU_SET stays in bounds.
+    let size = std::mem::size_of::<libc::cpu_set_t>();
+    // SAFETY: a zeroed cpu_set_t is an empty set, filled by the kernel;
+    // CPU_ISSET and CPU_SET stay within CPU_SETSIZE.
     unsafe {
+        let mut allowed: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, size, &mut allowed) != 0 {
+            eprintln!(
+                "bench: reading this thread's CPUs failed: {}",
+                std::io::Error::last_os_error()
+            );
+            return;
+        }
+        let cpus: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
+            .filter(|&c| libc::CPU_ISSET(c, &allowed))
+            .collect();
+        if cpus.is_empty() {
+            return;
+        }
+        let cpu = cpus[i % cpus.len()];
         let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(i % cpus, &mut set);
-        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+        libc::CPU_SET(cpu, &mut set);
+        if libc::sched_setaffinity(0, size, &set) != 0 {
+            eprintln!(
+                "bench: pinning to CPU {cpu} failed: {}",
+                std::io::Error::last_os_error()
+            );
+        }
     }
 }

@@ -21,7 +21,7 @@
 //!
 //! Before and after each side, the bench measures the host's cross-core
 //! penalty (`ceilings::cross_core`) and prints it beside the table: on this
-//! VM, moving data between cores is 4–7 times slower for seconds at a
+//! VM, moving data between cores is 4–9 times slower for seconds at a
 //! time, and a ratio is only like with like when both sides ran in the
 //! same condition (every probe around them about 1, or every one high).
 
@@ -175,11 +175,11 @@ pub fn run(args: CollectivesArgs) -> Result<()> {
             }
             for ours in ["rally", "rally-tcp", "rally-tcp-owned", "rally-2host"] {
                 if results.contains_key(ours) {
-                    let penalty = |s: &str| penalty.get(s).map_or("-", |p| p.as_str());
+                    let of = |s: &str| penalty.get(s).map_or("-", |p| p.as_str());
                     println!(
                         "\n# cross-core penalty (before-after each side): ours {}, gloo {}",
-                        penalty(ours),
-                        penalty("gloo")
+                        of(ours),
+                        of("gloo")
                     );
                     report(n, ours, &args.ops, &sizes, &results, uni, ring, copy);
                 }

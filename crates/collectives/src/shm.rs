@@ -50,11 +50,12 @@
 //! started together run one after another here as on every rank.
 
 pub(crate) mod arena;
+mod cpus;
 pub(crate) mod ops;
 pub(crate) mod sys;
 
 use std::collections::BTreeSet;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -81,21 +82,16 @@ pub const SLICE: Duration = Duration::from_millis(50);
 const REASON_WAIT: Duration = Duration::from_secs(2);
 
 /// How long a waiter in a region of `ranks` spins: [`SPIN`], or not at all
-/// when the host has fewer CPUs online than the region has ranks. Then a
+/// when the host gives the job fewer CPUs than the region has ranks
+/// ([`cpus::host_cpus`]: online, less a cgroup's CPU set or quota). Then a
 /// rank waited for is often one that shares the waiter's core, and it
 /// cannot run while the waiter spins: at 4 ranks on 2 cores, not spinning
-/// made a 64 MiB all-reduce about 10% faster (`docs/benchmarks.md`).
+/// made a 64 MiB all-reduce about 10% faster and a barrier about 5 µs
+/// instead of 25–50 (`docs/benchmarks.md`). Spins when the count is unknown.
 fn spin_for(ranks: usize) -> Duration {
-    static CPUS: OnceLock<usize> = OnceLock::new();
-    let cpus = *CPUS.get_or_init(|| {
-        // SAFETY: sysconf has no preconditions.
-        let online = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
-        usize::try_from(online).unwrap_or(1).max(1)
-    });
-    if ranks > cpus {
-        Duration::ZERO
-    } else {
-        SPIN
+    match cpus::host_cpus() {
+        Some(cpus) if ranks > cpus => Duration::ZERO,
+        _ => SPIN,
     }
 }
 
@@ -613,7 +609,7 @@ impl<'a> Round<'a> {
                 }
                 spinning = false;
             }
-            if t0.elapsed() < SPIN + YIELD {
+            if t0.elapsed() < spin + YIELD {
                 // Give the core to a peer on it (another process), and the
                 // worker to another task (a rank in this process).
                 std::thread::yield_now();

@@ -11,7 +11,7 @@
 //! | broadcast | the root writes; a stage; the others read |
 //! | all_reduce, small or 2 ranks | all write; a stage; each reduces every half in rank order (the same on all ranks, so results agree to the bit); with 2 ranks and an op that commutes, each reduces the other's half into its own buffer (one pass less) |
 //! | all_reduce, larger, 3 or more ranks | all write the parts the others sum; a stage; rank `r` sums part `r` of every other half into its own buffer, a block at a time, and copies each block into its half; a stage; all read the others' summed parts |
-//! | reduce | as all_reduce, but each rank writes its whole buffer and sums in its half (the others' buffers stay as they were); only the root reads |
+//! | reduce | as all_reduce, only the root reads; split, each rank writes its whole buffer and sums in its half (the others' buffers stay as they were) |
 //! | all_gather (equal or varying), gather | all write; a stage; all (or the root) read every half |
 //! | scatter | the root writes every rank's part; a stage; each reads its own |
 //! | reduce_scatter | all write every part; a stage; rank `r` reduces part `r` of every half |
@@ -102,7 +102,9 @@ pub(crate) async fn broadcast<T: Element>(
 }
 
 /// All-reduce (`root` `None`) or reduce to `root`: other ranks' buffers
-/// are left as they were.
+/// are left as they were. An all-reduce that fails part-way may leave a
+/// rank's buffer with some parts summed (split, a rank sums its own part in
+/// place before the second stage).
 pub(crate) async fn reduce<T: Element>(
     a: &Arc<Arena>,
     cx: &OpCtx,
@@ -122,13 +124,15 @@ pub(crate) async fn reduce<T: Element>(
     for c in rounds(buf.len(), r.fits::<T>()) {
         let len = c.len();
         let out = &mut buf[c];
-        let parts = even_bounds(len, n);
+        let parts = if split { even_bounds(len, n) } else { vec![] };
         {
             // SAFETY: this rank's half, read by others only after the stage.
             let half = unsafe { view_mut::<T>(r.half(me), len) };
             if split && in_place {
-                for (_, q) in parts.iter().enumerate().filter(|&(k, _)| k != me) {
-                    half[q.clone()].copy_from_slice(&out[q.clone()]);
+                for (k, q) in parts.iter().enumerate() {
+                    if k != me {
+                        half[q.clone()].copy_from_slice(&out[q.clone()]);
+                    }
                 }
             } else {
                 half.copy_from_slice(out);

@@ -378,34 +378,53 @@ async fn large_buffers_with_default_segments() {
 /// Over shared memory, 3 and 4 ranks at the default slot: the split
 /// all-reduce (each rank sums its part in its own buffer, block by block)
 /// and the reduce to a root (the others sum in their halves, their buffers
-/// left as they were), for a sum and an average, to the bit.
+/// left as they were), for a sum and an average. Inputs whose sums round
+/// (so a rank that summed in another order, or kept other bits than it
+/// published, would differ): every rank's result equals every other's to
+/// the bit, and the reference within rounding. The last round is shorter
+/// than the ranks are many, so some parts of it are empty.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn split_reductions_in_shared_memory() {
+    let inexact = |r: usize, len: usize| -> Vec<f32> {
+        (0..len)
+            .map(|i| ((i * 2_654_435_761 + r * 97) % 1000) as f32 / 7.0 - 60.0)
+            .collect()
+    };
+    let near = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-3);
     for n in [3, 4] {
         let pgs = group(n, opts()).await;
-        let len = (5 << 20) / 4 + 7; // 5 MiB of f32: rounds of 1 MiB halves, and a rest
-        let inputs: Vec<Vec<f32>> = (0..n).map(|r| data(13, r, len)).collect();
+        let len = (5 << 20) / 4 + 2; // 5 MiB of f32: five 1 MiB rounds, then 2 elements
+        let inputs: Vec<Vec<f32>> = (0..n).map(|r| inexact(r, len)).collect();
         for op in [ReduceOp::Sum, ReduceOp::Avg] {
             let want = reference(&inputs, op);
             let got = each(&pgs, |pg| {
-                let mut buf = data::<f32>(13, pg.rank(), len);
+                let mut buf = inexact(pg.rank(), len);
                 async move { pg.all_reduce(&mut buf, op).await.map(|()| buf) }
             })
             .await;
-            for (r, g) in got.into_iter().enumerate() {
-                assert!(g.unwrap() == want, "all_reduce {op}, {n} ranks, rank {r}");
+            let got: Vec<Vec<f32>> = got.into_iter().map(|g| g.unwrap()).collect();
+            for (r, g) in got.iter().enumerate() {
+                let same = g
+                    .iter()
+                    .zip(&got[0])
+                    .all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(
+                    same,
+                    "all_reduce {op}, {n} ranks: rank {r} differs from rank 0"
+                );
+                assert!(near(g, &want), "all_reduce {op}, {n} ranks, rank {r}");
             }
             assert_eq!(pgs[0].shared_memory(), Some(true));
             let root = n - 2;
             let got = each(&pgs, |pg| {
-                let mut buf = data::<f32>(13, pg.rank(), len);
+                let mut buf = inexact(pg.rank(), len);
                 async move { pg.reduce(&mut buf, root, op).await.map(|()| buf) }
             })
             .await;
             for (r, g) in got.into_iter().enumerate() {
                 let g = g.unwrap();
                 if r == root {
-                    assert!(g == want, "reduce {op} to {root}, {n} ranks");
+                    assert!(near(&g, &want), "reduce {op} to {root}, {n} ranks");
                 } else {
                     assert!(g == inputs[r], "reduce {op}: rank {r}'s buffer changed");
                 }
