@@ -9,8 +9,8 @@
 //! |---|---|
 //! | barrier | one stage, no data |
 //! | broadcast | the root writes; a stage; the others read |
-//! | all_reduce, small or 2 ranks | all write; a stage; each reduces every half in rank order (the same on all ranks, so results agree to the bit); with 2 ranks and an op that commutes, each reduces the other's half into its own buffer (one pass less) |
-//! | all_reduce, larger, 3 or more ranks | all write the parts the others sum; a stage; rank `r` sums part `r` of every other half into its own buffer, a block at a time, and copies each block into its half; a stage; all read the others' summed parts |
+//! | all_reduce, small | all write; a stage; each reduces every half in rank order (the same on all ranks, so results agree to the bit); with 2 ranks and an op that commutes, each reduces the other's half into its own buffer (one pass less) |
+//! | all_reduce, larger | all write the parts the others sum; a stage; rank `r` sums part `r` of every other half into its own buffer, a block at a time, and copies each block into its half; a stage; all read the others' summed parts |
 //! | reduce | as all_reduce, only the root reads; split, each rank writes its whole buffer and sums in its half (the others' buffers stay as they were) |
 //! | all_gather (equal or varying), gather | all write; a stage; all (or the root) read every half |
 //! | scatter | the root writes every rank's part; a stage; each reads its own |
@@ -26,9 +26,13 @@ use crate::element::{Element, ReduceOp};
 use crate::error::Result;
 use crate::group::OpCtx;
 
-/// All-reduces of more bytes than this (or than a half), on 3 or more ranks, split the
-/// reduction across ranks (two stages a round): each reads its part of
-/// every half instead of all of them.
+/// All-reduces of more bytes than this (or than a half), on 2 or more
+/// ranks, split the reduction across ranks (two stages a round): each reads
+/// its part of every half instead of all of them. Two ranks split too: each
+/// then moves a fifth fewer bytes than when it copies its whole round in
+/// and reduces the other's (about 7% faster at 64 MiB here, though 10–15%
+/// slower while the host slows transfers between cores: the extra stage a
+/// round crosses cores; `docs/benchmarks.md`, issue 20's eleventh part).
 pub const SPLIT_ABOVE: usize = 64 << 10;
 
 /// `len` elements in rounds of at most `per` (one empty round for none).
@@ -66,7 +70,7 @@ fn commutes<T: Element>(op: ReduceOp) -> bool {
 /// Whether a reduction of `bytes` on `n` ranks splits (see [`SPLIT_ABOVE`];
 /// a buffer larger than a half splits too, so small halves reach it).
 fn split(n: usize, bytes: usize, slot: usize) -> bool {
-    n > 2 && bytes > SPLIT_ABOVE.min(slot)
+    n >= 2 && bytes > SPLIT_ABOVE.min(slot)
 }
 
 pub(crate) async fn barrier(a: &Arc<Arena>, cx: &OpCtx) -> Result<()> {
