@@ -16,7 +16,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use rallypoint_collectives::{Element, Options, ReduceOp};
+use rallypoint_collectives::{split_round_bytes, Element, Options, ReduceOp};
 
 /// Single-thread memcpy between two fresh buffers of `bytes`, bytes/s (best of 5).
 pub(crate) fn memcpy_rate(bytes: usize) -> f64 {
@@ -81,7 +81,8 @@ pub(crate) fn copy_ceiling(n: usize, bytes: usize) -> f64 {
 }
 
 /// The least work of a split shared-memory all-reduce (`shm/ops.rs`),
-/// without the stages between: each round, every thread copies the parts
+/// without the stages between, in rounds of the library's size here
+/// (`split_round_bytes`): each round, every thread copies the parts
 /// of the round the others sum into its half, sums its own `1/n` part from
 /// the other `n − 1` threads' halves into its buffer (8 KiB blocks, as the
 /// library does) and copies each summed block into its half, then copies
@@ -91,7 +92,7 @@ pub(crate) fn copy_ceiling(n: usize, bytes: usize) -> f64 {
 /// rewrite theirs every round). f32 `bytes` per second of the slowest
 /// thread (best of 3): the algbw no such all-reduce passes here.
 pub(crate) fn reduce_ceiling(n: usize, bytes: usize) -> f64 {
-    let slot = Options::default().shm_slot_bytes / 4;
+    let slot = split_round_bytes(n, Options::default().shm_slot_bytes) / 4;
     let count = bytes / 4;
     // As the library's `BLOCK_BYTES` (private to it; `shm/ops.rs`).
     let block = (8 << 10) / 4;

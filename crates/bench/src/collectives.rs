@@ -33,7 +33,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use rallypoint_collectives::{Element, Options, ProcessGroup, ReduceOp};
+use rallypoint_collectives::{split_round_bytes, Element, Options, ProcessGroup, ReduceOp};
 use rallypoint_store::{Store, TcpStore};
 
 use crate::ceilings::{copy_ceiling, cross_core, memcpy_rate, pin_thread, reduce_ceiling};
@@ -154,7 +154,8 @@ pub fn run(args: CollectivesArgs) -> Result<()> {
                 copy_ceiling(n, 64 << 20) * bus_factor("all_reduce", n) / 1e9
             );
             println!(
-                "# {n} threads doing a split shared-memory all-reduce's least work (the others' parts in and out, their own 1/{n} summed from the others' halves; no waits), same run: all_reduce busbw ceiling {:.2} GB/s",
+                "# {n} threads doing a split shared-memory all-reduce's least work (the others' parts in and out, their own 1/{n} summed from the others' halves; rounds of {} KiB, as the library's here; no waits), same run: all_reduce busbw ceiling {:.2} GB/s",
+                split_round_bytes(n, Options::default().shm_slot_bytes) >> 10,
                 reduce_ceiling(n, 64 << 20) * bus_factor("all_reduce", n) / 1e9
             );
             let mut results: BTreeMap<String, Results> = BTreeMap::new();

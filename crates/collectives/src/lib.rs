@@ -110,6 +110,7 @@ pub use group::{
     route_ip, AllReduceAlgorithm, BroadcastAlgorithm, Options, ProcessGroup, Work, DEFAULT_TIMEOUT,
 };
 pub use half::{bf16, f16};
+pub use shm::ops::{split_round_bytes, SHARED_CORE_ROUND};
 
 /// The wire format, public for fuzzing and for tools that inspect traffic.
 pub mod wire {

@@ -89,10 +89,18 @@ const REASON_WAIT: Duration = Duration::from_secs(2);
 /// made a 64 MiB all-reduce about 10% faster and a barrier about 5 µs
 /// instead of 25–50 (`docs/benchmarks.md`). Spins when the count is unknown.
 fn spin_for(ranks: usize) -> Duration {
-    match cpus::host_cpus() {
-        Some(cpus) if ranks > cpus => Duration::ZERO,
-        _ => SPIN,
+    if shares_cores(ranks) {
+        Duration::ZERO
+    } else {
+        SPIN
     }
+}
+
+/// Whether a region of `ranks` has more ranks than the host gives the job
+/// CPUs ([`cpus::host_cpus`]), so that ranks take turns on cores. `false`
+/// when the count is unknown.
+pub(crate) fn shares_cores(ranks: usize) -> bool {
+    matches!(cpus::host_cpus(), Some(cpus) if ranks > cpus)
 }
 
 /// This host's identity: equal on two ranks exactly when they can share

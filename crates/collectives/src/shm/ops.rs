@@ -10,7 +10,7 @@
 //! | barrier | one stage, no data |
 //! | broadcast | the root writes; a stage; the others read |
 //! | all_reduce, small | all write; a stage; each reduces every half in rank order (the same on all ranks, so results agree to the bit); with 2 ranks and an op that commutes, each reduces the other's half into its own buffer (one pass less) |
-//! | all_reduce, larger | all write the parts the others sum; a stage; rank `r` sums part `r` of every other half into its own buffer, a block at a time, and copies each block into its half; a stage; all read the others' summed parts |
+//! | all_reduce, larger | all write the parts the others sum; a stage; rank `r` sums part `r` of every other half into its own buffer, a block at a time, and copies each block into its half; a stage; all read the others' summed parts (rounds of at most [`SHARED_CORE_ROUND`] when ranks take turns on cores) |
 //! | reduce | as all_reduce, only the root reads; split, each rank writes its whole buffer and sums in its half (the others' buffers stay as they were) |
 //! | all_gather (equal or varying), gather | all write; a stage; all (or the root) read every half |
 //! | scatter | the root writes every rank's part; a stage; each reads its own |
@@ -20,7 +20,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use super::{Arena, Round};
+use super::{shares_cores, Arena, Round};
 use crate::algorithms::even_bounds;
 use crate::element::{Element, ReduceOp};
 use crate::error::Result;
@@ -34,6 +34,28 @@ use crate::group::OpCtx;
 /// slower while the host slows transfers between cores: the extra stage a
 /// round crosses cores; `docs/benchmarks.md`, issue 20's eleventh part).
 pub const SPLIT_ABOVE: usize = 64 << 10;
+
+/// A split all-reduce's round, per rank, when ranks take turns on cores
+/// ([`shares_cores`]): at most this many bytes, however large the half.
+/// Two ranks on each core then keep their rounds (their buffer's piece and
+/// the parts they sum) within the core's caches while they alternate: at 4
+/// ranks on 2 cores, 64 MiB took 19.3–19.7 ms in rounds of 256 KiB against
+/// 20.3–21.3 in rounds of 1 MiB (128 KiB: 21.9). Only the split
+/// all-reduce: broadcast and all_gather were 30–50% slower in rounds of
+/// 256 KiB there, and a rank per core keeps the 1 MiB half (`docs/benchmarks.md`,
+/// issue 20's twelfth part).
+pub const SHARED_CORE_ROUND: usize = 256 << 10;
+
+/// The bytes a rank moves a round in a split shared-memory all-reduce of
+/// `ranks` with halves of `slot` bytes on this host: the half, or at most
+/// [`SHARED_CORE_ROUND`] when ranks take turns on cores.
+pub fn split_round_bytes(ranks: usize, slot: usize) -> usize {
+    if shares_cores(ranks) {
+        slot.min(SHARED_CORE_ROUND)
+    } else {
+        slot
+    }
+}
 
 /// `len` elements in rounds of at most `per` (one empty round for none).
 fn rounds(len: usize, per: usize) -> Vec<Range<usize>> {
@@ -125,7 +147,12 @@ pub(crate) async fn reduce<T: Element>(
     // in only what the others sum. A reduce leaves the others' buffers as
     // they were: they sum in their half.
     let in_place = root.is_none();
-    for c in rounds(buf.len(), r.fits::<T>()) {
+    let per = if split {
+        (split_round_bytes(n, a.slot) / std::mem::size_of::<T>()).max(1)
+    } else {
+        r.fits::<T>()
+    };
+    for c in rounds(buf.len(), per) {
         let len = c.len();
         let out = &mut buf[c];
         let parts = if split { even_bounds(len, n) } else { vec![] };
