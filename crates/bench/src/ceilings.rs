@@ -13,6 +13,7 @@
 //! after every side and prints it beside the ratio, so that pairs measured
 //! in different conditions can be told apart.
 
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
@@ -80,51 +81,96 @@ pub(crate) fn copy_ceiling(n: usize, bytes: usize) -> f64 {
     bytes as f64 / secs
 }
 
-/// The least work of a split shared-memory all-reduce (`shm/ops.rs`),
-/// without the stages between, in rounds of the library's size here
-/// (`split_round_bytes`): each round, every thread copies the parts
-/// of the round the others sum into its half, sums its own `1/n` part from
-/// the other `n − 1` threads' halves into its buffer (8 KiB blocks, as the
-/// library does) and copies each summed block into its half, then copies
-/// the other parts out of the others' halves. Optimistic: the halves it
-/// reads are written once, before the clock starts, and only read (so no
-/// thread waits for another, and they stay in cache, where a rank's peers
-/// rewrite theirs every round). f32 `bytes` per second of the slowest
-/// thread (best of 3): the algbw no such all-reduce passes here.
+/// The split shared-memory all-reduce (`shm/ops.rs`) as `n` ranks would
+/// run it with nothing lost to waiting. One thread per CPU this process may
+/// use (at most `n`), each running its ranks (`c`, `c + threads`, ...) back
+/// to back through each phase of a round, as ranks that share a core take
+/// turns, and meeting the other threads at a spin barrier where the ranks
+/// meet at a stage. The same copies and sums in the same rounds
+/// (`split_round_bytes`), the halves rewritten by their ranks every round
+/// and read on other cores; only the stages cost less (a spin among
+/// threads: no process switch, no yield, no sleep). f32 `bytes` per second
+/// of the slowest thread (best of 3): the algbw our all-reduce would reach
+/// here with perfect waiting.
 pub(crate) fn reduce_ceiling(n: usize, bytes: usize) -> f64 {
-    let slot = split_round_bytes(n, Options::default().shm_slot_bytes) / 4;
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |c| c.get())
+        .min(n);
+    let per = split_round_bytes(n, Options::default().shm_slot_bytes) / 4;
     let count = bytes / 4;
     // As the library's `BLOCK_BYTES` (private to it; `shm/ops.rs`).
     let block = (8 << 10) / 4;
-    let halves: Vec<Vec<f32>> = (0..n).map(|_| vec![1.0f32; slot]).collect();
-    let secs = slowest_thread(n, |me, start| {
-        let mut user = vec![1.0f32; count];
-        let mut half = vec![0.0f32; slot];
+    let mut store: Vec<Vec<f32>> = (0..2 * n).map(|_| vec![0.0f32; per]).collect();
+    let halves = Halves {
+        ptr: store.iter_mut().map(|h| h.as_mut_ptr()).collect(),
+        len: per,
+    };
+    let arrived: Vec<AtomicU64> = (0..threads).map(|_| AtomicU64::new(0)).collect();
+    let (halves, arrived) = (&halves, &arrived);
+    let secs = slowest_thread(threads, |c, start| {
+        pin_thread(c);
+        let ranks: Vec<usize> = (c..n).step_by(threads).collect();
+        let mut users: Vec<Vec<f32>> = ranks.iter().map(|_| vec![1.0f32; count]).collect();
+        let meet = || {
+            let stage = arrived[c].load(Ordering::Relaxed) + 1;
+            arrived[c].store(stage, Ordering::Release);
+            for a in arrived {
+                while a.load(Ordering::Acquire) < stage {
+                    std::hint::spin_loop();
+                }
+            }
+        };
+        // Elements `r` of rank `k`'s half `h`, to write and to read.
+        // SAFETY (every use): the ranges a phase writes are written by one
+        // rank only and read by none until the next meeting, as in the
+        // library (see `Halves`).
+        let half = |k: usize, h: usize, r: Range<usize>| unsafe {
+            std::slice::from_raw_parts_mut(halves.ptr[2 * k + h].add(r.start), r.len())
+        };
+        let read = |k: usize, h: usize, r: Range<usize>| unsafe {
+            std::slice::from_raw_parts(halves.ptr[2 * k + h].add(r.start) as *const f32, r.len())
+        };
         start.wait();
         let t = Instant::now();
-        for round in user.chunks_mut(slot) {
-            let len = round.len();
+        let mut h = 0;
+        for at in (0..count).step_by(halves.len) {
+            let len = halves.len.min(count - at);
             let part = |k: usize| len * k / n..len * (k + 1) / n;
-            let h = &mut half[..len];
-            for k in (0..n).filter(|&k| k != me) {
-                h[part(k)].copy_from_slice(std::hint::black_box(&round[part(k)]));
-            }
-            let mine = part(me);
-            for at in mine.clone().step_by(block) {
-                let b = at..(at + block).min(mine.end);
+            for (user, &me) in users.iter().zip(&ranks) {
+                let round = &user[at..at + len];
                 for k in (0..n).filter(|&k| k != me) {
-                    let src = std::hint::black_box(&halves[k][b.clone()]);
-                    f32::reduce(ReduceOp::Sum, &mut round[b.clone()], src);
+                    half(me, h, part(k)).copy_from_slice(std::hint::black_box(&round[part(k)]));
                 }
-                h[b.clone()].copy_from_slice(&round[b]);
             }
-            for k in (0..n).filter(|&k| k != me) {
-                round[part(k)].copy_from_slice(std::hint::black_box(&halves[k][part(k)]));
+            meet();
+            for (user, &me) in users.iter_mut().zip(&ranks) {
+                let mine = part(me);
+                for b0 in mine.clone().step_by(block) {
+                    let b = b0..(b0 + block).min(mine.end);
+                    let acc = &mut user[at + b.start..at + b.end];
+                    for k in (0..n).filter(|&k| k != me) {
+                        f32::reduce(
+                            ReduceOp::Sum,
+                            acc,
+                            std::hint::black_box(half(k, h, b.clone())),
+                        );
+                    }
+                    half(me, h, b).copy_from_slice(acc);
+                }
             }
+            meet();
+            for (user, &me) in users.iter_mut().zip(&ranks) {
+                for k in (0..n).filter(|&k| k != me) {
+                    let q = part(k);
+                    user[at + q.start..at + q.end].copy_from_slice(read(k, h, q));
+                }
+            }
+            h ^= 1;
         }
-        std::hint::black_box((&user, &half));
+        std::hint::black_box(&users);
         t.elapsed().as_secs_f64()
     });
+    drop(store);
     bytes as f64 / secs
 }
 
@@ -143,11 +189,11 @@ pub(crate) fn cross_core(bytes: usize) -> (f64, f64) {
     (bytes as f64 / crossing, bytes as f64 / private)
 }
 
-/// Four halves (two per thread) that the threads hand over by the
-/// meeting protocol: a thread writes its half `h` of a round before it
-/// arrives at the round's stage, and the other reads it only after; the
-/// half is next written two rounds on, after the other has arrived at the
-/// round between (so after it read).
+/// Halves (two per rank) that threads hand over by the meeting protocol:
+/// a thread writes (a range of) a half `h` of a round before it arrives at
+/// the round's meeting, and the others read it only after; the half is next
+/// written two rounds on, after every other thread has arrived at a meeting
+/// between (so after it read).
 struct Halves {
     ptr: Vec<*mut f32>,
     len: usize,

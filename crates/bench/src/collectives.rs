@@ -154,7 +154,7 @@ pub fn run(args: CollectivesArgs) -> Result<()> {
                 copy_ceiling(n, 64 << 20) * bus_factor("all_reduce", n) / 1e9
             );
             println!(
-                "# {n} threads doing a split shared-memory all-reduce's least work (the others' parts in and out, their own 1/{n} summed from the others' halves; rounds of {} KiB, as the library's here; no waits), same run: all_reduce busbw ceiling {:.2} GB/s",
+                "# {n} ranks' split shared-memory all-reduce run by threads with perfect waiting (a thread per CPU, its ranks back to back, spin barriers for stages; rounds of {} KiB, as the library's here), same run: all_reduce busbw ceiling {:.2} GB/s",
                 split_round_bytes(n, Options::default().shm_slot_bytes) >> 10,
                 reduce_ceiling(n, 64 << 20) * bus_factor("all_reduce", n) / 1e9
             );
