@@ -80,6 +80,17 @@ pub enum Error {
         receiver: usize,
         expected: String,
     },
+    /// A connection from `rank` broke in the middle of a frame while the
+    /// rank lived on (reset by the network, or timed out by the kernel while
+    /// its host did not answer): the rest of the frame is lost and nothing
+    /// sends it again, so the op that needed it, and the group, fail.
+    #[error("{op} on group {group:?}: the connection from rank {rank} broke in the middle of its data for this op ({reason}); rank {rank} still answers, but the rest of that data is lost")]
+    ConnectionLost {
+        group: String,
+        op: String,
+        rank: usize,
+        reason: String,
+    },
     /// The group was aborted, here or by another rank; every later op fails at once.
     #[error("group {group:?} is aborted: {reason}")]
     Aborted {

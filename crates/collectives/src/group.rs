@@ -1821,6 +1821,12 @@ impl OpCtx {
                 rank: self.comm.members.group_rank(rank),
                 reason,
             },
+            Fail::Lost { rank, reason } => Error::ConnectionLost {
+                group,
+                op: self.name(),
+                rank: self.comm.members.group_rank(rank),
+                reason,
+            },
             Fail::Timeout => self.timeout_error(),
         }
     }

@@ -974,6 +974,13 @@ impl Shared {
         self.is_dead()
     }
 
+    /// The data frame at `key` was cut off by its connection breaking while
+    /// its sender lived on: fails the receive for it (see [`Router::lose`]).
+    fn lose(&self, key: Key, reason: &str) {
+        tracing::debug!(rank = self.cfg.rank, ?key, "a frame was cut off: {reason}");
+        lock(&self.router).lose(key, reason);
+    }
+
     /// Marks `peer` gone and fails everything waiting on it.
     pub fn mark_gone(&self, peer: usize, reason: &str) {
         if lock(&self.router).mark_gone(peer, reason) {
@@ -1592,6 +1599,9 @@ async fn read_landing(
 enum End {
     Eof,
     Io(std::io::Error),
+    /// The connection failed or closed part-way through the payload of the
+    /// data frame at this key (see [`Shared::lose`]).
+    Cut(Key, std::io::Error),
     Bad(String),
 }
 
@@ -1606,7 +1616,7 @@ async fn read_loop(shared: Arc<Shared>, peer: usize, id: u64, rd: OwnedReadHalf)
     };
     let reason = match &end {
         End::Eof => "its connection closed (EOF): the process exited or was killed".to_owned(),
-        End::Io(e) => format!("its connection failed: {e}"),
+        End::Io(e) | End::Cut(_, e) => format!("its connection failed: {e}"),
         End::Bad(why) => {
             tracing::warn!(peer, "dropping the connection: {why}");
             format!("it sent a bad frame ({why}); the connection was dropped")
@@ -1626,21 +1636,28 @@ async fn read_loop(shared: Arc<Shared>, peer: usize, id: u64, rd: OwnedReadHalf)
             _ = shared.handshakes_settled() => {}
             _ = shared.cancel.cancelled() => return,
         }
-        if shared.connected(peer) {
-            return;
-        }
         // Check by connecting anew before naming it gone: a live peer can
         // close a connection too (one it dropped mid-handshake when the op
         // that opened it was cancelled, or one we timed out), while a dead one
         // refuses at once.
-        let within = Instant::now() + shared.cfg.handshake_timeout + ABORT_DEADLINE;
-        let alive = tokio::select! {
-            r = shared.conn(peer, 0, within) => r.is_ok(),
-            _ = shared.cancel.cancelled() => return,
+        let alive = shared.connected(peer) || {
+            let within = Instant::now() + shared.cfg.handshake_timeout + ABORT_DEADLINE;
+            tokio::select! {
+                r = shared.conn(peer, 0, within) => r.is_ok(),
+                _ = shared.cancel.cancelled() => return,
+            }
         };
         if !alive {
             shared.mark_gone(peer, &reason);
+            return;
         }
+    }
+    // Alive (or another connection with it open), yet the connection broke
+    // in the middle of a frame: the rest of that frame is lost for good (a
+    // peer writes frames whole, and nothing sends one again). Without this,
+    // the op waiting for it waited for its whole timeout.
+    if let End::Cut(key, e) = &end {
+        shared.lose(*key, &e.to_string());
     }
 }
 
@@ -1660,19 +1677,20 @@ async fn read_frames(shared: &Arc<Shared>, peer: usize, rd: &mut BufReader<Owned
             Ok(h) => h,
             Err(e) => return End::Bad(e.0),
         };
-        if let Some(l) = matches!(h, Header::Data { .. })
-            .then(|| shared.land(peer, &h))
-            .flatten()
-        {
+        let is_data = matches!(h, Header::Data { .. });
+        if let Some(l) = is_data.then(|| shared.land(peer, &h)).flatten() {
             match read_landing(rd, &l, &shared.pool).await {
                 Ok(whole) => shared.landed(peer, &h, whole),
-                Err(e) => return End::Io(e),
+                Err(e) => return End::Cut(data_key(peer, &h).0, e),
             }
             continue;
         }
         let mut buf = shared.pool.get(h.payload_len() as usize);
         if let Err(e) = rd.read_exact(buf.bytes_mut()).await {
-            return End::Io(e);
+            return match is_data {
+                true => End::Cut(data_key(peer, &h).0, e),
+                false => End::Io(e),
+            };
         }
         match h {
             Header::Want {

@@ -79,6 +79,9 @@ pub(crate) enum Fail {
     /// time (stopped or hung): fails this operation, without marking the peer
     /// gone for the others (it may only be slow).
     Unanswered { rank: usize, reason: String },
+    /// The connection from the peer (world rank) broke in the middle of this
+    /// frame while the peer lived on: the rest of it is lost for good.
+    Lost { rank: usize, reason: String },
     /// The deadline passed.
     Timeout,
 }
@@ -182,6 +185,9 @@ pub(crate) struct Router {
     /// for one more than [`ENDED_KEPT`] below it is dropped unfiled.
     ended_top: HashMap<u64, u64>,
     gone: HashMap<usize, String>,
+    /// Frames cut off by a broken connection before any receive waited for
+    /// them (see [`Router::lose`]): the reason, for the receive to come.
+    lost: HashMap<Key, String>,
     aborted: HashMap<u64, Aborted>,
     /// Cancelled when its group aborts: wakes sends blocked on a full socket.
     abort_signals: HashMap<u64, CancellationToken>,
@@ -207,6 +213,7 @@ impl Router {
             ended: BTreeMap::new(),
             ended_top: HashMap::new(),
             gone: HashMap::new(),
+            lost: HashMap::new(),
             aborted: HashMap::new(),
             abort_signals: HashMap::new(),
             told: HashSet::new(),
@@ -482,6 +489,9 @@ impl Router {
                 reason: reason.clone(),
             });
         }
+        if let Some(reason) = self.lost.remove(&key) {
+            return Start::Failed(Fail::Lost { rank: src, reason });
+        }
         let (tx, rx) = oneshot::channel();
         // A posted receive needs no ask of its own: its op asked for all its
         // frames as it began (`begin_seq`), and posts many receives at once.
@@ -497,6 +507,32 @@ impl Router {
         if self.slots.get(&key).is_some_and(Slot::waits) {
             if let Some(tx) = self.slots.remove(&key).and_then(Slot::into_waiter) {
                 let _ = tx.send(Err(f));
+            }
+        }
+    }
+
+    /// The frame at `key` was cut off part-way by its connection breaking
+    /// while its sender lived on (`reason`, what the read said): nothing
+    /// will send it again. Fails the receive that waits for it (into a
+    /// receive buffer or its landing), or the one that starts later.
+    pub fn lose(&mut self, key: Key, reason: &str) {
+        let rank = key.src as usize;
+        if self.aborted_for(key.comm, key.collective_seq()).is_some() {
+            return;
+        }
+        match self.slots.get(&key) {
+            Some(s) if s.waits() => {
+                if let Some(tx) = self.slots.remove(&key).and_then(Slot::into_waiter) {
+                    let _ = tx.send(Err(Fail::Lost {
+                        rank,
+                        reason: reason.to_owned(),
+                    }));
+                }
+            }
+            // A whole frame for the key is filed already: not this one.
+            Some(_) => {}
+            None => {
+                self.lost.insert(key, reason.to_owned());
             }
         }
     }
@@ -717,6 +753,7 @@ impl Router {
                 None => {}
             }
         }
+        self.lost.retain(|k, _| !fails(k));
         self.checks.retain(|(c, s), _| *c != comm || *s < from);
         self.ended.retain(|(c, s), _| *c != comm || *s < from);
         // Wake every send of the group; a send the abort does not fail takes
@@ -903,6 +940,45 @@ mod tests {
         r.landed(key(3, 0), desc(4), 16);
         assert!(rx.try_recv().is_err());
         assert!(r.slots.is_empty());
+    }
+
+    /// A frame cut off by its connection fails the receive for it: one
+    /// waiting (into a receive buffer or landing), or one that starts
+    /// later; not a whole frame filed for the key, and not once the group
+    /// is aborted (the abort is the cause then, and forgets the loss).
+    #[test]
+    fn a_frame_cut_off_fails_its_receive_now_or_later() {
+        let lost = |f: Result<Frame, Fail>| matches!(f, Err(Fail::Lost { rank: 2, .. }));
+        let mut r = Router::new(0);
+        for seq in 0..5 {
+            r.begin_seq(1, seq, desc(4)).unwrap();
+        }
+        let mut rx = waiting(&mut r, key(2, 0));
+        r.lose(key(2, 0), "early eof");
+        assert!(lost(rx.try_recv().unwrap()));
+        let mut mem = [0u8; 16];
+        let mut rx = posted(&mut r, key(2, 1), &mut mem);
+        assert!(r.land(key(2, 1), desc(4), 16).is_some());
+        r.lose(key(2, 1), "reset");
+        assert!(lost(rx.try_recv().unwrap()));
+        r.lose(key(2, 2), "reset");
+        match r.start_recv(key(2, 2), None) {
+            Start::Failed(f) => assert!(lost(Err(f))),
+            _ => panic!("a receive for a frame cut off began"),
+        }
+        assert!(r.lost.is_empty());
+        // A whole frame filed for the key is not the one cut off.
+        assert_eq!(r.deliver(key(2, 3), desc(4), buf()), Delivery::Taken);
+        r.lose(key(2, 3), "reset");
+        assert!(matches!(r.start_recv(key(2, 3), None), Start::Ready(_)));
+        // Aborted: the abort's error, not the loss.
+        r.lose(key(2, 4), "reset");
+        r.abort(1, aborted("x"), 0);
+        assert!(r.lost.is_empty());
+        assert!(matches!(
+            r.start_recv(key(2, 4), None),
+            Start::Failed(Fail::Aborted(_))
+        ));
     }
 
     #[test]

@@ -4,7 +4,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rallypoint_collectives::wire::{Desc, Header, Hello, HEADER_LEN};
-use rallypoint_collectives::{Error, Options, ProcessGroup, ReduceOp, DIVERGED_GRACE};
+use rallypoint_collectives::{
+    AllReduceAlgorithm, Error, Options, ProcessGroup, ReduceOp, DIVERGED_GRACE,
+};
 use rallypoint_store::{MemoryStore, Store};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -1138,4 +1140,79 @@ async fn a_dead_rank_behind_a_slow_one_is_named_at_once() {
         }
     }
     eprintln!("named after {:?}", t0.elapsed());
+}
+
+/// A connection that breaks in the middle of a frame while its rank lives
+/// on (reset by the network, or timed out by the kernel while the host was
+/// unreachable for a moment) has lost that frame for good: nothing sends it
+/// again. The op waiting for it fails as soon as the rank is found alive,
+/// naming the rank and the broken connection: not after the op's timeout
+/// (30 minutes by default; the error was a timeout before), and not with
+/// the rank named gone. Once for a borrowed all_reduce (the payload read
+/// into a receive buffer) and once for an owned one of a size whose
+/// receives are posted (read straight into the caller's buffer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frame_cut_off_by_a_broken_connection_fails_its_op_naming_the_connection() {
+    for posted in [false, true] {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let fake = FakePeer::publish(&store, 1).await;
+        // The bytes rank 0 sends in the op: rank 1's parts of each step
+        // have the same headers and lengths (2 ranks, even halves), so the
+        // peer echoes each frame whole, and of the last only half; in the
+        // ring that is an all-gather frame, whose receive is posted.
+        let total = if posted { 4 << 20 } else { 64 };
+        let peer = tokio::spawn(async move {
+            let (src, mut s) = fake.accept().await;
+            assert_eq!(src, 0);
+            let mut sent = 0;
+            loop {
+                let (h, payload) = read_frame(&mut s).await;
+                if !matches!(h, Header::Data { .. }) {
+                    continue;
+                }
+                sent += payload.len();
+                s.write_all(&h.encode()).await.unwrap();
+                if sent < total {
+                    s.write_all(&payload).await.unwrap();
+                    continue;
+                }
+                s.write_all(&payload[..payload.len() / 2]).await.unwrap();
+                s.flush().await.unwrap();
+                break;
+            }
+            drop(s);
+            // Alive: every later connection is answered (and kept).
+            let mut kept = Vec::new();
+            loop {
+                kept.push(fake.accept().await);
+            }
+        });
+        let o = Options {
+            shared_memory: false,
+            timeout: Duration::from_secs(60),
+            ..opts()
+        };
+        let pg = ProcessGroup::new(store, 0, 2, o).await.unwrap();
+        let e = if posted {
+            pg.with_all_reduce_algorithm(AllReduceAlgorithm::Ring)
+                .all_reduce_async(vec![1.0f32; 1 << 20], ReduceOp::Sum)
+                .wait()
+                .await
+                .unwrap_err()
+        } else {
+            pg.all_reduce(&mut [1.0f32; 16], ReduceOp::Sum)
+                .await
+                .unwrap_err()
+        };
+        assert!(
+            matches!(e, Error::ConnectionLost { rank: 1, .. }),
+            "posted {posted}: {e}"
+        );
+        let s = e.to_string();
+        assert!(
+            s.contains("rank 1") && s.contains("in the middle of"),
+            "{s}"
+        );
+        peer.abort();
+    }
 }
