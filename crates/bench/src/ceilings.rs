@@ -152,7 +152,7 @@ pub(crate) fn reduce_ceiling(n: usize, bytes: usize) -> f64 {
                         f32::reduce(
                             ReduceOp::Sum,
                             acc,
-                            std::hint::black_box(half(k, h, b.clone())),
+                            std::hint::black_box(read(k, h, b.clone())),
                         );
                     }
                     half(me, h, b).copy_from_slice(acc);

@@ -2045,7 +2045,10 @@ impl OpCtx {
         if matches!(e, Error::Timeout { .. }) {
             return held().unwrap_or(e);
         }
-        if !matches!(e, Error::PeerGone { .. }) {
+        // A rank gone, or a connection lost with a rank that lives on, may
+        // be the trace of a failure elsewhere (a rank that exited on being
+        // told): the cause is then the abort, or its record.
+        if !matches!(e, Error::PeerGone { .. } | Error::ConnectionLost { .. }) {
             return e;
         }
         if let Some(a) = sh.aborted_for(id, seq) {

@@ -307,7 +307,8 @@ async fn attach(cx: &OpCtx, pids: Arc<[u32]>) -> Result<Option<Arc<Arena>>> {
         reason,
     };
     let arena = if me == 0 {
-        let a = Arena::create(n, cx.opts().shm_slot_bytes, nonce)
+        let round = |slot| ops::split_round_bytes(n, slot);
+        let a = Arena::create(n, cx.opts().shm_slot_bytes, round, nonce)
             .map_err(|e| setup(format!("creating shared memory: {e}")))?;
         let v = format!("{} {}", std::process::id(), a.raw_fd());
         sh.store()

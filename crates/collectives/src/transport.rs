@@ -1627,37 +1627,56 @@ async fn read_loop(shared: Arc<Shared>, peer: usize, id: u64, rd: OwnedReadHalf)
         shared.mark_gone(peer, &reason);
         return;
     }
+    // A frame cut off part-way is lost if its sender lives on (nothing sends
+    // it again), so its receive must fail at once rather than wait for the
+    // op's timeout; if the sender died, its waiters are to be told that.
+    let cut = match &end {
+        End::Cut(key, e) => Some((*key, e.to_string())),
+        _ => None,
+    };
     // Two connections with a peer (both sides opened one at once) close in any
     // order when it exits, and each reader delivers its frames before it sees
     // the end: the peer is gone only when its last connection has closed,
     // counting one still in its handshake.
-    if last {
+    if !last && cut.is_none() {
+        return;
+    }
+    tokio::select! {
+        _ = shared.handshakes_settled() => {}
+        _ = shared.cancel.cancelled() => return,
+    }
+    // Check by connecting anew before naming it gone: a live peer can
+    // close a connection too (one it dropped mid-handshake when the op
+    // that opened it was cancelled, or one we timed out), while a dead one
+    // refuses at once. For a cut frame, always on a connection of its own:
+    // another open one may be a killed rank's, about to end too.
+    let within = Instant::now() + shared.cfg.handshake_timeout + ABORT_DEADLINE;
+    let alive = if cut.is_some() {
         tokio::select! {
-            _ = shared.handshakes_settled() => {}
+            r = shared.open(peer, within) => match r {
+                Ok(s) => {
+                    shared.register(peer, s);
+                    true
+                }
+                Err(_) => false,
+            },
             _ = shared.cancel.cancelled() => return,
         }
-        // Check by connecting anew before naming it gone: a live peer can
-        // close a connection too (one it dropped mid-handshake when the op
-        // that opened it was cancelled, or one we timed out), while a dead one
-        // refuses at once.
-        let alive = shared.connected(peer) || {
-            let within = Instant::now() + shared.cfg.handshake_timeout + ABORT_DEADLINE;
-            tokio::select! {
+    } else {
+        shared.connected(peer)
+            || tokio::select! {
                 r = shared.conn(peer, 0, within) => r.is_ok(),
                 _ = shared.cancel.cancelled() => return,
             }
-        };
-        if !alive {
+    };
+    if !alive {
+        if last {
             shared.mark_gone(peer, &reason);
-            return;
         }
+        return;
     }
-    // Alive (or another connection with it open), yet the connection broke
-    // in the middle of a frame: the rest of that frame is lost for good (a
-    // peer writes frames whole, and nothing sends one again). Without this,
-    // the op waiting for it waited for its whole timeout.
-    if let End::Cut(key, e) = &end {
-        shared.lose(*key, &e.to_string());
+    if let Some((key, why)) = cut {
+        shared.lose(key, &why);
     }
 }
 

@@ -254,6 +254,12 @@ async fn lift(cx: &OpCtx, l: &Level, e: Error, waiting: Option<(usize, u32)>) ->
             rank: g(rank),
             reason,
         },
+        Error::ConnectionLost { rank, reason, .. } => Error::ConnectionLost {
+            group,
+            op: cx.op_name(),
+            rank: g(rank),
+            reason,
+        },
         Error::Mismatch {
             rank_a,
             desc_a,

@@ -2,7 +2,7 @@
 //! and the liveness of the ranks that map it.
 //!
 //! ```text
-//! 0        header: magic, nonce, ranks, slot bytes, abort word
+//! 0        header: magic, nonce, ranks, slot bytes, split round, abort word
 //! 4096     one 128-byte control line per rank:
 //!            stage (futex word), waiters, state, pid, call (48 bytes)
 //! page     per rank, two halves of `slot` bytes each (rank-major), each
@@ -44,6 +44,10 @@ struct Head {
     nonce: AtomicU64,
     n: AtomicU64,
     slot: AtomicU64,
+    /// Bytes per rank a round of a split all-reduce moves: chosen once, by
+    /// the creator, since every rank must run the same rounds and ranks in
+    /// different cgroups could count different CPUs (see `ops::split_round_bytes`).
+    split_round: AtomicU64,
     /// 0, or the rank that aborted the group plus one.
     abort: AtomicU32,
     /// The first operation (in the group's numbering) the abort fails;
@@ -124,6 +128,9 @@ pub(crate) struct Arena {
     pub me: usize,
     /// Bytes per half slot.
     pub slot: usize,
+    /// Bytes per rank per round of a split all-reduce (at most `slot`), as
+    /// the creator chose them.
+    pub split_round: usize,
     data_at: usize,
     pub cursor: Mutex<Cursor>,
     pidfds: Mutex<HashMap<u32, Option<OwnedFd>>>,
@@ -142,17 +149,25 @@ fn layout(n: usize, slot: usize) -> (usize, usize) {
 
 impl Arena {
     /// Creates the region for `n` ranks with halves of `slot` bytes (at
-    /// least 64 per rank, rounded up to a cache line), as rank 0.
-    pub fn create(n: usize, slot: usize, nonce: u64) -> io::Result<Arena> {
+    /// least 64 per rank, rounded up to a cache line) and split all-reduce
+    /// rounds of `split_round(slot)` bytes (at most `slot`), as rank 0.
+    pub fn create(
+        n: usize,
+        slot: usize,
+        split_round: impl FnOnce(usize) -> usize,
+        nonce: u64,
+    ) -> io::Result<Arena> {
         let slot = slot.max(64 * n).next_multiple_of(LINE);
+        let round = split_round(slot).clamp(1, slot);
         let (data_at, len) = layout(n, slot);
         let fd = sys::memfd(len)?;
         let base = sys::map(&fd, len)?;
-        let a = Arena::new(base, len, fd, n, 0, slot, data_at);
+        let a = Arena::new(base, len, fd, (n, 0), (slot, round), data_at);
         let h = a.head();
         h.nonce.store(nonce, Relaxed);
         h.n.store(n as u64, Relaxed);
         h.slot.store(slot as u64, Relaxed);
+        h.split_round.store(round as u64, Relaxed);
         h.abort_from.store(u64::MAX, Relaxed);
         h.magic.store(MAGIC, Release);
         a.join();
@@ -189,13 +204,14 @@ impl Arena {
             sys::map(&fd, len).map_err(|e| sys_err("mapping its shared memory".into(), e))?;
         // SAFETY: at least `HEAD` bytes are mapped.
         let h = unsafe { &*(base as *const Head) };
-        let (magic, their_n, their_nonce, slot) = (
+        let (magic, their_n, their_nonce, slot, round) = (
             h.magic.load(Acquire),
             h.n.load(Relaxed) as usize,
             h.nonce.load(Relaxed),
             h.slot.load(Relaxed) as usize,
+            h.split_round.load(Relaxed) as usize,
         );
-        let fits = slot % LINE == 0 && layout(n, slot).1 == len;
+        let fits = slot % LINE == 0 && layout(n, slot).1 == len && (1..=slot).contains(&round);
         if magic != MAGIC || their_n != n || their_nonce != nonce || !fits {
             // SAFETY: mapped just above, used by nothing else.
             unsafe { sys::unmap(base, len) };
@@ -203,7 +219,7 @@ impl Arena {
                 "its descriptor {fd:?} is not this group's shared memory (another job or an earlier round)"
             )));
         }
-        let a = Arena::new(base, len, fd, n, me, slot, layout(n, slot).0);
+        let a = Arena::new(base, len, fd, (n, me), (slot, round), layout(n, slot).0);
         a.join();
         Ok(a)
     }
@@ -212,9 +228,8 @@ impl Arena {
         base: *mut u8,
         len: usize,
         fd: OwnedFd,
-        n: usize,
-        me: usize,
-        slot: usize,
+        (n, me): (usize, usize),
+        (slot, split_round): (usize, usize),
         data_at: usize,
     ) -> Arena {
         Arena {
@@ -224,6 +239,7 @@ impl Arena {
             n,
             me,
             slot,
+            split_round,
             data_at,
             cursor: Mutex::default(),
             pidfds: Mutex::default(),
@@ -408,8 +424,10 @@ mod tests {
 
     #[test]
     fn a_second_mapping_sees_the_first_and_only_its_own_group_attaches() {
-        let a = Arena::create(2, 1, 7).unwrap();
+        // The creator's split round, whatever the attacher would choose.
+        let a = Arena::create(2, 1, |slot| slot / 2, 7).unwrap();
         assert_eq!(a.slot, 128);
+        assert_eq!(a.split_round, 64);
         let pid = std::process::id();
         assert!(
             Arena::attach(pid, a.raw_fd(), 2, 1, 8).is_err(),
@@ -420,6 +438,7 @@ mod tests {
             "wrong size"
         );
         let b = Arena::attach(pid, a.raw_fd(), 2, 1, 7).unwrap();
+        assert_eq!(b.split_round, 64);
         // SAFETY: a page of rank 0's half 1, written by a and read by b.
         unsafe { *a.data(0, 1) = 42 };
         a.arrive(1);
@@ -436,7 +455,7 @@ mod tests {
 
     #[test]
     fn a_sleeper_wakes_when_the_stage_is_reached() {
-        let a = std::sync::Arc::new(Arena::create(2, 1, 1).unwrap());
+        let a = std::sync::Arc::new(Arena::create(2, 1, |slot| slot, 1).unwrap());
         let b = Arena::attach(std::process::id(), a.raw_fd(), 2, 1, 1).unwrap();
         let t = std::thread::spawn(move || {
             let t0 = std::time::Instant::now();

@@ -35,20 +35,24 @@ use crate::group::OpCtx;
 /// round crosses cores; `docs/benchmarks.md`, issue 20's eleventh part).
 pub const SPLIT_ABOVE: usize = 64 << 10;
 
-/// A split all-reduce's round, per rank, when ranks take turns on cores
-/// ([`shares_cores`]): at most this many bytes, however large the half.
+/// A split all-reduce's (or reduce's) round, per rank, when ranks take
+/// turns on cores ([`shares_cores`]): at most this many bytes, however
+/// large the half.
 /// Two ranks on each core then keep their rounds (their buffer's piece and
 /// the parts they sum) within the core's caches while they alternate: at 4
 /// ranks on 2 cores, 64 MiB took 19.3–19.7 ms in rounds of 256 KiB against
 /// 20.3–21.3 in rounds of 1 MiB (128 KiB: 21.9). Only the split
-/// all-reduce: broadcast and all_gather were 30–50% slower in rounds of
+/// reductions: broadcast and all_gather were 30–50% slower in rounds of
 /// 256 KiB there, and a rank per core keeps the 1 MiB half (`docs/benchmarks.md`,
 /// issue 20's twelfth part).
 pub const SHARED_CORE_ROUND: usize = 256 << 10;
 
 /// The bytes a rank moves a round in a split shared-memory all-reduce of
 /// `ranks` with halves of `slot` bytes on this host: the half, or at most
-/// [`SHARED_CORE_ROUND`] when ranks take turns on cores.
+/// [`SHARED_CORE_ROUND`] when ranks take turns on cores. The region's
+/// creator decides (it writes the choice into the region for the others:
+/// ranks in different cgroups may count different CPUs, and all must run
+/// the same rounds).
 pub fn split_round_bytes(ranks: usize, slot: usize) -> usize {
     if shares_cores(ranks) {
         slot.min(SHARED_CORE_ROUND)
@@ -148,7 +152,7 @@ pub(crate) async fn reduce<T: Element>(
     // they were: they sum in their half.
     let in_place = root.is_none();
     let per = if split {
-        (split_round_bytes(n, a.slot) / std::mem::size_of::<T>()).max(1)
+        (a.split_round / std::mem::size_of::<T>()).max(1)
     } else {
         r.fits::<T>()
     };

@@ -517,7 +517,15 @@ impl Router {
     /// receive buffer or its landing), or the one that starts later.
     pub fn lose(&mut self, key: Key, reason: &str) {
         let rank = key.src as usize;
-        if self.aborted_for(key.comm, key.collective_seq()).is_some() {
+        // Gone: its waiters failed naming that, and later receives will.
+        // Aborted, or a collective ended or forgotten here: no receive
+        // for the key is to come.
+        if self.gone.contains_key(&rank)
+            || self.aborted_for(key.comm, key.collective_seq()).is_some()
+            || (!key.p2p
+                && (self.ended.contains_key(&(key.comm, key.seq))
+                    || self.forgotten(key.comm, key.seq)))
+        {
             return;
         }
         match self.slots.get(&key) {
@@ -706,6 +714,7 @@ impl Router {
             return false;
         }
         self.gone.insert(peer, reason.to_owned());
+        self.lost.retain(|k, _| k.src as usize != peer);
         let keys: Vec<Key> = self
             .slots
             .iter()

@@ -61,10 +61,34 @@ fn names_rank(e: &Error, rank: usize) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rank_killed_mid_all_reduce_fails_every_survivor_naming_it() {
+    killed_mid_all_reduce(opts()).await;
+}
+
+/// The same over TCP (the test above runs over shared memory), with one
+/// stream per peer and with three: a rank killed while its frames are on
+/// the wire cuts some of them off part-way, on several connections at once
+/// with three streams, and the survivors' readers end in any order. Each
+/// must still name it (gone, or the record of a survivor that found it
+/// gone), never as a live rank whose connection broke. The order that
+/// would show that mistake is made certain in
+/// `a_frame_cut_off_by_a_rank_that_died_names_it_gone_with_several_streams`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_killed_mid_all_reduce_over_tcp_is_named_gone_whatever_the_streams() {
+    for streams in [1, 3] {
+        killed_mid_all_reduce(Options {
+            shared_memory: false,
+            streams_per_peer: streams,
+            ..opts()
+        })
+        .await;
+    }
+}
+
+async fn killed_mid_all_reduce(o: Options) {
     let (n, victim) = (5, 2);
     let o = Options {
         timeout: Duration::from_secs(120),
-        ..opts()
+        ..o
     };
     let (pgs, vrt) = with_victim(n, victim, o, |pg| {
         Box::pin(async move {
@@ -111,6 +135,10 @@ async fn a_rank_killed_mid_all_reduce_fails_every_survivor_naming_it() {
         assert!(
             !matches!(e, Error::Timeout { .. }),
             "noticed by the timeout, not the death: {e}"
+        );
+        assert!(
+            !matches!(e, Error::ConnectionLost { .. }),
+            "a killed rank taken for a live one: {e}"
         );
         eprintln!("survivor noticed after {:?}: {e}", at - killed);
     }
@@ -1215,4 +1243,57 @@ async fn a_frame_cut_off_by_a_broken_connection_fails_its_op_naming_the_connecti
         );
         peer.abort();
     }
+}
+
+/// A rank that dies while one of its frames is cut off, with two
+/// connections to it: the reader of the cut connection may end while the
+/// other is still open, and must not take the rank for alive on the
+/// strength of that one (a dead process's connections close in some
+/// order). A connection of its own to the rank is refused, so the rank is
+/// named gone when its last connection ends: never `ConnectionLost`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frame_cut_off_by_a_rank_that_died_names_it_gone_with_several_streams() {
+    async fn data(s: &mut tokio::net::TcpStream) -> (Header, Vec<u8>) {
+        loop {
+            if let f @ (Header::Data { .. }, _) = read_frame(s).await {
+                return f;
+            }
+        }
+    }
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let fake = FakePeer::publish(&store, 1).await;
+    let (failed, failed_rx) = tokio::sync::oneshot::channel::<()>();
+    let peer = tokio::spawn(async move {
+        let (_, mut a) = fake.accept().await;
+        let (_, mut b) = fake.accept().await;
+        let (h, payload) = tokio::select! {
+            f = data(&mut a) => f,
+            f = data(&mut b) => f,
+        };
+        a.write_all(&h.encode()).await.unwrap();
+        a.write_all(&payload[..payload.len() / 2]).await.unwrap();
+        a.flush().await.unwrap();
+        // Dead: no new connection is answered, and its connections close,
+        // the one with the cut frame first. The other closes once the op
+        // failed (as it would with the bug this guards against), or after
+        // a while (the op cannot fail before: the rank is not gone yet).
+        drop(fake);
+        drop(a);
+        let _ = tokio::time::timeout(Duration::from_secs(2), failed_rx).await;
+        drop(b);
+    });
+    let o = Options {
+        shared_memory: false,
+        streams_per_peer: 2,
+        timeout: Duration::from_secs(60),
+        ..opts()
+    };
+    let pg = ProcessGroup::new(store, 0, 2, o).await.unwrap();
+    let e = pg
+        .all_reduce(&mut [1.0f32; 16], ReduceOp::Sum)
+        .await
+        .unwrap_err();
+    let _ = failed.send(());
+    assert!(matches!(e, Error::PeerGone { rank: 1, .. }), "{e}");
+    peer.await.unwrap();
 }
