@@ -1706,9 +1706,10 @@ async fn read_frames(shared: &Arc<Shared>, peer: usize, rd: &mut BufReader<Owned
         }
         let mut buf = shared.pool.get(h.payload_len() as usize);
         if let Err(e) = rd.read_exact(buf.bytes_mut()).await {
-            return match is_data {
-                true => End::Cut(data_key(peer, &h).0, e),
-                false => End::Io(e),
+            return if is_data {
+                End::Cut(data_key(peer, &h).0, e)
+            } else {
+                End::Io(e)
             };
         }
         match h {
