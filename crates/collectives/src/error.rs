@@ -80,11 +80,12 @@ pub enum Error {
         receiver: usize,
         expected: String,
     },
-    /// A connection from `rank` broke in the middle of a frame while the
-    /// rank lived on (reset by the network, or timed out by the kernel while
-    /// its host did not answer): the rest of the frame is lost and nothing
-    /// sends it again, so the op that needed it, and the group, fail.
-    #[error("{op} on group {group:?}: the connection from rank {rank} broke in the middle of its data for this op ({reason}); rank {rank} still answers, but the rest of that data is lost")]
+    /// A connection with `rank` broke part-way through this op's data while
+    /// the rank lived on (reset by the network, or timed out by the kernel
+    /// while its host did not answer): a frame cut off as it was read, or a
+    /// write that failed. What was in flight is lost and nothing sends it
+    /// again, so the op, and the group, fail.
+    #[error("{op} on group {group:?}: the connection with rank {rank} broke part-way through this op's data ({reason}); rank {rank} still answers, but what was in flight is lost")]
     ConnectionLost {
         group: String,
         op: String,

@@ -666,7 +666,18 @@ impl Shared {
                 // socket) have been delivered: a peer that did its part and
                 // exited must not fail an op that has its frames.
                 let reason = format!("sending to it failed: {e}");
-                Err(Fail::Gone { rank: dst, reason })
+                // Dead, or alive with this connection broken (reset, or timed
+                // out while its host was briefly unreachable): a connection of
+                // its own tells which, so a live rank is not named gone.
+                let within =
+                    deadline.min(Instant::now() + self.cfg.handshake_timeout + ABORT_DEADLINE);
+                match self.open(dst, within).await {
+                    Ok(s) => {
+                        self.register(dst, s);
+                        Err(Fail::Lost { rank: dst, reason })
+                    }
+                    Err(_) => Err(Fail::Gone { rank: dst, reason }),
+                }
             }
         }
     }

@@ -79,8 +79,8 @@ pub(crate) enum Fail {
     /// time (stopped or hung): fails this operation, without marking the peer
     /// gone for the others (it may only be slow).
     Unanswered { rank: usize, reason: String },
-    /// The connection from the peer (world rank) broke in the middle of this
-    /// frame while the peer lived on: the rest of it is lost for good.
+    /// The connection with the peer (world rank) broke part-way through this
+    /// frame (read or written) while the peer lived on: it is lost for good.
     Lost { rank: usize, reason: String },
     /// The deadline passed.
     Timeout,

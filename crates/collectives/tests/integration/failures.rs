@@ -1237,10 +1237,7 @@ async fn a_frame_cut_off_by_a_broken_connection_fails_its_op_naming_the_connecti
             "posted {posted}: {e}"
         );
         let s = e.to_string();
-        assert!(
-            s.contains("rank 1") && s.contains("in the middle of"),
-            "{s}"
-        );
+        assert!(s.contains("rank 1") && s.contains("broke part-way"), "{s}");
         peer.abort();
     }
 }
@@ -1296,4 +1293,49 @@ async fn a_frame_cut_off_by_a_rank_that_died_names_it_gone_with_several_streams(
     let _ = failed.send(());
     assert!(matches!(e, Error::PeerGone { rank: 1, .. }), "{e}");
     peer.await.unwrap();
+}
+
+/// The writing side of a connection that breaks while its rank lives on:
+/// a send whose write fails (here a reset, while the peer's socket was
+/// full) used to name the rank gone ("sending to it failed"). A connection
+/// of its own to the rank is answered, so the op fails with
+/// `ConnectionLost`, naming it as alive; never `PeerGone`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_that_fails_on_a_live_rank_does_not_name_it_gone() {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let fake = FakePeer::publish(&store, 1).await;
+    let peer = tokio::spawn(async move {
+        let (_, mut s) = fake.accept().await;
+        // The data frame's header, and none of its 64 MiB: the sender is
+        // then in its write, which cannot end before we read (the socket
+        // buffers hold a few MiB). Then reset the connection.
+        loop {
+            let mut h = [0u8; HEADER_LEN];
+            s.read_exact(&mut h).await.unwrap();
+            if let Header::Data { .. } = Header::decode(&h).unwrap() {
+                break;
+            }
+        }
+        socket2::SockRef::from(&s)
+            .set_linger(Some(Duration::ZERO))
+            .unwrap();
+        drop(s);
+        // Alive: every later connection is answered (and kept).
+        let mut kept = Vec::new();
+        loop {
+            kept.push(fake.accept().await);
+        }
+    });
+    let o = Options {
+        shared_memory: false,
+        timeout: Duration::from_secs(60),
+        ..opts()
+    };
+    let pg = ProcessGroup::new(store, 0, 2, o).await.unwrap();
+    let e = pg.send(&vec![1u8; 64 << 20], 1, 0).await.unwrap_err();
+    assert!(
+        matches!(e, Error::ConnectionLost { rank: 1, .. }),
+        "a live rank named gone, or another error: {e}"
+    );
+    peer.abort();
 }
