@@ -1,7 +1,7 @@
 //! The process group: bootstrap, the operation context, and the collectives.
 
 use std::collections::HashMap;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs, UdpSocket};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -286,14 +286,7 @@ fn setup_err(group: String) -> impl Fn(String) -> Error {
 /// The local address on the route to `host`.
 pub fn route_ip(host: &str) -> Option<IpAddr> {
     let to = (host, 9).to_socket_addrs().ok()?.next()?;
-    let bind: SocketAddr = if to.is_ipv4() {
-        (Ipv4Addr::UNSPECIFIED, 0).into()
-    } else {
-        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
-    };
-    let s = UdpSocket::bind(bind).ok()?;
-    s.connect(to).ok()?;
-    Some(s.local_addr().ok()?.ip())
+    rallypoint_store::host::source_addr_towards(to)
 }
 
 /// The host of `host:port` or `[v6]:port`.
@@ -308,14 +301,8 @@ fn default_ip() -> IpAddr {
     std::env::var("MASTER_ADDR")
         .ok()
         .and_then(|h| route_ip(&h))
-        .or_else(|| route_ip(&rallypoint_hostname()))
+        .or_else(|| route_ip(&rallypoint_store::host::advertised_addr()))
         .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST))
-}
-
-fn rallypoint_hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|s| s.trim().to_owned())
-        .unwrap_or_else(|_| "localhost".into())
 }
 
 impl ProcessGroup {

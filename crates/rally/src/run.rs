@@ -819,9 +819,18 @@ impl EventSink for Console {
             AgentEvent::ExitBarrierTimedOut { error } => {
                 say!("rally run: exit barrier did not complete: {error}")
             }
-            AgentEvent::HostLingering { nodes_left } => say!(
-                "rally run: keeping the rendezvous store up until {nodes_left} other node(s) have seen the outcome"
-            ),
+            AgentEvent::HostLingering {
+                nodes_left,
+                rendezvous_store,
+                job_store,
+            } => {
+                let what = match (rendezvous_store, job_store) {
+                    (true, true) => "the rendezvous store and the job store",
+                    (true, false) => "the rendezvous store",
+                    _ => "the job store",
+                };
+                say!("rally run: keeping {what} up until {nodes_left} other node(s) have seen the outcome")
+            }
             AgentEvent::CleanupFailed { what, error } => {
                 tracing::warn!(%error, "{what} failed")
             }

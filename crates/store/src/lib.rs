@@ -48,6 +48,7 @@ pub mod blocking;
 pub mod conformance;
 mod error;
 pub mod file;
+pub mod host;
 pub mod keyspace;
 pub mod memory;
 pub mod prefix;

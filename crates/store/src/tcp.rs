@@ -115,6 +115,60 @@ impl TcpStoreBuilder {
     }
 }
 
+impl TcpStoreBuilder {
+    /// Hosts the server at the port if it is free, else joins the store that
+    /// listens there (a c10d rendezvous endpoint on this host: whoever binds
+    /// first hosts). The store's timeout bounds the whole set-up.
+    ///
+    /// Two callers racing for one port end with exactly one host. Linux marks
+    /// a socket listening before it checks the port for other listeners, so two
+    /// listens that overlap can both fail, each seeing the other: neither
+    /// hosts, and both clients would be refused until their timeout. So a
+    /// caller whose bind found the port in use joins only once something
+    /// answers there, and tries to host again while nothing does. A bind that
+    /// fails otherwise (a privileged port, say) joins as before.
+    pub async fn host_or_join(self) -> Result<TcpStore> {
+        let deadline = Instant::now() + self.timeout;
+        let mut tries = 0u32;
+        loop {
+            match self.clone().is_master(true).connect().await {
+                Ok(store) => return Ok(store),
+                Err(StoreError::Listen { source, .. })
+                    if source.kind() == std::io::ErrorKind::AddrInUse =>
+                {
+                    tries += 1;
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "not hosting the store at {}:{}", self.host, self.port);
+                    return self.is_master(false).connect().await;
+                }
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            let probe = tokio::time::timeout(
+                left.min(Duration::from_secs(1)),
+                TcpStream::connect((self.host.as_str(), self.port)),
+            )
+            .await;
+            let refused =
+                matches!(&probe, Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused);
+            if !refused || left.is_zero() {
+                drop(probe);
+                let timeout = left.max(Duration::from_millis(1));
+                return self.timeout(timeout).is_master(false).connect().await;
+            }
+            // Nobody listens: the other binder failed too, or is between its
+            // bind and its listen. Try again after a short, jittered pause.
+            tracing::debug!(
+                tries,
+                "the store's port {} is bound but nobody listens; hosting again",
+                self.port
+            );
+            let pause = Duration::from_millis(5 * u64::from(tries.min(10))).mul_f64(jitter());
+            tokio::time::sleep(pause.min(left)).await;
+        }
+    }
+}
+
 /// A validated connection with its buffers.
 struct Conn {
     stream: TcpStream,

@@ -193,7 +193,12 @@ impl Agent {
             }
             if let (false, Some(n)) = (said, remaining) {
                 said = true;
-                self.emit(AgentEvent::HostLingering { nodes_left: n });
+                self.emit(AgentEvent::HostLingering {
+                    nodes_left: n,
+                    rendezvous_store: self.handler.hosts_store(),
+                    job_store: run.round.as_ref().is_some_and(|r| r.server.is_some())
+                        || run.kept_store.is_some(),
+                });
             }
             let nap = tokio::time::sleep(LINGER_POLL);
             tokio::select! {

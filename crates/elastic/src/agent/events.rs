@@ -87,10 +87,13 @@ pub enum AgentEvent {
     ExitBarrierTimedOut {
         error: String,
     },
-    /// The rendezvous host keeps its store up until the other nodes have seen
+    /// A node that hosts a store others use (the rendezvous store, this
+    /// round's job store, or both) keeps it up until the other nodes have seen
     /// how the run ended.
     HostLingering {
         nodes_left: usize,
+        rendezvous_store: bool,
+        job_store: bool,
     },
     /// A store operation at the end of the run failed (closing, publishing).
     CleanupFailed {
@@ -201,7 +204,15 @@ impl AgentEvent {
                 })).collect::<Vec<_>>(),
             }),
             AgentEvent::StopIncomplete { pids } => json!({ "pids": pids }),
-            AgentEvent::HostLingering { nodes_left } => json!({ "nodes_left": nodes_left }),
+            AgentEvent::HostLingering {
+                nodes_left,
+                rendezvous_store,
+                job_store,
+            } => json!({
+                "nodes_left": nodes_left,
+                "rendezvous_store": rendezvous_store,
+                "job_store": job_store,
+            }),
             AgentEvent::CleanupFailed { what, error } => json!({ "what": what, "error": error }),
             AgentEvent::Finished { state, exit_code } => {
                 json!({ "state": state, "exit_code": exit_code })

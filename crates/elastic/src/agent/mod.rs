@@ -134,7 +134,8 @@ pub struct AgentSpec {
     /// This node's name in failure reports.
     pub hostname: String,
     /// The address this node advertises (`--local-addr`); else the rendezvous
-    /// host when it is this machine's loopback, else `hostname`.
+    /// host when it is this machine's loopback (every node is on this host),
+    /// else [`rallypoint_store::host::advertised_addr`].
     pub local_addr: Option<String>,
     /// Put this mark in every worker's environment (`RALLY_AGENT_MARK`) and kill
     /// whatever carries it when a group stops, so no descendant of a worker

@@ -99,11 +99,10 @@ impl Agent {
         let key = format!("{prefix}/job_store");
         if info.rank == 0 {
             let host = &info.bootstrap.master_addr;
-            let loopback = matches!(host.as_str(), "localhost" | "::1") || host.starts_with("127.");
             let addr = match &self.spec.local_addr {
                 Some(a) => a.clone(),
-                None if loopback => host.clone(),
-                None => self.spec.hostname.clone(),
+                None if rallypoint_store::host::is_loopback_name(host) => host.clone(),
+                None => rallypoint_store::host::advertised_addr(),
             };
             let server = Server::bind_any(0, ServerConfig::default()).await?;
             let port = server.local_addr().port();

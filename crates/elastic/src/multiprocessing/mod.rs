@@ -185,14 +185,7 @@ pub fn start_processes(
 
 /// The name of this host (`gethostname`, as Python's `socket.gethostname()`).
 pub fn hostname() -> String {
-    let mut buf = [0u8; 256];
-    // SAFETY: the buffer is valid for its length.
-    let r = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
-    if r != 0 {
-        return "localhost".into();
-    }
-    let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
-    String::from_utf8_lossy(&buf[..end]).into_owned()
+    rallypoint_store::host::hostname()
 }
 
 fn spawn_one(

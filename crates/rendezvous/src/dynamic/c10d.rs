@@ -23,17 +23,19 @@ pub fn default_node_id(addr: &str) -> String {
     )
 }
 
-/// The address this node advertises: `--local-addr`, else `$HOSTNAME`, else
-/// `localhost`.
+/// The address this node advertises: `--local-addr`, else the address other
+/// hosts reach this one at ([`rallypoint_store::host::advertised_addr`]: never
+/// `localhost` while the host has another address).
 pub fn advertised_addr(p: &RendezvousParameters) -> String {
     p.local_addr
         .clone()
-        .unwrap_or_else(|| std::env::var("HOSTNAME").unwrap_or_else(|_| "localhost".into()))
+        .unwrap_or_else(rallypoint_store::host::advertised_addr)
 }
 
 /// The registry's creator for `c10d`: a TCP store at the endpoint (default port
-/// 29400), hosted by this node when `is_host` says so (or the endpoint is this
-/// machine and the port is free), else a client.
+/// 29400), hosted by this node when `is_host` says so (or the endpoint names
+/// this host, [`rallypoint_store::host::is_this_host`], and the port is free),
+/// else a client.
 pub fn create(p: RendezvousParameters) -> Created {
     Box::pin(async move {
         match p.get("store_type").map(str::to_ascii_lowercase).as_deref() {
@@ -47,22 +49,27 @@ pub fn create(p: RendezvousParameters) -> Created {
         let port = port.unwrap_or(DEFAULT_PORT);
         let timing = Timing::from_params(&p)?;
         let read_timeout = p.get_as_secs("read_timeout", Duration::from_secs(60))?;
-        let local = matches!(host.as_str(), "localhost" | "127.0.0.1" | "::1" | "")
-            || std::env::var("HOSTNAME").is_ok_and(|h| h == host);
-        let is_host = p.get_as_bool("is_host")?.unwrap_or(local);
-        let connect = |master: bool| {
-            TcpStore::builder(host.clone(), port)
-                .is_master(master)
-                .timeout(read_timeout)
-                .connect()
+        let is_host = match p.get_as_bool("is_host")? {
+            Some(yes) => yes,
+            None => {
+                let h = host.clone();
+                tokio::task::spawn_blocking(move || rallypoint_store::host::is_this_host(&h))
+                    .await
+                    .unwrap_or(false)
+            }
         };
         let store = match is_host {
-            true => match connect(true).await {
-                Ok(s) => s,
-                // Somebody else hosts it (or the port is taken): be a client.
-                Err(_) => connect(false).await.map_err(conn(&p.run_id))?,
-            },
-            false => connect(false).await.map_err(conn(&p.run_id))?,
+            // Whoever binds first hosts; the others join it.
+            true => TcpStore::builder(host.clone(), port)
+                .timeout(read_timeout)
+                .host_or_join()
+                .await
+                .map_err(conn(&p.run_id))?,
+            false => TcpStore::builder(host.clone(), port)
+                .timeout(read_timeout)
+                .connect()
+                .await
+                .map_err(conn(&p.run_id))?,
         };
         let endpoint = format!("{host}:{port}");
         let port = store.port();

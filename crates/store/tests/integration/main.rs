@@ -3,6 +3,7 @@
 mod client;
 mod conformance;
 mod protocol;
+mod race;
 mod support;
 mod torch;
 mod utils;
