@@ -763,6 +763,8 @@ mod agent_failures;
 mod collectives;
 #[path = "run/dropin.rs"]
 mod dropin;
+#[path = "run/hosts.rs"]
+mod hosts;
 #[path = "run/numa.rs"]
 mod numa;
 #[path = "run/rendezvous_failures.rs"]

@@ -7,10 +7,12 @@ all_gather). Knobs (environment):
   STEP_SLEEP     seconds to sleep per step (default 0), to keep a job running
   KILL_RANK      global rank that SIGKILLs itself at step 3 of attempt 0
   RESULT_DIR     where each rank writes <rank>.json describing how it ended
+  PROGRESS_DIR   where each rank writes <rank>.step, its last step done
 """
 import json
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -35,6 +37,9 @@ for step in range(steps):
     opt.step()
     if kill_rank is not None and int(kill_rank) == rank and attempt == 0 and step == 3:
         os.kill(os.getpid(), signal.SIGKILL)
+    if os.environ.get("PROGRESS_DIR"):
+        with open(os.path.join(os.environ["PROGRESS_DIR"], f"{rank}.step"), "w") as f:
+            f.write(str(step))
     time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
 
 w = torch.cat([p.detach().flatten() for p in model.parameters()])
@@ -52,6 +57,8 @@ if out:
                 "group_rank": int(os.environ["GROUP_RANK"]),
                 "group_world_size": int(os.environ["GROUP_WORLD_SIZE"]),
                 "loss": float(loss.detach()),
+                "host": socket.gethostname(),
+                "master_addr": os.environ["MASTER_ADDR"],
             },
             f,
         )

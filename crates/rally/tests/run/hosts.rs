@@ -1,0 +1,213 @@
+//! `rally run` across test hosts (network namespaces, each with its own
+//! address, hostname and `/etc/hosts`; see `rallypoint-testhosts`): real DDP
+//! jobs with real torch over every backend, and hosts cut off mid-run.
+//!
+//! Bounds here are behaviour: a configured deadline plus a margin, the larger
+//! of 5 s and half the deadline.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use rallypoint_testhosts::{cluster, Cluster, Host};
+
+use super::{python, results, script, with_results, Job, LIMIT};
+
+/// `rally run` on `host`, with no `HOSTNAME` in its environment (a shell does
+/// not export it).
+fn rally_on(host: &Host, args: &[&str]) -> Command {
+    let mut c = host.command(env!("CARGO_BIN_EXE_rally"));
+    c.arg("run")
+        .args(args)
+        .env("PYTHON_EXEC", python())
+        .env("RALLY_LOG", "warn")
+        .env_remove("HOSTNAME");
+    c
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Backend {
+    C10dByAddress,
+    C10dByName,
+    Static,
+    #[cfg(feature = "etcd")]
+    Etcd,
+}
+
+/// The rendezvous flags of node `i` of `n`, node1 hosting.
+fn rendezvous(c: &Cluster, n: usize, i: usize, backend: Backend) -> Vec<String> {
+    let first = c.host(0);
+    let mut a = vec!["--nnodes".to_owned(), n.to_string()];
+    let mut more = |v: &[&str]| a.extend(v.iter().map(|s| s.to_string()));
+    match backend {
+        Backend::C10dByAddress => more(&[
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            &format!("{}:29400", first.addr),
+            "--rdzv-id",
+            "hosts",
+        ]),
+        Backend::C10dByName => more(&[
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            &format!("{}:29400", first.name),
+            "--rdzv-id",
+            "hosts",
+        ]),
+        Backend::Static => more(&[
+            "--node-rank",
+            &i.to_string(),
+            "--master-addr",
+            &first.name,
+            "--master-port",
+            "29500",
+        ]),
+        #[cfg(feature = "etcd")]
+        Backend::Etcd => more(&[
+            "--rdzv-backend",
+            "etcd",
+            "--rdzv-endpoint",
+            &format!("{}:2379", first.name),
+            "--rdzv-id",
+            "hosts",
+        ]),
+    }
+    a
+}
+
+/// A real etcd on `host`, serving every host at `<name>:2379`; up when this
+/// returns.
+#[cfg(feature = "etcd")]
+fn etcd_on(host: &Host, dir: &Path) -> std::process::Child {
+    let bin = std::env::var("RALLY_ETCD").unwrap_or_else(|_| "etcd".into());
+    let log = std::fs::File::create(dir.join("etcd.log")).unwrap();
+    let child = host
+        .command(&bin)
+        .args(["--name", "t", "--data-dir"])
+        .arg(dir.join("etcd-data"))
+        .args(["--listen-client-urls", "http://0.0.0.0:2379"])
+        .args(["--advertise-client-urls", &format!("http://{}:2379", host.name)])
+        .args(["--listen-peer-urls", "http://127.0.0.1:2380"])
+        .args(["--initial-advertise-peer-urls", "http://127.0.0.1:2380"])
+        .args(["--initial-cluster", "t=http://127.0.0.1:2380"])
+        .stdout(std::process::Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    let up = || {
+        host.command("bash")
+            .args(["-c", "exec 3<>/dev/tcp/127.0.0.1/2379"])
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    while !up() {
+        assert!(t0.elapsed() < Duration::from_secs(30), "etcd never came up");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    child
+}
+
+/// One `rally run` per host of `c` (all of them, or the first `n`), each with
+/// one DDP worker, over `backend`.
+fn ddp_on_hosts(
+    c: &Cluster,
+    backend: Backend,
+    dir: &Path,
+    out: &Path,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> Vec<Job> {
+    let n = c.hosts().len();
+    c.hosts()
+        .iter()
+        .enumerate()
+        .map(|(i, h)| {
+            let mut args = rendezvous(c, n, i, backend);
+            args.extend(extra.iter().map(|s| s.to_string()));
+            args.extend(["--nproc-per-node".into(), "1".into()]);
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let mut cmd = rally_on(h, &args);
+            cmd.arg(script("ddp_train.py")).env("RESULT_DIR", out);
+            for (k, v) in env {
+                cmd.env(k, v);
+            }
+            Job::spawn(cmd, dir, &h.name)
+        })
+        .collect()
+}
+
+fn ddp_across(n: usize, backend: Backend) {
+    let Some(c) = cluster(n) else { return };
+    let (dir, out) = with_results();
+    #[cfg(feature = "etcd")]
+    let _etcd = matches!(backend, Backend::Etcd).then(|| etcd_on(c.host(0), dir.path()));
+    let mut jobs = ddp_on_hosts(&c, backend, dir.path(), &out, &[], &[("STEPS", "5")]);
+    for (h, j) in c.hosts().iter().zip(&mut jobs) {
+        let s = j.wait(LIMIT);
+        assert!(s.success(), "{backend:?}, {}: {s}\n{}", h.name, j.output());
+    }
+    let r = results(&out);
+    assert_eq!(r.len(), n, "{r:?}");
+    let mut hosts: Vec<&str> = r.values().map(|v| v["host"].as_str().unwrap()).collect();
+    hosts.sort();
+    let names: Vec<&str> = c.hosts().iter().map(|h| h.name.as_str()).collect();
+    assert_eq!(hosts, names, "one worker on every host");
+    // Every worker reached the job store from its own host, at an address
+    // that names a host, never a loopback one.
+    let master = r[&0]["master_addr"].as_str().unwrap();
+    assert!(
+        r.values().all(|v| v["master_addr"] == master),
+        "workers were told different job stores: {r:?}"
+    );
+    assert!(
+        !rallypoint_store::host::is_loopback_name(master),
+        "{backend:?}: workers on other hosts were told MASTER_ADDR={master}"
+    );
+    assert!(r.values().all(|v| v["world_size"] == n as u64 && v["attempt"] == 0));
+}
+
+#[test]
+fn ddp_across_two_hosts_c10d_by_address() {
+    ddp_across(2, Backend::C10dByAddress);
+}
+
+#[test]
+fn ddp_across_two_hosts_c10d_by_hostname() {
+    ddp_across(2, Backend::C10dByName);
+}
+
+#[test]
+fn ddp_across_two_hosts_static() {
+    ddp_across(2, Backend::Static);
+}
+
+#[cfg(feature = "etcd")]
+#[test]
+fn ddp_across_two_hosts_etcd() {
+    ddp_across(2, Backend::Etcd);
+}
+
+#[test]
+fn ddp_across_four_hosts_c10d_by_address() {
+    ddp_across(4, Backend::C10dByAddress);
+}
+
+#[test]
+fn ddp_across_four_hosts_c10d_by_hostname() {
+    ddp_across(4, Backend::C10dByName);
+}
+
+#[test]
+fn ddp_across_four_hosts_static() {
+    ddp_across(4, Backend::Static);
+}
+
+#[cfg(feature = "etcd")]
+#[test]
+fn ddp_across_four_hosts_etcd() {
+    ddp_across(4, Backend::Etcd);
+}
