@@ -88,7 +88,10 @@ fn etcd_on(host: &Host, dir: &Path) -> std::process::Child {
         .args(["--name", "t", "--data-dir"])
         .arg(dir.join("etcd-data"))
         .args(["--listen-client-urls", "http://0.0.0.0:2379"])
-        .args(["--advertise-client-urls", &format!("http://{}:2379", host.name)])
+        .args([
+            "--advertise-client-urls",
+            &format!("http://{}:2379", host.name),
+        ])
         .args(["--listen-peer-urls", "http://127.0.0.1:2380"])
         .args(["--initial-advertise-peer-urls", "http://127.0.0.1:2380"])
         .args(["--initial-cluster", "t=http://127.0.0.1:2380"])
@@ -167,7 +170,9 @@ fn ddp_across(n: usize, backend: Backend) {
         !rallypoint_store::host::is_loopback_name(master),
         "{backend:?}: workers on other hosts were told MASTER_ADDR={master}"
     );
-    assert!(r.values().all(|v| v["world_size"] == n as u64 && v["attempt"] == 0));
+    assert!(r
+        .values()
+        .all(|v| v["world_size"] == n as u64 && v["attempt"] == 0));
 }
 
 #[test]
@@ -210,4 +215,149 @@ fn ddp_across_four_hosts_static() {
 #[test]
 fn ddp_across_four_hosts_etcd() {
     ddp_across(4, Backend::Etcd);
+}
+
+/// The last step every rank of a `ddp_train.py` job has written to `dir`.
+fn steps(dir: &Path, ranks: usize) -> Option<Vec<u64>> {
+    (0..ranks)
+        .map(|r| {
+            std::fs::read_to_string(dir.join(format!("{r}.step")))
+                .ok()?
+                .trim()
+                .parse()
+                .ok()
+        })
+        .collect()
+}
+
+/// Waits until every rank has done `step` (the job trains across hosts).
+fn wait_for_step(dir: &Path, ranks: usize, step: u64, jobs: &mut [Job]) {
+    let t0 = Instant::now();
+    while !steps(dir, ranks).is_some_and(|s| s.iter().all(|k| *k >= step)) {
+        let out: Vec<String> = jobs.iter().map(Job::output).collect();
+        assert!(
+            t0.elapsed() < LIMIT,
+            "training never reached step {step}: {out:#?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Keep-alive of 1 s, 3 beats: a member silent for 3 s is dead.
+const KEEP_ALIVE: &str =
+    "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=1,join_timeout=60";
+const DEADLINE: Duration = Duration::from_secs(3);
+
+#[test]
+fn a_member_cut_off_for_less_than_the_keep_alive_deadline_is_ridden_out() {
+    let Some(c) = cluster(2) else { return };
+    let (dir, out) = with_results();
+    let progress = dir.path().join("progress");
+    std::fs::create_dir_all(&progress).unwrap();
+    let p = progress.to_str().unwrap();
+    let mut jobs = ddp_on_hosts(
+        &c,
+        Backend::C10dByName,
+        dir.path(),
+        &out,
+        &["--rdzv-conf", KEEP_ALIVE],
+        &[("STEPS", "30"), ("STEP_SLEEP", "0.1"), ("PROGRESS_DIR", p)],
+    );
+    wait_for_step(&progress, 2, 2, &mut jobs);
+    // Less than the deadline: the job's gradients wait, then flow again.
+    c.host(1).cut();
+    std::thread::sleep(DEADLINE / 2);
+    let during = steps(&progress, 2).unwrap();
+    c.host(1).heal();
+    for (h, j) in c.hosts().iter().zip(&mut jobs) {
+        let s = j.wait(LIMIT);
+        assert!(s.success(), "{}: {s}\n{}", h.name, j.output());
+        assert!(!j.output().contains("membership changed"), "{}", j.output());
+    }
+    assert!(
+        during.iter().all(|s| *s < 29),
+        "the cut came after training: {during:?}"
+    );
+    let r = results(&out);
+    assert_eq!(r.len(), 2);
+    assert!(
+        r.values()
+            .all(|v| v["attempt"] == 0 && v["world_size"] == 2),
+        "a restart: {r:?}"
+    );
+}
+
+#[test]
+fn a_member_cut_off_for_good_is_dropped_and_stops_its_own_workers() {
+    let Some(c) = cluster(2) else { return };
+    let (dir, out) = with_results();
+    let progress = dir.path().join("progress");
+    std::fs::create_dir_all(&progress).unwrap();
+    let p = progress.to_str().unwrap();
+    let lost = Duration::from_secs(5);
+    let lost_s = lost.as_secs().to_string();
+    // node1 hosts the rendezvous (c10d by name); node2 is the one cut off.
+    let mut jobs: Vec<Job> = c
+        .hosts()
+        .iter()
+        .map(|h| {
+            let mut cmd = rally_on(
+                h,
+                &[
+                    "--nnodes",
+                    "1:2",
+                    "--rdzv-backend",
+                    "c10d",
+                    "--rdzv-endpoint",
+                    "node1:29400",
+                    "--rdzv-id",
+                    "hosts",
+                    "--rdzv-conf",
+                    KEEP_ALIVE,
+                    "--rdzv-lost-timeout",
+                    &lost_s,
+                    "--max-restarts",
+                    "3",
+                    "--nproc-per-node",
+                    "1",
+                ],
+            );
+            cmd.arg(script("ddp_train.py"))
+                .env("RESULT_DIR", &out)
+                .env("STEPS", "60")
+                .env("STEP_SLEEP", "0.1")
+                .env("PROGRESS_DIR", p);
+            Job::spawn(cmd, dir.path(), &h.name)
+        })
+        .collect();
+    // Both nodes are in the round: wait for two ranks training.
+    wait_for_step(&progress, 2, 2, &mut jobs);
+    c.host(1).cut();
+    let cut_at = Instant::now();
+    // node2 stops its workers once it has not reached the rendezvous host
+    // for --rdzv-lost-timeout, fails and says why.
+    let bound = lost + DEADLINE + (lost / 2).max(Duration::from_secs(5));
+    let s2 = jobs[1].wait(LIMIT);
+    let took = cut_at.elapsed();
+    let out2 = jobs[1].output();
+    assert!(!s2.success(), "the cut-off node reported success:\n{out2}");
+    assert!(out2.contains("lost the rendezvous host"), "{out2}");
+    assert!(
+        took < bound,
+        "node2 took {took:?} (bound {bound:?}) to give up:\n{out2}"
+    );
+    assert!(
+        c.host(1).running().is_empty(),
+        "left running on the cut-off host: {:?}",
+        c.host(1).running()
+    );
+    // node1 re-forms alone and finishes the job.
+    let s1 = jobs[0].wait(LIMIT);
+    let out1 = jobs[0].output();
+    assert!(s1.success(), "node1: {s1}\n{out1}");
+    let r = results(&out);
+    assert_eq!(r.len(), 1, "{r:?}");
+    assert_eq!(r[&0]["world_size"], 1);
+    assert_eq!(r[&0]["host"], "node1");
+    assert!(r[&0]["attempt"].as_u64().unwrap() >= 1, "{r:?}");
 }
