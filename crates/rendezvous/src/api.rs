@@ -12,19 +12,29 @@ use std::time::Duration;
 
 use rallypoint_store::{Store, StoreError};
 
+fn not_back(lost: &[String]) -> String {
+    match lost {
+        [] => String::new(),
+        _ => format!("; not back from the last round: {}", lost.join(", ")),
+    }
+}
+
 /// Why a rendezvous failed.
 #[derive(Debug, thiserror::Error)]
 pub enum RendezvousError {
     /// The rendezvous was closed; the job is over.
     #[error("rendezvous {run_id:?} is closed")]
     Closed { run_id: String },
-    /// Not enough nodes came in time. Names who joined and how many were expected.
-    #[error("rendezvous {run_id:?} timed out after {waited:?}: {} joined ({}), expected {expected}", .joined.len(), .joined.join(", "))]
+    /// Not enough nodes came in time. Names who joined, how many were
+    /// expected, and the members of the last round that did not come back.
+    #[error("rendezvous {run_id:?} timed out after {waited:?}: {} joined ({}), expected {expected}{}", .joined.len(), .joined.join(", "), not_back(.lost))]
     Timeout {
         run_id: String,
         waited: Duration,
         joined: Vec<String>,
         expected: String,
+        /// Nodes of the last round that did not join this one (a node lost).
+        lost: Vec<String>,
     },
     /// The store could not be reached.
     #[error("rendezvous {run_id:?} cannot reach its store")]

@@ -149,6 +149,7 @@ impl RendezvousHandler for StaticTcpRendezvous {
                             waited,
                             joined: vec![format!("{joined} node(s)")],
                             expected: format!("{expected} nodes"),
+                            lost: Vec::new(),
                         },
                         rallypoint_store::StoreError::Listen { source, .. } if self.rank == 0 => {
                             RendezvousError::Config {

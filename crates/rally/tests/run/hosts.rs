@@ -245,7 +245,7 @@ fn wait_for_step(dir: &Path, ranks: usize, step: u64, jobs: &mut [Job]) {
 
 /// Keep-alive of 1 s, 3 beats: a member silent for 3 s is dead.
 const KEEP_ALIVE: &str =
-    "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=1,join_timeout=60";
+    "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=1,join_timeout=20";
 const DEADLINE: Duration = Duration::from_secs(3);
 
 #[test]
@@ -360,4 +360,105 @@ fn a_member_cut_off_for_good_is_dropped_and_stops_its_own_workers() {
     assert_eq!(r[&0]["world_size"], 1);
     assert_eq!(r[&0]["host"], "node1");
     assert!(r[&0]["attempt"].as_u64().unwrap() >= 1, "{r:?}");
+}
+
+/// `rally run` on every host of `c`, c10d at node1, one DDP worker each,
+/// training long enough to be cut in the middle.
+fn elastic_on_hosts(c: &Cluster, nnodes: &str, dir: &Path, out: &Path, lost: Duration) -> Vec<Job> {
+    let progress = dir.join("progress");
+    std::fs::create_dir_all(&progress).unwrap();
+    let lost_s = lost.as_secs().to_string();
+    c.hosts()
+        .iter()
+        .map(|h| {
+            let mut cmd = rally_on(
+                h,
+                &[
+                    "--nnodes",
+                    nnodes,
+                    "--rdzv-backend",
+                    "c10d",
+                    "--rdzv-endpoint",
+                    "node1:29400",
+                    "--rdzv-id",
+                    "hosts",
+                    "--rdzv-conf",
+                    KEEP_ALIVE,
+                    "--rdzv-lost-timeout",
+                    &lost_s,
+                    "--max-restarts",
+                    "3",
+                    "--nproc-per-node",
+                    "1",
+                ],
+            );
+            cmd.arg(script("ddp_train.py"))
+                .env("RESULT_DIR", out)
+                .env("STEPS", "60")
+                .env("STEP_SLEEP", "0.1")
+                .env("PROGRESS_DIR", &progress);
+            Job::spawn(cmd, dir, &h.name)
+        })
+        .collect()
+}
+
+#[test]
+fn the_rendezvous_host_cut_off_for_good_fails_every_node() {
+    let Some(c) = cluster(2) else { return };
+    let (dir, out) = with_results();
+    let lost = Duration::from_secs(5);
+    let mut jobs = elastic_on_hosts(&c, "2", dir.path(), &out, lost);
+    wait_for_step(&dir.path().join("progress"), 2, 2, &mut jobs);
+    c.host(0).cut();
+    let cut_at = Instant::now();
+    let bound = lost + DEADLINE + (lost / 2).max(Duration::from_secs(5));
+    let s2 = jobs[1].wait(LIMIT);
+    let took = cut_at.elapsed();
+    let out2 = jobs[1].output();
+    assert!(!s2.success(), "node2 reported success:\n{out2}");
+    assert!(out2.contains("lost the rendezvous host"), "{out2}");
+    assert!(
+        took < bound,
+        "node2 took {took:?} (bound {bound:?}):\n{out2}"
+    );
+    assert!(c.host(1).running().is_empty(), "{:?}", c.host(1).running());
+    // The store host, alone with min = max = 2, cannot re-form: it fails,
+    // naming the node it lost.
+    let s1 = jobs[0].wait(LIMIT);
+    let out1 = jobs[0].output();
+    assert!(!s1.success(), "node1 reported success:\n{out1}");
+    assert!(out1.contains("node2"), "node1 does not name node2:\n{out1}");
+    assert!(c.host(0).running().is_empty(), "{:?}", c.host(0).running());
+    assert!(
+        results(&out).is_empty(),
+        "a worker finished: {:?}",
+        results(&out)
+    );
+}
+
+#[test]
+fn a_host_powered_off_mid_run_is_dropped_and_the_others_finish() {
+    let Some(mut c) = cluster(3) else { return };
+    let (dir, out) = with_results();
+    let lost = Duration::from_secs(5);
+    let mut jobs = elastic_on_hosts(&c, "2:3", dir.path(), &out, lost);
+    wait_for_step(&dir.path().join("progress"), 3, 2, &mut jobs);
+    c.hosts_mut()[2].power_off();
+    let _ = jobs[2].wait(Duration::from_secs(10));
+    for (h, j) in c.hosts()[..2].iter().zip(&mut jobs) {
+        let s = j.wait(LIMIT);
+        let o = j.output();
+        assert!(s.success(), "{}: {s}\n{o}", h.name);
+        assert!(o.contains("1 lost"), "{}: {o}", h.name);
+    }
+    let r = results(&out);
+    assert_eq!(r.len(), 2, "{r:?}");
+    assert!(
+        r.values()
+            .all(|v| v["world_size"] == 2 && v["attempt"] == 1),
+        "{r:?}"
+    );
+    let mut hosts: Vec<&str> = r.values().map(|v| v["host"].as_str().unwrap()).collect();
+    hosts.sort();
+    assert_eq!(hosts, ["node1", "node2"]);
 }

@@ -368,6 +368,25 @@ impl DynamicRendezvous {
                 joined.push(String::from_utf8_lossy(&v).into_owned());
             }
         }
+        // The last round's nodes that did not come back: the ones this
+        // round waited for in vain (a host lost, say).
+        let mut lost = Vec::new();
+        if let Some(last) = round.checked_sub(1) {
+            let before = self
+                .store
+                .add(&format!("r{last}/join"), 0)
+                .await
+                .unwrap_or(0)
+                .max(0) as usize;
+            for i in 1..=before.min(16) {
+                if let Ok(v) = self.store.get_now(&format!("r{last}/node/{i}")).await {
+                    let id = String::from_utf8_lossy(&v).into_owned();
+                    if !joined.contains(&id) {
+                        lost.push(id);
+                    }
+                }
+            }
+        }
         if arrived > 16 {
             joined.push(format!("and {} more", arrived - 16));
         }
@@ -376,6 +395,7 @@ impl DynamicRendezvous {
             waited: started.elapsed(),
             joined,
             expected: format!("{}..={} nodes", self.bounds.min, self.bounds.max),
+            lost,
         }
     }
 

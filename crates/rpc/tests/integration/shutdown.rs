@@ -47,9 +47,24 @@ async fn references_held_by_a_dead_worker_are_reported_by_name() {
     let mut ws = group(3, BackendType::tcp()).await;
     let r: RRef<i64> = ws[2].remote("w1", "counter", &1i64).unwrap();
     assert_eq!(r.to_here().await.unwrap(), 1);
+    assert_eq!(ws[1].rref_counts().0, 1, "w1 owns the value w2 holds");
     let w2 = ws.pop().unwrap();
     w2.shutdown(false, None).await.unwrap();
-    // w1 learns that w2 is gone; its value is reported, not dropped silently.
+    // w1 finds w2 gone in the background (its reconnect to w2 is refused);
+    // nothing orders that before a shutdown that starts later (shutdown's
+    // barrier fails with an abort that names w2 only when w2's own copy
+    // arrives before w0's relayed one), and a report made before it says
+    // "still referenced by w2", which is true then. So wait until w1 has found
+    // w2 gone: the value only w2 held is then dropped, and must be reported
+    // by name, not dropped silently.
+    let t0 = std::time::Instant::now();
+    while ws[1].rref_counts().0 != 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "w1 never found w2 gone"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     let t: Vec<_> = ws
         .into_iter()
         .map(|w| tokio::spawn(async move { w.shutdown(true, Some(Duration::from_secs(5))).await }))
