@@ -449,7 +449,14 @@ fn a_host_powered_off_mid_run_is_dropped_and_the_others_finish() {
         let s = j.wait(LIMIT);
         let o = j.output();
         assert!(s.success(), "{}: {s}\n{o}", h.name);
+        // Cut off before it died: no reset reaches the others, the
+        // rendezvous finds it dead.
         assert!(o.contains("1 lost"), "{}: {o}", h.name);
+        assert!(
+            o.contains("job succeeded (1 restart(s))"),
+            "{}: {o}",
+            h.name
+        );
     }
     let r = results(&out);
     assert_eq!(r.len(), 2, "{r:?}");
@@ -461,4 +468,44 @@ fn a_host_powered_off_mid_run_is_dropped_and_the_others_finish() {
     let mut hosts: Vec<&str> = r.values().map(|v| v["host"].as_str().unwrap()).collect();
     hosts.sort();
     assert_eq!(hosts, ["node1", "node2"]);
+}
+
+#[test]
+fn a_host_whose_agent_alone_is_sigkilled_leaves_no_worker_and_the_others_finish() {
+    let Some(c) = cluster(3) else { return };
+    let (dir, out) = with_results();
+    let lost = Duration::from_secs(5);
+    let mut jobs = elastic_on_hosts(&c, "2:3", dir.path(), &out, lost);
+    wait_for_step(&dir.path().join("progress"), 3, 2, &mut jobs);
+    jobs[2].signal(libc::SIGKILL);
+    let _ = jobs[2].wait(Duration::from_secs(10));
+    // Its worker dies with it: nothing is left on the host.
+    let t0 = Instant::now();
+    while !c.host(2).running().is_empty() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "left running on node3 after its agent was killed: {:?}",
+            c.host(2).running()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for (h, j) in c.hosts()[..2].iter().zip(&mut jobs) {
+        let s = j.wait(LIMIT);
+        let o = j.output();
+        // Noticed through a worker's failure (the killed worker's connections
+        // reset) or through the rendezvous, whichever comes first.
+        assert!(s.success(), "{}: {s}\n{o}", h.name);
+        assert!(
+            o.contains("job succeeded (1 restart(s))"),
+            "{}: {o}",
+            h.name
+        );
+    }
+    let r = results(&out);
+    assert_eq!(r.len(), 2, "{r:?}");
+    assert!(
+        r.values()
+            .all(|v| v["world_size"] == 2 && v["attempt"] == 1),
+        "{r:?}"
+    );
 }
