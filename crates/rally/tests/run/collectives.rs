@@ -10,10 +10,10 @@ use rallypoint_collectives::{bf16, Options, ReduceOp};
 
 use super::*;
 
-const WORKER: &str = "RALLY_COLL_WORKER";
+pub(crate) const WORKER: &str = "RALLY_COLL_WORKER";
 
 /// Arguments that make this binary run only [`worker`].
-fn worker_args() -> [&'static str; 4] {
+pub(crate) fn worker_args() -> [&'static str; 4] {
     [
         "--exact",
         "collectives::worker",
@@ -22,7 +22,7 @@ fn worker_args() -> [&'static str; 4] {
     ]
 }
 
-fn self_exe() -> String {
+pub(crate) fn self_exe() -> String {
     std::env::current_exe().unwrap().display().to_string()
 }
 

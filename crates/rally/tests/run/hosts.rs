@@ -509,3 +509,50 @@ fn a_host_whose_agent_alone_is_sigkilled_leaves_no_worker_and_the_others_finish(
         "{r:?}"
     );
 }
+
+/// Our collectives across hosts: 2 hosts of 2 ranks each under `rally run`,
+/// so shared memory inside a host and TCP between. Every op is exact.
+#[test]
+fn every_collective_is_exact_across_two_hosts_of_two_ranks() {
+    use super::collectives::{self_exe, worker_args, WORKER};
+    let Some(c) = cluster(2) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let exe = self_exe();
+    let mut jobs: Vec<Job> = c
+        .hosts()
+        .iter()
+        .map(|h| {
+            let mut args = vec![
+                "--nnodes",
+                "2",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                "node1:29400",
+                "--rdzv-id",
+                "coll",
+                "--nproc-per-node",
+                "2",
+                "--no-python",
+                &exe,
+            ];
+            args.extend(worker_args());
+            let mut cmd = rally_on(h, &args);
+            cmd.env(WORKER, "ops");
+            Job::spawn(cmd, dir.path(), &h.name)
+        })
+        .collect();
+    let mut ranks_seen = Vec::new();
+    for (h, j) in c.hosts().iter().zip(&mut jobs) {
+        let s = j.wait(LIMIT);
+        let o = j.output();
+        assert!(s.success(), "{}: {s}\n{o}", h.name);
+        let mine: Vec<usize> = (0..4)
+            .filter(|r| o.contains(&format!("OK rank {r}")))
+            .collect();
+        assert_eq!(mine.len(), 2, "{}: two ranks per host\n{o}", h.name);
+        ranks_seen.extend(mine);
+    }
+    ranks_seen.sort();
+    assert_eq!(ranks_seen, [0, 1, 2, 3]);
+}
