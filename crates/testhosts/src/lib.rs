@@ -82,6 +82,8 @@ pub struct Host {
     bridge: String,
     /// A process that holds the host's UTS namespace (its hostname).
     holder: Child,
+    /// Every host's namespace, this one's included.
+    cluster_ns: Vec<String>,
 }
 
 impl Cluster {
@@ -148,9 +150,14 @@ impl Cluster {
                 port,
                 bridge: bridge.clone(),
                 holder,
+                cluster_ns: Vec::new(),
             });
             let h = c.hosts.last().expect("just pushed");
             h.wait_for_hostname()?;
+        }
+        let all: Vec<String> = c.hosts.iter().map(|h| h.ns.clone()).collect();
+        for h in &mut c.hosts {
+            h.cluster_ns = all.clone();
         }
         Ok(c)
     }
@@ -208,9 +215,15 @@ impl Host {
         ip(&["link", "set", &self.port, "nomaster"]).expect("cut a host off");
     }
 
-    /// Puts a cut-off host back on the bridge.
+    /// Puts a cut-off host back on the bridge. Neighbour (ARP) entries are
+    /// flushed on every host: one that failed, or was still resolving, while
+    /// it was away would refuse the first connections after the heal with "No
+    /// route to host" for seconds (a link coming back up flushes them too).
     pub fn heal(&self) {
         ip(&["link", "set", &self.port, "master", &self.bridge]).expect("heal a host");
+        for ns in &self.cluster_ns {
+            let _ = ip(&["-n", ns, "neigh", "flush", "all"]);
+        }
     }
 
     /// Cuts the host off, then SIGKILLs everything running on it. Its name

@@ -34,12 +34,19 @@ fn worker() {
     };
     let opts = Options {
         shared_memory: !scenario.ends_with("-tcp"),
+        // Across test hosts: a cut-off host is named gone after 3 s, far
+        // below the op timeout (30 minutes by default).
+        peer_timeout: match scenario.as_str() {
+            "loop-hosts" => std::time::Duration::from_secs(3),
+            _ => Options::default().peer_timeout,
+        },
         ..Options::default()
     };
     let g = BlockingGroup::from_env(opts).expect("group from env://");
     match scenario.as_str() {
         "ops" => every_op(&g),
-        "loop" | "loop-tcp" => loop_until_error(&g),
+        "loop" | "loop-tcp" => loop_until_error(&g, false),
+        "loop-hosts" => loop_until_error(&g, true),
         other => panic!("unknown scenario {other}"),
     }
 }
@@ -88,7 +95,8 @@ fn every_op(g: &BlockingGroup) {
 }
 
 /// All-reduces until something fails; reports the error on stderr and exits 3.
-fn loop_until_error(g: &BlockingGroup) {
+/// With `progress`, prints `ITER <n>` every 10 ops.
+fn loop_until_error(g: &BlockingGroup, progress: bool) {
     let mut x = vec![1.0f32; 1 << 20];
     let mut done = 0u64;
     loop {
@@ -97,6 +105,9 @@ fn loop_until_error(g: &BlockingGroup) {
                 done += 1;
                 if done == 3 {
                     println!("READY");
+                }
+                if progress && done % 10 == 0 {
+                    println!("ITER {done}");
                 }
             }
             Err(e) => {

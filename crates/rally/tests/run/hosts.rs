@@ -556,3 +556,183 @@ fn every_collective_is_exact_across_two_hosts_of_two_ranks() {
     ranks_seen.sort();
     assert_eq!(ranks_seen, [0, 1, 2, 3]);
 }
+
+/// Four ranks of our collectives, two on each of two hosts, all-reducing in a
+/// loop (`loop-hosts`: `peer_timeout` 3 s, the op timeout at its 30-minute
+/// default), on a `rally store serve` on node1. Their output lines are
+/// collected as they come.
+struct LoopingRanks {
+    children: Vec<std::process::Child>,
+    lines: Vec<std::sync::Arc<std::sync::Mutex<Vec<String>>>>,
+}
+
+const PEER_TIMEOUT: Duration = Duration::from_secs(3);
+
+impl LoopingRanks {
+    fn start(c: &Cluster) -> LoopingRanks {
+        use super::collectives::{self_exe, worker_args, WORKER};
+        use std::io::BufRead;
+        use std::sync::{Arc, Mutex};
+        let store = c
+            .host(0)
+            .command(env!("CARGO_BIN_EXE_rally"))
+            .args(["store", "serve", "--port", "29600"])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut children = vec![store];
+        let mut lines = Vec::new();
+        for rank in 0..4 {
+            let h = c.host(rank / 2);
+            let mut child = h
+                .command(self_exe())
+                .args(worker_args())
+                .env(WORKER, "loop-hosts")
+                .env("MASTER_ADDR", "node1")
+                .env("MASTER_PORT", "29600")
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", "4")
+                .env("LOCAL_RANK", (rank % 2).to_string())
+                .env("LOCAL_WORLD_SIZE", "2")
+                .env("TORCHELASTIC_USE_AGENT_STORE", "True")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap();
+            let seen = Arc::new(Mutex::new(Vec::new()));
+            for pipe in [
+                Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
+                Box::new(child.stderr.take().unwrap()),
+            ] {
+                let seen = seen.clone();
+                std::thread::spawn(move || {
+                    for l in std::io::BufReader::new(pipe).lines().map_while(Result::ok) {
+                        seen.lock().unwrap().push(l);
+                    }
+                });
+            }
+            children.push(child);
+            lines.push(seen);
+        }
+        let r = LoopingRanks { children, lines };
+        let t0 = Instant::now();
+        while !(0..4).all(|k| r.has(k, "READY")) {
+            assert!(t0.elapsed() < LIMIT, "ranks never got going: {:?}", r.all());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        r
+    }
+
+    /// Whether rank `rank` printed `marker` (the test harness may print on
+    /// the same line before it).
+    fn has(&self, rank: usize, marker: &str) -> bool {
+        self.line(rank, marker).is_some()
+    }
+
+    /// Rank `rank`'s first line with `marker`, from the marker on.
+    fn line(&self, rank: usize, marker: &str) -> Option<String> {
+        let l = self.lines[rank].lock().unwrap();
+        l.iter()
+            .find_map(|l| l.find(marker).map(|at| l[at..].to_owned()))
+    }
+
+    /// The last op count rank `rank` reported.
+    fn iters(&self, rank: usize) -> u64 {
+        let l = self.lines[rank].lock().unwrap();
+        l.iter()
+            .rev()
+            .find_map(|l| l.strip_prefix("ITER ")?.parse().ok())
+            .unwrap_or(0)
+    }
+
+    fn all(&self) -> Vec<Vec<String>> {
+        self.lines
+            .iter()
+            .map(|l| l.lock().unwrap().clone())
+            .collect()
+    }
+
+    /// Rank `rank`'s exit status, waiting up to `limit`.
+    fn wait(&mut self, rank: usize, limit: Duration) -> std::process::ExitStatus {
+        let all = self.all();
+        super::wait_or_kill(&mut self.children[rank + 1], limit, || format!("{all:?}"))
+    }
+}
+
+impl Drop for LoopingRanks {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+}
+
+/// Fails today: survivors name rank 2 (correctly, never a live one) but
+/// 9.2 s after the cut (3 runs of 3) against a bound of 8 s: the write fails
+/// with ETIMEDOUT after `peer_timeout` (3 s), then the transport opens a
+/// fresh connection to tell a dead rank from a live one with a broken
+/// connection (`handshake_timeout` + `ABORT_DEADLINE`, 4 s, plus the SYN's
+/// retransmissions). A timed-out connection already means the host did not
+/// answer for `peer_timeout`; the probe is for resets. Run with `--ignored`.
+#[test]
+#[ignore = "known defect: a cut-off host is named after peer_timeout + the liveness probe (9.2 s), not within peer_timeout + margin (8 s)"]
+fn a_host_cut_off_for_good_mid_all_reduce_is_named_by_every_survivor() {
+    let Some(c) = cluster(2) else { return };
+    let mut ranks = LoopingRanks::start(&c);
+    c.host(1).cut();
+    let cut_at = unix_now();
+    let bound = PEER_TIMEOUT + Duration::from_secs(5);
+    for r in 0..2 {
+        let s = ranks.wait(r, bound + Duration::from_secs(30));
+        let err = ranks
+            .line(r, "ERROR ")
+            .unwrap_or_else(|| panic!("rank {r}: {:?}", ranks.all()));
+        assert_eq!(s.code(), Some(3), "rank {r} must fail, not hang: {err}");
+        assert!(
+            err.contains("rank 2") || err.contains("rank 3"),
+            "rank {r} does not name a cut-off rank: {err}"
+        );
+        for live in ["rank 0 is gone", "rank 1 is gone"] {
+            assert!(!err.contains(live), "rank {r} names a live rank: {err}");
+        }
+        let at: f64 = err.split_whitespace().nth(1).unwrap().parse().unwrap();
+        let lag = Duration::from_secs_f64((at - cut_at).max(0.0));
+        eprintln!("rank {r} failed {lag:?} after the cut: {err}");
+        assert!(
+            lag < bound,
+            "rank {r} took {lag:?} (bound {bound:?}): {err}"
+        );
+    }
+}
+
+#[test]
+fn a_host_cut_off_for_less_than_the_peer_timeout_is_ridden_out() {
+    let Some(c) = cluster(2) else { return };
+    let ranks = LoopingRanks::start(&c);
+    c.host(1).cut();
+    std::thread::sleep(PEER_TIMEOUT / 3);
+    let at_heal: Vec<u64> = (0..4).map(|r| ranks.iters(r)).collect();
+    c.host(1).heal();
+    let t0 = Instant::now();
+    while !(0..4).all(|r| ranks.iters(r) >= at_heal[r] + 30) {
+        assert!(
+            (0..4).all(|r| !ranks.has(r, "ERROR")),
+            "an op failed over a cut shorter than the peer timeout: {:?}",
+            ranks.all()
+        );
+        assert!(
+            t0.elapsed() < LIMIT,
+            "ops did not resume: {:?}",
+            ranks.all()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
