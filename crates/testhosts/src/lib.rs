@@ -355,6 +355,12 @@ fn alive(pid: u32) -> bool {
     std::path::Path::new(&format!("/proc/{pid}")).exists()
 }
 
+/// The pid that made namespace `ns` (`rpt-<pid>-...`), if it is ours.
+fn ns_owner(ns: &str) -> Option<u32> {
+    let rest = ns.strip_prefix(NS_PREFIX)?;
+    u32::from_str_radix(rest.split('-').next()?, 16).ok()
+}
+
 /// Removes the hosts, links and files of clusters whose process is gone (the
 /// first cluster of each process does this itself).
 pub fn sweep_leftovers() {
@@ -367,14 +373,7 @@ pub fn sweep_leftovers() {
         .lines()
     {
         let ns = line.split_whitespace().next().unwrap_or("");
-        let Some(rest) = ns.strip_prefix(NS_PREFIX) else {
-            continue;
-        };
-        let pid = rest
-            .split('-')
-            .next()
-            .and_then(|p| u32::from_str_radix(p, 16).ok());
-        if owner_gone(pid) {
+        if owner_gone(ns_owner(ns)) {
             if let Ok(o) = Command::new("ip").args(["netns", "pids", ns]).output() {
                 for p in String::from_utf8_lossy(&o.stdout).split_whitespace() {
                     if let Ok(p) = p.parse::<i32>() {
@@ -389,15 +388,7 @@ pub fn sweep_leftovers() {
     }
     if let Ok(dir) = std::fs::read_dir("/etc/netns") {
         for e in dir.flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            let Some(rest) = name.strip_prefix(NS_PREFIX) else {
-                continue;
-            };
-            let pid = rest
-                .split('-')
-                .next()
-                .and_then(|p| u32::from_str_radix(p, 16).ok());
-            if owner_gone(pid) {
+            if owner_gone(ns_owner(&e.file_name().to_string_lossy())) {
                 let _ = std::fs::remove_dir_all(e.path());
             }
         }

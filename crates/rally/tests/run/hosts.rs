@@ -292,44 +292,9 @@ fn a_member_cut_off_for_good_is_dropped_and_stops_its_own_workers() {
     let Some(c) = cluster(2) else { return };
     let (dir, out) = with_results();
     let progress = dir.path().join("progress");
-    std::fs::create_dir_all(&progress).unwrap();
-    let p = progress.to_str().unwrap();
     let lost = Duration::from_secs(5);
-    let lost_s = lost.as_secs().to_string();
     // node1 hosts the rendezvous (c10d by name); node2 is the one cut off.
-    let mut jobs: Vec<Job> = c
-        .hosts()
-        .iter()
-        .map(|h| {
-            let mut cmd = rally_on(
-                h,
-                &[
-                    "--nnodes",
-                    "1:2",
-                    "--rdzv-backend",
-                    "c10d",
-                    "--rdzv-endpoint",
-                    "node1:29400",
-                    "--rdzv-id",
-                    "hosts",
-                    "--rdzv-conf",
-                    KEEP_ALIVE,
-                    "--rdzv-lost-timeout",
-                    &lost_s,
-                    "--max-restarts",
-                    "3",
-                    "--nproc-per-node",
-                    "1",
-                ],
-            );
-            cmd.arg(script("ddp_train.py"))
-                .env("RESULT_DIR", &out)
-                .env("STEPS", "60")
-                .env("STEP_SLEEP", "0.1")
-                .env("PROGRESS_DIR", p);
-            Job::spawn(cmd, dir.path(), &h.name)
-        })
-        .collect();
+    let mut jobs = elastic_on_hosts(&c, "1:2", dir.path(), &out, lost);
     // Both nodes are in the round: wait for two ranks training.
     wait_for_step(&progress, 2, 2, &mut jobs);
     c.host(1).cut();
