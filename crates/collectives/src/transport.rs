@@ -666,9 +666,14 @@ impl Shared {
                 // socket) have been delivered: a peer that did its part and
                 // exited must not fail an op that has its frames.
                 let reason = format!("sending to it failed: {e}");
-                // Dead, or alive with this connection broken (reset, or timed
-                // out while its host was briefly unreachable): a connection of
-                // its own tells which, so a live rank is not named gone.
+                // Its host has not answered for `peer_timeout`: gone (see
+                // `host_silent`).
+                if e.kind() == std::io::ErrorKind::TimedOut {
+                    return Err(Fail::Gone { rank: dst, reason });
+                }
+                // Dead, or alive with this connection broken (a reset): a
+                // connection of its own tells which, so a live rank is not
+                // named gone.
                 let within =
                     deadline.min(Instant::now() + self.cfg.handshake_timeout + ABORT_DEADLINE);
                 match self.open(dst, within).await {
@@ -1616,6 +1621,12 @@ enum End {
     Bad(String),
 }
 
+/// Whether a connection ended because the kernel gave up on the peer's host
+/// (no answer for `peer_timeout`: see [`watch_liveness`]).
+fn host_silent(end: &End) -> bool {
+    matches!(end, End::Io(e) | End::Cut(_, e) if e.kind() == std::io::ErrorKind::TimedOut)
+}
+
 async fn read_loop(shared: Arc<Shared>, peer: usize, id: u64, rd: OwnedReadHalf) {
     // Small: headers and small frames come in one read, while most of a large
     // payload bypasses the buffer (what is buffered is copied twice; at 64 KiB
@@ -1661,8 +1672,17 @@ async fn read_loop(shared: Arc<Shared>, peer: usize, id: u64, rd: OwnedReadHalf)
     // that opened it was cancelled, or one we timed out), while a dead one
     // refuses at once. For a cut frame, always on a connection of its own:
     // another open one may be a killed rank's, about to end too.
+    //
+    // A connection the kernel timed out (`TCP_USER_TIMEOUT` or keep-alive,
+    // both set to `peer_timeout` by `watch_liveness`) needs no check: the
+    // peer's host has not answered for `peer_timeout`, which is what gone
+    // means, and a check would wait for another connection to a host that
+    // does not answer (`handshake_timeout` and more: survivors of a host cut
+    // off named it after 9.2 s with a 3 s `peer_timeout`).
     let within = Instant::now() + shared.cfg.handshake_timeout + ABORT_DEADLINE;
-    let alive = if cut.is_some() {
+    let alive = if host_silent(&end) {
+        false
+    } else if cut.is_some() {
         tokio::select! {
             r = shared.open(peer, within) => match r {
                 Ok(s) => {

@@ -640,15 +640,9 @@ fn unix_now() -> f64 {
         .as_secs_f64()
 }
 
-/// Fails today: survivors name rank 2 (correctly, never a live one) but
-/// 9.2 s after the cut (3 runs of 3) against a bound of 8 s: the write fails
-/// with ETIMEDOUT after `peer_timeout` (3 s), then the transport opens a
-/// fresh connection to tell a dead rank from a live one with a broken
-/// connection (`handshake_timeout` + `ABORT_DEADLINE`, 4 s, plus the SYN's
-/// retransmissions). A timed-out connection already means the host did not
-/// answer for `peer_timeout`; the probe is for resets. Run with `--ignored`.
+/// Survivors named rank 2 after 9.2 s (3 runs of 3) before the transport
+/// stopped checking a timed-out connection with a fresh one.
 #[test]
-#[ignore = "known defect: a cut-off host is named after peer_timeout + the liveness probe (9.2 s), not within peer_timeout + margin (8 s)"]
 fn a_host_cut_off_for_good_mid_all_reduce_is_named_by_every_survivor() {
     let Some(c) = cluster(2) else { return };
     let mut ranks = LoopingRanks::start(&c);
