@@ -243,6 +243,32 @@ fn wait_for_step(dir: &Path, ranks: usize, step: u64, jobs: &mut [Job]) {
     }
 }
 
+/// Nothing is left running on `host` once its agent has exited, within 5 s;
+/// names what is left, by command line, otherwise. Not at the instant of the
+/// exit: 1 run of 20 saw a process there that was gone by the time the message
+/// was formatted. Not confirmed which; the agent's watchdog (a child that
+/// exits on reading the agent's release, after the agent) is the likely one.
+fn host_empties(host: &Host) {
+    let t0 = Instant::now();
+    loop {
+        let left = host.running();
+        if left.is_empty() {
+            return;
+        }
+        if t0.elapsed() > Duration::from_secs(5) {
+            let what: Vec<String> = left
+                .iter()
+                .map(|p| {
+                    let cmd = std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
+                    format!("{p}: {}", String::from_utf8_lossy(&cmd).replace('\0', " "))
+                })
+                .collect();
+            panic!("left running on {}: {what:?}", host.name);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Keep-alive of 1 s, 3 beats: a member silent for 3 s is dead.
 const KEEP_ALIVE: &str =
     "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=1,join_timeout=20";
@@ -311,11 +337,7 @@ fn a_member_cut_off_for_good_is_dropped_and_stops_its_own_workers() {
         took < bound,
         "node2 took {took:?} (bound {bound:?}) to give up:\n{out2}"
     );
-    assert!(
-        c.host(1).running().is_empty(),
-        "left running on the cut-off host: {:?}",
-        c.host(1).running()
-    );
+    host_empties(c.host(1));
     // node1 re-forms alone and finishes the job.
     let s1 = jobs[0].wait(LIMIT);
     let out1 = jobs[0].output();
@@ -386,14 +408,14 @@ fn the_rendezvous_host_cut_off_for_good_fails_every_node() {
         took < bound,
         "node2 took {took:?} (bound {bound:?}):\n{out2}"
     );
-    assert!(c.host(1).running().is_empty(), "{:?}", c.host(1).running());
+    host_empties(c.host(1));
     // The store host, alone with min = max = 2, cannot re-form: it fails,
     // naming the node it lost.
     let s1 = jobs[0].wait(LIMIT);
     let out1 = jobs[0].output();
     assert!(!s1.success(), "node1 reported success:\n{out1}");
     assert!(out1.contains("node2"), "node1 does not name node2:\n{out1}");
-    assert!(c.host(0).running().is_empty(), "{:?}", c.host(0).running());
+    host_empties(c.host(0));
     assert!(
         results(&out).is_empty(),
         "a worker finished: {:?}",
@@ -445,15 +467,7 @@ fn a_host_whose_agent_alone_is_sigkilled_leaves_no_worker_and_the_others_finish(
     jobs[2].signal(libc::SIGKILL);
     let _ = jobs[2].wait(Duration::from_secs(10));
     // Its worker dies with it: nothing is left on the host.
-    let t0 = Instant::now();
-    while !c.host(2).running().is_empty() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(5),
-            "left running on node3 after its agent was killed: {:?}",
-            c.host(2).running()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    host_empties(c.host(2));
     for (h, j) in c.hosts()[..2].iter().zip(&mut jobs) {
         let s = j.wait(LIMIT);
         let o = j.output();
