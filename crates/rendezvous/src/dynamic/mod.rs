@@ -355,38 +355,34 @@ impl DynamicRendezvous {
         }
     }
 
-    async fn timeout_error(&self, round: u64, started: Instant) -> RendezvousError {
+    /// How many nodes arrived in round `round`, and the ids of the first 16.
+    async fn arrivals(&self, round: u64) -> (usize, Vec<String>) {
         let arrived = self
             .store
             .add(&format!("r{round}/join"), 0)
             .await
             .unwrap_or(0)
             .max(0) as usize;
-        let mut joined = Vec::new();
+        let mut ids = Vec::new();
         for i in 1..=arrived.min(16) {
             if let Ok(v) = self.store.get_now(&format!("r{round}/node/{i}")).await {
-                joined.push(String::from_utf8_lossy(&v).into_owned());
+                ids.push(String::from_utf8_lossy(&v).into_owned());
             }
         }
+        (arrived, ids)
+    }
+
+    async fn timeout_error(&self, round: u64, started: Instant) -> RendezvousError {
+        let (arrived, mut joined) = self.arrivals(round).await;
         // The last round's nodes that did not come back: the ones this
         // round waited for in vain (a host lost, say).
-        let mut lost = Vec::new();
-        if let Some(last) = round.checked_sub(1) {
-            let before = self
-                .store
-                .add(&format!("r{last}/join"), 0)
-                .await
-                .unwrap_or(0)
-                .max(0) as usize;
-            for i in 1..=before.min(16) {
-                if let Ok(v) = self.store.get_now(&format!("r{last}/node/{i}")).await {
-                    let id = String::from_utf8_lossy(&v).into_owned();
-                    if !joined.contains(&id) {
-                        lost.push(id);
-                    }
-                }
-            }
+        let lost = match round.checked_sub(1) {
+            Some(last) => self.arrivals(last).await.1,
+            None => Vec::new(),
         }
+        .into_iter()
+        .filter(|id| !joined.contains(id))
+        .collect();
         if arrived > 16 {
             joined.push(format!("and {} more", arrived - 16));
         }
