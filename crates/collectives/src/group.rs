@@ -550,6 +550,22 @@ impl ProcessGroup {
         self.comm.sh().kill_at_frame(n);
     }
 
+    /// Test fault (feature `faults`): when this rank is about to send its
+    /// `n`-th TCP data frame from now (0: the next), on any group of its
+    /// transport, it writes the first `after` bytes of it and resets the
+    /// connection, living on; the send reports success.
+    #[cfg(feature = "faults")]
+    pub fn break_at_frame(&self, n: u64, after: u64) {
+        self.comm.sh().break_at_frame(n, after);
+    }
+
+    /// Test fault (feature `faults`): whether [`ProcessGroup::break_at_frame`]
+    /// broke a connection.
+    #[cfg(feature = "faults")]
+    pub fn broke(&self) -> bool {
+        self.comm.sh().broke()
+    }
+
     /// Test fault (feature `faults`): whether this rank was killed.
     #[cfg(feature = "faults")]
     pub fn killed(&self) -> bool {

@@ -257,7 +257,8 @@ pub(crate) enum Origin {
     Leaving,
 }
 
-/// Test faults: a rank that dies the way a killed process does.
+/// Test faults: a rank that dies the way a killed process does, or whose
+/// connection is reset while it lives on.
 struct Faults {
     dead: AtomicBool,
     /// Die on being about to send this data frame (counted from 0).
@@ -265,6 +266,16 @@ struct Faults {
     kill_at: AtomicU64,
     #[cfg(feature = "faults")]
     frames: AtomicU64,
+    /// Break the connection on sending this TCP data frame (counted from
+    /// 0), after this many of its bytes (see [`Shared::break_at_frame`]).
+    #[cfg(feature = "faults")]
+    break_at: AtomicU64,
+    #[cfg(feature = "faults")]
+    break_after: AtomicU64,
+    #[cfg(feature = "faults")]
+    tcp_frames: AtomicU64,
+    #[cfg(feature = "faults")]
+    broke: AtomicBool,
 }
 
 /// The owner's handle: dropping it stops the listener and every reader and closes
@@ -328,6 +339,14 @@ impl Transport {
                 kill_at: AtomicU64::new(u64::MAX),
                 #[cfg(feature = "faults")]
                 frames: AtomicU64::new(0),
+                #[cfg(feature = "faults")]
+                break_at: AtomicU64::new(u64::MAX),
+                #[cfg(feature = "faults")]
+                break_after: AtomicU64::new(0),
+                #[cfg(feature = "faults")]
+                tcp_frames: AtomicU64::new(0),
+                #[cfg(feature = "faults")]
+                broke: AtomicBool::new(false),
             },
         });
         shared.rt.spawn(accept_loop(shared.clone(), listener));
@@ -647,6 +666,10 @@ impl Shared {
         let pick = if self.cfg.streams > 1 { pick } else { 0 };
         let conn = self.conn(dst, pick, deadline).await?;
         let head = header.encode();
+        if let Some(after) = self.breaks_here() {
+            break_conn(&conn, &head, payload, after).await;
+            return Ok(());
+        }
         let write = async {
             let mut frame = WholeFrame {
                 w: Some(conn.writer.clone().lock_owned().await),
@@ -990,11 +1013,50 @@ impl Shared {
         self.is_dead()
     }
 
+    /// Test fault: when about to send the `n`-th TCP data frame from now
+    /// (0: the next), writes its first `after` bytes (header and payload;
+    /// all of them or more: the whole frame), then resets the connection,
+    /// as a middlebox or a short outage can, while this rank lives on. The
+    /// send reports success: what was written before a reset is lost
+    /// without the writer knowing.
+    #[cfg(feature = "faults")]
+    pub fn break_at_frame(&self, n: u64, after: u64) {
+        let now = self.faults.tcp_frames.load(Ordering::Relaxed);
+        self.faults.break_after.store(after, Ordering::Relaxed);
+        self.faults.break_at.store(now + n, Ordering::Relaxed);
+    }
+
+    /// Whether [`Shared::break_at_frame`] broke a connection.
+    #[cfg(feature = "faults")]
+    pub fn broke(&self) -> bool {
+        self.faults.broke.load(Ordering::Relaxed)
+    }
+
+    /// [`Shared::break_at_frame`]'s turn: whether this frame breaks its
+    /// connection, and if so, after how many bytes.
+    fn breaks_here(&self) -> Option<usize> {
+        #[cfg(feature = "faults")]
+        if self.faults.tcp_frames.fetch_add(1, Ordering::Relaxed)
+            == self.faults.break_at.load(Ordering::Relaxed)
+        {
+            self.faults.broke.store(true, Ordering::Relaxed);
+            return Some(self.faults.break_after.load(Ordering::Relaxed) as usize);
+        }
+        None
+    }
+
     /// The data frame at `key` was cut off by its connection breaking while
     /// its sender lived on: fails the receive for it (see [`Router::lose`]).
     fn lose(&self, key: Key, reason: &str) {
         tracing::debug!(rank = self.cfg.rank, ?key, "a frame was cut off: {reason}");
         lock(&self.router).lose(key, reason);
+    }
+
+    /// A connection with `peer` broke while it lived on, where no frame was
+    /// part-way: fails what may have been lost (see [`Router::lose_peer`]).
+    fn lose_peer(&self, peer: usize, reason: &str) {
+        tracing::debug!(rank = self.cfg.rank, peer, "a connection broke: {reason}");
+        lock(&self.router).lose_peer(peer, reason);
     }
 
     /// Marks `peer` gone and fails everything waiting on it.
@@ -1649,18 +1711,22 @@ async fn read_loop(shared: Arc<Shared>, peer: usize, id: u64, rd: OwnedReadHalf)
         shared.mark_gone(peer, &reason);
         return;
     }
-    // A frame cut off part-way is lost if its sender lives on (nothing sends
-    // it again), so its receive must fail at once rather than wait for the
-    // op's timeout; if the sender died, its waiters are to be told that.
+    // A connection that failed (rather than closed between frames) has lost
+    // what the peer had written to it and we had not read: a frame cut off
+    // part-way, a header, or whole frames. Nothing sends them again, so if
+    // the sender lives on, the receives for them must fail at once rather
+    // than wait for the op's timeout; if the sender died, its waiters are to
+    // be told that.
     let cut = match &end {
         End::Cut(key, e) => Some((*key, e.to_string())),
         _ => None,
     };
+    let lossy = matches!(end, End::Io(_) | End::Cut(..));
     // Two connections with a peer (both sides opened one at once) close in any
     // order when it exits, and each reader delivers its frames before it sees
     // the end: the peer is gone only when its last connection has closed,
     // counting one still in its handshake.
-    if !last && cut.is_none() {
+    if !last && !lossy {
         return;
     }
     tokio::select! {
@@ -1670,8 +1736,8 @@ async fn read_loop(shared: Arc<Shared>, peer: usize, id: u64, rd: OwnedReadHalf)
     // Check by connecting anew before naming it gone: a live peer can
     // close a connection too (one it dropped mid-handshake when the op
     // that opened it was cancelled, or one we timed out), while a dead one
-    // refuses at once. For a cut frame, always on a connection of its own:
-    // another open one may be a killed rank's, about to end too.
+    // refuses at once. For a failed connection, always on a connection of
+    // its own: another open one may be a killed rank's, about to end too.
     //
     // A connection the kernel timed out (`TCP_USER_TIMEOUT` or keep-alive,
     // both set to `peer_timeout` by `watch_liveness`) needs no check: the
@@ -1682,7 +1748,7 @@ async fn read_loop(shared: Arc<Shared>, peer: usize, id: u64, rd: OwnedReadHalf)
     let within = Instant::now() + shared.cfg.handshake_timeout + ABORT_DEADLINE;
     let alive = if host_silent(&end) {
         false
-    } else if cut.is_some() {
+    } else if lossy {
         tokio::select! {
             r = shared.open(peer, within) => match r {
                 Ok(s) => {
@@ -1708,6 +1774,36 @@ async fn read_loop(shared: Arc<Shared>, peer: usize, id: u64, rd: OwnedReadHalf)
     }
     if let Some((key, why)) = cut {
         shared.lose(key, &why);
+    }
+    if lossy {
+        shared.lose_peer(peer, &reason);
+    }
+}
+
+/// Test fault: writes the first `after` bytes of a frame to `conn`, then
+/// resets it (see [`Shared::break_at_frame`]).
+async fn break_conn(conn: &Conn, head: &[u8], payload: &[u8], after: usize) {
+    use std::os::fd::AsRawFd;
+    let mut w = conn.writer.lock().await;
+    let n = after.min(head.len());
+    let _ = w.write_all(&head[..n]).await;
+    let m = (after - n).min(payload.len());
+    let _ = w.write_all(&payload[..m]).await;
+    // A `connect` to no address (`AF_UNSPEC`) disconnects a TCP socket,
+    // with a reset (Linux `tcp_disconnect`); the descriptor stays ours, and
+    // both halves then fail.
+    let fd = w.as_ref().as_raw_fd();
+    // SAFETY: a zeroed `sockaddr` with family `AF_UNSPEC` is a valid
+    // argument of its stated length, and `fd` is this connection's socket,
+    // open while `w` is held.
+    unsafe {
+        let mut a: libc::sockaddr = std::mem::zeroed();
+        a.sa_family = libc::AF_UNSPEC as libc::sa_family_t;
+        libc::connect(
+            fd,
+            &a,
+            std::mem::size_of::<libc::sockaddr>() as libc::socklen_t,
+        );
     }
 }
 

@@ -174,6 +174,26 @@ struct Aborted {
     provisional: bool,
 }
 
+/// A connection with a live peer that broke where no frame names what it
+/// lost (see [`Router::lose_peer`]).
+struct Broken {
+    /// Per group, the first collective whose frames from the peer may be
+    /// lost: the oldest running here when the connection broke, or else the
+    /// next. Groups not known then are not affected.
+    from: HashMap<u64, u64>,
+    reason: String,
+}
+
+impl Broken {
+    fn fails(&self, key: &Key) -> bool {
+        key.p2p
+            || self
+                .from
+                .get(&key.comm)
+                .is_some_and(|&from| key.seq >= from)
+    }
+}
+
 /// Frames, waiters, dead peers and aborted groups.
 pub(crate) struct Router {
     slots: HashMap<Key, Slot>,
@@ -188,6 +208,9 @@ pub(crate) struct Router {
     /// Frames cut off by a broken connection before any receive waited for
     /// them (see [`Router::lose`]): the reason, for the receive to come.
     lost: HashMap<Key, String>,
+    /// Peers whose connection broke between frames or in a header while
+    /// they lived on (see [`Router::lose_peer`]).
+    broken: HashMap<usize, Broken>,
     aborted: HashMap<u64, Aborted>,
     /// Cancelled when its group aborts: wakes sends blocked on a full socket.
     abort_signals: HashMap<u64, CancellationToken>,
@@ -214,6 +237,7 @@ impl Router {
             ended_top: HashMap::new(),
             gone: HashMap::new(),
             lost: HashMap::new(),
+            broken: HashMap::new(),
             aborted: HashMap::new(),
             abort_signals: HashMap::new(),
             told: HashSet::new(),
@@ -492,6 +516,12 @@ impl Router {
         if let Some(reason) = self.lost.remove(&key) {
             return Start::Failed(Fail::Lost { rank: src, reason });
         }
+        if let Some(b) = self.broken.get(&src).filter(|b| b.fails(&key)) {
+            return Start::Failed(Fail::Lost {
+                rank: src,
+                reason: b.reason.clone(),
+            });
+        }
         let (tx, rx) = oneshot::channel();
         // A posted receive needs no ask of its own: its op asked for all its
         // frames as it began (`begin_seq`), and posts many receives at once.
@@ -543,6 +573,55 @@ impl Router {
                 self.lost.insert(key, reason.to_owned());
             }
         }
+    }
+
+    /// A connection with `peer` broke while it lived on, where no frame was
+    /// part-way (`reason`, what the read said): between frames, or inside a
+    /// header. Whatever the peer had written to it and we had not read is
+    /// lost, and which frames those were is not known: the frames of any
+    /// collective that has not ended here (the oldest running, or else the
+    /// next, and every later one), and every message. So every receive from
+    /// the peer for those fails, waiting now or started later, rather than
+    /// wait for its op's timeout; frames already filed are whole and are
+    /// taken as usual. Its op fails, and with it the group, as a reset
+    /// connection fails a gloo context.
+    pub fn lose_peer(&mut self, peer: usize, reason: &str) {
+        if self.gone.contains_key(&peer) || self.broken.contains_key(&peer) {
+            return;
+        }
+        let comms: HashSet<u64> = (self.members.keys().copied())
+            .chain(self.ended_top.keys().copied())
+            .chain(self.checks.keys().map(|(c, _)| *c))
+            .chain(self.slots.keys().map(|k| k.comm))
+            .collect();
+        let from = comms
+            .into_iter()
+            .map(|comm| {
+                let running = (self.checks.iter())
+                    .filter(|((c, _), check)| *c == comm && check.local.is_some())
+                    .map(|((_, s), _)| *s)
+                    .min();
+                let next = self.ended_top.get(&comm).copied().unwrap_or(0);
+                (comm, running.map_or(next, |r| r.min(next)))
+            })
+            .collect();
+        let b = Broken {
+            from,
+            reason: reason.to_owned(),
+        };
+        let keys: Vec<Key> = (self.slots.iter())
+            .filter(|(k, s)| k.src as usize == peer && s.waits() && b.fails(k))
+            .map(|(k, _)| *k)
+            .collect();
+        for k in keys {
+            if let Some(tx) = self.slots.remove(&k).and_then(Slot::into_waiter) {
+                let _ = tx.send(Err(Fail::Lost {
+                    rank: peer,
+                    reason: reason.to_owned(),
+                }));
+            }
+        }
+        self.broken.insert(peer, b);
     }
 
     /// Stops waiting for `key` (the deadline passed, or the op ended).
@@ -1133,6 +1212,62 @@ mod tests {
             r.deliver(key(2, ENDED_KEPT + 1), desc(5), buf()),
             Delivery::Clash(_)
         ));
+    }
+
+    /// A connection with a live peer broken between frames (or in a
+    /// header): every receive from it for a collective not ended here fails
+    /// with `Lost`, waiting or started later, and every message; a frame
+    /// filed whole is taken; ended ops, other peers and groups unknown then
+    /// are not affected.
+    #[test]
+    fn a_connection_broken_between_frames_fails_what_may_be_lost() {
+        let lost = |f: Result<Frame, Fail>| matches!(f, Err(Fail::Lost { rank: 2, .. }));
+        let mut r = Router::new(0);
+        for seq in 0..3 {
+            r.begin_seq(1, seq, desc(4)).unwrap();
+        }
+        r.end_seq(1, 0);
+        let mut from2 = waiting(&mut r, key(2, 1));
+        let mut from3 = waiting(&mut r, key(3, 1));
+        assert_eq!(r.deliver(key(2, 2), desc(4), buf()), Delivery::Taken);
+        r.lose_peer(2, "connection reset by peer");
+        assert!(lost(from2.try_recv().unwrap()));
+        assert!(from3.try_recv().is_err(), "another peer's receive failed");
+        assert!(matches!(r.start_recv(key(2, 2), None), Start::Ready(_)));
+        for k in [
+            key(2, 3),
+            Key {
+                p2p: true,
+                ..key(2, 0)
+            },
+        ] {
+            match r.start_recv(k, None) {
+                Start::Failed(f) => assert!(lost(Err(f)), "{k:?}"),
+                _ => panic!("a receive from a broken connection began: {k:?}"),
+            }
+        }
+        // A group created later is not affected.
+        assert!(matches!(
+            r.start_recv(
+                Key {
+                    comm: 9,
+                    ..key(2, 0)
+                },
+                None
+            ),
+            Start::Wait(_)
+        ));
+        // With nothing running, the next op on is lost.
+        let mut r = Router::new(0);
+        r.begin_seq(1, 0, desc(4)).unwrap();
+        r.end_seq(1, 0);
+        r.lose_peer(2, "connection reset by peer");
+        assert!(matches!(r.start_recv(key(2, 1), None), Start::Failed(_)));
+        // Gone first: the waiters were failed naming that.
+        let mut r = Router::new(0);
+        r.mark_gone(2, "EOF");
+        r.lose_peer(2, "reset");
+        assert!(r.broken.is_empty());
     }
 
     #[test]

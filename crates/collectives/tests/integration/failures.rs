@@ -1339,3 +1339,201 @@ async fn a_write_that_fails_on_a_live_rank_does_not_name_it_gone() {
     );
     peer.abort();
 }
+
+/// How a live peer's connection breaks where no frame is part-way.
+#[derive(Clone, Copy, Debug)]
+enum Break {
+    /// Half of the last frame's header, then the connection closes.
+    InHeader,
+    /// The last frame is never sent (lost whole in the sender's socket),
+    /// and the connection is reset.
+    Reset,
+}
+
+/// A hand-written rank's connections: a reader task each, which hands
+/// every frame on with its connection's index, and their write halves.
+struct Conns {
+    frames: tokio::sync::mpsc::UnboundedReceiver<(usize, Header, Vec<u8>)>,
+    writers: Vec<tokio::net::tcp::OwnedWriteHalf>,
+    readers: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Conns {
+    async fn accept(fake: &FakePeer, n: usize) -> Conns {
+        let (tx, frames) = tokio::sync::mpsc::unbounded_channel();
+        let mut c = Conns {
+            frames,
+            writers: Vec::new(),
+            readers: Vec::new(),
+        };
+        for i in 0..n {
+            let (mut rd, wr) = fake.accept().await.1.into_split();
+            let tx = tx.clone();
+            c.readers.push(tokio::spawn(async move {
+                loop {
+                    let mut h = [0u8; HEADER_LEN];
+                    if rd.read_exact(&mut h).await.is_err() {
+                        return;
+                    }
+                    let h = Header::decode(&h).unwrap();
+                    let mut payload = vec![0u8; h.payload_len() as usize];
+                    rd.read_exact(&mut payload).await.unwrap();
+                    let _ = tx.send((i, h, payload));
+                }
+            }));
+            c.writers.push(wr);
+        }
+        c
+    }
+
+    /// The next data frame on any connection: which one, and the frame.
+    async fn data(&mut self) -> (usize, Header, Vec<u8>) {
+        loop {
+            let (i, h, payload) = self.frames.recv().await.unwrap();
+            if matches!(h, Header::Data { .. }) {
+                return (i, h, payload);
+            }
+        }
+    }
+
+    async fn write(&mut self, i: usize, h: &Header, payload: &[u8]) {
+        self.writers[i].write_all(&h.encode()).await.unwrap();
+        self.writers[i].write_all(payload).await.unwrap();
+    }
+
+    /// Breaks connection `i` as `how`, after `h` (the frame it never
+    /// sends whole) was due on it.
+    async fn break_conn(&mut self, i: usize, h: &Header, how: Break) {
+        match how {
+            Break::InHeader => {
+                let w = &mut self.writers[i];
+                w.write_all(&h.encode()[..HEADER_LEN / 2]).await.unwrap();
+                w.flush().await.unwrap();
+            }
+            Break::Reset => socket2::SockRef::from(self.writers[i].as_ref())
+                .set_linger(Some(Duration::ZERO))
+                .unwrap(),
+        }
+        // The socket closes with its last half: the reader's (a write half
+        // dropped first would send a FIN, a clean end, before the reset).
+        self.writers.remove(i).forget();
+        let reader = self.readers.remove(i);
+        reader.abort();
+        let _ = reader.await;
+    }
+}
+
+/// A hand-written rank 1, alive throughout, whose connection (the one it
+/// got the frame on, of `streams`) breaks `how` at the last frame of rank
+/// 0's all_reduce of 16 floats; it echoes the frames before it whole. Any
+/// later connection is answered and kept. Returns how the op ended.
+async fn broken_between_frames(how: Break, streams: usize) -> Result<(), Error> {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let fake = FakePeer::publish(&store, 1).await;
+    let peer = tokio::spawn(async move {
+        let mut conns = Conns::accept(&fake, streams).await;
+        // Every data frame echoed: its header and length are rank 1's (2
+        // ranks, even halves); 64 bytes in all, whatever the algorithm.
+        let mut sent = 0;
+        loop {
+            let (i, h, payload) = conns.data().await;
+            if sent + payload.len() >= 64 {
+                conns.break_conn(i, &h, how).await;
+                break;
+            }
+            sent += payload.len();
+            conns.write(i, &h, &payload).await;
+        }
+        let mut kept = Vec::new();
+        loop {
+            kept.push(fake.accept().await.1);
+        }
+    });
+    let o = Options {
+        shared_memory: false,
+        streams_per_peer: streams,
+        timeout: Duration::from_secs(60),
+        ..opts()
+    };
+    let pg = ProcessGroup::new(store, 0, 2, o).await.unwrap();
+    let r = pg.all_reduce(&mut [1.0f32; 16], ReduceOp::Sum).await;
+    peer.abort();
+    r
+}
+
+/// A connection with a live rank that breaks inside a frame's header (a
+/// partition or reset ends it there), with one stream or two: the op
+/// waiting for that frame fails at once, naming the rank and the broken
+/// connection. It used to wait for the op's timeout (30 minutes by
+/// default): the reader took an end inside a header for one between
+/// frames, where nothing is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_cut_inside_a_frame_header_fails_the_op_naming_the_rank() {
+    for streams in [1, 2] {
+        let t = Instant::now();
+        let e = broken_between_frames(Break::InHeader, streams)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(e, Error::ConnectionLost { rank: 1, .. }),
+            "streams {streams}: {e}"
+        );
+        assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
+    }
+}
+
+/// A connection with a live rank reset between frames, with a frame the
+/// rank had written still unread (lost whole: nothing sends it again). The
+/// op fails at once, naming the rank; it used to wait for its timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frame_lost_whole_to_a_reset_fails_the_op_naming_the_rank() {
+    let t = Instant::now();
+    let e = broken_between_frames(Break::Reset, 1).await.unwrap_err();
+    assert!(matches!(e, Error::ConnectionLost { rank: 1, .. }), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
+}
+
+/// A reset after an op whose frames all came: that op succeeds, and the
+/// next fails naming the rank, whether it began before the reader saw the
+/// reset or after (the rank may have written that op's frames already, to
+/// the connection that lost them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_after_an_op_fails_the_next_not_the_one_that_had_its_frames() {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let fake = FakePeer::publish(&store, 1).await;
+    let (done, done_rx) = tokio::sync::oneshot::channel::<()>();
+    let peer = tokio::spawn(async move {
+        let mut conns = Conns::accept(&fake, 1).await;
+        let mut sent = 0;
+        while sent < 64 {
+            let (i, h, payload) = conns.data().await;
+            sent += payload.len();
+            conns.write(i, &h, &payload).await;
+        }
+        done_rx.await.unwrap();
+        let h = Header::Flow {
+            credit: 0,
+            blocked: false,
+        };
+        conns.break_conn(0, &h, Break::Reset).await;
+        let mut kept = Vec::new();
+        loop {
+            kept.push(fake.accept().await.1);
+        }
+    });
+    let o = Options {
+        shared_memory: false,
+        timeout: Duration::from_secs(60),
+        ..opts()
+    };
+    let pg = ProcessGroup::new(store, 0, 2, o).await.unwrap();
+    let mut x = [1.0f32; 16];
+    pg.all_reduce(&mut x, ReduceOp::Sum).await.unwrap();
+    assert_eq!(x, [2.0; 16]);
+    done.send(()).unwrap();
+    let t = Instant::now();
+    let e = pg.all_reduce(&mut x, ReduceOp::Sum).await.unwrap_err();
+    assert!(matches!(e, Error::ConnectionLost { rank: 1, .. }), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
+    peer.abort();
+}

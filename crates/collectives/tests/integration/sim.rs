@@ -15,7 +15,13 @@
 //! - a **mismatch**: one rank calls something else at one op (another kind,
 //!   size, type, root or operator; a message of another size or type);
 //! - a **kill**: one rank dies as a SIGKILLed process does when it is about to
-//!   send its `k`-th frame, or right after set-up (dead before its first op).
+//!   send its `k`-th frame, or right after set-up (dead before its first op);
+//! - a **break**: one rank, about to send its `k`-th frame over TCP, writes
+//!   part of it (inside the header, inside the payload, or all of it) and
+//!   resets the connection, living on; its send reports success, as a
+//!   write into a socket that a reset then empties does. Drawn from a
+//!   generator of its own, in half of the scenarios that would have had no
+//!   fault, so every other seed's scenario is what it was before breaks.
 //!
 //! Every rank runs the program until its first error and then drops its group
 //! (its process exits), so bystanders that exit on being told are part of
@@ -40,6 +46,13 @@
 //! 4. A dead rank is named by every survivor that fails, and every survivor
 //!    fails at the latest at its first op that depends on every rank after
 //!    the one the victim died in; no error ever names a live rank as gone.
+//!
+//! 5. After a break, no op waits out its deadline (1), and every rank that
+//!    fails names the broken connection (`broke part-way`), or names gone
+//!    only ranks that finished their program and exited (a rank that needed
+//!    a frame lost with the connection may find its sender exited first);
+//!    never a rank that had not exited. Without a break (its frame never
+//!    came), every op succeeds.
 //!
 //! Messages bend "never before" in 3 and 4: an abort fails every message
 //! not yet received, so a rank still in an exchange when a later op fails
@@ -185,6 +198,13 @@ enum Fault {
         rank: usize,
         frame: Option<u64>,
     },
+    /// Rank `rank`, when about to send its `frame`-th data frame over TCP,
+    /// writes its first `after` bytes and resets the connection, living on.
+    Break {
+        rank: usize,
+        frame: u64,
+        after: u64,
+    },
 }
 
 #[derive(Debug)]
@@ -329,6 +349,17 @@ fn scenario(seed: u64) -> Scenario {
             rank: rng.usize(..n),
             frame: (rng.u8(..8) != 0).then(|| rng.u64(..60)),
         },
+    };
+    // Drawn apart, so that every other seed's scenario stays as it was.
+    let mut brk = Rng::with_seed(seed ^ 0xb4ea_c0de);
+    let fault = match fault {
+        Fault::None if brk.bool() => Fault::Break {
+            rank: brk.usize(..n),
+            frame: brk.u64(..40),
+            // In the header, in the payload, or after the whole frame.
+            after: [brk.u64(..40), brk.u64(40..200), u64::MAX][brk.usize(..3)],
+        },
+        f => f,
     };
     let async_pairs = rng.usize(..10) < 3;
     let shm = rng.bool();
@@ -598,6 +629,8 @@ struct Run {
     done: Vec<Out>,
     error: Option<Error>,
     killed: bool,
+    /// Its connection was broken by a `Break` fault.
+    broke: bool,
 }
 
 async fn play(seed: u64, s: &Scenario) -> Vec<Run> {
@@ -606,11 +639,13 @@ async fn play(seed: u64, s: &Scenario) -> Vec<Run> {
         ..sim_opts(s.shm, s.window)
     })
     .await;
-    if let Fault::Kill { rank, frame } = s.fault {
-        match frame {
+    match s.fault {
+        Fault::Kill { rank, frame } => match frame {
             None => pgs[rank].kill(),
             Some(k) => pgs[rank].kill_at_frame(k),
-        }
+        },
+        Fault::Break { rank, frame, after } => pgs[rank].break_at_frame(frame, after),
+        _ => {}
     }
     let tasks: Vec<_> = pgs
         .into_iter()
@@ -647,6 +682,7 @@ async fn play(seed: u64, s: &Scenario) -> Vec<Run> {
                                     done,
                                     error: Some(e),
                                     killed: pg.killed(),
+                                    broke: pg.broke(),
                                 }
                             }
                         }
@@ -657,6 +693,7 @@ async fn play(seed: u64, s: &Scenario) -> Vec<Run> {
                     done,
                     error: None,
                     killed: pg.killed(),
+                    broke: pg.broke(),
                 }
             })
         })
@@ -823,6 +860,37 @@ fn check(seed: u64, s: &Scenario, runs: &[Run]) -> Result<(), String> {
                             return Err(format!("rank {r}'s error names neither the mismatch nor a rank that exited: {t}"));
                         }
                     }
+                }
+            }
+        }
+        Fault::Break { rank: breaker, .. } => {
+            // Invariant 5.
+            if !runs[*breaker].broke {
+                if let Some((r, e)) = runs
+                    .iter()
+                    .enumerate()
+                    .find_map(|(r, run)| Some((r, run.error.as_ref()?)))
+                {
+                    return Err(format!(
+                        "no connection was broken, yet rank {r} failed: {e}"
+                    ));
+                }
+                return Ok(());
+            }
+            // A rank that finished its program exited: one that needed a
+            // frame it lost with the connection may find it gone first.
+            let finished = |g: &usize| runs[*g].error.is_none() && runs[*g].done.len() == len;
+            for (r, run) in runs.iter().enumerate() {
+                let Some(e) = &run.error else { continue };
+                let t = e.to_string();
+                let gone = named_gone(&t);
+                if let Some(g) = gone.iter().find(|g| !finished(g)) {
+                    return Err(format!(
+                        "rank {r}'s error names rank {g} gone, which had not exited: {t}"
+                    ));
+                }
+                if gone.is_empty() && !t.contains("broke part-way") {
+                    return Err(format!("rank {r}'s error names neither the broken connection nor a rank that exited: {t}"));
                 }
             }
         }
