@@ -423,6 +423,48 @@ fn the_rendezvous_host_cut_off_for_good_fails_every_node() {
     );
 }
 
+/// With min = max, a member cut off for good cannot be replaced: the cut-off
+/// node fails having lost the rendezvous host, and the host fails too,
+/// once the round it waits for cannot form (keep-alive deadline plus
+/// `join_timeout`), naming the node it lost. No worker finishes.
+#[test]
+fn a_member_cut_off_for_good_with_min_equal_to_max_fails_every_node_naming_it() {
+    let Some(c) = cluster(2) else { return };
+    let (dir, out) = with_results();
+    let lost = Duration::from_secs(5);
+    let mut jobs = elastic_on_hosts(&c, "2", dir.path(), &out, lost);
+    wait_for_step(&dir.path().join("progress"), 2, 2, &mut jobs);
+    c.host(1).cut();
+    let cut_at = Instant::now();
+    let s2 = jobs[1].wait(LIMIT);
+    let out2 = jobs[1].output();
+    assert!(!s2.success(), "node2 reported success:\n{out2}");
+    assert!(out2.contains("lost the rendezvous host"), "{out2}");
+    host_empties(c.host(1));
+    let join = Duration::from_secs(20);
+    let bound = DEADLINE + join + ((DEADLINE + join) / 2).max(Duration::from_secs(5));
+    let s1 = jobs[0].wait(LIMIT);
+    let took = cut_at.elapsed();
+    let out1 = jobs[0].output();
+    assert!(!s1.success(), "node1 reported success:\n{out1}");
+    let failed = out1.lines().find(|l| l.contains("rendezvous failed"));
+    assert!(
+        failed.is_some_and(|l| l.contains("not back from the last round: node2")),
+        "node1 does not name node2:\n{out1}"
+    );
+    assert!(
+        took < bound,
+        "node1 took {took:?} (bound {bound:?}):\n{out1}"
+    );
+    eprintln!("node1 failed {took:?} after the cut:\n{out1}");
+    host_empties(c.host(0));
+    assert!(
+        results(&out).is_empty(),
+        "a worker finished: {:?}",
+        results(&out)
+    );
+}
+
 #[test]
 fn a_host_powered_off_mid_run_is_dropped_and_the_others_finish() {
     let Some(mut c) = cluster(3) else { return };
@@ -536,91 +578,90 @@ fn every_collective_is_exact_across_two_hosts_of_two_ranks() {
     assert_eq!(ranks_seen, [0, 1, 2, 3]);
 }
 
-/// Four ranks of our collectives, two on each of two hosts, all-reducing in a
-/// loop (`loop-hosts`: `peer_timeout` 3 s, the op timeout at its 30-minute
-/// default), on a `rally store serve` on node1. Their output lines are
-/// collected as they come.
-struct LoopingRanks {
+/// Processes on test hosts whose output lines are collected as they come,
+/// and background ones (a store) killed with them.
+struct Watched {
+    background: Vec<std::process::Child>,
     children: Vec<std::process::Child>,
     lines: Vec<std::sync::Arc<std::sync::Mutex<Vec<String>>>>,
 }
 
-const PEER_TIMEOUT: Duration = Duration::from_secs(3);
+impl Watched {
+    fn new() -> Watched {
+        Watched {
+            background: Vec::new(),
+            children: Vec::new(),
+            lines: Vec::new(),
+        }
+    }
 
-impl LoopingRanks {
-    fn start(c: &Cluster) -> LoopingRanks {
-        use super::collectives::{self_exe, worker_args, WORKER};
-        use std::io::BufRead;
-        use std::sync::{Arc, Mutex};
-        let store = c
-            .host(0)
+    /// A store for the processes, on `host` at `port`.
+    fn store_on(&mut self, host: &Host, port: u16) {
+        let store = host
             .command(env!("CARGO_BIN_EXE_rally"))
-            .args(["store", "serve", "--port", "29600"])
+            .args(["store", "serve", "--port", &port.to_string()])
             .stdout(std::process::Stdio::null())
             .spawn()
             .unwrap();
-        let mut children = vec![store];
-        let mut lines = Vec::new();
-        for rank in 0..4 {
-            let h = c.host(rank / 2);
-            let mut child = h
-                .command(self_exe())
-                .args(worker_args())
-                .env(WORKER, "loop-hosts")
-                .env("MASTER_ADDR", "node1")
-                .env("MASTER_PORT", "29600")
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", "4")
-                .env("LOCAL_RANK", (rank % 2).to_string())
-                .env("LOCAL_WORLD_SIZE", "2")
-                .env("TORCHELASTIC_USE_AGENT_STORE", "True")
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-                .unwrap();
-            let seen = Arc::new(Mutex::new(Vec::new()));
-            for pipe in [
-                Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
-                Box::new(child.stderr.take().unwrap()),
-            ] {
-                let seen = seen.clone();
-                std::thread::spawn(move || {
-                    for l in std::io::BufReader::new(pipe).lines().map_while(Result::ok) {
-                        seen.lock().unwrap().push(l);
-                    }
-                });
-            }
-            children.push(child);
-            lines.push(seen);
+        self.background.push(store);
+    }
+
+    /// Starts `cmd` as process number `self.children.len()`.
+    fn spawn(&mut self, mut cmd: Command) {
+        use std::io::BufRead;
+        let mut child = cmd
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        for pipe in [
+            Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
+            Box::new(child.stderr.take().unwrap()),
+        ] {
+            let seen = seen.clone();
+            std::thread::spawn(move || {
+                for l in std::io::BufReader::new(pipe).lines().map_while(Result::ok) {
+                    seen.lock().unwrap().push(l);
+                }
+            });
         }
-        let r = LoopingRanks { children, lines };
+        self.children.push(child);
+        self.lines.push(seen);
+    }
+
+    /// Waits until every process printed `marker`.
+    fn all_say(&self, marker: &str) {
         let t0 = Instant::now();
-        while !(0..4).all(|k| r.has(k, "READY")) {
-            assert!(t0.elapsed() < LIMIT, "ranks never got going: {:?}", r.all());
+        while !(0..self.children.len()).all(|k| self.has(k, marker)) {
+            assert!(
+                t0.elapsed() < LIMIT,
+                "no {marker:?} from all: {:?}",
+                self.all()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
-        r
     }
 
-    /// Whether rank `rank` printed `marker` (the test harness may print on
+    /// Whether process `i` printed `marker` (the test harness may print on
     /// the same line before it).
-    fn has(&self, rank: usize, marker: &str) -> bool {
-        self.line(rank, marker).is_some()
+    fn has(&self, i: usize, marker: &str) -> bool {
+        self.line(i, marker).is_some()
     }
 
-    /// Rank `rank`'s first line with `marker`, from the marker on.
-    fn line(&self, rank: usize, marker: &str) -> Option<String> {
-        let l = self.lines[rank].lock().unwrap();
+    /// Process `i`'s first line with `marker`, from the marker on.
+    fn line(&self, i: usize, marker: &str) -> Option<String> {
+        let l = self.lines[i].lock().unwrap();
         l.iter()
             .find_map(|l| l.find(marker).map(|at| l[at..].to_owned()))
     }
 
-    /// The last op count rank `rank` reported.
-    fn iters(&self, rank: usize) -> u64 {
-        let l = self.lines[rank].lock().unwrap();
+    /// The last count process `i` reported in a line `<prefix><n>`.
+    fn count(&self, i: usize, prefix: &str) -> u64 {
+        let l = self.lines[i].lock().unwrap();
         l.iter()
             .rev()
-            .find_map(|l| l.strip_prefix("ITER ")?.parse().ok())
+            .find_map(|l| l.strip_prefix(prefix)?.parse().ok())
             .unwrap_or(0)
     }
 
@@ -631,19 +672,49 @@ impl LoopingRanks {
             .collect()
     }
 
-    /// Rank `rank`'s exit status, waiting up to `limit`.
-    fn wait(&mut self, rank: usize, limit: Duration) -> std::process::ExitStatus {
+    /// Process `i`'s exit status, waiting up to `limit`.
+    fn wait(&mut self, i: usize, limit: Duration) -> std::process::ExitStatus {
         let all = self.all();
-        super::wait_or_kill(&mut self.children[rank + 1], limit, || format!("{all:?}"))
+        super::wait_or_kill(&mut self.children[i], limit, || format!("{all:?}"))
     }
 }
 
-impl Drop for LoopingRanks {
+impl Drop for Watched {
     fn drop(&mut self) {
-        for c in &mut self.children {
+        for c in self.children.iter_mut().chain(&mut self.background) {
             let _ = c.kill();
             let _ = c.wait();
         }
+    }
+}
+
+/// Four ranks of our collectives, two on each of two hosts, all-reducing in a
+/// loop (`loop-hosts`: `peer_timeout` 3 s, the op timeout at its 30-minute
+/// default), on a `rally store serve` on node1: rank `r` is process `r`.
+struct LoopingRanks;
+
+const PEER_TIMEOUT: Duration = Duration::from_secs(3);
+
+impl LoopingRanks {
+    fn start(c: &Cluster) -> Watched {
+        use super::collectives::{self_exe, worker_args, WORKER};
+        let mut w = Watched::new();
+        w.store_on(c.host(0), 29600);
+        for rank in 0..4 {
+            let mut cmd = c.host(rank / 2).command(self_exe());
+            cmd.args(worker_args())
+                .env(WORKER, "loop-hosts")
+                .env("MASTER_ADDR", "node1")
+                .env("MASTER_PORT", "29600")
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", "4")
+                .env("LOCAL_RANK", (rank % 2).to_string())
+                .env("LOCAL_WORLD_SIZE", "2")
+                .env("TORCHELASTIC_USE_AGENT_STORE", "True");
+            w.spawn(cmd);
+        }
+        w.all_say("READY");
+        w
     }
 }
 
@@ -692,10 +763,10 @@ fn a_host_cut_off_for_less_than_the_peer_timeout_is_ridden_out() {
     let ranks = LoopingRanks::start(&c);
     c.host(1).cut();
     std::thread::sleep(PEER_TIMEOUT / 3);
-    let at_heal: Vec<u64> = (0..4).map(|r| ranks.iters(r)).collect();
+    let at_heal: Vec<u64> = (0..4).map(|r| ranks.count(r, "ITER ")).collect();
     c.host(1).heal();
     let t0 = Instant::now();
-    while !(0..4).all(|r| ranks.iters(r) >= at_heal[r] + 30) {
+    while !(0..4).all(|r| ranks.count(r, "ITER ") >= at_heal[r] + 30) {
         assert!(
             (0..4).all(|r| !ranks.has(r, "ERROR")),
             "an op failed over a cut shorter than the peer timeout: {:?}",
@@ -706,6 +777,91 @@ fn a_host_cut_off_for_less_than_the_peer_timeout_is_ridden_out() {
             "ops did not resume: {:?}",
             ranks.all()
         );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// w0 on node1 (beside the store), w1 on node2 and w2 on node3, in the RPC
+/// `hosts` scenario: w0 and w1 call w2 in a loop.
+fn rpc_on_three_hosts(c: &Cluster) -> Watched {
+    use super::rpc::{worker_args, WORKER};
+    let mut w = Watched::new();
+    w.store_on(c.host(0), 29601);
+    for rank in 0..3 {
+        let mut cmd = c.host(rank).command(super::collectives::self_exe());
+        cmd.args(worker_args())
+            .env(WORKER, "hosts")
+            .env("MASTER_ADDR", "node1")
+            .env("MASTER_PORT", "29601")
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", "3")
+            .env("TORCHELASTIC_USE_AGENT_STORE", "True");
+        w.spawn(cmd);
+    }
+    w.all_say("READY");
+    // Calls under way on both callers.
+    let t0 = Instant::now();
+    while !(0..2).all(|r| w.count(r, "CALL ") >= 3) {
+        assert!(t0.elapsed() < LIMIT, "no calls: {:?}", w.all());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    w
+}
+
+/// Each caller has a call waiting on w2 when w2's host is cut off for good:
+/// both name w2 dead within the heartbeat deadline plus the margin, never
+/// each other, and the RRef w2 owns fails naming it.
+#[test]
+fn an_rpc_worker_cut_off_past_the_heartbeat_is_named_dead_by_every_caller() {
+    use super::rpc::HEARTBEAT;
+    let Some(c) = cluster(3) else { return };
+    let mut w = rpc_on_three_hosts(&c);
+    c.host(2).cut();
+    let cut_at = unix_now();
+    let bound = HEARTBEAT + Duration::from_secs(5);
+    for r in 0..2 {
+        let s = w.wait(r, bound + Duration::from_secs(30));
+        let err = w
+            .line(r, "ERROR ")
+            .unwrap_or_else(|| panic!("w{r}: {:?}", w.all()));
+        assert_eq!(s.code(), Some(3), "w{r} must fail, not hang: {err}");
+        assert!(err.contains("w2"), "w{r} does not name w2: {err}");
+        assert!(
+            !err.contains(&format!("w{}", 1 - r)),
+            "w{r} names a live worker: {err}"
+        );
+        let at: f64 = err.split_whitespace().nth(1).unwrap().parse().unwrap();
+        let lag = Duration::from_secs_f64((at - cut_at).max(0.0));
+        eprintln!("w{r} failed {lag:?} after the cut: {err}");
+        assert!(lag < bound, "w{r} took {lag:?} (bound {bound:?}): {err}");
+        let rref = w.line(r, "RREF ").unwrap();
+        eprintln!("w{r}'s RRef: {rref}");
+        assert!(
+            rref.contains("w2") && !rref.contains("returned"),
+            "w{r}'s RRef owned by w2: {rref}"
+        );
+    }
+}
+
+/// w2's host cut off for a third of the heartbeat deadline: no caller names
+/// it dead, and calls resume once it heals.
+#[test]
+fn an_rpc_worker_cut_off_for_less_than_the_heartbeat_is_ridden_out() {
+    use super::rpc::HEARTBEAT;
+    let Some(c) = cluster(3) else { return };
+    let w = rpc_on_three_hosts(&c);
+    c.host(2).cut();
+    std::thread::sleep(HEARTBEAT / 3);
+    let at_heal: Vec<u64> = (0..2).map(|r| w.count(r, "CALL ")).collect();
+    c.host(2).heal();
+    let t0 = Instant::now();
+    while !(0..2).all(|r| w.count(r, "CALL ") >= at_heal[r] + 10) {
+        assert!(
+            (0..2).all(|r| !w.has(r, "ERROR")),
+            "a call failed over a cut shorter than the heartbeat: {:?}",
+            w.all()
+        );
+        assert!(t0.elapsed() < LIMIT, "calls did not resume: {:?}", w.all());
         std::thread::sleep(Duration::from_millis(50));
     }
 }

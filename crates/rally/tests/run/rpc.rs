@@ -8,9 +8,9 @@ use rallypoint_rpc::{init_rpc, Rpc, RpcBackendOptions};
 
 use super::*;
 
-const WORKER: &str = "RALLY_RPC_WORKER";
+pub(crate) const WORKER: &str = "RALLY_RPC_WORKER";
 
-fn worker_args() -> [&'static str; 4] {
+pub(crate) fn worker_args() -> [&'static str; 4] {
     ["--exact", "rpc::worker", "--nocapture", "--test-threads=1"]
 }
 
@@ -23,6 +23,10 @@ fn worker() {
         return;
     }
     let rt = tokio::runtime::Runtime::new().unwrap();
+    if std::env::var(WORKER).as_deref() == Ok("hosts") {
+        rt.block_on(across_hosts());
+        return;
+    }
     rt.block_on(async {
         let rank: u32 = std::env::var("RANK").unwrap().parse().unwrap();
         let opts = RpcBackendOptions::default();
@@ -48,6 +52,61 @@ fn worker() {
             tokio::time::sleep(Duration::from_secs(60)).await;
         }
     });
+}
+
+/// The heartbeat deadline of the `hosts` scenario.
+pub(crate) const HEARTBEAT: Duration = Duration::from_secs(3);
+
+/// Scenario `hosts`: three workers, w2 the callee. w0 and w1 each hold an
+/// RRef that w2 owns (checked once), print `READY`, then call w2's
+/// `sleep_ms` (200 ms, no call timeout: only the heartbeat can end a call
+/// to a silent worker) in a loop, printing `CALL <n>` after each. When a call
+/// fails they print `ERROR <unix time> <error>`, then `RREF <error>` for
+/// the RRef's next use, and exit 3. w2 serves until killed.
+async fn across_hosts() {
+    let rank: u32 = std::env::var("RANK").unwrap().parse().unwrap();
+    let opts = RpcBackendOptions {
+        heartbeat: HEARTBEAT,
+        ..RpcBackendOptions::default()
+    };
+    opts.functions
+        .register_async("sleep_ms", |_rpc: Rpc, ms: u64| async move {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            Ok::<u64, String>(ms)
+        })
+        .unwrap();
+    opts.functions
+        .register_async("answer", |_rpc: Rpc, (): ()| async move {
+            Ok::<i64, String>(42)
+        })
+        .unwrap();
+    let rpc = init_rpc(&format!("w{rank}"), None, None, Some(3), Some(opts))
+        .await
+        .expect("init_rpc");
+    if rank == 2 {
+        println!("READY");
+        tokio::time::sleep(Duration::from_secs(600)).await;
+        return;
+    }
+    let rref = rpc.remote::<_, i64>("w2", "answer", &()).unwrap();
+    assert_eq!(rref.to_here().await.unwrap(), 42);
+    println!("READY");
+    for n in 1.. {
+        let call = rpc.rpc_sync_timeout::<_, u64>("w2", "sleep_ms", &200u64, Some(Duration::ZERO));
+        if let Err(e) = call.await {
+            let at = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_secs_f64();
+            println!("ERROR {at:.3} {e}");
+            match rref.to_here().await {
+                Ok(v) => println!("RREF returned {v}"),
+                Err(e) => println!("RREF {e}"),
+            }
+            std::process::exit(3);
+        }
+        println!("CALL {n}");
+    }
 }
 
 #[test]
