@@ -23,7 +23,8 @@ dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[
     os.environ.get("RALLY_BENCH_DTYPE", "f32")
 ]
 
-store = dist.TCPStore("127.0.0.1", port, n, is_master=False, timeout=timedelta(seconds=600))
+store_host = os.environ.get("RALLY_BENCH_STORE_HOST", "127.0.0.1")
+store = dist.TCPStore(store_host, port, n, is_master=False, timeout=timedelta(seconds=600))
 store = dist.PrefixStore(prefix, store)
 dist.init_process_group("gloo", store=store, rank=rank, world_size=n, timeout=timedelta(seconds=600))
 

@@ -397,8 +397,16 @@ pub fn rank(
             .build()?,
     };
     rt.block_on(async move {
+        // Across test hosts (`collectives-hosts`), the store is on another
+        // host and each rank advertises its own address.
+        let store_host =
+            std::env::var("RALLY_BENCH_STORE_HOST").unwrap_or_else(|_| "127.0.0.1".into());
+        let advertise = match std::env::var("RALLY_BENCH_ADVERTISE").as_deref() {
+            Ok("auto") => None,
+            _ => Some("127.0.0.1".parse()?),
+        };
         let store: Arc<dyn Store> = Arc::new(
-            TcpStore::builder("127.0.0.1", port)
+            TcpStore::builder(&store_host, port)
                 .timeout(Duration::from_secs(600))
                 .connect()
                 .await?,
@@ -406,7 +414,7 @@ pub fn rank(
         let pg = ProcessGroup::new(store, rank, n, {
             let mut o = Options {
                 prefix,
-                advertise: Some("127.0.0.1".parse()?),
+                advertise,
                 ..Options::default()
             };
             if let Some(s) = std::env::var("RALLY_BENCH_SEGMENT")
@@ -724,9 +732,13 @@ fn stream(w: TcpStream, r: Option<TcpStream>, bytes: u64, sends: bool) -> Result
 
 /// One side of the raw measurement: receivers print `RATE bytes/s`.
 pub fn raw(role: &str, port: u16, bytes: u64, mode: &str) -> Result<()> {
-    let s = match role {
-        "listen" => TcpListener::bind(("127.0.0.1", port))?.accept()?.0,
-        _ => TcpStream::connect(("127.0.0.1", port))?,
+    // Across test hosts (`collectives-hosts`): the listener's host.
+    let across = std::env::var("RALLY_BENCH_RAW_HOST").ok();
+    let s = match (role, across) {
+        ("listen", None) => TcpListener::bind(("127.0.0.1", port))?.accept()?.0,
+        ("listen", Some(_)) => TcpListener::bind(("0.0.0.0", port))?.accept()?.0,
+        (_, None) => TcpStream::connect(("127.0.0.1", port))?,
+        (_, Some(h)) => TcpStream::connect((h.as_str(), port))?,
     };
     s.set_nodelay(true)?;
     let sends = mode == "duplex" || role == "connect";

@@ -17,7 +17,9 @@
 //! (see `launch.rs`); `rallypoint-bench agent` compares `rally run` with torchrun
 //! (see `agent.rs`); `rallypoint-bench collectives` compares our process group
 //! with torch's gloo (see `collectives.rs`); `rallypoint-bench rpc` compares our
-//! RPC with PyTorch's TensorPipe agent (see `rpc.rs`).
+//! RPC with PyTorch's TensorPipe agent (see `rpc.rs`);
+//! `rallypoint-bench collectives-hosts` runs all_reduce across two test hosts
+//! with capped links (see `hosts.rs`).
 
 use std::io::{Read, Write};
 use std::net::SocketAddr;
@@ -38,6 +40,7 @@ mod agent;
 mod ceilings;
 mod collectives;
 mod etcd;
+mod hosts;
 mod idle;
 mod launch;
 mod reduce;
@@ -68,6 +71,8 @@ enum Cmd {
     Etcd(etcd::EtcdArgs),
     /// Collectives: our process group against torch's gloo, and the raw TCP ceiling.
     Collectives(collectives::CollectivesArgs),
+    /// all_reduce across two test hosts with capped links: two-level, flat ring, gloo.
+    CollectivesHosts(hosts::HostsArgs),
     /// RPC: ours against PyTorch's (TensorPipe), and the raw TCP ceilings.
     Rpc(rpc::RpcArgs),
     /// One rank's reduction of a segment, per element type, beside a copy.
@@ -170,6 +175,7 @@ fn main() -> Result<()> {
         Cmd::Etcd(args) => etcd::run(args),
         Cmd::Echo { req, reply } => async_echo(req, reply),
         Cmd::Collectives(args) => collectives::run(args),
+        Cmd::CollectivesHosts(args) => hosts::run(args),
         Cmd::Rpc(args) => rpc::run(args),
         Cmd::Reduce(args) => reduce::run(args),
         Cmd::RpcWorker { mode } => rpc::worker(&mode),
