@@ -37,7 +37,11 @@ pub struct HostsArgs {
     #[arg(long, default_value_t = 64 << 20)]
     bytes: usize,
     /// Sides: any of rally, rally-flat, gloo, raw.
-    #[arg(long, value_delimiter = ',', default_value = "raw,rally,rally-flat,gloo")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "raw,rally,rally-flat,gloo"
+    )]
     sides: Vec<String>,
     /// Repetitions (the sides alternate within each).
     #[arg(long, default_value_t = 3)]
@@ -92,10 +96,16 @@ pub fn run(args: HostsArgs) -> Result<()> {
             .reduce(f64::min)
     };
     if let (Some(a), Some(g)) = (best("rally"), best("gloo")) {
-        println!("# best of each: rally {a:.3} s, gloo {g:.3} s, gloo / rally {:.2}", g / a);
+        println!(
+            "# best of each: rally {a:.3} s, gloo {g:.3} s, gloo / rally {:.2}",
+            g / a
+        );
     }
     if let (Some(a), Some(f)) = (best("rally"), best("rally-flat")) {
-        println!("# best of each: rally {a:.3} s, rally-flat {f:.3} s, flat / two-level {:.2}", f / a);
+        println!(
+            "# best of each: rally {a:.3} s, rally-flat {f:.3} s, flat / two-level {:.2}",
+            f / a
+        );
     }
     drop(store);
     Ok(())
@@ -158,18 +168,28 @@ fn side_once(c: &Cluster, side: &str, rep: usize, bytes: usize) -> Result<f64> {
         .env_remove("HOSTNAME")
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());
-        children.push(cmd.spawn().with_context(|| format!("starting {side} rank {r}"))?);
+        children.push(
+            cmd.spawn()
+                .with_context(|| format!("starting {side} rank {r}"))?,
+        );
     }
     let mut slowest: Option<f64> = None;
     for (r, mut ch) in children.into_iter().enumerate() {
         let mut out = String::new();
-        ch.stdout.take().context("stdout")?.read_to_string(&mut out)?;
+        ch.stdout
+            .take()
+            .context("stdout")?
+            .read_to_string(&mut out)?;
         let status = ch.wait()?;
         if !status.success() {
             bail!("{side} rank {r} exited with {status}");
         }
         for l in out.lines().filter_map(|l| l.strip_prefix("RESULT ")) {
-            let secs: f64 = l.split_whitespace().nth(2).context("RESULT line")?.parse()?;
+            let secs: f64 = l
+                .split_whitespace()
+                .nth(2)
+                .context("RESULT line")?
+                .parse()?;
             slowest = Some(slowest.map_or(secs, |s: f64| s.max(secs)));
         }
     }
@@ -181,7 +201,13 @@ fn side_once(c: &Cluster, side: &str, rep: usize, bytes: usize) -> Result<f64> {
 fn raw_duplex(c: &Cluster, bytes: u64) -> Result<f64> {
     let spawn = |h: &Host, role: &str| -> Result<Child> {
         h.command(std::env::current_exe()?)
-            .args(["coll-raw", role, &RAW_PORT.to_string(), &bytes.to_string(), "duplex"])
+            .args([
+                "coll-raw",
+                role,
+                &RAW_PORT.to_string(),
+                &bytes.to_string(),
+                "duplex",
+            ])
             .env("RALLY_BENCH_RAW_HOST", &c.host(0).name)
             .stdout(Stdio::piped())
             .spawn()
@@ -212,5 +238,8 @@ fn raw_duplex(c: &Cluster, bytes: u64) -> Result<f64> {
             }
         }
     }
-    rates.into_iter().reduce(f64::min).context("no rate reported")
+    rates
+        .into_iter()
+        .reduce(f64::min)
+        .context("no rate reported")
 }
