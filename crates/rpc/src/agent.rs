@@ -127,8 +127,9 @@ pub struct AgentInner {
     pub(crate) devices: RwLock<Vec<Device>>,
     pub(crate) device_info: DeviceInfo,
     leaks: Mutex<Vec<Leak>>,
-    /// Workers found gone (their transport or their process group said so),
-    /// and why: control messages to them are not retried.
+    /// Workers found gone (their transport or their process group said so,
+    /// not the heartbeat alone), and why: control messages to them are not
+    /// retried.
     gone: Mutex<HashMap<u32, String>>,
     /// Functions registered with [`Functions::register_blocking`] running at
     /// once, at most `num_worker_threads`.
@@ -397,6 +398,7 @@ impl AgentInner {
                 self.peer_gone(
                     *r as u32,
                     "it shut down without waiting for the others (it gave up the group)",
+                    true,
                 );
             }
         }

@@ -99,7 +99,7 @@ impl AgentInner {
                     self.heartbeat.as_secs_f64()
                 );
                 tracing::warn!(worker = %self.me.name, peer = %self.name_of(peer), "{reason}");
-                self.peer_gone(peer, &reason);
+                self.peer_gone(peer, &reason, false);
             } else if silent >= probe_after {
                 let mut probed = self.probed.lock().unwrap_or_else(|e| e.into_inner());
                 let due = probed

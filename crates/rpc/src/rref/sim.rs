@@ -16,6 +16,14 @@
 //!   it late or twice. Between live workers one of the 5 tries gets through.
 //! * A worker killed stops at once; every other worker hears that it is gone
 //!   (its process group says so) after a random delay of up to 2 s.
+//! * A live worker may be **suspected**: one other worker hears that it is
+//!   gone while it lives on, as the heartbeat concludes of a worker cut off
+//!   past its deadline that comes back. The suspecter acts as on a death:
+//!   it forgets the suspect's users of its values and fails its calls and
+//!   fetches towards it, but still retries control messages to it (only a
+//!   proven death stops them). Drawn
+//!   from a generator of its own, so every seed's schedule without one is
+//!   what it was.
 //! * A call may time out before its answer; a send may fail before it leaves
 //!   (its forks are cancelled); a message may be undecodable (its forks are
 //!   adopted and dropped at once); a `remote()` function may fail.
@@ -31,7 +39,11 @@
 //!    a fetch by a live user never finds its value gone. Values a killed
 //!    worker held or owned are exempt: a parent that dies before its child
 //!    is accepted takes the owner's record of that child with it (as in
-//!    PyTorch).
+//!    PyTorch). So are, from a suspicion on, the values the suspect held or
+//!    owned and those of forks on their way to it from its suspecter: the
+//!    suspecter released what it knew of them, as for a death, so a live
+//!    suspect's use may find its value gone (an error naming it, never
+//!    another value). The other invariants hold for suspects as for anyone.
 //! 2. **G2: nothing leaks.** Once every handle is dropped and the system is
 //!    quiet (and tombstones have expired), every live worker's table is
 //!    empty: no owned value, no user, no child.
@@ -70,6 +82,9 @@ pub struct Config {
     pub timeout_ms: Option<u64>,
     pub kills: usize,
     pub shutdown: bool,
+    /// Live workers suspected dead by one other (drawn apart: see the
+    /// module docs).
+    pub suspicions: usize,
 }
 
 impl Config {
@@ -85,8 +100,14 @@ impl Config {
             timeout_ms: [None, Some(100), Some(2_000)][rng.usize(0..3)],
             kills: [0, 0, 1, 2][rng.usize(0..4)],
             shutdown: rng.bool(),
+            suspicions: 0,
         }
     }
+}
+
+/// The generator of suspicions, apart from the run's (see the module docs).
+fn suspicion_rng(seed: u64) -> fastrand::Rng {
+    fastrand::Rng::with_seed(seed ^ 0x5005_9ec7)
 }
 
 /// A handle a program holds.
@@ -174,6 +195,8 @@ enum Ev {
         at: u32,
         peer: u32,
     },
+    /// A live worker is suspected dead by another (both picked then).
+    Suspect,
     FunctionDone {
         at: u32,
         rref: RRefId,
@@ -225,7 +248,10 @@ struct Worker {
     alive: bool,
     held: Vec<Held>,
     shutting: bool,
+    /// Workers it heard died: control messages to them are not retried.
     gone: BTreeSet<u32>,
+    /// Live workers it took for gone (see `Sim::suspect`).
+    suspected: BTreeSet<u32>,
     next: u64,
     /// Fetches waiting here for a pending value: (wait, from, rref).
     fetches: Vec<(u64, u32, RRefId)>,
@@ -249,6 +275,8 @@ pub struct Sim {
     kills_left: usize,
     /// Values a killed worker held or owned (exempt from G1).
     tainted: BTreeSet<RRefId>,
+    /// Draws the suspicions (see the module docs).
+    srng: fastrand::Rng,
     pub trace: Vec<String>,
     keep_trace: bool,
     broken: Option<String>,
@@ -294,7 +322,9 @@ impl Sim {
 
     pub fn new(seed: u64, keep_trace: bool) -> Sim {
         let mut rng = fastrand::Rng::with_seed(seed);
-        let cfg = Config::draw(&mut rng);
+        let mut cfg = Config::draw(&mut rng);
+        let mut srng = suspicion_rng(seed);
+        cfg.suspicions = [0, 0, 1, 2][srng.usize(0..4)];
         let base = Instant::now();
         let workers = (0..cfg.workers)
             .map(|i| Worker {
@@ -303,6 +333,7 @@ impl Sim {
                 held: Vec::new(),
                 shutting: false,
                 gone: BTreeSet::new(),
+                suspected: BTreeSet::new(),
                 next: 1,
                 fetches: Vec::new(),
             })
@@ -323,12 +354,18 @@ impl Sim {
             calls: BTreeMap::new(),
             next_id: 1,
             tainted: BTreeSet::new(),
+            srng,
             trace: Vec::new(),
             keep_trace,
             broken: None,
             steps: 0,
         };
         sim.at(0, Ev::Op);
+        // During the program (its ops are about 10 ms apart).
+        for _ in 0..sim.cfg.suspicions {
+            let t = sim.srng.u64(0..=sim.cfg.ops as u64 * 10);
+            sim.at(t, Ev::Suspect);
+        }
         sim
     }
 
@@ -457,6 +494,7 @@ impl Sim {
                 }
             }
             Ev::Gone { at, peer } => self.gone(at, peer),
+            Ev::Suspect => self.suspect(),
             Ev::FunctionDone {
                 at,
                 rref,
@@ -707,7 +745,9 @@ impl Sim {
         };
         match h {
             Held::Owner(r) => {
-                if self.workers[w as usize].table.value(r).is_none() {
+                // A handle of a value deleted on a suspicion (or a death) is
+                // of nothing: its use fails.
+                if self.workers[w as usize].table.value(r).is_none() && !self.tainted.contains(&r) {
                     self.violate(format!("w{w} holds an owner handle of {r} with no entry"));
                 }
             }
@@ -783,12 +823,52 @@ impl Sim {
         }
     }
 
+    /// A live worker is suspected dead by another, which acts as on a death.
+    fn suspect(&mut self) {
+        let live = self.live();
+        if live.len() < 2 {
+            return;
+        }
+        let at = live[self.srng.usize(0..live.len())];
+        let others: Vec<u32> = live.into_iter().filter(|&w| w != at).collect();
+        let peer = others[self.srng.usize(0..others.len())];
+        self.log(|| format!("w{at}: SUSPECTS live w{peer}"));
+        // As for a kill, the values the suspect holds or owns are exempt
+        // from G1 from now on, and so are those of forks on their way to it
+        // from its suspecter (whose parents the suspecter now releases).
+        let t = &self.workers[peer as usize].table;
+        let mut tainted: Vec<RRefId> = t.owned();
+        tainted.extend(t.user_list().into_iter().map(|u| u.1));
+        for e in self.events.values() {
+            if let Ev::Deliver {
+                from,
+                to,
+                msg: Msg::Carry { forks, .. },
+            } = e
+            {
+                if *from == at && *to == peer {
+                    tainted.extend(forks.iter().map(|f| f.rref));
+                }
+            }
+        }
+        self.tainted.extend(tainted);
+        self.workers[at as usize].suspected.insert(peer);
+        self.lose(at, peer);
+    }
+
+    /// `at` hears that `peer` died (its process group says so).
     fn gone(&mut self, at: u32, peer: u32) {
         if !self.workers[at as usize].alive {
             return;
         }
         self.log(|| format!("w{at}: hears w{peer} is gone"));
         self.workers[at as usize].gone.insert(peer);
+        self.lose(at, peer);
+    }
+
+    /// What `at` does when it takes `peer` for gone, proven or suspected:
+    /// releases its references, fails its calls and fetches towards it.
+    fn lose(&mut self, at: u32, peer: u32) {
         self.on(at, |t, out| {
             t.peer_gone(peer, "dead", out);
         });
