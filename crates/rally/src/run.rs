@@ -784,10 +784,18 @@ impl EventSink for Console {
             AgentEvent::MembershipChanged {
                 nodes_waiting,
                 members_dead,
+                lost,
                 ..
-            } => say!(
-                "rally run: membership changed ({nodes_waiting} node(s) waiting, {members_dead} lost); re-forming the group"
-            ),
+            } => {
+                let who = if lost.is_empty() {
+                    String::new()
+                } else {
+                    format!(": {}", lost.join(", "))
+                };
+                say!(
+                    "rally run: membership changed ({nodes_waiting} node(s) waiting, {members_dead} lost{who}); re-forming the group"
+                )
+            }
             AgentEvent::GroupRestarting {
                 failed_rounds,
                 max_restarts,

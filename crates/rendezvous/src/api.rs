@@ -125,7 +125,7 @@ pub trait RendezvousHandler: Send + Sync {
     async fn membership(&self) -> Result<MembershipChange, RendezvousError> {
         Ok(MembershipChange {
             waiting: self.num_nodes_waiting().await?,
-            dead: 0,
+            ..MembershipChange::default()
         })
     }
 
@@ -220,12 +220,14 @@ pub trait RendezvousHandler: Send + Sync {
 }
 
 /// How a round's membership changed since it formed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct MembershipChange {
     /// Nodes waiting to join (or members coming back).
     pub waiting: usize,
     /// Members that stopped keeping alive without leaving.
     pub dead: usize,
+    /// The node ids of those members, where the backend knows them.
+    pub lost: Vec<String>,
 }
 
 /// What a backend is created from (torchrun's `--rdzv-*` flags).

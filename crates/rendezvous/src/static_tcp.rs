@@ -230,6 +230,7 @@ impl RendezvousHandler for StaticTcpRendezvous {
         Ok(MembershipChange {
             waiting: 0,
             dead: dead.max(0) as usize,
+            lost: Vec::new(),
         })
     }
 

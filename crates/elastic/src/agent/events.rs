@@ -57,6 +57,8 @@ pub enum AgentEvent {
         round: u64,
         nodes_waiting: usize,
         members_dead: usize,
+        /// The dead members' node ids, where the backend knows them.
+        lost: Vec<String>,
     },
     /// Another node closed the run after success: no more rounds; workers go on.
     RunClosedAfterSuccess {
@@ -184,8 +186,10 @@ impl AgentEvent {
                 round,
                 nodes_waiting,
                 members_dead,
+                lost,
             } => json!({
                 "round": round, "nodes_waiting": nodes_waiting, "members_dead": members_dead,
+                "lost": lost,
             }),
             AgentEvent::RunClosedAfterSuccess { round } => json!({ "round": round }),
             AgentEvent::SignalReceived { signal, phase } => json!({

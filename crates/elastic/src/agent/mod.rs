@@ -360,10 +360,12 @@ impl Agent {
                 round,
                 waiting,
                 dead,
+                lost,
             } => self.emit(AgentEvent::MembershipChanged {
                 round,
                 nodes_waiting: waiting,
                 members_dead: dead,
+                lost,
             }),
             Action::NoteRestart { failed_rounds } => {
                 let cause = round

@@ -281,6 +281,8 @@ pub enum Observation {
         waiting: usize,
         dead: usize,
         finishing: bool,
+        /// The dead members' node ids, where the backend knows them.
+        lost: Vec<String>,
     },
     /// The run's verdict is published.
     Closed(Closed),
@@ -412,6 +414,8 @@ pub enum Action {
         round: u64,
         waiting: usize,
         dead: usize,
+        /// The dead members' node ids, where known.
+        lost: Vec<String>,
     },
     /// A failure within the budget: the group restarts.
     NoteRestart {
@@ -562,6 +566,7 @@ impl Policy {
                         round,
                         waiting: 0,
                         dead: 0,
+                        lost: Vec::new(),
                     },
                     A::NoteUnreachable { error: e },
                     A::Join,
@@ -580,13 +585,19 @@ impl Policy {
                 Observation::Changed { dead, .. } if dead > 0 && !self.limits.reforms => {
                     self.end_publishing_failure(Failure::MemberLostFixedGroup)
                 }
-                Observation::Changed { waiting, dead, .. } if dead > 0 || waiting > 0 => (
+                Observation::Changed {
+                    waiting,
+                    dead,
+                    lost,
+                    ..
+                } if dead > 0 || waiting > 0 => (
                     Phase::Rendezvous,
                     vec![
                         A::NoteReform {
                             round,
                             waiting,
                             dead,
+                            lost,
                         },
                         A::Join,
                     ],
@@ -1144,6 +1155,7 @@ impl Policy {
                 waiting,
                 dead,
                 finishing,
+                lost,
             } if dead > 0 || (waiting > 0 && !finishing && !closed) => {
                 let (p, mut a) = stop(round, StopReason::Reform, closed);
                 a.insert(
@@ -1152,6 +1164,7 @@ impl Policy {
                         round,
                         waiting,
                         dead,
+                        lost,
                     },
                 );
                 (p, a)

@@ -664,6 +664,7 @@ impl Sim {
             waiting,
             dead,
             finishing: waiting > 0 && self.s.finishing.contains(&round),
+            lost: Vec::new(),
         }
     }
 

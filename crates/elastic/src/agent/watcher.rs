@@ -155,6 +155,7 @@ pub(super) async fn observe(
             waiting: m.waiting,
             dead: m.dead,
             finishing,
+            lost: m.lost,
         })
     };
     match tokio::time::timeout(CHECK_TIMEOUT, look).await {

@@ -480,7 +480,7 @@ fn a_host_powered_off_mid_run_is_dropped_and_the_others_finish() {
         assert!(s.success(), "{}: {s}\n{o}", h.name);
         // Cut off before it died: no reset reaches the others, the
         // rendezvous finds it dead.
-        assert!(o.contains("1 lost"), "{}: {o}", h.name);
+        assert!(o.contains("1 lost: node3:"), "{}: {o}", h.name);
         assert!(
             o.contains("job succeeded (1 restart(s))"),
             "{}: {o}",

@@ -372,6 +372,33 @@ impl DynamicRendezvous {
         (arrived, ids)
     }
 
+    /// The node ids of `round`'s members marked dead (`r/dead/<rank>`), read
+    /// only once some are (to say who, as the group re-forms): at most 16,
+    /// then how many more. A read that fails leaves a member out.
+    async fn dead_members(&self, round: u64, members: usize) -> Vec<String> {
+        let mut lost = Vec::new();
+        for i in 1..=members {
+            let r = format!("r{round}");
+            let (Ok(rank), Ok(node)) = (
+                self.store.get_now(&format!("{r}/rank/{i}")).await,
+                self.store.get_now(&format!("{r}/node/{i}")).await,
+            ) else {
+                continue;
+            };
+            let rank = String::from_utf8_lossy(&rank).into_owned();
+            let marked = self.store.add(&format!("{r}/dead/{rank}"), 0).await;
+            if marked.is_ok_and(|n| n > 0) {
+                lost.push(String::from_utf8_lossy(&node).into_owned());
+            }
+        }
+        if lost.len() > 16 {
+            let more = lost.len() - 16;
+            lost.truncate(16);
+            lost.push(format!("and {more} more"));
+        }
+        lost
+    }
+
     async fn timeout_error(&self, round: u64, started: Instant) -> RendezvousError {
         let (arrived, mut joined) = self.arrivals(round).await;
         // The last round's nodes that did not come back: the ones this
@@ -854,7 +881,7 @@ impl RendezvousHandler for DynamicRendezvous {
     }
 
     async fn membership(&self) -> Result<MembershipChange, RendezvousError> {
-        let Some((round, _, _)) = self.node.lock().await.member_of else {
+        let Some((round, _, members)) = self.node.lock().await.member_of else {
             return Ok(MembershipChange::default());
         };
         let waiting = self
@@ -867,9 +894,15 @@ impl RendezvousHandler for DynamicRendezvous {
             .add(&format!("r{round}/dead"), 0)
             .await
             .map_err(self.err())?;
+        let lost = if dead > 0 {
+            self.dead_members(round, members).await
+        } else {
+            Vec::new()
+        };
         Ok(MembershipChange {
             waiting: waiting.max(0) as usize,
             dead: dead.max(0) as usize,
+            lost,
         })
     }
 

@@ -85,6 +85,7 @@ fn changed(waiting: usize, dead: usize, finishing: bool) -> Event {
         waiting,
         dead,
         finishing,
+        lost: Vec::new(),
     })
 }
 
@@ -360,7 +361,8 @@ fn defect_4_a_member_lost_while_starting_re_forms_without_spending_the_budget() 
             A::NoteReform {
                 round: 0,
                 waiting: 0,
-                dead: 1
+                dead: 1,
+                lost: Vec::new(),
             },
             A::Join
         ]
@@ -596,7 +598,8 @@ fn nodes_waiting_or_a_dead_member_re_form_without_spending_the_budget() {
             A::NoteReform {
                 round: 0,
                 waiting: 1,
-                dead: 0
+                dead: 0,
+                lost: Vec::new(),
             },
             term(),
             A::Join
