@@ -19,7 +19,8 @@
 //! with torch's gloo (see `collectives.rs`); `rallypoint-bench rpc` compares our
 //! RPC with PyTorch's TensorPipe agent (see `rpc.rs`);
 //! `rallypoint-bench collectives-hosts` runs all_reduce across two test hosts
-//! with capped links (see `hosts.rs`).
+//! with capped links (see `hosts.rs`); `rallypoint-bench partitions` runs the
+//! partition scenarios under `rally run` and torchrun (see `partitions.rs`).
 
 use std::io::{Read, Write};
 use std::net::SocketAddr;
@@ -43,6 +44,7 @@ mod etcd;
 mod hosts;
 mod idle;
 mod launch;
+mod partitions;
 mod reduce;
 mod rendezvous;
 mod rpc;
@@ -73,6 +75,8 @@ enum Cmd {
     Collectives(collectives::CollectivesArgs),
     /// all_reduce across two test hosts with capped links: two-level, flat ring, gloo.
     CollectivesHosts(hosts::HostsArgs),
+    /// The partition scenarios across test hosts under rally run and torchrun.
+    Partitions(partitions::PartitionsArgs),
     /// RPC: ours against PyTorch's (TensorPipe), and the raw TCP ceilings.
     Rpc(rpc::RpcArgs),
     /// One rank's reduction of a segment, per element type, beside a copy.
@@ -176,6 +180,7 @@ fn main() -> Result<()> {
         Cmd::Echo { req, reply } => async_echo(req, reply),
         Cmd::Collectives(args) => collectives::run(args),
         Cmd::CollectivesHosts(args) => hosts::run(args),
+        Cmd::Partitions(args) => partitions::run(args),
         Cmd::Rpc(args) => rpc::run(args),
         Cmd::Reduce(args) => reduce::run(args),
         Cmd::RpcWorker { mode } => rpc::worker(&mode),
