@@ -201,19 +201,45 @@ async fn decide(cx: &OpCtx) -> Result<Layout> {
     })
 }
 
+/// Group ranks of world ranks `ranks`, for a message ("0, 2, 3"; the first
+/// eight, then how many more).
+fn group_ranks(cx: &OpCtx, ranks: &[usize]) -> String {
+    let mut s: Vec<String> = ranks
+        .iter()
+        .take(8)
+        .map(|r| cx.group_rank_of(*r).to_string())
+        .collect();
+    if ranks.len() > 8 {
+        s.push(format!("and {} more", ranks.len() - 8));
+    }
+    s.join(", ")
+}
+
 /// Reads the `host/<rank>` entries of world ranks `ranks` into the
 /// transport's cache, waiting for them within the op's deadline.
 async fn read_hosts(cx: &OpCtx, ranks: &[usize]) -> Result<()> {
     let sh = cx.sh();
     let keys: Vec<String> = ranks.iter().map(|r| format!("host/{r}")).collect();
     let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let never = "which never published its address or host: it never formed the group (not started, or died during set-up)";
+    // Who is missing is looked up once, in the last second before the op's
+    // deadline, for its timeout message: it takes a look per key, and every
+    // rank waiting here looking every second made O(n²) requests a second
+    // (65k at 256 ranks) for a message that is seldom shown.
+    let look_at = cx
+        .deadline
+        .checked_sub(Duration::from_secs(1))
+        .unwrap_or(cx.deadline);
+    let mut looked = false;
     for slice in 0u32.. {
         if sh.store().check(&refs).await.unwrap_or(false) {
             break;
         }
-        // Who is missing, for the timeout's message (not every slice: a
-        // look per key).
-        if slice % 20 == 0 {
+        if slice == 0 {
+            cx.note_waiting(format!("some of ranks {}, {never}", group_ranks(cx, ranks)));
+        }
+        if !looked && Instant::now() >= look_at {
+            looked = true;
             let mut missing = Vec::new();
             for (k, r) in refs.iter().zip(ranks) {
                 if !sh.store().check(&[k]).await.unwrap_or(false) {
@@ -224,9 +250,7 @@ async fn read_hosts(cx: &OpCtx, ranks: &[usize]) -> Result<()> {
                 1 => format!("rank {}", missing[0]),
                 _ => format!("ranks {}", missing.join(", ")),
             };
-            cx.note_waiting(format!(
-                "{who}, which never published its address or host: it never formed the group (not started, or died during set-up)"
-            ));
+            cx.note_waiting(format!("{who}, {never}"));
         }
         if sh.is_dead() {
             return Err(killed(cx));

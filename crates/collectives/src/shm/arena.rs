@@ -439,6 +439,24 @@ mod tests {
         );
         let b = Arena::attach(pid, a.raw_fd(), 2, 1, 7).unwrap();
         assert_eq!(b.split_round, 64);
+        // A number that names something else now is refused before it is
+        // opened or mapped: a regular file, a pipe, a terminal-like device.
+        let file = tempfile::tempfile().unwrap();
+        let (rd, _wr) = std::io::pipe().unwrap();
+        let null = std::fs::File::open("/dev/null").unwrap();
+        use std::os::fd::AsRawFd;
+        for (what, fd) in [
+            ("file", file.as_raw_fd()),
+            ("pipe", rd.as_raw_fd()),
+            ("device", null.as_raw_fd()),
+        ] {
+            let e = Arena::attach(pid, fd, 2, 1, 7).err().expect(what);
+            assert!(
+                e.text.contains("not a rallypoint memory file"),
+                "{what}: {}",
+                e.text
+            );
+        }
         // SAFETY: a page of rank 0's half 1, written by a and read by b.
         unsafe { *a.data(0, 1) = 42 };
         a.arrive(1);

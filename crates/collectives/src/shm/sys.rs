@@ -44,12 +44,60 @@ mod imp {
         Ok(fd)
     }
 
-    /// Opens descriptor `fd` of process `pid` (a memory file it created).
+    /// What `/proc/<pid>/fd/<fd>` of one of our memory files reads as.
+    const MEMFD_LINK: &str = "/memfd:rallypoint-shm";
+
+    /// Whether the descriptor behind `link` (a `/proc/.../fd/<n>` path) is
+    /// one of our memory files, by its name.
+    fn is_our_memfd(link: &str) -> io::Result<bool> {
+        let target = std::fs::read_link(link)?;
+        let t = target.to_string_lossy();
+        Ok(t == MEMFD_LINK || t.starts_with(&format!("{MEMFD_LINK} ")))
+    }
+
+    /// Opens descriptor `fd` of process `pid`, a memory file it created.
+    ///
+    /// The number came from the store and may name something else by now
+    /// (the process closed the file and the number was reused, or another
+    /// process has the pid): a terminal, a pipe, a device whose opening does
+    /// something. So the link is checked to name one of our memory files
+    /// before anything is opened, opened without becoming a controlling
+    /// terminal, and what was opened is checked again (a regular file, our
+    /// memory file) before the caller maps it. `InvalidData` names what the
+    /// number was instead.
     pub fn open_of(pid: u32, fd: i32) -> io::Result<OwnedFd> {
-        let path = std::ffi::CString::new(format!("/proc/{pid}/fd/{fd}")).expect("no NUL");
+        let link = format!("/proc/{pid}/fd/{fd}");
+        let not_ours = |what: String| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("{link} is {what}, not a rallypoint memory file"),
+            )
+        };
+        if !is_our_memfd(&link)? {
+            let target = std::fs::read_link(&link)?;
+            return Err(not_ours(format!("{target:?}")));
+        }
+        let path = std::ffi::CString::new(link.clone()).expect("no NUL");
         // SAFETY: a valid C string; the returned descriptor is ours.
-        let fd = cvt(unsafe { libc::open(path.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) })?;
-        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+        let raw = cvt(unsafe {
+            libc::open(
+                path.as_ptr(),
+                libc::O_RDWR | libc::O_CLOEXEC | libc::O_NOCTTY,
+            )
+        })?;
+        // SAFETY: `raw` was just opened and is owned by nothing else.
+        let opened = unsafe { OwnedFd::from_raw_fd(raw) };
+        // SAFETY: `st` is written by fstat before it is read.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        cvt(unsafe { libc::fstat(opened.as_raw_fd(), &mut st) })?;
+        if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+            return Err(not_ours("not a regular file once opened".into()));
+        }
+        // The number may have been reused between the check and the open.
+        if !is_our_memfd(&format!("/proc/self/fd/{raw}"))? {
+            return Err(not_ours("another file once opened".into()));
+        }
+        Ok(opened)
     }
 
     pub fn file_len(fd: &OwnedFd) -> io::Result<u64> {

@@ -1537,3 +1537,98 @@ async fn a_reset_after_an_op_fails_the_next_not_the_one_that_had_its_frames() {
     assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
     peer.abort();
 }
+
+/// A store that counts the looks at one `host/<rank>` entry alone (how the
+/// set-up finds who is missing), over a memory store.
+struct CountingLooks {
+    inner: MemoryStore,
+    looks: std::sync::atomic::AtomicUsize,
+}
+
+#[async_trait::async_trait]
+impl Store for CountingLooks {
+    async fn set(&self, k: &str, v: &[u8]) -> rallypoint_store::Result<()> {
+        self.inner.set(k, v).await
+    }
+    async fn get_now(&self, k: &str) -> rallypoint_store::Result<Vec<u8>> {
+        self.inner.get_now(k).await
+    }
+    async fn add(&self, k: &str, d: i64) -> rallypoint_store::Result<i64> {
+        self.inner.add(k, d).await
+    }
+    async fn compare_set(&self, k: &str, e: &[u8], d: &[u8]) -> rallypoint_store::Result<Vec<u8>> {
+        self.inner.compare_set(k, e, d).await
+    }
+    async fn wait_timeout(&self, k: &[&str], t: Duration) -> rallypoint_store::Result<()> {
+        self.inner.wait_timeout(k, t).await
+    }
+    async fn check(&self, k: &[&str]) -> rallypoint_store::Result<bool> {
+        if let [one] = k {
+            if one.contains("host/") {
+                self.looks
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+        self.inner.check(k).await
+    }
+    async fn delete_key(&self, k: &str) -> rallypoint_store::Result<bool> {
+        self.inner.delete_key(k).await
+    }
+    async fn num_keys(&self) -> rallypoint_store::Result<i64> {
+        self.inner.num_keys().await
+    }
+    async fn multi_get(&self, k: &[&str]) -> rallypoint_store::Result<Vec<Vec<u8>>> {
+        self.inner.multi_get(k).await
+    }
+    async fn multi_set(&self, p: &[(&str, &[u8])]) -> rallypoint_store::Result<()> {
+        self.inner.multi_set(p).await
+    }
+    async fn append(&self, k: &str, v: &[u8]) -> rallypoint_store::Result<()> {
+        self.inner.append(k, v).await
+    }
+    async fn list_keys(&self) -> rallypoint_store::Result<Vec<String>> {
+        self.inner.list_keys().await
+    }
+    async fn queue_push(&self, k: &str, v: &[u8]) -> rallypoint_store::Result<()> {
+        self.inner.queue_push(k, v).await
+    }
+    async fn queue_pop(&self, k: &str, b: bool) -> rallypoint_store::Result<Vec<u8>> {
+        self.inner.queue_pop(k, b).await
+    }
+    async fn queue_len(&self, k: &str) -> rallypoint_store::Result<i64> {
+        self.inner.queue_len(k).await
+    }
+    fn timeout(&self) -> Duration {
+        self.inner.timeout()
+    }
+    fn set_timeout(&self, t: Duration) {
+        self.inner.set_timeout(t)
+    }
+}
+
+/// Who never published a host entry is looked up once, just before the
+/// op's deadline, for its timeout message: not once a second by every
+/// waiting rank (each look is a request per entry, so O(n²) a second
+/// across a large group that waits). Over 3.5 s, with two of three ranks
+/// missing, there used to be 12 looks (4 rounds of 3 entries); now one
+/// round, and the message still names both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn who_never_joined_is_looked_up_once_before_the_deadline() {
+    let counting = Arc::new(CountingLooks {
+        inner: MemoryStore::new(),
+        looks: Default::default(),
+    });
+    let store: Arc<dyn Store> = counting.clone();
+    let o = Options {
+        timeout: Duration::from_millis(3_500),
+        ..opts()
+    };
+    let pg = ProcessGroup::new(store, 0, 3, o).await.unwrap();
+    let e = pg.barrier().await.unwrap_err().to_string();
+    assert!(
+        e.contains("timed out") && e.contains("ranks 1, 2, which never published its address"),
+        "{e}"
+    );
+    let looks = counting.looks.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(looks <= 3, "{looks} looks at single host entries");
+}
