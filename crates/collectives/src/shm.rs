@@ -509,6 +509,12 @@ impl Drop for Round<'_> {
 impl<'a> Round<'a> {
     /// Waits for this operation's turn and writes its call.
     pub async fn begin(a: &'a Arc<Arena>, cx: &'a OpCtx) -> Result<Round<'a>> {
+        // What a timeout names while this op waits (else "the operation to
+        // start"); the op's later waits name their own.
+        cx.wait_note(
+            "the group's earlier ops to end (shared-memory ops take the region in order)".into(),
+            None,
+        );
         cx.turn().wait(cx.seq()).await;
         let at = *a.cursor.lock().unwrap_or_else(|e| e.into_inner());
         // After a failed op (whose abort may still be on its way here).

@@ -1196,7 +1196,13 @@ impl Shared {
         let Some(mut told) = lock(&self.telling).get(&comm).cloned() else {
             return;
         };
-        let _ = told.wait_for(|t| *t != Telling::Recording).await;
+        // Recording is bounded by `record_abort`'s own deadline; this wait
+        // has one too, so that no failing op can outlive it by more.
+        let _ = timeout(
+            ABORT_DEADLINE * 2,
+            told.wait_for(|t| *t != Telling::Recording),
+        )
+        .await;
         let _ = timeout(ABORT_DEADLINE, told.wait_for(|t| *t == Telling::Sent)).await;
     }
 
