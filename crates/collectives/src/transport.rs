@@ -266,8 +266,9 @@ struct Faults {
     kill_at: AtomicU64,
     #[cfg(feature = "faults")]
     frames: AtomicU64,
-    /// Break the connection on sending this TCP data frame (counted from
-    /// 0), after this many of its bytes (see [`Shared::break_at_frame`]).
+    /// Break the connection on sending this TCP frame (data or control,
+    /// counted from 0), after this many of its bytes (see
+    /// [`Shared::break_at_frame`]).
     #[cfg(feature = "faults")]
     break_at: AtomicU64,
     #[cfg(feature = "faults")]
@@ -666,6 +667,7 @@ impl Shared {
         let pick = if self.cfg.streams > 1 { pick } else { 0 };
         let conn = self.conn(dst, pick, deadline).await?;
         let head = header.encode();
+        #[cfg(feature = "faults")]
         if let Some(after) = self.breaks_here() {
             break_conn(&conn, &head, payload, after).await;
             return Ok(());
@@ -1025,8 +1027,8 @@ impl Shared {
         self.is_dead()
     }
 
-    /// Test fault: when about to send the `n`-th TCP data frame from now
-    /// (0: the next), writes its first `after` bytes (header and payload;
+    /// Test fault: when about to send the `n`-th TCP frame from now (data or
+    /// control; 0: the next), writes its first `after` bytes (header and payload;
     /// all of them or more: the whole frame), then resets the connection,
     /// as a middlebox or a short outage can, while this rank lives on. The
     /// send reports success: what was written before a reset is lost
@@ -1046,8 +1048,8 @@ impl Shared {
 
     /// [`Shared::break_at_frame`]'s turn: whether this frame breaks its
     /// connection, and if so, after how many bytes.
+    #[cfg(feature = "faults")]
     fn breaks_here(&self) -> Option<usize> {
-        #[cfg(feature = "faults")]
         if self.faults.tcp_frames.fetch_add(1, Ordering::Relaxed)
             == self.faults.break_at.load(Ordering::Relaxed)
         {
@@ -1800,6 +1802,7 @@ async fn read_loop(shared: Arc<Shared>, peer: usize, id: u64, rd: OwnedReadHalf)
 
 /// Test fault: writes the first `after` bytes of a frame to `conn`, then
 /// resets it (see [`Shared::break_at_frame`]).
+#[cfg(feature = "faults")]
 async fn break_conn(conn: &Conn, head: &[u8], payload: &[u8], after: usize) {
     use std::os::fd::AsRawFd;
     let mut w = conn.writer.lock().await;

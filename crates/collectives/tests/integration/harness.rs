@@ -31,7 +31,9 @@ pub async fn group_on(store: Arc<dyn Store>, n: usize, opts: Options) -> Vec<Pro
     out
 }
 
-/// `n` ranks of one group on a fresh memory store, rank `r` with `opts(r)`.
+/// `n` ranks of one group on a fresh memory store, rank `r` with `opts(r)`
+/// (the seeded simulator's, which needs feature `faults`).
+#[cfg(feature = "faults")]
 pub async fn group_each(n: usize, opts: impl Fn(usize) -> Options) -> Vec<ProcessGroup> {
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
     let tasks: Vec<_> = (0..n)
