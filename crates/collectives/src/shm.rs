@@ -521,6 +521,12 @@ impl<'a> Round<'a> {
         if let Some(e) = cx.sh().aborted_for(cx.comm_id(), Some(cx.seq())) {
             return Err(e);
         }
+        // Marked in the region before its TCP frame reaches us: an op whose
+        // arrivals are all in (the others' from before they failed) would
+        // otherwise complete without waiting, the one place the mark is read.
+        if let Some(by) = a.aborted_by(cx.seq()) {
+            return Err(abort_reason(a, cx, by).await);
+        }
         if at.broken {
             return Err(Error::Aborted {
                 group: cx.group_name(),
@@ -705,34 +711,37 @@ impl<'a> Round<'a> {
         }
     }
 
-    /// The group's abort, marked in the region by rank `by`: its reason
-    /// arrives by TCP or is in the store's record (waited for, bounded).
     async fn abort_reason(&self, by: usize) -> Error {
-        let cx = self.cx;
-        let until = Instant::now() + REASON_WAIT;
-        loop {
-            if let Some(e) = known_abort(cx).await {
-                return e;
-            }
-            // An aborter that left with no reason sent or recorded was cut
-            // off (its runtime shut down mid-operation, say): it is gone.
-            let gone = match self.a.presence(by) {
-                Presence::Left | Presence::Killed => true,
-                _ => self.a.pid(by).is_some_and(|p| self.a.pid_ended(p)),
-            };
-            if gone || Instant::now() >= until {
-                let what = if gone {
-                    "it left"
-                } else {
-                    "its reason never arrived"
-                };
-                return cx.gone(
-                    by,
-                    format!("it marked the group aborted mid-operation and {what}"),
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
+        abort_reason(self.a, self.cx, by).await
+    }
+}
+
+/// The group's abort, marked in the region `a` by rank `by`: its reason
+/// arrives by TCP or is in the store's record (waited for, bounded).
+async fn abort_reason(a: &Arena, cx: &OpCtx, by: usize) -> Error {
+    let until = Instant::now() + REASON_WAIT;
+    loop {
+        if let Some(e) = known_abort(cx).await {
+            return e;
         }
+        // An aborter that left with no reason sent or recorded was cut
+        // off (its runtime shut down mid-operation, say): it is gone.
+        let gone = match a.presence(by) {
+            Presence::Left | Presence::Killed => true,
+            _ => a.pid(by).is_some_and(|p| a.pid_ended(p)),
+        };
+        if gone || Instant::now() >= until {
+            let what = if gone {
+                "it left"
+            } else {
+                "its reason never arrived"
+            };
+            return cx.gone(
+                by,
+                format!("it marked the group aborted mid-operation and {what}"),
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
 
