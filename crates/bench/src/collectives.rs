@@ -615,8 +615,14 @@ pub(crate) fn raw_pair(bytes: u64, duplex: bool) -> Result<f64> {
     let a = spawn("listen")?;
     std::thread::sleep(Duration::from_millis(200));
     let b = spawn("connect")?;
+    slowest_rate([a, b])
+}
+
+/// Waits for raw TCP processes; the slowest `RATE` their receivers
+/// reported (bytes/s).
+pub(crate) fn slowest_rate(children: [std::process::Child; 2]) -> Result<f64> {
     let mut rates = vec![];
-    for c in [a, b] {
+    for c in children {
         let out = c.wait_with_output()?;
         if !out.status.success() {
             bail!("raw TCP process failed");
@@ -627,7 +633,6 @@ pub(crate) fn raw_pair(bytes: u64, duplex: bool) -> Result<f64> {
             }
         }
     }
-    // Receivers report; take the slower direction.
     rates
         .into_iter()
         .reduce(f64::min)

@@ -226,20 +226,5 @@ fn raw_duplex(c: &Cluster, bytes: u64) -> Result<f64> {
             _ => break,
         }
     }
-    let mut rates = Vec::new();
-    for ch in [a, b] {
-        let out = ch.wait_with_output()?;
-        if !out.status.success() {
-            bail!("raw TCP process failed");
-        }
-        for l in String::from_utf8_lossy(&out.stdout).lines() {
-            if let Some(v) = l.strip_prefix("RATE ") {
-                rates.push(v.trim().parse::<f64>()?);
-            }
-        }
-    }
-    rates
-        .into_iter()
-        .reduce(f64::min)
-        .context("no rate reported")
+    crate::collectives::slowest_rate([a, b])
 }

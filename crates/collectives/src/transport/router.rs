@@ -609,19 +609,27 @@ impl Router {
             from,
             reason: reason.to_owned(),
         };
+        self.fail_waiting(
+            |k| k.src as usize == peer && b.fails(k),
+            || Fail::Lost {
+                rank: peer,
+                reason: reason.to_owned(),
+            },
+        );
+        self.broken.insert(peer, b);
+    }
+
+    /// Fails every receive waiting for a key that `which` picks, with `fail`.
+    fn fail_waiting(&mut self, which: impl Fn(&Key) -> bool, fail: impl Fn() -> Fail) {
         let keys: Vec<Key> = (self.slots.iter())
-            .filter(|(k, s)| k.src as usize == peer && s.waits() && b.fails(k))
+            .filter(|(k, s)| s.waits() && which(k))
             .map(|(k, _)| *k)
             .collect();
         for k in keys {
             if let Some(tx) = self.slots.remove(&k).and_then(Slot::into_waiter) {
-                let _ = tx.send(Err(Fail::Lost {
-                    rank: peer,
-                    reason: reason.to_owned(),
-                }));
+                let _ = tx.send(Err(fail()));
             }
         }
-        self.broken.insert(peer, b);
     }
 
     /// Stops waiting for `key` (the deadline passed, or the op ended).
@@ -794,20 +802,13 @@ impl Router {
         }
         self.gone.insert(peer, reason.to_owned());
         self.lost.retain(|k, _| k.src as usize != peer);
-        let keys: Vec<Key> = self
-            .slots
-            .iter()
-            .filter(|(k, s)| k.src as usize == peer && s.waits())
-            .map(|(k, _)| *k)
-            .collect();
-        for k in keys {
-            if let Some(tx) = self.slots.remove(&k).and_then(Slot::into_waiter) {
-                let _ = tx.send(Err(Fail::Gone {
-                    rank: peer,
-                    reason: reason.to_owned(),
-                }));
-            }
-        }
+        self.fail_waiting(
+            |k| k.src as usize == peer,
+            || Fail::Gone {
+                rank: peer,
+                reason: reason.to_owned(),
+            },
+        );
         true
     }
 
