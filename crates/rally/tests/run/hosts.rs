@@ -416,11 +416,7 @@ fn the_rendezvous_host_cut_off_for_good_fails_every_node() {
     assert!(!s1.success(), "node1 reported success:\n{out1}");
     assert!(out1.contains("node2"), "node1 does not name node2:\n{out1}");
     host_empties(c.host(0));
-    assert!(
-        results(&out).is_empty(),
-        "a worker finished: {:?}",
-        results(&out)
-    );
+    no_worker_finished(&out);
 }
 
 /// With min = max, a member cut off for good cannot be replaced: the cut-off
@@ -436,11 +432,7 @@ fn a_member_cut_off_for_good_with_min_equal_to_max_fails_every_node_naming_it() 
     wait_for_step(&dir.path().join("progress"), 2, 2, &mut jobs);
     c.host(1).cut();
     let cut_at = Instant::now();
-    let s2 = jobs[1].wait(LIMIT);
-    let out2 = jobs[1].output();
-    assert!(!s2.success(), "node2 reported success:\n{out2}");
-    assert!(out2.contains("lost the rendezvous host"), "{out2}");
-    host_empties(c.host(1));
+    lost_the_rendezvous_host(&mut jobs[1], c.host(1));
     let join = Duration::from_secs(20);
     let bound = DEADLINE + join + ((DEADLINE + join) / 2).max(Duration::from_secs(5));
     let s1 = jobs[0].wait(LIMIT);
@@ -458,11 +450,22 @@ fn a_member_cut_off_for_good_with_min_equal_to_max_fails_every_node_naming_it() 
     );
     eprintln!("node1 failed {took:?} after the cut:\n{out1}");
     host_empties(c.host(0));
-    assert!(
-        results(&out).is_empty(),
-        "a worker finished: {:?}",
-        results(&out)
-    );
+    no_worker_finished(&out);
+}
+
+/// Node `j` (on `host`) failed, saying it lost the rendezvous host, and
+/// left nothing running there.
+fn lost_the_rendezvous_host(j: &mut Job, host: &Host) {
+    let s = j.wait(LIMIT);
+    let o = j.output();
+    assert!(!s.success(), "{} reported success:\n{o}", host.name);
+    assert!(o.contains("lost the rendezvous host"), "{o}");
+    host_empties(host);
+}
+
+fn no_worker_finished(out: &Path) {
+    let r = results(out);
+    assert!(r.is_empty(), "a worker finished: {r:?}");
 }
 
 #[test]
