@@ -875,7 +875,7 @@ impl ProcessGroup {
     ///
     /// The future must not be leaked: run it to completion or drop it
     /// before `buf`'s borrow ends (see [`OpCtx::allow_posting`]).
-    pub(crate) async unsafe fn all_reduce_posting<T: Element>(
+    pub async unsafe fn all_reduce_posting<T: Element>(
         &self,
         buf: &mut [T],
         op: ReduceOp,
@@ -889,7 +889,7 @@ impl ProcessGroup {
     /// # Safety
     ///
     /// As [`ProcessGroup::all_reduce_posting`].
-    pub(crate) async unsafe fn broadcast_posting<T: Element>(
+    pub async unsafe fn broadcast_posting<T: Element>(
         &self,
         buf: &mut [T],
         root: usize,
@@ -903,7 +903,7 @@ impl ProcessGroup {
     /// # Safety
     ///
     /// As [`ProcessGroup::all_reduce_posting`].
-    pub(crate) async unsafe fn all_gather_posting<T: Element>(
+    pub async unsafe fn all_gather_posting<T: Element>(
         &self,
         input: &[T],
         out: &mut [T],

@@ -1,0 +1,558 @@
+//! `rallypoint._native`: the collectives crate as a Python extension module,
+//! for the `rally` backend of `torch.distributed` (`python/rallypoint/torch.py`).
+//!
+//! # How a call goes
+//!
+//! torch calls the Python backend's method (`allreduce`, ...) through its
+//! `Backend` trampoline, holding the GIL. The method checks the tensors,
+//! makes a `torch.futures.Future`, and calls one method of [`Group`] here
+//! with the tensors' addresses and lengths, a dtype code and a token (the
+//! future and the op's outputs). The method spawns the operation on this
+//! module's runtime and returns at once; torch wraps the future in a `Work`.
+//!
+//! The operation runs on the runtime's threads, never holding the GIL, and
+//! works in the tensors' memory in place (all_reduce, broadcast and the
+//! contiguous all_gather receive straight into it). When it ends, the thread
+//! takes the GIL once and calls the backend's completion function with the
+//! token and the error, if any, which completes the future. `Work.wait()`
+//! waits on that future with the GIL released.
+//!
+//! # Memory
+//!
+//! The Python side keeps every tensor an op reads or writes alive in the
+//! token until the op ends, and the op's future is dropped before the
+//! completion function runs (it releases the token), so the raw slices made
+//! here never outlive their tensors. The tensors must not be touched until
+//! the op's `Work` completes, as with every torch backend.
+
+mod store;
+
+use std::future::Future;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use rallypoint_collectives::{bf16, f16, Element, Error, Options, ProcessGroup, ReduceOp};
+
+use store::PyStore;
+
+/// The runtime every group's connections and operations run on: two worker
+/// threads (reading connections while an op reduces), started at the first
+/// group and alive for the process.
+fn runtime() -> &'static tokio::runtime::Runtime {
+    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("rallypoint-torch")
+            .enable_all()
+            .build()
+            .expect("starting the rallypoint runtime")
+    })
+}
+
+/// A tensor's memory: its address and its length in elements.
+#[derive(Clone, Copy)]
+struct Raw {
+    addr: usize,
+    len: usize,
+}
+
+impl Raw {
+    /// The memory as a slice of `T`.
+    ///
+    /// # Safety
+    ///
+    /// The memory must hold `len` elements of `T`, stay alive and be touched
+    /// by nobody else for as long as the slice is used (see "Memory" above).
+    unsafe fn slice<'a, T: Element>(self) -> PyResult<&'a mut [T]> {
+        if self.len == 0 {
+            return Ok(&mut []);
+        }
+        if self.addr == 0 || self.addr % std::mem::align_of::<T>() != 0 {
+            return Err(PyValueError::new_err(format!(
+                "rally: tensor memory at {:#x} is not aligned for its dtype",
+                self.addr
+            )));
+        }
+        // SAFETY: non-null and aligned (checked above); the caller vouches
+        // for the length, the lifetime and exclusive use.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.addr as *mut T, self.len) })
+    }
+}
+
+fn raws(addrs: &[usize], len: usize) -> Vec<Raw> {
+    addrs.iter().map(|&addr| Raw { addr, len }).collect()
+}
+
+/// Runs `$body` with `$T` the element type of dtype code `$code`: the crate's
+/// `DType` codes (`bool` travels as `u8`, with its operators mapped by the
+/// Python side).
+macro_rules! with_dtype {
+    ($code:expr, $T:ident => $body:expr) => {
+        match $code {
+            1 => {
+                type $T = u8;
+                $body
+            }
+            2 => {
+                type $T = i8;
+                $body
+            }
+            4 => {
+                type $T = i16;
+                $body
+            }
+            6 => {
+                type $T = i32;
+                $body
+            }
+            8 => {
+                type $T = i64;
+                $body
+            }
+            9 => {
+                type $T = f16;
+                $body
+            }
+            10 => {
+                type $T = bf16;
+                $body
+            }
+            11 => {
+                type $T = f32;
+                $body
+            }
+            12 => {
+                type $T = f64;
+                $body
+            }
+            other => Err(PyValueError::new_err(format!(
+                "rally: unsupported dtype code {other}"
+            ))),
+        }
+    };
+}
+
+fn reduce_op(code: u8) -> PyResult<ReduceOp> {
+    ReduceOp::ALL
+        .get(usize::from(code).wrapping_sub(1))
+        .copied()
+        .ok_or_else(|| PyValueError::new_err(format!("rally: unsupported reduce op code {code}")))
+}
+
+/// Which torch error class an error maps to (see `rallypoint/torch.py`).
+fn kind(e: &Error) -> &'static str {
+    match e {
+        Error::PeerGone { .. } | Error::ConnectionLost { .. } => "gone",
+        Error::Timeout { .. } => "timeout",
+        Error::Mismatch { .. } | Error::Diverged { .. } | Error::MessageMismatch { .. } => {
+            "mismatch"
+        }
+        Error::Invalid(_) => "invalid",
+        Error::Aborted { .. } => "aborted",
+        _ => "backend",
+    }
+}
+
+/// One torch process group's collectives on this rank.
+#[pyclass(frozen, module = "rallypoint._native")]
+struct Group {
+    pg: ProcessGroup,
+    /// `done(token, kind, message)`: completes an op's future.
+    done: Arc<Py<PyAny>>,
+    /// Numbers the all_to_all calls with uneven splits, which run as
+    /// messages with tags above every tag torch lets users pick.
+    uneven: AtomicU32,
+}
+
+impl Group {
+    fn pg(&self, timeout: Option<f64>) -> ProcessGroup {
+        match timeout {
+            Some(s) if s > 0.0 => self.pg.with_timeout(Duration::from_secs_f64(s)),
+            _ => self.pg.clone(),
+        }
+    }
+
+    /// Spawns `op`; its end completes `token` through `done`.
+    fn submit<F>(&self, token: PyObject, op: F) -> PyResult<()>
+    where
+        F: Future<Output = rallypoint_collectives::Result<()>> + Send + 'static,
+    {
+        let done = Arc::clone(&self.done);
+        runtime().spawn(async move {
+            let r = op.await;
+            Python::with_gil(|py| {
+                let (k, msg) = match &r {
+                    Ok(()) => (None, None),
+                    Err(e) => (Some(kind(e)), Some(e.to_string())),
+                };
+                if let Err(e) = done.call1(py, (token, k, msg)) {
+                    e.print(py);
+                }
+            });
+        });
+        Ok(())
+    }
+}
+
+#[pymethods]
+impl Group {
+    /// Forms the group through `store` (a torch Store), blocking with the GIL
+    /// released. `done` completes ops (see [`Group::submit`]).
+    #[new]
+    #[pyo3(signature = (store, rank, size, timeout, name, done, shared_memory=true))]
+    fn new(
+        py: Python<'_>,
+        store: Py<PyAny>,
+        rank: usize,
+        size: usize,
+        timeout: f64,
+        name: String,
+        done: Py<PyAny>,
+        shared_memory: bool,
+    ) -> PyResult<Group> {
+        let store = Arc::new(PyStore::new(py, store)?);
+        let opts = Options {
+            prefix: name,
+            timeout: Duration::from_secs_f64(timeout.max(0.001)),
+            shared_memory,
+            ..Options::default()
+        };
+        let pg = py
+            .allow_threads(|| runtime().block_on(ProcessGroup::new(store, rank, size, opts)))
+            .map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
+        Ok(Group {
+            pg,
+            done: Arc::new(done),
+            uneven: AtomicU32::new(0),
+        })
+    }
+
+    fn rank(&self) -> usize {
+        self.pg.rank()
+    }
+
+    fn size(&self) -> usize {
+        self.pg.size()
+    }
+
+    /// Whether the collectives run over shared memory (None before the first).
+    fn shared_memory(&self) -> Option<bool> {
+        self.pg.shared_memory()
+    }
+
+    /// Aborts the group: every op in flight and later fails naming `reason`.
+    fn abort(&self, reason: &str) {
+        self.pg.abort(reason);
+    }
+
+    #[pyo3(signature = (token, addr, len, dtype, op, timeout=None))]
+    fn all_reduce(
+        &self,
+        token: PyObject,
+        addr: usize,
+        len: usize,
+        dtype: u8,
+        op: u8,
+        timeout: Option<f64>,
+    ) -> PyResult<()> {
+        let (pg, op, raw) = (self.pg(timeout), reduce_op(op)?, Raw { addr, len });
+        with_dtype!(dtype, T => {
+            // SAFETY: see "Memory"; the spawned future runs to its end.
+            let buf = unsafe { raw.slice::<T>()? };
+            self.submit(token, async move { unsafe { pg.all_reduce_posting(buf, op) }.await })
+        })
+    }
+
+    #[pyo3(signature = (token, addr, len, dtype, root, timeout=None))]
+    fn broadcast(
+        &self,
+        token: PyObject,
+        addr: usize,
+        len: usize,
+        dtype: u8,
+        root: usize,
+        timeout: Option<f64>,
+    ) -> PyResult<()> {
+        let (pg, raw) = (self.pg(timeout), Raw { addr, len });
+        with_dtype!(dtype, T => {
+            // SAFETY: as in all_reduce.
+            let buf = unsafe { raw.slice::<T>()? };
+            self.submit(token, async move { unsafe { pg.broadcast_posting(buf, root) }.await })
+        })
+    }
+
+    #[pyo3(signature = (token, addr, len, dtype, root, op, timeout=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn reduce(
+        &self,
+        token: PyObject,
+        addr: usize,
+        len: usize,
+        dtype: u8,
+        root: usize,
+        op: u8,
+        timeout: Option<f64>,
+    ) -> PyResult<()> {
+        let (pg, op, raw) = (self.pg(timeout), reduce_op(op)?, Raw { addr, len });
+        with_dtype!(dtype, T => {
+            // SAFETY: as in all_reduce.
+            let buf = unsafe { raw.slice::<T>()? };
+            self.submit(token, async move { pg.reduce(buf, root, op).await })
+        })
+    }
+
+    /// all_gather of `len` elements per rank into one tensor (`out`, `len` ×
+    /// size elements) or, with `outs`, into one tensor per rank.
+    #[pyo3(signature = (token, addr, len, dtype, out=None, outs=None, timeout=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn all_gather(
+        &self,
+        token: PyObject,
+        addr: usize,
+        len: usize,
+        dtype: u8,
+        out: Option<usize>,
+        outs: Option<Vec<usize>>,
+        timeout: Option<f64>,
+    ) -> PyResult<()> {
+        let (pg, input) = (self.pg(timeout), Raw { addr, len });
+        let n = pg.size();
+        with_dtype!(dtype, T => {
+            // SAFETY: as in all_reduce, for the input and every output.
+            let input = unsafe { input.slice::<T>()? };
+            if let Some(out) = out {
+                let out = unsafe { Raw { addr: out, len: len * n }.slice::<T>()? };
+                return self.submit(token, async move {
+                    unsafe { pg.all_gather_posting(input, out) }.await
+                });
+            }
+            let outs = outs.ok_or_else(|| PyValueError::new_err("rally: all_gather needs out or outs"))?;
+            let outs: Vec<&mut [T]> = raws(&outs, len)
+                .into_iter()
+                .map(|r| unsafe { r.slice::<T>() })
+                .collect::<PyResult<_>>()?;
+            self.submit(token, async move {
+                let mut all = vec![T::default(); len * n];
+                pg.all_gather(input, &mut all).await?;
+                for (o, part) in outs.into_iter().zip(all.chunks(len.max(1))) {
+                    o.copy_from_slice(part);
+                }
+                Ok(())
+            })
+        })
+    }
+
+    /// gather of `len` elements per rank; `outs` (one tensor per rank) at the root.
+    #[pyo3(signature = (token, addr, len, dtype, root, outs=None, timeout=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn gather(
+        &self,
+        token: PyObject,
+        addr: usize,
+        len: usize,
+        dtype: u8,
+        root: usize,
+        outs: Option<Vec<usize>>,
+        timeout: Option<f64>,
+    ) -> PyResult<()> {
+        let pg = self.pg(timeout);
+        with_dtype!(dtype, T => {
+            // SAFETY: as in all_reduce.
+            let input = unsafe { Raw { addr, len }.slice::<T>()? };
+            let outs: Vec<&mut [T]> = raws(outs.as_deref().unwrap_or(&[]), len)
+                .into_iter()
+                .map(|r| unsafe { r.slice::<T>() })
+                .collect::<PyResult<_>>()?;
+            self.submit(token, async move {
+                if let Some(all) = pg.gather(input, root).await? {
+                    for (o, part) in outs.into_iter().zip(all.chunks(len.max(1))) {
+                        o.copy_from_slice(part);
+                    }
+                }
+                Ok(())
+            })
+        })
+    }
+
+    /// scatter of `len` elements to each rank; `ins` (one tensor per rank) at the root.
+    #[pyo3(signature = (token, addr, len, dtype, root, ins=None, timeout=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn scatter(
+        &self,
+        token: PyObject,
+        addr: usize,
+        len: usize,
+        dtype: u8,
+        root: usize,
+        ins: Option<Vec<usize>>,
+        timeout: Option<f64>,
+    ) -> PyResult<()> {
+        let pg = self.pg(timeout);
+        with_dtype!(dtype, T => {
+            // SAFETY: as in all_reduce.
+            let out = unsafe { Raw { addr, len }.slice::<T>()? };
+            let ins: Option<Vec<&mut [T]>> = match ins {
+                Some(ins) => Some(
+                    raws(&ins, len)
+                        .into_iter()
+                        .map(|r| unsafe { r.slice::<T>() })
+                        .collect::<PyResult<_>>()?,
+                ),
+                None => None,
+            };
+            self.submit(token, async move {
+                let all: Option<Vec<T>> = ins.map(|ins| ins.concat());
+                pg.scatter(all.as_deref(), out, root).await
+            })
+        })
+    }
+
+    /// reduce_scatter of `len` × size elements in `addr` into `len` in `out`.
+    #[pyo3(signature = (token, addr, out, len, dtype, op, timeout=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_scatter(
+        &self,
+        token: PyObject,
+        addr: usize,
+        out: usize,
+        len: usize,
+        dtype: u8,
+        op: u8,
+        timeout: Option<f64>,
+    ) -> PyResult<()> {
+        let (pg, op) = (self.pg(timeout), reduce_op(op)?);
+        let n = pg.size();
+        with_dtype!(dtype, T => {
+            // SAFETY: as in all_reduce.
+            let input = unsafe { Raw { addr, len: len * n }.slice::<T>()? };
+            let out = unsafe { Raw { addr: out, len }.slice::<T>()? };
+            self.submit(token, async move { pg.reduce_scatter(input, out, op).await })
+        })
+    }
+
+    /// all_to_all: `in_splits[p]` elements of `addr` go to rank p, and
+    /// `out_splits[p]` elements from rank p land in `out`. Even splits run as
+    /// one collective; uneven ones as one message each way per pair.
+    #[pyo3(signature = (token, addr, in_splits, out, out_splits, dtype, timeout=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn all_to_all(
+        &self,
+        token: PyObject,
+        addr: usize,
+        in_splits: Vec<usize>,
+        out: usize,
+        out_splits: Vec<usize>,
+        dtype: u8,
+        timeout: Option<f64>,
+    ) -> PyResult<()> {
+        let pg = self.pg(timeout);
+        let (n, me) = (pg.size(), pg.rank());
+        if in_splits.len() != n || out_splits.len() != n {
+            return Err(PyValueError::new_err(format!(
+                "rally: all_to_all needs {n} input and output splits, got {} and {}",
+                in_splits.len(),
+                out_splits.len()
+            )));
+        }
+        let (in_total, out_total) = (in_splits.iter().sum(), out_splits.iter().sum());
+        let even = in_splits
+            .iter()
+            .chain(&out_splits)
+            .all(|&s| s == in_splits[0]);
+        let tag = 0x8000_0000
+            | (self.uneven.fetch_add(u32::from(!even), Ordering::Relaxed) & 0x7fff_ffff);
+        with_dtype!(dtype, T => {
+            // SAFETY: as in all_reduce.
+            let input = unsafe { Raw { addr, len: in_total }.slice::<T>()? };
+            let output = unsafe { Raw { addr: out, len: out_total }.slice::<T>()? };
+            if even {
+                return self.submit(token, async move { pg.all_to_all(input, output).await });
+            }
+            let (ins, outs) = (split(input, &in_splits), split(output, &out_splits));
+            self.submit(token, async move {
+                let mut tasks = tokio::task::JoinSet::new();
+                for (p, (i, o)) in ins.into_iter().zip(outs).enumerate() {
+                    if p == me {
+                        o.copy_from_slice(i);
+                        continue;
+                    }
+                    let (a, b) = (pg.clone(), pg.clone());
+                    tasks.spawn(async move { a.send(i, p, tag).await });
+                    tasks.spawn(async move { b.recv(o, p, tag).await });
+                }
+                let mut first = Ok(());
+                while let Some(r) = tasks.join_next().await {
+                    let r = r.unwrap_or_else(|e| Err(Error::Invalid(format!("all_to_all task: {e}"))));
+                    if first.is_ok() {
+                        first = r;
+                    }
+                }
+                first
+            })
+        })
+    }
+
+    #[pyo3(signature = (token, addr, len, dtype, dst, tag))]
+    fn send(
+        &self,
+        token: PyObject,
+        addr: usize,
+        len: usize,
+        dtype: u8,
+        dst: usize,
+        tag: u32,
+    ) -> PyResult<()> {
+        let pg = self.pg.clone();
+        with_dtype!(dtype, T => {
+            // SAFETY: as in all_reduce.
+            let data = unsafe { Raw { addr, len }.slice::<T>()? };
+            self.submit(token, async move { pg.send(&*data, dst, tag).await })
+        })
+    }
+
+    #[pyo3(signature = (token, addr, len, dtype, src, tag))]
+    fn recv(
+        &self,
+        token: PyObject,
+        addr: usize,
+        len: usize,
+        dtype: u8,
+        src: usize,
+        tag: u32,
+    ) -> PyResult<()> {
+        let pg = self.pg.clone();
+        with_dtype!(dtype, T => {
+            // SAFETY: as in all_reduce.
+            let out = unsafe { Raw { addr, len }.slice::<T>()? };
+            self.submit(token, async move { pg.recv(out, src, tag).await })
+        })
+    }
+
+    #[pyo3(signature = (token, timeout=None))]
+    fn barrier(&self, token: PyObject, timeout: Option<f64>) -> PyResult<()> {
+        let pg = self.pg(timeout);
+        self.submit(token, async move { pg.barrier().await })
+    }
+}
+
+/// `buf` cut into consecutive parts of `sizes` elements.
+fn split<'a, T>(mut buf: &'a mut [T], sizes: &[usize]) -> Vec<&'a mut [T]> {
+    sizes
+        .iter()
+        .map(|&s| {
+            let (head, tail) = std::mem::take(&mut buf).split_at_mut(s);
+            buf = tail;
+            head
+        })
+        .collect()
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Group>()?;
+    Ok(())
+}
