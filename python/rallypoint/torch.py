@@ -34,7 +34,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as _C10dBackend
-from torch._C._distributed_c10d import ReduceOp, _create_work_from_future
+from torch._C._distributed_c10d import ReduceOp
 
 from rallypoint import _native
 
@@ -88,6 +88,36 @@ def _done(token, kind, message):
         fut.set_exception(_ERRORS.get(kind, dist.DistBackendError)(message))
 
 
+def _value(fut):
+    return fut.value()
+
+
+class _Work(dist._Work):
+    """An op's handle. Not ``_create_work_from_future``: torch's Python
+    ``Future.set_exception`` completes the C++ future *successfully* with the
+    exception as its value (torch/futures/__init__.py), and the Work that
+    function makes ignores a failed future's error in ``wait()``, so a failed
+    op would pass as done. Here ``wait()`` raises the op's error as its torch
+    class, and ``get_future()`` (DDP, comm hooks) is a future that fails at
+    the C++ level (``then`` turns the raise into an error there)."""
+
+    def __init__(self, fut):
+        super().__init__()
+        self._fut = fut
+        self._failing = None
+
+    def wait(self, timeout=None):
+        # torch.futures.Future.wait releases the GIL while it blocks. The op
+        # has its own deadline (the group's timeout), so `timeout` is unused.
+        self._fut.wait()
+        return True
+
+    def get_future(self):
+        if self._failing is None:
+            self._failing = self._fut.then(_value)
+        return self._failing
+
+
 def _check(t: torch.Tensor, what: str) -> int:
     """The dtype code of a tensor the backend can use, or ValueError."""
     if t.device.type != "cpu":
@@ -134,7 +164,13 @@ class RallyBackend(_C10dBackend):
         self._name = name
         self._ranks = list(ranks) if ranks else list(range(size))
         self._options = _C10dBackend.Options(NAME, timeout=timeout)
-        self._group = _native.Group(store, rank, size, timeout.total_seconds(), name, _done)
+        # torch may hand the same prefix again after destroy_process_group
+        # (group names restart at 0), where an earlier group's keys are: each
+        # rank counts the groups it formed under this prefix, the same count
+        # on every rank, and the group forms under a fresh sub-prefix.
+        again = store.add(f"rallypoint/formed/{rank}", 1)
+        prefix = name if again == 1 else f"{name}.{again}"
+        self._group = _native.Group(store, rank, size, timeout.total_seconds(), prefix, _done)
         self._monitored = itertools.count(1)
         self._lock = threading.Lock()
 
@@ -142,13 +178,23 @@ class RallyBackend(_C10dBackend):
     def options(self):
         return self._options
 
+    # torch's batch_isend_irecv reads this; the C++ default recurses through
+    # the trampoline. Each op of a batch runs on its own here.
+    @property
+    def supports_coalescing(self):
+        return False
+
+    @property
+    def supports_splitting(self):
+        return False
+
     def getBackendName(self):
         return NAME
 
     def _work(self, call, result, keep, *args, after=None, **kw):
         fut = torch.futures.Future()
         call((fut, result, keep, after), *args, **kw)
-        return _create_work_from_future(fut)
+        return _Work(fut)
 
     def _op(self, opts, t):
         op = opts.reduceOp.op

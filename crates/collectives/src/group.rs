@@ -21,6 +21,8 @@ use crate::shm::{self, ops as shm_ops, Arena, Plan, Turn};
 use crate::transport::{Config, Fail, Key, Members, Origin, Shared, Transport};
 use crate::two_level::{self, TwoLevel};
 
+mod started;
+
 /// gloo's default operation timeout.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 
@@ -875,7 +877,7 @@ impl ProcessGroup {
     ///
     /// The future must not be leaked: run it to completion or drop it
     /// before `buf`'s borrow ends (see [`OpCtx::allow_posting`]).
-    pub async unsafe fn all_reduce_posting<T: Element>(
+    pub(crate) async unsafe fn all_reduce_posting<T: Element>(
         &self,
         buf: &mut [T],
         op: ReduceOp,
@@ -889,7 +891,7 @@ impl ProcessGroup {
     /// # Safety
     ///
     /// As [`ProcessGroup::all_reduce_posting`].
-    pub async unsafe fn broadcast_posting<T: Element>(
+    pub(crate) async unsafe fn broadcast_posting<T: Element>(
         &self,
         buf: &mut [T],
         root: usize,
@@ -903,7 +905,7 @@ impl ProcessGroup {
     /// # Safety
     ///
     /// As [`ProcessGroup::all_reduce_posting`].
-    pub async unsafe fn all_gather_posting<T: Element>(
+    pub(crate) async unsafe fn all_gather_posting<T: Element>(
         &self,
         input: &[T],
         out: &mut [T],
@@ -1817,7 +1819,7 @@ impl OpCtx {
                 group,
                 op: self.name(),
                 rank: self.comm.members.group_rank(rank),
-                reason,
+                reason: self.where_(rank, reason),
             },
             Fail::Refused { rank, reason } => Error::Protocol {
                 group,
@@ -1831,6 +1833,17 @@ impl OpCtx {
                 reason,
             },
             Fail::Timeout => self.timeout_error(),
+        }
+    }
+
+    /// `reason` with where world rank `rank` listened, when this rank knows
+    /// and the reason does not say: the host of a rank that died.
+    fn where_(&self, rank: usize, reason: String) -> String {
+        match self.sh().known_addr(rank) {
+            Some(a) if !reason.contains(&a.ip().to_string()) => {
+                format!("{reason} (it listened at {a})")
+            }
+            _ => reason,
         }
     }
 

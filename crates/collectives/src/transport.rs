@@ -808,6 +808,12 @@ impl Shared {
         Ok(())
     }
 
+    /// Where `peer` listens, if this rank has looked it up (a rank only ever
+    /// reached over shared memory has not).
+    pub(crate) fn known_addr(&self, peer: usize) -> Option<SocketAddr> {
+        lock(&self.addrs).get(&peer).copied()
+    }
+
     /// Whether `peer`'s address is known or in the store, without waiting.
     async fn published(&self, peer: usize) -> bool {
         if lock(&self.addrs).contains_key(&peer) {

@@ -773,3 +773,5 @@ mod rendezvous_failures;
 mod rpc;
 #[path = "run/stacks.rs"]
 mod stacks;
+#[path = "run/torch_backend.rs"]
+mod torch_backend;

@@ -83,6 +83,35 @@ impl Raw {
     }
 }
 
+/// A buffer of the extension's own that an op borrows for its whole run
+/// (the op is started before the task that frees it exists).
+struct Scratch<T>(*mut [T]);
+
+// SAFETY: it owns its elements, as a Box<[T]> does.
+unsafe impl<T: Send> Send for Scratch<T> {}
+
+impl<T> Scratch<T> {
+    fn new(v: Vec<T>) -> Scratch<T> {
+        Scratch(Box::into_raw(v.into_boxed_slice()))
+    }
+
+    /// # Safety
+    ///
+    /// One slice at a time, used only before [`Scratch::into_vec`].
+    unsafe fn slice<'a>(&self) -> &'a mut [T] {
+        // SAFETY: from Box::into_raw, alive until into_vec.
+        unsafe { &mut *self.0 }
+    }
+
+    /// # Safety
+    ///
+    /// No slice of it may be in use.
+    unsafe fn into_vec(self) -> Vec<T> {
+        // SAFETY: from Box::into_raw, taken back once.
+        unsafe { Box::from_raw(self.0) }.into_vec()
+    }
+}
+
 fn raws(addrs: &[usize], len: usize) -> Vec<Raw> {
     addrs.iter().map(|&addr| Raw { addr, len }).collect()
 }
@@ -263,7 +292,7 @@ impl Group {
         with_dtype!(dtype, T => {
             // SAFETY: see "Memory"; the spawned future runs to its end.
             let buf = unsafe { raw.slice::<T>()? };
-            self.submit(token, async move { unsafe { pg.all_reduce_posting(buf, op) }.await })
+            self.submit(token, unsafe { pg.start_all_reduce(buf, op) })
         })
     }
 
@@ -281,7 +310,7 @@ impl Group {
         with_dtype!(dtype, T => {
             // SAFETY: as in all_reduce.
             let buf = unsafe { raw.slice::<T>()? };
-            self.submit(token, async move { unsafe { pg.broadcast_posting(buf, root) }.await })
+            self.submit(token, unsafe { pg.start_broadcast(buf, root) })
         })
     }
 
@@ -301,7 +330,7 @@ impl Group {
         with_dtype!(dtype, T => {
             // SAFETY: as in all_reduce.
             let buf = unsafe { raw.slice::<T>()? };
-            self.submit(token, async move { pg.reduce(buf, root, op).await })
+            self.submit(token, pg.start_reduce(buf, root, op))
         })
     }
 
@@ -326,18 +355,23 @@ impl Group {
             let input = unsafe { input.slice::<T>()? };
             if let Some(out) = out {
                 let out = unsafe { Raw { addr: out, len: len * n }.slice::<T>()? };
-                return self.submit(token, async move {
-                    unsafe { pg.all_gather_posting(input, out) }.await
-                });
+                return self.submit(token, unsafe { pg.start_all_gather(input, out) });
             }
             let outs = outs.ok_or_else(|| PyValueError::new_err("rally: all_gather needs out or outs"))?;
             let outs: Vec<&mut [T]> = raws(&outs, len)
                 .into_iter()
                 .map(|r| unsafe { r.slice::<T>() })
                 .collect::<PyResult<_>>()?;
+            // The gathered parts land in one buffer, whose op starts now.
+            let all = Scratch::new(vec![T::default(); len * n]);
+            // SAFETY: the op's future is the buffer's only user, and is done
+            // before `into_vec` (below).
+            let op = unsafe { pg.start_all_gather(input, all.slice()) };
             self.submit(token, async move {
-                let mut all = vec![T::default(); len * n];
-                pg.all_gather(input, &mut all).await?;
+                let r = op.await;
+                // SAFETY: the op's future is done.
+                let all = unsafe { all.into_vec() };
+                r?;
                 for (o, part) in outs.into_iter().zip(all.chunks(len.max(1))) {
                     o.copy_from_slice(part);
                 }
@@ -367,8 +401,9 @@ impl Group {
                 .into_iter()
                 .map(|r| unsafe { r.slice::<T>() })
                 .collect::<PyResult<_>>()?;
+            let op = pg.start_gather(input, root);
             self.submit(token, async move {
-                if let Some(all) = pg.gather(input, root).await? {
+                if let Some(all) = op.await? {
                     for (o, part) in outs.into_iter().zip(all.chunks(len.max(1))) {
                         o.copy_from_slice(part);
                     }
@@ -404,9 +439,15 @@ impl Group {
                 ),
                 None => None,
             };
+            // The root's parts, copied into one buffer the op borrows.
+            let all = ins.map(|ins| Scratch::new(ins.concat()));
+            // SAFETY: as in all_gather.
+            let op = pg.start_scatter(all.as_ref().map(|a| &*unsafe { a.slice() }), out, root);
             self.submit(token, async move {
-                let all: Option<Vec<T>> = ins.map(|ins| ins.concat());
-                pg.scatter(all.as_deref(), out, root).await
+                let r = op.await;
+                // SAFETY: the op's future is done.
+                drop(all.map(|a| unsafe { a.into_vec() }));
+                r
             })
         })
     }
@@ -430,7 +471,7 @@ impl Group {
             // SAFETY: as in all_reduce.
             let input = unsafe { Raw { addr, len: len * n }.slice::<T>()? };
             let out = unsafe { Raw { addr: out, len }.slice::<T>()? };
-            self.submit(token, async move { pg.reduce_scatter(input, out, op).await })
+            self.submit(token, pg.start_reduce_scatter(input, out, op))
         })
     }
 
@@ -470,20 +511,21 @@ impl Group {
             let input = unsafe { Raw { addr, len: in_total }.slice::<T>()? };
             let output = unsafe { Raw { addr: out, len: out_total }.slice::<T>()? };
             if even {
-                return self.submit(token, async move { pg.all_to_all(input, output).await });
+                return self.submit(token, pg.start_all_to_all(input, output));
             }
             let (ins, outs) = (split(input, &in_splits), split(output, &out_splits));
-            self.submit(token, async move {
-                let mut tasks = tokio::task::JoinSet::new();
-                for (p, (i, o)) in ins.into_iter().zip(outs).enumerate() {
-                    if p == me {
-                        o.copy_from_slice(i);
-                        continue;
-                    }
-                    let (a, b) = (pg.clone(), pg.clone());
-                    tasks.spawn(async move { a.send(i, p, tag).await });
-                    tasks.spawn(async move { b.recv(o, p, tag).await });
+            // One message each way per pair, numbered now.
+            let mut tasks = tokio::task::JoinSet::new();
+            let _in_runtime = runtime().enter();
+            for (p, (i, o)) in ins.into_iter().zip(outs).enumerate() {
+                if p == me {
+                    o.copy_from_slice(i);
+                    continue;
                 }
+                tasks.spawn(pg.start_send(i, p, tag));
+                tasks.spawn(pg.start_recv(o, p, tag));
+            }
+            self.submit(token, async move {
                 let mut first = Ok(());
                 while let Some(r) = tasks.join_next().await {
                     let r = r.unwrap_or_else(|e| Err(Error::Invalid(format!("all_to_all task: {e}"))));
@@ -510,7 +552,7 @@ impl Group {
         with_dtype!(dtype, T => {
             // SAFETY: as in all_reduce.
             let data = unsafe { Raw { addr, len }.slice::<T>()? };
-            self.submit(token, async move { pg.send(&*data, dst, tag).await })
+            self.submit(token, pg.start_send(&*data, dst, tag))
         })
     }
 
@@ -528,14 +570,14 @@ impl Group {
         with_dtype!(dtype, T => {
             // SAFETY: as in all_reduce.
             let out = unsafe { Raw { addr, len }.slice::<T>()? };
-            self.submit(token, async move { pg.recv(out, src, tag).await })
+            self.submit(token, pg.start_recv(out, src, tag))
         })
     }
 
     #[pyo3(signature = (token, timeout=None))]
     fn barrier(&self, token: PyObject, timeout: Option<f64>) -> PyResult<()> {
         let pg = self.pg(timeout);
-        self.submit(token, async move { pg.barrier().await })
+        self.submit(token, pg.start_barrier())
     }
 }
 

@@ -1632,3 +1632,44 @@ async fn who_never_joined_is_looked_up_once_before_the_deadline() {
     let looks = counting.looks.load(std::sync::atomic::Ordering::Relaxed);
     assert!(looks <= 3, "{looks} looks at single host entries");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_that_differ_only_in_the_reduce_op_are_a_mismatch_on_every_rank() {
+    // Suspected through the torch backend (SUM against MAX completed on
+    // both ranks): the cause was there (its errors were lost), not here.
+    for shared_memory in [true, false] {
+        let pgs = group(
+            2,
+            Options {
+                shared_memory,
+                ..opts()
+            },
+        )
+        .await;
+        let errs = mismatch(
+            &pgs,
+            vec![
+                |pg| Box::pin(async move { first_then(pg, ReduceOp::Sum).await }),
+                |pg| Box::pin(async move { first_then(pg, ReduceOp::Max).await }),
+            ],
+        )
+        .await;
+        for e in errs {
+            let s = e.to_string();
+            assert!(
+                s.contains("all_reduce(f32 x 8, SUM") && s.contains("all_reduce(f32 x 8, MAX"),
+                "shared memory {shared_memory}: {s}"
+            );
+        }
+        assert_eq!(pgs[0].shared_memory(), Some(shared_memory));
+    }
+}
+
+/// An op both ranks agree on, then an all_reduce with `op`, as the torch
+/// backend calls it (started, receiving in place).
+async fn first_then(pg: ProcessGroup, op: ReduceOp) -> rallypoint_collectives::Result<()> {
+    pg.all_reduce(&mut [1f32; 1], ReduceOp::Sum).await?;
+    let mut buf = [1f32; 8];
+    // SAFETY: the future is awaited to its end here.
+    unsafe { pg.start_all_reduce(&mut buf, op) }.await
+}

@@ -1,0 +1,228 @@
+//! The `rally` backend for `torch.distributed`, under real torch: every op on
+//! every dtype, DDP, the object collectives, subgroups and DeviceMesh
+//! (`tests/py/torch_backend.py`), at 2 and 4 ranks, under `rally run` and with
+//! processes started by hand (env://, torch's own TCPStore); and what gloo
+//! cannot do: a killed rank named at once, a mismatch named on every rank,
+//! and a monitored barrier naming every absent rank.
+//!
+//! The extension module is built here (`cargo build -p rallypoint-torch`, a
+//! no-op when fresh) and staged with `python/rallypoint` on PYTHONPATH, as
+//! `pip install .` lays it out.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use serde_json::Value;
+
+use super::{free_port, python, rally, results, script, wait_or_kill, Job};
+
+const LIMIT: Duration = Duration::from_secs(240);
+
+/// `target/.../lib_native.so`, built once per test process.
+fn native_module() -> &'static PathBuf {
+    static SO: OnceLock<PathBuf> = OnceLock::new();
+    SO.get_or_init(|| {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        let out = Command::new(cargo)
+            .current_dir(&root)
+            .args([
+                "build",
+                "--quiet",
+                "-p",
+                "rallypoint-torch",
+                "--message-format=json",
+            ])
+            .stderr(Stdio::inherit())
+            .output()
+            .expect("running cargo build -p rallypoint-torch");
+        assert!(
+            out.status.success(),
+            "cargo build -p rallypoint-torch failed"
+        );
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .filter(|v| v["reason"] == "compiler-artifact" && v["target"]["name"] == "_native")
+            .find_map(|v| v["filenames"][0].as_str().map(PathBuf::from))
+            .expect("cargo reported no _native artifact")
+    })
+}
+
+/// A directory holding the `rallypoint` package as pip installs it.
+fn package(dir: &Path) -> PathBuf {
+    let site = dir.join("site");
+    let pkg = site.join("rallypoint");
+    std::fs::create_dir_all(&pkg).unwrap();
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../python/rallypoint");
+    for e in std::fs::read_dir(src).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "py") {
+            std::fs::copy(&p, pkg.join(p.file_name().unwrap())).unwrap();
+        }
+    }
+    std::os::unix::fs::symlink(native_module(), pkg.join("_native.abi3.so")).unwrap();
+    site
+}
+
+/// `torch_backend.py` under `rally run` with `n` workers; its results.
+fn under_rally_run(n: usize, scenario: &str) -> (Vec<Value>, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("results");
+    std::fs::create_dir(&out).unwrap();
+    let nproc = n.to_string();
+    let mut c = rally(&["--standalone", "--nproc-per-node", &nproc]);
+    c.arg(script("torch_backend.py"))
+        .env("PYTHONPATH", package(dir.path()))
+        .env("RESULT_DIR", &out)
+        .env("SCENARIO", scenario);
+    let mut job = Job::spawn(c, dir.path(), "job");
+    let status = job.wait(LIMIT);
+    let log = job.output();
+    assert!(status.success(), "{status}\n{log}");
+    (results(&out).into_values().collect(), log)
+}
+
+/// `torch_backend.py` in `n` processes started by hand (env://).
+fn by_hand(n: usize, scenario: &str) -> (Vec<Value>, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("results");
+    std::fs::create_dir(&out).unwrap();
+    let site = package(dir.path());
+    let port = free_port().to_string();
+    let mut children: Vec<(Child, PathBuf)> = (0..n)
+        .map(|r| {
+            let log = dir.path().join(format!("rank{r}.log"));
+            let f = std::fs::File::create(&log).unwrap();
+            let child = Command::new(python())
+                .arg(script("torch_backend.py"))
+                .env("PYTHONPATH", &site)
+                .env("RESULT_DIR", &out)
+                .env("SCENARIO", scenario)
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .env("RANK", r.to_string())
+                .env("LOCAL_RANK", r.to_string())
+                .env("WORLD_SIZE", n.to_string())
+                .env("OMP_NUM_THREADS", "1")
+                .stdout(f.try_clone().unwrap())
+                .stderr(f)
+                .spawn()
+                .unwrap();
+            (child, log)
+        })
+        .collect();
+    let logs = || {
+        children_logs(
+            &(0..n)
+                .map(|r| dir.path().join(format!("rank{r}.log")))
+                .collect::<Vec<_>>(),
+        )
+    };
+    let mut statuses = Vec::new();
+    for (c, _) in children.iter_mut() {
+        statuses.push(wait_or_kill(c, LIMIT, logs));
+    }
+    (
+        results(&out).into_values().collect(),
+        format!("{statuses:?}\n{}", logs()),
+    )
+}
+
+fn children_logs(paths: &[PathBuf]) -> String {
+    paths
+        .iter()
+        .map(|p| {
+            format!(
+                "--- {}\n{}",
+                p.display(),
+                std::fs::read_to_string(p).unwrap_or_default()
+            )
+        })
+        .collect()
+}
+
+fn all_ops_passed(n: usize, (res, log): (Vec<Value>, String)) {
+    assert_eq!(res.len(), n, "{log}");
+    for v in &res {
+        assert_eq!(v["ok"], true, "{v}\n{log}");
+        assert_eq!(v["world_size"], n as u64, "{v}");
+        assert!(v["checks"].as_u64().unwrap() > 200, "{v}");
+    }
+}
+
+#[test]
+fn every_op_ddp_and_subgroups_under_rally_run_at_two_ranks() {
+    all_ops_passed(2, under_rally_run(2, "ops"));
+}
+
+#[test]
+fn every_op_ddp_and_subgroups_under_rally_run_at_four_ranks() {
+    all_ops_passed(4, under_rally_run(4, "ops"));
+}
+
+#[test]
+fn every_op_ddp_and_subgroups_with_processes_started_by_hand_at_two_ranks() {
+    all_ops_passed(2, by_hand(2, "ops"));
+}
+
+#[test]
+fn every_op_ddp_and_subgroups_with_processes_started_by_hand_at_four_ranks() {
+    all_ops_passed(4, by_hand(4, "ops"));
+}
+
+#[test]
+fn a_killed_rank_fails_every_survivor_at_once_naming_it() {
+    // The op timeout is torch's default, 30 minutes: gloo would wait it out.
+    let (res, log) = by_hand(3, "dead");
+    assert_eq!(res.len(), 2, "{log}");
+    for v in &res {
+        let e = v["error"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no error: {v}\n{log}"));
+        assert!(e.contains("rank 2 is gone"), "{v}");
+        assert_eq!(v["is_dist_error"], true, "{v}");
+        assert!(v["seconds"].as_f64().unwrap() < 30.0, "{v}");
+    }
+    // The rank that found the death raises DistNetworkError; a rank told of
+    // it by the group's abort raises DistBackendError, naming it the same.
+    assert!(
+        res.iter().any(|v| v["class"] == "DistNetworkError"),
+        "{res:?}"
+    );
+}
+
+#[test]
+fn calls_with_different_reduce_ops_fail_every_rank_naming_both() {
+    let (res, log) = under_rally_run(3, "mismatch");
+    assert_eq!(res.len(), 3, "{log}");
+    for v in &res {
+        let e = v["error"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no error: {v}\n{log}"));
+        assert_eq!(v["class"], "DistBackendError", "{v}");
+        assert!(
+            e.contains("all_reduce(f32 x 8, SUM") && e.contains("all_reduce(f32 x 8, MAX"),
+            "{v}"
+        );
+    }
+}
+
+#[test]
+fn monitored_barrier_names_every_rank_that_did_not_arrive() {
+    let (res, log) = under_rally_run(4, "monitored");
+    let waited: Vec<&Value> = res.iter().filter(|v| v["skipped"] != true).collect();
+    assert_eq!(waited.len(), 2, "{log}");
+    for v in waited {
+        let e = v["error"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no error: {v}\n{log}"));
+        assert_eq!(v["class"], "DistBackendError", "{v}");
+        assert!(
+            e.contains("2 rank(s) did not arrive within 2 s: 1, 3"),
+            "{v}"
+        );
+    }
+}
