@@ -1,5 +1,6 @@
-"""PyTorch's side of `rallypoint-bench collectives`: one gloo rank, in its own
-process, on the benchmark's store server (a TCPStore client). Same loop as our
+"""PyTorch's side of `rallypoint-bench collectives`: one gloo rank (or, with
+RALLY_BENCH_BACKEND=rally, one rank of our torch.distributed backend), in its
+own process, on the benchmark's store server (a TCPStore client). Same loop as our
 `coll-rank`: per op and size, a warm-up, a barrier, then ITERS timed ops; every
 rank prints `RESULT <op> <bytes> <seconds per op>` and the driver takes the
 slowest rank.
@@ -26,7 +27,10 @@ dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[
 store_host = os.environ.get("RALLY_BENCH_STORE_HOST", "127.0.0.1")
 store = dist.TCPStore(store_host, port, n, is_master=False, timeout=timedelta(seconds=600))
 store = dist.PrefixStore(prefix, store)
-dist.init_process_group("gloo", store=store, rank=rank, world_size=n, timeout=timedelta(seconds=600))
+backend = os.environ.get("RALLY_BENCH_BACKEND", "gloo")
+if backend == "rally":
+    import rallypoint.torch  # noqa: F401 - registers the backend
+dist.init_process_group(backend, store=store, rank=rank, world_size=n, timeout=timedelta(seconds=600))
 
 
 def iters_for(nbytes):
@@ -57,7 +61,7 @@ def check(op, count):
     else:
         return
     if not torch.equal(t, want):
-        raise SystemExit(f"gloo {op} of {count} {dtype} on rank {rank} returned a wrong result")
+        raise SystemExit(f"{backend} {op} of {count} {dtype} on rank {rank} returned a wrong result")
 
 
 def run(op, nbytes):
@@ -85,7 +89,7 @@ def run(op, nbytes):
         f()
     dt = (time.perf_counter() - t0) / iters
     if t.any() or (op == "all_gather" and out.any()):
-        raise SystemExit(f"gloo {op} of {nbytes} bytes: the timed ops corrupted the tensor")
+        raise SystemExit(f"{backend} {op} of {nbytes} bytes: the timed ops corrupted the tensor")
     print(f"RESULT {op} {nbytes} {dt:.9f}", flush=True)
 
 

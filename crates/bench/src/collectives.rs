@@ -61,7 +61,8 @@ pub struct CollectivesArgs {
     /// forms, which own their buffers and so receive straight into them),
     /// rally-2host (the ranks told they are on two hosts, half each:
     /// two-level all_reduce, broadcast and barrier, with loopback TCP between
-    /// the "hosts"), gloo.
+    /// the "hosts"), torch-rally (our torch.distributed backend, through
+    /// torch, as gloo is), gloo.
     #[arg(long, value_delimiter = ',', default_value = "rally,rally-tcp,gloo")]
     sides: Vec<String>,
     /// Bytes per raw TCP measurement.
@@ -174,7 +175,13 @@ pub fn run(args: CollectivesArgs) -> Result<()> {
                 penalty.insert(side.clone(), format!("{before:.1}-{after:.1}"));
                 results.insert(side.clone(), r);
             }
-            for ours in ["rally", "rally-tcp", "rally-tcp-owned", "rally-2host"] {
+            for ours in [
+                "rally",
+                "rally-tcp",
+                "rally-tcp-owned",
+                "rally-2host",
+                "torch-rally",
+            ] {
                 if results.contains_key(ours) {
                     let of = |s: &str| penalty.get(s).map_or("-", |p| p.as_str());
                     println!(
@@ -300,9 +307,13 @@ fn ranks(
                 }
                 c
             }
-            "gloo" => {
+            "gloo" | "torch-rally" => {
                 let mut c = Command::new(crate::python());
                 c.arg(crate::repo_root().join("crates/bench/py/coll_bench.py"));
+                if side == "torch-rally" {
+                    c.env("RALLY_BENCH_BACKEND", "rally")
+                        .env("PYTHONPATH", crate::torch::package()?);
+                }
                 c
             }
             other => bail!("unknown side {other}"),

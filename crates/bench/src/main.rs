@@ -48,6 +48,7 @@ mod partitions;
 mod reduce;
 mod rendezvous;
 mod rpc;
+mod torch;
 
 pub use launch::LaunchArgs;
 
@@ -77,6 +78,9 @@ enum Cmd {
     CollectivesHosts(hosts::HostsArgs),
     /// The partition scenarios across test hosts under rally run and torchrun.
     Partitions(partitions::PartitionsArgs),
+    /// DDP step time over the rally backend for torch.distributed and over
+    /// gloo, same run (see torch.rs).
+    TorchDdp(torch::TorchDdpArgs),
     /// RPC: ours against PyTorch's (TensorPipe), and the raw TCP ceilings.
     Rpc(rpc::RpcArgs),
     /// One rank's reduction of a segment, per element type, beside a copy.
@@ -181,6 +185,7 @@ fn main() -> Result<()> {
         Cmd::Collectives(args) => collectives::run(args),
         Cmd::CollectivesHosts(args) => hosts::run(args),
         Cmd::Partitions(args) => partitions::run(args),
+        Cmd::TorchDdp(args) => torch::run(args),
         Cmd::Rpc(args) => rpc::run(args),
         Cmd::Reduce(args) => reduce::run(args),
         Cmd::RpcWorker { mode } => rpc::worker(&mode),

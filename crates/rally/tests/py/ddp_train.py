@@ -8,6 +8,8 @@ all_gather). Knobs (environment):
   KILL_RANK      global rank that SIGKILLs itself at step 3 of attempt 0
   RESULT_DIR     where each rank writes <rank>.json describing how it ended
   PROGRESS_DIR   where each rank writes <rank>.step, its last step done
+  BACKEND        torch.distributed backend (default gloo; "rally" imports
+                 rallypoint.torch, which registers it)
 """
 import json
 import os
@@ -20,7 +22,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-dist.init_process_group("gloo")
+BACKEND = os.environ.get("BACKEND", "gloo")
+if BACKEND == "rally":
+    import rallypoint.torch  # noqa: F401 - registers the backend
+dist.init_process_group(BACKEND)
 rank, world = dist.get_rank(), dist.get_world_size()
 attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 torch.manual_seed(0)
