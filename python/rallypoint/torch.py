@@ -213,17 +213,17 @@ class RallyBackend(_C10dBackend):
     def allreduce(self, tensors, opts):
         t = _one(tensors, "all_reduce")
         code = _check(t, "all_reduce's tensor")
-        return self._work(self._group.all_reduce, tensors, t, t.data_ptr(), t.numel(), code, self._op(opts, t), _timeout(opts))
+        return self._work(self._group.all_reduce, tensors, t, t.data_ptr(), t.numel(), code, self._op(opts, t), _timeout(opts), now=not opts.asyncOp)
 
     def broadcast(self, tensors, opts):
         t = _one(tensors, "broadcast")
         code = _check(t, "broadcast's tensor")
-        return self._work(self._group.broadcast, tensors, t, t.data_ptr(), t.numel(), code, opts.rootRank, _timeout(opts))
+        return self._work(self._group.broadcast, tensors, t, t.data_ptr(), t.numel(), code, opts.rootRank, _timeout(opts), now=not opts.asyncOp)
 
     def reduce(self, tensors, opts):
         t = _one(tensors, "reduce")
         code = _check(t, "reduce's tensor")
-        return self._work(self._group.reduce, tensors, t, t.data_ptr(), t.numel(), code, opts.rootRank, self._op(opts, t), _timeout(opts))
+        return self._work(self._group.reduce, tensors, t, t.data_ptr(), t.numel(), code, opts.rootRank, self._op(opts, t), _timeout(opts), now=not opts.asyncOp)
 
     def allgather(self, output_tensors, input_tensors, opts):
         t = _one(input_tensors, "all_gather")
@@ -234,7 +234,7 @@ class RallyBackend(_C10dBackend):
         _same(outs, t, "all_gather's output")
         return self._work(
             self._group.all_gather, output_tensors, (t, outs), t.data_ptr(), t.numel(), code,
-            outs=[o.data_ptr() for o in outs], timeout=_timeout(opts),
+            outs=[o.data_ptr() for o in outs], timeout=_timeout(opts), now=not opts.asyncOp,
         )
 
     def all_gather_single(self, output, input, opts):
@@ -247,7 +247,7 @@ class RallyBackend(_C10dBackend):
             )
         return self._work(
             self._group.all_gather, [output], (input, output), input.data_ptr(), input.numel(), code,
-            out=output.data_ptr(), timeout=_timeout(opts),
+            out=output.data_ptr(), timeout=_timeout(opts), now=not opts.asyncOp,
         )
 
     def gather(self, output_tensors, input_tensors, opts):
@@ -263,7 +263,7 @@ class RallyBackend(_C10dBackend):
         result = outs if outs is not None else []
         return self._work(
             self._group.gather, result, (t, outs), t.data_ptr(), t.numel(), code, root,
-            outs=[o.data_ptr() for o in outs] if outs is not None else None, timeout=_timeout(opts),
+            outs=[o.data_ptr() for o in outs] if outs is not None else None, timeout=_timeout(opts), now=not opts.asyncOp,
         )
 
     def scatter(self, output_tensors, input_tensors, opts):
@@ -278,7 +278,7 @@ class RallyBackend(_C10dBackend):
             _same(ins, t, "scatter's input")
         return self._work(
             self._group.scatter, output_tensors, (t, ins), t.data_ptr(), t.numel(), code, root,
-            ins=[i.data_ptr() for i in ins] if ins is not None else None, timeout=_timeout(opts),
+            ins=[i.data_ptr() for i in ins] if ins is not None else None, timeout=_timeout(opts), now=not opts.asyncOp,
         )
 
     def reduce_scatter(self, output_tensors, input_tensors, opts):
@@ -291,7 +291,7 @@ class RallyBackend(_C10dBackend):
         flat = torch.cat([i.reshape(-1) for i in ins])
         return self._work(
             self._group.reduce_scatter, output_tensors, (t, flat), flat.data_ptr(), t.data_ptr(), t.numel(), code,
-            self._op(opts, t), _timeout(opts),
+            self._op(opts, t), _timeout(opts), now=not opts.asyncOp,
         )
 
     def reduce_scatter_single(self, output, input, opts):
@@ -304,7 +304,7 @@ class RallyBackend(_C10dBackend):
             )
         return self._work(
             self._group.reduce_scatter, [output], (input, output), input.data_ptr(), output.data_ptr(), output.numel(),
-            code, self._op(opts, output), _timeout(opts),
+            code, self._op(opts, output), _timeout(opts), now=not opts.asyncOp,
         )
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts):
@@ -317,7 +317,7 @@ class RallyBackend(_C10dBackend):
         outs = self._splits(output, output_split_sizes, "output")
         return self._work(
             self._group.all_to_all, [output], (input, output), input.data_ptr(), ins, output.data_ptr(), outs, code,
-            _timeout(opts),
+            _timeout(opts), now=not opts.asyncOp,
         )
 
     def _splits(self, t, sizes, what):
@@ -350,7 +350,7 @@ class RallyBackend(_C10dBackend):
         return self._work(
             self._group.all_to_all, output_tensors, (flat_in, flat_out), flat_in.data_ptr(),
             [t.numel() for t in input_tensors], flat_out.data_ptr(), [t.numel() for t in output_tensors], code,
-            _timeout(opts), after=after,
+            _timeout(opts), after=after, now=not opts.asyncOp,
         )
 
     def send(self, tensors, dst, tag=0):
@@ -367,7 +367,7 @@ class RallyBackend(_C10dBackend):
         raise ValueError("rally: recv from any source is not supported; name the source rank")
 
     def barrier(self, opts):
-        return self._work(self._group.barrier, [], None, _timeout(opts))
+        return self._work(self._group.barrier, [], None, _timeout(opts), now=not opts.asyncOp)
 
     # -- monitored barrier -----------------------------------------------
 

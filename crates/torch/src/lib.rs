@@ -205,25 +205,43 @@ impl Group {
         }
     }
 
-    /// Spawns `op`; its end completes `token` through `done`.
-    fn submit<F>(&self, token: PyObject, op: F) -> PyResult<()>
+    /// Runs `op`; its end completes `token` through `done`. A call the
+    /// caller will wait for at once (torch's `async_op=False`: `now`) runs on
+    /// the calling thread, with the GIL released: no thread hands the op or
+    /// its end to another, which is most of a small op's time. Any other op
+    /// is spawned on the runtime (so is a call from the runtime's own
+    /// threads: a future's callback).
+    fn submit<F>(&self, py: Python<'_>, now: bool, token: PyObject, op: F) -> PyResult<()>
     where
         F: Future<Output = rallypoint_collectives::Result<()>> + Send + 'static,
     {
+        if now && tokio::runtime::Handle::try_current().is_err() {
+            let r = py.allow_threads(|| runtime().block_on(op));
+            finish(py, &self.done, token, r);
+            return Ok(());
+        }
         let done = Arc::clone(&self.done);
         runtime().spawn(async move {
             let r = op.await;
-            Python::with_gil(|py| {
-                let (k, msg) = match &r {
-                    Ok(()) => (None, None),
-                    Err(e) => (Some(kind(e)), Some(e.to_string())),
-                };
-                if let Err(e) = done.call1(py, (token, k, msg)) {
-                    e.print(py);
-                }
-            });
+            Python::with_gil(|py| finish(py, &done, token, r));
         });
         Ok(())
+    }
+}
+
+/// Completes an op: `done(token, kind, message)`.
+fn finish(
+    py: Python<'_>,
+    done: &Py<PyAny>,
+    token: PyObject,
+    r: rallypoint_collectives::Result<()>,
+) {
+    let (k, msg) = match &r {
+        Ok(()) => (None, None),
+        Err(e) => (Some(kind(e)), Some(e.to_string())),
+    };
+    if let Err(e) = done.call1(py, (token, k, msg)) {
+        e.print(py);
     }
 }
 
@@ -278,46 +296,51 @@ impl Group {
         self.pg.abort(reason);
     }
 
-    #[pyo3(signature = (token, addr, len, dtype, op, timeout=None))]
+    #[pyo3(signature = (token, addr, len, dtype, op, timeout=None, now=false))]
     fn all_reduce(
         &self,
+        py: Python<'_>,
         token: PyObject,
         addr: usize,
         len: usize,
         dtype: u8,
         op: u8,
         timeout: Option<f64>,
+        now: bool,
     ) -> PyResult<()> {
         let (pg, op, raw) = (self.pg(timeout), reduce_op(op)?, Raw { addr, len });
         with_dtype!(dtype, T => {
             // SAFETY: see "Memory"; the spawned future runs to its end.
             let buf = unsafe { raw.slice::<T>()? };
-            self.submit(token, unsafe { pg.start_all_reduce(buf, op) })
+            self.submit(py, now, token, unsafe { pg.start_all_reduce(buf, op) })
         })
     }
 
-    #[pyo3(signature = (token, addr, len, dtype, root, timeout=None))]
+    #[pyo3(signature = (token, addr, len, dtype, root, timeout=None, now=false))]
     fn broadcast(
         &self,
+        py: Python<'_>,
         token: PyObject,
         addr: usize,
         len: usize,
         dtype: u8,
         root: usize,
         timeout: Option<f64>,
+        now: bool,
     ) -> PyResult<()> {
         let (pg, raw) = (self.pg(timeout), Raw { addr, len });
         with_dtype!(dtype, T => {
             // SAFETY: as in all_reduce.
             let buf = unsafe { raw.slice::<T>()? };
-            self.submit(token, unsafe { pg.start_broadcast(buf, root) })
+            self.submit(py, now, token, unsafe { pg.start_broadcast(buf, root) })
         })
     }
 
-    #[pyo3(signature = (token, addr, len, dtype, root, op, timeout=None))]
+    #[pyo3(signature = (token, addr, len, dtype, root, op, timeout=None, now=false))]
     #[allow(clippy::too_many_arguments)]
     fn reduce(
         &self,
+        py: Python<'_>,
         token: PyObject,
         addr: usize,
         len: usize,
@@ -325,21 +348,23 @@ impl Group {
         root: usize,
         op: u8,
         timeout: Option<f64>,
+        now: bool,
     ) -> PyResult<()> {
         let (pg, op, raw) = (self.pg(timeout), reduce_op(op)?, Raw { addr, len });
         with_dtype!(dtype, T => {
             // SAFETY: as in all_reduce.
             let buf = unsafe { raw.slice::<T>()? };
-            self.submit(token, pg.start_reduce(buf, root, op))
+            self.submit(py, now, token, pg.start_reduce(buf, root, op))
         })
     }
 
     /// all_gather of `len` elements per rank into one tensor (`out`, `len` ×
     /// size elements) or, with `outs`, into one tensor per rank.
-    #[pyo3(signature = (token, addr, len, dtype, out=None, outs=None, timeout=None))]
+    #[pyo3(signature = (token, addr, len, dtype, out=None, outs=None, timeout=None, now=false))]
     #[allow(clippy::too_many_arguments)]
     fn all_gather(
         &self,
+        py: Python<'_>,
         token: PyObject,
         addr: usize,
         len: usize,
@@ -347,6 +372,7 @@ impl Group {
         out: Option<usize>,
         outs: Option<Vec<usize>>,
         timeout: Option<f64>,
+        now: bool,
     ) -> PyResult<()> {
         let (pg, input) = (self.pg(timeout), Raw { addr, len });
         let n = pg.size();
@@ -355,7 +381,7 @@ impl Group {
             let input = unsafe { input.slice::<T>()? };
             if let Some(out) = out {
                 let out = unsafe { Raw { addr: out, len: len * n }.slice::<T>()? };
-                return self.submit(token, unsafe { pg.start_all_gather(input, out) });
+                return self.submit(py, now, token, unsafe { pg.start_all_gather(input, out) });
             }
             let outs = outs.ok_or_else(|| PyValueError::new_err("rally: all_gather needs out or outs"))?;
             let outs: Vec<&mut [T]> = raws(&outs, len)
@@ -367,7 +393,7 @@ impl Group {
             // SAFETY: the op's future is the buffer's only user, and is done
             // before `into_vec` (below).
             let op = unsafe { pg.start_all_gather(input, all.slice()) };
-            self.submit(token, async move {
+            self.submit(py, now, token, async move {
                 let r = op.await;
                 // SAFETY: the op's future is done.
                 let all = unsafe { all.into_vec() };
@@ -381,10 +407,11 @@ impl Group {
     }
 
     /// gather of `len` elements per rank; `outs` (one tensor per rank) at the root.
-    #[pyo3(signature = (token, addr, len, dtype, root, outs=None, timeout=None))]
+    #[pyo3(signature = (token, addr, len, dtype, root, outs=None, timeout=None, now=false))]
     #[allow(clippy::too_many_arguments)]
     fn gather(
         &self,
+        py: Python<'_>,
         token: PyObject,
         addr: usize,
         len: usize,
@@ -392,6 +419,7 @@ impl Group {
         root: usize,
         outs: Option<Vec<usize>>,
         timeout: Option<f64>,
+        now: bool,
     ) -> PyResult<()> {
         let pg = self.pg(timeout);
         with_dtype!(dtype, T => {
@@ -402,7 +430,7 @@ impl Group {
                 .map(|r| unsafe { r.slice::<T>() })
                 .collect::<PyResult<_>>()?;
             let op = pg.start_gather(input, root);
-            self.submit(token, async move {
+            self.submit(py, now, token, async move {
                 if let Some(all) = op.await? {
                     for (o, part) in outs.into_iter().zip(all.chunks(len.max(1))) {
                         o.copy_from_slice(part);
@@ -414,10 +442,11 @@ impl Group {
     }
 
     /// scatter of `len` elements to each rank; `ins` (one tensor per rank) at the root.
-    #[pyo3(signature = (token, addr, len, dtype, root, ins=None, timeout=None))]
+    #[pyo3(signature = (token, addr, len, dtype, root, ins=None, timeout=None, now=false))]
     #[allow(clippy::too_many_arguments)]
     fn scatter(
         &self,
+        py: Python<'_>,
         token: PyObject,
         addr: usize,
         len: usize,
@@ -425,6 +454,7 @@ impl Group {
         root: usize,
         ins: Option<Vec<usize>>,
         timeout: Option<f64>,
+        now: bool,
     ) -> PyResult<()> {
         let pg = self.pg(timeout);
         with_dtype!(dtype, T => {
@@ -443,7 +473,7 @@ impl Group {
             let all = ins.map(|ins| Scratch::new(ins.concat()));
             // SAFETY: as in all_gather.
             let op = pg.start_scatter(all.as_ref().map(|a| &*unsafe { a.slice() }), out, root);
-            self.submit(token, async move {
+            self.submit(py, now, token, async move {
                 let r = op.await;
                 // SAFETY: the op's future is done.
                 drop(all.map(|a| unsafe { a.into_vec() }));
@@ -453,10 +483,11 @@ impl Group {
     }
 
     /// reduce_scatter of `len` × size elements in `addr` into `len` in `out`.
-    #[pyo3(signature = (token, addr, out, len, dtype, op, timeout=None))]
+    #[pyo3(signature = (token, addr, out, len, dtype, op, timeout=None, now=false))]
     #[allow(clippy::too_many_arguments)]
     fn reduce_scatter(
         &self,
+        py: Python<'_>,
         token: PyObject,
         addr: usize,
         out: usize,
@@ -464,6 +495,7 @@ impl Group {
         dtype: u8,
         op: u8,
         timeout: Option<f64>,
+        now: bool,
     ) -> PyResult<()> {
         let (pg, op) = (self.pg(timeout), reduce_op(op)?);
         let n = pg.size();
@@ -471,17 +503,18 @@ impl Group {
             // SAFETY: as in all_reduce.
             let input = unsafe { Raw { addr, len: len * n }.slice::<T>()? };
             let out = unsafe { Raw { addr: out, len }.slice::<T>()? };
-            self.submit(token, pg.start_reduce_scatter(input, out, op))
+            self.submit(py, now, token, pg.start_reduce_scatter(input, out, op))
         })
     }
 
     /// all_to_all: `in_splits[p]` elements of `addr` go to rank p, and
     /// `out_splits[p]` elements from rank p land in `out`. Even splits run as
     /// one collective; uneven ones as one message each way per pair.
-    #[pyo3(signature = (token, addr, in_splits, out, out_splits, dtype, timeout=None))]
+    #[pyo3(signature = (token, addr, in_splits, out, out_splits, dtype, timeout=None, now=false))]
     #[allow(clippy::too_many_arguments)]
     fn all_to_all(
         &self,
+        py: Python<'_>,
         token: PyObject,
         addr: usize,
         in_splits: Vec<usize>,
@@ -489,6 +522,7 @@ impl Group {
         out_splits: Vec<usize>,
         dtype: u8,
         timeout: Option<f64>,
+        now: bool,
     ) -> PyResult<()> {
         let pg = self.pg(timeout);
         let (n, me) = (pg.size(), pg.rank());
@@ -511,7 +545,7 @@ impl Group {
             let input = unsafe { Raw { addr, len: in_total }.slice::<T>()? };
             let output = unsafe { Raw { addr: out, len: out_total }.slice::<T>()? };
             if even {
-                return self.submit(token, pg.start_all_to_all(input, output));
+                return self.submit(py, now, token, pg.start_all_to_all(input, output));
             }
             let (ins, outs) = (split(input, &in_splits), split(output, &out_splits));
             // One message each way per pair, numbered now.
@@ -525,7 +559,7 @@ impl Group {
                 tasks.spawn(pg.start_send(i, p, tag));
                 tasks.spawn(pg.start_recv(o, p, tag));
             }
-            self.submit(token, async move {
+            self.submit(py, now, token, async move {
                 let mut first = Ok(());
                 while let Some(r) = tasks.join_next().await {
                     let r = r.unwrap_or_else(|e| Err(Error::Invalid(format!("all_to_all task: {e}"))));
@@ -538,46 +572,56 @@ impl Group {
         })
     }
 
-    #[pyo3(signature = (token, addr, len, dtype, dst, tag))]
+    #[pyo3(signature = (token, addr, len, dtype, dst, tag, now=false))]
     fn send(
         &self,
+        py: Python<'_>,
         token: PyObject,
         addr: usize,
         len: usize,
         dtype: u8,
         dst: usize,
         tag: u32,
+        now: bool,
     ) -> PyResult<()> {
         let pg = self.pg.clone();
         with_dtype!(dtype, T => {
             // SAFETY: as in all_reduce.
             let data = unsafe { Raw { addr, len }.slice::<T>()? };
-            self.submit(token, pg.start_send(&*data, dst, tag))
+            self.submit(py, now, token, pg.start_send(&*data, dst, tag))
         })
     }
 
-    #[pyo3(signature = (token, addr, len, dtype, src, tag))]
+    #[pyo3(signature = (token, addr, len, dtype, src, tag, now=false))]
     fn recv(
         &self,
+        py: Python<'_>,
         token: PyObject,
         addr: usize,
         len: usize,
         dtype: u8,
         src: usize,
         tag: u32,
+        now: bool,
     ) -> PyResult<()> {
         let pg = self.pg.clone();
         with_dtype!(dtype, T => {
             // SAFETY: as in all_reduce.
             let out = unsafe { Raw { addr, len }.slice::<T>()? };
-            self.submit(token, pg.start_recv(out, src, tag))
+            self.submit(py, now, token, pg.start_recv(out, src, tag))
         })
     }
 
-    #[pyo3(signature = (token, timeout=None))]
-    fn barrier(&self, token: PyObject, timeout: Option<f64>) -> PyResult<()> {
+    #[pyo3(signature = (token, timeout=None, now=false))]
+    fn barrier(
+        &self,
+        py: Python<'_>,
+        token: PyObject,
+        timeout: Option<f64>,
+        now: bool,
+    ) -> PyResult<()> {
         let pg = self.pg(timeout);
-        self.submit(token, pg.start_barrier())
+        self.submit(py, now, token, pg.start_barrier())
     }
 }
 
