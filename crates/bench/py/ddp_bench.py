@@ -1,6 +1,9 @@
 """One rank of `rallypoint-bench torch-ddp`: DDP training steps of an MLP
 (about 25M parameters, small batch: communication matters) over the backend
-named by BACKEND (gloo, or rally through `import rallypoint.torch`), started
+named by BACKEND (gloo, or rally through `import rallypoint.torch`; or
+"none": the same steps without DDP, each rank on its own, gloo only to time
+them: the floor no backend can beat, the same processes competing for the
+same cores), started
 by hand (env://: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE). Prints
 `RESULT <seconds per step>` (the mean of STEPS timed steps after WARMUP)
 and `PARAMS <count>`.
@@ -17,14 +20,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 backend = os.environ["BACKEND"]
 if backend == "rally":
     import rallypoint.torch  # noqa: F401 - registers the backend
-dist.init_process_group(backend)
+dist.init_process_group("gloo" if backend == "none" else backend)
 rank = dist.get_rank()
 width, layers = int(os.environ.get("WIDTH", "2048")), int(os.environ.get("LAYERS", "6"))
 torch.manual_seed(0)
 mods = []
 for _ in range(layers):
     mods += [nn.Linear(width, width), nn.ReLU()]
-model = DDP(nn.Sequential(*mods[:-1]))
+model = nn.Sequential(*mods[:-1])
+if backend != "none":
+    model = DDP(model)
 opt = torch.optim.SGD(model.parameters(), lr=1e-4)
 x, y = torch.randn(8, width), torch.randn(8, width)
 warmup, steps = int(os.environ.get("WARMUP", "3")), int(os.environ.get("STEPS", "10"))

@@ -63,8 +63,9 @@ pub struct TorchDdpArgs {
     /// Group sizes.
     #[arg(long, value_delimiter = ',', default_value = "2,4")]
     ranks: Vec<usize>,
-    /// Backends, alternating within each repetition.
-    #[arg(long, value_delimiter = ',', default_value = "gloo,rally")]
+    /// Backends, alternating within each repetition; "none" trains without
+    /// DDP (the compute floor: no backend can beat it).
+    #[arg(long, value_delimiter = ',', default_value = "none,gloo,rally")]
     backends: Vec<String>,
     /// Repetitions of the whole comparison.
     #[arg(long, default_value_t = 2)]
@@ -102,6 +103,15 @@ pub fn run(args: TorchDdpArgs) -> Result<()> {
                 times.iter().find(|(b, _)| b == "rally"),
             ) {
                 println!("rep {} | {n} ranks | gloo / rally {:.2}", rep + 1, g / r);
+                if let Some((_, f)) = times.iter().find(|(b, _)| b == "none") {
+                    println!(
+                        "rep {} | {n} ranks | communication's share of a step: gloo {:.0}%, rally {:.0}%; the most gloo / rally can be (rally at the floor): {:.2}",
+                        rep + 1,
+                        (g - f) / g * 100.0,
+                        (r - f) / r * 100.0,
+                        g / f
+                    );
+                }
             }
         }
     }
