@@ -245,6 +245,8 @@ fn finish(
     }
 }
 
+// The methods mirror torch's calls, one Python argument each.
+#[allow(clippy::too_many_arguments)]
 #[pymethods]
 impl Group {
     /// Forms the group through `store` (a torch Store), blocking with the GIL
@@ -337,7 +339,6 @@ impl Group {
     }
 
     #[pyo3(signature = (token, addr, len, dtype, root, op, timeout=None, now=false))]
-    #[allow(clippy::too_many_arguments)]
     fn reduce(
         &self,
         py: Python<'_>,
@@ -361,7 +362,6 @@ impl Group {
     /// all_gather of `len` elements per rank into one tensor (`out`, `len` ×
     /// size elements) or, with `outs`, into one tensor per rank.
     #[pyo3(signature = (token, addr, len, dtype, out=None, outs=None, timeout=None, now=false))]
-    #[allow(clippy::too_many_arguments)]
     fn all_gather(
         &self,
         py: Python<'_>,
@@ -408,7 +408,6 @@ impl Group {
 
     /// gather of `len` elements per rank; `outs` (one tensor per rank) at the root.
     #[pyo3(signature = (token, addr, len, dtype, root, outs=None, timeout=None, now=false))]
-    #[allow(clippy::too_many_arguments)]
     fn gather(
         &self,
         py: Python<'_>,
@@ -443,7 +442,6 @@ impl Group {
 
     /// scatter of `len` elements to each rank; `ins` (one tensor per rank) at the root.
     #[pyo3(signature = (token, addr, len, dtype, root, ins=None, timeout=None, now=false))]
-    #[allow(clippy::too_many_arguments)]
     fn scatter(
         &self,
         py: Python<'_>,
@@ -484,7 +482,6 @@ impl Group {
 
     /// reduce_scatter of `len` × size elements in `addr` into `len` in `out`.
     #[pyo3(signature = (token, addr, out, len, dtype, op, timeout=None, now=false))]
-    #[allow(clippy::too_many_arguments)]
     fn reduce_scatter(
         &self,
         py: Python<'_>,
@@ -511,7 +508,6 @@ impl Group {
     /// `out_splits[p]` elements from rank p land in `out`. Even splits run as
     /// one collective; uneven ones as one message each way per pair.
     #[pyo3(signature = (token, addr, in_splits, out, out_splits, dtype, timeout=None, now=false))]
-    #[allow(clippy::too_many_arguments)]
     fn all_to_all(
         &self,
         py: Python<'_>,
@@ -572,7 +568,7 @@ impl Group {
         })
     }
 
-    #[pyo3(signature = (token, addr, len, dtype, dst, tag, now=false))]
+    #[pyo3(signature = (token, addr, len, dtype, dst, tag))]
     fn send(
         &self,
         py: Python<'_>,
@@ -582,17 +578,18 @@ impl Group {
         dtype: u8,
         dst: usize,
         tag: u32,
-        now: bool,
     ) -> PyResult<()> {
         let pg = self.pg.clone();
         with_dtype!(dtype, T => {
             // SAFETY: as in all_reduce.
             let data = unsafe { Raw { addr, len }.slice::<T>()? };
-            self.submit(py, now, token, pg.start_send(&*data, dst, tag))
+            // A message never runs on the caller: its peer may wait for this
+            // rank's next call (isend then recv).
+            self.submit(py, false, token, pg.start_send(&*data, dst, tag))
         })
     }
 
-    #[pyo3(signature = (token, addr, len, dtype, src, tag, now=false))]
+    #[pyo3(signature = (token, addr, len, dtype, src, tag))]
     fn recv(
         &self,
         py: Python<'_>,
@@ -602,13 +599,12 @@ impl Group {
         dtype: u8,
         src: usize,
         tag: u32,
-        now: bool,
     ) -> PyResult<()> {
         let pg = self.pg.clone();
         with_dtype!(dtype, T => {
             // SAFETY: as in all_reduce.
             let out = unsafe { Raw { addr, len }.slice::<T>()? };
-            self.submit(py, now, token, pg.start_recv(out, src, tag))
+            self.submit(py, false, token, pg.start_recv(out, src, tag))
         })
     }
 
