@@ -27,6 +27,7 @@ How a call reaches Rust and how its future completes:
 
 import datetime
 import itertools
+import os
 import threading
 import time
 from typing import List, Optional
@@ -158,6 +159,16 @@ class RallyBackend(_C10dBackend):
     """A ``torch.distributed`` Backend over rallypoint's collectives (CPU)."""
 
     def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta, name: str, ranks=None):
+        if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL":
+            # torch 2.15 wraps a plugin backend in its ProcessGroupWrapper
+            # under DETAIL (distributed_c10d._new_process_group_helper), and
+            # the wrapper's first call fails with an internal assert
+            # ("getBackendName is not implemented"), for any Python backend.
+            raise ValueError(
+                "rally: TORCH_DISTRIBUTED_DEBUG=DETAIL wraps the backend in torch's ProcessGroupWrapper,"
+                " which fails on its first call in torch 2.15; rally compares every call across ranks"
+                " without it: unset it, or use INFO"
+            )
         super().__init__(rank, size)
         self._store = store
         self._timeout = timeout
@@ -404,13 +415,21 @@ class RallyBackend(_C10dBackend):
             raise dist.DistBackendError(verdict.decode(errors="replace"))
 
     def _arrived(self, key: str, deadline: float) -> bool:
-        # One deadline for all: each wait gets what is left of it.
-        left = max(deadline - time.monotonic(), 0.001)
-        try:
-            self._store.wait([key], datetime.timedelta(seconds=left))
+        """Whether the rank's key is there by the deadline. One deadline for
+        all: each wait gets what is left of it, and once it has passed a rank
+        is looked for without waiting (a wait of almost nothing can time out
+        on a busy machine before the store's answer is read, naming a rank
+        that had arrived)."""
+        if self._store.check([key]):
             return True
-        except dist.DistStoreError:
-            return False
+        left = deadline - time.monotonic()
+        if left > 0:
+            try:
+                self._store.wait([key], datetime.timedelta(seconds=left))
+                return True
+            except dist.DistStoreError:
+                pass
+        return self._store.check([key])
 
     def _who(self, r: int) -> str:
         g = self._ranks[r] if r < len(self._ranks) else r

@@ -10,6 +10,7 @@
   stop them first).
 - ``mismatch``: rank 0 calls all_reduce SUM, the others MAX.
 - ``monitored``: the odd ranks never arrive at monitored_barrier.
+- ``detail``: init under TORCH_DISTRIBUTED_DEBUG=DETAIL.
 
 Each rank writes ``RESULT_DIR/<rank>.json`` and ends with ``os._exit`` (the
 torch wheel may abort at exit after destroy_process_group).
@@ -375,6 +376,25 @@ def scenario_monitored():
     write(res)
 
 
-{"ops": scenario_ops, "dead": scenario_dead, "mismatch": scenario_mismatch, "monitored": scenario_monitored}[SCENARIO]()
+def scenario_detail():
+    # Run with TORCH_DISTRIBUTED_DEBUG=DETAIL: a clear error at init, not
+    # torch's internal assert at the first call.
+    r = int(os.environ["RANK"])
+    try:
+        init()
+        res = {"error": None}
+    except ValueError as e:
+        res = {"error": str(e), "class": type(e).__name__}
+    res.update(rank=r)
+    write(res)
+
+
+{
+    "ops": scenario_ops,
+    "dead": scenario_dead,
+    "mismatch": scenario_mismatch,
+    "monitored": scenario_monitored,
+    "detail": scenario_detail,
+}[SCENARIO]()
 sys.stdout.flush()
 os._exit(0)

@@ -69,6 +69,10 @@ fn package(dir: &Path) -> PathBuf {
 
 /// `torch_backend.py` under `rally run` with `n` workers; its results.
 fn under_rally_run(n: usize, scenario: &str) -> (Vec<Value>, String) {
+    under_rally_run_with(n, scenario, &[])
+}
+
+fn under_rally_run_with(n: usize, scenario: &str, env: &[(&str, &str)]) -> (Vec<Value>, String) {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("results");
     std::fs::create_dir(&out).unwrap();
@@ -77,7 +81,8 @@ fn under_rally_run(n: usize, scenario: &str) -> (Vec<Value>, String) {
     c.arg(script("torch_backend.py"))
         .env("PYTHONPATH", package(dir.path()))
         .env("RESULT_DIR", &out)
-        .env("SCENARIO", scenario);
+        .env("SCENARIO", scenario)
+        .envs(env.iter().copied());
     let mut job = Job::spawn(c, dir.path(), "job");
     let status = job.wait(LIMIT);
     let log = job.output();
@@ -222,6 +227,24 @@ fn monitored_barrier_names_every_rank_that_did_not_arrive() {
         assert_eq!(v["class"], "DistBackendError", "{v}");
         assert!(
             e.contains("2 rank(s) did not arrive within 2 s: 1, 3"),
+            "{v}"
+        );
+    }
+}
+
+#[test]
+fn torch_debug_detail_is_refused_at_init_with_a_reason() {
+    // torch 2.15 wraps plugin backends under DETAIL in a wrapper whose first
+    // call fails with an internal assert; rally says so at init instead.
+    let (res, log) = under_rally_run_with(2, "detail", &[("TORCH_DISTRIBUTED_DEBUG", "DETAIL")]);
+    assert_eq!(res.len(), 2, "{log}");
+    for v in &res {
+        let e = v["error"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no error: {v}\n{log}"));
+        assert_eq!(v["class"], "ValueError", "{v}");
+        assert!(
+            e.contains("TORCH_DISTRIBUTED_DEBUG=DETAIL") && e.contains("unset it"),
             "{v}"
         );
     }
