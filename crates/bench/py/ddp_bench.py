@@ -29,7 +29,8 @@ for _ in range(layers):
     mods += [nn.Linear(width, width), nn.ReLU()]
 model = nn.Sequential(*mods[:-1])
 if backend != "none":
-    model = DDP(model)
+    # BUCKET_MB: DDP's bucket_cap_mb (default 25; torch's default).
+    model = DDP(model, bucket_cap_mb=float(os.environ.get("BUCKET_MB", "25")))
 opt = torch.optim.SGD(model.parameters(), lr=1e-4)
 x, y = torch.randn(8, width), torch.randn(8, width)
 warmup, steps = int(os.environ.get("WARMUP", "3")), int(os.environ.get("STEPS", "10"))

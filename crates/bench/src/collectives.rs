@@ -120,7 +120,7 @@ fn bus_factor(op: &str, n: usize) -> f64 {
 type Results = BTreeMap<(String, usize), f64>;
 
 pub fn run(args: CollectivesArgs) -> Result<()> {
-    let server = crate::rpc::store_server()?;
+    let server = crate::fixtures::store_server()?;
     let port = server.port;
     let sizes: Vec<usize> = sizes(args.max_bytes)
         .into_iter()
@@ -601,53 +601,9 @@ async fn timed<T: Element>(
 
 /// Raw TCP between two processes: (one direction, per direction with both at once), bytes/s.
 fn raw_tcp(bytes: u64) -> Result<(f64, f64)> {
-    let one = raw_pair(bytes, false)?;
-    let both = raw_pair(bytes, true)?;
+    let one = crate::fixtures::raw_pair(bytes, false)?;
+    let both = crate::fixtures::raw_pair(bytes, true)?;
     Ok((one, both))
-}
-
-pub(crate) fn raw_pair(bytes: u64, duplex: bool) -> Result<f64> {
-    let listener = TcpListener::bind("127.0.0.1:0")?;
-    let port = listener.local_addr()?.port();
-    drop(listener);
-    let spawn = |role: &str| {
-        Command::new(std::env::current_exe()?)
-            .args([
-                "coll-raw",
-                role,
-                &port.to_string(),
-                &bytes.to_string(),
-                if duplex { "duplex" } else { "simplex" },
-            ])
-            .stdout(Stdio::piped())
-            .spawn()
-            .context("starting a raw TCP process")
-    };
-    let a = spawn("listen")?;
-    std::thread::sleep(Duration::from_millis(200));
-    let b = spawn("connect")?;
-    slowest_rate([a, b])
-}
-
-/// Waits for raw TCP processes; the slowest `RATE` their receivers
-/// reported (bytes/s).
-pub(crate) fn slowest_rate(children: [std::process::Child; 2]) -> Result<f64> {
-    let mut rates = vec![];
-    for c in children {
-        let out = c.wait_with_output()?;
-        if !out.status.success() {
-            bail!("raw TCP process failed");
-        }
-        for l in String::from_utf8_lossy(&out.stdout).lines() {
-            if let Some(v) = l.strip_prefix("RATE ") {
-                rates.push(v.trim().parse::<f64>()?);
-            }
-        }
-    }
-    rates
-        .into_iter()
-        .reduce(f64::min)
-        .context("no rate reported")
 }
 
 /// A raw TCP ring of `n` processes, each sending `bytes` to the next while

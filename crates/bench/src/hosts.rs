@@ -226,5 +226,5 @@ fn raw_duplex(c: &Cluster, bytes: u64) -> Result<f64> {
             _ => break,
         }
     }
-    crate::collectives::slowest_rate([a, b])
+    crate::fixtures::slowest_rate([a, b])
 }

@@ -41,6 +41,7 @@ mod agent;
 mod ceilings;
 mod collectives;
 mod etcd;
+mod fixtures;
 mod hosts;
 mod idle;
 mod launch;

@@ -47,34 +47,9 @@ pub struct RpcArgs {
 
 const WINDOW: usize = 64;
 
-/// One of our store servers on its own runtime, for a measurement's workers.
-pub(crate) struct StoreServer {
-    rt: tokio::runtime::Runtime,
-    pub(crate) port: u16,
-    _server: Box<dyn std::any::Any>,
-}
-
-pub(crate) fn store_server() -> Result<StoreServer> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()?;
-    let server = rt.block_on(rallypoint_store::server::Server::bind(
-        "127.0.0.1:0".parse()?,
-        Default::default(),
-    ))?;
-    let port = server.local_addr().port();
-    let handle = rt.block_on(async { server.spawn() });
-    Ok(StoreServer {
-        rt,
-        port,
-        _server: Box::new(handle),
-    })
-}
-
 /// Runs `n` workers of `side` in `mode`; returns every worker's RESULT pairs.
 fn workers(side: &str, mode: &str, n: usize, args: &RpcArgs) -> Result<Vec<Vec<(String, f64)>>> {
-    let server = store_server()?;
+    let server = crate::fixtures::store_server()?;
     let mut children = Vec::new();
     for r in 0..n {
         let mut c = match side {
@@ -135,11 +110,11 @@ fn get(r: &[(String, f64)], k: &str) -> Option<f64> {
 pub fn run(args: RpcArgs) -> Result<()> {
     for rep in 0..args.repeat {
         let rtt = raw_rtt(20_000)?;
-        let bw = crate::collectives::raw_pair(1 << 30, false)?;
+        let bw = crate::fixtures::raw_pair(1 << 30, false)?;
         // The ceiling for a round trip beside a transfer on this machine:
         // the raw ping-pong while a raw bulk stream runs between two other
         // processes (they share the same cores).
-        let bulk = std::thread::spawn(|| crate::collectives::raw_pair(8 << 30, false));
+        let bulk = std::thread::spawn(|| crate::fixtures::raw_pair(8 << 30, false));
         std::thread::sleep(Duration::from_millis(300));
         let rtt_beside_bulk = raw_rtt(2_000)?;
         bulk.join().expect("raw bulk thread")?;
@@ -232,7 +207,7 @@ pub fn run(args: RpcArgs) -> Result<()> {
 /// returns how long worker 0's call with no timeout took to fail, naming it
 /// dead, under heartbeat deadline `hb_ms`.
 fn partition(hb_ms: u64) -> Result<f64> {
-    let server = store_server()?;
+    let server = crate::fixtures::store_server()?;
     let mut children = Vec::new();
     for r in 0..2 {
         let mut c = Command::new(std::env::current_exe()?);

@@ -78,13 +78,16 @@ pub struct TorchDdpArgs {
     width: usize,
     #[arg(long, default_value_t = 6)]
     layers: usize,
+    /// DDP's bucket_cap_mb (torch's default, 25).
+    #[arg(long, default_value_t = 25.0)]
+    bucket_mb: f64,
 }
 
 pub fn run(args: TorchDdpArgs) -> Result<()> {
     let site = package()?;
     println!(
-        "# DDP step time, MLP of {} x {}^2 parameters, batch 8, f32, one host; slowest rank, mean of {} steps",
-        args.layers, args.width, args.steps
+        "# DDP step time, MLP of {} x {}^2 parameters, batch 8, f32, one host, buckets of {} MB; slowest rank, mean of {} steps",
+        args.layers, args.width, args.bucket_mb, args.steps
     );
     for rep in 0..args.repeat {
         for &n in &args.ranks {
@@ -137,6 +140,7 @@ fn ddp(backend: &str, n: usize, args: &TorchDdpArgs, site: &PathBuf) -> Result<f
             .env("STEPS", args.steps.to_string())
             .env("WIDTH", args.width.to_string())
             .env("LAYERS", args.layers.to_string())
+            .env("BUCKET_MB", args.bucket_mb.to_string())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()?;
