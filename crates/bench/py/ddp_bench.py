@@ -1,9 +1,9 @@
 """One rank of `rallypoint-bench torch-ddp`: DDP training steps of an MLP
 (about 25M parameters, small batch: communication matters) over the backend
 named by BACKEND (gloo, or rally through `import rallypoint.torch`; or
-"none": the same steps without DDP, each rank on its own, gloo only to time
-them: the floor no backend can beat, the same processes competing for the
-same cores), started
+"none": DDP with a comm hook that communicates nothing, over gloo: the same
+steps, DDP's own bucketing and copies included, with free communication, the
+floor no backend can beat), started
 by hand (env://: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE). Prints
 `RESULT <seconds per step>` (the mean of STEPS timed steps after WARMUP)
 and `PARAMS <count>`.
@@ -27,10 +27,21 @@ torch.manual_seed(0)
 mods = []
 for _ in range(layers):
     mods += [nn.Linear(width, width), nn.ReLU()]
-model = nn.Sequential(*mods[:-1])
-if backend != "none":
-    # BUCKET_MB: DDP's bucket_cap_mb (default 25; torch's default).
-    model = DDP(model, bucket_cap_mb=float(os.environ.get("BUCKET_MB", "25")))
+# BUCKET_MB: DDP's bucket_cap_mb (default 25, torch's); BUCKET_VIEW=1:
+# gradient_as_bucket_view (gradients live in the buckets: no copy in or out).
+model = DDP(
+    nn.Sequential(*mods[:-1]),
+    bucket_cap_mb=float(os.environ.get("BUCKET_MB", "25")),
+    gradient_as_bucket_view=os.environ.get("BUCKET_VIEW") == "1",
+)
+if backend == "none":
+
+    def nothing(state, bucket):
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    model.register_comm_hook(None, nothing)
 opt = torch.optim.SGD(model.parameters(), lr=1e-4)
 x, y = torch.randn(8, width), torch.randn(8, width)
 warmup, steps = int(os.environ.get("WARMUP", "3")), int(os.environ.get("STEPS", "10"))

@@ -78,4 +78,3 @@ pub(crate) fn slowest_rate(children: [std::process::Child; 2]) -> Result<f64> {
         .reduce(f64::min)
         .context("no rate reported")
 }
-

@@ -63,8 +63,8 @@ pub struct TorchDdpArgs {
     /// Group sizes.
     #[arg(long, value_delimiter = ',', default_value = "2,4")]
     ranks: Vec<usize>,
-    /// Backends, alternating within each repetition; "none" trains without
-    /// DDP (the compute floor: no backend can beat it).
+    /// Backends, alternating within each repetition; "none" is DDP whose
+    /// comm hook communicates nothing (the floor: no backend can beat it).
     #[arg(long, value_delimiter = ',', default_value = "none,gloo,rally")]
     backends: Vec<String>,
     /// Repetitions of the whole comparison.
@@ -81,13 +81,16 @@ pub struct TorchDdpArgs {
     /// DDP's bucket_cap_mb (torch's default, 25).
     #[arg(long, default_value_t = 25.0)]
     bucket_mb: f64,
+    /// DDP's gradient_as_bucket_view (gradients live in the buckets).
+    #[arg(long)]
+    bucket_view: bool,
 }
 
 pub fn run(args: TorchDdpArgs) -> Result<()> {
     let site = package()?;
     println!(
-        "# DDP step time, MLP of {} x {}^2 parameters, batch 8, f32, one host, buckets of {} MB; slowest rank, mean of {} steps",
-        args.layers, args.width, args.bucket_mb, args.steps
+        "# DDP step time, MLP of {} x {}^2 parameters, batch 8, f32, one host, buckets of {} MB, gradient_as_bucket_view {}; slowest rank, mean of {} steps",
+        args.layers, args.width, args.bucket_mb, args.bucket_view, args.steps
     );
     for rep in 0..args.repeat {
         for &n in &args.ranks {
@@ -141,6 +144,7 @@ fn ddp(backend: &str, n: usize, args: &TorchDdpArgs, site: &PathBuf) -> Result<f
             .env("WIDTH", args.width.to_string())
             .env("LAYERS", args.layers.to_string())
             .env("BUCKET_MB", args.bucket_mb.to_string())
+            .env("BUCKET_VIEW", if args.bucket_view { "1" } else { "0" })
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()?;
