@@ -15,3 +15,4 @@ pub mod devices;
 pub mod errors;
 pub mod multiprocessing;
 pub mod numa;
+mod time;

@@ -102,9 +102,10 @@ use crate::multiprocessing::{
     signal_name, start_processes, Entrypoint, Exit, LogsSpec, ProcessContext, RunLogs, RunResult,
     StartSpec,
 };
+pub use crate::time::format_time;
 use events::{AgentEvent, Discard, EventSink};
 use policy::{Action, Event, Failure, Limits, Phase, Policy, Verdict};
-pub use run_store::{format_time, FailureRecord, NOT_AVAILABLE, TRACEBACK_MAX};
+pub use run_store::{FailureRecord, NOT_AVAILABLE, TRACEBACK_MAX};
 use status::{AgentState, Status, WorkerState, WorkerStatus};
 
 /// What the agent runs, and how.

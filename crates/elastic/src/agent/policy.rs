@@ -72,6 +72,7 @@
 
 use std::time::{Duration, Instant};
 
+pub use super::run_store::Publish;
 use super::run_store::{Closed, FailureRecord};
 use super::status::AgentState;
 
@@ -348,16 +349,6 @@ pub enum Event {
     /// this node lingered after a success fails it too).
     Lingered(Option<Closed>),
     Signal(i32),
-}
-
-/// The verdict to write to the run store.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Publish {
-    /// Only if nothing is published yet.
-    Succeeded,
-    /// Over a success, never over an earlier failure; the root cause is the
-    /// earliest recorded failure, or `local`.
-    Failed { local: Option<Box<FailureRecord>> },
 }
 
 /// What the driver must do.

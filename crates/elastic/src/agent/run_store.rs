@@ -156,14 +156,20 @@ pub async fn failed_rounds(store: &dyn Store) -> Result<u64, StoreError> {
     Ok(store.add(keys::FAILED_ROUNDS, 0).await?.max(0) as u64)
 }
 
+/// The verdict to write to the run store.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Publish {
+    /// Only if nothing is published yet.
+    Succeeded,
+    /// Over a success, never over an earlier failure; the root cause is the
+    /// earliest recorded failure, or `local`.
+    Failed { local: Option<Box<FailureRecord>> },
+}
+
 /// Publishes the verdict: `Succeeded` only over nothing; `Failed` over nothing or
 /// a success, with the earliest recorded failure (or `local`) as root cause.
 /// Returns what the store holds afterwards (an earlier failure stands).
-pub async fn publish(
-    store: &dyn Store,
-    verdict: &super::policy::Publish,
-) -> Result<Closed, StoreError> {
-    use super::policy::Publish;
+pub async fn publish(store: &dyn Store, verdict: &Publish) -> Result<Closed, StoreError> {
     let mine = match verdict {
         Publish::Succeeded => Closed::Succeeded,
         Publish::Failed { local } => {
@@ -300,7 +306,7 @@ impl std::fmt::Display for FailureRecord {
         writeln!(
             f,
             "  time      : {}",
-            format_time(self.time).replace(' ', "_")
+            crate::time::format_time(self.time).replace(' ', "_")
         )?;
         writeln!(f, "  host      : {}", self.host)?;
         writeln!(
@@ -327,27 +333,4 @@ impl std::fmt::Display for FailureRecord {
         };
         write!(f, "  traceback : {}", tb.trim_end().replace('\n', "\n  "))
     }
-}
-
-/// UTC `YYYY-MM-DD HH:MM:SS.mmm`.
-pub fn format_time(secs: f64) -> String {
-    let total = secs.max(0.0);
-    let days = (total / 86400.0).floor() as i64;
-    let rem = total - days as f64 * 86400.0;
-    let (h, m, s) = (
-        (rem / 3600.0) as u32,
-        ((rem % 3600.0) / 60.0) as u32,
-        rem % 60.0,
-    );
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let mo = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(mo <= 2);
-    format!("{y:04}-{mo:02}-{d:02} {h:02}:{m:02}:{s:06.3} UTC")
 }

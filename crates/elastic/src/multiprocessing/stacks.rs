@@ -256,7 +256,7 @@ impl WorkerStacks {
             t.rank,
             t.local_rank,
             t.pid,
-            crate::agent::format_time(when)
+            crate::time::format_time(when)
         );
         let cmdline = std::fs::read(format!("/proc/{}/cmdline", t.pid))
             .map(|b| {
