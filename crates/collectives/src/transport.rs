@@ -1907,8 +1907,26 @@ async fn read_frames(shared: &Arc<Shared>, peer: usize, rd: &mut BufReader<Owned
     }
 }
 
+/// What the control loop does after a frame failed to go out: wait this
+/// long and send it again, or drop it (`None`). A peer that is gone, or that
+/// refused the handshake (another job's, or a stale group's listener on its
+/// address), will never take it, and an aborted group needs it no more;
+/// anything else (no answer to the handshake in time, a connection that
+/// broke, a deadline) may pass, so it is retried, backing off from 10 ms to
+/// 1 s (`attempt` counts this frame's failures, from 0).
+fn control_retry(f: &Fail, attempt: u32) -> Option<Duration> {
+    match f {
+        Fail::Gone { .. } | Fail::Refused { .. } | Fail::Aborted(_) => None,
+        Fail::Unanswered { .. } | Fail::Lost { .. } | Fail::Timeout => Some(
+            Duration::from_millis(10)
+                .saturating_mul(1 << attempt.min(7))
+                .min(Duration::from_secs(1)),
+        ),
+    }
+}
+
 /// Sends the flow and want frames queued for `peer`, in order. A frame is
-/// dropped only when the peer is gone.
+/// dropped when it can never be taken ([`control_retry`]).
 async fn control_loop(
     shared: Arc<Shared>,
     peer: usize,
@@ -1921,17 +1939,24 @@ async fn control_loop(
         };
         // A lost credit or want would leave a sender waiting for good:
         // retried until sent or the peer is gone.
-        loop {
+        for attempt in 0.. {
             let deadline = Instant::now() + shared.cfg.handshake_timeout + ABORT_DEADLINE;
-            match shared.send_frame(peer, &h, &[], 0, deadline).await {
-                Ok(()) | Err(Fail::Gone { .. }) => break,
-                Err(_) => {
-                    tracing::debug!(peer, "a flow-control frame was not sent; retrying");
-                    tokio::select! {
-                        _ = sleep(Duration::from_millis(10)) => {}
-                        _ = shared.cancel.cancelled() => return,
-                    }
+            let Err(f) = shared.send_frame(peer, &h, &[], 0, deadline).await else {
+                break;
+            };
+            let Some(wait) = control_retry(&f, attempt) else {
+                if let Fail::Refused { reason, .. } = &f {
+                    tracing::warn!(
+                        peer,
+                        "a flow-control frame was dropped: the peer refused it: {reason}"
+                    );
                 }
+                break;
+            };
+            tracing::debug!(peer, ?wait, "a flow-control frame was not sent; retrying");
+            tokio::select! {
+                _ = sleep(wait) => {}
+                _ = shared.cancel.cancelled() => return,
             }
         }
     }
@@ -2078,6 +2103,46 @@ fn check_member(cfg: &Config, h: &Hello) -> Result<(), String> {
 mod tests {
     use super::*;
     use tokio::io::AsyncBufReadExt;
+
+    #[test]
+    fn control_frames_back_off_and_are_dropped_only_when_never_taken() {
+        let ms = Duration::from_millis;
+        let (rank, reason) = (1, String::from("x"));
+        let aborted = Fail::Aborted(Error::Invalid("aborted".into()));
+        for never in [
+            Fail::Gone {
+                rank,
+                reason: reason.clone(),
+            },
+            Fail::Refused {
+                rank,
+                reason: reason.clone(),
+            },
+            aborted,
+        ] {
+            assert_eq!(control_retry(&never, 0), None);
+        }
+        for maybe in [
+            Fail::Unanswered {
+                rank,
+                reason: reason.clone(),
+            },
+            Fail::Lost {
+                rank,
+                reason: reason.clone(),
+            },
+            Fail::Timeout,
+        ] {
+            let waits: Vec<_> = [0, 1, 2, 6, 7, 8, 1000]
+                .iter()
+                .map(|&a| control_retry(&maybe, a))
+                .collect();
+            assert_eq!(
+                waits,
+                [10, 20, 40, 640, 1000, 1000, 1000].map(|w| Some(ms(w)))
+            );
+        }
+    }
 
     async fn pair() -> (TcpStream, BufReader<OwnedReadHalf>) {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
