@@ -62,6 +62,7 @@ use tokio::time::Instant;
 
 pub(crate) use arena::{Arena, Presence};
 
+use crate::element::Element;
 use crate::error::{Error, Result};
 use crate::frame::{Algo, Desc, Header, HIST_NONE};
 use crate::group::{stable_hash, OpCtx};
@@ -555,8 +556,42 @@ impl<'a> Round<'a> {
         self.a.slot / std::mem::size_of::<T>()
     }
 
-    /// This round's half of rank `k`.
-    pub fn half(&self, k: usize) -> *mut u8 {
+    /// Rank `k`'s half of this round as `len` elements of `T`, to read.
+    ///
+    /// The slice borrows the round, and [`Round::stage`] takes the round
+    /// mutably, so no view outlives the stage that ends what it promises.
+    ///
+    /// # Safety
+    ///
+    /// No rank writes the elements read until the next stage.
+    pub unsafe fn view<T: Element>(&self, k: usize, len: usize) -> &[T] {
+        let p = self.half_for::<T>(k, len);
+        // SAFETY: inside rank k's half, aligned (`half_for`); the caller
+        // vouches that nobody writes it while the slice lives.
+        unsafe { std::slice::from_raw_parts(p as *const T, len) }
+    }
+
+    /// Rank `k`'s half of this round as `len` elements of `T`, to write.
+    /// Borrowed from the round, as [`Round::view`].
+    ///
+    /// # Safety
+    ///
+    /// No rank reads the elements written until the next stage, and this
+    /// rank holds no other view of them.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn view_mut<T: Element>(&self, k: usize, len: usize) -> &mut [T] {
+        let p = self.half_for::<T>(k, len);
+        // SAFETY: as in `view`, and the caller vouches for exclusive use.
+        unsafe { std::slice::from_raw_parts_mut(p as *mut T, len) }
+    }
+
+    /// Where rank `k`'s half starts, checked to hold `len` elements of `T`
+    /// (halves are aligned to a cache line, beyond any element's alignment).
+    fn half_for<T: Element>(&self, k: usize, len: usize) -> *mut u8 {
+        assert!(
+            len * std::mem::size_of::<T>() <= self.a.slot,
+            "a view of {len} elements is larger than a half"
+        );
         self.a.data(k, self.at.half)
     }
 

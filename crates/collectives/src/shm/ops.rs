@@ -72,19 +72,6 @@ fn rounds(len: usize, per: usize) -> Vec<Range<usize>> {
         .collect()
 }
 
-/// # Safety
-/// `p` is a half (aligned to a cache line) with room for `len` elements, and no
-/// rank writes the elements read until the next stage.
-unsafe fn view<'x, T>(p: *mut u8, len: usize) -> &'x [T] {
-    std::slice::from_raw_parts(p as *const T, len)
-}
-
-/// # Safety
-/// As [`view`], and no rank reads the elements written before the next stage.
-unsafe fn view_mut<'x, T>(p: *mut u8, len: usize) -> &'x mut [T] {
-    std::slice::from_raw_parts_mut(p as *mut T, len)
-}
-
 /// Whether `a op b` and `b op a` agree to the bit: integers always; floats
 /// for sums and products (IEEE addition and multiplication commute, NaN
 /// payloads aside), not for min and max (which of +0 and −0 is kept
@@ -118,12 +105,12 @@ pub(crate) async fn broadcast<T: Element>(
         let len = c.len();
         if me == root {
             // SAFETY: the root's half is written by it alone before the stage.
-            unsafe { view_mut::<T>(r.half(me), len) }.copy_from_slice(&buf[c.clone()]);
+            unsafe { r.view_mut::<T>(me, len) }.copy_from_slice(&buf[c.clone()]);
         }
         r.stage().await?;
         if me != root {
             // SAFETY: written before the stage; rewritten two rounds on.
-            buf[c].copy_from_slice(unsafe { view::<T>(r.half(root), len) });
+            buf[c].copy_from_slice(unsafe { r.view::<T>(root, len) });
         }
         r.next();
     }
@@ -162,7 +149,7 @@ pub(crate) async fn reduce<T: Element>(
         let parts = if split { even_bounds(len, n) } else { vec![] };
         {
             // SAFETY: this rank's half, read by others only after the stage.
-            let half = unsafe { view_mut::<T>(r.half(me), len) };
+            let half = unsafe { r.view_mut::<T>(me, len) };
             if split && in_place {
                 for (k, q) in parts.iter().enumerate() {
                     if k != me {
@@ -179,10 +166,10 @@ pub(crate) async fn reduce<T: Element>(
             {
                 // SAFETY: part `me` of every half is read by this rank only,
                 // and written (in its own half) by it only, until the stage.
-                let mine = &mut unsafe { view_mut::<T>(r.half(me), len) }[p.clone()];
+                let mine = &mut unsafe { r.view_mut::<T>(me, len) }[p.clone()];
                 let others: Vec<&[T]> = (0..n)
                     .filter(|&k| k != me)
-                    .map(|k| &unsafe { view::<T>(r.half(k), len) }[p.clone()])
+                    .map(|k| &unsafe { r.view::<T>(k, len) }[p.clone()])
                     .collect();
                 if in_place {
                     sum_parts(op, n, &mut out[p.clone()], &others, Some(mine));
@@ -197,7 +184,7 @@ pub(crate) async fn reduce<T: Element>(
                         continue;
                     }
                     // SAFETY: reduced before the second stage.
-                    out[q.clone()].copy_from_slice(&unsafe { view::<T>(r.half(k), len) }[q]);
+                    out[q.clone()].copy_from_slice(&unsafe { r.view::<T>(k, len) }[q]);
                 }
             }
         } else if reads && n == 2 && commutes::<T>(op) {
@@ -205,15 +192,15 @@ pub(crate) async fn reduce<T: Element>(
             // pass reduces the other's half into it (a0 op a1 on one rank,
             // a1 op a0 on the other: the same, since the op commutes).
             // SAFETY: written before the stage.
-            T::reduce(op, out, unsafe { view::<T>(r.half(1 - me), len) });
+            T::reduce(op, out, unsafe { r.view::<T>(1 - me, len) });
             if op == ReduceOp::Avg {
                 T::divide(out, n);
             }
         } else if reads {
             // SAFETY: every half was written before the stage.
-            out.copy_from_slice(unsafe { view::<T>(r.half(0), len) });
+            out.copy_from_slice(unsafe { r.view::<T>(0, len) });
             for k in 1..n {
-                T::reduce(op, out, unsafe { view::<T>(r.half(k), len) });
+                T::reduce(op, out, unsafe { r.view::<T>(k, len) });
             }
             if op == ReduceOp::Avg {
                 T::divide(out, n);
@@ -272,14 +259,14 @@ pub(crate) async fn gather<T: Element>(
     for c in rounds(longest, r.fits::<T>()) {
         let m = within(&c, input.len());
         // SAFETY: this rank's half, read by others only after the stage.
-        unsafe { view_mut::<T>(r.half(me), m.len()) }.copy_from_slice(&input[m]);
+        unsafe { r.view_mut::<T>(me, m.len()) }.copy_from_slice(&input[m]);
         r.stage().await?;
         if let Some(out) = out.as_deref_mut() {
             for (k, b) in bounds.iter().enumerate() {
                 let t = within(&c, b.len());
                 let at = b.start + t.start;
                 // SAFETY: written before the stage.
-                out[at..at + t.len()].copy_from_slice(unsafe { view::<T>(r.half(k), t.len()) });
+                out[at..at + t.len()].copy_from_slice(unsafe { r.view::<T>(k, t.len()) });
             }
         }
         r.next();
@@ -321,7 +308,7 @@ pub(crate) async fn parts<T: Element>(
         if writes {
             // SAFETY: this rank's half (n parts of `per` fit), read by
             // others only after the stage.
-            let half = unsafe { view_mut::<T>(r.half(me), n * per) };
+            let half = unsafe { r.view_mut::<T>(me, n * per) };
             for j in 0..n {
                 half[j * per..j * per + len]
                     .copy_from_slice(&input[j * k + c.start..j * k + c.end]);
@@ -329,7 +316,7 @@ pub(crate) async fn parts<T: Element>(
         }
         r.stage().await?;
         // SAFETY (every read below): written before the stage.
-        let part = |j: usize| &unsafe { view::<T>(r.half(j), n * per) }[me * per..me * per + len];
+        let part = |j: usize| &unsafe { r.view::<T>(j, n * per) }[me * per..me * per + len];
         match how {
             Parts::Scatter { root } => out[c].copy_from_slice(part(root)),
             Parts::ReduceScatter(op) => {
