@@ -868,3 +868,40 @@ fn an_rpc_worker_cut_off_for_less_than_the_heartbeat_is_ridden_out() {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// The rally backend for torch.distributed across two hosts of two ranks
+/// each (its collectives run in two levels: shared memory within a host,
+/// TCP between): every op on every dtype, DDP, subgroups and DeviceMesh, as
+/// on one host (`tests/py/torch_backend.py`).
+#[test]
+fn the_rally_backend_passes_every_op_and_ddp_across_two_hosts_of_two_ranks() {
+    let Some(c) = cluster(2) else { return };
+    let (dir, out) = with_results();
+    let site = super::torch_backend::package(dir.path());
+    let mut jobs: Vec<Job> = c
+        .hosts()
+        .iter()
+        .enumerate()
+        .map(|(i, h)| {
+            let mut args = rendezvous(&c, 2, i, Backend::C10dByAddress);
+            args.extend(["--nproc-per-node".into(), "2".into()]);
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let mut cmd = rally_on(h, &args);
+            cmd.arg(script("torch_backend.py"))
+                .env("RESULT_DIR", &out)
+                .env("PYTHONPATH", &site)
+                .env("SCENARIO", "ops");
+            Job::spawn(cmd, dir.path(), &h.name)
+        })
+        .collect();
+    for (h, j) in c.hosts().iter().zip(&mut jobs) {
+        let s = j.wait(LIMIT);
+        assert!(s.success(), "{}: {s}\n{}", h.name, j.output());
+    }
+    let r = results(&out);
+    assert_eq!(r.len(), 4, "{r:?}");
+    for v in r.values() {
+        assert_eq!(v["ok"], true, "{v}");
+        assert_eq!(v["world_size"], 4, "{v}");
+    }
+}

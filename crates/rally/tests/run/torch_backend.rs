@@ -52,7 +52,7 @@ fn native_module() -> &'static PathBuf {
 }
 
 /// A directory holding the `rallypoint` package as pip installs it.
-fn package(dir: &Path) -> PathBuf {
+pub(super) fn package(dir: &Path) -> PathBuf {
     let site = dir.join("site");
     let pkg = site.join("rallypoint");
     std::fs::create_dir_all(&pkg).unwrap();
