@@ -181,6 +181,7 @@ class RallyBackend(_C10dBackend):
         # on every rank, and the group forms under a fresh sub-prefix.
         again = store.add(f"rallypoint/formed/{rank}", 1)
         prefix = name if again == 1 else f"{name}.{again}"
+        self._prefix = prefix
         self._group = _native.Group(store, rank, size, timeout.total_seconds(), prefix, _done)
         self._monitored = itertools.count(1)
         self._lock = threading.Lock()
@@ -385,7 +386,9 @@ class RallyBackend(_C10dBackend):
     def _monitored_barrier(self, timeout: datetime.timedelta, wait_all_ranks: bool) -> None:
         with self._lock:
             n = next(self._monitored)
-        base = f"rallypoint/monitored_barrier/{n}"
+        # Under the group's own prefix: after destroy_process_group torch may
+        # hand the same store prefix again, where an earlier group's keys are.
+        base = f"rallypoint/monitored_barrier/{self._prefix}/{n}"
         me = self.rank()
         self._store.set(f"{base}/{me}", b"1")
         done = f"{base}/done"

@@ -9,7 +9,8 @@
   time their error (run it with processes started by hand: a launcher would
   stop them first).
 - ``mismatch``: rank 0 calls all_reduce SUM, the others MAX.
-- ``monitored``: the odd ranks never arrive at monitored_barrier.
+- ``monitored``: every rank arrives at monitored_barrier; then, in a new
+  group after destroy, the odd ranks never arrive.
 - ``detail``: init under TORCH_DISTRIBUTED_DEBUG=DETAIL.
 
 Each rank writes ``RESULT_DIR/<rank>.json`` and ends with ``os._exit`` (the
@@ -360,6 +361,12 @@ def scenario_mismatch():
 
 
 def scenario_monitored():
+    # First a group where every rank arrives; then, under the same store
+    # prefix (torch reuses it after destroy), one where the odd ranks do not:
+    # the first group's keys must not count for the second.
+    r, n = init(timeout=datetime.timedelta(seconds=60))
+    rt.monitored_barrier(timeout=datetime.timedelta(seconds=30))
+    dist.destroy_process_group()
     r, n = init(timeout=datetime.timedelta(seconds=60))
     dist.barrier()
     if r % 2 == 1:  # ranks 1, 3, ...: never arrive
