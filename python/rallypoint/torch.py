@@ -324,7 +324,6 @@ class RallyBackend(_C10dBackend):
         _check(output, "all_to_all_single's output")
         if output.dtype != input.dtype:
             raise ValueError(f"rally: all_to_all_single's output is {output.dtype}, its input {input.dtype}")
-        n = self.size()
         ins = self._splits(input, input_split_sizes, "input")
         outs = self._splits(output, output_split_sizes, "output")
         return self._work(

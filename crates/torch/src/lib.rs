@@ -252,7 +252,7 @@ impl Group {
     /// Forms the group through `store` (a torch Store), blocking with the GIL
     /// released. `done` completes ops (see [`Group::submit`]).
     #[new]
-    #[pyo3(signature = (store, rank, size, timeout, name, done, shared_memory=true))]
+    #[pyo3(signature = (store, rank, size, timeout, name, done))]
     fn new(
         py: Python<'_>,
         store: Py<PyAny>,
@@ -261,13 +261,11 @@ impl Group {
         timeout: f64,
         name: String,
         done: Py<PyAny>,
-        shared_memory: bool,
     ) -> PyResult<Group> {
         let store = Arc::new(PyStore::new(py, store)?);
         let opts = Options {
             prefix: name,
             timeout: Duration::from_secs_f64(timeout.max(0.001)),
-            shared_memory,
             ..Options::default()
         };
         let pg = py
@@ -278,24 +276,6 @@ impl Group {
             done: Arc::new(done),
             uneven: AtomicU32::new(0),
         })
-    }
-
-    fn rank(&self) -> usize {
-        self.pg.rank()
-    }
-
-    fn size(&self) -> usize {
-        self.pg.size()
-    }
-
-    /// Whether the collectives run over shared memory (None before the first).
-    fn shared_memory(&self) -> Option<bool> {
-        self.pg.shared_memory()
-    }
-
-    /// Aborts the group: every op in flight and later fails naming `reason`.
-    fn abort(&self, reason: &str) {
-        self.pg.abort(reason);
     }
 
     #[pyo3(signature = (token, addr, len, dtype, op, timeout=None, now=false))]
