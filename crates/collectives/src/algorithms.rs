@@ -28,7 +28,7 @@ use std::ops::Range;
 
 use crate::element::{Element, ReduceOp};
 use crate::error::Result;
-use crate::group::OpCtx;
+use crate::op::OpCtx;
 
 mod chain;
 pub(crate) mod choice;

@@ -178,9 +178,7 @@ pub fn hist_after(before: u32, call: &Desc) -> u32 {
     b[4..8].copy_from_slice(&call.root.to_le_bytes());
     b[8..16].copy_from_slice(&call.count.to_le_bytes());
     b[16..20].copy_from_slice(&before.to_le_bytes());
-    let h = b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
-        (h ^ u64::from(x)).wrapping_mul(0x0100_0000_01b3)
-    });
+    let h = crate::hash::fnv1a(b);
     let folded = ((h >> 32) ^ h) as u32 & ((1 << HIST_BITS) - 1);
     folded.max(1)
 }

@@ -96,20 +96,25 @@
 
 mod algorithms;
 pub mod blocking;
+mod dispatch;
 mod element;
 mod error;
+mod flat;
 mod frame;
 mod group;
+mod hash;
+mod op;
+mod options;
+mod plan;
 mod shm;
 mod transport;
 mod two_level;
 
 pub use element::{DType, Element, ReduceOp};
 pub use error::{Error, Result, DIVERGED_GRACE};
-pub use group::{
-    route_ip, AllReduceAlgorithm, BroadcastAlgorithm, Options, ProcessGroup, Work, DEFAULT_TIMEOUT,
-};
+pub use group::{route_ip, ProcessGroup, Work};
 pub use half::{bf16, f16};
+pub use options::{AllReduceAlgorithm, BroadcastAlgorithm, Options, DEFAULT_TIMEOUT};
 pub use shm::ops::{split_round_bytes, SHARED_CORE_ROUND};
 
 /// The wire format, public for fuzzing and for tools that inspect traffic.

@@ -1,18 +1,7 @@
 //! Shared memory for groups whose ranks are all on one host.
 //!
-//! **Choosing.** At set-up every rank of a world of two or more publishes
-//! `host/<rank>` = "`<pid> <host>`", where `<host>` is this host's identity
-//! (host name, boot id and PID namespace; [`crate::Options::host_id`] or
-//! `RALLY_HOST_ID` overrides it) or `off-<rank>` when
-//! [`crate::Options::shared_memory`] is off or this process cannot share
-//! memory. At a group's first collective each member reads its members'
-//! entries (a group of 2 to [`TWO_LEVEL_MAX_RANKS`]); when they all name one
-//! host (and the group has at most [`MAX_RANKS`]), the group runs its
-//! collectives over shared memory; when they name several and some host has
-//! two or more members, it runs in two levels (`two_level`); else over TCP.
-//! So in a world that spans hosts, a subgroup within one host (the usual
-//! per-node group) still shares memory. Every member reads the same keys, so every
-//! member decides the same. Point-to-point messages stay on TCP.
+//! Which groups run here is decided in `plan`: those whose members are
+//! all on this host.
 //!
 //! **Attaching.** At a group's first collective its rank 0 creates an
 //! anonymous memory file ([`sys`]) and publishes `shm/<group id>` =
@@ -46,7 +35,7 @@
 //! operation, naming both calls, whatever the kinds.
 //!
 //! **Order.** Operations of a group use the region one at a time in the
-//! order of their sequence numbers ([`Turn`]), so `*_async` operations
+//! order of their sequence numbers (`op::Turn`), so `*_async` operations
 //! started together run one after another here as on every rank.
 
 pub(crate) mod arena;
@@ -54,8 +43,7 @@ mod cpus;
 pub(crate) mod ops;
 pub(crate) mod sys;
 
-use std::collections::BTreeSet;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -65,8 +53,9 @@ pub(crate) use arena::{Arena, Presence};
 use crate::element::Element;
 use crate::error::{Error, Result};
 use crate::frame::{Algo, Desc, Header, HIST_NONE};
-use crate::group::{stable_hash, OpCtx};
-use crate::two_level::TwoLevel;
+use crate::hash::stable_hash;
+use crate::op::OpCtx;
+use crate::transport::HearsAborts;
 use arena::AttachError;
 
 /// The largest world that uses shared memory: every stage reads every rank's
@@ -104,222 +93,7 @@ pub(crate) fn shares_cores(ranks: usize) -> bool {
     matches!(cpus::host_cpus(), Some(cpus) if ranks > cpus)
 }
 
-/// This host's identity: equal on two ranks exactly when they can share
-/// memory. `None` when a part cannot be read (then this rank shares none).
-fn host_key(host_id: Option<&str>) -> Option<String> {
-    if let Some(id) = host_id {
-        return Some(format!("id:{id}"));
-    }
-    if let Ok(id) = std::env::var("RALLY_HOST_ID") {
-        return Some(format!("id:{id}"));
-    }
-    let read = |p: &str| Some(std::fs::read_to_string(p).ok()?.trim().to_owned());
-    let pid_ns = std::fs::read_link("/proc/self/ns/pid").ok()?;
-    let parts = [
-        read("/proc/sys/kernel/hostname")?,
-        read("/proc/sys/kernel/random/boot_id")?,
-        pid_ns.display().to_string(),
-    ];
-    (!parts.iter().any(String::is_empty)).then(|| parts.join("/"))
-}
-
-/// What rank `rank` publishes at set-up (see the module docs).
-pub(crate) fn host_entry(rank: usize, enabled: bool, host_id: Option<&str>) -> String {
-    let host = enabled
-        .then(sys::supported)
-        .unwrap_or(false)
-        .then(|| host_key(host_id))
-        .flatten()
-        .unwrap_or_else(|| format!("off-{rank}"));
-    format!("{} {host}", std::process::id())
-}
-
-/// How a group runs its collectives, decided at its first.
-#[derive(Clone)]
-pub(crate) enum Plan {
-    Tcp,
-    /// Every member on this host.
-    Shm(Arc<Arena>),
-    /// Members on several hosts, some sharing one (see `two_level`).
-    TwoLevel(Arc<TwoLevel>),
-}
-
-/// The largest group that looks for a two-level plan (every member reads
-/// every member's host entry once).
-pub const TWO_LEVEL_MAX_RANKS: usize = 256;
-
-/// What the members' host entries say: every member on one host (their
-/// process ids, in group-rank order), several hosts (each host's members,
-/// in group-rank order, hosts ordered by their first member), or nothing
-/// to share (a member that shares nothing, or no host with two members).
-enum Layout {
-    OneHost(Arc<[u32]>),
-    Hosts(Vec<Vec<usize>>),
-    Apart,
-}
-
-/// Reads `cx`'s group's host entries and lays them out. Waits for the
-/// members' entries, within the op's deadline.
-async fn decide(cx: &OpCtx) -> Result<Layout> {
-    let sh = cx.sh();
-    let members: Vec<usize> = (0..cx.n()).map(|k| cx.world(k)).collect();
-    let unread: Vec<usize> = {
-        let hosts = sh.hosts.lock().unwrap_or_else(|e| e.into_inner());
-        members
-            .iter()
-            .copied()
-            .filter(|r| !hosts.contains_key(r))
-            .collect()
-    };
-    if !unread.is_empty() {
-        read_hosts(cx, &unread).await?;
-    }
-    let hosts = sh.hosts.lock().unwrap_or_else(|e| e.into_inner());
-    let mut by_host: Vec<(&str, Vec<usize>)> = Vec::new();
-    for (k, r) in members.iter().enumerate() {
-        let host = hosts[r].1.as_str();
-        if host.starts_with("off-") {
-            return Ok(Layout::Apart);
-        }
-        match by_host.iter_mut().find(|(h, _)| *h == host) {
-            Some((_, ks)) => ks.push(k),
-            None => by_host.push((host, vec![k])),
-        }
-    }
-    if by_host.len() == 1 {
-        if members.len() > MAX_RANKS {
-            return Ok(Layout::Apart);
-        }
-        let pids = members.iter().map(|r| hosts[r].0).collect();
-        return Ok(Layout::OneHost(pids));
-    }
-    let shares = by_host.iter().any(|(_, ks)| ks.len() >= 2);
-    let fits = by_host.iter().all(|(_, ks)| ks.len() <= MAX_RANKS);
-    Ok(if shares && fits {
-        Layout::Hosts(by_host.into_iter().map(|(_, ks)| ks).collect())
-    } else {
-        Layout::Apart
-    })
-}
-
-/// Group ranks of world ranks `ranks`, for a message ("0, 2, 3"; the first
-/// eight, then how many more).
-fn group_ranks(cx: &OpCtx, ranks: &[usize]) -> String {
-    let mut s: Vec<String> = ranks
-        .iter()
-        .take(8)
-        .map(|r| cx.group_rank_of(*r).to_string())
-        .collect();
-    if ranks.len() > 8 {
-        s.push(format!("and {} more", ranks.len() - 8));
-    }
-    s.join(", ")
-}
-
-/// Reads the `host/<rank>` entries of world ranks `ranks` into the
-/// transport's cache, waiting for them within the op's deadline.
-async fn read_hosts(cx: &OpCtx, ranks: &[usize]) -> Result<()> {
-    let sh = cx.sh();
-    let keys: Vec<String> = ranks.iter().map(|r| format!("host/{r}")).collect();
-    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-    let never = "which never published its address or host: it never formed the group (not started, or died during set-up)";
-    // Who is missing is looked up once, in the last second before the op's
-    // deadline, for its timeout message: it takes a look per key, and every
-    // rank waiting here looking every second made O(n²) requests a second
-    // (65k at 256 ranks) for a message that is seldom shown.
-    let look_at = cx
-        .deadline
-        .checked_sub(Duration::from_secs(1))
-        .unwrap_or(cx.deadline);
-    let mut looked = false;
-    for slice in 0u32.. {
-        if sh.store().check(&refs).await.unwrap_or(false) {
-            break;
-        }
-        if slice == 0 {
-            cx.note_waiting(format!("some of ranks {}, {never}", group_ranks(cx, ranks)));
-        }
-        if !looked && Instant::now() >= look_at {
-            looked = true;
-            let mut missing = Vec::new();
-            for (k, r) in refs.iter().zip(ranks) {
-                if !sh.store().check(&[k]).await.unwrap_or(false) {
-                    missing.push(cx.group_rank_of(*r).to_string());
-                }
-            }
-            let who = match missing.len() {
-                1 => format!("rank {}", missing[0]),
-                _ => format!("ranks {}", missing.join(", ")),
-            };
-            cx.note_waiting(format!("{who}, {never}"));
-        }
-        if sh.is_dead() {
-            return Err(killed(cx));
-        }
-        if let Some(e) = sh.aborted_for(cx.comm_id(), Some(cx.seq())) {
-            return Err(e);
-        }
-        tokio::time::sleep(SLICE).await;
-    }
-    let vals = sh
-        .store()
-        .multi_get(&refs)
-        .await
-        .map_err(|e| Error::Setup {
-            group: cx.group_name(),
-            reason: format!("reading the ranks' hosts: {e}"),
-        })?;
-    let mut hosts = sh.hosts.lock().unwrap_or_else(|e| e.into_inner());
-    for (r, v) in ranks.iter().zip(vals) {
-        let v = String::from_utf8_lossy(&v).into_owned();
-        let (pid, host) = v.split_once(' ').unwrap_or(("", ""));
-        hosts.insert(*r, (pid.parse().unwrap_or(0), host.to_owned()));
-    }
-    Ok(())
-}
-
-/// How `cx`'s group runs its collectives, decided (and its region
-/// attached) at its first collective.
-pub(crate) async fn plan_of(cx: &OpCtx) -> Result<Plan> {
-    let cell = cx.comm_arc().plan_cell();
-    if let Some(p) = cell.get() {
-        return Ok(p.clone());
-    }
-    // Every op of the group decides the same; the first to get here decides.
-    cell.get_or_try_init(|| async {
-        if !(2..=TWO_LEVEL_MAX_RANKS).contains(&cx.n()) || !cx.opts().shared_memory {
-            return Ok(Plan::Tcp);
-        }
-        Ok(match decide(cx).await? {
-            Layout::OneHost(pids) => match attach(cx, pids).await? {
-                Some(a) => Plan::Shm(a),
-                None => Plan::Tcp,
-            },
-            Layout::Hosts(hosts) => {
-                let t = TwoLevel::new(cx, hosts);
-                tracing::info!(
-                    group = %cx.group_name(),
-                    hosts = t.hosts(),
-                    "the group spans hosts: all_reduce, broadcast and barrier run over shared memory within each host and TCP between"
-                );
-                Plan::TwoLevel(Arc::new(t))
-            }
-            Layout::Apart => Plan::Tcp,
-        })
-    })
-    .await
-    .cloned()
-}
-
-/// The region of `cx`'s group; `None` when it does not run over one.
-pub(crate) async fn arena_of(cx: &OpCtx) -> Result<Option<Arc<Arena>>> {
-    Ok(match plan_of(cx).await? {
-        Plan::Shm(a) => Some(a),
-        _ => None,
-    })
-}
-
-async fn attach(cx: &OpCtx, pids: Arc<[u32]>) -> Result<Option<Arc<Arena>>> {
+pub(crate) async fn attach(cx: &OpCtx, pids: Arc<[u32]>) -> Result<Option<Arc<Arena>>> {
     let (n, me, id) = (cx.n(), cx.me(), cx.comm_id());
     if n < 2 {
         return Ok(None);
@@ -369,7 +143,7 @@ async fn attach(cx: &OpCtx, pids: Arc<[u32]>) -> Result<Option<Arc<Arena>>> {
         }
     }
     let arena = Arc::new(arena);
-    sh.add_arena(id, &arena);
+    sh.add_hearer(id, &arena);
     tracing::info!(
         group = %cx.group_name(),
         ranks = n,
@@ -377,6 +151,18 @@ async fn attach(cx: &OpCtx, pids: Arc<[u32]>) -> Result<Option<Arc<Arena>>> {
         "every rank of the group is on this host: collectives run over shared memory"
     );
     Ok(Some(arena))
+}
+
+/// The transport tells the region of its group's aborts (marked there, so
+/// its sleepers wake) and of this rank's kill.
+impl HearsAborts for Arena {
+    fn aborted(&self, from_seq: u64) {
+        self.abort(from_seq);
+    }
+
+    fn killed(&self) {
+        self.set_presence(Presence::Killed);
+    }
 }
 
 /// Why rank 0's region (of process `pid`) could not be opened: the usual
@@ -400,7 +186,7 @@ async fn attach_failed(cx: &OpCtx, pid: u32, e: AttachError) -> Error {
         };
     }
     loop {
-        if let Some(e) = known_abort(cx).await {
+        if let Some(e) = cx.known_abort().await {
             return e;
         }
         if Instant::now() >= until {
@@ -415,74 +201,6 @@ async fn attach_failed(cx: &OpCtx, pid: u32, e: AttachError) -> Error {
             );
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
-/// The group's abort as this rank knows it: told (by TCP), or recorded in
-/// the store by the rank where it happened.
-pub(crate) async fn known_abort(cx: &OpCtx) -> Option<Error> {
-    let sh = cx.sh();
-    if let Some(e) = sh.aborted(cx.comm_id()) {
-        return Some(e);
-    }
-    let record = sh.abort_record(cx.comm_id()).await?;
-    Some(Error::Aborted {
-        group: cx.group_name(),
-        reason: record.into(),
-        by: None,
-    })
-}
-
-/// Operations' turns at the region, in sequence order: an operation waits
-/// until every earlier one of its group has ended (here).
-#[derive(Default)]
-pub(crate) struct Turn {
-    /// The first sequence number not yet ended, and those ended past it.
-    state: Mutex<(u64, BTreeSet<u64>)>,
-    moved: tokio::sync::Notify,
-}
-
-impl Turn {
-    pub async fn wait(&self, seq: u64) {
-        loop {
-            let moved = self.moved.notified();
-            tokio::pin!(moved);
-            moved.as_mut().enable();
-            if self.state.lock().unwrap_or_else(|e| e.into_inner()).0 >= seq {
-                return;
-            }
-            moved.await;
-        }
-    }
-
-    /// Every op before `seq` has ended, or will never run (see
-    /// `ProcessGroup::step_ctx`).
-    pub fn skip_to(&self, seq: u64) {
-        {
-            let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
-            let (next, ended) = &mut *g;
-            if seq <= *next {
-                return;
-            }
-            *next = seq;
-            *ended = ended.split_off(&seq);
-            while ended.remove(next) {
-                *next += 1;
-            }
-        }
-        self.moved.notify_waiters();
-    }
-
-    pub fn done(&self, seq: u64) {
-        {
-            let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
-            let (next, ended) = &mut *g;
-            ended.insert(seq);
-            while ended.remove(next) {
-                *next += 1;
-            }
-        }
-        self.moved.notify_waiters();
     }
 }
 
@@ -606,7 +324,7 @@ impl<'a> Round<'a> {
         let sh = self.cx.sh();
         sh.count_frame();
         if sh.is_dead() {
-            return Err(killed(self.cx));
+            return Err(self.cx.killed());
         }
         self.at.stage = self.at.stage.wrapping_add(1);
         let s = self.at.stage;
@@ -722,7 +440,7 @@ impl<'a> Round<'a> {
     async fn check(&self, k: usize) -> Result<()> {
         let (cx, sh) = (self.cx, self.cx.sh());
         if sh.is_dead() {
-            return Err(killed(cx));
+            return Err(cx.killed());
         }
         if let Some(e) = sh.aborted_for(cx.comm_id(), Some(cx.seq())) {
             return Err(e);
@@ -756,7 +474,7 @@ impl<'a> Round<'a> {
 async fn abort_reason(a: &Arena, cx: &OpCtx, by: usize) -> Error {
     let until = Instant::now() + REASON_WAIT;
     loop {
-        if let Some(e) = known_abort(cx).await {
+        if let Some(e) = cx.known_abort().await {
             return e;
         }
         // An aborter that left with no reason sent or recorded was cut
@@ -787,7 +505,7 @@ async fn abort_reason(a: &Arena, cx: &OpCtx, by: usize) -> Error {
 fn check_absent(cx: &OpCtx, k: usize, pid: Option<u32>) -> Result<()> {
     let sh = cx.sh();
     if sh.is_dead() {
-        return Err(killed(cx));
+        return Err(cx.killed());
     }
     if let Some(e) = sh.aborted_for(cx.comm_id(), Some(cx.seq())) {
         return Err(e);
@@ -816,13 +534,5 @@ fn shm_desc(d: Desc) -> Desc {
     Desc {
         algo: Algo::Shm,
         ..d
-    }
-}
-
-fn killed(cx: &OpCtx) -> Error {
-    Error::Aborted {
-        group: cx.group_name(),
-        reason: "this rank was killed (fault injection)".into(),
-        by: None,
     }
 }

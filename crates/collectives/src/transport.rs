@@ -61,7 +61,6 @@ use crate::error::Error;
 use crate::frame::{
     Desc, Header, Hello, OpKind, ACCEPTED, HEADER_LEN, HELLO_LEN, NOT_HERE, REFUSED,
 };
-use crate::shm::Arena;
 
 /// How long an accepted connection may take to say hello.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -79,6 +78,16 @@ use flow::{Go, Outbound, Release};
 pub(crate) use landing::{Gate, Landing};
 pub(crate) use router::{Clash, Fail, Frame, Key, Start};
 use router::{Delivery, Router};
+
+/// What else hears a group's aborts, besides its operations waiting on
+/// TCP: a group over shared memory marks them in its region, where ranks
+/// sleeping on it wake (see [`Shared::add_hearer`]).
+pub(crate) trait HearsAborts: Send + Sync {
+    /// The group is aborted from its op `from_seq` on.
+    fn aborted(&self, from_seq: u64);
+    /// This rank was killed (fault injection).
+    fn killed(&self);
+}
 
 /// A group's name and members (world ranks, in group-rank order).
 #[derive(Clone)]
@@ -202,9 +211,10 @@ pub(crate) struct Shared {
     /// Per group whose calls were found diverged here (or told so by a
     /// member that left): see `diverged.rs`.
     diverged: Mutex<HashMap<u64, diverged::Held>>,
-    /// Groups that run over shared memory: an abort is also marked in the
-    /// region (waking its sleepers), and a kill marks this rank dead there.
-    arenas: Mutex<HashMap<u64, std::sync::Weak<Arena>>>,
+    /// Per group, what else hears its aborts and this rank's kill (its
+    /// shared memory: an abort is marked in the region, waking its sleepers,
+    /// and a kill marks this rank dead there).
+    hearers: Mutex<HashMap<u64, std::sync::Weak<dyn HearsAborts>>>,
     /// Per group, its internal groups (see [`ChildLink`]).
     children: Mutex<HashMap<u64, Vec<Arc<ChildLink>>>>,
     /// Per internal group, its link to its group.
@@ -322,7 +332,7 @@ impl Transport {
             members: Mutex::default(),
             telling: Mutex::default(),
             diverged: Mutex::default(),
-            arenas: Mutex::default(),
+            hearers: Mutex::default(),
             children: Mutex::default(),
             parents: Mutex::default(),
             hosts: Mutex::default(),
@@ -960,16 +970,18 @@ impl Shared {
         &self.store
     }
 
-    /// Group `comm` runs over `arena` from now on.
-    pub fn add_arena(&self, comm: u64, arena: &Arc<Arena>) {
+    /// `hearer` hears group `comm`'s aborts and this rank's kill from now
+    /// on (and those already in place, at once).
+    pub fn add_hearer<H: HearsAborts + 'static>(&self, comm: u64, hearer: &Arc<H>) {
         // Registered first, so a kill or an abort racing with this sees it.
-        lock(&self.arenas).insert(comm, Arc::downgrade(arena));
+        let weak: std::sync::Weak<dyn HearsAborts> = Arc::downgrade(hearer) as _;
+        lock(&self.hearers).insert(comm, weak);
         if self.is_dead() {
-            arena.set_presence(crate::shm::Presence::Killed);
+            hearer.killed();
         }
         let from = lock(&self.router).aborted_from(comm);
         if let Some(from) = from {
-            arena.abort(from);
+            hearer.aborted(from);
         }
     }
 
@@ -1003,11 +1015,11 @@ impl Shared {
         }
         self.cancel.cancel();
         lock(&self.peers).clear();
-        for a in lock(&self.arenas)
+        for h in lock(&self.hearers)
             .values()
             .filter_map(std::sync::Weak::upgrade)
         {
-            a.set_presence(crate::shm::Presence::Killed);
+            h.killed();
         }
         let comms: Vec<u64> = lock(&self.members).keys().copied().collect();
         for comm in comms {
@@ -1160,12 +1172,12 @@ impl Shared {
         if self.is_dead() {
             return;
         }
-        if let Some(a) = lock(&self.arenas)
+        if let Some(h) = lock(&self.hearers)
             .get(&comm)
             .and_then(std::sync::Weak::upgrade)
             .filter(|_| how != Origin::Leaving)
         {
-            a.abort(from_seq);
+            h.aborted(from_seq);
         }
         let me = self.clone();
         // Aborts also run from destructors, possibly as the runtime shuts down;

@@ -1,7 +1,7 @@
 //! Groups that span hosts: shared memory within each host, TCP between.
 //!
 //! When a group's members are on several hosts and some host has two or
-//! more of them (see `shm::decide`), all_reduce, broadcast and barrier run
+//! more of them (see `plan`), all_reduce, broadcast and barrier run
 //! in two levels over two kinds of internal groups, formed from the group
 //! without any message (their ids derive from the group's):
 //!
@@ -45,23 +45,31 @@ use tokio::time::Instant;
 
 use crate::element::{Element, ReduceOp};
 use crate::error::{Error, Result};
-use crate::group::{self, stable_hash, OpCtx, ProcessGroup};
+use crate::flat;
+use crate::hash::stable_hash;
+use crate::op::{Comm, OpCtx};
+use crate::shm::{self, Arena};
 use crate::transport::{ChildLink, Members};
 
 /// How long a rank whose step failed because an internal group was aborted
 /// waits for the group's abort (the cause) to arrive.
 const CAUSE_WAIT: Duration = Duration::from_secs(2);
 
-/// One internal group: its handle here, its members' group ranks (in its own
-/// rank order), and its link to the group's aborts.
+/// One internal group: its state here, its members' group ranks (in its own
+/// rank order), its link to the group's aborts, and its shared memory.
 struct Level {
-    pg: ProcessGroup,
+    comm: Arc<Comm>,
     ranks: Vec<usize>,
     link: Arc<ChildLink>,
     /// For messages: "step within this host" or "step among hosts".
     what: &'static str,
     /// What a point in the step is: a shared-memory "stage" or a TCP "step".
     unit: &'static str,
+    /// The process ids of the members, on this host's level (whose steps
+    /// run over shared memory); `None` on the leaders' (over TCP).
+    pids: Option<Arc<[u32]>>,
+    /// The level's region, attached at its first step.
+    arena: tokio::sync::OnceCell<Option<Arc<Arena>>>,
 }
 
 /// A group's two levels, as this rank sees them.
@@ -78,8 +86,9 @@ pub(crate) struct TwoLevel {
 
 impl TwoLevel {
     /// Forms the internal groups of `cx`'s group (no messages: ids derive
-    /// from the group's).
-    pub(crate) fn new(cx: &OpCtx, hosts: Vec<Vec<usize>>) -> TwoLevel {
+    /// from the group's); `local_pids`: the process ids of this host's
+    /// members.
+    pub(crate) fn new(cx: &OpCtx, hosts: Vec<Vec<usize>>, local_pids: Arc<[u32]>) -> TwoLevel {
         let me = cx.me();
         let host = hosts
             .iter()
@@ -94,19 +103,22 @@ impl TwoLevel {
                 ranks: ranks.iter().map(|&k| cx.world(k)).collect(),
             };
             let rank = ranks.iter().position(|&k| k == me).expect("a member");
-            let pg = ProcessGroup::internal(cx, id, members, rank);
+            let comm = cx.comm().internal(id, members, rank);
             let link = Arc::new(ChildLink::new(id, cx.comm_id(), width));
             cx.sh().add_child(cx.comm_id(), link.clone());
+            let on_host = what == "host";
             Level {
-                pg,
+                comm,
                 ranks,
                 link,
-                what: if what == "host" {
+                what: if on_host {
                     "step within this host"
                 } else {
                     "step among hosts"
                 },
-                unit: if what == "host" { "stage" } else { "step" },
+                unit: if on_host { "stage" } else { "step" },
+                pids: on_host.then(|| local_pids.clone()),
+                arena: tokio::sync::OnceCell::new(),
             }
         };
         let mine = &hosts[host];
@@ -184,13 +196,29 @@ impl Level {
     /// Step `seq` of this level, with the group op's call and deadline.
     fn step(&self, cx: &OpCtx, seq: u64) -> OpCtx {
         cx.wait_note(format!("the {}", self.what), None);
-        let s = self.pg.step_ctx(seq, cx.desc(), cx.deadline);
+        let s = self
+            .comm
+            .step_ctx(seq, cx.desc(), cx.deadline, cx.timeout());
         if cx.may_post() {
             // SAFETY: a step runs within its op's future, on the op's
             // buffer, so it is dropped when the op's is: never leaked.
             unsafe { s.allow_posting() }
         } else {
             s
+        }
+    }
+
+    /// The level's shared memory for step `s`: the host's members attach
+    /// it at their first step; the leaders' level (and a step failed as it
+    /// began, which runs over TCP) has none.
+    async fn arena(&self, s: &OpCtx) -> Result<Option<Arc<Arena>>> {
+        match &self.pids {
+            Some(pids) if !s.is_doomed() => self
+                .arena
+                .get_or_try_init(|| shm::attach(s, pids.clone()))
+                .await
+                .cloned(),
+            _ => Ok(None),
         }
     }
 
@@ -307,12 +335,18 @@ pub(crate) async fn all_reduce<T: Element>(
     let sop = summing(op);
     if let Some(l) = &t.local {
         let s = l.step(cx, ls);
-        let r = within(&s, group::reduce_impl(&s, buf, 0, sop)).await;
+        let r = within(&s, async {
+            flat::reduce(&s, l.arena(&s).await?.as_ref(), buf, 0, sop).await
+        })
+        .await;
         ended(cx, l, s, r).await?;
     }
     if let Some(l) = &t.leaders {
         let s = l.step(cx, ds);
-        let r = within(&s, group::all_reduce_flat(&s, buf, sop)).await;
+        let r = within(&s, async {
+            flat::all_reduce(&s, l.arena(&s).await?.as_ref(), buf, sop).await
+        })
+        .await;
         ended(cx, l, s, r).await?;
         if op == ReduceOp::Avg {
             T::divide(buf, cx.n());
@@ -320,7 +354,10 @@ pub(crate) async fn all_reduce<T: Element>(
     }
     if let Some(l) = &t.local {
         let s = l.step(cx, ls + 1);
-        let r = within(&s, group::broadcast_flat(&s, buf, 0)).await;
+        let r = within(&s, async {
+            flat::broadcast(&s, l.arena(&s).await?.as_ref(), buf, 0).await
+        })
+        .await;
         ended(cx, l, s, r).await?;
     }
     Ok(())
@@ -342,17 +379,26 @@ pub(crate) async fn broadcast<T: Element>(
     if let (true, Some(l)) = (on_root_host, &t.local) {
         let from = l.ranks.iter().position(|&k| k == root).expect("a member");
         let s = l.step(cx, ls);
-        let r = within(&s, group::broadcast_flat(&s, buf, from)).await;
+        let r = within(&s, async {
+            flat::broadcast(&s, l.arena(&s).await?.as_ref(), buf, from).await
+        })
+        .await;
         ended(cx, l, s, r).await?;
     }
     if let Some(l) = &t.leaders {
         let s = l.step(cx, ds);
-        let r = within(&s, group::broadcast_flat(&s, buf, root_host)).await;
+        let r = within(&s, async {
+            flat::broadcast(&s, l.arena(&s).await?.as_ref(), buf, root_host).await
+        })
+        .await;
         ended(cx, l, s, r).await?;
     }
     if let (false, Some(l)) = (on_root_host, &t.local) {
         let s = l.step(cx, ls);
-        let r = within(&s, group::broadcast_flat(&s, buf, 0)).await;
+        let r = within(&s, async {
+            flat::broadcast(&s, l.arena(&s).await?.as_ref(), buf, 0).await
+        })
+        .await;
         ended(cx, l, s, r).await?;
     }
     Ok(())
@@ -362,17 +408,26 @@ pub(crate) async fn barrier(t: &TwoLevel, cx: &OpCtx) -> Result<()> {
     let (ls, ds) = t.steps(cx).await?;
     if let Some(l) = &t.local {
         let s = l.step(cx, ls);
-        let r = within(&s, group::barrier_flat(&s)).await;
+        let r = within(&s, async {
+            flat::barrier(&s, l.arena(&s).await?.as_ref()).await
+        })
+        .await;
         ended(cx, l, s, r).await?;
     }
     if let Some(l) = &t.leaders {
         let s = l.step(cx, ds);
-        let r = within(&s, group::barrier_flat(&s)).await;
+        let r = within(&s, async {
+            flat::barrier(&s, l.arena(&s).await?.as_ref()).await
+        })
+        .await;
         ended(cx, l, s, r).await?;
     }
     if let Some(l) = &t.local {
         let s = l.step(cx, ls + 1);
-        let r = within(&s, group::barrier_flat(&s)).await;
+        let r = within(&s, async {
+            flat::barrier(&s, l.arena(&s).await?.as_ref()).await
+        })
+        .await;
         ended(cx, l, s, r).await?;
     }
     Ok(())

@@ -5,7 +5,7 @@ use super::posted::{Place, Posts};
 use super::{nseg, seg_range, Steps};
 use crate::element::Element;
 use crate::error::Result;
-use crate::group::OpCtx;
+use crate::op::OpCtx;
 
 /// Pipelined chain broadcast: `root → root+1 → …`, one segment behind another,
 /// so every link carries the buffer once. Where the op may, every segment's

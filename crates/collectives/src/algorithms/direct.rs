@@ -7,7 +7,7 @@ use std::ops::Range;
 use super::{nseg, recv_segs, send_segs, Steps};
 use crate::element::Element;
 use crate::error::Result;
-use crate::group::OpCtx;
+use crate::op::OpCtx;
 
 /// Every rank's chunk `bounds[rank]` of `buf` to the root's `buf`, in
 /// segments of `seg` elements at `phase`. After another algorithm's phases

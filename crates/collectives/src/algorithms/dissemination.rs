@@ -3,7 +3,7 @@
 //! where every rank ends up connected to `⌈lg n⌉` peers each way).
 
 use crate::error::Result;
-use crate::group::OpCtx;
+use crate::op::OpCtx;
 
 /// Dissemination barrier: in round `k` rank `r` signals `r + 2^k` and waits for
 /// `r − 2^k`; after `⌈lg n⌉` rounds everyone has heard from everyone.

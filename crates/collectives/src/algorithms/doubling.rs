@@ -4,7 +4,7 @@
 use super::{nseg, recv_segs, send_segs, Steps};
 use crate::element::{Element, ReduceOp};
 use crate::error::Result;
-use crate::group::OpCtx;
+use crate::op::OpCtx;
 
 /// Recursive doubling: with `p` the largest power of two ≤ `n`, the first
 /// `2(n − p)` ranks pair up and the even one folds its data into the odd one;

@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use crate::element::{bytes_of_mut, Element};
 use crate::error::Result;
-use crate::group::OpCtx;
+use crate::op::OpCtx;
 use crate::transport::{Gate, Key, Landing, Start};
 
 /// An op's buffer, handed out range by range.

@@ -11,7 +11,7 @@ use super::posted::{Place, Posted, Posts};
 use super::{even_bounds, nseg, seg_range, Steps};
 use crate::element::{Element, ReduceOp};
 use crate::error::Result;
-use crate::group::OpCtx;
+use crate::op::OpCtx;
 
 /// Ring reduce-scatter over `bounds`: at step `t` rank `r` sends chunk
 /// `r − t − 1` and reduces chunk `r − t − 2` into its buffer, forwarding each

@@ -6,7 +6,7 @@
 use super::{nseg, seg_range, Steps};
 use crate::element::{Element, ReduceOp};
 use crate::error::Result;
-use crate::group::OpCtx;
+use crate::op::OpCtx;
 
 /// Tree barrier: an empty reduce up a binomial tree, then an empty broadcast down.
 pub(crate) async fn barrier_tree(cx: &OpCtx) -> Result<()> {

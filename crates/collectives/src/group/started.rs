@@ -10,19 +10,19 @@
 
 use std::future::Future;
 
-use super::{
-    algo, all_gather_impl, all_reduce_impl, all_to_all_impl, barrier_impl, broadcast_impl, drive,
-    gather_impl, reduce_impl, reduce_scatter_impl, scatter_impl, ProcessGroup,
-};
+use super::{algo, ProcessGroup};
+use crate::dispatch;
+use crate::op::drive;
 use crate::{Element, ReduceOp, Result};
 
 impl ProcessGroup {
     /// [`ProcessGroup::barrier`], started now.
     pub fn start_barrier(&self) -> impl Future<Output = Result<()>> + Send + 'static {
         let cx = self.begin_barrier();
+        let plan = self.plan.clone();
         async move {
             let cx = cx?;
-            drive(&cx, barrier_impl(&cx)).await
+            drive(&cx, dispatch::barrier(&cx, &plan)).await
         }
     }
 
@@ -42,9 +42,10 @@ impl ProcessGroup {
         let cx = self
             .begin_all_reduce::<T>(buf.len(), op)
             .map(|cx| unsafe { cx.allow_posting() });
+        let plan = self.plan.clone();
         async move {
             let cx = cx?;
-            drive(&cx, all_reduce_impl(&cx, buf, op)).await
+            drive(&cx, dispatch::all_reduce(&cx, &plan, buf, op)).await
         }
     }
 
@@ -62,9 +63,10 @@ impl ProcessGroup {
         let cx = self
             .begin_broadcast::<T>(buf.len(), root)
             .map(|cx| unsafe { cx.allow_posting() });
+        let plan = self.plan.clone();
         async move {
             let cx = cx?;
-            drive(&cx, broadcast_impl(&cx, buf, root)).await
+            drive(&cx, dispatch::broadcast(&cx, &plan, buf, root)).await
         }
     }
 
@@ -83,9 +85,10 @@ impl ProcessGroup {
             .and_then(|()| self.begin_all_gather::<T>(input.len()))
             // SAFETY: the caller's promise.
             .map(|cx| unsafe { cx.allow_posting() });
+        let plan = self.plan.clone();
         async move {
             let cx = cx?;
-            drive(&cx, all_gather_impl(&cx, input, out)).await
+            drive(&cx, dispatch::all_gather(&cx, &plan, input, out)).await
         }
     }
 
@@ -97,9 +100,10 @@ impl ProcessGroup {
         op: ReduceOp,
     ) -> impl Future<Output = Result<()>> + Send + 'a {
         let cx = self.begin_reduce::<T>(buf.len(), root, op);
+        let plan = self.plan.clone();
         async move {
             let cx = cx?;
-            drive(&cx, reduce_impl(&cx, buf, root, op)).await
+            drive(&cx, dispatch::reduce(&cx, &plan, buf, root, op)).await
         }
     }
 
@@ -110,9 +114,10 @@ impl ProcessGroup {
         root: usize,
     ) -> impl Future<Output = Result<Option<Vec<T>>>> + Send + 'a {
         let cx = self.begin_gather::<T>(input.len(), root);
+        let plan = self.plan.clone();
         async move {
             let cx = cx?;
-            drive(&cx, gather_impl(&cx, input, root)).await
+            drive(&cx, dispatch::gather(&cx, &plan, input, root)).await
         }
     }
 
@@ -129,9 +134,10 @@ impl ProcessGroup {
         } else {
             &[]
         };
+        let plan = self.plan.clone();
         async move {
             let cx = cx?;
-            drive(&cx, scatter_impl(&cx, input, out, root)).await
+            drive(&cx, dispatch::scatter(&cx, &plan, input, out, root)).await
         }
     }
 
@@ -145,9 +151,10 @@ impl ProcessGroup {
         let cx = self
             .expect_len("reduce_scatter input", input.len(), out.len() * self.size())
             .and_then(|()| self.begin_reduce_scatter::<T>(out.len(), op));
+        let plan = self.plan.clone();
         async move {
             let cx = cx?;
-            drive(&cx, reduce_scatter_impl(&cx, input, out, op)).await
+            drive(&cx, dispatch::reduce_scatter(&cx, &plan, input, out, op)).await
         }
     }
 
@@ -160,9 +167,10 @@ impl ProcessGroup {
         let cx = self
             .expect_len("all_to_all output", out.len(), input.len())
             .and_then(|()| self.begin_all_to_all::<T>(input.len()));
+        let plan = self.plan.clone();
         async move {
             let cx = cx?;
-            drive(&cx, all_to_all_impl(&cx, input, out)).await
+            drive(&cx, dispatch::all_to_all(&cx, &plan, input, out)).await
         }
     }
 

@@ -24,7 +24,7 @@ use super::{shares_cores, Arena, Round};
 use crate::algorithms::even_bounds;
 use crate::element::{Element, ReduceOp};
 use crate::error::Result;
-use crate::group::OpCtx;
+use crate::op::OpCtx;
 
 /// All-reduces of more bytes than this (or than a half), on 2 or more
 /// ranks, split the reduction across ranks (two stages a round): each reads
