@@ -370,6 +370,49 @@ impl Shared {
         self.refused.load(Ordering::Relaxed)
     }
 
+    /// The size of every per-group table here, for tests that check that
+    /// dropped groups leave nothing behind.
+    #[cfg(test)]
+    pub fn group_tables(&self) -> Vec<(&'static str, usize)> {
+        let mut t = lock(&self.router).group_tables();
+        t.extend([
+            ("members", lock(&self.members).len()),
+            ("telling", lock(&self.telling).len()),
+            ("diverged", lock(&self.diverged).len()),
+            ("hearers", lock(&self.hearers).len()),
+            ("children", lock(&self.children).len()),
+            ("parents", lock(&self.parents).len()),
+        ]);
+        t
+    }
+
+    /// Forgets group `comm`, whose last handle and op are gone here: its
+    /// members, router entries, the region that heard its aborts, and its
+    /// links to internal groups. A failed group (aborted, or holding calls
+    /// found diverged) keeps all: its abort may still be told, recorded, or
+    /// asked for by a peer's frame, and a finding awaits its grace, to be
+    /// reported even as this rank leaves (see `diverged.rs`). Failures are
+    /// rare; `new_group` in a loop is not.
+    pub fn retire(&self, comm: u64) {
+        {
+            // Checked and retired under the router's lock, so that an abort
+            // arriving meanwhile is not lost.
+            let mut r = lock(&self.router);
+            if r.aborted(comm).is_some() || lock(&self.diverged).contains_key(&comm) {
+                return;
+            }
+            r.retire(comm);
+        }
+        lock(&self.members).remove(&comm);
+        lock(&self.hearers).remove(&comm);
+        lock(&self.children).remove(&comm);
+        if let Some(link) = lock(&self.parents).remove(&comm) {
+            if let Some(siblings) = lock(&self.children).get_mut(&link.parent) {
+                siblings.retain(|l| l.comm != comm);
+            }
+        }
+    }
+
     pub fn register_members(&self, comm: u64, m: Members) {
         lock(&self.router).set_members(comm, m.ranks.clone());
         lock(&self.members).insert(comm, m);

@@ -124,3 +124,11 @@ impl Comm {
         }
     }
 }
+
+impl Drop for Comm {
+    /// The group's last handle and op are gone here: its state goes too
+    /// (so `new_group` in a loop grows nothing).
+    fn drop(&mut self) {
+        self.sh().retire(self.id);
+    }
+}

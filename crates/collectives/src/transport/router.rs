@@ -224,6 +224,10 @@ pub(crate) struct Router {
     /// Each group's members (world ranks): a peer out of credit is asked for
     /// the group's running collectives if it is one.
     members: HashMap<u64, std::sync::Arc<[usize]>>,
+    /// Groups dropped here (see [`Router::retire`]): frames and wants for
+    /// them are dropped. Ids are never reused, so each stays; 8 bytes a
+    /// group against the tables it frees.
+    retired: HashSet<u64>,
 }
 
 impl Router {
@@ -244,6 +248,53 @@ impl Router {
             flow: Inbound::new(window),
             control: Vec::new(),
             members: HashMap::new(),
+            retired: HashSet::new(),
+        }
+    }
+
+    /// See `Shared::group_tables`.
+    #[cfg(test)]
+    pub fn group_tables(&self) -> Vec<(&'static str, usize)> {
+        vec![
+            ("slots", self.slots.len()),
+            ("checks", self.checks.len()),
+            ("ended", self.ended.len()),
+            ("ended_top", self.ended_top.len()),
+            ("aborted", self.aborted.len()),
+            ("abort_signals", self.abort_signals.len()),
+            ("told", self.told.len()),
+            ("router members", self.members.len()),
+        ]
+    }
+
+    /// Forgets group `comm`, dropped here (no op of it runs, or ever will):
+    /// its filed frames (their senders' credit comes back), calls, abort,
+    /// and members. A frame or want for it that arrives later is dropped.
+    pub fn retire(&mut self, comm: u64) {
+        self.retired.insert(comm);
+        let keys: Vec<Key> = self
+            .slots
+            .keys()
+            .filter(|k| k.comm == comm)
+            .copied()
+            .collect();
+        for k in keys {
+            // Only filed frames: a waiting receive belongs to an op, which
+            // holds its group.
+            if let Some(Slot::Ready(f)) = self.slots.remove(&k) {
+                self.took(&k, f.buf.len());
+            }
+        }
+        self.lost.retain(|k, _| k.comm != comm);
+        self.checks.retain(|(c, _), _| *c != comm);
+        self.ended.retain(|(c, _), _| *c != comm);
+        self.ended_top.remove(&comm);
+        self.aborted.remove(&comm);
+        self.abort_signals.remove(&comm);
+        self.told.retain(|(c, _)| *c != comm);
+        self.members.remove(&comm);
+        for b in self.broken.values_mut() {
+            b.from.remove(&comm);
         }
     }
 
@@ -383,11 +434,17 @@ impl Router {
     }
 
     pub fn abort_signal(&mut self, comm: u64) -> CancellationToken {
+        if self.retired.contains(&comm) {
+            return CancellationToken::new();
+        }
         self.abort_signals.entry(comm).or_default().clone()
     }
 
     /// Notes that `peer` has group `comm`'s abort; false if it was known.
     pub fn note_told(&mut self, comm: u64, peer: usize) -> bool {
+        if self.retired.contains(&comm) {
+            return false;
+        }
         self.told.insert((comm, peer))
     }
 
@@ -691,6 +748,9 @@ impl Router {
     }
 
     fn file(&mut self, key: Key, desc: Desc, buf: Buf) -> Delivery {
+        if self.retired.contains(&key.comm) {
+            return Delivery::Taken;
+        }
         if self.aborted_for(key.comm, key.collective_seq()).is_some() {
             return Delivery::TellAbort;
         }
@@ -749,6 +809,7 @@ impl Router {
             matches!(self.slots.get(&key), Some(Slot::Waiting(_, Some(l))) if l.len() == len);
         if !posted
             || key.p2p
+            || self.retired.contains(&key.comm)
             || self.aborted_for(key.comm, key.collective_seq()).is_some()
             || self.forgotten(key.comm, key.seq)
             || self.ended.contains_key(&(key.comm, key.seq))
@@ -783,6 +844,9 @@ impl Router {
 
     /// A peer waits for our part of collective `seq`, which it called as `desc`.
     pub fn want(&mut self, comm: u64, seq: u64, src: u32, desc: Desc) -> Delivery {
+        if self.retired.contains(&comm) {
+            return Delivery::Taken;
+        }
         if self.aborted_for(comm, Some(seq)).is_some() {
             return Delivery::TellAbort;
         }
@@ -819,7 +883,7 @@ impl Router {
     /// then whoever had the abort must be told again.
     pub fn abort(&mut self, comm: u64, err: Error, from: u64) -> bool {
         let stays = |a: &Aborted| a.from < from || (a.from == from && !a.provisional);
-        if self.aborted.get(&comm).is_some_and(stays) {
+        if self.retired.contains(&comm) || self.aborted.get(&comm).is_some_and(stays) {
             return false;
         }
         self.aborted.insert(
@@ -919,6 +983,36 @@ mod tests {
     /// An internal group's op numbers have gaps (two per group op, one of
     /// them unused by a broadcast, both by a flat op): ended calls are
     /// still kept for the last `ENDED_KEPT` numbers only, not forever.
+    #[test]
+    fn a_retired_group_gives_back_its_filed_bytes_and_drops_later_frames() {
+        let mut r = Router::new(1 << 20);
+        r.set_members(1, vec![0, 1].into());
+        let b = || Pool::new(64, 0).get(16);
+        // Filed ahead of an op this rank never runs, then the group is dropped.
+        assert_eq!(r.deliver(key(1, 0), desc(4), b()), Delivery::Taken);
+        assert_eq!(r.filed_bytes(), 16);
+        r.begin_seq(1, 1, desc(4)).unwrap();
+        r.retire(1);
+        assert_eq!(r.filed_bytes(), 0, "the sender's credit comes back");
+        assert!(
+            r.group_tables().iter().all(|(_, n)| *n == 0),
+            "{:?}",
+            r.group_tables()
+        );
+        // Late frames, wants and aborts for it leave nothing either.
+        assert_eq!(r.deliver(key(1, 2), desc(4), b()), Delivery::Taken);
+        assert_eq!(r.want(1, 3, 1, desc(4)), Delivery::Taken);
+        assert!(!r.abort(1, aborted("late"), 0));
+        let _ = r.abort_signal(1);
+        assert!(!r.note_told(1, 1));
+        assert_eq!(r.filed_bytes(), 0);
+        assert!(
+            r.group_tables().iter().all(|(_, n)| *n == 0),
+            "{:?}",
+            r.group_tables()
+        );
+    }
+
     #[test]
     fn ended_calls_are_pruned_across_gaps_in_op_numbers() {
         let mut r = Router::new(0);
