@@ -1538,17 +1538,24 @@ async fn a_reset_after_an_op_fails_the_next_not_the_one_that_had_its_frames() {
     peer.abort();
 }
 
-/// A store that counts the looks at one `host/<rank>` entry alone (how the
-/// set-up finds who is missing), over a memory store.
-struct CountingLooks {
+/// A memory store that counts the looks at one `host/<rank>` entry alone
+/// (how the set-up finds who is missing), and that answers a `set` of a key
+/// containing `slow_set` (once stored) only after a while.
+#[derive(Default)]
+struct Hooked {
     inner: MemoryStore,
     looks: std::sync::atomic::AtomicUsize,
+    slow_set: Option<&'static str>,
 }
 
 #[async_trait::async_trait]
-impl Store for CountingLooks {
+impl Store for Hooked {
     async fn set(&self, k: &str, v: &[u8]) -> rallypoint_store::Result<()> {
-        self.inner.set(k, v).await
+        self.inner.set(k, v).await?;
+        if self.slow_set.is_some_and(|s| k.contains(s)) {
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+        }
+        Ok(())
     }
     async fn get_now(&self, k: &str) -> rallypoint_store::Result<Vec<u8>> {
         self.inner.get_now(k).await
@@ -1614,10 +1621,7 @@ impl Store for CountingLooks {
 /// round, and the message still names both.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn who_never_joined_is_looked_up_once_before_the_deadline() {
-    let counting = Arc::new(CountingLooks {
-        inner: MemoryStore::new(),
-        looks: Default::default(),
-    });
+    let counting = Arc::new(Hooked::default());
     let store: Arc<dyn Store> = counting.clone();
     let o = Options {
         timeout: Duration::from_millis(3_500),
@@ -1672,4 +1676,47 @@ async fn first_then(pg: ProcessGroup, op: ReduceOp) -> rallypoint_collectives::R
     let mut buf = [1f32; 8];
     // SAFETY: the future is awaited to its end here.
     unsafe { pg.start_all_reduce(&mut buf, op) }.await
+}
+
+/// Rank 0's first op is cancelled as it sets its group up, once it has
+/// published where its region is and before the op ends: the key then names
+/// a descriptor that closes with the op. That harms nothing: the cancelled
+/// op aborts the group, and rank 1, attaching to the closed (or reused)
+/// descriptor or not, fails with that abort, promptly, naming the op rank 0
+/// dropped; and no later op on either rank attaches to a stale region.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_op_cancelled_after_publishing_its_region_fails_the_group_cleanly() {
+    let store: Arc<dyn Store> = Arc::new(Hooked {
+        slow_set: Some("/shm/"),
+        ..Hooked::default()
+    });
+    let o = Options {
+        host_id: Some("one".into()),
+        timeout: Duration::from_secs(60),
+        ..opts()
+    };
+    let pgs = group_on(store, 2, o).await;
+    let (pg0, pg1) = (pgs[0].clone(), pgs[1].clone());
+    let mut x = [1.0f32; 16];
+    // Rank 0 creates the region and publishes it, then waits in the store's
+    // `set`: cancelled there.
+    let cancelled = tokio::time::timeout(
+        Duration::from_millis(300),
+        pg0.all_reduce(&mut x, ReduceOp::Sum),
+    )
+    .await;
+    assert!(cancelled.is_err(), "the op ended: {cancelled:?}");
+    let t = Instant::now();
+    let e = pg1
+        .all_reduce(&mut [1.0f32; 16], ReduceOp::Sum)
+        .await
+        .unwrap_err();
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    assert!(
+        matches!(&e, Error::Aborted { reason, .. } if reason.contains("rank 0 dropped all_reduce")),
+        "{e}"
+    );
+    let again = pg0.all_reduce(&mut x, ReduceOp::Sum).await.unwrap_err();
+    assert!(again.is_aborted(), "{again}");
+    assert_eq!(pg1.shared_memory(), None, "rank 1 mapped no region");
 }
