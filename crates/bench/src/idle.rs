@@ -1,5 +1,5 @@
 //! `rallypoint-bench idle`: store requests per node per second of idle
-//! `rally run` agents in the running phase (issue 18's scale figure). N agents
+//! `rally run` agents in the running phase (the scale figure in `docs/benchmarks.md`). N agents
 //! join one `c10d` round on a standalone store server of ours
 //! (`is_host=false`, so the server sees every agent's requests and nothing
 //! else), their workers sleep, and the server's request counter is read over

@@ -31,7 +31,7 @@ pub struct RendezvousArgs {
     #[arg(long, default_value_t = 240)]
     torch_limit_secs: u64,
     /// Ours only, every node a task of this one process with its own
-    /// connection to the store server (issue 18's 16,384-node figure: that
+    /// connection to the store server (the 16,384-node figure: that
     /// many processes do not fit on one machine).
     #[arg(long)]
     in_process: bool,

@@ -148,7 +148,7 @@ pub struct Desc {
     /// part (all_gather, gather, scatter, reduce_scatter, all_to_all), of the
     /// whole result (all_gather with varying sizes), of the message (send).
     pub count: u64,
-    /// A 24-bit hash of the calls before this one on the group ([`HIST_NONE`]:
+    /// A 24-bit hash of the calls before this one on the group (`HIST_NONE`:
     /// not tracked, as for messages; the steps of a two-level op carry their
     /// op's). Ranks whose histories differ have called different sequences
     /// of collectives before this one: a difference of this call from

@@ -31,8 +31,9 @@ enum By {
     Ranks,
 }
 
-/// (op, what decides, small, large). Measured figures behind the choices are
-/// in `docs/benchmarks.md` (segment sizes, the 64 KiB cut-over).
+/// (op, what decides, small, large). The segment sizes are measured in
+/// `docs/notes/collectives-tcp.md`; the small-to-large cut-over is
+/// [`crate::Options::small_bytes`] (64 KiB by default; not measured here).
 const TABLE: [(OpKind, By, Algo, Algo); 11] = [
     (OpKind::Barrier, By::Ranks, Algo::Dissemination, Algo::Tree),
     (OpKind::Broadcast, By::Bytes, Algo::Tree, Algo::Chain),

@@ -32,19 +32,19 @@ use crate::op::OpCtx;
 /// then moves a fifth fewer bytes than when it copies its whole round in
 /// and reduces the other's (about 7% faster at 64 MiB here, though 10–15%
 /// slower while the host slows transfers between cores: the extra stage a
-/// round crosses cores; `docs/benchmarks.md`, issue 20's eleventh part).
+/// round crosses cores; `docs/notes/collectives-shared-memory.md`).
 pub const SPLIT_ABOVE: usize = 64 << 10;
 
 /// A split all-reduce's (or reduce's) round, per rank, when ranks take
-/// turns on cores ([`shares_cores`]): at most this many bytes, however
+/// turns on cores (`shares_cores`): at most this many bytes, however
 /// large the half.
 /// Two ranks on each core then keep their rounds (their buffer's piece and
 /// the parts they sum) within the core's caches while they alternate: at 4
 /// ranks on 2 cores, 64 MiB took 19.3–19.7 ms in rounds of 256 KiB against
 /// 20.3–21.3 in rounds of 1 MiB (128 KiB: 21.9). Only the split
 /// reductions: broadcast and all_gather were 30–50% slower in rounds of
-/// 256 KiB there, and a rank per core keeps the 1 MiB half (`docs/benchmarks.md`,
-/// issue 20's twelfth part).
+/// 256 KiB there, and a rank per core keeps the 1 MiB half
+/// (`docs/notes/collectives-shared-memory.md`).
 pub const SHARED_CORE_ROUND: usize = 256 << 10;
 
 /// The bytes a rank moves a round in a split shared-memory all-reduce of
