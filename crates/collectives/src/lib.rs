@@ -90,8 +90,9 @@
 //! the telling is done (bounded), so a rank may exit on its error. A new group
 //! can be formed on the same store under a new prefix ([`Options::prefix`]).
 //!
-//! What a mismatch promises is in the README ("Mismatches are errors, on every
-//! rank"); `tests/integration/sim.rs` checks it, and the failure promises, on
+//! What a mismatch promises is in the guide (`docs/collectives.md`,
+//! "Mismatched calls are errors, on every rank"); `tests/integration/sim.rs`
+//! checks it, and the failure promises, on
 //! thousands of seeded schedules of mismatches and deaths.
 
 mod algorithms;

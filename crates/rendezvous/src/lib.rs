@@ -13,6 +13,24 @@
 //!   [`registry::Registry`]. [`static_tcp`] is the fixed-size backend,
 //!   [`dynamic`] the elastic one over any rallypoint store (`c10d`), and `etcd`
 //!   (cargo feature `etcd`) the same protocol on an etcd v3 server.
+//!
+//! A job of one found through a URL, as `init_process_group(init_method=...)`
+//! does: the store it hands back is shared by every rank of the job.
+//!
+//! ```
+//! use rallypoint_rendezvous::init::{rendezvous, InitArgs};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let dir = tempfile::tempdir()?;
+//! let url = format!("file://{}/job?rank=0&world_size=1", dir.path().display());
+//! let found = rendezvous(&url, InitArgs::default())?.next().await?;
+//! assert_eq!((found.rank, found.world_size), (0, 1));
+//! found.store.set("hello", b"world").await?;
+//! assert_eq!(found.store.get("hello").await?, b"world");
+//! # Ok(())
+//! # }
+//! ```
 
 pub mod api;
 mod census;

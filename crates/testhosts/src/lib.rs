@@ -32,6 +32,20 @@
 //! `unshare` and `tc`. Where a cluster cannot be made, [`cluster`] panics with
 //! the reason, unless `RALLY_NO_NETNS=1` asks to skip such tests: then it says
 //! so on stderr and returns `None`.
+//!
+//! Two hosts, each with its own name, that know each other's:
+//!
+//! ```
+//! let Some(cluster) = rallypoint_testhosts::cluster(2) else {
+//!     return; // RALLY_NO_NETNS=1
+//! };
+//! let run = |i: usize, args: &[&str]| {
+//!     let out = cluster.host(i).command(args[0]).args(&args[1..]).output().unwrap();
+//!     String::from_utf8_lossy(&out.stdout).trim().to_owned()
+//! };
+//! assert_eq!(run(0, &["hostname"]), "node1");
+//! assert!(run(1, &["getent", "hosts", "node1"]).starts_with("10.77.0."));
+//! ```
 
 use std::net::Ipv4Addr;
 use std::path::PathBuf;

@@ -1,6 +1,19 @@
 //! `rallypoint._native`: the collectives crate as a Python extension module,
 //! for the `rally` backend of `torch.distributed` (`python/rallypoint/torch.py`).
 //!
+//! It is used from Python, never from Rust (a `cdylib` alone, so it has no
+//! doc tests: `crates/rally/tests/run/torch_backend.rs` runs it under real
+//! torch). A training script picks the backend by name:
+//!
+//! ```python
+//! import rallypoint.torch  # registers "rally"
+//! import torch.distributed as dist
+//!
+//! dist.init_process_group("rally")  # env://, as with gloo
+//! t = torch.ones(4)
+//! dist.all_reduce(t)
+//! ```
+//!
 //! # How a call goes
 //!
 //! torch calls the Python backend's method (`allreduce`, ...) through its
