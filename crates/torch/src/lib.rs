@@ -18,7 +18,7 @@
 //!
 //! torch calls the Python backend's method (`allreduce`, ...) through its
 //! `Backend` trampoline, holding the GIL. The method checks the tensors,
-//! makes a `torch.futures.Future`, and calls one method of [`Group`] here
+//! makes a `torch.futures.Future`, and calls one method of `Group` here
 //! with the tensors' addresses and lengths, a dtype code and a token (the
 //! future and the op's outputs). The method spawns the operation on this
 //! module's runtime and returns at once; torch wraps the future in a `Work`.
