@@ -25,8 +25,27 @@
 //! queues the flow and want frames that flow control asks for
 //! ([`Router::take_control`]), in the order decided, so that the transport
 //! sends them in that order.
+//!
+//! The router is four named parts and what ties them:
+//!
+//! | part | what it holds |
+//! |---|---|
+//! | `mailbox.rs` | per frame key, the frame filed or the receive waiting (or landing) |
+//! | `calls.rs` | the call book: local calls running and ended, the first peer's call of one not begun |
+//! | `aborts.rs` | each group's abort, the signal that wakes its sends, who has been told |
+//! | `liveness.rs` | peers gone, frames lost part-way, connections broken between frames |
+//!
+//! The router itself keeps flow control's accounting, the control frames
+//! it queues, each group's members and the groups dropped here, and decides
+//! across the parts (a frame for an aborted group is not filed; an abort
+//! fails the receives waiting and drops the frames filed).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+mod aborts;
+mod calls;
+mod liveness;
+mod mailbox;
+
+use std::collections::{HashMap, HashSet};
 
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
@@ -36,6 +55,12 @@ use super::landing::Landing;
 use crate::element::{Buf, DType};
 use crate::error::Error;
 use crate::frame::{Algo, Desc, Header, OpKind, HIST_NONE};
+use aborts::Aborts;
+use calls::CallBook;
+#[cfg(test)]
+use calls::ENDED_KEPT;
+use liveness::Liveness;
+use mailbox::{Held, Mailbox, Put};
 
 /// A frame's address.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -86,39 +111,6 @@ pub(crate) enum Fail {
     Timeout,
 }
 
-enum Slot {
-    Ready(Frame),
-    /// A receive waits; with a [`Landing`], its payload may be read straight
-    /// into the waiter's buffer.
-    Waiting(oneshot::Sender<Result<Frame, Fail>>, Option<Landing>),
-    /// A reader is reading the frame's payload into the waiter's landing.
-    Landing(oneshot::Sender<Result<Frame, Fail>>),
-}
-
-impl Slot {
-    /// Whether an operation waits on it.
-    fn waits(&self) -> bool {
-        !matches!(self, Slot::Ready(_))
-    }
-
-    fn into_waiter(self) -> Option<oneshot::Sender<Result<Frame, Fail>>> {
-        match self {
-            Slot::Waiting(tx, _) | Slot::Landing(tx) => Some(tx),
-            Slot::Ready(_) => None,
-        }
-    }
-}
-
-/// What one rank saw first in a collective it has not started yet.
-#[derive(Default)]
-struct Check {
-    local: Option<Desc>,
-    remote: Option<(u32, Desc)>,
-}
-
-/// How many ended collectives per group keep their descriptor for late frames.
-pub(crate) const ENDED_KEPT: u64 = 1024;
-
 /// Two calls of one collective that differ. `a`'s rank is `None` for this rank.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Clash {
@@ -165,58 +157,14 @@ pub(crate) enum Start {
     Wait(oneshot::Receiver<Result<Frame, Fail>>),
 }
 
-struct Aborted {
-    err: Error,
-    /// The first collective sequence number the abort fails.
-    from: u64,
-    /// Calls found diverged, reported by a rank as it gave up waiting for
-    /// the first mismatch (see `diverged.rs`): told marked so.
-    provisional: bool,
-}
-
-/// A connection with a live peer that broke where no frame names what it
-/// lost (see [`Router::lose_peer`]).
-struct Broken {
-    /// Per group, the first collective whose frames from the peer may be
-    /// lost: the oldest running here when the connection broke, or else the
-    /// next. Groups not known then are not affected.
-    from: HashMap<u64, u64>,
-    reason: String,
-}
-
-impl Broken {
-    fn fails(&self, key: &Key) -> bool {
-        key.p2p
-            || self
-                .from
-                .get(&key.comm)
-                .is_some_and(|&from| key.seq >= from)
-    }
-}
-
-/// Frames, waiters, dead peers and aborted groups.
+/// Frames, waiters, dead peers and aborted groups: the four parts, and
+/// what ties them (flow control's accounting, the control frames queued,
+/// each group's members, the groups dropped here).
 pub(crate) struct Router {
-    slots: HashMap<Key, Slot>,
-    checks: HashMap<(u64, u64), Check>,
-    /// Per (group, op), in order: pruned by range, as op numbers of
-    /// internal groups have gaps (see `ChildLink`).
-    ended: BTreeMap<(u64, u64), Desc>,
-    /// Per group, one past the highest collective that ended here: a frame
-    /// for one more than [`ENDED_KEPT`] below it is dropped unfiled.
-    ended_top: HashMap<u64, u64>,
-    gone: HashMap<usize, String>,
-    /// Frames cut off by a broken connection before any receive waited for
-    /// them (see [`Router::lose`]): the reason, for the receive to come.
-    lost: HashMap<Key, String>,
-    /// Peers whose connection broke between frames or in a header while
-    /// they lived on (see [`Router::lose_peer`]).
-    broken: HashMap<usize, Broken>,
-    aborted: HashMap<u64, Aborted>,
-    /// Cancelled when its group aborts: wakes sends blocked on a full socket.
-    abort_signals: HashMap<u64, CancellationToken>,
-    /// (group, peer) pairs where the peer has the abort: it sent it to us, or
-    /// we have written it to the peer.
-    told: HashSet<(u64, usize)>,
+    mail: Mailbox,
+    calls: CallBook,
+    aborts: Aborts,
+    live: Liveness,
     /// Bytes filed per peer, and which peers are out of credit (asked for ops).
     flow: Inbound,
     /// Flow and want frames to send, per peer, in the order decided.
@@ -235,16 +183,10 @@ impl Router {
     /// sends only frames asked for (0: no bound).
     pub fn new(window: u64) -> Router {
         Router {
-            slots: HashMap::new(),
-            checks: HashMap::new(),
-            ended: BTreeMap::new(),
-            ended_top: HashMap::new(),
-            gone: HashMap::new(),
-            lost: HashMap::new(),
-            broken: HashMap::new(),
-            aborted: HashMap::new(),
-            abort_signals: HashMap::new(),
-            told: HashSet::new(),
+            mail: Mailbox::default(),
+            calls: CallBook::default(),
+            aborts: Aborts::default(),
+            live: Liveness::default(),
             flow: Inbound::new(window),
             control: Vec::new(),
             members: HashMap::new(),
@@ -255,16 +197,11 @@ impl Router {
     /// See `Shared::group_tables`.
     #[cfg(test)]
     pub fn group_tables(&self) -> Vec<(&'static str, usize)> {
-        vec![
-            ("slots", self.slots.len()),
-            ("checks", self.checks.len()),
-            ("ended", self.ended.len()),
-            ("ended_top", self.ended_top.len()),
-            ("aborted", self.aborted.len()),
-            ("abort_signals", self.abort_signals.len()),
-            ("told", self.told.len()),
-            ("router members", self.members.len()),
-        ]
+        let mut t = vec![("slots", self.mail.len())];
+        t.extend(self.calls.sizes());
+        t.extend(self.aborts.sizes());
+        t.push(("router members", self.members.len()));
+        t
     }
 
     /// Forgets group `comm`, dropped here (no op of it runs, or ever will):
@@ -272,30 +209,15 @@ impl Router {
     /// and members. A frame or want for it that arrives later is dropped.
     pub fn retire(&mut self, comm: u64) {
         self.retired.insert(comm);
-        let keys: Vec<Key> = self
-            .slots
-            .keys()
-            .filter(|k| k.comm == comm)
-            .copied()
-            .collect();
-        for k in keys {
-            // Only filed frames: a waiting receive belongs to an op, which
-            // holds its group.
-            if let Some(Slot::Ready(f)) = self.slots.remove(&k) {
-                self.took(&k, f.buf.len());
-            }
+        // Only filed frames: a waiting receive belongs to an op, which holds
+        // its group.
+        for (k, len) in self.mail.drop_filed(|k| k.comm == comm) {
+            self.took(&k, len);
         }
-        self.lost.retain(|k, _| k.comm != comm);
-        self.checks.retain(|(c, _), _| *c != comm);
-        self.ended.retain(|(c, _), _| *c != comm);
-        self.ended_top.remove(&comm);
-        self.aborted.remove(&comm);
-        self.abort_signals.remove(&comm);
-        self.told.retain(|(c, _)| *c != comm);
+        self.calls.retire(comm);
+        self.aborts.retire(comm);
+        self.live.retire(comm);
         self.members.remove(&comm);
-        for b in self.broken.values_mut() {
-            b.from.remove(&comm);
-        }
     }
 
     pub fn set_members(&mut self, comm: u64, ranks: std::sync::Arc<[usize]>) {
@@ -338,31 +260,20 @@ impl Router {
     pub fn peer_blocked(&mut self, peer: usize) {
         let c = self.flow.peer_blocked(peer);
         self.credit(c);
-        let mut running: Vec<(u64, u64, Desc)> = self
-            .checks
-            .iter()
-            .filter_map(|(&(c, q), chk)| Some((c, q, chk.local?)))
-            .filter(|&(c, _, _)| self.member(c, peer))
-            .collect();
-        running.sort_by_key(|&(c, q, _)| (c, q));
-        for (comm, seq, desc) in running {
-            self.control.push((
-                peer,
-                Header::Want {
-                    comm,
-                    seq,
-                    step: 0,
-                    desc,
-                },
-            ));
+        for (comm, seq, desc) in self.calls.running() {
+            if self.member(comm, peer) {
+                self.control.push((
+                    peer,
+                    Header::Want {
+                        comm,
+                        seq,
+                        step: 0,
+                        desc,
+                    },
+                ));
+            }
         }
-        let mut waiting: Vec<Key> = self
-            .slots
-            .iter()
-            .filter(|(k, slot)| k.src as usize == peer && matches!(slot, Slot::Waiting(..)))
-            .map(|(k, _)| *k)
-            .collect();
-        waiting.sort_by_key(|k| (k.comm, k.p2p, k.tag, k.seq, k.step));
+        let mut waiting = self.mail.waiting_from(peer);
         // One ask per op or message releases all its frames (an op that
         // posted its receives waits on many keys at once).
         waiting.dedup_by_key(|k| (k.comm, k.p2p, k.tag, k.seq));
@@ -376,7 +287,7 @@ impl Router {
         let desc = if key.p2p {
             Some(p2p_want(key.tag))
         } else {
-            self.checks.get(&(key.comm, key.seq)).and_then(|c| c.local)
+            self.calls.running_call(key.comm, key.seq)
         };
         if let Some(desc) = desc {
             self.control.push((
@@ -405,66 +316,60 @@ impl Router {
 
     /// The group's abort, whatever it fails.
     pub fn aborted(&self, comm: u64) -> Option<&Error> {
-        self.aborted.get(&comm).map(|a| &a.err)
+        self.aborts.get(comm)
     }
 
     /// The first collective the group's abort fails (0: all).
     pub fn aborted_from(&self, comm: u64) -> Option<u64> {
-        self.aborted.get(&comm).map(|a| a.from)
+        self.aborts.from(comm)
     }
 
     /// Whether the group's abort is provisional (see [`Router::abort`]).
     pub fn aborted_provisional(&self, comm: u64) -> bool {
-        self.aborted.get(&comm).is_some_and(|a| a.provisional)
+        self.aborts.provisional(comm)
     }
 
     /// Marks the group's abort, just made, provisional: calls found diverged
     /// that a rank gave up waiting on; the members told hold it for the
     /// first mismatch. A later abort (one that fails more) is not.
     pub fn mark_provisional(&mut self, comm: u64) {
-        if let Some(a) = self.aborted.get_mut(&comm) {
-            a.provisional = true;
-        }
+        self.aborts.mark_provisional(comm);
     }
 
     /// The abort that fails collective `seq` (`None`: a point-to-point message).
     pub fn aborted_for(&self, comm: u64, seq: Option<u64>) -> Option<Error> {
-        let a = self.aborted.get(&comm)?;
-        seq.is_none_or(|s| s >= a.from).then(|| a.err.clone())
+        self.aborts.fails(comm, seq)
     }
 
     pub fn abort_signal(&mut self, comm: u64) -> CancellationToken {
         if self.retired.contains(&comm) {
             return CancellationToken::new();
         }
-        self.abort_signals.entry(comm).or_default().clone()
+        self.aborts.signal(comm)
     }
 
     /// Notes that `peer` has group `comm`'s abort; false if it was known.
     pub fn note_told(&mut self, comm: u64, peer: usize) -> bool {
-        if self.retired.contains(&comm) {
-            return false;
-        }
-        self.told.insert((comm, peer))
+        !self.retired.contains(&comm) && self.aborts.note_told(comm, peer)
     }
 
     /// Forgets that `peer` has the abort (telling it failed or was skipped),
     /// so that its next contact tells it.
     pub fn unnote_told(&mut self, comm: u64, peer: usize) {
-        self.told.remove(&(comm, peer));
+        self.aborts.unnote_told(comm, peer);
     }
 
     pub fn was_told(&self, comm: u64, peer: usize) -> bool {
-        self.told.contains(&(comm, peer))
+        self.aborts.was_told(comm, peer)
     }
 
     /// Groups aborted here.
     pub fn aborted_groups(&self) -> Vec<u64> {
-        self.aborted.keys().copied().collect()
+        self.aborts.groups()
     }
 
     pub fn gone(&self, peer: usize) -> Option<&String> {
-        self.gone.get(&peer)
+        self.live.gone(peer)
     }
 
     /// Records the local call of collective `seq`; a mismatch with what a peer
@@ -488,65 +393,30 @@ impl Router {
                 },
             ));
         }
-        let c = self.checks.entry((comm, seq)).or_default();
-        c.local = Some(desc);
-        match c.remote {
-            Some((src, d)) if !d.agrees(&desc) => {
-                let clash = Clash::new(comm, seq, (None, desc), (src, d));
-                if clash.diverged {
-                    // The op runs on until an abort fails it (see
-                    // `Shared::raise`): the frames filed for it agree with
-                    // the first peer's call, not with this one, so none is
-                    // for it.
-                    self.drop_filed(comm, seq);
+        let r = self.calls.begin(comm, seq, desc);
+        if let Err(clash) = &r {
+            if clash.diverged {
+                // The op runs on until an abort fails it (see
+                // `Shared::raise`): the frames filed for it agree with the
+                // first peer's call, not with this one, so none is for it.
+                for (k, len) in self
+                    .mail
+                    .drop_filed(|k| k.comm == comm && k.collective_seq() == Some(seq))
+                {
+                    self.took(&k, len);
                 }
-                Err(clash)
-            }
-            _ => Ok(()),
-        }
-    }
-
-    /// Drops the frames filed for collective `seq` of group `comm`.
-    fn drop_filed(&mut self, comm: u64, seq: u64) {
-        let keys: Vec<Key> = self
-            .slots
-            .iter()
-            .filter(|(k, slot)| {
-                k.comm == comm && k.collective_seq() == Some(seq) && matches!(slot, Slot::Ready(_))
-            })
-            .map(|(k, _)| *k)
-            .collect();
-        for k in keys {
-            if let Some(Slot::Ready(f)) = self.slots.remove(&k) {
-                self.took(&k, f.buf.len());
             }
         }
+        r
     }
 
     /// The local call of collective `seq`: running, or ended and kept.
     pub fn call(&self, comm: u64, seq: u64) -> Option<Desc> {
-        self.checks
-            .get(&(comm, seq))
-            .and_then(|c| c.local)
-            .or_else(|| self.ended.get(&(comm, seq)).copied())
+        self.calls.call(comm, seq)
     }
 
     pub fn end_seq(&mut self, comm: u64, seq: u64) {
-        if let Some(local) = self.checks.remove(&(comm, seq)).and_then(|c| c.local) {
-            self.ended.insert((comm, seq), local);
-        }
-        let top = self.ended_top.entry(comm).or_default();
-        *top = (*top).max(seq + 1);
-        if let Some(old) = seq.checked_sub(ENDED_KEPT) {
-            while let Some(&k) = self
-                .ended
-                .range((comm, 0)..=(comm, old))
-                .next()
-                .map(|(k, _)| k)
-            {
-                self.ended.remove(&k);
-            }
-        }
+        self.calls.end(comm, seq);
     }
 
     /// Starts waiting for the frame at `key`; with a `landing`, its payload
@@ -555,47 +425,24 @@ impl Router {
         if let Some(e) = self.aborted_for(key.comm, key.collective_seq()) {
             return Start::Failed(Fail::Aborted(e));
         }
-        match self.slots.remove(&key) {
-            Some(Slot::Ready(f)) => {
-                self.took(&key, f.buf.len());
-                return Start::Ready(f);
-            }
-            Some(_) => unreachable!("two operations wait for one frame key"),
-            None => {}
+        if let Some(f) = self.mail.take(&key) {
+            self.took(&key, f.buf.len());
+            return Start::Ready(f);
         }
-        let src = key.src as usize;
-        if let Some(reason) = self.gone.get(&src) {
-            return Start::Failed(Fail::Gone {
-                rank: src,
-                reason: reason.clone(),
-            });
+        if let Some(f) = self.live.fails(&key) {
+            return Start::Failed(f);
         }
-        if let Some(reason) = self.lost.remove(&key) {
-            return Start::Failed(Fail::Lost { rank: src, reason });
-        }
-        if let Some(b) = self.broken.get(&src).filter(|b| b.fails(&key)) {
-            return Start::Failed(Fail::Lost {
-                rank: src,
-                reason: b.reason.clone(),
-            });
-        }
-        let (tx, rx) = oneshot::channel();
         // A posted receive needs no ask of its own: its op asked for all its
         // frames as it began (`begin_seq`), and posts many receives at once.
-        if self.flow.asks(src) && landing.is_none() {
+        if self.flow.asks(key.src as usize) && landing.is_none() {
             self.ask(key);
         }
-        self.slots.insert(key, Slot::Waiting(tx, landing));
-        Start::Wait(rx)
+        Start::Wait(self.mail.wait(key, landing))
     }
 
     /// Fails the receive waiting for `key`, if one is.
     pub fn fail_recv(&mut self, key: Key, f: Fail) {
-        if self.slots.get(&key).is_some_and(Slot::waits) {
-            if let Some(tx) = self.slots.remove(&key).and_then(Slot::into_waiter) {
-                let _ = tx.send(Err(f));
-            }
-        }
+        self.mail.fail(&key, f);
     }
 
     /// The frame at `key` was cut off part-way by its connection breaking
@@ -607,28 +454,24 @@ impl Router {
         // Gone: its waiters failed naming that, and later receives will.
         // Aborted, or a collective ended or forgotten here: no receive
         // for the key is to come.
-        if self.gone.contains_key(&rank)
+        if self.live.gone(rank).is_some()
             || self.aborted_for(key.comm, key.collective_seq()).is_some()
             || (!key.p2p
-                && (self.ended.contains_key(&(key.comm, key.seq))
-                    || self.forgotten(key.comm, key.seq)))
+                && (self.calls.ended(key.comm, key.seq) || self.calls.forgotten(key.comm, key.seq)))
         {
             return;
         }
-        match self.slots.get(&key) {
-            Some(s) if s.waits() => {
-                if let Some(tx) = self.slots.remove(&key).and_then(Slot::into_waiter) {
-                    let _ = tx.send(Err(Fail::Lost {
-                        rank,
-                        reason: reason.to_owned(),
-                    }));
-                }
-            }
+        match self.mail.held(&key) {
+            Held::Waiting => self.mail.fail(
+                &key,
+                Fail::Lost {
+                    rank,
+                    reason: reason.to_owned(),
+                },
+            ),
             // A whole frame for the key is filed already: not this one.
-            Some(_) => {}
-            None => {
-                self.lost.insert(key, reason.to_owned());
-            }
+            Held::Filed => {}
+            Held::Nothing => self.live.lose(key, reason),
         }
     }
 
@@ -643,93 +486,31 @@ impl Router {
     /// taken as usual. Its op fails, and with it the group, as a reset
     /// connection fails a gloo context.
     pub fn lose_peer(&mut self, peer: usize, reason: &str) {
-        if self.gone.contains_key(&peer) || self.broken.contains_key(&peer) {
+        if self.live.broke(peer) {
             return;
         }
         let comms: HashSet<u64> = (self.members.keys().copied())
-            .chain(self.ended_top.keys().copied())
-            .chain(self.checks.keys().map(|(c, _)| *c))
-            .chain(self.slots.keys().map(|k| k.comm))
+            .chain(self.calls.groups())
+            .chain(self.mail.groups())
             .collect();
         let from = comms
             .into_iter()
-            .map(|comm| {
-                let running = (self.checks.iter())
-                    .filter(|((c, _), check)| *c == comm && check.local.is_some())
-                    .map(|((_, s), _)| *s)
-                    .min();
-                let next = self.ended_top.get(&comm).copied().unwrap_or(0);
-                (comm, running.map_or(next, |r| r.min(next)))
-            })
+            .map(|comm| (comm, self.calls.first_open(comm)))
             .collect();
-        let b = Broken {
-            from,
-            reason: reason.to_owned(),
-        };
-        self.fail_waiting(
-            |k| k.src as usize == peer && b.fails(k),
+        self.live.break_peer(peer, from, reason);
+        let live = &self.live;
+        self.mail.fail_waiting(
+            |k| k.src as usize == peer && live.broken_fails(k).is_some(),
             || Fail::Lost {
                 rank: peer,
                 reason: reason.to_owned(),
             },
         );
-        self.broken.insert(peer, b);
-    }
-
-    /// Fails every receive waiting for a key that `which` picks, with `fail`.
-    fn fail_waiting(&mut self, which: impl Fn(&Key) -> bool, fail: impl Fn() -> Fail) {
-        let keys: Vec<Key> = (self.slots.iter())
-            .filter(|(k, s)| s.waits() && which(k))
-            .map(|(k, _)| *k)
-            .collect();
-        for k in keys {
-            if let Some(tx) = self.slots.remove(&k).and_then(Slot::into_waiter) {
-                let _ = tx.send(Err(fail()));
-            }
-        }
     }
 
     /// Stops waiting for `key` (the deadline passed, or the op ended).
     pub fn cancel_recv(&mut self, key: Key) {
-        if self.slots.get(&key).is_some_and(Slot::waits) {
-            self.slots.remove(&key);
-        }
-    }
-
-    /// Whether collective `seq` ended here so long ago that its call is
-    /// forgotten: nothing will wait for a frame of it, or compare one. (An
-    /// `*_async` op still running while over a thousand later ones ended is
-    /// not.)
-    fn forgotten(&self, comm: u64, seq: u64) -> bool {
-        let running = self
-            .checks
-            .get(&(comm, seq))
-            .is_some_and(|c| c.local.is_some());
-        !running
-            && self
-                .ended_top
-                .get(&comm)
-                .is_some_and(|&top| seq + ENDED_KEPT < top)
-    }
-
-    /// Compares `desc`, from world rank `src`, with the local call of
-    /// collective `seq`, or keeps it to compare when that call starts.
-    fn compare(&mut self, comm: u64, seq: u64, src: u32, desc: Desc) -> Option<Clash> {
-        if let Some(&l) = self.ended.get(&(comm, seq)) {
-            return (!l.agrees(&desc)).then(|| Clash::new(comm, seq, (None, l), (src, desc)));
-        }
-        let c = self.checks.entry((comm, seq)).or_default();
-        match (c.local, c.remote) {
-            (Some(l), _) if !l.agrees(&desc) => Some(Clash::new(comm, seq, (None, l), (src, desc))),
-            (None, Some((other, d))) if !d.agrees(&desc) => {
-                Some(Clash::new(comm, seq, (Some(other), d), (src, desc)))
-            }
-            (None, None) => {
-                c.remote = Some((src, desc));
-                None
-            }
-            _ => None,
-        }
+        self.mail.cancel(&key);
     }
 
     /// Hands a data frame from `src` to its waiter or files it.
@@ -755,47 +536,35 @@ impl Router {
             return Delivery::TellAbort;
         }
         if !key.p2p {
-            if self.forgotten(key.comm, key.seq) {
+            if self.calls.forgotten(key.comm, key.seq) {
                 return Delivery::Taken;
             }
-            if self.ended.contains_key(&(key.comm, key.seq)) {
+            if self.calls.ended(key.comm, key.seq) {
                 // Late for an op that ended here: compare, then drop it
                 // (nobody will ever wait for it).
-                return match self.compare(key.comm, key.seq, key.src, desc) {
+                return match self.calls.compare(key.comm, key.seq, key.src, desc) {
                     Some(c) => Delivery::Clash(c),
                     None => Delivery::Taken,
                 };
             }
-            if let Some(c) = self.compare(key.comm, key.seq, key.src, desc) {
+            if let Some(c) = self.calls.compare(key.comm, key.seq, key.src, desc) {
                 return Delivery::Clash(c);
             }
         }
-        match self.slots.remove(&key) {
-            Some(Slot::Waiting(tx, _)) => {
-                let _ = tx.send(Ok(Frame {
-                    desc,
-                    buf,
-                    landed: false,
-                }));
-            }
-            Some(old @ (Slot::Ready(_) | Slot::Landing(_))) => {
-                self.slots.insert(key, old);
-                return Delivery::Duplicate(format!("sent a second frame for {key:?}"));
-            }
-            None => {
-                self.flow.filed(key.src as usize, buf.len() as u64);
-                self.slots.insert(
-                    key,
-                    Slot::Ready(Frame {
-                        desc,
-                        buf,
-                        landed: false,
-                    }),
-                );
-                return Delivery::Filed;
+        let len = buf.len() as u64;
+        let frame = Frame {
+            desc,
+            buf,
+            landed: false,
+        };
+        match self.mail.put(key, frame) {
+            Put::Handed => Delivery::Taken,
+            Put::Duplicate => Delivery::Duplicate(format!("sent a second frame for {key:?}")),
+            Put::Filed => {
+                self.flow.filed(key.src as usize, len);
+                Delivery::Filed
             }
         }
-        Delivery::Taken
     }
 
     /// A data frame's header, of a `len`-byte payload: the landing its
@@ -805,25 +574,20 @@ impl Router {
     /// duplicate. `None`: read the payload and deliver it as usual (which
     /// raises what the checks found).
     pub fn land(&mut self, key: Key, desc: Desc, len: usize) -> Option<Landing> {
-        let posted =
-            matches!(self.slots.get(&key), Some(Slot::Waiting(_, Some(l))) if l.len() == len);
-        if !posted
+        if !self.mail.posted(&key, len)
             || key.p2p
             || self.retired.contains(&key.comm)
             || self.aborted_for(key.comm, key.collective_seq()).is_some()
-            || self.forgotten(key.comm, key.seq)
-            || self.ended.contains_key(&(key.comm, key.seq))
-            || self.compare(key.comm, key.seq, key.src, desc).is_some()
+            || self.calls.forgotten(key.comm, key.seq)
+            || self.calls.ended(key.comm, key.seq)
+            || self
+                .calls
+                .compare(key.comm, key.seq, key.src, desc)
+                .is_some()
         {
             return None;
         }
-        match self.slots.remove(&key) {
-            Some(Slot::Waiting(tx, l)) => {
-                self.slots.insert(key, Slot::Landing(tx));
-                l
-            }
-            _ => unreachable!("checked above"),
-        }
+        self.mail.start_landing(key)
     }
 
     /// The payload of the frame [`Router::land`] took a landing for is in
@@ -831,15 +595,12 @@ impl Router {
     /// still waits, gets the frame.
     pub fn landed(&mut self, key: Key, desc: Desc, len: usize) {
         self.consumed(&key, len);
-        if matches!(self.slots.get(&key), Some(Slot::Landing(_))) {
-            if let Some(tx) = self.slots.remove(&key).and_then(Slot::into_waiter) {
-                let _ = tx.send(Ok(Frame {
-                    desc,
-                    buf: Buf::new(0),
-                    landed: true,
-                }));
-            }
-        }
+        let frame = Frame {
+            desc,
+            buf: Buf::new(0),
+            landed: true,
+        };
+        self.mail.landed(&key, frame);
     }
 
     /// A peer waits for our part of collective `seq`, which it called as `desc`.
@@ -850,10 +611,10 @@ impl Router {
         if self.aborted_for(comm, Some(seq)).is_some() {
             return Delivery::TellAbort;
         }
-        if self.forgotten(comm, seq) {
+        if self.calls.forgotten(comm, seq) {
             return Delivery::Taken;
         }
-        match self.compare(comm, seq, src, desc) {
+        match self.calls.compare(comm, seq, src, desc) {
             Some(c) => Delivery::Clash(c),
             None => Delivery::Taken,
         }
@@ -861,12 +622,10 @@ impl Router {
 
     /// Marks `peer` gone and fails everything waiting on it; false if it was.
     pub fn mark_gone(&mut self, peer: usize, reason: &str) -> bool {
-        if self.gone.contains_key(&peer) {
+        if !self.live.mark_gone(peer, reason) {
             return false;
         }
-        self.gone.insert(peer, reason.to_owned());
-        self.lost.retain(|k, _| k.src as usize != peer);
-        self.fail_waiting(
+        self.mail.fail_waiting(
             |k| k.src as usize == peer,
             || Fail::Gone {
                 rank: peer,
@@ -882,38 +641,16 @@ impl Router {
     /// one from the same op. Returns whether anything changed;
     /// then whoever had the abort must be told again.
     pub fn abort(&mut self, comm: u64, err: Error, from: u64) -> bool {
-        let stays = |a: &Aborted| a.from < from || (a.from == from && !a.provisional);
-        if self.retired.contains(&comm) || self.aborted.get(&comm).is_some_and(stays) {
+        if self.retired.contains(&comm) || !self.aborts.abort(comm, err.clone(), from) {
             return false;
         }
-        self.aborted.insert(
-            comm,
-            Aborted {
-                err: err.clone(),
-                from,
-                provisional: false,
-            },
-        );
-        self.told.retain(|(c, _)| *c != comm);
         let fails = |k: &Key| k.comm == comm && k.collective_seq().is_none_or(|s| s >= from);
-        let keys: Vec<Key> = self.slots.keys().filter(|k| fails(k)).copied().collect();
-        for k in keys {
-            match self.slots.remove(&k) {
-                Some(Slot::Waiting(tx, _) | Slot::Landing(tx)) => {
-                    let _ = tx.send(Err(Fail::Aborted(err.clone())));
-                }
-                Some(Slot::Ready(f)) => self.took(&k, f.buf.len()),
-                None => {}
-            }
+        self.mail.fail_waiting(fails, || Fail::Aborted(err.clone()));
+        for (k, len) in self.mail.drop_filed(fails) {
+            self.took(&k, len);
         }
-        self.lost.retain(|k, _| !fails(k));
-        self.checks.retain(|(c, s), _| *c != comm || *s < from);
-        self.ended.retain(|(c, s), _| *c != comm || *s < from);
-        // Wake every send of the group; a send the abort does not fail takes
-        // a fresh signal, which a later, wider abort fires again.
-        if let Some(old) = self.abort_signals.remove(&comm) {
-            old.cancel();
-        }
+        self.live.forget_lost(fails);
+        self.calls.forget_from(comm, from);
         true
     }
 }
@@ -1020,7 +757,7 @@ mod tests {
             r.begin_seq(1, seq, desc(4)).unwrap();
             r.end_seq(1, seq);
         }
-        let kept = r.ended.keys().filter(|(c, _)| *c == 1).count() as u64;
+        let kept = r.calls.sizes()[1].1 as u64;
         assert!(kept <= ENDED_KEPT / 3 + 1, "{kept} ended calls kept");
         let last = 20 * ENDED_KEPT - 1 - (20 * ENDED_KEPT - 1) % 3;
         assert_eq!(r.call(1, last), Some(desc(4)), "the recent ones are kept");
@@ -1122,7 +859,7 @@ mod tests {
         r.cancel_recv(key(3, 0));
         r.landed(key(3, 0), desc(4), 16);
         assert!(rx.try_recv().is_err());
-        assert!(r.slots.is_empty());
+        assert!(r.mail.is_empty());
     }
 
     /// A frame cut off by its connection fails the receive for it: one
@@ -1149,7 +886,7 @@ mod tests {
             Start::Failed(f) => assert!(lost(Err(f))),
             _ => panic!("a receive for a frame cut off began"),
         }
-        assert!(r.lost.is_empty());
+        assert_eq!(r.live.lost_and_broken().0, 0);
         // A whole frame filed for the key is not the one cut off.
         assert_eq!(r.deliver(key(2, 3), desc(4), buf()), Delivery::Taken);
         r.lose(key(2, 3), "reset");
@@ -1157,7 +894,7 @@ mod tests {
         // Aborted: the abort's error, not the loss.
         r.lose(key(2, 4), "reset");
         r.abort(1, aborted("x"), 0);
-        assert!(r.lost.is_empty());
+        assert_eq!(r.live.lost_and_broken().0, 0);
         assert!(matches!(
             r.start_recv(key(2, 4), None),
             Start::Failed(Fail::Aborted(_))
@@ -1242,7 +979,7 @@ mod tests {
         assert!(e.diverged && e.b == (2, with(4, 7)));
         // Their frames are not for this call: dropped, and their credit
         // goes back.
-        assert!(r.slots.is_empty());
+        assert!(r.mail.is_empty());
         assert_eq!(r.filed_bytes(), 0);
     }
 
@@ -1301,7 +1038,7 @@ mod tests {
         // Op 0's call is forgotten: its frame and a want for it leave nothing.
         assert_eq!(r.deliver(key(2, 0), desc(4), buf()), Delivery::Taken);
         assert_eq!(r.want(1, 0, 2, desc(9)), Delivery::Taken);
-        assert!(r.slots.is_empty() && r.checks.is_empty());
+        assert!(r.mail.is_empty() && r.calls.sizes()[0].1 == 0);
         // Recent ones are still compared.
         assert!(matches!(
             r.deliver(key(2, ENDED_KEPT + 1), desc(5), buf()),
@@ -1362,7 +1099,7 @@ mod tests {
         let mut r = Router::new(0);
         r.mark_gone(2, "EOF");
         r.lose_peer(2, "reset");
-        assert!(r.broken.is_empty());
+        assert_eq!(r.live.lost_and_broken().1, 0);
     }
 
     #[test]
