@@ -7,7 +7,7 @@
 //!
 //! Frames are addressed by [`Key`]. A collective's frames are compared with
 //! the local call of the same sequence number: while it runs, after it ended
-//! (the last [`ENDED_KEPT`] per group: a broadcast root that only sends ends
+//! (the last `calls::ENDED_KEPT` per group: a broadcast root that only sends ends
 //! before its frames arrive), or, before it starts, with what the first peer
 //! sent (compared when it starts). A [`Want`](crate::frame::Header::Want) from
 //! a peer that waits for us is compared the same way. Calls compare with
