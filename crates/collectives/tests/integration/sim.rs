@@ -79,7 +79,7 @@
 //! `RALLY_SIM_TRACE=1` prints the trace of a replayed seed that passes.
 //!
 //! `RALLY_SIM_SEEDS=n` runs n seeds (default 2,000 in CI, about 10 s) from
-//! `RALLY_SIM_BASE` (default 0);
+//! `RALLY_SIM_FIRST` (default 0), as in the agent's and RPC's simulators;
 //! `RALLY_SIM_SEED=s cargo nextest run -p rallypoint-collectives --all-features
 //! sim::replay --no-capture` replays one.
 
@@ -1024,7 +1024,7 @@ async fn seeded_schedules_of_mismatches_and_deaths_keep_the_promises() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(2000);
-    let base: u64 = std::env::var("RALLY_SIM_BASE")
+    let base: u64 = std::env::var("RALLY_SIM_FIRST")
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(0);

@@ -224,9 +224,40 @@ impl AgentEvent {
         };
         if let Value::Object(m) = &mut v {
             m.insert("event".into(), self.name().into());
-            m.insert("time".into(), super::now_secs().into());
+            // A worker's failure keeps its own time (when the agent saw it
+            // end: the root cause is the earliest), not the event's.
+            m.entry("time").or_insert_with(|| super::now_secs().into());
         }
         v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::agent::run_store::FailureRecord;
+
+    #[test]
+    fn a_worker_failure_event_keeps_the_time_the_worker_failed() {
+        let r = FailureRecord {
+            time: 1_000.5,
+            host: "node1".into(),
+            group_rank: 0,
+            rank: 3,
+            local_rank: 1,
+            round: 0,
+            pid: 42,
+            exitcode: 1,
+            exit: "exit code 1".into(),
+            message: "boom".into(),
+            traceback: String::new(),
+            error_file: "<N/A>".into(),
+        };
+        let v = AgentEvent::WorkerFailed(Box::new(r)).to_json();
+        assert_eq!(v["event"], "worker.failed");
+        assert_eq!(v["time"], 1_000.5);
+        let other = AgentEvent::RendezvousStarted { run_id: "r".into() }.to_json();
+        assert!(other["time"].as_f64().unwrap() > 1_000_000.0, "{other}");
     }
 }
 

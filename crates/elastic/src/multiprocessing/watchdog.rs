@@ -21,7 +21,7 @@
 //! What this does not cover: a descendant that clears its environment (`env -i`)
 //! or runs as another user, and a SIGKILL that reaches the watchdog itself (e.g.
 //! an OOM kill of the watchdog). A cgroup would cover those where one can be
-//! created; see the README.
+//! created; see `docs/rally-run.md`.
 
 use std::fs::File;
 use std::io::{Read, Write};

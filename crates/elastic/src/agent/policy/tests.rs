@@ -1,5 +1,5 @@
 //! The policy's table, row by row, in simulated time. Rows named `defect_N` are
-//! the failure orders of issue 18 that the policy before it got wrong.
+//! the failure orders that the policy before it got wrong.
 
 use super::*;
 use Action as A;

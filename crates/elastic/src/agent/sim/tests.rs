@@ -44,7 +44,7 @@ fn ten_thousand_seeds_keep_every_invariant() {
     seeds(&[1, 2, 3, 4, 5], 10_000);
 }
 
-/// Seeds that found defects, with what they found (issue 18). A seed names a
+/// Seeds that found defects, with what they found. A seed names a
 /// schedule only as long as the generator and the model draw the same way;
 /// the 10,000-seed run above is what guards the invariants, these keep the
 /// record and fail loudly if one of them breaks again.
