@@ -90,6 +90,22 @@
 //! the telling is done (bounded), so a rank may exit on its error. A new group
 //! can be formed on the same store under a new prefix ([`Options::prefix`]).
 //!
+//! # Layers
+//!
+//! Read from the bottom up; each module imports only those below it
+//! (`.ci/module-cycles` checks that no two import each other):
+//!
+//! | layer | modules |
+//! |---|---|
+//! | the wire and the elements | `frame`, `hash`, `element`, `error`, `options` |
+//! | TCP between ranks | `transport` (and its pure `router`); shared memory hears its aborts through a trait |
+//! | one operation in flight | `op` (`OpCtx`, `Comm`, `Turn`) |
+//! | how one flat group moves bytes | `algorithms` (TCP), `shm` (one host's memory) |
+//! | one flat group's ops | `flat` |
+//! | groups across hosts | `two_level`, over `flat` on internal groups |
+//! | the choice | `plan` (which hosts, which transport), `dispatch` (two levels or flat) |
+//! | the public API | `group` ([`ProcessGroup`], [`Work`]), `blocking` |
+//!
 //! What a mismatch promises is in the guide (`docs/collectives.md`,
 //! "Mismatched calls are errors, on every rank"); `tests/integration/sim.rs`
 //! checks it, and the failure promises, on
