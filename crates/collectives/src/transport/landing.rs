@@ -88,6 +88,8 @@ mod tests {
     fn nothing_is_written_once_revoked() {
         let mut buf = vec![0u8; 8];
         let gate = Arc::new(Gate::default());
+        // SAFETY: the buffer outlives the landing: the test ends it (or
+        // revokes it) before the buffer is dropped.
         let l = unsafe { Landing::new(buf.as_mut_ptr(), buf.len(), gate.clone()) };
         assert_eq!(
             l.write(2, |s| {

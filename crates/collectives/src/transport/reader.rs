@@ -451,6 +451,8 @@ mod tests {
         assert!(!rd.fill_buf().await.unwrap().is_empty());
         let mut buf = vec![0u8; 1000];
         let gate = Arc::new(Gate::default());
+        // SAFETY: the buffer outlives the landing: the test ends it (or
+        // revokes it) before the buffer is dropped.
         let l = unsafe { Landing::new(buf.as_mut_ptr(), buf.len(), gate.clone()) };
         let writer = tokio::spawn(async move {
             tx.write_all(&data[400..]).await.unwrap();
@@ -475,6 +477,8 @@ mod tests {
         let pool = Pool::new(1024, 1 << 20);
         let mut buf = vec![0u8; 1000];
         let gate = Arc::new(Gate::default());
+        // SAFETY: the buffer outlives the landing: the test ends it (or
+        // revokes it) before the buffer is dropped.
         let l = unsafe { Landing::new(buf.as_mut_ptr(), buf.len(), gate.clone()) };
         gate.revoke();
         tx.write_all(&[7u8; 1000]).await.unwrap();

@@ -785,6 +785,8 @@ mod tests {
     /// A receive posted with a landing of `len` bytes (into `mem`).
     fn posted(r: &mut Router, k: Key, mem: &mut [u8]) -> oneshot::Receiver<Result<Frame, Fail>> {
         let gate = std::sync::Arc::new(super::super::landing::Gate::default());
+        // SAFETY: the buffer outlives the landing: the test ends it (or
+        // revokes it) before the buffer is dropped.
         let l = unsafe { Landing::new(mem.as_mut_ptr(), mem.len(), gate) };
         match r.start_recv(k, Some(l)) {
             Start::Wait(rx) => rx,
