@@ -100,7 +100,8 @@
 //! | the wire and the elements | `frame`, `hash`, `element`, `error`, `options` |
 //! | TCP between ranks | `transport` (and its pure `router`); shared memory hears its aborts through a trait |
 //! | one operation in flight | `op` (`OpCtx`, `Comm`, `Turn`) |
-//! | how one flat group moves bytes | `algorithms` (TCP), `shm` (one host's memory) |
+//! | how one flat group moves bytes over TCP | `algorithms` |
+//! | ... or over one host's memory | `shm` (it borrows the algorithms' chunk bounds) |
 //! | one flat group's ops | `flat` |
 //! | groups across hosts | `two_level`, over `flat` on internal groups |
 //! | the choice | `plan` (which hosts, which transport), `dispatch` (two levels or flat) |

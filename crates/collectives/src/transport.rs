@@ -404,22 +404,42 @@ impl Shared {
         t
     }
 
-    /// Forgets group `comm`, whose last handle and op are gone here: its
-    /// members, router entries, the region that heard its aborts, and its
-    /// links to internal groups. A failed group (aborted, or holding calls
-    /// found diverged) keeps all: its abort may still be told, recorded, or
-    /// asked for by a peer's frame, and a finding awaits its grace, to be
+    /// Group `comm`'s last handle and op are gone here. Its state is kept
+    /// for a grace (four probes, at least a second): frames and wants for
+    /// its last ops still on their way are compared with its calls, and a
+    /// mismatch found then is raised and told as ever. Then it is retired.
+    pub fn dropped(self: &Arc<Self>, comm: u64) {
+        let grace = (self.cfg.probe_after * 4).max(Duration::from_secs(1));
+        let me = self.clone();
+        // On a runtime shutting down this is a no-op, and so is everything
+        // else; a transport that stops takes every group with it.
+        self.rt.spawn(async move {
+            tokio::select! {
+                _ = tokio::time::sleep(grace) => me.retire(comm),
+                _ = me.cancel.cancelled() => {}
+            }
+        });
+    }
+
+    /// Forgets group `comm`, dropped here a grace ago: its members, router
+    /// entries (the credit of the frames filed for it goes back to their
+    /// senders now), the region that heard its aborts, and its links to
+    /// internal groups. A failed group (aborted, or holding calls found
+    /// diverged) keeps all: its abort may still be told, recorded, or asked
+    /// for by a peer's frame, and a finding awaits its grace, to be
     /// reported even as this rank leaves (see `diverged.rs`). Failures are
     /// rare; `new_group` in a loop is not.
-    pub fn retire(&self, comm: u64) {
+    pub fn retire(self: &Arc<Self>, comm: u64) {
         {
-            // Checked and retired under the router's lock, so that an abort
-            // arriving meanwhile is not lost.
+            // Checked and retired under the router's lock (then the
+            // diverged lock, as `hold_finding` takes them), so that an abort
+            // or a finding arriving meanwhile is not lost.
             let mut r = lock(&self.router);
             if r.aborted(comm).is_some() || lock(&self.diverged).contains_key(&comm) {
                 return;
             }
             r.retire(comm);
+            self.queue_control(&mut r);
         }
         lock(&self.members).remove(&comm);
         lock(&self.hearers).remove(&comm);

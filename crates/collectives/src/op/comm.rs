@@ -126,9 +126,10 @@ impl Comm {
 }
 
 impl Drop for Comm {
-    /// The group's last handle and op are gone here: its state goes too
-    /// (so `new_group` in a loop grows nothing).
+    /// The group's last handle and op are gone here: its state goes too,
+    /// after a grace (see `Shared::dropped`), so that `new_group` in a loop
+    /// grows nothing but 8 bytes a group.
     fn drop(&mut self) {
-        self.sh().retire(self.id);
+        self.sh().dropped(self.id);
     }
 }

@@ -100,7 +100,15 @@ impl Shared {
 
     fn hold_finding(self: &Arc<Self>, comm: u64, seq: u64, err: Error) {
         let tx = {
+            // The router's lock first, as `Shared::retire` takes them: a
+            // group retired here runs no op, and its finding would be held
+            // for nothing.
+            let r = lock(&self.router);
+            if r.is_retired(comm) {
+                return;
+            }
             let mut d = lock(&self.diverged);
+            drop(r);
             match d.get_mut(&comm) {
                 None => {
                     let (tx, rx) = watch::channel(false);

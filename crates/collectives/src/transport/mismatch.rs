@@ -40,6 +40,11 @@ impl Shared {
         if c.diverged {
             return self.hold(c);
         }
+        // Found after the group's grace ended here (see `Shared::dropped`):
+        // it has no members to tell.
+        if lock(&self.router).is_retired(c.comm) {
+            return;
+        }
         let err = self.clash_error(&c);
         self.abort(c.comm, err, Origin::Here, c.seq);
     }

@@ -220,6 +220,11 @@ impl Router {
         self.members.remove(&comm);
     }
 
+    /// Whether group `comm` was retired here.
+    pub fn is_retired(&self, comm: u64) -> bool {
+        self.retired.contains(&comm)
+    }
+
     pub fn set_members(&mut self, comm: u64, ranks: std::sync::Arc<[usize]>) {
         self.members.insert(comm, ranks);
     }
@@ -455,6 +460,7 @@ impl Router {
         // Aborted, or a collective ended or forgotten here: no receive
         // for the key is to come.
         if self.live.gone(rank).is_some()
+            || self.retired.contains(&key.comm)
             || self.aborted_for(key.comm, key.collective_seq()).is_some()
             || (!key.p2p
                 && (self.calls.ended(key.comm, key.seq) || self.calls.forgotten(key.comm, key.seq)))
@@ -717,9 +723,8 @@ mod tests {
         }
     }
 
-    /// An internal group's op numbers have gaps (two per group op, one of
-    /// them unused by a broadcast, both by a flat op): ended calls are
-    /// still kept for the last `ENDED_KEPT` numbers only, not forever.
+    /// A group dropped here: what it filed is given back, and what comes
+    /// later for it leaves nothing.
     #[test]
     fn a_retired_group_gives_back_its_filed_bytes_and_drops_later_frames() {
         let mut r = Router::new(1 << 20);
@@ -750,6 +755,9 @@ mod tests {
         );
     }
 
+    /// An internal group's op numbers have gaps (two per group op, one of
+    /// them unused by a broadcast, both by a flat op): ended calls are
+    /// still kept for the last `ENDED_KEPT` numbers only, not forever.
     #[test]
     fn ended_calls_are_pruned_across_gaps_in_op_numbers() {
         let mut r = Router::new(0);

@@ -224,8 +224,9 @@ impl AgentEvent {
         };
         if let Value::Object(m) = &mut v {
             m.insert("event".into(), self.name().into());
-            // A worker's failure keeps its own time (when the agent saw it
-            // end: the root cause is the earliest), not the event's.
+            // A worker's failure keeps its own time (its error file's, or
+            // when the agent saw it end: the root cause is the earliest),
+            // not the event's.
             m.entry("time").or_insert_with(|| super::now_secs().into());
         }
         v
