@@ -392,15 +392,21 @@ impl Shared {
     /// dropped groups leave nothing behind.
     #[cfg(test)]
     pub fn group_tables(&self) -> Vec<(&'static str, usize)> {
+        // One lock at a time (a statement's temporaries hold theirs to its
+        // end): holding several deadlocked with `retire`.
         let mut t = lock(&self.router).group_tables();
-        t.extend([
-            ("members", lock(&self.members).len()),
-            ("telling", lock(&self.telling).len()),
-            ("diverged", lock(&self.diverged).len()),
-            ("hearers", lock(&self.hearers).len()),
-            ("children", lock(&self.children).len()),
-            ("parents", lock(&self.parents).len()),
-        ]);
+        let members = lock(&self.members).len();
+        t.push(("members", members));
+        let telling = lock(&self.telling).len();
+        t.push(("telling", telling));
+        let diverged = lock(&self.diverged).len();
+        t.push(("diverged", diverged));
+        let hearers = lock(&self.hearers).len();
+        t.push(("hearers", hearers));
+        let children = lock(&self.children).len();
+        t.push(("children", children));
+        let parents = lock(&self.parents).len();
+        t.push(("parents", parents));
         t
     }
 
@@ -444,7 +450,10 @@ impl Shared {
         lock(&self.members).remove(&comm);
         lock(&self.hearers).remove(&comm);
         lock(&self.children).remove(&comm);
-        if let Some(link) = lock(&self.parents).remove(&comm) {
+        // One lock at a time: the parents' is released before the
+        // children's is taken.
+        let link = lock(&self.parents).remove(&comm);
+        if let Some(link) = link {
             if let Some(siblings) = lock(&self.children).get_mut(&link.parent) {
                 siblings.retain(|l| l.comm != comm);
             }
