@@ -12,7 +12,8 @@ use anyhow::{bail, Context, Result};
 pub(crate) struct StoreServer {
     pub(crate) rt: tokio::runtime::Runtime,
     pub(crate) port: u16,
-    _server: Box<dyn std::any::Any>,
+    /// The running server (its request counts, for measurements of them).
+    pub(crate) handle: rallypoint_store::server::ServerHandle,
 }
 
 pub(crate) fn store_server() -> Result<StoreServer> {
@@ -26,11 +27,7 @@ pub(crate) fn store_server() -> Result<StoreServer> {
     ))?;
     let port = server.local_addr().port();
     let handle = rt.block_on(async { server.spawn() });
-    Ok(StoreServer {
-        rt,
-        port,
-        _server: Box::new(handle),
-    })
+    Ok(StoreServer { rt, port, handle })
 }
 
 /// Raw TCP from one process to another (`duplex`: both ways at once): the

@@ -29,16 +29,8 @@ pub struct IdleArgs {
 }
 
 pub fn run(a: IdleArgs) -> Result<()> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()?;
-    let server = rt.block_on(rallypoint_store::server::Server::bind(
-        "127.0.0.1:0".parse()?,
-        Default::default(),
-    ))?;
-    let port = server.local_addr().port();
-    let handle = rt.block_on(async { server.spawn() });
+    let server = crate::fixtures::store_server()?;
+    let (port, handle) = (server.port, &server.handle);
     let dir = tempfile::tempdir()?;
     let mut agents: Vec<Child> = (0..a.nodes)
         .map(|_| {
