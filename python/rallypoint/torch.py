@@ -25,6 +25,7 @@ How a call reaches Rust and how its future completes:
 ``crates/torch/src/lib.rs``.
 """
 
+import atexit
 import datetime
 import itertools
 import os
@@ -474,3 +475,7 @@ def _register() -> None:
 
 
 _register()
+# At exit, before the interpreter tears itself down: the extension's threads
+# finish with Python (ops in flight are aborted and their futures completed),
+# and never enter it again (crates/torch/src/life.rs).
+atexit.register(_native.shutdown)

@@ -37,7 +37,15 @@
 //! completion function runs (it releases the token), so the raw slices made
 //! here never outlive their tensors. The tensors must not be touched until
 //! the op's `Work` completes, as with every torch backend.
+//!
+//! # Exit
+//!
+//! The runtime's threads never enter Python once the interpreter has begun to
+//! exit: `rallypoint.torch` registers [`shutdown`] with `atexit`, which aborts
+//! the groups that still have ops in flight and waits for our threads to leave
+//! Python (see `life.rs`).
 
+mod life;
 mod store;
 
 use std::future::Future;
@@ -49,6 +57,7 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use rallypoint_collectives::{bf16, f16, Element, Error, Options, ProcessGroup, ReduceOp};
 
+use life::{InFlight, Live, Pass};
 use store::PyStore;
 
 /// The runtime every group's connections and operations run on: two worker
@@ -84,7 +93,7 @@ impl Raw {
         if self.len == 0 {
             return Ok(&mut []);
         }
-        if self.addr == 0 || self.addr % std::mem::align_of::<T>() != 0 {
+        if self.addr == 0 || !self.addr.is_multiple_of(std::mem::align_of::<T>()) {
             return Err(PyValueError::new_err(format!(
                 "rally: tensor memory at {:#x} is not aligned for its dtype",
                 self.addr
@@ -202,7 +211,7 @@ fn kind(e: &Error) -> &'static str {
 /// One torch process group's collectives on this rank.
 #[pyclass(frozen, module = "rallypoint._native")]
 struct Group {
-    pg: ProcessGroup,
+    live: Arc<Live>,
     /// `done(token, kind, message)`: completes an op's future.
     done: Arc<Py<PyAny>>,
     /// Numbers the all_to_all calls with uneven splits, which run as
@@ -212,9 +221,10 @@ struct Group {
 
 impl Group {
     fn pg(&self, timeout: Option<f64>) -> ProcessGroup {
+        let pg = self.live.pg();
         match timeout {
-            Some(s) if s > 0.0 => self.pg.with_timeout(Duration::from_secs_f64(s)),
-            _ => self.pg.clone(),
+            Some(s) if s > 0.0 => pg.with_timeout(Duration::from_secs_f64(s)),
+            _ => pg.clone(),
         }
     }
 
@@ -228,17 +238,40 @@ impl Group {
     where
         F: Future<Output = rallypoint_collectives::Result<()>> + Send + 'static,
     {
+        let Some(flight) = self.live.begin() else {
+            return Err(exiting());
+        };
         if now && tokio::runtime::Handle::try_current().is_err() {
             let r = py.allow_threads(|| runtime().block_on(op));
+            drop(flight);
             finish(py, &self.done, token, r);
             return Ok(());
         }
         let done = Arc::clone(&self.done);
         runtime().spawn(async move {
             let r = op.await;
-            Python::with_gil(|py| finish(py, &done, token, r));
+            end(flight, &done, token, r);
         });
         Ok(())
+    }
+}
+
+/// The error of a call made while the interpreter exits.
+fn exiting() -> PyErr {
+    PyRuntimeError::new_err("rally: the process is exiting; no new operation can start")
+}
+
+/// An op spawned on the runtime has ended: it completes its future, unless the
+/// interpreter is exiting (see `life.rs`). The op counts as in flight until
+/// its pass is taken, so that the exit waits for its future to complete.
+fn end(flight: InFlight, done: &Py<PyAny>, token: PyObject, r: rallypoint_collectives::Result<()>) {
+    let pass = Pass::take();
+    drop(flight);
+    match pass {
+        Some(_pass) => Python::with_gil(|py| finish(py, done, token, r)),
+        // Without the GIL: pyo3 defers the reference count, and the exit
+        // never runs it, which is what an exiting process wants.
+        None => drop(token),
     }
 }
 
@@ -285,7 +318,7 @@ impl Group {
             .allow_threads(|| runtime().block_on(ProcessGroup::new(store, rank, size, opts)))
             .map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
         Ok(Group {
-            pg,
+            live: Live::new(pg),
             done: Arc::new(done),
             uneven: AtomicU32::new(0),
         })
@@ -572,7 +605,7 @@ impl Group {
         dst: usize,
         tag: u32,
     ) -> PyResult<()> {
-        let pg = self.pg.clone();
+        let pg = self.live.pg().clone();
         with_dtype!(dtype, T => {
             // SAFETY: as in all_reduce.
             let data = unsafe { Raw { addr, len }.slice::<T>()? };
@@ -593,7 +626,7 @@ impl Group {
         src: usize,
         tag: u32,
     ) -> PyResult<()> {
-        let pg = self.pg.clone();
+        let pg = self.live.pg().clone();
         with_dtype!(dtype, T => {
             // SAFETY: as in all_reduce.
             let out = unsafe { Raw { addr, len }.slice::<T>()? };
@@ -626,8 +659,25 @@ fn split<'a, T>(mut buf: &'a mut [T], sizes: &[usize]) -> Vec<&'a mut [T]> {
         .collect()
 }
 
+/// Called by `atexit` (registered by `rallypoint.torch`): after it, no thread
+/// of ours enters Python. See `life.rs`.
+#[pyfunction]
+fn shutdown(py: Python<'_>) {
+    let left = py.allow_threads(|| life::shutdown(life::EXIT_DEADLINE));
+    if left.in_flight > 0 || left.in_python > 0 {
+        eprintln!(
+            "rally: exiting with {} operation(s) still running and {} store call(s) still in \
+             Python after {} s; they are abandoned",
+            left.in_flight,
+            left.in_python,
+            life::EXIT_DEADLINE.as_secs()
+        );
+    }
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Group>()?;
+    m.add_function(wrap_pyfunction!(shutdown, m)?)?;
     Ok(())
 }

@@ -20,6 +20,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 use rallypoint_store::{Result, Store, StoreError};
 
+use crate::life::Pass;
+
 /// A torch `Store` object (any `torch.distributed.Store`).
 pub struct PyStore {
     obj: Arc<Py<PyAny>>,
@@ -47,6 +49,10 @@ impl PyStore {
         let waited = self.timeout();
         let owned: Vec<String> = keys.iter().map(|k| (*k).to_owned()).collect();
         let joined = tokio::task::spawn_blocking(move || {
+            // No Python once the interpreter exits (see `life.rs`).
+            let Some(_pass) = Pass::take() else {
+                return Err("the process is exiting: no store call can start".to_owned());
+            };
             Python::with_gil(|py| f(py, obj.bind(py)).map_err(|e| e.to_string()))
         })
         .await;
