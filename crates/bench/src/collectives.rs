@@ -134,6 +134,8 @@ pub fn run(args: CollectivesArgs) -> Result<()> {
         .join(",");
 
     println!("# elements: {}, both sides", args.dtype);
+    // Every repetition's times, by world size and side, for the spread.
+    let mut every: BTreeMap<(usize, String), Vec<Results>> = BTreeMap::new();
     for rep in 0..args.repeat {
         let (uni, duplex) = raw_tcp(args.raw_bytes)?;
         let copy = memcpy_rate(64 << 20);
@@ -173,6 +175,7 @@ pub fn run(args: CollectivesArgs) -> Result<()> {
                     rate1 / 1e9
                 );
                 penalty.insert(side.clone(), format!("{before:.1}-{after:.1}"));
+                every.entry((n, side.clone())).or_default().push(r.clone());
                 results.insert(side.clone(), r);
             }
             for ours in [
@@ -194,7 +197,81 @@ pub fn run(args: CollectivesArgs) -> Result<()> {
             }
         }
     }
+    if args.repeat > 1 {
+        spread(&every, &args.ops, &sizes);
+    }
     Ok(())
+}
+
+/// The median of `v` (the mean of the middle two for an even count).
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let m = v.len() / 2;
+    if v.len().is_multiple_of(2) {
+        (v[m - 1] + v[m]) / 2.0
+    } else {
+        v[m]
+    }
+}
+
+/// Over every repetition: each side's median time per op and size, its
+/// spread (fastest and slowest run), and the ratio of the medians. One run's
+/// figure can swing severalfold on this VM (docs/benchmarks.md, "How to read
+/// the figures"); the median of several, with its spread beside it, is the
+/// figure to quote.
+fn spread(every: &BTreeMap<(usize, String), Vec<Results>>, ops: &[String], sizes: &[usize]) {
+    let times = |n: usize, side: &str, key: &(String, usize)| -> Vec<f64> {
+        every
+            .get(&(n, side.to_owned()))
+            .map(|runs| runs.iter().filter_map(|r| r.get(key).copied()).collect())
+            .unwrap_or_default()
+    };
+    let sides: std::collections::BTreeSet<&str> = every.keys().map(|(_, s)| s.as_str()).collect();
+    let worlds: std::collections::BTreeSet<usize> = every.keys().map(|(n, _)| *n).collect();
+    for n in worlds {
+        for op in ops {
+            println!("\n## spread over every repetition: {op}, {n} ranks (us: median, fastest-slowest run)");
+            let others: Vec<&str> = sides.iter().copied().filter(|s| *s != "gloo").collect();
+            let head: String = others
+                .iter()
+                .map(|s| format!(" {s} | {s} time / gloo time |"))
+                .collect();
+            println!("| bytes | runs | gloo |{head}");
+            println!("|---:|---:|---:|{}", "---:|---:|".repeat(others.len()));
+            let keys: Vec<usize> = if op == "barrier" {
+                vec![4]
+            } else {
+                sizes.to_vec()
+            };
+            for s in keys {
+                let key = (op.clone(), s);
+                let mut g = times(n, "gloo", &key);
+                let runs = g.len();
+                let fmt = |v: &mut Vec<f64>| -> (String, Option<f64>) {
+                    if v.is_empty() {
+                        return ("-".into(), None);
+                    }
+                    let m = median(v);
+                    let (lo, hi) = (v[0], v[v.len() - 1]);
+                    (
+                        format!("{:.1} ({:.1}-{:.1})", m * 1e6, lo * 1e6, hi * 1e6),
+                        Some(m),
+                    )
+                };
+                let (gs, gm) = fmt(&mut g);
+                let mut row = format!("| {s} | {runs} | {gs} |");
+                for side in &others {
+                    let (os, om) = fmt(&mut times(n, side, &key));
+                    let ratio = match (om, gm) {
+                        (Some(o), Some(g)) => format!("{:.2}", o / g),
+                        _ => "-".into(),
+                    };
+                    row.push_str(&format!(" {os} | {ratio} |"));
+                }
+                println!("{row}");
+            }
+        }
+    }
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -52,7 +52,9 @@ const STORE_PORT: u16 = 29700;
 const RAW_PORT: u16 = 29701;
 
 pub fn run(args: HostsArgs) -> Result<()> {
-    let c = rallypoint_testhosts::cluster(2).context("test hosts are needed (RALLY_NO_NETNS=1)")?;
+    let c = rallypoint_testhosts::Cluster::new(2)
+        .map_err(anyhow::Error::msg)
+        .context("test hosts are needed")?;
     for h in c.hosts() {
         h.cap(args.mbit);
     }

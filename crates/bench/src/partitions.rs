@@ -62,7 +62,9 @@ fn shape(scenario: &str) -> (usize, &'static str) {
 
 fn one(scenario: &str, launcher: &str, cap: Duration) -> Result<()> {
     let (n, nnodes) = shape(scenario);
-    let mut c = rallypoint_testhosts::cluster(n).context("test hosts are needed")?;
+    let mut c = rallypoint_testhosts::Cluster::new(n)
+        .map_err(anyhow::Error::msg)
+        .context("test hosts are needed")?;
     let dir = tempfile::tempdir()?;
     let (results, progress) = (dir.path().join("results"), dir.path().join("progress"));
     std::fs::create_dir_all(&results)?;

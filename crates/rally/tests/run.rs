@@ -681,7 +681,7 @@ fn the_status_endpoint_reports_round_workers_and_metrics() {
 }
 
 /// Workers of a real-process scenario: `n` copies of this test binary (with
-/// `args` as the test filter and `var=value` set), on a fresh store server
+/// `args` and `var=value` set: the role, see [`role`]), on a fresh store server
 /// they reach through env:// as clients, each past the `READY` line it
 /// prints. Keep the returned store (runtime and server) while they run.
 fn ready_workers(
@@ -757,6 +757,29 @@ fn built_example(name: &str) -> String {
     example.display().to_string()
 }
 
+/// Roles: tests start copies of this binary as worker processes, with an
+/// environment variable naming the role ([`collectives::WORKER`],
+/// [`rpc::WORKER`], [`rpc::MID_CALL`]). Such a process runs its role here,
+/// before the test harness starts, and exits: no role is a test, so none is
+/// ever counted as one. A role that panics exits 101, as a failed test does.
+#[ctor::ctor(unsafe)]
+fn role() {
+    let role: fn() = if std::env::var_os(collectives::WORKER).is_some() {
+        collectives::worker
+    } else if std::env::var_os(rpc::WORKER).is_some() {
+        rpc::worker
+    } else if std::env::var_os(rpc::MID_CALL).is_some() {
+        rpc::mid_call_worker
+    } else {
+        return;
+    };
+    let code = match std::panic::catch_unwind(role) {
+        Ok(()) => 0,
+        Err(_) => 101,
+    };
+    std::process::exit(code);
+}
+
 #[path = "run/agent_failures.rs"]
 mod agent_failures;
 #[path = "run/collectives.rs"]
@@ -775,3 +798,5 @@ mod rpc;
 mod stacks;
 #[path = "run/torch_backend.rs"]
 mod torch_backend;
+#[path = "run/torch_exit.rs"]
+mod torch_exit;

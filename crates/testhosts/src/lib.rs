@@ -30,15 +30,18 @@
 //!
 //! It needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN) and `ip`, `nsenter`,
 //! `unshare` and `tc`. Where a cluster cannot be made, [`cluster`] panics with
-//! the reason, unless `RALLY_NO_NETNS=1` asks to skip such tests: then it says
-//! so on stderr and returns `None`.
+//! the reason; so it does when `RALLY_NO_NETNS=1`, which says so. Such a
+//! machine leaves the tests that need hosts out of the run with nextest's
+//! `no-netns` profile, and nextest counts them as skipped: a test that needs
+//! hosts is never reported as passed without them.
 //!
-//! Two hosts, each with its own name, that know each other's:
+//! Two hosts, each with its own name, that know each other's. The same check
+//! runs in the test `hosts_have_their_own_names_addresses_and_hosts_files`
+//! (`tests/hosts.rs`); here it is compiled, not run, since a doc test cannot be
+//! left out of a run and counted:
 //!
-//! ```
-//! let Some(cluster) = rallypoint_testhosts::cluster(2) else {
-//!     return; // RALLY_NO_NETNS=1
-//! };
+//! ```no_run
+//! let cluster = rallypoint_testhosts::cluster(2);
 //! let run = |i: usize, args: &[&str]| {
 //!     let out = cluster.host(i).command(args[0]).args(&args[1..]).output().unwrap();
 //!     String::from_utf8_lossy(&out.stdout).trim().to_owned()
@@ -61,19 +64,27 @@ const NS_PREFIX: &str = "rpt-";
 const BRIDGE_PREFIX: &str = "rpb";
 const VETH_PREFIX: &str = "rpv";
 
-/// A cluster of `n` hosts, or `None` when `RALLY_NO_NETNS=1` asks to skip
-/// tests that need them. Panics, saying why, when hosts cannot be made.
-pub fn cluster(n: usize) -> Option<Cluster> {
+/// A cluster of `n` hosts, for a test. Panics, saying why, when hosts cannot
+/// be made, and when `RALLY_NO_NETNS=1` says they cannot: a test that needs
+/// hosts either runs with them or fails, and is never reported as passed
+/// without them. Where hosts cannot be made, leave such tests out of the run
+/// with nextest's `no-netns` profile (`.config/nextest.toml`), which counts
+/// them as skipped; `.ci/run` picks it when `RALLY_NO_NETNS=1`.
+pub fn cluster(n: usize) -> Cluster {
     if std::env::var("RALLY_NO_NETNS").is_ok_and(|v| v == "1") {
-        eprintln!("skipped: RALLY_NO_NETNS=1 (this test needs test hosts in network namespaces)");
-        return None;
+        panic!(
+            "this test needs test hosts in network namespaces, and RALLY_NO_NETNS=1 says none \
+             can be made here: leave the tests that need them out of the run with \
+             `cargo nextest run --profile no-netns` (nextest counts them as skipped)"
+        );
     }
     match Cluster::new(n) {
-        Ok(c) => Some(c),
+        Ok(c) => c,
         Err(e) => panic!(
             "cannot make test hosts in network namespaces: {e}\n\
-             These tests need root and iproute2 (ip, tc), nsenter and unshare. \
-             Set RALLY_NO_NETNS=1 to skip them."
+             These tests need root and iproute2 (ip, tc), nsenter and unshare. Where \
+             that cannot be had, set RALLY_NO_NETNS=1 and run `cargo nextest run \
+             --profile no-netns`, which leaves them out and counts them as skipped."
         ),
     }
 }

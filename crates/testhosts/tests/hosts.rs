@@ -1,6 +1,8 @@
 //! The harness itself: names, addresses, faults and clean-up, checked with
 //! real programs on the hosts.
 
+use std::io::BufRead;
+use std::os::unix::process::ExitStatusExt;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -61,7 +63,7 @@ fn listen(host: &Host, port: u16) -> std::process::Child {
 
 #[test]
 fn hosts_have_their_own_names_addresses_and_hosts_files() {
-    let Some(c) = cluster(3) else { return };
+    let c = cluster(3);
     for (i, h) in c.hosts().iter().enumerate() {
         assert_eq!(h.name, format!("node{}", i + 1));
         assert_eq!(py(h, "import socket; print(socket.gethostname())"), h.name);
@@ -96,7 +98,7 @@ fn hosts_have_their_own_names_addresses_and_hosts_files() {
 
 #[test]
 fn a_cut_off_host_loses_packets_silently_and_heals() {
-    let Some(c) = cluster(2) else { return };
+    let c = cluster(2);
     let mut l = listen(c.host(0), 5001);
     c.host(1).cut();
     // Silent loss: no reset, no unreachable, the connect times out.
@@ -116,7 +118,7 @@ fn a_cut_off_host_loses_packets_silently_and_heals() {
 
 #[test]
 fn powering_a_host_off_kills_everything_on_it() {
-    let Some(mut c) = cluster(2) else { return };
+    let mut c = cluster(2);
     let mut l = listen(c.host(0), 5002);
     // A process that forks a grandchild in a new session: it must die too.
     let mut s = c
@@ -136,7 +138,14 @@ fn powering_a_host_off_kills_everything_on_it() {
     }
     c.hosts_mut()[0].power_off();
     assert!(c.host(0).running().is_empty(), "{:?}", c.host(0).running());
-    assert!(l.wait().is_ok() && s.wait().is_ok());
+    // Both were killed by power_off's SIGKILL: neither exited on its own,
+    // which `wait()` succeeding would not tell (it succeeds for any end).
+    let (ls, ss) = (l.wait().unwrap(), s.wait().unwrap());
+    assert_eq!(
+        (ls.signal(), ss.signal()),
+        (Some(libc::SIGKILL), Some(libc::SIGKILL)),
+        "listener: {ls}, shell: {ss}"
+    );
     assert_eq!(connect(c.host(1), "node1", 5002), "timeout");
     // Back on: its name and address stay, nothing listens.
     c.host(0).heal();
@@ -144,9 +153,133 @@ fn powering_a_host_off_kills_everything_on_it() {
     let _ = &mut c;
 }
 
+/// A sink: `python3 -c SINK <port> <n>` listens on `port`, prints `up`,
+/// then for each connection reads `n` bytes and answers one byte, `k`.
+const SINK: &str = r#"
+import socket, sys
+port, n = int(sys.argv[1]), int(sys.argv[2])
+s = socket.create_server(('0.0.0.0', port))
+print('up', flush=True)
+while True:
+    c, _ = s.accept()
+    got = 0
+    while got < n:
+        b = c.recv(1 << 20)
+        if not b:
+            break
+        got += len(b)
+    if got == n:
+        c.sendall(b'k')
+    c.close()
+"#;
+
+/// `python3 -c SEND <host> <port> <n>` sends `n` bytes to the sink at
+/// `host:port` and prints the seconds from the first byte sent to the sink's
+/// answer (so every byte has gone through).
+const SEND: &str = r#"
+import socket, sys, time
+host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+c = socket.create_connection((host, port), timeout=120)
+buf = bytes(1 << 16)
+t0 = time.monotonic()
+left = n
+while left > 0:
+    k = min(left, len(buf))
+    c.sendall(buf[:k])
+    left -= k
+if c.recv(1) != b'k':
+    sys.exit('the sink did not answer')
+print(time.monotonic() - t0)
+"#;
+
+/// A [`SINK`] on `host` at `port` for `n` bytes; listening when this returns
+/// (it said `up`, which it prints once it listens).
+fn sink(host: &Host, port: u16, n: usize) -> std::process::Child {
+    let mut child = host
+        .command("python3")
+        .args(["-c", SINK, &port.to_string(), &n.to_string()])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    assert!(
+        out.read_line(&mut line).unwrap() > 0 && line.trim() == "up",
+        "the sink on {} never came up: {line:?}",
+        host.name
+    );
+    child
+}
+
+/// How long `from` takes to send `n` bytes to the sink on `to` at `port`.
+fn transfer(from: &Host, to: &Host, port: u16, n: usize) -> Duration {
+    let out = from
+        .command("python3")
+        .args(["-c", SEND, &to.name, &port.to_string(), &n.to_string()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{} -> {}: {}",
+        from.name,
+        to.name,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let secs: f64 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+    Duration::from_secs_f64(secs)
+}
+
+/// `Host::cap` limits what the host sends and what it receives: 4 MiB each
+/// way through a 16 Mbit/s cap take at least what the cap implies (a lower
+/// bound: a cap can only make a transfer slower), where the same transfer
+/// uncapped takes milliseconds. (There is no uncap to check: a cap lasts as
+/// long as the cluster.)
+#[test]
+fn a_capped_host_sends_and_receives_no_faster_than_its_cap() {
+    let c = cluster(2);
+    const MBIT: u32 = 16;
+    const BYTES: usize = 4 << 20;
+    let mut sinks = [sink(c.host(0), 5003, BYTES), sink(c.host(1), 5004, BYTES)];
+    // Uncapped, for the messages below (and a check of the sink and sender).
+    let free = transfer(c.host(1), c.host(0), 5003, BYTES);
+    c.host(1).cap(MBIT);
+    // In t seconds tbf lets through at most its burst plus rate × t bytes,
+    // and the payload is less than what goes on the wire (headers), so
+    // t >= (payload - burst) / rate. The burst is 64 KiB at this rate; 1 MiB
+    // is allowed for it, and then four fifths of the time for tc's rounding
+    // of the rate: 1.26 s, against the 2.1 s the cap implies.
+    let rate = f64::from(MBIT) * 1e6 / 8.0;
+    let implied = Duration::from_secs_f64(BYTES as f64 / rate);
+    let least = Duration::from_secs_f64(0.8 * (BYTES - (1 << 20)) as f64 / rate);
+    // An upper bound ten times what the cap implies, plus 10 s: only a cap
+    // far tighter than asked (a unit wrong) exceeds it.
+    let most = implied * 10 + Duration::from_secs(10);
+    for (what, from, to, port) in [
+        ("sending", c.host(1), c.host(0), 5003),
+        ("receiving", c.host(0), c.host(1), 5004),
+    ] {
+        let took = transfer(from, to, port, BYTES);
+        eprintln!("node2 {what} 4 MiB at {MBIT} Mbit/s: {took:?} (uncapped {free:?})");
+        assert!(
+            took >= least,
+            "node2 {what} 4 MiB capped at {MBIT} Mbit/s took {took:?}, less than the \
+             {least:?} the cap allows (uncapped: {free:?})"
+        );
+        assert!(
+            took < most,
+            "node2 {what} 4 MiB capped at {MBIT} Mbit/s took {took:?} (the cap implies \
+             {implied:?})"
+        );
+    }
+    for s in &mut sinks {
+        let _ = s.kill();
+        let _ = s.wait();
+    }
+}
+
 #[test]
 fn a_dropped_cluster_leaves_nothing_and_leftovers_of_dead_processes_are_swept() {
-    let Some(c) = cluster(2) else { return };
+    let c = cluster(2);
     let names: Vec<String> = c.hosts().iter().map(|h| h.ns().to_owned()).collect();
     let pids: Vec<i32> = {
         let mut sl = c.host(1).command("sleep").arg("1000").spawn().unwrap();

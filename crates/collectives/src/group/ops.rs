@@ -247,7 +247,7 @@ impl ProcessGroup {
 
     pub(super) fn begin_all_to_all<T: Element>(&self, len: usize) -> Result<OpCtx> {
         let n = self.size();
-        if len % n != 0 {
+        if !len.is_multiple_of(n) {
             return Err(Error::Invalid(format!(
                 "all_to_all input of {len} elements does not split into {n} equal chunks"
             )));

@@ -148,7 +148,7 @@ impl ProcessGroup {
     /// returns this rank's `k`); see [`ProcessGroup::all_reduce_async`].
     pub fn reduce_scatter_async<T: Element>(&self, input: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
         let n = self.size();
-        let cx = if input.len() % n == 0 {
+        let cx = if input.len().is_multiple_of(n) {
             self.begin_reduce_scatter::<T>(input.len() / n, op)
         } else {
             Err(Error::Invalid(format!(

@@ -101,24 +101,44 @@ async fn killed_mid_all_reduce(o: Options) {
         })
     })
     .await;
+    // All-reduces each survivor has completed so far.
+    let completed: Vec<Arc<std::sync::atomic::AtomicU32>> =
+        pgs.iter().map(|_| Arc::default()).collect();
     let survivors: Vec<_> = pgs
         .iter()
-        .map(|pg| {
-            let pg = pg.clone();
+        .zip(&completed)
+        .map(|(pg, count)| {
+            let (pg, count) = (pg.clone(), count.clone());
             tokio::spawn(async move {
                 let mut buf = vec![1.0f32; 1 << 20];
                 let mut done = 0u32;
                 loop {
                     match pg.all_reduce(&mut buf, ReduceOp::Sum).await {
-                        Ok(()) => done += 1,
+                        Ok(()) => {
+                            done += 1;
+                            count.store(done, std::sync::atomic::Ordering::SeqCst);
+                        }
                         Err(e) => return (done, e, Instant::now()),
                     }
                 }
             })
         })
         .collect();
-    // Let a few all-reduces complete, then kill the victim mid-stream.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Once every survivor has completed an all-reduce (each then starts the
+    // next at once: all ranks are mid-stream), kill the victim. A deadline,
+    // not a time to wait: 4 MiB over 5 ranks takes milliseconds; the 60 s
+    // are for a loaded machine, and half the op timeout.
+    let t0 = Instant::now();
+    while !completed
+        .iter()
+        .all(|c| c.load(std::sync::atomic::Ordering::SeqCst) > 0)
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "not every survivor completed an all_reduce in 60 s"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     let killed = Instant::now();
     vrt.shutdown_background();
     for s in survivors {

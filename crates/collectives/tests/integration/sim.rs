@@ -51,8 +51,16 @@
 //!    fails names the broken connection (`broke part-way`), or names gone
 //!    only ranks that finished their program and exited (a rank that needed
 //!    a frame lost with the connection may find its sender exited first);
-//!    never a rank that had not exited. Without a break (its frame never
-//!    came), every op succeeds.
+//!    never a rank that had not exited.
+//!
+//! A fault drawn may never happen: the deviant may not reach its call, and
+//! a kill's or a break's frame may never come (the program ended first).
+//! Whether it happened is read from the run, never assumed: the deviant
+//! started its call, or the group itself says its rank was killed
+//! (`ProcessGroup::killed`) or broke a connection (`ProcessGroup::broke`).
+//! A fault that verifiably never happened is no fault: its scenario is held
+//! to invariant 2 (every op succeeds), and counted apart, as "drawn, never
+//! fired".
 //!
 //! Messages bend "never before" in 3 and 4: an abort fails every message
 //! not yet received, so a rank still in an exchange when a later op fails
@@ -76,12 +84,20 @@
 //! not fail again when replayed. (Tasks of the previous scenario that were
 //! still ending may add a line or two at the top.)
 //!
-//! `RALLY_SIM_TRACE=1` prints the trace of a replayed seed that passes.
-//!
 //! `RALLY_SIM_SEEDS=n` runs n seeds (default 2,000 in CI, about 10 s) from
 //! `RALLY_SIM_FIRST` (default 0), as in the agent's and RPC's simulators;
-//! `RALLY_SIM_SEED=s cargo nextest run -p rallypoint-collectives --all-features
-//! sim::replay --no-capture` replays one.
+//! `RALLY_SIM_SEED=s` runs seed `s` alone, the replay a failing seed prints
+//! ([`replay_command`]); `RALLY_SIM_TRACE=1` then prints its trace even if it
+//! passes. A value that is not a whole number fails the test, as does
+//! `RALLY_SIM_SEEDS=0`.
+//!
+//! # Proof that it tests something
+//!
+//! The seeds test counts, by kind, the faults that happened and those drawn
+//! that never did, prints them, and fails if a kind stops happening. Each
+//! invariant has a test that breaks one rule on purpose ([`Rule`]) and
+//! requires the first seed that fails to break that invariant: a check that
+//! cannot fail would pass it too.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -205,6 +221,90 @@ enum Fault {
         frame: u64,
         after: u64,
     },
+}
+
+/// A kind of fault.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FaultKind {
+    Mismatch,
+    Kill,
+    Break,
+}
+
+impl FaultKind {
+    const ALL: [FaultKind; 3] = [FaultKind::Mismatch, FaultKind::Kill, FaultKind::Break];
+
+    fn name(self) -> &'static str {
+        match self {
+            FaultKind::Mismatch => "mismatch",
+            FaultKind::Kill => "kill",
+            FaultKind::Break => "break",
+        }
+    }
+}
+
+impl Fault {
+    fn kind(&self) -> Option<FaultKind> {
+        match self {
+            Fault::None => None,
+            Fault::Mismatch { .. } => Some(FaultKind::Mismatch),
+            Fault::Kill { .. } => Some(FaultKind::Kill),
+            Fault::Break { .. } => Some(FaultKind::Break),
+        }
+    }
+}
+
+/// What became of a scenario's fault, as the run shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fate {
+    /// None was drawn.
+    NoFault,
+    /// It happened: the deviant started its call, the victim was killed,
+    /// the breaker broke a connection.
+    Fired(FaultKind),
+    /// Drawn, and it verifiably never happened (see the module docs).
+    NeverFired(FaultKind),
+}
+
+/// A rule broken on purpose, to show that an invariant can fail (the tests
+/// `invariant_*_catches_*`). The collectives cannot be broken from here:
+/// the first rule breaks the deadline the groups run with, the others the
+/// model the checks hold the runs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Rule {
+    /// Invariant 1: ops run with a deadline of [`SHORT_DEADLINE`], far
+    /// below what a scenario needs ([`TIMEOUT`] is far above it).
+    Deadline,
+    /// Invariant 2: the model's reductions leave out rank 0's input.
+    Reduction,
+    /// Invariant 3: the model takes the rank after the deviant for it.
+    Deviant,
+    /// Invariant 4: the model takes the rank after the victim for the one
+    /// that died.
+    Victim,
+    /// Invariant 5: the model expects a break to show as a death: every
+    /// failing rank names the breaker gone.
+    BreakCause,
+}
+
+/// The deadline of [`Rule::Deadline`].
+const SHORT_DEADLINE: Duration = Duration::from_millis(1);
+
+/// A broken invariant: its number in the module docs, and what broke it.
+#[derive(Debug)]
+struct Broken {
+    invariant: u8,
+    what: String,
+}
+
+fn broken(invariant: u8, what: String) -> Broken {
+    Broken { invariant, what }
+}
+
+impl std::fmt::Display for Broken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "invariant {}: {}", self.invariant, self.what)
+    }
 }
 
 #[derive(Debug)]
@@ -582,19 +682,29 @@ async fn run_typed<T: Element>(
     }
 }
 
-/// What rank `r` must get from op `i` when every rank called `op`.
-fn expected(seed: u64, i: usize, op: Op, n: usize, r: usize) -> Out {
+/// What rank `r` must get from op `i` when every rank called `op`; with
+/// `without_rank_0` ([`Rule::Reduction`]), reductions as if rank 0 gave
+/// nothing.
+fn expected(seed: u64, i: usize, op: Op, n: usize, r: usize, without_rank_0: bool) -> Out {
     match op.ty {
-        Ty::I32 => expected_typed::<i32>(seed, i, op, n, r),
-        Ty::F32 => expected_typed::<f32>(seed, i, op, n, r),
+        Ty::I32 => expected_typed::<i32>(seed, i, op, n, r, without_rank_0),
+        Ty::F32 => expected_typed::<f32>(seed, i, op, n, r, without_rank_0),
     }
 }
 
-fn expected_typed<T: Element>(seed: u64, i: usize, op: Op, n: usize, r: usize) -> Out {
+fn expected_typed<T: Element>(
+    seed: u64,
+    i: usize,
+    op: Op,
+    n: usize,
+    r: usize,
+    without_rank_0: bool,
+) -> Out {
     let c = op.count;
+    let from = usize::from(without_rank_0);
     let reduce_all = |o: ReduceOp, len: usize| {
-        let mut acc = input::<T>(seed, i, 0, len);
-        for q in 1..n {
+        let mut acc = input::<T>(seed, i, from, len);
+        for q in from + 1..n {
             T::reduce(o, &mut acc, &input::<T>(seed, i, q, len));
         }
         acc
@@ -627,13 +737,19 @@ fn expected_typed<T: Element>(seed: u64, i: usize, op: Op, n: usize, r: usize) -
 /// A rank's run: the results of the ops it finished, then its error if any.
 struct Run {
     done: Vec<Out>,
+    /// Ops it started (one more than `done` where it failed; two more where
+    /// the first of a pair failed).
+    started: usize,
     error: Option<Error>,
+    /// The group says this rank was killed (`ProcessGroup::killed`).
     killed: bool,
-    /// Its connection was broken by a `Break` fault.
+    /// Its connection was broken by a `Break` fault (`ProcessGroup::broke`).
     broke: bool,
 }
 
-async fn play(seed: u64, s: &Scenario) -> Vec<Run> {
+/// Runs the scenario; every op with `deadline`, if given, rather than the
+/// group's ([`Rule::Deadline`]).
+async fn play(seed: u64, s: &Scenario, deadline: Option<Duration>) -> Vec<Run> {
     let pgs = group_each(s.n, |r| Options {
         host_id: s.hosts.as_ref().map(|h| format!("host{}", h[r])),
         ..sim_opts(s.shm, s.window)
@@ -658,6 +774,10 @@ async fn play(seed: u64, s: &Scenario) -> Vec<Run> {
             }
             let async_pairs = s.async_pairs;
             tokio::spawn(async move {
+                let pg = match deadline {
+                    Some(d) => pg.with_timeout(d),
+                    None => pg,
+                };
                 let mut done = Vec::new();
                 let mut i = 0;
                 while i < program.len() {
@@ -680,6 +800,7 @@ async fn play(seed: u64, s: &Scenario) -> Vec<Run> {
                             Err(e) => {
                                 return Run {
                                     done,
+                                    started: i,
                                     error: Some(e),
                                     killed: pg.killed(),
                                     broke: pg.broke(),
@@ -691,6 +812,7 @@ async fn play(seed: u64, s: &Scenario) -> Vec<Run> {
                 // Dropping `pg` here is the process exiting.
                 Run {
                     done,
+                    started: i,
                     error: None,
                     killed: pg.killed(),
                     broke: pg.broke(),
@@ -729,21 +851,66 @@ fn named_gone(text: &str) -> Vec<usize> {
     out
 }
 
-fn check(seed: u64, s: &Scenario, runs: &[Run]) -> Result<(), String> {
+/// What became of the scenario's fault, read from the runs (see the module
+/// docs).
+fn fate(s: &Scenario, runs: &[Run]) -> Fate {
+    let Some(kind) = s.fault.kind() else {
+        return Fate::NoFault;
+    };
+    let fired = match s.fault {
+        Fault::None => false,
+        Fault::Mismatch { at, rank, .. } => runs[rank].started > at,
+        Fault::Kill { rank, .. } => runs[rank].killed,
+        Fault::Break { rank, .. } => runs[rank].broke,
+    };
+    if fired {
+        Fate::Fired(kind)
+    } else {
+        Fate::NeverFired(kind)
+    }
+}
+
+/// The fault as the checks take it: the scenario's, or with another rank
+/// for its target where `rule` breaks the model so.
+fn model_fault(fault: &Fault, n: usize, rule: Option<Rule>) -> Fault {
+    match (fault.clone(), rule) {
+        (Fault::Mismatch { at, rank, op }, Some(Rule::Deviant)) => Fault::Mismatch {
+            at,
+            rank: (rank + 1) % n,
+            op,
+        },
+        (Fault::Kill { rank, frame }, Some(Rule::Victim)) => Fault::Kill {
+            rank: (rank + 1) % n,
+            frame,
+        },
+        (f, _) => f,
+    }
+}
+
+/// Checks the invariants on one scenario's runs, whose fault met `fate`;
+/// `rule`, if any, is broken on purpose.
+fn check(
+    seed: u64,
+    s: &Scenario,
+    runs: &[Run],
+    fate: Fate,
+    rule: Option<Rule>,
+) -> Result<(), Broken> {
     let n = s.n;
     let len = s.program.len();
+    let fault = model_fault(&s.fault, n, rule);
     // With ops started two at a time, the op after the fault's may have
     // begun (and sent its frames) everywhere before the news arrived.
     let in_flight = usize::from(s.async_pairs);
     // Invariant 1.
     for (r, run) in runs.iter().enumerate() {
         if let Some(e @ Error::Timeout { .. }) = &run.error {
-            return Err(format!("rank {r} timed out: {e}"));
+            return Err(broken(1, format!("rank {r} timed out: {e}")));
         }
     }
     let program_of = |r: usize| -> Vec<Op> {
         let mut p = s.program.clone();
-        if let Fault::Mismatch { at, rank, op } = s.fault {
+        if let Fault::Mismatch { at, rank, op } = fault {
             if rank == r {
                 p[at] = op;
             }
@@ -760,29 +927,40 @@ fn check(seed: u64, s: &Scenario, runs: &[Run]) -> Result<(), String> {
                 .is_some_and(|o| !o.collective())
     });
     // Invariant 2: results, for ops every rank called alike.
-    let alike = |i: usize| !matches!(s.fault, Fault::Mismatch { at, .. } if at <= i);
+    let alike = |i: usize| !matches!(fault, Fault::Mismatch { at, .. } if at <= i);
+    let without_rank_0 = rule == Some(Rule::Reduction);
     for (r, run) in runs.iter().enumerate() {
         if run.killed {
             continue;
         }
         for (i, out) in run.done.iter().enumerate() {
-            if alike(i) && *out != expected(seed, i, s.program[i], n, r) {
-                return Err(format!(
-                    "rank {r}: op {i} ({:?}) returned a wrong result",
-                    s.program[i]
+            if alike(i) && *out != expected(seed, i, s.program[i], n, r, without_rank_0) {
+                return Err(broken(
+                    2,
+                    format!(
+                        "rank {r}: op {i} ({:?}) returned a wrong result",
+                        s.program[i]
+                    ),
                 ));
             }
         }
     }
-    match &s.fault {
-        Fault::None => {
+    match (&fault, fate) {
+        // No fault, or one that verifiably never happened (see `fate`):
+        // every op succeeds (invariant 2).
+        (_, Fate::NoFault | Fate::NeverFired(_)) => {
+            let why = match fate {
+                Fate::NeverFired(k) => format!("the {} drawn never fired", k.name()),
+                _ => "no fault".to_owned(),
+            };
             for (r, run) in runs.iter().enumerate() {
                 if let Some(e) = &run.error {
-                    return Err(format!("rank {r} failed with no fault: {e}"));
+                    return Err(broken(2, format!("rank {r} failed, though {why}: {e}")));
                 }
             }
         }
-        Fault::Mismatch { at, .. } => {
+        (Fault::None, Fate::Fired(_)) => unreachable!("a fault fired where none was drawn"),
+        (Fault::Mismatch { at, .. }, Fate::Fired(_)) => {
             // Invariant 3.
             for (r, run) in runs.iter().enumerate() {
                 let failed_at = run.done.len();
@@ -794,18 +972,18 @@ fn check(seed: u64, s: &Scenario, runs: &[Run]) -> Result<(), String> {
                 };
                 match &run.error {
                     None if bound < len => {
-                        return Err(format!(
+                        return Err(broken(3, format!(
                             "rank {r} finished every op, though op {bound} depends on every rank after the mismatch at op {at}"
-                        ))
+                        )))
                     }
                     None => {}
                     Some(e) => {
                         let t = e.to_string();
                         if failed_at < *at && p[failed_at].collective() && !cascade {
-                            return Err(format!("rank {r} failed at op {failed_at}, before the mismatch at op {at}: {t}"));
+                            return Err(broken(3, format!("rank {r} failed at op {failed_at}, before the mismatch at op {at}: {t}")));
                         }
                         if failed_at > bound {
-                            return Err(format!("rank {r} failed only at op {failed_at}, after op {bound} that depends on every rank: {t}"));
+                            return Err(broken(3, format!("rank {r} failed only at op {failed_at}, after op {bound} that depends on every rank: {t}")));
                         }
                         // A rank that finished its program and exited can
                         // be all another rank knows: it needed that rank, in
@@ -816,7 +994,7 @@ fn check(seed: u64, s: &Scenario, runs: &[Run]) -> Result<(), String> {
                         let gone = named_gone(&t);
                         // The mismatch named is this one: its op, and the
                         // deviant's call as one side.
-                        let deviant = match &s.fault {
+                        let deviant = match &fault {
                             Fault::Mismatch { rank, .. } => *rank,
                             _ => unreachable!(),
                         };
@@ -857,26 +1035,14 @@ fn check(seed: u64, s: &Scenario, runs: &[Run]) -> Result<(), String> {
                             || diverged_after_exit
                             || (!gone.is_empty() && gone.iter().all(exited));
                         if !explained {
-                            return Err(format!("rank {r}'s error names neither the mismatch nor a rank that exited: {t}"));
+                            return Err(broken(3, format!("rank {r}'s error names neither the mismatch nor a rank that exited: {t}")));
                         }
                     }
                 }
             }
         }
-        Fault::Break { rank: breaker, .. } => {
+        (Fault::Break { rank: breaker, .. }, Fate::Fired(_)) => {
             // Invariant 5.
-            if !runs[*breaker].broke {
-                if let Some((r, e)) = runs
-                    .iter()
-                    .enumerate()
-                    .find_map(|(r, run)| Some((r, run.error.as_ref()?)))
-                {
-                    return Err(format!(
-                        "no connection was broken, yet rank {r} failed: {e}"
-                    ));
-                }
-                return Ok(());
-            }
             // A rank that finished its program exited: one that needed a
             // frame it lost with the connection may find it gone first.
             let finished = |g: &usize| runs[*g].error.is_none() && runs[*g].done.len() == len;
@@ -885,25 +1051,23 @@ fn check(seed: u64, s: &Scenario, runs: &[Run]) -> Result<(), String> {
                 let t = e.to_string();
                 let gone = named_gone(&t);
                 if let Some(g) = gone.iter().find(|g| !finished(g)) {
-                    return Err(format!(
-                        "rank {r}'s error names rank {g} gone, which had not exited: {t}"
+                    return Err(broken(
+                        5,
+                        format!("rank {r}'s error names rank {g} gone, which had not exited: {t}"),
                     ));
                 }
                 if gone.is_empty() && !t.contains("broke part-way") {
-                    return Err(format!("rank {r}'s error names neither the broken connection nor a rank that exited: {t}"));
+                    return Err(broken(5, format!("rank {r}'s error names neither the broken connection nor a rank that exited: {t}")));
+                }
+                // The rule broken on purpose: a break taken for a death.
+                if rule == Some(Rule::BreakCause) && !gone.contains(breaker) {
+                    return Err(broken(5, format!("rank {r}'s error does not name rank {breaker}, whose connection broke, as gone: {t}")));
                 }
             }
         }
-        Fault::Kill { rank: victim, .. } => {
-            // Invariant 4. The op the victim died in (it may also not have
-            // died: its program ended before its frame came).
+        (Fault::Kill { rank: victim, .. }, Fate::Fired(_)) => {
+            // Invariant 4. The op the victim died in.
             let vrun = &runs[*victim];
-            if !vrun.killed {
-                if vrun.error.is_some() || runs.iter().any(|r| r.error.is_some()) {
-                    return Err("the victim was never killed, yet a rank failed".into());
-                }
-                return Ok(());
-            }
             let died_in = vrun.done.len();
             for (r, run) in runs.iter().enumerate() {
                 if r == *victim {
@@ -913,25 +1077,25 @@ fn check(seed: u64, s: &Scenario, runs: &[Run]) -> Result<(), String> {
                 let failed_at = run.done.len();
                 match &run.error {
                     None if bound < len => {
-                        return Err(format!(
+                        return Err(broken(4, format!(
                             "survivor {r} finished every op, though op {bound} depends on every rank after rank {victim} died in op {died_in}"
-                        ))
+                        )))
                     }
                     None => {}
                     Some(e) => {
                         let t = e.to_string();
                         if failed_at < died_in && s.program[failed_at].collective() && !cascade {
-                            return Err(format!("survivor {r} failed at op {failed_at}, before rank {victim} died in op {died_in}: {t}"));
+                            return Err(broken(4, format!("survivor {r} failed at op {failed_at}, before rank {victim} died in op {died_in}: {t}")));
                         }
                         if failed_at > bound {
-                            return Err(format!("survivor {r} failed only at op {failed_at}, after op {bound} that depends on every rank: {t}"));
+                            return Err(broken(4, format!("survivor {r} failed only at op {failed_at}, after op {bound} that depends on every rank: {t}")));
                         }
                         let gone = named_gone(&t);
                         if !gone.contains(victim) {
-                            return Err(format!("survivor {r}'s error does not name rank {victim} as gone: {t}"));
+                            return Err(broken(4, format!("survivor {r}'s error does not name rank {victim} as gone: {t}")));
                         }
                         if let Some(b) = gone.iter().find(|&&g| g != *victim) {
-                            return Err(format!("survivor {r}'s error names live rank {b} as gone: {t}"));
+                            return Err(broken(4, format!("survivor {r}'s error names live rank {b} as gone: {t}")));
                         }
                     }
                 }
@@ -991,71 +1155,254 @@ fn trace_tail() -> String {
     lines[from..].join("\n")
 }
 
-async fn one(seed: u64) -> Result<(), String> {
+/// Plays seed `seed` (with `rule` broken, if any) and checks it: what became
+/// of its fault, or the invariant it broke with the scenario, each rank's
+/// outcome and the trace.
+async fn one(seed: u64, rule: Option<Rule>) -> Result<Fate, Broken> {
     trace_start();
     let s = scenario(seed);
+    let deadline = (rule == Some(Rule::Deadline)).then_some(SHORT_DEADLINE);
     // A hang is caught by the op timeout (invariant 1); this bounds the test.
-    let runs = tokio::time::timeout(TIMEOUT * 2, play(seed, &s))
+    let runs = tokio::time::timeout(TIMEOUT * 2, play(seed, &s, deadline))
         .await
-        .map_err(|_| format!("the scenario hung past {:?}", TIMEOUT * 2))?;
-    check(seed, &s, &runs).map_err(|e| {
-        let mut t = format!("{e}\n  scenario: {s:?}\n  runs:\n");
+        .map_err(|_| broken(1, format!("the scenario hung past {:?}", TIMEOUT * 2)))?;
+    let fate = fate(&s, &runs);
+    check(seed, &s, &runs, fate, rule).map_err(|b| {
+        let mut t = format!(
+            "{}\n  scenario: {s:?}\n  fault: {fate:?}\n  runs:\n",
+            b.what
+        );
         for (r, run) in runs.iter().enumerate() {
             t += &format!(
-                "    rank {r}: {} ops done, killed {}, error: {:?}\n",
+                "    rank {r}: {} ops done of {} started, killed {}, broke {}, error: {:?}\n",
                 run.done.len(),
+                run.started,
                 run.killed,
+                run.broke,
                 run.error.as_ref().map(ToString::to_string)
             );
         }
-        t + "  trace:\n" + &trace_tail()
-    })
+        broken(b.invariant, t + "  trace:\n" + &trace_tail())
+    })?;
+    Ok(fate)
 }
 
+/// The command that replays `seed`.
 fn replay_command(seed: u64) -> String {
     format!(
-        "RALLY_SIM_SEED={seed} cargo nextest run -p rallypoint-collectives --all-features sim::replay --no-capture"
+        "RALLY_SIM_SEED={seed} cargo nextest run -p rallypoint-collectives --all-features sim::seeded_schedules_of_mismatches_and_deaths_keep_the_promises --no-capture"
     )
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn seeded_schedules_of_mismatches_and_deaths_keep_the_promises() {
-    let seeds: u64 = std::env::var("RALLY_SIM_SEEDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(2000);
-    let base: u64 = std::env::var("RALLY_SIM_FIRST")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    let mut failed = Vec::new();
-    for seed in base..base + seeds {
-        if let Err(e) = one(seed).await {
-            eprintln!(
-                "seed {seed} FAILED: {e}\n  replay: {}",
-                replay_command(seed)
-            );
-            failed.push(seed);
+/// Seeds of the CI run.
+const SEEDS: u64 = 2_000;
+
+/// Every kind of fault must fire in at least one seed in this many (see
+/// [`floor`]).
+const FLOOR_ONE_IN: u64 = 100;
+
+/// Seeds tried, from 0, for a rule broken on purpose to be caught.
+const SABOTAGE_SEEDS: u64 = 2_000;
+
+/// `name`'s value as a number; `None` if unset. Anything else fails the
+/// test: a typo must not quietly run the default.
+fn env_u64(name: &str) -> Option<u64> {
+    match std::env::var(name) {
+        Err(std::env::VarError::NotPresent) => None,
+        Err(e) => panic!("{name} must be a whole number: {e}"),
+        Ok(v) => match v.trim().parse() {
+            Ok(n) => Some(n),
+            Err(e) => panic!("{name}={v:?} must be a whole number: {e}"),
+        },
+    }
+}
+
+/// What the seeds test is asked to do.
+enum Mode {
+    /// Seeds `first..first + n`.
+    Seeds { first: u64, n: u64 },
+    /// One seed, printed.
+    Replay(u64),
+}
+
+fn mode() -> Mode {
+    let seeds = env_u64("RALLY_SIM_SEEDS");
+    let first = env_u64("RALLY_SIM_FIRST");
+    if let Some(seed) = env_u64("RALLY_SIM_SEED") {
+        assert!(
+            seeds.is_none() && first.is_none(),
+            "RALLY_SIM_SEED={seed} replays one seed: unset RALLY_SIM_SEEDS and RALLY_SIM_FIRST"
+        );
+        return Mode::Replay(seed);
+    }
+    let n = seeds.unwrap_or(SEEDS);
+    assert!(
+        n > 0,
+        "RALLY_SIM_SEEDS=0 runs no seed, and would pass without checking anything"
+    );
+    let first = first.unwrap_or(0);
+    assert!(
+        first.checked_add(n).is_some(),
+        "RALLY_SIM_FIRST={first} + RALLY_SIM_SEEDS={n} is past the last seed"
+    );
+    Mode::Seeds { first, n }
+}
+
+/// The fewest seeds in which each kind of fault must fire, of `n` run.
+///
+/// A mismatch is drawn in 40% of the seeds and always fires; a kill in 30%,
+/// firing in most (one in eight at set-up, the others at a frame among the
+/// first 60); a break in 15% (half the seeds without another fault), which
+/// fires only where its frame, among the first 40 TCP frames of the
+/// breaking rank, comes: mostly over TCP, half the seeds, so roughly one
+/// seed in 20. One in [`FLOOR_ONE_IN`] (20 of 2,000) leaves the break a
+/// margin of about five, and the others far more, yet catches a kind that
+/// stopped firing. Fewer than [`FLOOR_ONE_IN`] seeds make the floor 0: a
+/// handful of seeds cannot be expected to draw every kind.
+fn floor(n: u64) -> u64 {
+    n / FLOOR_ONE_IN
+}
+
+/// What became of the faults of many seeds.
+#[derive(Default)]
+struct Tally {
+    seeds: u64,
+    no_fault: u64,
+    /// By [`FaultKind`]: seeds where it fired, and where it was drawn but
+    /// never fired.
+    kinds: [(u64, u64); 3],
+}
+
+impl Tally {
+    fn add(&mut self, fate: Fate) {
+        self.seeds += 1;
+        match fate {
+            Fate::NoFault => self.no_fault += 1,
+            Fate::Fired(k) => self.kinds[k as usize].0 += 1,
+            Fate::NeverFired(k) => self.kinds[k as usize].1 += 1,
         }
     }
+
+    /// One line: each kind's seeds.
+    fn summary(&self) -> String {
+        let kinds: Vec<String> = FaultKind::ALL
+            .iter()
+            .map(|&k| {
+                let (fired, never) = self.kinds[k as usize];
+                format!(
+                    "{} fired in {fired} (drawn, never fired: {never})",
+                    k.name()
+                )
+            })
+            .collect();
+        format!(
+            "faults of {} seeds: {}, no fault in {}",
+            self.seeds,
+            kinds.join(", "),
+            self.no_fault
+        )
+    }
+
+    /// Panics if a kind fired in fewer than [`floor`] of `n` seeds.
+    fn assert_floors(&self, n: u64) {
+        let min = floor(n);
+        for k in FaultKind::ALL {
+            let fired = self.kinds[k as usize].0;
+            assert!(
+                fired >= min,
+                "a {} fired in {fired} of {n} seeds, below the floor of {min} (one in {FLOOR_ONE_IN}): the scenarios no longer exercise it",
+                k.name()
+            );
+        }
+    }
+}
+
+/// Every invariant over 2,000 seeds; see the module docs for the
+/// environment that replays one seed or runs others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seeded_schedules_of_mismatches_and_deaths_keep_the_promises() {
+    let (base, seeds) = match mode() {
+        Mode::Replay(seed) => return replay(seed).await,
+        Mode::Seeds { first, n } => (first, n),
+    };
+    let mut failed = Vec::new();
+    let mut tally = Tally::default();
+    for seed in base..base + seeds {
+        match one(seed, None).await {
+            Ok(fate) => tally.add(fate),
+            Err(e) => {
+                eprintln!(
+                    "seed {seed} FAILED: {e}\n  replay: {}",
+                    replay_command(seed)
+                );
+                failed.push(seed);
+            }
+        }
+    }
+    eprintln!("{}", tally.summary());
     assert!(failed.is_empty(), "seeds {failed:?} failed (see above)");
+    tally.assert_floors(seeds);
+}
+
+/// Seed `seed` alone, its scenario printed (`RALLY_SIM_SEED`).
+async fn replay(seed: u64) {
+    eprintln!("{:#?}", scenario(seed));
+    match one(seed, None).await {
+        Ok(fate) => {
+            // `RALLY_SIM_TRACE=1`: the trace of a seed that passed, too.
+            if std::env::var_os("RALLY_SIM_TRACE").is_some() {
+                eprintln!("trace:\n{}", trace_tail());
+            }
+            eprintln!("seed {seed} kept every invariant; its fault: {fate:?}");
+        }
+        Err(e) => panic!("seed {seed}: {e}"),
+    }
+}
+
+/// With `rule` broken, seeds from 0 are played until one fails: that seed
+/// must break invariant `invariant`, and no other.
+async fn caught(rule: Rule, invariant: u8) {
+    for seed in 0..SABOTAGE_SEEDS {
+        let Err(b) = one(seed, Some(rule)).await else {
+            continue;
+        };
+        assert_eq!(
+            b.invariant, invariant,
+            "with {rule:?} broken, seed {seed} (the first to fail) broke invariant {} rather than {invariant}: {}",
+            b.invariant, b.what
+        );
+        eprintln!(
+            "with {rule:?} broken, seed {seed} (the first to fail) broke invariant {invariant}: {}",
+            b.what.lines().next().unwrap_or_default()
+        );
+        return;
+    }
+    panic!(
+        "with {rule:?} broken, no seed of 0..{SABOTAGE_SEEDS} broke invariant {invariant}: its check may be unable to fail"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn replay() {
-    let Some(seed) = std::env::var("RALLY_SIM_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-    else {
-        return;
-    };
-    eprintln!("{:#?}", scenario(seed));
-    let r = one(seed).await;
-    // `RALLY_SIM_TRACE=1`: the trace of a seed that passed, too.
-    if r.is_ok() && std::env::var_os("RALLY_SIM_TRACE").is_some() {
-        eprintln!("trace:\n{}", trace_tail());
-    }
-    if let Err(e) = r {
-        panic!("seed {seed}: {e}");
-    }
+async fn invariant_1_catches_a_deadline_too_short() {
+    caught(Rule::Deadline, 1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invariant_2_catches_a_reduction_without_rank_0() {
+    caught(Rule::Reduction, 2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invariant_3_catches_the_wrong_deviant() {
+    caught(Rule::Deviant, 3).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invariant_4_catches_the_wrong_victim() {
+    caught(Rule::Victim, 4).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invariant_5_catches_a_break_taken_for_a_death() {
+    caught(Rule::BreakCause, 5).await;
 }

@@ -6,7 +6,7 @@
 //! fault), so a failing seed replays exactly:
 //!
 //! ```text
-//! RALLY_SIM_SEED=<seed> cargo nextest run -p rallypoint-elastic --lib agent::sim::tests::replay --no-capture
+//! RALLY_SIM_SEED=<seed> cargo nextest run -p rallypoint-elastic --lib agent::sim::tests::ten_thousand_seeds_keep_every_invariant --no-capture
 //! ```
 //!
 //! # Why our own executor, not turmoil
@@ -69,6 +69,14 @@
 //! a while, slow nodes, signals, nodes arriving late (c10d), short exit-barrier
 //! timeouts.
 //!
+//! A fault is drawn with its moment when the run starts; it *happens* only if
+//! the run reaches that moment with its target there ([`Fired`]): a kill or a
+//! signal of a node still running, a stall while some node runs (or boots
+//! during it), a partition of a running node other than the run store's host
+//! (node 0, never cut off from its own store), a worker group failing while it
+//! still runs, a late node booting. A group that fails because another went
+//! (a broken collective, a lost job store) follows a fault and is not one.
+//!
 //! # Invariants (checked after every event)
 //!
 //! 1. No node exits 0 if the run's failure was published before it last read
@@ -76,7 +84,8 @@
 //!    end of its linger). A node that decided success earlier is right to exit
 //!    0: torchrun's exit-barrier timeout lets a node finish before another fails.
 //! 2. No running worker is stopped in a run that has had no fault at all
-//!    (another node finishing is not a reason).
+//!    (another node finishing is not a reason): no fault has *happened*
+//!    before the stop, whatever is drawn for later.
 //! 3. A job store (or the static run store, or the `c10d` rendezvous host,
 //!    without which a node's agent fails its run) is never shut by its host
 //!    while another node's workers of that round still run and have not been
@@ -94,6 +103,13 @@
 //! 5. Every node that read the published failure reports the same root cause,
 //!    the earliest failure recorded when it was published (a node that could
 //!    not reach the store reports its own).
+//!
+//! # Proof that it tests something
+//!
+//! The seeds test counts the faults that happened, by kind, prints them and
+//! fails if a kind stops happening. Each invariant has a test that breaks one
+//! rule on purpose ([`Sabotage`]) and requires the first seed that fails to
+//! break that invariant: a check that cannot fail would pass it too.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
@@ -217,6 +233,82 @@ impl Config {
     }
 }
 
+/// Faults that happened in a run, by kind (see "Faults" in the module docs).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Fired {
+    pub kills: u64,
+    pub signals: u64,
+    pub stalls: u64,
+    pub partitions: u64,
+    /// Worker groups that failed of themselves.
+    pub worker_failures: u64,
+    /// Nodes that arrived late (c10d).
+    pub late_nodes: u64,
+}
+
+impl Fired {
+    /// Each kind with its count, in a fixed order.
+    pub fn kinds(&self) -> [(&'static str, u64); 6] {
+        [
+            ("kills", self.kills),
+            ("signals", self.signals),
+            ("stalls", self.stalls),
+            ("partitions", self.partitions),
+            ("worker failures", self.worker_failures),
+            ("late nodes", self.late_nodes),
+        ]
+    }
+
+    /// Faults of every kind (invariant 2).
+    pub fn total(&self) -> u64 {
+        self.kinds().iter().map(|(_, n)| n).sum()
+    }
+}
+
+/// A rule broken on purpose, to show that an invariant can fail (the tests
+/// `invariant_*_catches_*`). The policy is the real one and cannot be broken
+/// from here: each breaks the model of the world around it (what a store
+/// answers, how a node lingers) or of what to expect.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sabotage {
+    /// Invariant 1: a lingering node's last read of the verdict is stale: it
+    /// does not see a failure published meanwhile.
+    StaleLingerRead,
+    /// Invariant 2: the model does not count a worker group's own failure as
+    /// a fault.
+    UncountedWorkerFailure,
+    /// Invariant 3: a lingering node ends at its first look, without
+    /// waiting for the nodes that use its stores.
+    NoLinger,
+    /// Invariant 4: a lingering node never ends (the answer to its linger is
+    /// lost).
+    EndlessLinger,
+    /// Invariant 5: the run store answers each reader of a failed verdict
+    /// with a root cause of the reader's own.
+    OwnRootCause,
+}
+
+/// How a worker group's run ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum End {
+    Succeeds,
+    /// It fails of itself (drawn at its spawn): a fault, when it happens.
+    Fails,
+    /// It fails because another group or its job store went: a consequence
+    /// of something else.
+    Broken,
+}
+
+/// A fault that lasts a while: it happens once, when some node it concerns
+/// runs during it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Window {
+    /// The store stall of that index in `Shared::stalls`.
+    Stall(usize),
+    /// Node `i`'s partition from the run store.
+    Partition(usize),
+}
+
 /// One worker group (a node's workers in one round).
 #[derive(Debug, Clone)]
 struct Workers {
@@ -290,7 +382,7 @@ enum Ev {
     Wake(usize, Option<u64>),
     /// The watch looks again while the store does not answer.
     Poll(usize),
-    WorkersEnd(usize, u64, bool),
+    WorkersEnd(usize, u64, End),
     Kill(usize),
     Signal(usize, i32),
     LastCall(u64),
@@ -315,6 +407,10 @@ enum Ev {
     StartTimeout(usize, u64, u64),
     /// A lingering node looks again.
     LingerPoll(Linger),
+    /// The store stall of that index begins.
+    StallBegins(usize),
+    /// Node `i`'s partition from the run store, drawn to begin at `t`, begins.
+    PartitionBegins(usize, u64),
 }
 
 /// One lingering node's state between its polls.
@@ -388,14 +484,18 @@ pub struct Sim {
     nodes: Vec<Node>,
     s: Shared,
     base: Instant,
-    /// Faults so far (invariant 2).
-    faults: u64,
+    /// Faults that happened so far (invariant 2).
+    pub fired: Fired,
+    /// Lasting faults that happened already (each counts once).
+    windows: BTreeSet<Window>,
     pub trace: Vec<String>,
     keep_trace: bool,
     /// The first broken invariant.
     broken: Option<String>,
     /// The invariants enforced (by number); the others are not checked.
     enforced: Vec<u8>,
+    /// A rule broken on purpose (see [`Sabotage`]).
+    sabotage: Option<Sabotage>,
 }
 
 /// A broken invariant, with the trace that led to it.
@@ -404,16 +504,41 @@ pub struct Violation {
     pub seed: u64,
     pub what: String,
     pub trace: Vec<String>,
+    /// The rule broken on purpose in that run, if any.
+    pub sabotage: Option<Sabotage>,
+}
+
+impl Violation {
+    /// The number of the invariant broken (`None`: a check of the model
+    /// itself, such as a node finishing with its workers running).
+    pub fn invariant(&self) -> Option<u8> {
+        invariant_of(&self.what)
+    }
+}
+
+/// The invariant a violation's text names (`invariant N: ...`).
+fn invariant_of(what: &str) -> Option<u8> {
+    what.strip_prefix("invariant ")?
+        .split(':')
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// The command that replays `seed` with its trace.
+pub fn replay_command(seed: u64) -> String {
+    format!(
+        "RALLY_SIM_SEED={seed} cargo nextest run -p rallypoint-elastic --lib agent::sim::tests::ten_thousand_seeds_keep_every_invariant --no-capture"
+    )
 }
 
 impl std::fmt::Display for Violation {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(f, "seed {}: {}", self.seed, self.what)?;
-        writeln!(
-            f,
-            "replay: RALLY_SIM_SEED={} cargo nextest run -p rallypoint-elastic --lib agent::sim::tests::replay --no-capture",
-            self.seed
-        )?;
+        match self.sabotage {
+            None => writeln!(f, "replay: {}", replay_command(self.seed))?,
+            Some(s) => writeln!(f, "(with {s:?} broken on purpose)")?,
+        }
         for l in self.trace.iter().rev().take(40).rev() {
             writeln!(f, "  {l}")?;
         }
@@ -481,11 +606,13 @@ impl Sim {
             nodes,
             s: Shared::default(),
             base: Instant::now(),
-            faults: 0,
+            fired: Fired::default(),
+            windows: BTreeSet::new(),
             trace: Vec::new(),
             keep_trace,
             broken: None,
             enforced: vec![1, 2, 3, 4, 5],
+            sabotage: None,
         };
         sim.schedule_faults();
         sim
@@ -527,6 +654,7 @@ impl Sim {
                 1 => {
                     let d = self.rng.range(100, 2 * self.cfg.lost_grace_ms);
                     self.s.stalls.push((t, t + d));
+                    self.at(t, Ev::StallBegins(self.s.stalls.len() - 1));
                     for k in 0..total {
                         self.beat_fails(k, t);
                         let back = t + d + self.rng.range(0, self.cfg.keep_alive_ms);
@@ -537,6 +665,7 @@ impl Sim {
                     let who = self.rng.range(0, total as u64 - 1) as usize;
                     let d = self.rng.range(100, 2 * self.cfg.lost_grace_ms);
                     self.nodes[who].partitioned = (t, t + d);
+                    self.at(t, Ev::PartitionBegins(who, t));
                     self.beat_fails(who, t);
                     // Its beats stop reaching the store: for a watcher it
                     // looks dead once they are stale (see `DeadCheck`).
@@ -557,11 +686,35 @@ impl Sim {
                 }
             }
         }
-        if !self.s.stalls.is_empty() {
-            self.faults += 1;
+    }
+
+    /// A lasting fault happens (once).
+    fn window_fired(&mut self, w: Window) {
+        if !self.windows.insert(w) {
+            return;
         }
-        if self.nodes.iter().any(|n| n.partitioned.1 > 0) || self.cfg.late > 0 {
-            self.faults += 1;
+        match w {
+            Window::Stall(_) => self.fired.stalls += 1,
+            Window::Partition(_) => self.fired.partitions += 1,
+        }
+        self.note(|| format!("{w:?} happens"));
+    }
+
+    /// Node `i` boots: a stall, or its partition, under way happens to it.
+    fn windows_at_boot(&mut self, i: usize) {
+        let t = self.now;
+        let stalls: Vec<usize> = (0..self.s.stalls.len())
+            .filter(|&k| {
+                let (a, b) = self.s.stalls[k];
+                a <= t && t < b
+            })
+            .collect();
+        for k in stalls {
+            self.window_fired(Window::Stall(k));
+        }
+        let (a, b) = self.nodes[i].partitioned;
+        if i != 0 && a <= t && t < b {
+            self.window_fired(Window::Partition(i));
         }
     }
 
@@ -595,13 +748,52 @@ impl Sim {
         if matches!(host.life, Life::Killed) || host.exited_at.is_some() {
             return false;
         }
+        !self.cut_off(i)
+    }
+
+    /// Whether node `i` is cut off from the run store by a fault now: the
+    /// store stalled, or `i` partitioned from it (never the host, node 0,
+    /// from its own store).
+    fn cut_off(&self, i: usize) -> bool {
         let t = self.now;
         if self.s.stalls.iter().any(|&(a, b)| a <= t && t < b) {
-            return false;
+            return true;
         }
-        // The host is never partitioned from its own store.
         let (a, b) = self.nodes[i].partitioned;
-        i == 0 || !(a <= t && t < b)
+        i != 0 && a <= t && t < b
+    }
+
+    /// [`Self::reaches`] as it stood before node `ending` took its stores
+    /// with it: the checks of invariant 3 at a host's end ask whether a node
+    /// was cut off by a fault, and the run store's host (node 0) counts as
+    /// ended from its own end on, which would exempt everyone. A node found
+    /// dead in its workers' round is exempt too, cut off now or not: it was
+    /// silent to the host for a keep-alive expiry, and the host waits for no
+    /// dead member (seeds 8412 and 9150: a partition that healed after the
+    /// node was found dead).
+    fn reached_before_end(&self, k: usize, ending: usize) -> bool {
+        let round = self.nodes[k].workers.as_ref().map(|w| w.round);
+        let found_dead = self.s.static_dead.contains(&k)
+            || round.is_some_and(|r| self.s.dead.get(&r).is_some_and(|d| d.contains(&k)));
+        if found_dead {
+            false
+        } else if ending == 0 {
+            !self.cut_off(k)
+        } else {
+            self.reaches(k)
+        }
+    }
+
+    /// The verdict `v` as node `i` reads it: as stored, but with a root cause
+    /// of `i`'s own under [`Sabotage::OwnRootCause`].
+    fn as_read(&self, i: usize, v: Closed) -> Closed {
+        match v {
+            Closed::Failed(_) if self.sabotage == Some(Sabotage::OwnRootCause) => {
+                let (round, rank) = self.nodes[i].round.map_or((0, 0), |r| (r.0, r.1));
+                Closed::Failed(Some(record(self.now, i, rank, round)))
+            }
+            v => v,
+        }
     }
 
     fn alive(&self, i: usize) -> bool {
@@ -645,7 +837,7 @@ impl Sim {
             return Observation::Unreachable("store unreachable".into());
         }
         if let Some(v) = &self.s.verdict {
-            return Observation::Closed(v.clone());
+            return Observation::Closed(self.as_read(i, v.clone()));
         }
         let Some((round, _, _)) = self.nodes[i].round else {
             return Observation::Healthy;
@@ -720,6 +912,7 @@ impl Sim {
                 if reach {
                     self.nodes[i].decided_at = Some(self.steps);
                     let closed = self.publish(&p);
+                    let closed = self.as_read(i, closed);
                     self.reply(i, lat, Event::Published(closed));
                 } else {
                     self.reply(i, CHECK_MS, Event::NotPublished("unreachable".into()));
@@ -729,7 +922,7 @@ impl Sim {
                 // The handler's run store: readable before any round.
                 if reach {
                     self.nodes[i].decided_at = Some(self.steps);
-                    let v = self.s.verdict.clone();
+                    let v = self.s.verdict.clone().map(|v| self.as_read(i, v));
                     self.reply(i, lat, Event::VerdictRead(v));
                 } else {
                     self.reply(i, CHECK_MS, Event::NotPublished("unreachable".into()));
@@ -969,14 +1162,14 @@ impl Sim {
                 // to the host for a keep-alive expiry, as a dead one would be:
                 // its workers cannot reach the job store anyway, and its agent
                 // stops them at its own `lost_grace`.
-                if voluntary && self.reaches(k) {
+                if voluntary && self.reached_before_end(k, j) {
                     self.violation(format!(
                         "invariant 3: node {j} shut the job store of round {r} while node {k}'s workers of that round run"
                     ));
                 }
                 // Either way the workers lose their store: they fail.
                 let t = self.now + self.rng.range(1, 500);
-                self.at(t, Ev::WorkersEnd(k, r, false));
+                self.at(t, Ev::WorkersEnd(k, r, End::Broken));
             }
         }
     }
@@ -1058,11 +1251,10 @@ impl Sim {
         });
         let fails = self.rng.chance(0.15);
         let d = self.rng.range(500, 60_000);
-        if fails {
-            self.faults += 1;
-        }
+        // A fault only if it fails while it runs (see `Ev::WorkersEnd`).
+        let end = if fails { End::Fails } else { End::Succeeds };
         let t = self.now + d;
-        self.at(t, Ev::WorkersEnd(j, round, !fails));
+        self.at(t, Ev::WorkersEnd(j, round, end));
         // As the driver: spawned, then `Started` at once (no signal between).
         self.deliver(
             j,
@@ -1083,7 +1275,7 @@ impl Sim {
             None => (None, None),
         };
         if let Some(w) = &self.nodes[i].workers {
-            if w.running && self.faults == 0 {
+            if w.running && self.fired.total() == 0 {
                 self.violation(format!(
                     "invariant 2: node {i} stops healthy workers in a run without any fault"
                 ));
@@ -1115,7 +1307,7 @@ impl Sim {
                 .is_some_and(|w| w.round == r && w.running)
             {
                 let t = self.now + self.rng.range(10, 2_000);
-                self.at(t, Ev::WorkersEnd(k, r, false));
+                self.at(t, Ev::WorkersEnd(k, r, End::Broken));
             }
         }
     }
@@ -1216,7 +1408,7 @@ impl Sim {
                     .is_some_and(|w| w.running && !w.told)
                 // Cut off from the store, it was silent to the host (see
                 // invariant 3).
-                && self.reaches(k)
+                && self.reached_before_end(k, 0)
             {
                 let r = self.nodes[k].workers.as_ref().map_or(0, |w| w.round);
                 if self.cfg.backend == Backend::Static {
@@ -1239,7 +1431,7 @@ impl Sim {
         if !self.alive(i) {
             return;
         }
-        self.faults += 1;
+        self.fired.kills += 1;
         self.note(|| format!("node {i} KILLED"));
         self.nodes[i].life = Life::Killed;
         self.nodes[i].killed_at = Some(self.now);
@@ -1364,11 +1556,14 @@ impl Sim {
         self
     }
 
+    /// This run with `rule` broken (see [`Sabotage`]).
+    pub fn sabotaged(mut self, rule: Sabotage) -> Sim {
+        self.sabotage = Some(rule);
+        self
+    }
+
     fn violation(&mut self, what: String) {
-        let n = what
-            .strip_prefix("invariant ")
-            .and_then(|w| w.split(':').next())
-            .and_then(|n| n.parse::<u8>().ok());
+        let n = invariant_of(&what);
         if n.is_some_and(|n| !self.enforced.contains(&n)) {
             return;
         }
@@ -1394,6 +1589,7 @@ impl Sim {
                     seed: self.cfg.seed,
                     what,
                     trace: std::mem::take(&mut self.trace),
+                    sabotage: self.sabotage,
                 });
             }
         }
@@ -1408,6 +1604,7 @@ impl Sim {
                         HORIZON_MS / 1000
                     ),
                     trace: std::mem::take(&mut self.trace),
+                    sabotage: self.sabotage,
                 });
             }
         }
@@ -1457,7 +1654,22 @@ impl Sim {
             Ev::Boot(i) => {
                 if self.nodes[i].life == Life::NotStarted {
                     self.nodes[i].life = Life::Alive;
+                    if i >= self.cfg.nodes {
+                        self.fired.late_nodes += 1;
+                    }
+                    self.windows_at_boot(i);
                     self.act(i);
+                }
+            }
+            Ev::StallBegins(k) => {
+                if (0..self.nodes.len()).any(|j| self.alive(j)) {
+                    self.window_fired(Window::Stall(k));
+                }
+            }
+            // Not if a later draw replaced this partition of the node.
+            Ev::PartitionBegins(i, t) => {
+                if i != 0 && self.alive(i) && self.nodes[i].partitioned.0 == t {
+                    self.window_fired(Window::Partition(i));
                 }
             }
             Ev::Act(i) => self.act(i),
@@ -1476,7 +1688,7 @@ impl Sim {
                 self.nodes[i].polling = false;
                 self.look(i);
             }
-            Ev::WorkersEnd(i, round, ok) => {
+            Ev::WorkersEnd(i, round, end) => {
                 if !self.alive(i) {
                     return;
                 }
@@ -1487,6 +1699,12 @@ impl Sim {
                     return;
                 }
                 w.running = false;
+                // A group's own failure is a fault once it happens (it was
+                // still running); under the sabotage, not counted.
+                if end == End::Fails && self.sabotage != Some(Sabotage::UncountedWorkerFailure) {
+                    self.fired.worker_failures += 1;
+                }
+                let ok = end == End::Succeeds;
                 if !ok {
                     let rank = self.nodes[i].round.map_or(0, |r| r.1);
                     let rec = record(self.now, i, rank, round);
@@ -1507,7 +1725,7 @@ impl Sim {
             Ev::Kill(i) => self.kill(i),
             Ev::Signal(i, s) => {
                 if self.alive(i) {
-                    self.faults += 1;
+                    self.fired.signals += 1;
                     self.nodes[i].signalled = true;
                     self.deliver(i, Event::Signal(s));
                 }
@@ -1685,6 +1903,10 @@ impl Sim {
                 if !self.alive(i) || gen != self.nodes[i].gen {
                     return;
                 }
+                // Sabotage: the linger's answer is lost, the node lingers on.
+                if self.sabotage == Some(Sabotage::EndlessLinger) {
+                    return;
+                }
                 // An unreachable store may be stalled: keep lingering.
                 // A lingering node counts itself out when it can (ending.rs).
                 self.leave(i);
@@ -1755,13 +1977,23 @@ impl Sim {
                 let host = &self.nodes[0];
                 let host_ended = i != 0 && (host.killed_at.is_some() || host.exited_at.is_some());
                 let lost = lost || (after_barrier && host_ended);
+                // Sabotage: the node does not wait for anyone.
+                let done = done || self.sabotage == Some(Sabotage::NoLinger);
                 if done || lost || until.is_some_and(|u| self.now >= u) {
                     let s = &self.s;
                     let (j, g, d) = (s.census_joined, s.census_gone, s.census_dead);
                     self.note(|| format!("node {i} lingered: joined {j}, gone {g}, dead {d}"));
                     let seen = if self.reaches(i) {
                         self.nodes[i].decided_at = Some(self.steps);
-                        self.s.verdict.clone()
+                        match self.s.verdict.clone() {
+                            // Sabotage: a stale read, that misses the failure.
+                            Some(Closed::Failed(_))
+                                if self.sabotage == Some(Sabotage::StaleLingerRead) =>
+                            {
+                                None
+                            }
+                            v => v.map(|v| self.as_read(i, v)),
+                        }
                     } else {
                         None
                     };

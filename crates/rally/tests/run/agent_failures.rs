@@ -85,6 +85,29 @@ pub(super) fn strs(v: &[String]) -> Vec<&str> {
     v.iter().map(String::as_str).collect()
 }
 
+/// Waits until the c10d rendezvous store at `endpoint` (`127.0.0.1:<port>`)
+/// listens, `first` being the only agent started at it so far: whoever binds
+/// the endpoint first hosts the store, so `first` is then provably the host,
+/// whatever the agents started after it do. Panics, with its output, if
+/// `first` exits before, or after [`LIMIT`] (an agent binds within a second).
+pub(super) fn wait_hosting(endpoint: &str, first: &mut Job) {
+    let t0 = Instant::now();
+    while std::net::TcpStream::connect(endpoint).is_err() {
+        if let Some(s) = first.child.try_wait().unwrap() {
+            panic!(
+                "the first agent ended ({s}) before it hosted the store at {endpoint}:\n{}",
+                first.output()
+            );
+        }
+        assert!(
+            t0.elapsed() < LIMIT,
+            "the first agent never hosted the store at {endpoint}:\n{}",
+            first.output()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 #[test]
 fn sigkill_to_the_agent_leaves_no_descendant_even_setsid_or_double_forked() {
     let dir = tempfile::tempdir().unwrap();
@@ -191,7 +214,8 @@ fn nodes_finishing_far_apart_both_succeed_and_no_worker_is_killed() {
             (slow.as_str(), "true")
         };
         let mut a = sh_job(&strs(&args), first, dir.path(), "a");
-        std::thread::sleep(Duration::from_millis(300));
+        // a hosts the rendezvous store before b starts.
+        wait_hosting(&endpoint, &mut a);
         let mut b = sh_job(&strs(&args), second, dir.path(), "b");
         let (sa, sb) = (a.wait(LIMIT), b.wait(LIMIT));
         let both = format!("{}\n---\n{}", a.output(), b.output());
@@ -215,7 +239,7 @@ fn a_failing_worker_on_the_rendezvous_host_fails_both_nodes_with_its_root_cause(
     let mut a = rally(&strs(&args));
     a.arg(script("raise_after.py")).env("RAISE_AFTER", "1");
     let mut a = Job::spawn(a, dir.path(), "a");
-    std::thread::sleep(Duration::from_millis(300));
+    wait_hosting(&endpoint, &mut a);
     let mut b = sh_job(&strs(&args), &format!("sleep {token}"), dir.path(), "b");
     wait_procs(&token, 1);
     let t0 = Instant::now();
@@ -242,8 +266,9 @@ fn a_sigkilled_rendezvous_host_fails_the_other_node_as_lost() {
     let token = unique_token();
     let mut args = c10d(&endpoint, "2", "hostkill");
     args.extend(["--nproc-per-node", "1", "--rdzv-lost-timeout", "2"].map(String::from));
+    // a hosts the rendezvous store before b starts.
     let mut a = sh_job(&strs(&args), &format!("sleep {token}"), dir.path(), "a");
-    std::thread::sleep(Duration::from_millis(300));
+    wait_hosting(&endpoint, &mut a);
     let mut b = sh_job(&strs(&args), &format!("sleep {token}"), dir.path(), "b");
     wait_procs(&token, 2);
     a.signal(libc::SIGKILL);

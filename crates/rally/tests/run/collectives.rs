@@ -3,7 +3,8 @@
 //! of an all_reduce, noticed by every other rank with an error naming it.
 //!
 //! The workers are this test binary itself, re-executed with `RALLY_COLL_WORKER`
-//! set to a scenario and `--exact collectives::worker` as the test filter.
+//! set to a scenario: it runs [`worker`] before the test harness starts (see
+//! `role` in `run.rs`).
 
 use rallypoint_collectives::blocking::BlockingGroup;
 use rallypoint_collectives::{bf16, Options, ReduceOp};
@@ -12,26 +13,13 @@ use super::*;
 
 pub(crate) const WORKER: &str = "RALLY_COLL_WORKER";
 
-/// Arguments that make this binary run only [`worker`].
-pub(crate) fn worker_args() -> [&'static str; 4] {
-    [
-        "--exact",
-        "collectives::worker",
-        "--nocapture",
-        "--test-threads=1",
-    ]
-}
-
 pub(crate) fn self_exe() -> String {
     std::env::current_exe().unwrap().display().to_string()
 }
 
-/// The worker side: does nothing unless this process was started as a worker.
-#[test]
-fn worker() {
-    let Ok(scenario) = std::env::var(WORKER) else {
-        return;
-    };
+/// The worker role: the scenario `RALLY_COLL_WORKER` names.
+pub(crate) fn worker() {
+    let scenario = std::env::var(WORKER).expect("RALLY_COLL_WORKER names the scenario");
     let opts = Options {
         shared_memory: !scenario.ends_with("-tcp"),
         // Across test hosts: a cut-off host is named gone after 3 s, far
@@ -106,7 +94,7 @@ fn loop_until_error(g: &BlockingGroup, progress: bool) {
                 if done == 3 {
                     println!("READY");
                 }
-                if progress && done % 10 == 0 {
+                if progress && done.is_multiple_of(10) {
                     println!("ITER {done}");
                 }
             }
@@ -130,8 +118,7 @@ fn loop_until_error(g: &BlockingGroup, progress: bool) {
 fn every_op_under_rally_run_in_four_processes() {
     let dir = tempfile::tempdir().unwrap();
     let exe = self_exe();
-    let mut args = vec!["--standalone", "--nproc-per-node", "4", "--no-python", &exe];
-    args.extend(worker_args());
+    let args = ["--standalone", "--nproc-per-node", "4", "--no-python", &exe];
     let mut cmd = rally(&args);
     cmd.env(WORKER, "ops");
     let mut job = Job::spawn(cmd, dir.path(), "ops");
@@ -155,7 +142,7 @@ fn killed_mid_all_reduce(scenario: &'static str) {
     let n = 4;
     let victim = 2;
     // The job's store: a TCPStore server the workers reach through env://.
-    let (_store, mut children) = ready_workers(&worker_args(), (WORKER, scenario), n);
+    let (_store, mut children) = ready_workers(&[], (WORKER, scenario), n);
     // SAFETY: signalling our own child.
     unsafe { libc::kill(children[victim].id() as i32, libc::SIGKILL) };
     let killed_at = std::time::SystemTime::now()

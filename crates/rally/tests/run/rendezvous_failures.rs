@@ -3,7 +3,7 @@
 //! noticed), the job store outliving the host's own workers, and a join whose
 //! rendezvous store is gone. Included by `run.rs` (one test binary).
 
-use super::agent_failures::{c10d, strs};
+use super::agent_failures::{c10d, strs, wait_hosting};
 use super::*;
 
 /// Flags of node `rank` of a two-node static job whose rank 0 hosts the
@@ -148,7 +148,7 @@ fn the_job_store_outlives_the_host_nodes_workers() {
         Job::spawn(c, dir.path(), name)
     };
     let mut a = job("a");
-    std::thread::sleep(Duration::from_millis(300));
+    wait_hosting(&endpoint, &mut a);
     let mut b = job("b");
     let (sa, sb) = (a.wait(LIMIT), b.wait(LIMIT));
     let both = format!("{}\n---\n{}", a.output(), b.output());
@@ -171,7 +171,7 @@ fn a_join_whose_rendezvous_store_is_gone_fails_within_the_lost_timeout() {
     args.extend(["--nproc-per-node", "1", "--rdzv-lost-timeout", "2"].map(String::from));
     // The host and one more node wait for a third that never comes.
     let mut host = sh(&args, "true", dir.path(), "host");
-    std::thread::sleep(Duration::from_millis(300));
+    wait_hosting(&endpoint, &mut host);
     let mut waiting = sh(&args, "true", dir.path(), "waiting");
     // Let the second node reach its wait, then stop the store's host.
     std::thread::sleep(Duration::from_secs(2));
@@ -209,7 +209,7 @@ fn a_store_that_stalls_during_the_exit_barrier_is_waited_for() {
         dir.path(),
         "host",
     );
-    std::thread::sleep(Duration::from_millis(300));
+    wait_hosting(&endpoint, &mut host);
     let mut other = sh(&args, "true", dir.path(), "other");
     wait_file(&started);
     // The other node is at the exit barrier; stop the store's host for longer
@@ -251,7 +251,7 @@ fn the_host_lingers_for_a_third_node_still_running() {
         done.display()
     );
     let mut host = sh(&args, &worker, dir.path(), "host");
-    std::thread::sleep(Duration::from_millis(300));
+    wait_hosting(&endpoint, &mut host);
     let mut b = sh(&args, &worker, dir.path(), "b");
     let mut c = sh(&args, &worker, dir.path(), "c");
     let (sh_, sb, sc) = (host.wait(LIMIT), b.wait(LIMIT), c.wait(LIMIT));
@@ -299,7 +299,8 @@ fn a_failure_elsewhere_wakes_an_agent_whose_monitor_interval_is_ten_minutes() {
         dir.path(),
         "a",
     );
-    std::thread::sleep(Duration::from_millis(300));
+    // a hosts the rendezvous store before b starts.
+    wait_hosting(&endpoint, &mut a);
     let mut b = sh(
         &args,
         &format!(

@@ -2,7 +2,9 @@
 //! and a worker SIGKILLed in the middle of a call, reported by its caller with
 //! an error naming it and the function (no hang).
 //!
-//! The workers are this test binary, re-executed with `RALLY_RPC_WORKER` set.
+//! The workers are this test binary, re-executed with `RALLY_RPC_WORKER` or
+//! `RALLY_RPC_MID_CALL` set: it runs the role before the test harness starts
+//! (see `role` in `run.rs`).
 
 use rallypoint_rpc::{init_rpc, Rpc, RpcBackendOptions};
 
@@ -10,52 +12,23 @@ use super::*;
 
 pub(crate) const WORKER: &str = "RALLY_RPC_WORKER";
 
-pub(crate) fn worker_args() -> [&'static str; 4] {
-    ["--exact", "rpc::worker", "--nocapture", "--test-threads=1"]
-}
-
-/// The worker side: does nothing unless started as a worker. Worker 0 calls
-/// worker 1's `sleep_ms` for a minute; worker 1 is killed meanwhile. Worker 0
-/// prints `ERROR <error>` and exits 3 when its call fails.
-#[test]
-fn worker() {
-    if std::env::var(WORKER).is_err() {
-        return;
-    }
+/// The `hosts` role (see `role` in `run.rs`): [`across_hosts`].
+pub(crate) fn worker() {
+    assert_eq!(
+        std::env::var(WORKER).as_deref(),
+        Ok("hosts"),
+        "RALLY_RPC_WORKER names the scenario: hosts"
+    );
     let rt = tokio::runtime::Runtime::new().unwrap();
-    if std::env::var(WORKER).as_deref() == Ok("hosts") {
-        rt.block_on(across_hosts());
-        return;
-    }
-    rt.block_on(async {
-        let rank: u32 = std::env::var("RANK").unwrap().parse().unwrap();
-        let opts = RpcBackendOptions::default();
-        opts.functions
-            .register_async("sleep_ms", |_rpc: Rpc, ms: u64| async move {
-                tokio::time::sleep(Duration::from_millis(ms)).await;
-                Ok::<u64, String>(ms)
-            })
-            .unwrap();
-        let rpc = init_rpc(&format!("w{rank}"), None, None, Some(3), Some(opts))
-            .await
-            .expect("init_rpc");
-        println!("READY");
-        if rank == 0 {
-            match rpc.rpc_sync::<_, u64>("w1", "sleep_ms", &60_000u64).await {
-                Ok(_) => println!("the call returned"),
-                Err(e) => {
-                    eprintln!("ERROR {e}");
-                    std::process::exit(3);
-                }
-            }
-        } else {
-            tokio::time::sleep(Duration::from_secs(60)).await;
-        }
-    });
+    rt.block_on(across_hosts());
 }
 
-/// The heartbeat deadline of the `hosts` scenario.
+/// The heartbeat deadline of the `hosts` scenario, unless [`HEARTBEAT_MS`]
+/// says otherwise.
 pub(crate) const HEARTBEAT: Duration = Duration::from_secs(3);
+
+/// Sets the `hosts` scenario's heartbeat deadline, in milliseconds.
+pub(crate) const HEARTBEAT_MS: &str = "RALLY_RPC_HEARTBEAT_MS";
 
 /// Scenario `hosts`: three workers, w2 the callee. w0 and w1 each hold an
 /// RRef that w2 owns (checked once), print `READY`, then call w2's
@@ -65,8 +38,12 @@ pub(crate) const HEARTBEAT: Duration = Duration::from_secs(3);
 /// the RRef's next use, and exit 3. w2 serves until killed.
 async fn across_hosts() {
     let rank: u32 = std::env::var("RANK").unwrap().parse().unwrap();
+    let heartbeat = match std::env::var(HEARTBEAT_MS) {
+        Ok(ms) => Duration::from_millis(ms.parse().expect("RALLY_RPC_HEARTBEAT_MS: milliseconds")),
+        Err(_) => HEARTBEAT,
+    };
     let opts = RpcBackendOptions {
-        heartbeat: HEARTBEAT,
+        heartbeat,
         ..RpcBackendOptions::default()
     };
     opts.functions
@@ -109,11 +86,54 @@ async fn across_hosts() {
     }
 }
 
+/// Names the directory where the `mid-call` scenario's callee marks the
+/// call it runs.
+pub(crate) const MID_CALL: &str = "RALLY_RPC_MID_CALL";
+
+/// The `mid-call` role: worker 0 calls worker 1's `sleep_ms` for a minute,
+/// and prints `ERROR <error>` and exits 3 when its call fails; worker 1
+/// creates the file `started` in the directory `RALLY_RPC_MID_CALL` names when
+/// the call begins, so the test kills it provably in the middle of the call.
+pub(crate) fn mid_call_worker() {
+    let dir = std::env::var(MID_CALL).expect("RALLY_RPC_MID_CALL names a directory");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let rank: u32 = std::env::var("RANK").unwrap().parse().unwrap();
+        let opts = RpcBackendOptions::default();
+        let started = std::path::PathBuf::from(dir).join("started");
+        opts.functions
+            .register_async("sleep_ms", move |_rpc: Rpc, ms: u64| {
+                std::fs::write(&started, b"").expect("mark the call started");
+                async move {
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                    Ok::<u64, String>(ms)
+                }
+            })
+            .unwrap();
+        let rpc = init_rpc(&format!("w{rank}"), None, None, Some(3), Some(opts))
+            .await
+            .expect("init_rpc");
+        println!("READY");
+        if rank == 0 {
+            match rpc.rpc_sync::<_, u64>("w1", "sleep_ms", &60_000u64).await {
+                Ok(_) => println!("the call returned"),
+                Err(e) => {
+                    eprintln!("ERROR {e}");
+                    std::process::exit(3);
+                }
+            }
+        } else {
+            tokio::time::sleep(Duration::from_secs(60)).await;
+        }
+    });
+}
+
 #[test]
 fn a_worker_killed_mid_call_is_named_by_its_caller() {
-    let (_store, mut children) = ready_workers(&worker_args(), (WORKER, "1"), 3);
-    // Let the call reach worker 1, then kill it.
-    std::thread::sleep(Duration::from_millis(300));
+    let dir = tempfile::tempdir().unwrap();
+    let (_store, mut children) = ready_workers(&[], (MID_CALL, dir.path().to_str().unwrap()), 3);
+    // Kill worker 1 once it runs the call (it says so).
+    wait_for(&dir.path().join("started"), LIMIT);
     // SAFETY: signalling our own child.
     unsafe { libc::kill(children[1].id() as i32, libc::SIGKILL) };
     let mut err = String::new();

@@ -9,6 +9,7 @@
 //! no-op when fresh) and staged with `python/rallypoint` on PYTHONPATH, as
 //! `pip install .` lays it out.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
@@ -149,12 +150,77 @@ fn children_logs(paths: &[PathBuf]) -> String {
         .collect()
 }
 
-fn all_ops_passed(n: usize, (res, log): (Vec<Value>, String)) {
+/// The checks `every_op` in `torch_backend.py` makes on rank `me` of a group
+/// of `k`: per dtype (4 floating, 5 not), all_reduce with each reduce op
+/// (5 on floats, 7 on the others) sync and async, broadcast from each root,
+/// all_gather's k parts, all_gather_into_tensor, reduce_scatter in its two
+/// forms, scatter, all_to_all_single even and split, all_to_all's k parts;
+/// reduce at the last rank and gather's k parts at the first; then send/recv
+/// with two tags and batch_isend_irecv.
+fn every_op_checks(k: u64, me: u64) -> u64 {
+    let all_reduce = 2 * (4 * 5 + 5 * 7);
+    let per_dtype_k = 3 * k; // broadcast, all_gather, all_to_all
+    let per_dtype_one = 1 + 2 + 1 + 2; // into_tensor, reduce_scatter x2, scatter, a2a_single x2
+    let root_only = u64::from(me == k - 1) + if me == 0 { k } else { 0 };
+    all_reduce + 9 * (per_dtype_k + per_dtype_one + root_only) + 3
+}
+
+/// The checks each section of the `ops` scenario makes on rank `r` of `n`,
+/// by the section's name in the rank's JSON. A section that stops checking
+/// (a loop over nothing, a group skipped, an op never compared) changes its
+/// count.
+pub(super) fn ops_sections(n: u64, r: u64) -> BTreeMap<String, u64> {
+    let mut want = BTreeMap::new();
+    want.insert("every_op".to_owned(), every_op_checks(n, r));
+    want.insert("objects".to_owned(), 3 + u64::from(r == 0));
+    want.insert("bad_input".to_owned(), 3);
+    let subsets: [Vec<u64>; 3] = [
+        (0..n).collect(),
+        (0..n).filter(|i| i % 2 == 0).collect(),
+        (1..n).collect(),
+    ];
+    for ranks in subsets {
+        if let Some(me) = ranks
+            .iter()
+            .position(|&x| x == r)
+            .filter(|_| ranks.len() > 1)
+        {
+            let name = format!("subgroup {ranks:?}");
+            // get_backend, then every op in the group.
+            want.insert(name, 1 + every_op_checks(ranks.len() as u64, me as u64));
+        }
+    }
+    // Net has four used parameters, each compared; with the unused layer,
+    // its two parameters are checked to have no gradient.
+    for (name, checks) in [
+        ("ddp []", 4),
+        ("ddp ['gradient_as_bucket_view']", 4),
+        ("ddp ['find_unused_parameters', 'unused']", 6),
+        ("ddp ['no_sync']", 4),
+        ("ddp ['hook']", 4),
+    ] {
+        want.insert(name.to_owned(), checks);
+    }
+    want.insert("device_mesh".to_owned(), 1 + u64::from(n == 4));
+    want.insert("reinit cpu:rally".to_owned(), 2);
+    want.insert("reinit cpu:rally,cuda:gloo".to_owned(), 2);
+    want
+}
+
+/// Every rank of an `ops` run ended well, having made every section's checks.
+pub(super) fn all_ops_passed(n: usize, (res, log): (Vec<Value>, String)) {
     assert_eq!(res.len(), n, "{log}");
     for v in &res {
         assert_eq!(v["ok"], true, "{v}\n{log}");
         assert_eq!(v["world_size"], n as u64, "{v}");
-        assert!(v["checks"].as_u64().unwrap() > 200, "{v}");
+        let r = v["rank"].as_u64().expect("rank");
+        let got: BTreeMap<String, u64> = serde_json::from_value(v["sections"].clone())
+            .unwrap_or_else(|e| panic!("sections of rank {r}: {e}\n{v}"));
+        assert_eq!(
+            got,
+            ops_sections(n as u64, r),
+            "rank {r}'s checks by section"
+        );
     }
 }
 

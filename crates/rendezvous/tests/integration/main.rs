@@ -5,6 +5,23 @@ mod dynamic;
 #[cfg(feature = "etcd")]
 mod etcd;
 
+/// Roles: a test starts copies of this binary as child processes, with an
+/// environment variable naming the role; such a process runs it here, before
+/// the test harness starts, and exits (no role is a test, so none is ever
+/// counted as one). A role that panics exits 101, as a failed test does.
+#[cfg(feature = "etcd")]
+#[ctor::ctor(unsafe)]
+fn role() {
+    if std::env::var_os(etcd::ROLE_ETCD).is_none() {
+        return;
+    }
+    let code = match std::panic::catch_unwind(etcd::member) {
+        Ok(()) => 0,
+        Err(_) => 101,
+    };
+    std::process::exit(code);
+}
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -52,15 +69,55 @@ fn args() -> InitArgs {
     }
 }
 
+/// Starts rank `rank`'s rendezvous.
+fn start_rank(
+    rank: usize,
+    url: &impl Fn(usize) -> (String, InitArgs),
+) -> tokio::task::JoinHandle<Result<Rendezvoused, InitError>> {
+    let (u, a) = url(rank);
+    tokio::spawn(async move { rendezvous(&u, a).unwrap().next().await })
+}
+
 /// Runs `n` ranks' rendezvous concurrently and checks they share one store.
 async fn all_ranks(n: usize, url: impl Fn(usize) -> (String, InitArgs)) -> Vec<Rendezvoused> {
-    let mut tasks = Vec::new();
-    for rank in 0..n {
-        let (u, a) = url(rank);
-        tasks.push(tokio::spawn(async move {
-            rendezvous(&u, a).unwrap().next().await
-        }));
+    let tasks = (0..n).map(|rank| start_rank(rank, &url)).collect();
+    shared(n, tasks).await
+}
+
+/// Runs rank 0's rendezvous alone until something listens at `port`, then
+/// the other ranks': rank 0 is then, provably, the one that hosts the store
+/// (nothing else that could listen there is running). Rank 0 cannot finish
+/// alone: as the store's master it waits for the other `n - 1`.
+async fn rank_zero_hosts(
+    n: usize,
+    port: u16,
+    url: impl Fn(usize) -> (String, InitArgs),
+) -> Vec<Rendezvoused> {
+    let zero = start_rank(0, &url);
+    let t0 = std::time::Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(!zero.is_finished(), "rank 0 ended alone, never listening");
+        // Expected within milliseconds; 10 s is the rendezvous timeout.
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "rank 0, alone, never listened at port {port}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
+    assert!(
+        !zero.is_finished(),
+        "rank 0 finished before the others came"
+    );
+    let mut tasks = vec![zero];
+    tasks.extend((1..n).map(|rank| start_rank(rank, &url)));
+    shared(n, tasks).await
+}
+
+/// The ranks' results, checked to share one store, sorted by rank.
+async fn shared(
+    n: usize,
+    tasks: Vec<tokio::task::JoinHandle<Result<Rendezvoused, InitError>>>,
+) -> Vec<Rendezvoused> {
     let mut out = Vec::new();
     for t in tasks {
         out.push(t.await.unwrap().unwrap());
@@ -101,7 +158,7 @@ async fn file_urls_share_one_file_store() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tcp_urls_have_rank_zero_host_the_store() {
     let port = free_port();
-    let out = all_ranks(3, |rank| {
+    let out = rank_zero_hosts(3, port, |rank| {
         (
             format!("tcp://127.0.0.1:{port}?rank={rank}&world_size=3"),
             args(),
@@ -111,7 +168,7 @@ async fn tcp_urls_have_rank_zero_host_the_store() {
     // Rank and size may come from the arguments instead of the query.
     drop(out);
     let port = free_port();
-    all_ranks(2, |rank| {
+    rank_zero_hosts(2, port, |rank| {
         let a = InitArgs {
             rank: Some(rank),
             world_size: Some(2),
@@ -243,18 +300,32 @@ fn static_params(port: u16, rank: usize, nodes: usize) -> RendezvousParameters {
 async fn static_backend_forms_a_fixed_group_with_rank_zero_hosting() {
     let registry = Arc::new(Registry::with_builtins());
     let port = free_port();
-    let mut tasks = Vec::new();
-    for rank in 0..3 {
+    let start = |rank: usize| {
         let registry = registry.clone();
-        tasks.push(tokio::spawn(async move {
+        tokio::spawn(async move {
             let h = registry
                 .create_handler(static_params(port, rank, 3))
                 .await
                 .unwrap();
             let info = h.next_rendezvous().await.unwrap();
             (h, info)
-        }));
+        })
+    };
+    // Rank 0 alone until the store's port listens: rank 0 is then provably
+    // the one that hosts it (it cannot finish alone: the group is 3 nodes).
+    let zero = start(0);
+    let t0 = std::time::Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(!zero.is_finished(), "rank 0 ended alone, never listening");
+        // Expected within milliseconds; 10 s is the rendezvous timeout.
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "rank 0, alone, never listened at port {port}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
+    let mut tasks = vec![zero];
+    tasks.extend((1..3).map(start));
     let mut nodes = Vec::new();
     for t in tasks {
         nodes.push(t.await.unwrap());

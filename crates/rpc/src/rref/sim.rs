@@ -53,7 +53,17 @@
 //!    shutdown, each is settled (nothing left to wait for).
 //! 5. A handle the program holds always has its entry in its worker's table.
 //!
-//! A failing seed prints the command that replays it with its trace.
+//! A run that never gets quiet (2,000,000 steps) breaks 3: something waits
+//! forever. A failing seed prints the command that replays it with its trace.
+//!
+//! # Proof that it tests something
+//!
+//! A fault drawn is not a fault that happened: a kill needs its program step
+//! and a second live worker, a loss needs a message to lose. [`Fired`] counts
+//! the faults that happened, by kind; the seeds test prints them and fails if
+//! a kind stops happening. And each invariant has a test that breaks one rule
+//! on purpose ([`Sabotage`]) and requires the first seed that fails to break
+//! that invariant: a check that cannot fail would pass it too.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
@@ -65,6 +75,66 @@ use crate::Error;
 
 #[cfg(test)]
 mod tests;
+
+/// Faults that happened in a run, by kind (not those drawn: see the module
+/// docs).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Fired {
+    /// Workers killed.
+    pub kills: u64,
+    /// Live workers taken for gone by another.
+    pub suspicions: u64,
+    /// Tries of control messages lost between live workers.
+    pub lost: u64,
+    /// Lost tries that arrived after all (late, or a second time).
+    pub late: u64,
+    /// Sends that failed before they left (their forks cancelled).
+    pub cancelled: u64,
+    /// Messages that reached a live worker undecodable.
+    pub undecodable: u64,
+    /// `remote()` functions that failed.
+    pub failed: u64,
+    /// Calls and uses that reached their deadline unanswered.
+    pub timeouts: u64,
+}
+
+impl Fired {
+    /// Each kind with its count, in a fixed order.
+    pub fn kinds(&self) -> [(&'static str, u64); 8] {
+        [
+            ("kills", self.kills),
+            ("suspicions", self.suspicions),
+            ("lost tries", self.lost),
+            ("late tries", self.late),
+            ("cancelled sends", self.cancelled),
+            ("undecodable messages", self.undecodable),
+            ("failed functions", self.failed),
+            ("timeouts", self.timeouts),
+        ]
+    }
+}
+
+/// A rule broken on purpose, to show that an invariant can fail (the tests
+/// `invariant_*_catches_*`). Each breaks what one invariant relies on, in
+/// the agent's part that the simulator plays or in the program; the tables
+/// stay as they are (their own test hook is [`Sim::broken`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sabotage {
+    /// Invariant 1 (G1): a worker that receives a fork from a user accepts
+    /// it to its parent at once, before the owner has recorded it, so the
+    /// parent may go, and the value with it.
+    EarlyAccept,
+    /// Invariant 2 (G2): the agent never sends a USER_DELETE, so owners keep
+    /// their users' records. (With a graceful shutdown, invariant 4 finds
+    /// the owner waiting for them first.)
+    LostUserDelete,
+    /// Invariant 3: an owner never answers a fetch.
+    UnansweredFetch,
+    /// Invariant 4: a graceful shutdown does not release the users held.
+    NoRelease,
+    /// Invariant 5: the program keeps an owner handle it dropped.
+    KeptOwnerHandle,
+}
 
 /// What a seed draws.
 #[derive(Debug, Clone)]
@@ -279,27 +349,46 @@ pub struct Sim {
     srng: fastrand::Rng,
     pub trace: Vec<String>,
     keep_trace: bool,
-    broken: Option<String>,
+    /// The first broken invariant: its number and what broke it.
+    broken: Option<(u8, String)>,
     /// Steps taken (events handled).
     pub steps: u64,
+    /// Faults that happened so far.
+    pub fired: Fired,
+    /// A rule broken on purpose (see [`Sabotage`]).
+    sabotage: Option<Sabotage>,
 }
 
 /// A broken invariant, with the trace that led to it.
 #[derive(Debug)]
 pub struct Violation {
     pub seed: u64,
+    /// Its number in the module docs (G1 is 1, G2 is 2).
+    pub invariant: u8,
     pub what: String,
     pub trace: Vec<String>,
+    /// The rule broken on purpose in that run, if any.
+    pub sabotage: Option<Sabotage>,
+}
+
+/// The command that replays `seed` with its trace.
+pub fn replay_command(seed: u64) -> String {
+    format!(
+        "RALLY_SIM_SEED={seed} cargo nextest run -p rallypoint-rpc --lib rref::sim::tests::ten_thousand_seeds_keep_every_invariant --no-capture"
+    )
 }
 
 impl std::fmt::Display for Violation {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        writeln!(f, "seed {}: {}", self.seed, self.what)?;
         writeln!(
             f,
-            "replay: RALLY_SIM_SEED={} cargo nextest run -p rallypoint-rpc --lib rref::sim::tests::replay --no-capture",
-            self.seed
+            "seed {}: invariant {}: {}",
+            self.seed, self.invariant, self.what
         )?;
+        match self.sabotage {
+            None => writeln!(f, "replay: {}", replay_command(self.seed))?,
+            Some(s) => writeln!(f, "(with {s:?} broken on purpose)")?,
+        }
         for l in self.trace.iter().rev().take(60).rev() {
             writeln!(f, "  {l}")?;
         }
@@ -359,6 +448,8 @@ impl Sim {
             keep_trace,
             broken: None,
             steps: 0,
+            fired: Fired::default(),
+            sabotage: None,
         };
         sim.at(0, Ev::Op);
         // During the program (its ops are about 10 ms apart).
@@ -367,6 +458,16 @@ impl Sim {
             sim.at(t, Ev::Suspect);
         }
         sim
+    }
+
+    /// This run with `rule` broken (see [`Sabotage`]).
+    pub fn sabotaged(mut self, rule: Sabotage) -> Sim {
+        self.sabotage = Some(rule);
+        self
+    }
+
+    fn is_sabotaged(&self, rule: Sabotage) -> bool {
+        self.sabotage == Some(rule)
     }
 
     fn at(&mut self, delay: u64, ev: Ev) {
@@ -390,10 +491,11 @@ impl Sim {
         }
     }
 
-    fn violate(&mut self, what: String) {
+    /// Invariant `invariant` (numbered as in the module docs) is broken.
+    fn violate(&mut self, invariant: u8, what: String) {
         if self.broken.is_none() {
-            self.log(|| format!("BROKEN: {what}"));
-            self.broken = Some(what);
+            self.log(|| format!("BROKEN: invariant {invariant}: {what}"));
+            self.broken = Some((invariant, what));
         }
     }
 
@@ -430,7 +532,7 @@ impl Sim {
                     break;
                 }
                 if self.steps > 2_000_000 {
-                    self.violate("the run did not end (2,000,000 steps)".into());
+                    self.violate(3, "the run did not end (2,000,000 steps)".into());
                     break;
                 }
             }
@@ -454,10 +556,12 @@ impl Sim {
         }
         match self.broken.take() {
             None => Ok(self),
-            Some(what) => Err(Violation {
+            Some((invariant, what)) => Err(Violation {
                 seed: self.seed,
+                invariant,
                 what,
                 trace: std::mem::take(&mut self.trace),
+                sabotage: self.sabotage,
             }),
         }
     }
@@ -505,6 +609,9 @@ impl Sim {
                     return;
                 }
                 self.log(|| format!("w{at}: function for {rref} done, ok={ok}"));
+                if !ok {
+                    self.fired.failed += 1;
+                }
                 let v = if ok {
                     Ok(rref.local)
                 } else {
@@ -519,6 +626,7 @@ impl Sim {
                 let Some(stage) = self.uses.get(&wait).map(|u| u.stage) else {
                     return;
                 };
+                self.fired.timeouts += 1;
                 self.log(|| format!("use {wait}: deadline"));
                 match stage {
                     Stage::Confirming => {
@@ -540,6 +648,7 @@ impl Sim {
                 }
                 c.done = true;
                 let (at, fork) = (c.at, c.fork);
+                self.fired.timeouts += 1;
                 self.log(|| format!("w{at}: remote call {call} timed out"));
                 let e = Error::Timeout {
                     worker: "owner".into(),
@@ -682,6 +791,7 @@ impl Sim {
             return;
         }
         if chance(&mut self.rng, self.cfg.cancel) {
+            self.fired.cancelled += 1;
             self.log(|| format!("w{w}: send of {made:?} to w{dest} failed before it left"));
             self.on(w, |t, out| t.cancel_children(&made, out));
             return;
@@ -726,7 +836,12 @@ impl Sim {
         let Some(i) = self.pick(&free) else {
             return;
         };
-        let h = self.workers[w as usize].held.remove(i);
+        let h = held[i];
+        // Sabotage: an owner handle dropped stays in the program's hands.
+        let kept = self.is_sabotaged(Sabotage::KeptOwnerHandle) && matches!(h, Held::Owner(_));
+        if !kept {
+            self.workers[w as usize].held.remove(i);
+        }
         self.drop_handle(w, h);
     }
 
@@ -748,7 +863,10 @@ impl Sim {
                 // A handle of a value deleted on a suspicion (or a death) is
                 // of nothing: its use fails.
                 if self.workers[w as usize].table.value(r).is_none() && !self.tainted.contains(&r) {
-                    self.violate(format!("w{w} holds an owner handle of {r} with no entry"));
+                    self.violate(
+                        5,
+                        format!("w{w} holds an owner handle of {r} with no entry"),
+                    );
                 }
             }
             Held::User { rref, fork } => {
@@ -796,9 +914,10 @@ impl Sim {
                 self.log(|| format!("use {id}: ends with the user's error"));
                 self.uses.remove(&id);
             }
-            UserStatus::Unknown => self.violate(format!(
-                "w{w}: use {id} of a held user {fork} with no entry"
-            )),
+            UserStatus::Unknown => self.violate(
+                5,
+                format!("w{w}: use {id} of a held user {fork} with no entry"),
+            ),
         }
     }
 
@@ -807,6 +926,7 @@ impl Sim {
             return;
         }
         self.kills_left -= 1;
+        self.fired.kills += 1;
         self.log(|| format!("w{w}: KILLED"));
         let t = &self.workers[w as usize].table;
         let mut tainted: Vec<RRefId> = t.owned();
@@ -832,6 +952,7 @@ impl Sim {
         let at = live[self.srng.usize(0..live.len())];
         let others: Vec<u32> = live.into_iter().filter(|&w| w != at).collect();
         let peer = others[self.srng.usize(0..others.len())];
+        self.fired.suspicions += 1;
         self.log(|| format!("w{at}: SUSPECTS live w{peer}"));
         // As for a kill, the values the suspect holds or owns are exempt
         // from G1 from now on, and so are those of forks on their way to it
@@ -910,7 +1031,8 @@ impl Sim {
         t.tick(now);
         let r = f(t, &mut out);
         self.apply(w, out);
-        if self.workers[w as usize].shutting {
+        // Sabotage: shutdown forgets to release the users held.
+        if self.workers[w as usize].shutting && !self.is_sabotaged(Sabotage::NoRelease) {
             let mut out = Vec::new();
             self.workers[w as usize].table.release_users(&mut out);
             self.apply(w, out);
@@ -921,6 +1043,12 @@ impl Sim {
     fn apply(&mut self, w: u32, out: Vec<Effect<u64>>) {
         for e in out {
             match e {
+                Effect::Send {
+                    msg: Control::UserDelete { rref, fork },
+                    to,
+                } if self.is_sabotaged(Sabotage::LostUserDelete) => {
+                    self.log(|| format!("w{w}: loses USER_DELETE of {fork} ({rref}) to w{to}"));
+                }
                 Effect::Send { to, msg } => {
                     self.log(|| format!("w{w}: sends {msg:?} to w{to}"));
                     self.at(
@@ -999,6 +1127,7 @@ impl Sim {
         let lost = !last && chance(&mut self.rng, self.cfg.loss);
         let d = self.delay();
         if lost {
+            self.fired.lost += 1;
             // Lost, or only its answer was: it may still arrive, late.
             if self.rng.bool() {
                 let late = d + self.rng.u64(0..=5_000);
@@ -1050,6 +1179,10 @@ impl Sim {
         }
         match msg {
             Msg::Control { c, answer, .. } => {
+                // Only a lost try arrives unanswered: it came late after all.
+                if !answer {
+                    self.fired.late += 1;
+                }
                 self.log(|| format!("w{to}: receives {c:?} from w{from}"));
                 let r = match c.clone() {
                     Control::UserDelete { rref, fork } => {
@@ -1077,12 +1210,30 @@ impl Sim {
                 }
             }
             Msg::Carry { forks, undecodable } => {
+                if undecodable {
+                    self.fired.undecodable += 1;
+                }
                 self.log(|| format!("w{to}: receives forks from w{from}"));
                 let mut adopted = Vec::new();
                 for f in forks {
                     let kind = self.on(to, |t, out| {
                         t.adopt(f.owner, f.rref, f.fork, f.parent, "forked", out)
                     });
+                    if self.is_sabotaged(Sabotage::EarlyAccept)
+                        && matches!(kind, Adoption::User { unconfirmed: true })
+                    {
+                        // Sabotage: accepted before the owner recorded it.
+                        self.log(|| format!("w{to}: accepts {} at once", f.fork));
+                        self.at(
+                            0,
+                            Ev::Try {
+                                at: to,
+                                to: f.parent,
+                                msg: Control::ChildAccept { fork: f.fork },
+                                attempt: 0,
+                            },
+                        );
+                    }
                     adopted.push(match kind {
                         Adoption::Owner => Held::Owner(f.rref),
                         Adoption::User { .. } => Held::User {
@@ -1157,7 +1308,7 @@ impl Sim {
                     });
                 if let Err(e) = result {
                     if held && e.contains("gone") && !self.tainted.contains(&u.rref) {
-                        self.violate(format!(
+                        self.violate(1, format!(
                             "G1: w{}'s use {wait} of user {} found {} deleted at its owner w{} ({e})",
                             u.at, u.fork, u.rref, u.owner
                         ));
@@ -1238,6 +1389,8 @@ impl Sim {
                     keep.push((wait, from, rref));
                     continue;
                 }
+                // Sabotage: the owner never answers.
+                _ if self.is_sabotaged(Sabotage::UnansweredFetch) => continue,
                 Some(OwnerState::Ready(_)) => Ok(()),
                 Some(OwnerState::Failed(m)) => Err(format!("failed: {m}")),
                 None => Err(format!("{rref} is gone")),
@@ -1260,7 +1413,7 @@ impl Sim {
                 "use {id} of user {} ({}) on w{} never ended ({:?}, deadline {:?})",
                 u.fork, u.rref, u.at, u.stage, u.deadline
             );
-            return self.violate(what);
+            return self.violate(3, what);
         }
         self.uses.clear();
         if self.cfg.shutdown {
@@ -1284,7 +1437,7 @@ impl Sim {
                         t.counts(),
                         t.user_list()
                     );
-                    return self.violate(what);
+                    return self.violate(4, what);
                 }
             }
         }
@@ -1316,7 +1469,7 @@ impl Sim {
                     t.owned(),
                     t.user_list()
                 );
-                return self.violate(what);
+                return self.violate(2, what);
             }
         }
     }
@@ -1329,9 +1482,10 @@ impl Sim {
         for w in self.live() {
             for (fork, r, _, held) in self.workers[w as usize].table.user_list() {
                 if r == rref && held {
-                    return self.violate(format!(
-                        "G1: w{owner} deleted {rref} while w{w} holds its user {fork}"
-                    ));
+                    return self.violate(
+                        1,
+                        format!("G1: w{owner} deleted {rref} while w{w} holds its user {fork}"),
+                    );
                 }
             }
         }
@@ -1348,9 +1502,10 @@ impl Sim {
             _ => false,
         });
         if carried {
-            self.violate(format!(
-                "G1: w{owner} deleted {rref} while a message carries a fork of it"
-            ));
+            self.violate(
+                1,
+                format!("G1: w{owner} deleted {rref} while a message carries a fork of it"),
+            );
         }
     }
 
@@ -1368,7 +1523,7 @@ impl Sim {
                 };
                 if !ok {
                     let what = format!("w{w} holds {h:?}, which its table does not know");
-                    return self.violate(what);
+                    return self.violate(5, what);
                 }
             }
         }

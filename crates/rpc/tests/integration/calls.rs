@@ -196,18 +196,45 @@ async fn garbage_on_the_port_is_refused_and_the_group_goes_on() {
     shutdown_all(ws).await;
 }
 
+/// The callee goes while it runs the call (it says when it has started):
+/// the call fails naming it, and is not left to the call timeout (30 s).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_gone_mid_call_fails_the_call_naming_it() {
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    use std::sync::Arc;
     for backend in [BackendType::tcp(), BackendType::process_group()] {
-        let mut ws = group(3, backend.clone()).await;
-        let call = ws[0].rpc_async::<_, u64>("w1", "sleep_ms", &5000u64);
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        let started = Arc::new(AtomicUsize::new(0));
+        let s = started.clone();
+        let mut ws: Vec<rallypoint_rpc::Rpc> = group_with(3, backend.clone(), move |_, o| {
+            let s = s.clone();
+            o.functions
+                .register_async(
+                    "sleep_ms_marked",
+                    move |_rpc: rallypoint_rpc::Rpc, ms: u64| {
+                        s.fetch_add(1, SeqCst);
+                        async move {
+                            tokio::time::sleep(Duration::from_millis(ms)).await;
+                            Ok::<u64, String>(ms)
+                        }
+                    },
+                )
+                .unwrap();
+        })
+        .await
+        .into_iter()
+        .map(|r| r.expect("init_rpc"))
+        .collect();
+        // Longer than the test: only the callee's going can end the call.
+        let call = ws[0].rpc_async::<_, u64>("w1", "sleep_ms_marked", &600_000u64);
+        eventually("w1 runs the call", || started.load(SeqCst) == 1).await;
         let w1 = ws.remove(1);
         let t0 = std::time::Instant::now();
         w1.shutdown(false, None).await.unwrap();
         let e = call.await.unwrap_err();
+        // Noticed at once (expected in milliseconds): the bound, half the
+        // 30 s call timeout, tells that from the timeout.
         assert!(
-            t0.elapsed() < Duration::from_secs(3),
+            t0.elapsed() < Duration::from_secs(15),
             "{backend}: noticed in {:?}",
             t0.elapsed()
         );

@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use rallypoint_rpc::transport::{BoxFuture, Outgoing, Transport};
 use rallypoint_rpc::{BackendType, Payload, RRef, Rpc};
 
 use crate::harness::*;
@@ -25,30 +26,183 @@ async fn still_healthy(ws: &[Rpc], refs: &[(&RRef<i64>, i64)]) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_given_up_mid_send_leaves_both_workers_healthy() {
-    given_up_mid_send(BackendType::tcp()).await;
+    given_up_mid_send(BackendType::tcp(), "WATCHED_TCP", true).await;
 }
 
 /// On PROCESS_GROUP, a send dropped mid-way used to abort the whole group.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_given_up_on_the_process_group_backend_leaves_the_group_usable() {
-    given_up_mid_send(BackendType::process_group()).await;
+    given_up_mid_send(BackendType::process_group(), "WATCHED_PG", false).await;
 }
 
-async fn given_up_mid_send(backend: BackendType) {
-    let ws = group(2, backend).await;
+/// A message of at least this much bulk is one the watch counts.
+const WATCHED_BULK: u64 = 1 << 20;
+
+/// What the test sees of a [`Watched`] backend's transports: each rank's
+/// own transport (to ask when it last heard from a peer), and how many
+/// messages of [`WATCHED_BULK`] or more were handed to a transport.
+#[derive(Default)]
+struct Watch {
+    transports: std::sync::Mutex<Vec<(u32, std::sync::Arc<dyn Transport>)>>,
+    handed: std::sync::atomic::AtomicUsize,
+    handed_note: tokio::sync::Notify,
+}
+
+impl Watch {
+    /// When rank `at` last heard from rank `from` below the message level
+    /// (for TCP: read bytes of a message from it).
+    fn heard(&self, at: u32, from: u32) -> Option<std::time::Instant> {
+        let ts = self.transports.lock().unwrap();
+        let t = ts.iter().find(|(r, _)| *r == at).expect("rank's transport");
+        t.1.heard_from(from)
+    }
+}
+
+/// A backend over `inner` that tells its [`Watch`] of every large message
+/// handed to the transport (once the transport's send has been polled: TCP
+/// has queued the frames for its writers, PROCESS_GROUP has started the task
+/// that sends the message whatever its caller does).
+struct Watched {
+    inner: std::sync::Arc<dyn Transport>,
+    watch: std::sync::Arc<Watch>,
+}
+
+impl Transport for Watched {
+    fn address(&self) -> String {
+        self.inner.address()
+    }
+    fn add_peer(&self, id: u32, addr: &str) {
+        self.inner.add_peer(id, addr)
+    }
+    fn remove_peer(&self, id: u32) {
+        self.inner.remove_peer(id)
+    }
+    fn send(&self, to: u32, msg: Outgoing) -> BoxFuture<'_, std::result::Result<(), String>> {
+        let big = msg.bulk_len() >= WATCHED_BULK;
+        let mut send = self.inner.send(to, msg);
+        let watch = self.watch.clone();
+        let mut first = true;
+        Box::pin(std::future::poll_fn(move |cx| {
+            let r = send.as_mut().poll(cx);
+            if std::mem::take(&mut first) && big {
+                watch
+                    .handed
+                    .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                watch.handed_note.notify_one();
+            }
+            r
+        }))
+    }
+    fn shutdown(&self, graceful: bool) -> BoxFuture<'_, ()> {
+        self.inner.shutdown(graceful)
+    }
+    fn heard_from(&self, peer: u32) -> Option<std::time::Instant> {
+        self.inner.heard_from(peer)
+    }
+}
+
+/// Registers backend `name`: [`Watched`] over `inner`, each rank's transport
+/// kept in `watch`.
+fn register_watched(name: &str, inner: BackendType, watch: std::sync::Arc<Watch>) -> BackendType {
+    use rallypoint_rpc::registry::{BackendContext, OptionsArgs};
+    rallypoint_rpc::register_backend(
+        name,
+        std::sync::Arc::new(|a: OptionsArgs| {
+            Ok(rallypoint_rpc::RpcBackendOptions {
+                rpc_timeout: a.rpc_timeout,
+                init_method: a.init_method,
+                ..Default::default()
+            })
+        }),
+        std::sync::Arc::new(move |cx: BackendContext| {
+            let (inner, watch) = (inner.clone(), watch.clone());
+            Box::pin(async move {
+                let rank = cx.rank;
+                let t = rallypoint_rpc::init_backend(&inner, cx).await?;
+                watch.transports.lock().unwrap().push((rank, t.clone()));
+                Ok(std::sync::Arc::new(Watched { inner: t, watch })
+                    as std::sync::Arc<dyn Transport>)
+            })
+        }),
+    )
+    .expect("register the watched backend")
+}
+
+/// Calls given up while their 64 MiB argument is on its way, over `inner`
+/// (registered as `name`, watched). The caller gives up (as a `select!` or
+/// a timeout around the call does) only once the send is provably under
+/// way: the message is handed to the transport, and, with `frames` (TCP,
+/// whose writers skip a frame not yet begun when its caller has left), w1
+/// has read bytes of it. Each such call must then be finished and served
+/// on w1 (a send begun is finished, never cut), and both workers stay
+/// healthy.
+async fn given_up_mid_send(inner: BackendType, name: &str, frames: bool) {
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    use std::sync::Arc;
+    let watch = Arc::new(Watch::default());
+    let ty = register_watched(name, inner, watch.clone());
+    // Calls of `payload_seen` served on w1.
+    let seen = Arc::new(AtomicUsize::new(0));
+    let s2 = seen.clone();
+    let ws: Vec<Rpc> = group_with(2, ty, move |_, o| {
+        // No heartbeat probes: nothing but the calls goes from w0 to w1.
+        o.heartbeat = Duration::ZERO;
+        let seen = s2.clone();
+        o.functions
+            .register("payload_seen", move |p: Payload| {
+                seen.fetch_add(1, SeqCst);
+                (p.device.to_string(), p.data.len() as u64, 0u64)
+            })
+            .unwrap();
+    })
+    .await
+    .into_iter()
+    .map(|r| r.expect("init_rpc"))
+    .collect();
     // Values each worker holds on the other.
     let r: RRef<i64> = ws[0].remote("w1", "counter", &7i64).unwrap();
     let s: RRef<i64> = ws[1].remote("w0", "counter", &9i64).unwrap();
     still_healthy(&ws, &[(&r, 7), (&s, 9)]).await;
-    // Calls given up while their 64 MiB argument is on its way: by the
-    // caller (a select! or timeout around the call) and by the call's own
-    // deadline. Each call is 4 streams wide.
+    // Each call is 4 streams wide (TCP).
     let big = Payload::cpu(vec![7u8; 64 << 20]);
-    for _ in 0..3 {
-        let call = ws[0].rpc_sync::<_, (String, u64, u64)>("w1", "payload_info", &big);
-        let r = tokio::time::timeout(Duration::from_millis(2), call).await;
-        assert!(r.is_err(), "{r:?}");
+    for i in 0..3 {
+        // Nothing else goes from w0 to w1 meanwhile: the last given-up
+        // call was read whole (and served) before this one starts.
+        let before = watch.heard(1, 0);
+        let handed = watch.handed.load(SeqCst);
+        let mut call =
+            Box::pin(ws[0].rpc_sync::<_, (String, u64, u64)>("w1", "payload_seen", &big));
+        // Run the call until it hands its message to the transport. The
+        // note is looked at first: the call is not run again after that.
+        while watch.handed.load(SeqCst) == handed {
+            tokio::select! {
+                biased;
+                _ = watch.handed_note.notified() => {}
+                r = &mut call => panic!("call {i} ended before its send began: {r:?}"),
+            }
+        }
+        if frames {
+            // The line's writer has begun the frame once w1 reads bytes of
+            // it (the time is in whole milliseconds; 64 MiB take several).
+            let t0 = std::time::Instant::now();
+            while watch.heard(1, 0) <= before {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(30),
+                    "w1 never read a byte of call {i}"
+                );
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+        // Given up mid-send.
+        drop(call);
+        eventually("w1 served the call given up mid-send", || {
+            seen.load(SeqCst) == i + 1
+        })
+        .await;
     }
+    // By the call's own deadline. Whether it strikes before the send has
+    // begun or during it is not the test's to choose (the deadline is inside
+    // the call); the give-ups above are the ones proven mid-send.
     let e = ws[0]
         .rpc_sync_timeout::<_, (String, u64, u64)>(
             "w1",
@@ -571,10 +725,12 @@ async fn a_caller_holds_at_most_max_requests_in_flight_to_one_worker() {
     requests_in_flight(&GATED, (3, 4096), 3).await;
 }
 
-/// Calls held in a function until released, counting how many run at once.
+/// Calls held in a function until released, counting how many run at once
+/// and how many came in all.
 struct Turnstile {
     running: std::sync::atomic::AtomicUsize,
     most: std::sync::atomic::AtomicUsize,
+    entered: std::sync::atomic::AtomicUsize,
     opened: std::sync::atomic::AtomicBool,
     open: tokio::sync::Notify,
 }
@@ -584,6 +740,7 @@ impl Turnstile {
         Turnstile {
             running: std::sync::atomic::AtomicUsize::new(0),
             most: std::sync::atomic::AtomicUsize::new(0),
+            entered: std::sync::atomic::AtomicUsize::new(0),
             opened: std::sync::atomic::AtomicBool::new(false),
             open: tokio::sync::Notify::const_new(),
         }
@@ -591,6 +748,7 @@ impl Turnstile {
 
     async fn pass(&self) {
         use std::sync::atomic::Ordering::SeqCst;
+        self.entered.fetch_add(1, SeqCst);
         let now = self.running.fetch_add(1, SeqCst) + 1;
         self.most.fetch_max(now, SeqCst);
         while !self.opened.load(SeqCst) {
@@ -612,6 +770,16 @@ impl Turnstile {
 /// Worker 0 (whose `max_requests` is `limits.0`) starts 10 calls to worker 1
 /// (`limits.1`), which holds them in `gate`: at most `most` may run at once,
 /// calls the other way still go through, and all 10 complete once released.
+///
+/// That the calls beyond the limit wait at w0 (rather than being sent, to
+/// run late) is shown by one more call, with a deadline, made while `most`
+/// are held: it times out, and never reaches w1. Had w0 sent it, it would
+/// have reached w1's gate within its deadline (loopback takes microseconds)
+/// or, at the latest, before the graceful shutdown that serves what has come
+/// in; so the gate counts 10 calls after the shutdown only if it never left
+/// w0. (A call waiting inside w0 cannot be seen from outside; this is the
+/// closest observable, and it can only miss a broken limit, never fail a
+/// sound one.)
 async fn requests_in_flight(gate: &'static Turnstile, limits: (usize, usize), most: usize) {
     use std::sync::atomic::Ordering::SeqCst;
     let ws: Vec<Rpc> = group_with(2, BackendType::tcp(), |i, o| {
@@ -631,7 +799,16 @@ async fn requests_in_flight(gate: &'static Turnstile, limits: (usize, usize), mo
         .map(|i| ws[0].rpc_async::<_, u64>("w1", "gated", &i))
         .collect();
     eventually("requests running", || gate.running.load(SeqCst) == most).await;
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // One call more, behind the 10: it waits its whole deadline for a turn
+    // (whatever the deadline: it only ends the wait) and gives up.
+    let e = ws[0]
+        .rpc_sync_timeout::<_, u64>("w1", "gated", &99u64, Some(Duration::from_millis(300)))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, rallypoint_rpc::Error::Timeout { .. }),
+        "the call beyond the limit: {e}"
+    );
     assert_eq!(
         gate.most.load(SeqCst),
         most,
@@ -645,5 +822,15 @@ async fn requests_in_flight(gate: &'static Turnstile, limits: (usize, usize), mo
         got.push(c.await.unwrap());
     }
     assert_eq!(got, (0..10).collect::<Vec<_>>());
+    assert_eq!(
+        gate.most.load(SeqCst),
+        most,
+        "more ran at once than allowed"
+    );
     shutdown_all(ws).await;
+    assert_eq!(
+        gate.entered.load(SeqCst),
+        10,
+        "the call that timed out waiting for a turn was sent to w1 all the same"
+    );
 }

@@ -34,13 +34,75 @@ async fn create_fetch_call_and_delete() {
     shutdown_all(ws).await;
 }
 
+/// RRefs dropped before their owner confirmed them: the creations are held
+/// at the owner (the function waits at a gate), so none can be confirmed
+/// when it is dropped. Each is then provably created (the owner holds 50
+/// values, the creator 50 users) and deleted once the gate opens and the
+/// confirmations arrive.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropped_before_confirmation_is_deleted_when_confirmed() {
-    let ws = group(2, BackendType::tcp()).await;
-    for _ in 0..50 {
-        let r: RRef<i64> = ws[0].remote("w1", "counter", &1i64).unwrap();
-        drop(r);
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    use std::sync::Arc;
+    /// Creations started on the owner, and the gate they wait at (no
+    /// permits until the test opens it).
+    struct Gate {
+        started: AtomicUsize,
+        open: tokio::sync::Semaphore,
     }
+    const N: usize = 50;
+    let gate = Arc::new(Gate {
+        started: AtomicUsize::new(0),
+        open: tokio::sync::Semaphore::new(0),
+    });
+    let g = gate.clone();
+    let ws: Vec<Rpc> = group_with(2, BackendType::tcp(), move |_, o| {
+        let g = g.clone();
+        o.functions
+            .register_async("gated_counter", move |_rpc: Rpc, start: i64| {
+                let g = g.clone();
+                async move {
+                    g.started.fetch_add(1, SeqCst);
+                    // Taken and given back: one permit lets all through.
+                    let turn = g.open.acquire().await;
+                    drop(turn);
+                    Ok::<i64, String>(start)
+                }
+            })
+            .unwrap();
+    })
+    .await
+    .into_iter()
+    .map(|r| r.expect("init_rpc"))
+    .collect();
+    assert_eq!(ws[0].rref_counts(), (0, 0, 0));
+    assert_eq!(ws[1].rref_counts(), (0, 0, 0));
+    let rs: Vec<RRef<i64>> = (0..N as i64)
+        .map(|i| ws[0].remote("w1", "gated_counter", &i).unwrap())
+        .collect();
+    eventually("every creation started on the owner", || {
+        gate.started.load(SeqCst) == N
+    })
+    .await;
+    // The owner answers a creation only once its function returns: none has.
+    assert!(
+        rs.iter().all(|r| !r.confirmed_by_owner()),
+        "a user was confirmed while its creation was held"
+    );
+    assert_eq!(ws[1].rref_counts().0, N, "the owner records every value");
+    assert_eq!(ws[0].rref_counts().1, N, "the creator holds every user");
+    drop(rs);
+    // Dropped unconfirmed: each user is kept until its confirmation comes.
+    assert_eq!(
+        ws[0].rref_counts().1,
+        N,
+        "users dropped before confirmation"
+    );
+    assert_eq!(
+        ws[1].rref_counts().0,
+        N,
+        "values deleted before confirmation"
+    );
+    gate.open.add_permits(1);
     all_clear(&ws).await;
     shutdown_all(ws).await;
 }

@@ -1,31 +1,211 @@
 //! The simulator in CI: a fixed range of seeds (every run of CI tries the same
-//! schedules, so a failure is never a fluke of the draw), and a replay of one
-//! seed with its whole trace.
+//! schedules, so a failure is never a fluke of the draw), with the faults that
+//! happened counted, and one test per invariant that breaks a rule on purpose
+//! and requires the simulator to notice.
 //!
-//! `RALLY_SIM_SEEDS=n` and `RALLY_SIM_FIRST=s` try other seeds (`s..s+n`).
+//! `ten_thousand_seeds_keep_every_invariant` reads:
+//!
+//! * `RALLY_SIM_SEEDS=n` and `RALLY_SIM_FIRST=s`: seeds `s..s+n` (n > 0)
+//!   instead of `0..10,000`;
+//! * `RALLY_SIM_SEED=s`: seed `s` alone, its trace printed (the replay a
+//!   failing seed names); with `RALLY_SIM_INVARIANTS=1,3`, only those
+//!   invariants are checked;
+//! * `RALLY_SIM_CENSUS=n`: seeds `s..s+n` (from `RALLY_SIM_FIRST`), and if
+//!   some fail, a census of the failures (by backend and what broke, with
+//!   the first seed of each) instead of the first one's trace.
+//!
+//! A value that is not a whole number (or list of them) fails the test, as
+//! does a count of 0 or a combination that would ignore a variable: none may
+//! pass by running the default or nothing.
 
 use super::*;
 
-fn env_u64(name: &str) -> Option<u64> {
-    std::env::var(name).ok()?.parse().ok()
+/// Seeds of the CI run.
+const SEEDS: u64 = 10_000;
+
+/// Every kind of fault must happen in at least one seed in this many (see
+/// [`floor`]).
+const FLOOR_ONE_IN: u64 = 50;
+
+/// Seeds tried, from 0, for a rule broken on purpose to be caught.
+const SABOTAGE_SEEDS: u64 = 2_000;
+
+/// `name`'s value; `None` if unset, a test failure if not Unicode.
+fn env(name: &str) -> Option<String> {
+    match std::env::var(name) {
+        Err(std::env::VarError::NotPresent) => None,
+        Err(e) => panic!("{name}: {e}"),
+        Ok(v) => Some(v),
+    }
 }
 
-/// Runs seeds `first..first + n` enforcing `invariants`; panics with the first
-/// failing seed's trace and its replay command.
-fn seeds(invariants: &[u8], default_n: u64) {
-    let n = env_u64("RALLY_SIM_SEEDS").unwrap_or(default_n);
-    let first = env_u64("RALLY_SIM_FIRST").unwrap_or(0);
+/// `name`'s value as a number; `None` if unset. Anything else fails the
+/// test: a typo must not quietly run the default.
+fn env_u64(name: &str) -> Option<u64> {
+    let v = env(name)?;
+    match v.trim().parse() {
+        Ok(n) => Some(n),
+        Err(e) => panic!("{name}={v:?} must be a whole number: {e}"),
+    }
+}
+
+/// What the seeds test is asked to do.
+enum Mode {
+    /// Seeds `first..first + n`; with `census`, failures counted by kind.
+    Seeds { first: u64, n: u64, census: bool },
+    /// One seed, with its trace, checking `invariants`.
+    Replay { seed: u64, invariants: Vec<u8> },
+}
+
+fn mode() -> Mode {
+    let seeds = env_u64("RALLY_SIM_SEEDS");
+    let first = env_u64("RALLY_SIM_FIRST");
+    let census = env_u64("RALLY_SIM_CENSUS");
+    let invariants = env("RALLY_SIM_INVARIANTS").map(|v| {
+        v.split(',')
+            .map(|n| match n.trim().parse::<u8>() {
+                Ok(n) if (1..=5).contains(&n) => n,
+                _ => panic!("RALLY_SIM_INVARIANTS={v:?} must list invariants 1 to 5, as in 1,3"),
+            })
+            .collect::<Vec<u8>>()
+    });
+    if let Some(seed) = env_u64("RALLY_SIM_SEED") {
+        assert!(
+            seeds.is_none() && first.is_none() && census.is_none(),
+            "RALLY_SIM_SEED={seed} replays one seed: unset RALLY_SIM_SEEDS, RALLY_SIM_FIRST and RALLY_SIM_CENSUS"
+        );
+        return Mode::Replay {
+            seed,
+            invariants: invariants.unwrap_or_else(|| vec![1, 2, 3, 4, 5]),
+        };
+    }
+    assert!(
+        invariants.is_none(),
+        "RALLY_SIM_INVARIANTS applies to a replay (RALLY_SIM_SEED) only"
+    );
+    assert!(
+        !(seeds.is_some() && census.is_some()),
+        "RALLY_SIM_CENSUS=n is the number of seeds: unset RALLY_SIM_SEEDS"
+    );
+    let n = census.or(seeds).unwrap_or(SEEDS);
+    let name = if census.is_some() {
+        "RALLY_SIM_CENSUS"
+    } else {
+        "RALLY_SIM_SEEDS"
+    };
+    assert!(
+        n > 0,
+        "{name}=0 runs no seed, and would pass without checking anything"
+    );
+    let first = first.unwrap_or(0);
+    assert!(
+        first.checked_add(n).is_some(),
+        "RALLY_SIM_FIRST={first} + {name}={n} is past the last seed"
+    );
+    Mode::Seeds {
+        first,
+        n,
+        census: census.is_some(),
+    }
+}
+
+/// The fewest seeds in which each kind of fault must happen, of `n` run.
+///
+/// The rarest kind drawn is a late node (c10d, 60% of seeds, draws late
+/// nodes in one in five: 12%), which always boots; kills, signals, stalls
+/// and partitions are each drawn in about 40% of seeds and happen in many
+/// of them (their moment, within two minutes, may come after the run ended),
+/// and worker failures in most multi-node seeds. One seed in
+/// [`FLOOR_ONE_IN`] is far below all of that at 10,000 seeds (a floor of
+/// 200), yet catches a kind that stopped happening. Fewer than
+/// [`FLOOR_ONE_IN`] seeds make the floor 0: a handful of seeds cannot be
+/// expected to draw every kind.
+fn floor(n: u64) -> u64 {
+    n / FLOOR_ONE_IN
+}
+
+/// Faults that happened over many seeds, by kind: in how many seeds, how
+/// many times.
+#[derive(Default)]
+struct Tally {
+    kinds: Vec<(&'static str, u64, u64)>,
+    seeds: u64,
+}
+
+impl Tally {
+    fn add(&mut self, fired: &Fired) {
+        self.seeds += 1;
+        for (i, (name, times)) in fired.kinds().into_iter().enumerate() {
+            if self.kinds.len() == i {
+                self.kinds.push((name, 0, 0));
+            }
+            let k = &mut self.kinds[i];
+            k.1 += u64::from(times > 0);
+            k.2 += times;
+        }
+    }
+
+    /// One line: each kind's seeds and times.
+    fn summary(&self) -> String {
+        let kinds: Vec<String> = self
+            .kinds
+            .iter()
+            .map(|(name, seeds, times)| format!("{name} {seeds} ({times}x)"))
+            .collect();
+        format!(
+            "faults that happened, in seeds (times) of {}: {}",
+            self.seeds,
+            kinds.join(", ")
+        )
+    }
+
+    /// Panics if a kind happened in fewer than [`floor`] of `n` seeds.
+    fn assert_floors(&self, n: u64) {
+        let min = floor(n);
+        for (name, seeds, _) in &self.kinds {
+            assert!(
+                *seeds >= min,
+                "{name} happened in {seeds} of {n} seeds, below the floor of {min} (one in {FLOOR_ONE_IN}): the schedules no longer exercise them"
+            );
+        }
+    }
+}
+
+/// Every invariant, over 10,000 seeds (CI); see the module docs for the
+/// environment that replays one seed, runs others or takes a census.
+#[test]
+fn ten_thousand_seeds_keep_every_invariant() {
+    match mode() {
+        Mode::Replay { seed, invariants } => replay(seed, &invariants),
+        Mode::Seeds { first, n, census } => seeds(first, n, census),
+    }
+}
+
+/// Runs seeds `first..first + n`; panics with the first failing seed's trace
+/// and its replay command (or, with `census`, the failures by kind), or if a
+/// kind of fault happened too rarely.
+fn seeds(first: u64, n: u64, census: bool) {
     let started = std::time::Instant::now();
     let mut failed = Vec::new();
+    let mut tally = Tally::default();
     for seed in first..first + n {
-        if let Err(v) = Sim::new(seed, false).enforcing(invariants).run() {
-            failed.push(v);
+        match Sim::new(seed, false).run() {
+            Ok(sim) => tally.add(&sim.fired),
+            Err(v) => failed.push(v),
         }
+    }
+    eprintln!("{n} seeds in {:?}", started.elapsed());
+    eprintln!("{}", tally.summary());
+    if census && !failed.is_empty() {
+        print_census(&failed);
+        panic!(
+            "{} of {n} seeds broke an invariant (census above)",
+            failed.len()
+        );
     }
     if let Some(first_bad) = failed.first() {
         // Replay the first with its trace, for the report.
         let v = Sim::new(first_bad.seed, true)
-            .enforcing(invariants)
             .run()
             .err()
             .unwrap_or_else(|| panic!("seed {} failed once and passed on replay", first_bad.seed));
@@ -35,18 +215,49 @@ fn seeds(invariants: &[u8], default_n: u64) {
             failed.len()
         );
     }
-    eprintln!("{n} seeds in {:?}", started.elapsed());
+    tally.assert_floors(n);
 }
 
-/// Every invariant, over 10,000 seeds (CI).
-#[test]
-fn ten_thousand_seeds_keep_every_invariant() {
-    seeds(&[1, 2, 3, 4, 5], 10_000);
+/// The failures by backend and what broke (its first 60 characters), each
+/// with its count and first seed.
+fn print_census(failed: &[Violation]) {
+    let mut kinds: std::collections::BTreeMap<String, (usize, u64)> = Default::default();
+    for v in failed {
+        let cfg = Config::from_seed(v.seed);
+        let k = format!("{:?} {}", cfg.backend, &v.what[..v.what.len().min(60)]);
+        kinds.entry(k).or_insert((0, v.seed)).0 += 1;
+    }
+    for (k, (c, s)) in kinds {
+        eprintln!("{c:5} first {s:5} {k}");
+    }
+}
+
+/// One seed with its whole trace (`RALLY_SIM_SEED`).
+fn replay(seed: u64, invariants: &[u8]) {
+    let sim = Sim::new(seed, true).enforcing(invariants);
+    eprintln!("{:?}", sim.cfg);
+    match sim.run() {
+        Ok(sim) => {
+            for l in &sim.trace {
+                eprintln!("{l}");
+            }
+            let mut tally = Tally::default();
+            tally.add(&sim.fired);
+            eprintln!("{}", tally.summary());
+            eprintln!("seed {seed}: invariants {invariants:?} held");
+        }
+        Err(v) => {
+            for l in &v.trace {
+                eprintln!("{l}");
+            }
+            panic!("{v}");
+        }
+    }
 }
 
 /// Seeds that found defects, with what they found. A seed names a
 /// schedule only as long as the generator and the model draw the same way;
-/// the 10,000-seed run above is what guards the invariants, these keep the
+/// the 10,000-seed run is what guards the invariants, these keep the
 /// record and fail loudly if one of them breaks again.
 const FOUND: &[(u64, &str)] = &[
     (5, "static host left after one exit-barrier timeout while the others ran"),
@@ -95,31 +306,53 @@ fn seeds_that_found_defects_keep_every_invariant() {
     }
 }
 
-#[test]
-fn replay() {
-    let Some(seed) = env_u64("RALLY_SIM_SEED") else {
+/// With `rule` broken, seeds from 0 are run until one fails: that seed must
+/// break invariant `invariant`, and no other.
+fn caught(rule: Sabotage, invariant: u8) {
+    for seed in 0..SABOTAGE_SEEDS {
+        let Err(v) = Sim::new(seed, false).sabotaged(rule).run() else {
+            continue;
+        };
+        assert_eq!(
+            v.invariant(),
+            Some(invariant),
+            "with {rule:?} broken, seed {seed} (the first to fail) broke another invariant than {invariant}: {}",
+            v.what
+        );
+        eprintln!(
+            "with {rule:?} broken, seed {seed} (the first to fail) broke invariant {invariant}: {}",
+            v.what
+        );
         return;
-    };
-    let only: Vec<u8> = std::env::var("RALLY_SIM_INVARIANTS")
-        .ok()
-        .map(|v| v.split(',').filter_map(|n| n.trim().parse().ok()).collect())
-        .unwrap_or_else(|| vec![1, 2, 3, 4, 5]);
-    let sim = Sim::new(seed, true).enforcing(&only);
-    eprintln!("{:?}", sim.cfg);
-    match sim.run() {
-        Ok(sim) => {
-            for l in &sim.trace {
-                eprintln!("{l}");
-            }
-            eprintln!("seed {seed}: every invariant held");
-        }
-        Err(v) => {
-            for l in &v.trace {
-                eprintln!("{l}");
-            }
-            panic!("{v}");
-        }
     }
+    panic!(
+        "with {rule:?} broken, no seed of 0..{SABOTAGE_SEEDS} broke invariant {invariant}: its check may be unable to fail"
+    );
+}
+
+#[test]
+fn invariant_1_catches_a_stale_read_of_the_verdict() {
+    caught(Sabotage::StaleLingerRead, 1);
+}
+
+#[test]
+fn invariant_2_catches_a_worker_failure_not_counted() {
+    caught(Sabotage::UncountedWorkerFailure, 2);
+}
+
+#[test]
+fn invariant_3_catches_a_host_that_does_not_linger() {
+    caught(Sabotage::NoLinger, 3);
+}
+
+#[test]
+fn invariant_4_catches_a_linger_that_never_ends() {
+    caught(Sabotage::EndlessLinger, 4);
+}
+
+#[test]
+fn invariant_5_catches_a_root_cause_of_the_readers_own() {
+    caught(Sabotage::OwnRootCause, 5);
 }
 
 #[test]
@@ -132,24 +365,5 @@ fn the_same_seed_runs_the_same_schedule() {
             (Err(a), Err(b)) => assert_eq!(a.trace, b.trace),
             _ => panic!("seed {seed} ran differently twice"),
         }
-    }
-}
-
-#[test]
-fn census() {
-    let Some(n) = env_u64("RALLY_SIM_CENSUS") else {
-        return;
-    };
-    let mut kinds: std::collections::BTreeMap<String, (usize, u64)> = Default::default();
-    for seed in 0..n {
-        if let Err(v) = Sim::new(seed, false).run() {
-            let cfg = Config::from_seed(seed);
-            let k = format!("{:?} {}", cfg.backend, &v.what[..v.what.len().min(60)]);
-            let e = kinds.entry(k).or_insert((0, seed));
-            e.0 += 1;
-        }
-    }
-    for (k, (c, s)) in kinds {
-        eprintln!("{c:5} first {s:5} {k}");
     }
 }

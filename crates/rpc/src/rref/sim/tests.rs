@@ -1,30 +1,156 @@
 //! The simulator in CI: a fixed range of seeds (every run tries the same
-//! schedules, so a failure is never a fluke of the draw), and a replay of one
-//! seed with its whole trace.
+//! schedules, so a failure is never a fluke of the draw), with the faults
+//! that fired counted, and one test per invariant that breaks a rule on
+//! purpose and requires the simulator to notice.
 //!
-//! `RALLY_SIM_SEEDS=n` and `RALLY_SIM_FIRST=s` try other seeds (`s..s+n`);
-//! `RALLY_SIM_SEED=s` with the `replay` test prints one seed's trace.
+//! `ten_thousand_seeds_keep_every_invariant` reads:
+//!
+//! * `RALLY_SIM_SEEDS=n` and `RALLY_SIM_FIRST=s`: seeds `s..s+n` (n > 0)
+//!   instead of `0..10,000`;
+//! * `RALLY_SIM_SEED=s`: seed `s` alone, its trace printed (the replay a
+//!   failing seed names).
+//!
+//! A value that is not a whole number fails the test, as does
+//! `RALLY_SIM_SEEDS=0`: neither may pass by running the default or nothing.
 
 use super::*;
 
+/// Seeds of the CI run.
+const SEEDS: u64 = 10_000;
+
+/// Every kind of fault must fire in at least one seed in this many (see
+/// [`floor`]).
+const FLOOR_ONE_IN: u64 = 20;
+
+/// Seeds tried, from 0, for a rule broken on purpose to be caught.
+const SABOTAGE_SEEDS: u64 = 2_000;
+
+/// `name`'s value as a number; `None` if unset. Anything else fails the
+/// test: a typo must not quietly run the default.
 fn env_u64(name: &str) -> Option<u64> {
-    std::env::var(name).ok()?.parse().ok()
+    match std::env::var(name) {
+        Err(std::env::VarError::NotPresent) => None,
+        Err(e) => panic!("{name} must be a whole number: {e}"),
+        Ok(v) => match v.trim().parse() {
+            Ok(n) => Some(n),
+            Err(e) => panic!("{name}={v:?} must be a whole number: {e}"),
+        },
+    }
 }
 
-/// Every invariant over 10,000 seeds.
+/// What the seeds test is asked to do.
+enum Mode {
+    /// Seeds `first..first + n`.
+    Seeds { first: u64, n: u64 },
+    /// One seed, with its trace.
+    Replay(u64),
+}
+
+fn mode() -> Mode {
+    let seeds = env_u64("RALLY_SIM_SEEDS");
+    let first = env_u64("RALLY_SIM_FIRST");
+    if let Some(seed) = env_u64("RALLY_SIM_SEED") {
+        assert!(
+            seeds.is_none() && first.is_none(),
+            "RALLY_SIM_SEED={seed} replays one seed: unset RALLY_SIM_SEEDS and RALLY_SIM_FIRST"
+        );
+        return Mode::Replay(seed);
+    }
+    let n = seeds.unwrap_or(SEEDS);
+    assert!(
+        n > 0,
+        "RALLY_SIM_SEEDS=0 runs no seed, and would pass without checking anything"
+    );
+    let first = first.unwrap_or(0);
+    assert!(
+        first.checked_add(n).is_some(),
+        "RALLY_SIM_FIRST={first} + RALLY_SIM_SEEDS={n} is past the last seed"
+    );
+    Mode::Seeds { first, n }
+}
+
+/// The fewest seeds in which each kind of fault must fire, of `n` run.
+///
+/// Every kind is drawn in at least a third of the seeds (a kill or a
+/// suspicion in half, a loss in two thirds, a cancel, an undecodable
+/// message or a failing function in half, a timeout in two thirds) and
+/// fires in most of those: one seed in [`FLOOR_ONE_IN`] is far below what
+/// 10,000 seeds see (a floor of 500), yet catches a kind that stopped
+/// firing. Fewer than [`FLOOR_ONE_IN`] seeds make the floor 0: a handful of
+/// seeds cannot be expected to draw every kind.
+fn floor(n: u64) -> u64 {
+    n / FLOOR_ONE_IN
+}
+
+/// Faults fired over many seeds, by kind: in how many seeds, how many times.
+#[derive(Default)]
+struct Tally {
+    kinds: Vec<(&'static str, u64, u64)>,
+    seeds: u64,
+}
+
+impl Tally {
+    fn add(&mut self, fired: &Fired) {
+        self.seeds += 1;
+        for (i, (name, times)) in fired.kinds().into_iter().enumerate() {
+            if self.kinds.len() == i {
+                self.kinds.push((name, 0, 0));
+            }
+            let k = &mut self.kinds[i];
+            k.1 += u64::from(times > 0);
+            k.2 += times;
+        }
+    }
+
+    /// One line: each kind's seeds and times.
+    fn summary(&self) -> String {
+        let kinds: Vec<String> = self
+            .kinds
+            .iter()
+            .map(|(name, seeds, times)| format!("{name} {seeds} ({times}x)"))
+            .collect();
+        format!(
+            "faults fired, in seeds (times) of {}: {}",
+            self.seeds,
+            kinds.join(", ")
+        )
+    }
+
+    /// Panics if a kind fired in fewer than [`floor`] of `n` seeds.
+    fn assert_floors(&self, n: u64) {
+        let min = floor(n);
+        for (name, seeds, _) in &self.kinds {
+            assert!(
+                *seeds >= min,
+                "{name} fired in {seeds} of {n} seeds, below the floor of {min} (one in {FLOOR_ONE_IN}): the schedules no longer exercise them"
+            );
+        }
+    }
+}
+
+/// Every invariant over 10,000 seeds; see the module docs for the
+/// environment that replays one seed or runs others.
 #[test]
 fn ten_thousand_seeds_keep_every_invariant() {
-    let n = env_u64("RALLY_SIM_SEEDS").unwrap_or(10_000);
-    let first = env_u64("RALLY_SIM_FIRST").unwrap_or(0);
+    let (first, n) = match mode() {
+        Mode::Replay(seed) => return replay(seed),
+        Mode::Seeds { first, n } => (first, n),
+    };
     let started = std::time::Instant::now();
     let mut failed = Vec::new();
     let mut steps = 0;
+    let mut tally = Tally::default();
     for seed in first..first + n {
         match Sim::new(seed, false).run() {
-            Ok(s) => steps += s.steps,
+            Ok(s) => {
+                steps += s.steps;
+                tally.add(&s.fired);
+            }
             Err(v) => failed.push(v.seed),
         }
     }
+    eprintln!("{n} seeds, {steps} steps, in {:?}", started.elapsed());
+    eprintln!("{}", tally.summary());
     if let Some(&bad) = failed.first() {
         let v = Sim::new(bad, true)
             .run()
@@ -36,7 +162,30 @@ fn ten_thousand_seeds_keep_every_invariant() {
             &failed[..failed.len().min(20)]
         );
     }
-    eprintln!("{n} seeds, {steps} steps, in {:?}", started.elapsed());
+    tally.assert_floors(n);
+}
+
+/// One seed with its whole trace (`RALLY_SIM_SEED`).
+fn replay(seed: u64) {
+    let sim = Sim::new(seed, true);
+    eprintln!("{:?}", sim.cfg);
+    match sim.run() {
+        Ok(sim) => {
+            for l in &sim.trace {
+                eprintln!("{l}");
+            }
+            let mut tally = Tally::default();
+            tally.add(&sim.fired);
+            eprintln!("{}", tally.summary());
+            eprintln!("seed {seed}: every invariant held");
+        }
+        Err(v) => {
+            for l in &v.trace {
+                eprintln!("{l}");
+            }
+            panic!("{v}");
+        }
+    }
 }
 
 /// Seeds that found defects, with what they found. A seed names a schedule
@@ -67,7 +216,7 @@ fn seeds_that_found_defects_keep_every_invariant() {
 }
 
 /// The invariants can fail: with tables that delete a parent before its
-/// child is accepted (G2 broken), some of 500 seeds must break one.
+/// child is accepted (PyTorch's G2 broken), some of 500 seeds must break one.
 #[test]
 fn a_broken_table_is_caught() {
     let caught = (0..500).filter(|&s| Sim::broken(s).run().is_err()).count();
@@ -75,27 +224,58 @@ fn a_broken_table_is_caught() {
     eprintln!("{caught} of 500 seeds caught the broken table");
 }
 
-#[test]
-fn replay() {
-    let Some(seed) = env_u64("RALLY_SIM_SEED") else {
+/// With `rule` broken, seeds from 0 are run (those `only` keeps) until one
+/// fails: that seed must break invariant `invariant`, and no other.
+fn caught(rule: Sabotage, invariant: u8, only: impl Fn(&Config) -> bool) {
+    for seed in 0..SABOTAGE_SEEDS {
+        let sim = Sim::new(seed, false);
+        if !only(&sim.cfg) {
+            continue;
+        }
+        let Err(v) = sim.sabotaged(rule).run() else {
+            continue;
+        };
+        assert_eq!(
+            v.invariant, invariant,
+            "with {rule:?} broken, seed {seed} (the first to fail) broke invariant {} rather than {invariant}: {}",
+            v.invariant, v.what
+        );
+        eprintln!(
+            "with {rule:?} broken, seed {seed} (the first to fail) broke invariant {invariant}: {}",
+            v.what
+        );
         return;
-    };
-    let sim = Sim::new(seed, true);
-    eprintln!("{:?}", sim.cfg);
-    match sim.run() {
-        Ok(sim) => {
-            for l in &sim.trace {
-                eprintln!("{l}");
-            }
-            eprintln!("seed {seed}: every invariant held");
-        }
-        Err(v) => {
-            for l in &v.trace {
-                eprintln!("{l}");
-            }
-            panic!("{v}");
-        }
     }
+    panic!(
+        "with {rule:?} broken, no seed of 0..{SABOTAGE_SEEDS} broke invariant {invariant}: its check may be unable to fail"
+    );
+}
+
+#[test]
+fn invariant_1_catches_a_fork_accepted_before_its_owner_knows() {
+    caught(Sabotage::EarlyAccept, 1, |_| true);
+}
+
+/// On seeds without a graceful shutdown: with one, the owner waits for the
+/// deletions that never come, and invariant 4 reports it first.
+#[test]
+fn invariant_2_catches_lost_user_deletes() {
+    caught(Sabotage::LostUserDelete, 2, |cfg| !cfg.shutdown);
+}
+
+#[test]
+fn invariant_3_catches_a_fetch_never_answered() {
+    caught(Sabotage::UnansweredFetch, 3, |_| true);
+}
+
+#[test]
+fn invariant_4_catches_a_shutdown_that_keeps_its_users() {
+    caught(Sabotage::NoRelease, 4, |_| true);
+}
+
+#[test]
+fn invariant_5_catches_a_handle_kept_after_its_drop() {
+    caught(Sabotage::KeptOwnerHandle, 5, |_| true);
 }
 
 #[test]
