@@ -98,27 +98,12 @@ fn by_hand(n: usize, scenario: &str) -> (Vec<Value>, String) {
     std::fs::create_dir(&out).unwrap();
     let site = package(dir.path());
     let port = free_port().to_string();
+    let env = [
+        ("RESULT_DIR", out.as_os_str()),
+        ("SCENARIO", scenario.as_ref()),
+    ];
     let mut children: Vec<(Child, PathBuf)> = (0..n)
-        .map(|r| {
-            let log = dir.path().join(format!("rank{r}.log"));
-            let f = std::fs::File::create(&log).unwrap();
-            let child = Command::new(python())
-                .arg(script("torch_backend.py"))
-                .env("PYTHONPATH", &site)
-                .env("RESULT_DIR", &out)
-                .env("SCENARIO", scenario)
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", &port)
-                .env("RANK", r.to_string())
-                .env("LOCAL_RANK", r.to_string())
-                .env("WORLD_SIZE", n.to_string())
-                .env("OMP_NUM_THREADS", "1")
-                .stdout(f.try_clone().unwrap())
-                .stderr(f)
-                .spawn()
-                .unwrap();
-            (child, log)
-        })
+        .map(|r| env_rank("torch_backend.py", dir.path(), &site, &port, (r, n), &env))
         .collect();
     let logs = || {
         children_logs(
@@ -135,6 +120,36 @@ fn by_hand(n: usize, scenario: &str) -> (Vec<Value>, String) {
         results(&out).into_values().collect(),
         format!("{statuses:?}\n{}", logs()),
     )
+}
+
+/// Rank `r` of `n` of a `tests/py` script started by hand (env://, rank 0's
+/// TCPStore at `port`), with the `rallypoint` package at `site` and `env`
+/// set; its output goes to `dir/rank<r>.log`.
+pub(super) fn env_rank(
+    name: &str,
+    dir: &Path,
+    site: &Path,
+    port: &str,
+    (r, n): (usize, usize),
+    env: &[(&str, &std::ffi::OsStr)],
+) -> (Child, PathBuf) {
+    let log = dir.join(format!("rank{r}.log"));
+    let f = std::fs::File::create(&log).unwrap();
+    let child = Command::new(python())
+        .arg(script(name))
+        .env("PYTHONPATH", site)
+        .envs(env.iter().copied())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port)
+        .env("RANK", r.to_string())
+        .env("LOCAL_RANK", r.to_string())
+        .env("WORLD_SIZE", n.to_string())
+        .env("OMP_NUM_THREADS", "1")
+        .stdout(f.try_clone().unwrap())
+        .stderr(f)
+        .spawn()
+        .unwrap();
+    (child, log)
 }
 
 fn children_logs(paths: &[PathBuf]) -> String {

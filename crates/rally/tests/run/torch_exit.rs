@@ -11,11 +11,11 @@
 //! a clean exit after `destroy_process_group`.
 
 use std::path::PathBuf;
-use std::process::{Command, ExitStatus};
+use std::process::ExitStatus;
 use std::time::Duration;
 
-use super::torch_backend::package;
-use super::{free_port, python, script, wait_or_kill};
+use super::torch_backend::{env_rank, package};
+use super::{free_port, wait_or_kill};
 
 /// How many times each way of ending runs: `RALLY_EXIT_RUNS`, default 2:
 /// 24 processes of the backend over the six ways, where the defect ended one
@@ -37,26 +37,9 @@ fn pair(backend: &str, mode: &str) -> Vec<(ExitStatus, String)> {
     let dir = tempfile::tempdir().unwrap();
     let site = package(dir.path());
     let port = free_port().to_string();
+    let env = [("BACKEND", backend.as_ref()), ("MODE", mode.as_ref())];
     let mut children: Vec<_> = (0..2)
-        .map(|r| {
-            let log = dir.path().join(format!("rank{r}.log"));
-            let f = std::fs::File::create(&log).unwrap();
-            let child = Command::new(python())
-                .arg(script("exit_cleanly.py"))
-                .env("PYTHONPATH", &site)
-                .env("BACKEND", backend)
-                .env("MODE", mode)
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", &port)
-                .env("RANK", r.to_string())
-                .env("WORLD_SIZE", "2")
-                .env("OMP_NUM_THREADS", "1")
-                .stdout(f.try_clone().unwrap())
-                .stderr(f)
-                .spawn()
-                .unwrap();
-            (child, log)
-        })
+        .map(|r| env_rank("exit_cleanly.py", dir.path(), &site, &port, (r, 2), &env))
         .collect();
     let read = |p: &PathBuf| std::fs::read_to_string(p).unwrap_or_default();
     children
