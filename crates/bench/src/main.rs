@@ -21,6 +21,16 @@
 //! `rallypoint-bench collectives-hosts` runs all_reduce across two test hosts
 //! with capped links (see `hosts.rs`); `rallypoint-bench partitions` runs the
 //! partition scenarios under `rally run` and torchrun (see `partitions.rs`).
+//!
+//! # Layers
+//!
+//! The first row is the lowest layer. A module imports only from its own row
+//! (never in a circle) and the rows above it; `.ci/module-cycles` checks both.
+//!
+//! | layer | modules |
+//! |---|---|
+//! | what measurements share | `fixtures`, `ceilings` |
+//! | one benchmark each | `agent`, `collectives`, `etcd`, `hosts`, `idle`, `launch`, `partitions`, `reduce`, `rendezvous`, `rpc`, `torch` |
 
 use std::io::{Read, Write};
 use std::net::SocketAddr;

@@ -92,8 +92,9 @@
 //!
 //! # Layers
 //!
-//! Read from the bottom up; each module imports only those below it
-//! (`.ci/module-cycles` checks that no two import each other):
+//! The first row is the lowest layer; each module imports only from its own
+//! row (never in a circle) and the rows above it (`.ci/module-cycles` checks
+//! both):
 //!
 //! | layer | modules |
 //! |---|---|
@@ -103,7 +104,7 @@
 //! | how one flat group moves bytes over TCP | `algorithms` |
 //! | ... or over one host's memory | `shm` (it borrows the algorithms' chunk bounds) |
 //! | one flat group's ops | `flat` |
-//! | groups across hosts | `two_level`, over `flat` on internal groups |
+//! | groups across hosts | `two_level`, over flat groups inside |
 //! | the choice | `plan` (which hosts, which transport), `dispatch` (two levels or flat) |
 //! | the public API | `group` ([`ProcessGroup`], [`Work`]), `blocking` |
 //!

@@ -44,6 +44,17 @@
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! # Layers
+//!
+//! The first row is the lowest layer. A module imports only from its own row
+//! (never in a circle) and the rows above it; `.ci/module-cycles` checks both.
+//!
+//! | layer | modules |
+//! |---|---|
+//! | pieces | `errors`, `time`, `devices`, `numa` |
+//! | starting and stopping workers | `multiprocessing` |
+//! | the agent | `agent` |
 
 pub mod agent;
 pub mod devices;

@@ -31,6 +31,19 @@
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! # Layers
+//!
+//! The first row is the lowest layer. A module imports only from its own row
+//! (never in a circle) and the rows above it; `.ci/module-cycles` checks both.
+//!
+//! | layer | modules |
+//! |---|---|
+//! | pieces | `url`, `census` (who still runs), `wake` |
+//! | the two interfaces | `api` (elastic handlers), `init` (URL init) |
+//! | the elastic protocol | `dynamic` |
+//! | backends on its parts | `static_tcp`, `etcd` |
+//! | backends by name | `registry` |
 
 pub mod api;
 mod census;

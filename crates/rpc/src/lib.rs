@@ -16,16 +16,19 @@
 //! # Ok(()) }
 //! ```
 //!
-//! # How it is put together
+//! # Layers
 //!
-//! In layers; each module imports only the ones below it.
+//! Each module imports only from its own layer (never in a circle) and the ones
+//! below it; `.ci/module-cycles` checks both.
 //!
 //! 1. **Transport and framing**: [`transport`] (what a backend provides,
 //!    moving messages), [`tcp`] (the default: stream 0 for small messages,
 //!    bulk streams on threads of their own) and [`pg`] (`PROCESS_GROUP`,
 //!    over `rallypoint-collectives`' send and receive); [`wire`] (the
 //!    envelope, ids, the TCP frame and hello; every decoder
-//!    property-tested); [`types`] (type fingerprints); [`device`].
+//!    property-tested); [`types`] (type fingerprints); [`device`]; `error`;
+//!    `payload` (bulk bytes: it borrows the agent's codec hooks, an upward
+//!    import `.ci/module-cycles` allows until it goes).
 //! 2. **The RRef protocol** (`rref.rs`, `rref/table.rs`): PyTorch's
 //!    fork/confirm protocol as a pure machine, driven by a seeded simulation
 //!    in the tests.

@@ -42,6 +42,18 @@
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! # Layers
+//!
+//! The first row is the lowest layer. A module imports only from its own row
+//! (never in a circle) and the rows above it; `.ci/module-cycles` checks both.
+//!
+//! | layer | modules |
+//! |---|---|
+//! | wire format, keys, errors | `protocol`, `keyspace`, `timeout`, `host`, `error` |
+//! | the server and the in-process stores | `server`, `file`, `memory`, `prefix` |
+//! | the TCP client | `tcp` |
+//! | over any store | `util`, `blocking`, `conformance` |
 
 pub mod blocking;
 #[cfg(feature = "conformance")]
