@@ -85,6 +85,7 @@ mod running;
 #[cfg(test)]
 mod sim;
 mod starting;
+pub mod state;
 pub mod status;
 mod watcher;
 
@@ -106,7 +107,8 @@ pub use crate::time::format_time;
 use events::{AgentEvent, Discard, EventSink};
 use policy::{Action, Event, Failure, Limits, Phase, Policy, Verdict};
 pub use run_store::{FailureRecord, NOT_AVAILABLE, TRACEBACK_MAX};
-use status::{AgentState, Status, WorkerState, WorkerStatus};
+use state::AgentState;
+use status::{Status, WorkerState, WorkerStatus};
 
 /// What the agent runs, and how.
 #[derive(Debug, Clone)]

@@ -74,7 +74,7 @@ use std::time::{Duration, Instant};
 
 pub use super::run_store::Publish;
 use super::run_store::{Closed, FailureRecord};
-use super::status::AgentState;
+use super::state::AgentState;
 
 /// Why the workers are being stopped.
 #[derive(Debug, Clone, PartialEq)]

@@ -11,42 +11,8 @@ use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
+pub use super::state::AgentState;
 use crate::multiprocessing::Exit;
-
-/// What the agent is doing: a phase while it runs, how it ended after.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AgentState {
-    Starting,
-    Rendezvous,
-    Running,
-    Stopping,
-    RecordingFailure,
-    ExitBarrier,
-    Ending,
-    Succeeded,
-    Failed,
-    Signaled,
-    NotNeeded,
-}
-
-impl AgentState {
-    /// The name in `/status`, `/metrics` and events.
-    pub fn name(self) -> &'static str {
-        match self {
-            AgentState::Starting => "starting",
-            AgentState::Rendezvous => "rendezvous",
-            AgentState::Running => "running",
-            AgentState::Stopping => "stopping",
-            AgentState::RecordingFailure => "recording_failure",
-            AgentState::ExitBarrier => "exit_barrier",
-            AgentState::Ending => "ending",
-            AgentState::Succeeded => "succeeded",
-            AgentState::Failed => "failed",
-            AgentState::Signaled => "signaled",
-            AgentState::NotNeeded => "not_needed",
-        }
-    }
-}
 
 /// One worker's state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
