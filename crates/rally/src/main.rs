@@ -9,15 +9,10 @@ macro_rules! say {
 }
 
 mod run;
+mod serve;
 mod stacks;
 
-use std::net::{IpAddr, SocketAddr};
-use std::time::Duration;
-
-use anyhow::Context;
 use clap::{Parser, Subcommand};
-use rallypoint_store::protocol::Limits;
-use rallypoint_store::server::{Server, ServerConfig};
 
 #[derive(Parser)]
 #[command(
@@ -48,26 +43,7 @@ enum Command {
 #[derive(Subcommand)]
 enum StoreCommand {
     /// Run a standalone store server speaking PyTorch's TCPStore protocol.
-    Serve(ServeArgs),
-}
-
-#[derive(clap::Args)]
-struct ServeArgs {
-    /// Address to listen on; `::` (the default) also accepts IPv4 (dual-stack).
-    #[arg(long, default_value = "::")]
-    host: IpAddr,
-    /// Port to listen on; 0 picks a free one. The bound address is printed.
-    #[arg(long, default_value_t = 29500)]
-    port: u16,
-    /// Longest key accepted, in bytes.
-    #[arg(long, default_value_t = Limits::default().max_key_len)]
-    max_key_len: u64,
-    /// Longest value accepted, in bytes.
-    #[arg(long, default_value_t = Limits::default().max_value_len)]
-    max_value_len: u64,
-    /// Worker threads (default: one per core).
-    #[arg(long)]
-    threads: Option<usize>,
+    Serve(serve::ServeArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -104,7 +80,7 @@ fn main() -> anyhow::Result<()> {
         },
         Command::Store {
             command: StoreCommand::Serve(args),
-        } => serve(args),
+        } => serve::serve(args),
     }
 }
 
@@ -137,55 +113,6 @@ fn print_completion(shell: &str) {
         }
     };
     clap_complete::generate(shell, &mut cmd, "rally", &mut out);
-}
-
-fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    // One thread means one thread: a current-thread runtime keeps the I/O driver
-    // and the connection tasks together, with no hand-off between threads.
-    let mut rt = match args.threads {
-        Some(0 | 1) => tokio::runtime::Builder::new_current_thread(),
-        Some(n) => {
-            let mut b = tokio::runtime::Builder::new_multi_thread();
-            b.worker_threads(n);
-            b
-        }
-        None => tokio::runtime::Builder::new_multi_thread(),
-    };
-    let rt = rt
-        .enable_all()
-        .build()
-        .context("failed to start the runtime")?;
-    rt.block_on(async move {
-        let config = ServerConfig {
-            limits: Limits {
-                max_key_len: args.max_key_len,
-                max_value_len: args.max_value_len,
-                ..Limits::default()
-            },
-            shutdown_grace: Duration::from_secs(5),
-            ..ServerConfig::default()
-        };
-        let addr = SocketAddr::new(args.host, args.port);
-        let server = Server::bind(addr, config)
-            .await
-            .with_context(|| format!("failed to listen on {addr}"))?;
-        // Scripts read this line to learn the port.
-        println!("rally store listening on {}", server.local_addr());
-        let handle = server.spawn();
-        handle.run_until(shutdown_signal()).await;
-        tracing::info!("store server stopped");
-        anyhow::Ok(())
-    })
-}
-
-/// Resolves on Ctrl-C or SIGTERM.
-async fn shutdown_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
 }
 
 /// Writes one line to stderr in one `write`. The workers share the

@@ -12,6 +12,11 @@ use std::time::Duration;
 
 use rallypoint_store::{Store, StoreError};
 
+/// The rendezvous store's read timeout when `--rdzv-conf read_timeout` is not
+/// given (PyTorch's default for `c10d` and `etcd`): see
+/// [`RendezvousParameters::read_timeout`].
+pub const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(60);
+
 fn not_back(lost: &[String]) -> String {
     match lost {
         [] => String::new(),
@@ -357,6 +362,14 @@ impl RendezvousParameters {
             .parse()
             .map(Some)
             .map_err(|_| config_error(key, v, "an integer"))
+    }
+
+    /// `read_timeout`: how long a request to the rendezvous store may take
+    /// before it fails ([`DEFAULT_READ_TIMEOUT`] when not given). The `c10d`
+    /// and `etcd` backends set their store's timeout from it; `rally run`
+    /// also takes it as how long the store may stay unreachable.
+    pub fn read_timeout(&self) -> Result<Duration, RendezvousError> {
+        self.get_as_secs("read_timeout", DEFAULT_READ_TIMEOUT)
     }
 
     /// A duration option given in seconds (integer or decimal), with a default.

@@ -35,6 +35,11 @@ use crate::api::{
 };
 use crate::dynamic::{Beat, CounterKeepalive, Keepalive, Timing};
 
+/// PyTorch's default store port (torchrun's `--master-port`, `MASTER_PORT`):
+/// where `rally run` puts the static backend's store when no endpoint is given,
+/// and where `rally store serve` listens by default.
+pub const DEFAULT_PORT: u16 = 29500;
+
 /// PyTorch's default timeout for the static backend when none is given.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
 

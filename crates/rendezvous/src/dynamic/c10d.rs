@@ -3,7 +3,6 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use rallypoint_store::TcpStore;
 
@@ -48,7 +47,7 @@ pub fn create(p: RendezvousParameters) -> Created {
         let (host, port) = p.endpoint_host_port()?;
         let port = port.unwrap_or(DEFAULT_PORT);
         let timing = Timing::from_params(&p)?;
-        let read_timeout = p.get_as_secs("read_timeout", Duration::from_secs(60))?;
+        let read_timeout = p.read_timeout()?;
         let is_host = match p.get_as_bool("is_host")? {
             Some(yes) => yes,
             None => {

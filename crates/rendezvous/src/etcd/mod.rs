@@ -221,7 +221,7 @@ async fn successor_died(
 pub fn create(p: RendezvousParameters) -> Created {
     Box::pin(async move {
         let timing = Timing::from_params(&p)?;
-        let read_timeout = p.get_as_secs("read_timeout", Duration::from_secs(60))?;
+        let read_timeout = p.read_timeout()?;
         let root = p.get("key_prefix").unwrap_or("/rallypoint/").to_owned();
         let endpoints: Vec<String> = p
             .endpoint
