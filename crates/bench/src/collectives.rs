@@ -385,8 +385,8 @@ fn ranks(
                 c
             }
             "gloo" | "torch-rally" => {
-                let mut c = Command::new(crate::python());
-                c.arg(crate::repo_root().join("crates/bench/py/coll_bench.py"));
+                let mut c = Command::new(crate::fixtures::python());
+                c.arg(crate::fixtures::repo_root().join("crates/bench/py/coll_bench.py"));
                 if side == "torch-rally" {
                     c.env("RALLY_BENCH_BACKEND", "rally")
                         .env("PYTHONPATH", crate::torch::package()?);

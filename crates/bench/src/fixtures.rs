@@ -1,12 +1,26 @@
-//! What several measurements share, below them all: a store server for
-//! their workers, and raw TCP between two processes (the ceiling a transport
-//! is compared with).
+//! What several measurements share, below them all: where the repository and
+//! its Python are, a store server for their workers, and raw TCP between two
+//! processes (the ceiling a transport is compared with).
 
 use std::net::TcpListener;
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
+
+/// The workspace's root, where the Python scripts and `.venv` are.
+pub(crate) fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The Python of the comparisons with PyTorch: `RALLY_PYTHON`, else the
+/// repository's `.venv`.
+pub(crate) fn python() -> PathBuf {
+    std::env::var_os("RALLY_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo_root().join(".venv/bin/python"))
+}
 
 /// One of our store servers on its own runtime, for a measurement's workers.
 pub(crate) struct StoreServer {

@@ -150,8 +150,8 @@ fn side_once(c: &Cluster, side: &str, rep: usize, bytes: usize) -> Result<f64> {
                 cmd
             }
             "gloo" => {
-                let mut cmd = h.command(crate::python());
-                cmd.arg(crate::repo_root().join("crates/bench/py/coll_bench.py"));
+                let mut cmd = h.command(crate::fixtures::python());
+                cmd.arg(crate::fixtures::repo_root().join("crates/bench/py/coll_bench.py"));
                 cmd
             }
             other => bail!("unknown side {other}"),

@@ -70,8 +70,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 /// Runs PyTorch's side; returns the seconds of each `RESULT` line.
 fn torch(mode: &[&str], quiet_stdout: bool) -> Result<Vec<f64>> {
-    let out = Command::new(crate::python())
-        .arg(crate::repo_root().join("crates/bench/py/launch_bench.py"))
+    let out = Command::new(crate::fixtures::python())
+        .arg(crate::fixtures::repo_root().join("crates/bench/py/launch_bench.py"))
         .args(mode)
         .stdout(if quiet_stdout {
             Stdio::null()

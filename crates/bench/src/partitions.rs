@@ -154,11 +154,11 @@ impl Node {
             "rally" => {
                 let mut c = h.command(std::env::current_exe()?.with_file_name("rally"));
                 c.args(["run", "--rdzv-lost-timeout", "5"])
-                    .env("PYTHON_EXEC", crate::python());
+                    .env("PYTHON_EXEC", crate::fixtures::python());
                 c
             }
             "torchrun" => {
-                let mut c = h.command(crate::python());
+                let mut c = h.command(crate::fixtures::python());
                 c.args(["-m", "torch.distributed.run"]);
                 c
             }
@@ -176,7 +176,7 @@ impl Node {
                 "--max-restarts",
                 "3",
             ])
-            .arg(crate::repo_root().join("crates/rally/tests/py/ddp_train.py"))
+            .arg(crate::fixtures::repo_root().join("crates/rally/tests/py/ddp_train.py"))
             .env("RESULT_DIR", results)
             .env("PROGRESS_DIR", progress)
             .env("STEPS", "60")

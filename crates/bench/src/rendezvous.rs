@@ -202,8 +202,8 @@ fn round(
                 c
             }
             _ => {
-                let mut c = Command::new(crate::python());
-                c.arg(crate::repo_root().join("crates/bench/py/rdzv_bench.py"));
+                let mut c = Command::new(crate::fixtures::python());
+                c.arg(crate::fixtures::repo_root().join("crates/bench/py/rdzv_bench.py"));
                 c
             }
         };
@@ -402,7 +402,7 @@ pub fn run(args: RendezvousArgs) -> Result<()> {
         println!("# process with its own connection to `rally store serve` (fresh per round)");
         println!("{:>6}  {:>12} {:>10}", "nodes", "rally (ms)", "ops/node");
         for &n in &args.nodes {
-            let server = crate::start("rally", Some(1))?;
+            let server = crate::targets::start("rally", Some(1))?;
             let (took, ops, marks) = in_process(server.addr.port(), n, "bench-scale")?;
             drop(server);
             let marks: Vec<String> = marks
@@ -426,13 +426,13 @@ pub fn run(args: RendezvousArgs) -> Result<()> {
     );
     let limit = Duration::from_secs(args.torch_limit_secs);
     for &n in &args.nodes {
-        let server = crate::start("rally", Some(1))?;
+        let server = crate::targets::start("rally", Some(1))?;
         let port = server.addr.port();
         let (took, ops) = round("rally", port, n, "bench-rally", limit)?
             .with_context(|| format!("our round of {n} did not finish in {limit:?}"))?;
         drop(server);
         let theirs = if n <= args.torch_max {
-            let server = crate::start("rally", Some(1))?;
+            let server = crate::targets::start("rally", Some(1))?;
             let r = round("torch", server.addr.port(), n, "bench-torch", limit)?;
             drop(server);
             Some(r)

@@ -19,7 +19,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use rallypoint_rpc::{init_rpc, Payload, RpcBackendOptions};
+use rallypoint_rpc::{init_rpc, Payload, Rpc, RpcBackendOptions};
 
 #[derive(clap::Args, Clone)]
 pub struct RpcArgs {
@@ -59,8 +59,8 @@ fn workers(side: &str, mode: &str, n: usize, args: &RpcArgs) -> Result<Vec<Vec<(
                 c
             }
             "torch" => {
-                let mut c = Command::new(crate::python());
-                c.arg(crate::repo_root().join("crates/bench/py/rpc_bench.py"))
+                let mut c = Command::new(crate::fixtures::python());
+                c.arg(crate::fixtures::repo_root().join("crates/bench/py/rpc_bench.py"))
                     .arg(mode);
                 c
             }
@@ -297,6 +297,39 @@ pub fn worker(mode: &str) -> Result<()> {
 
 async fn worker_main(mode: &str) -> Result<()> {
     let rank: u32 = std::env::var("RANK")?.parse()?;
+    let opts = worker_options()?;
+    let name = format!("w{rank}");
+    if mode == "init" {
+        let t0 = now();
+        let rpc = init_rpc(&name, None, None, Some(env_n()?), Some(opts)).await?;
+        rpc.shutdown(true, None).await?;
+        println!("RESULT start {t0:.6}\nRESULT end {:.6}", now());
+        return Ok(());
+    }
+    let rpc = init_rpc(&name, None, None, Some(env_n()?), Some(opts)).await?;
+    if mode == "partition" {
+        if rank == 0 {
+            return time_partition(&rpc).await;
+        }
+        // Worker 1 is stopped, then killed.
+        std::future::pending::<()>().await;
+    }
+    if rank == 0 {
+        let rounds: usize = std::env::var("RALLY_BENCH_ROUNDS")?.parse()?;
+        time_calls(&rpc, rounds).await?;
+        let size: usize = std::env::var("RALLY_BENCH_PAYLOAD")?.parse()?;
+        let p = Payload::cpu(vec![1u8; size]);
+        time_payload(&rpc, &p, size).await?;
+        time_calls_beside_payloads(&rpc, &p).await?;
+    }
+    rpc.shutdown(true, None).await?;
+    Ok(())
+}
+
+/// Our workers' options (`RALLY_BENCH_STREAMS` bulk streams and a
+/// `RALLY_BENCH_HEARTBEAT_MS` heartbeat when set) and the functions worker 0
+/// calls.
+fn worker_options() -> Result<RpcBackendOptions> {
     let mut opts = RpcBackendOptions {
         rpc_timeout: Duration::from_secs(600),
         ..Default::default()
@@ -325,138 +358,135 @@ async fn worker_main(mode: &str) -> Result<()> {
     })?;
     opts.functions
         .register("size_of", |p: Payload| p.data.len() as u64)?;
-    let name = format!("w{rank}");
-    if mode == "init" {
-        let t0 = now();
-        let rpc = init_rpc(&name, None, None, Some(env_n()?), Some(opts)).await?;
-        rpc.shutdown(true, None).await?;
-        println!("RESULT start {t0:.6}\nRESULT end {:.6}", now());
-        return Ok(());
-    }
-    let rpc = init_rpc(&name, None, None, Some(env_n()?), Some(opts)).await?;
-    if mode == "partition" {
-        if rank == 0 {
-            for _ in 0..100 {
-                rpc.rpc_sync::<_, ()>("w1", "nothing", &()).await?;
-            }
-            let pid: u32 = rpc.rpc_sync("w1", "stop_me", &()).await?;
-            // Wait until it is stopped (state T in /proc/<pid>/stat).
-            let stat = format!("/proc/{pid}/stat");
-            let t = Instant::now();
-            loop {
-                let s = std::fs::read_to_string(&stat)?;
-                if s.rsplit(')')
-                    .next()
-                    .is_some_and(|r| r.trim_start().starts_with('T'))
-                {
-                    break;
-                }
-                anyhow::ensure!(t.elapsed() < Duration::from_secs(10), "w1 did not stop");
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
-            let t0 = Instant::now();
-            let r = rpc
-                .rpc_sync_timeout::<_, ()>("w1", "nothing", &(), Some(Duration::ZERO))
-                .await;
-            let dt = t0.elapsed().as_secs_f64();
-            // SAFETY: kills the stopped worker, a child of our parent.
-            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-            match r {
-                Err(e @ rallypoint_rpc::Error::WorkerGone { .. }) => {
-                    eprintln!("worker 0: {e}");
-                    println!("RESULT detect_s {dt:.6}");
-                }
-                other => bail!("the call to the stopped worker returned {other:?}"),
-            }
-            rpc.shutdown(false, None).await?;
-            return Ok(());
-        }
-        // Worker 1 is stopped, then killed.
-        std::future::pending::<()>().await;
-    }
-    if rank == 0 {
-        let rounds: usize = std::env::var("RALLY_BENCH_ROUNDS")?.parse()?;
-        for _ in 0..200 {
-            rpc.rpc_sync::<_, ()>("w1", "nothing", &()).await?;
-        }
-        let t0 = Instant::now();
-        for _ in 0..rounds {
-            rpc.rpc_sync::<_, ()>("w1", "nothing", &()).await?;
-        }
-        println!(
-            "RESULT rtt {:.9}",
-            t0.elapsed().as_secs_f64() / rounds as f64
-        );
+    Ok(opts)
+}
 
-        let batches = (rounds * 5 / WINDOW).max(1);
-        let t0 = Instant::now();
-        for _ in 0..batches {
-            let fs: Vec<_> = (0..WINDOW)
-                .map(|_| rpc.rpc_async::<_, ()>("w1", "nothing", &()))
-                .collect();
-            for f in fs {
-                f.await?;
-            }
-        }
-        println!(
-            "RESULT calls_per_s {:.3}",
-            (batches * WINDOW) as f64 / t0.elapsed().as_secs_f64()
-        );
-
-        let size: usize = std::env::var("RALLY_BENCH_PAYLOAD")?.parse()?;
-        let p = Payload::cpu(vec![1u8; size]);
-        let got: u64 = rpc.rpc_sync("w1", "size_of", &p).await?;
-        anyhow::ensure!(got as usize == size, "payload size {got}");
-        let reps = 3;
-        let t0 = Instant::now();
-        for _ in 0..reps {
-            rpc.rpc_sync::<_, u64>("w1", "size_of", &p).await?;
-        }
-        println!(
-            "RESULT payload_bytes_per_s {:.3}",
-            (size * reps) as f64 / t0.elapsed().as_secs_f64()
-        );
-
-        // Empty calls while payloads to the same worker are in flight: a
-        // small call must not queue behind a bulk transfer.
-        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let bulk = {
-            let (rpc, p, stop) = (rpc.clone(), p.clone(), stop.clone());
-            tokio::spawn(async move {
-                let mut n = 0u64;
-                while !stop.load(std::sync::atomic::Ordering::SeqCst) {
-                    rpc.rpc_sync::<_, u64>("w1", "size_of", &p).await?;
-                    n += 1;
-                }
-                Ok::<u64, rallypoint_rpc::Error>(n)
-            })
-        };
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        // For 2 s: several whole transfers, not a phase of one.
-        let mut each = Vec::new();
-        let t0 = Instant::now();
-        while t0.elapsed() < Duration::from_secs(2) {
-            let t = Instant::now();
-            rpc.rpc_sync::<_, ()>("w1", "nothing", &()).await?;
-            each.push(t.elapsed().as_secs_f64());
-        }
-        let rtt_loaded = t0.elapsed().as_secs_f64() / each.len() as f64;
-        each.sort_by(f64::total_cmp);
-        println!(
-            "RESULT rtt_loaded_p50 {:.9}\nRESULT rtt_loaded_p99 {:.9}\nRESULT rtt_loaded_max {:.9}",
-            each[each.len() / 2],
-            each[each.len() * 99 / 100],
-            each[each.len() - 1]
-        );
-        stop.store(true, std::sync::atomic::Ordering::SeqCst);
-        let transfers = bulk.await??;
-        anyhow::ensure!(
-            transfers > 0,
-            "no payload went during the loaded round trips"
-        );
-        println!("RESULT rtt_loaded {rtt_loaded:.9}");
+/// Worker 0 of the partition measurement: stops worker 1 (SIGSTOP), then
+/// times how long a call with no timeout takes to name it dead.
+async fn time_partition(rpc: &Rpc) -> Result<()> {
+    for _ in 0..100 {
+        rpc.rpc_sync::<_, ()>("w1", "nothing", &()).await?;
     }
-    rpc.shutdown(true, None).await?;
+    let pid: u32 = rpc.rpc_sync("w1", "stop_me", &()).await?;
+    // Wait until it is stopped (state T in /proc/<pid>/stat).
+    let stat = format!("/proc/{pid}/stat");
+    let t = Instant::now();
+    loop {
+        let s = std::fs::read_to_string(&stat)?;
+        if s.rsplit(')')
+            .next()
+            .is_some_and(|r| r.trim_start().starts_with('T'))
+        {
+            break;
+        }
+        anyhow::ensure!(t.elapsed() < Duration::from_secs(10), "w1 did not stop");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let t0 = Instant::now();
+    let r = rpc
+        .rpc_sync_timeout::<_, ()>("w1", "nothing", &(), Some(Duration::ZERO))
+        .await;
+    let dt = t0.elapsed().as_secs_f64();
+    // SAFETY: kills the stopped worker, a child of our parent.
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    match r {
+        Err(e @ rallypoint_rpc::Error::WorkerGone { .. }) => {
+            eprintln!("worker 0: {e}");
+            println!("RESULT detect_s {dt:.6}");
+        }
+        other => bail!("the call to the stopped worker returned {other:?}"),
+    }
+    rpc.shutdown(false, None).await?;
+    Ok(())
+}
+
+/// The round trip of an empty call, one at a time, and calls per second
+/// with [`WINDOW`] in flight.
+async fn time_calls(rpc: &Rpc, rounds: usize) -> Result<()> {
+    for _ in 0..200 {
+        rpc.rpc_sync::<_, ()>("w1", "nothing", &()).await?;
+    }
+    let t0 = Instant::now();
+    for _ in 0..rounds {
+        rpc.rpc_sync::<_, ()>("w1", "nothing", &()).await?;
+    }
+    println!(
+        "RESULT rtt {:.9}",
+        t0.elapsed().as_secs_f64() / rounds as f64
+    );
+
+    let batches = (rounds * 5 / WINDOW).max(1);
+    let t0 = Instant::now();
+    for _ in 0..batches {
+        let fs: Vec<_> = (0..WINDOW)
+            .map(|_| rpc.rpc_async::<_, ()>("w1", "nothing", &()))
+            .collect();
+        for f in fs {
+            f.await?;
+        }
+    }
+    println!(
+        "RESULT calls_per_s {:.3}",
+        (batches * WINDOW) as f64 / t0.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// Bytes per second of a payload of `size` bytes sent as an argument.
+async fn time_payload(rpc: &Rpc, p: &Payload, size: usize) -> Result<()> {
+    let got: u64 = rpc.rpc_sync("w1", "size_of", p).await?;
+    anyhow::ensure!(got as usize == size, "payload size {got}");
+    let reps = 3;
+    let t0 = Instant::now();
+    for _ in 0..reps {
+        rpc.rpc_sync::<_, u64>("w1", "size_of", p).await?;
+    }
+    println!(
+        "RESULT payload_bytes_per_s {:.3}",
+        (size * reps) as f64 / t0.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// Empty calls while payloads to the same worker are in flight: a small
+/// call must not queue behind a bulk transfer.
+async fn time_calls_beside_payloads(rpc: &Rpc, p: &Payload) -> Result<()> {
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let bulk = {
+        let (rpc, p, stop) = (rpc.clone(), p.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut n = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                rpc.rpc_sync::<_, u64>("w1", "size_of", &p).await?;
+                n += 1;
+            }
+            Ok::<u64, rallypoint_rpc::Error>(n)
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // For 2 s: several whole transfers, not a phase of one.
+    let mut each = Vec::new();
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(2) {
+        let t = Instant::now();
+        rpc.rpc_sync::<_, ()>("w1", "nothing", &()).await?;
+        each.push(t.elapsed().as_secs_f64());
+    }
+    let rtt_loaded = t0.elapsed().as_secs_f64() / each.len() as f64;
+    each.sort_by(f64::total_cmp);
+    println!(
+        "RESULT rtt_loaded_p50 {:.9}\nRESULT rtt_loaded_p99 {:.9}\nRESULT rtt_loaded_max {:.9}",
+        each[each.len() / 2],
+        each[each.len() * 99 / 100],
+        each[each.len() - 1]
+    );
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let transfers = bulk.await??;
+    anyhow::ensure!(
+        transfers > 0,
+        "no payload went during the loaded round trips"
+    );
+    println!("RESULT rtt_loaded {rtt_loaded:.9}");
     Ok(())
 }
 

@@ -20,7 +20,7 @@ pub(crate) fn package() -> Result<PathBuf> {
     if let Some(s) = SITE.get() {
         return Ok(s.clone());
     }
-    let root = crate::repo_root();
+    let root = crate::fixtures::repo_root();
     let out = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
         .current_dir(&root)
         .args([
@@ -131,8 +131,8 @@ fn ddp(backend: &str, n: usize, args: &TorchDdpArgs, site: &PathBuf) -> Result<f
         .port();
     let mut children = Vec::new();
     for r in 0..n {
-        let c = Command::new(crate::python())
-            .arg(crate::repo_root().join("crates/bench/py/ddp_bench.py"))
+        let c = Command::new(crate::fixtures::python())
+            .arg(crate::fixtures::repo_root().join("crates/bench/py/ddp_bench.py"))
             .env("BACKEND", backend)
             .env("PYTHONPATH", site)
             .env("MASTER_ADDR", "127.0.0.1")
