@@ -107,6 +107,7 @@ use fastrand::Rng;
 use rallypoint_collectives::{
     AllReduceAlgorithm, BroadcastAlgorithm, Element, Error, Options, ProcessGroup, ReduceOp,
 };
+use rallypoint_simkit::{Mode, Tally};
 
 use crate::harness::{data, group_each, opts};
 
@@ -1189,147 +1190,59 @@ async fn one(seed: u64, rule: Option<Rule>) -> Result<Fate, Broken> {
 
 /// The command that replays `seed`.
 fn replay_command(seed: u64) -> String {
-    format!(
-        "RALLY_SIM_SEED={seed} cargo nextest run -p rallypoint-collectives --all-features sim::seeded_schedules_of_mismatches_and_deaths_keep_the_promises --no-capture"
+    rallypoint_simkit::replay_command(
+        "rallypoint-collectives",
+        "--features faults",
+        "sim::seeded_schedules_of_mismatches_and_deaths_keep_the_promises",
+        seed,
     )
 }
 
 /// Seeds of the CI run.
 const SEEDS: u64 = 2_000;
 
-/// Every kind of fault must fire in at least one seed in this many (see
-/// [`floor`]).
-const FLOOR_ONE_IN: u64 = 100;
-
-/// Seeds tried, from 0, for a rule broken on purpose to be caught.
-const SABOTAGE_SEEDS: u64 = 2_000;
-
-/// `name`'s value as a number; `None` if unset. Anything else fails the
-/// test: a typo must not quietly run the default.
-fn env_u64(name: &str) -> Option<u64> {
-    match std::env::var(name) {
-        Err(std::env::VarError::NotPresent) => None,
-        Err(e) => panic!("{name} must be a whole number: {e}"),
-        Ok(v) => match v.trim().parse() {
-            Ok(n) => Some(n),
-            Err(e) => panic!("{name}={v:?} must be a whole number: {e}"),
-        },
-    }
-}
-
-/// What the seeds test is asked to do.
-enum Mode {
-    /// Seeds `first..first + n`.
-    Seeds { first: u64, n: u64 },
-    /// One seed, printed.
-    Replay(u64),
-}
-
-fn mode() -> Mode {
-    let seeds = env_u64("RALLY_SIM_SEEDS");
-    let first = env_u64("RALLY_SIM_FIRST");
-    if let Some(seed) = env_u64("RALLY_SIM_SEED") {
-        assert!(
-            seeds.is_none() && first.is_none(),
-            "RALLY_SIM_SEED={seed} replays one seed: unset RALLY_SIM_SEEDS and RALLY_SIM_FIRST"
-        );
-        return Mode::Replay(seed);
-    }
-    let n = seeds.unwrap_or(SEEDS);
-    assert!(
-        n > 0,
-        "RALLY_SIM_SEEDS=0 runs no seed, and would pass without checking anything"
-    );
-    let first = first.unwrap_or(0);
-    assert!(
-        first.checked_add(n).is_some(),
-        "RALLY_SIM_FIRST={first} + RALLY_SIM_SEEDS={n} is past the last seed"
-    );
-    Mode::Seeds { first, n }
-}
-
-/// The fewest seeds in which each kind of fault must fire, of `n` run.
+/// Every kind of fault must fire in at least one seed in this many
+/// (`Tally::assert_floors`).
 ///
 /// A mismatch is drawn in 40% of the seeds and always fires; a kill in 30%,
 /// firing in most (one in eight at set-up, the others at a frame among the
 /// first 60); a break in 15% (half the seeds without another fault), which
 /// fires only where its frame, among the first 40 TCP frames of the
 /// breaking rank, comes: mostly over TCP, half the seeds, so roughly one
-/// seed in 20. One in [`FLOOR_ONE_IN`] (20 of 2,000) leaves the break a
-/// margin of about five, and the others far more, yet catches a kind that
-/// stopped firing. Fewer than [`FLOOR_ONE_IN`] seeds make the floor 0: a
-/// handful of seeds cannot be expected to draw every kind.
-fn floor(n: u64) -> u64 {
-    n / FLOOR_ONE_IN
-}
+/// seed in 20. One in 100 (20 of 2,000) leaves the break a margin of about
+/// five, and the others far more, yet catches a kind that stopped firing.
+/// Fewer than 100 seeds make the floor 0.
+const FLOOR_ONE_IN: u64 = 100;
 
-/// What became of the faults of many seeds.
-#[derive(Default)]
-struct Tally {
-    seeds: u64,
-    no_fault: u64,
-    /// By [`FaultKind`]: seeds where it fired, and where it was drawn but
-    /// never fired.
-    kinds: [(u64, u64); 3],
-}
-
-impl Tally {
-    fn add(&mut self, fate: Fate) {
-        self.seeds += 1;
-        match fate {
-            Fate::NoFault => self.no_fault += 1,
-            Fate::Fired(k) => self.kinds[k as usize].0 += 1,
-            Fate::NeverFired(k) => self.kinds[k as usize].1 += 1,
-        }
-    }
-
-    /// One line: each kind's seeds.
-    fn summary(&self) -> String {
-        let kinds: Vec<String> = FaultKind::ALL
-            .iter()
-            .map(|&k| {
-                let (fired, never) = self.kinds[k as usize];
-                format!(
-                    "{} fired in {fired} (drawn, never fired: {never})",
-                    k.name()
-                )
-            })
-            .collect();
-        format!(
-            "faults of {} seeds: {}, no fault in {}",
-            self.seeds,
-            kinds.join(", "),
-            self.no_fault
-        )
-    }
-
-    /// Panics if a kind fired in fewer than [`floor`] of `n` seeds.
-    fn assert_floors(&self, n: u64) {
-        let min = floor(n);
-        for k in FaultKind::ALL {
-            let fired = self.kinds[k as usize].0;
-            assert!(
-                fired >= min,
-                "a {} fired in {fired} of {n} seeds, below the floor of {min} (one in {FLOOR_ONE_IN}): the scenarios no longer exercise it",
-                k.name()
-            );
-        }
+/// One seed's fault in the tally: the kind that fired (or none), and the
+/// kind drawn that never fired.
+fn tally(t: &mut Tally, fate: Fate) {
+    let fired = match fate {
+        Fate::Fired(k) => Some(k),
+        Fate::NoFault | Fate::NeverFired(_) => None,
+    };
+    t.add(FaultKind::ALL.map(|k| (k.name(), u64::from(fired == Some(k)))));
+    if let Fate::NeverFired(k) = fate {
+        t.never_fired(k.name());
     }
 }
+
+/// Seeds tried, from 0, for a rule broken on purpose to be caught.
+const SABOTAGE_SEEDS: u64 = 2_000;
 
 /// Every invariant over 2,000 seeds; see the module docs for the
 /// environment that replays one seed or runs others.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn seeded_schedules_of_mismatches_and_deaths_keep_the_promises() {
-    let (base, seeds) = match mode() {
+    let (base, seeds) = match rallypoint_simkit::mode(SEEDS, false) {
         Mode::Replay(seed) => return replay(seed).await,
-        Mode::Seeds { first, n } => (first, n),
+        Mode::Seeds { first, n, .. } => (first, n),
     };
     let mut failed = Vec::new();
-    let mut tally = Tally::default();
+    let mut t = Tally::default();
     for seed in base..base + seeds {
         match one(seed, None).await {
-            Ok(fate) => tally.add(fate),
+            Ok(fate) => tally(&mut t, fate),
             Err(e) => {
                 eprintln!(
                     "seed {seed} FAILED: {e}\n  replay: {}",
@@ -1339,9 +1252,9 @@ async fn seeded_schedules_of_mismatches_and_deaths_keep_the_promises() {
             }
         }
     }
-    eprintln!("{}", tally.summary());
+    eprintln!("{}", t.summary());
     assert!(failed.is_empty(), "seeds {failed:?} failed (see above)");
-    tally.assert_floors(seeds);
+    t.assert_floors(FLOOR_ONE_IN);
 }
 
 /// Seed `seed` alone, its scenario printed (`RALLY_SIM_SEED`).

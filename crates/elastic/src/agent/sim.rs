@@ -527,8 +527,11 @@ fn invariant_of(what: &str) -> Option<u8> {
 
 /// The command that replays `seed` with its trace.
 pub fn replay_command(seed: u64) -> String {
-    format!(
-        "RALLY_SIM_SEED={seed} cargo nextest run -p rallypoint-elastic --lib agent::sim::tests::ten_thousand_seeds_keep_every_invariant --no-capture"
+    rallypoint_simkit::replay_command(
+        "rallypoint-elastic",
+        "--lib",
+        "agent::sim::tests::ten_thousand_seeds_keep_every_invariant",
+        seed,
     )
 }
 

@@ -373,8 +373,11 @@ pub struct Violation {
 
 /// The command that replays `seed` with its trace.
 pub fn replay_command(seed: u64) -> String {
-    format!(
-        "RALLY_SIM_SEED={seed} cargo nextest run -p rallypoint-rpc --lib rref::sim::tests::ten_thousand_seeds_keep_every_invariant --no-capture"
+    rallypoint_simkit::replay_command(
+        "rallypoint-rpc",
+        "--lib",
+        "rref::sim::tests::ten_thousand_seeds_keep_every_invariant",
+        seed,
     )
 }
 

@@ -14,40 +14,32 @@
 //!   some fail, a census of the failures (by backend and what broke, with
 //!   the first seed of each) instead of the first one's trace.
 //!
-//! A value that is not a whole number (or list of them) fails the test, as
-//! does a count of 0 or a combination that would ignore a variable: none may
-//! pass by running the default or nothing.
+//! The variables are read by `rallypoint_simkit`, as in the other
+//! simulators, but `RALLY_SIM_INVARIANTS` (this one's own). A value that is
+//! not a whole number (or list of them) fails the test, as does a count of
+//! 0 or a combination that would ignore a variable: none may pass by
+//! running the default or nothing.
 
 use super::*;
+use rallypoint_simkit::Tally;
 
 /// Seeds of the CI run.
 const SEEDS: u64 = 10_000;
 
-/// Every kind of fault must happen in at least one seed in this many (see
-/// [`floor`]).
+/// Every kind of fault must happen in at least one seed in this many
+/// (`Tally::assert_floors`).
+///
+/// The rarest kind drawn is a late node (c10d, 60% of seeds, draws late
+/// nodes in one in five: 12%), which always boots; kills, signals, stalls
+/// and partitions are each drawn in about 40% of seeds and happen in many
+/// of them (their moment, within two minutes, may come after the run
+/// ended), and worker failures in most multi-node seeds. One seed in 50 is
+/// far below all of that at 10,000 seeds (a floor of 200), yet catches a
+/// kind that stopped happening. Fewer than 50 seeds make the floor 0.
 const FLOOR_ONE_IN: u64 = 50;
 
 /// Seeds tried, from 0, for a rule broken on purpose to be caught.
 const SABOTAGE_SEEDS: u64 = 2_000;
-
-/// `name`'s value; `None` if unset, a test failure if not Unicode.
-fn env(name: &str) -> Option<String> {
-    match std::env::var(name) {
-        Err(std::env::VarError::NotPresent) => None,
-        Err(e) => panic!("{name}: {e}"),
-        Ok(v) => Some(v),
-    }
-}
-
-/// `name`'s value as a number; `None` if unset. Anything else fails the
-/// test: a typo must not quietly run the default.
-fn env_u64(name: &str) -> Option<u64> {
-    let v = env(name)?;
-    match v.trim().parse() {
-        Ok(n) => Some(n),
-        Err(e) => panic!("{name}={v:?} must be a whole number: {e}"),
-    }
-}
 
 /// What the seeds test is asked to do.
 enum Mode {
@@ -57,11 +49,10 @@ enum Mode {
     Replay { seed: u64, invariants: Vec<u8> },
 }
 
+/// The seeds to play (`rallypoint_simkit::mode`), and for a replay the
+/// invariants to check (`RALLY_SIM_INVARIANTS`, this simulator's own).
 fn mode() -> Mode {
-    let seeds = env_u64("RALLY_SIM_SEEDS");
-    let first = env_u64("RALLY_SIM_FIRST");
-    let census = env_u64("RALLY_SIM_CENSUS");
-    let invariants = env("RALLY_SIM_INVARIANTS").map(|v| {
+    let invariants = rallypoint_simkit::env("RALLY_SIM_INVARIANTS").map(|v| {
         v.split(',')
             .map(|n| match n.trim().parse::<u8>() {
                 Ok(n) if (1..=5).contains(&n) => n,
@@ -69,104 +60,17 @@ fn mode() -> Mode {
             })
             .collect::<Vec<u8>>()
     });
-    if let Some(seed) = env_u64("RALLY_SIM_SEED") {
-        assert!(
-            seeds.is_none() && first.is_none() && census.is_none(),
-            "RALLY_SIM_SEED={seed} replays one seed: unset RALLY_SIM_SEEDS, RALLY_SIM_FIRST and RALLY_SIM_CENSUS"
-        );
-        return Mode::Replay {
+    match rallypoint_simkit::mode(SEEDS, true) {
+        rallypoint_simkit::Mode::Replay(seed) => Mode::Replay {
             seed,
             invariants: invariants.unwrap_or_else(|| vec![1, 2, 3, 4, 5]),
-        };
-    }
-    assert!(
-        invariants.is_none(),
-        "RALLY_SIM_INVARIANTS applies to a replay (RALLY_SIM_SEED) only"
-    );
-    assert!(
-        !(seeds.is_some() && census.is_some()),
-        "RALLY_SIM_CENSUS=n is the number of seeds: unset RALLY_SIM_SEEDS"
-    );
-    let n = census.or(seeds).unwrap_or(SEEDS);
-    let name = if census.is_some() {
-        "RALLY_SIM_CENSUS"
-    } else {
-        "RALLY_SIM_SEEDS"
-    };
-    assert!(
-        n > 0,
-        "{name}=0 runs no seed, and would pass without checking anything"
-    );
-    let first = first.unwrap_or(0);
-    assert!(
-        first.checked_add(n).is_some(),
-        "RALLY_SIM_FIRST={first} + {name}={n} is past the last seed"
-    );
-    Mode::Seeds {
-        first,
-        n,
-        census: census.is_some(),
-    }
-}
-
-/// The fewest seeds in which each kind of fault must happen, of `n` run.
-///
-/// The rarest kind drawn is a late node (c10d, 60% of seeds, draws late
-/// nodes in one in five: 12%), which always boots; kills, signals, stalls
-/// and partitions are each drawn in about 40% of seeds and happen in many
-/// of them (their moment, within two minutes, may come after the run ended),
-/// and worker failures in most multi-node seeds. One seed in
-/// [`FLOOR_ONE_IN`] is far below all of that at 10,000 seeds (a floor of
-/// 200), yet catches a kind that stopped happening. Fewer than
-/// [`FLOOR_ONE_IN`] seeds make the floor 0: a handful of seeds cannot be
-/// expected to draw every kind.
-fn floor(n: u64) -> u64 {
-    n / FLOOR_ONE_IN
-}
-
-/// Faults that happened over many seeds, by kind: in how many seeds, how
-/// many times.
-#[derive(Default)]
-struct Tally {
-    kinds: Vec<(&'static str, u64, u64)>,
-    seeds: u64,
-}
-
-impl Tally {
-    fn add(&mut self, fired: &Fired) {
-        self.seeds += 1;
-        for (i, (name, times)) in fired.kinds().into_iter().enumerate() {
-            if self.kinds.len() == i {
-                self.kinds.push((name, 0, 0));
-            }
-            let k = &mut self.kinds[i];
-            k.1 += u64::from(times > 0);
-            k.2 += times;
-        }
-    }
-
-    /// One line: each kind's seeds and times.
-    fn summary(&self) -> String {
-        let kinds: Vec<String> = self
-            .kinds
-            .iter()
-            .map(|(name, seeds, times)| format!("{name} {seeds} ({times}x)"))
-            .collect();
-        format!(
-            "faults that happened, in seeds (times) of {}: {}",
-            self.seeds,
-            kinds.join(", ")
-        )
-    }
-
-    /// Panics if a kind happened in fewer than [`floor`] of `n` seeds.
-    fn assert_floors(&self, n: u64) {
-        let min = floor(n);
-        for (name, seeds, _) in &self.kinds {
+        },
+        rallypoint_simkit::Mode::Seeds { first, n, census } => {
             assert!(
-                *seeds >= min,
-                "{name} happened in {seeds} of {n} seeds, below the floor of {min} (one in {FLOOR_ONE_IN}): the schedules no longer exercise them"
+                invariants.is_none(),
+                "RALLY_SIM_INVARIANTS applies to a replay (RALLY_SIM_SEED) only"
             );
+            Mode::Seeds { first, n, census }
         }
     }
 }
@@ -190,7 +94,7 @@ fn seeds(first: u64, n: u64, census: bool) {
     let mut tally = Tally::default();
     for seed in first..first + n {
         match Sim::new(seed, false).run() {
-            Ok(sim) => tally.add(&sim.fired),
+            Ok(sim) => tally.add(sim.fired.kinds()),
             Err(v) => failed.push(v),
         }
     }
@@ -215,7 +119,7 @@ fn seeds(first: u64, n: u64, census: bool) {
             failed.len()
         );
     }
-    tally.assert_floors(n);
+    tally.assert_floors(FLOOR_ONE_IN);
 }
 
 /// The failures by backend and what broke (its first 60 characters), each
@@ -242,7 +146,7 @@ fn replay(seed: u64, invariants: &[u8]) {
                 eprintln!("{l}");
             }
             let mut tally = Tally::default();
-            tally.add(&sim.fired);
+            tally.add(sim.fired.kinds());
             eprintln!("{}", tally.summary());
             eprintln!("seed {seed}: invariants {invariants:?} held");
         }

@@ -10,131 +10,37 @@
 //! * `RALLY_SIM_SEED=s`: seed `s` alone, its trace printed (the replay a
 //!   failing seed names).
 //!
-//! A value that is not a whole number fails the test, as does
+//! The variables are read by `rallypoint_simkit`, as in the other
+//! simulators: a value that is not a whole number fails the test, as does
 //! `RALLY_SIM_SEEDS=0`: neither may pass by running the default or nothing.
 
 use super::*;
+use rallypoint_simkit::{Mode, Tally};
 
 /// Seeds of the CI run.
 const SEEDS: u64 = 10_000;
 
-/// Every kind of fault must fire in at least one seed in this many (see
-/// [`floor`]).
+/// Every kind of fault must fire in at least one seed in this many
+/// (`Tally::assert_floors`).
+///
+/// Every kind is drawn in at least a third of the seeds (a kill or a
+/// suspicion in half, a loss in two thirds, a cancel, an undecodable
+/// message or a failing function in half, a timeout in two thirds) and
+/// fires in most of those: one seed in 20 is far below what 10,000 seeds
+/// see (a floor of 500), yet catches a kind that stopped firing. Fewer than
+/// 20 seeds make the floor 0.
 const FLOOR_ONE_IN: u64 = 20;
 
 /// Seeds tried, from 0, for a rule broken on purpose to be caught.
 const SABOTAGE_SEEDS: u64 = 2_000;
 
-/// `name`'s value as a number; `None` if unset. Anything else fails the
-/// test: a typo must not quietly run the default.
-fn env_u64(name: &str) -> Option<u64> {
-    match std::env::var(name) {
-        Err(std::env::VarError::NotPresent) => None,
-        Err(e) => panic!("{name} must be a whole number: {e}"),
-        Ok(v) => match v.trim().parse() {
-            Ok(n) => Some(n),
-            Err(e) => panic!("{name}={v:?} must be a whole number: {e}"),
-        },
-    }
-}
-
-/// What the seeds test is asked to do.
-enum Mode {
-    /// Seeds `first..first + n`.
-    Seeds { first: u64, n: u64 },
-    /// One seed, with its trace.
-    Replay(u64),
-}
-
-fn mode() -> Mode {
-    let seeds = env_u64("RALLY_SIM_SEEDS");
-    let first = env_u64("RALLY_SIM_FIRST");
-    if let Some(seed) = env_u64("RALLY_SIM_SEED") {
-        assert!(
-            seeds.is_none() && first.is_none(),
-            "RALLY_SIM_SEED={seed} replays one seed: unset RALLY_SIM_SEEDS and RALLY_SIM_FIRST"
-        );
-        return Mode::Replay(seed);
-    }
-    let n = seeds.unwrap_or(SEEDS);
-    assert!(
-        n > 0,
-        "RALLY_SIM_SEEDS=0 runs no seed, and would pass without checking anything"
-    );
-    let first = first.unwrap_or(0);
-    assert!(
-        first.checked_add(n).is_some(),
-        "RALLY_SIM_FIRST={first} + RALLY_SIM_SEEDS={n} is past the last seed"
-    );
-    Mode::Seeds { first, n }
-}
-
-/// The fewest seeds in which each kind of fault must fire, of `n` run.
-///
-/// Every kind is drawn in at least a third of the seeds (a kill or a
-/// suspicion in half, a loss in two thirds, a cancel, an undecodable
-/// message or a failing function in half, a timeout in two thirds) and
-/// fires in most of those: one seed in [`FLOOR_ONE_IN`] is far below what
-/// 10,000 seeds see (a floor of 500), yet catches a kind that stopped
-/// firing. Fewer than [`FLOOR_ONE_IN`] seeds make the floor 0: a handful of
-/// seeds cannot be expected to draw every kind.
-fn floor(n: u64) -> u64 {
-    n / FLOOR_ONE_IN
-}
-
-/// Faults fired over many seeds, by kind: in how many seeds, how many times.
-#[derive(Default)]
-struct Tally {
-    kinds: Vec<(&'static str, u64, u64)>,
-    seeds: u64,
-}
-
-impl Tally {
-    fn add(&mut self, fired: &Fired) {
-        self.seeds += 1;
-        for (i, (name, times)) in fired.kinds().into_iter().enumerate() {
-            if self.kinds.len() == i {
-                self.kinds.push((name, 0, 0));
-            }
-            let k = &mut self.kinds[i];
-            k.1 += u64::from(times > 0);
-            k.2 += times;
-        }
-    }
-
-    /// One line: each kind's seeds and times.
-    fn summary(&self) -> String {
-        let kinds: Vec<String> = self
-            .kinds
-            .iter()
-            .map(|(name, seeds, times)| format!("{name} {seeds} ({times}x)"))
-            .collect();
-        format!(
-            "faults fired, in seeds (times) of {}: {}",
-            self.seeds,
-            kinds.join(", ")
-        )
-    }
-
-    /// Panics if a kind fired in fewer than [`floor`] of `n` seeds.
-    fn assert_floors(&self, n: u64) {
-        let min = floor(n);
-        for (name, seeds, _) in &self.kinds {
-            assert!(
-                *seeds >= min,
-                "{name} fired in {seeds} of {n} seeds, below the floor of {min} (one in {FLOOR_ONE_IN}): the schedules no longer exercise them"
-            );
-        }
-    }
-}
-
 /// Every invariant over 10,000 seeds; see the module docs for the
 /// environment that replays one seed or runs others.
 #[test]
 fn ten_thousand_seeds_keep_every_invariant() {
-    let (first, n) = match mode() {
+    let (first, n) = match rallypoint_simkit::mode(SEEDS, false) {
         Mode::Replay(seed) => return replay(seed),
-        Mode::Seeds { first, n } => (first, n),
+        Mode::Seeds { first, n, .. } => (first, n),
     };
     let started = std::time::Instant::now();
     let mut failed = Vec::new();
@@ -144,7 +50,7 @@ fn ten_thousand_seeds_keep_every_invariant() {
         match Sim::new(seed, false).run() {
             Ok(s) => {
                 steps += s.steps;
-                tally.add(&s.fired);
+                tally.add(s.fired.kinds());
             }
             Err(v) => failed.push(v.seed),
         }
@@ -162,7 +68,7 @@ fn ten_thousand_seeds_keep_every_invariant() {
             &failed[..failed.len().min(20)]
         );
     }
-    tally.assert_floors(n);
+    tally.assert_floors(FLOOR_ONE_IN);
 }
 
 /// One seed with its whole trace (`RALLY_SIM_SEED`).
@@ -175,7 +81,7 @@ fn replay(seed: u64) {
                 eprintln!("{l}");
             }
             let mut tally = Tally::default();
-            tally.add(&sim.fired);
+            tally.add(sim.fired.kinds());
             eprintln!("{}", tally.summary());
             eprintln!("seed {seed}: every invariant held");
         }
