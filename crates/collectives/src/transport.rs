@@ -54,7 +54,7 @@
 //! | `abort.rs` | aborts (marked, passed down, recorded, told) and peers gone |
 //! | `mismatch.rs` | calls recorded and compared; mismatches raised |
 //! | `diverged.rs` | calls found diverged, held for the first mismatch |
-//! | `router.rs` | which op a frame is for (pure: no I/O) |
+//! | `router.rs` | which op a frame is for; each group's entry (`router/groups.rs`); pure: no I/O |
 //! | `flow.rs`, `landing.rs` | credit per peer; receives posted into ops' buffers |
 //! | `faults.rs` | fault injection for tests |
 
@@ -118,6 +118,17 @@ impl Members {
     /// The group rank of a world rank, for messages.
     pub fn group_rank(&self, world: usize) -> usize {
         self.ranks.iter().position(|&r| r == world).unwrap_or(world)
+    }
+}
+
+/// Members named "test", for the router's tests.
+#[cfg(test)]
+impl From<Vec<usize>> for Members {
+    fn from(ranks: Vec<usize>) -> Members {
+        Members {
+            name: "test".into(),
+            ranks: ranks.into(),
+        }
     }
 }
 
@@ -221,22 +232,8 @@ pub(crate) struct Shared {
     flow_changed: tokio::sync::Notify,
     /// Per peer, the queue of flow and want frames to send, in order.
     control: Mutex<HashMap<usize, tokio::sync::mpsc::UnboundedSender<Header>>>,
-    members: Mutex<HashMap<u64, Members>>,
     /// Peers whose address was looked for and not found (yet).
     unpublished: Mutex<std::collections::HashSet<usize>>,
-    /// Per aborted group: how far its telling has come.
-    telling: Mutex<HashMap<u64, tokio::sync::watch::Receiver<Telling>>>,
-    /// Per group whose calls were found diverged here (or told so by a
-    /// member that left): see `diverged.rs`.
-    diverged: Mutex<HashMap<u64, diverged::Held>>,
-    /// Per group, what else hears its aborts and this rank's kill (its
-    /// shared memory: an abort is marked in the region, waking its sleepers,
-    /// and a kill marks this rank dead there).
-    hearers: Mutex<HashMap<u64, std::sync::Weak<dyn HearsAborts>>>,
-    /// Per group, its internal groups (see [`ChildLink`]).
-    children: Mutex<HashMap<u64, Vec<Arc<ChildLink>>>>,
-    /// Per internal group, its link to its group.
-    parents: Mutex<HashMap<u64, Arc<ChildLink>>>,
     /// The `host/<rank>` entries read so far (world rank to process id and
     /// host), from which each group decides on shared memory (see `shm`).
     pub hosts: Mutex<HashMap<usize, (u32, String)>>,
@@ -347,12 +344,6 @@ impl Transport {
             outbound: Mutex::new(Outbound::new(window)),
             flow_changed: tokio::sync::Notify::new(),
             control: Mutex::default(),
-            members: Mutex::default(),
-            telling: Mutex::default(),
-            diverged: Mutex::default(),
-            hearers: Mutex::default(),
-            children: Mutex::default(),
-            parents: Mutex::default(),
             hosts: Mutex::default(),
             unpublished: Mutex::default(),
             refused: AtomicU64::new(0),
@@ -392,22 +383,7 @@ impl Shared {
     /// dropped groups leave nothing behind.
     #[cfg(test)]
     pub fn group_tables(&self) -> Vec<(&'static str, usize)> {
-        // One lock at a time (a statement's temporaries hold theirs to its
-        // end): holding several deadlocked with `retire`.
-        let mut t = lock(&self.router).group_tables();
-        let members = lock(&self.members).len();
-        t.push(("members", members));
-        let telling = lock(&self.telling).len();
-        t.push(("telling", telling));
-        let diverged = lock(&self.diverged).len();
-        t.push(("diverged", diverged));
-        let hearers = lock(&self.hearers).len();
-        t.push(("hearers", hearers));
-        let children = lock(&self.children).len();
-        t.push(("children", children));
-        let parents = lock(&self.parents).len();
-        t.push(("parents", parents));
-        t
+        lock(&self.router).group_tables()
     }
 
     /// Group `comm`'s last handle and op are gone here. Its state is kept
@@ -427,46 +403,37 @@ impl Shared {
         });
     }
 
-    /// Forgets group `comm`, dropped here a grace ago: its members, router
-    /// entries (the credit of the frames filed for it goes back to their
-    /// senders now), the region that heard its aborts, and its links to
-    /// internal groups. A failed group (aborted, or holding calls found
+    /// Forgets group `comm`, dropped here a grace ago: its entry (members,
+    /// the region that heard its aborts, its links to internal groups) and
+    /// its router tables (the credit of the frames filed for it goes back to
+    /// their senders now), all under the router's lock. A failed group (aborted, or holding calls found
     /// diverged) keeps all: its abort may still be told, recorded, or asked
     /// for by a peer's frame, and a finding awaits its grace, to be
     /// reported even as this rank leaves (see `diverged.rs`). Failures are
     /// rare; `new_group` in a loop is not.
     pub fn retire(self: &Arc<Self>, comm: u64) {
-        {
-            // Checked and retired under the router's lock (then the
-            // diverged lock, as `hold_finding` takes them), so that an abort
-            // or a finding arriving meanwhile is not lost.
-            let mut r = lock(&self.router);
-            if r.aborted(comm).is_some() || lock(&self.diverged).contains_key(&comm) {
-                return;
-            }
-            r.retire(comm);
-            self.queue_control(&mut r);
+        // Checked and retired under the router's lock, so that an abort or
+        // a finding arriving meanwhile is not lost.
+        let mut r = lock(&self.router);
+        let held = r.groups().get(comm).is_some_and(|g| g.finding.is_some());
+        if r.aborted(comm).is_some() || held {
+            return;
         }
-        lock(&self.members).remove(&comm);
-        lock(&self.hearers).remove(&comm);
-        lock(&self.children).remove(&comm);
-        // One lock at a time: the parents' is released before the
-        // children's is taken.
-        let link = lock(&self.parents).remove(&comm);
-        if let Some(link) = link {
-            if let Some(siblings) = lock(&self.children).get_mut(&link.parent) {
-                siblings.retain(|l| l.comm != comm);
-            }
-        }
+        r.retire(comm);
+        self.queue_control(&mut r);
     }
 
     pub fn register_members(&self, comm: u64, m: Members) {
-        lock(&self.router).set_members(comm, m.ranks.clone());
-        lock(&self.members).insert(comm, m);
+        lock(&self.router).set_members(comm, m);
     }
 
     pub fn members(&self, comm: u64) -> Option<Members> {
-        lock(&self.members).get(&comm).cloned()
+        lock(&self.router).groups().members(comm).cloned()
+    }
+
+    /// Group `comm`'s link to its group, if it is an internal group.
+    fn parent_link(&self, comm: u64) -> Option<Arc<ChildLink>> {
+        lock(&self.router).groups().get(comm)?.parent.clone()
     }
 
     /// The group's abort, if it is aborted (whatever the abort fails).
@@ -494,8 +461,7 @@ impl Shared {
 
     /// Links internal group `child` to group `parent`'s aborts.
     pub fn add_child(&self, parent: u64, child: Arc<ChildLink>) {
-        lock(&self.parents).insert(child.comm, child.clone());
-        lock(&self.children).entry(parent).or_default().push(child);
+        lock(&self.router).groups_mut().add_child(parent, child);
     }
 
     /// World rank `r`'s process id, from its host entry, if read.

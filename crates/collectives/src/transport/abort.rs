@@ -18,11 +18,16 @@ impl Shared {
     pub fn add_hearer<H: HearsAborts + 'static>(&self, comm: u64, hearer: &Arc<H>) {
         // Registered first, so a kill or an abort racing with this sees it.
         let weak: std::sync::Weak<dyn HearsAborts> = Arc::downgrade(hearer) as _;
-        lock(&self.hearers).insert(comm, weak);
+        let from = {
+            let mut r = lock(&self.router);
+            if let Some(g) = r.groups_mut().entry(comm) {
+                g.hearer = Some(weak);
+            }
+            r.aborted_from(comm)
+        };
         if self.is_dead() {
             hearer.killed();
         }
-        let from = lock(&self.router).aborted_from(comm);
         if let Some(from) = from {
             hearer.aborted(from);
         }
@@ -114,7 +119,9 @@ impl Shared {
             }
             // Under the router's lock: the watch of the abort that won is
             // the one `told` waits for.
-            lock(&self.telling).insert(comm, told);
+            if let Some(g) = r.groups_mut().entry(comm) {
+                g.telling = Some(told);
+            }
         }
         tracing::debug!(
             rank = self.cfg.rank,
@@ -128,11 +135,13 @@ impl Shared {
         if self.is_dead() {
             return;
         }
-        if let Some(h) = lock(&self.hearers)
-            .get(&comm)
+        let hearer = lock(&self.router)
+            .groups()
+            .get(comm)
+            .and_then(|g| g.hearer.as_ref())
             .and_then(std::sync::Weak::upgrade)
-            .filter(|_| how != Origin::Leaving)
-        {
+            .filter(|_| how != Origin::Leaving);
+        if let Some(h) = hearer {
             h.aborted(from_seq);
         }
         let me = self.clone();
@@ -173,7 +182,10 @@ impl Shared {
             Origin::Leaving => Origin::Leaving,
             _ => Origin::Passed(None),
         };
-        let children = lock(&self.children).get(&comm).cloned();
+        let children = lock(&self.router)
+            .groups()
+            .get(comm)
+            .map(|g| g.children.clone());
         for c in children.iter().flatten() {
             let from = c.abort_from(from_seq);
             self.abort(c.comm, err.clone(), how, from);
@@ -187,7 +199,7 @@ impl Shared {
     /// The record is always waited for (its write has its own deadline): a
     /// rank that exits before it leaves the others nothing to find.
     pub async fn told(&self, comm: u64) {
-        let Some(mut told) = lock(&self.telling).get(&comm).cloned() else {
+        let Some(mut told) = self.telling(comm) else {
             return;
         };
         // Recording is bounded by `record_abort`'s own deadline; this wait
@@ -198,6 +210,12 @@ impl Shared {
         )
         .await;
         let _ = timeout(ABORT_DEADLINE, told.wait_for(|t| *t == Telling::Sent)).await;
+    }
+
+    /// How far the telling of group `comm`'s abort has come, if it is
+    /// aborted here.
+    fn telling(&self, comm: u64) -> Option<tokio::sync::watch::Receiver<Telling>> {
+        lock(&self.router).groups().get(comm)?.telling.clone()
     }
 
     /// The text an abort frame of `comm` carries: the reason alone, which the
@@ -236,7 +254,7 @@ impl Shared {
     pub(super) async fn try_tell_abort(self: &Arc<Self>, comm: u64, peer: usize) -> bool {
         // The record first (an origin's), so that a peer that exits on being
         // told cannot leave a third rank with nothing to find.
-        let recording = lock(&self.telling).get(&comm).cloned();
+        let recording = self.telling(comm);
         if let Some(mut r) = recording {
             let _ = r.wait_for(|t| *t != Telling::Recording).await;
         }

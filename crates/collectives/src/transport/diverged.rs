@@ -80,8 +80,7 @@ impl Shared {
     pub(super) fn hold_told(self: &Arc<Self>, comm: u64, err: Error, from: u64, peer: usize) {
         // About an internal group: held for its group, at the op that owns
         // the step (whose own provisional report comes too).
-        let link = lock(&self.parents).get(&comm).cloned();
-        let (comm, from) = match link {
+        let (comm, from) = match self.parent_link(comm) {
             Some(l) => (l.parent, l.parent_seq(from)),
             None => (comm, from),
         };
@@ -103,24 +102,19 @@ impl Shared {
             // The router's lock first, as `Shared::retire` takes them: a
             // group retired here runs no op, and its finding would be held
             // for nothing.
-            let r = lock(&self.router);
-            if r.is_retired(comm) {
+            let mut r = lock(&self.router);
+            let Some(g) = r.groups_mut().entry(comm) else {
                 return;
-            }
-            let mut d = lock(&self.diverged);
-            drop(r);
-            match d.get_mut(&comm) {
+            };
+            match &mut g.finding {
                 None => {
                     let (tx, rx) = watch::channel(false);
-                    d.insert(
-                        comm,
-                        Held {
-                            seq,
-                            err,
-                            ended: false,
-                            settled: rx,
-                        },
-                    );
+                    g.finding = Some(Held {
+                        seq,
+                        err,
+                        ended: false,
+                        settled: rx,
+                    });
                     tx
                 }
                 // A lower op: kept, in the grace that runs, or reported at
@@ -129,7 +123,7 @@ impl Shared {
                     held.seq = seq;
                     held.err = err.clone();
                     if held.ended {
-                        drop(d);
+                        drop(r);
                         self.abort(comm, err, Origin::Here, seq);
                     }
                     return;
@@ -144,7 +138,7 @@ impl Shared {
                 _ = sleep(grace) => false,
                 _ = me.cancel.cancelled() => true,
             };
-            let lowest = lock(&me.diverged).get_mut(&comm).map(|held| {
+            let lowest = me.finding(comm, |held| {
                 held.ended = true;
                 (held.seq, held.err.clone())
             });
@@ -169,6 +163,12 @@ impl Shared {
         });
     }
 
+    /// `f` on the calls found diverged held for group `comm`, if any.
+    fn finding<R>(&self, comm: u64, f: impl FnOnce(&mut Held) -> R) -> Option<R> {
+        let mut r = lock(&self.router);
+        r.groups_mut().get_mut(comm)?.finding.as_mut().map(f)
+    }
+
     /// For an op (collective `seq` of group `comm`) whose deadline passed:
     /// the group's abort that fails it, if one is in place; else, if calls
     /// found diverged at `seq` or before are held, what they report (they
@@ -178,10 +178,9 @@ impl Shared {
         if let Some(e) = self.aborted_for(comm, Some(seq)) {
             return Some(e);
         }
-        let (at, err) = lock(&self.diverged)
-            .get(&comm)
-            .filter(|h| h.seq <= seq)
-            .map(|h| (h.seq, h.err.clone()))?;
+        let (at, err) = self
+            .finding(comm, |h| (h.seq <= seq).then(|| (h.seq, h.err.clone())))
+            .flatten()?;
         self.abort(comm, err.clone(), Origin::Leaving, at);
         Some(self.aborted_for(comm, Some(seq)).unwrap_or(err))
     }
@@ -192,11 +191,8 @@ impl Shared {
     /// grace ends or such an abort comes.
     pub async fn settle_diverged(&self, comm: u64, deadline: Instant) {
         loop {
-            let Some((at, mut settled)) = lock(&self.diverged)
-                .get(&comm)
-                .filter(|h| !h.ended)
-                .map(|h| (h.seq, h.settled.clone()))
-            else {
+            let held = self.finding(comm, |h| (!h.ended).then(|| (h.seq, h.settled.clone())));
+            let Some((at, mut settled)) = held.flatten() else {
                 return;
             };
             let aborted = {

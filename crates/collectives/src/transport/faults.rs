@@ -41,13 +41,22 @@ impl Shared {
         }
         self.cancel.cancel();
         lock(&self.peers).clear();
-        for h in lock(&self.hearers)
-            .values()
-            .filter_map(std::sync::Weak::upgrade)
-        {
+        let (hearers, comms): (Vec<_>, Vec<u64>) = {
+            let r = lock(&self.router);
+            let live = || r.groups().live();
+            (
+                live()
+                    .filter_map(|(_, g)| g.hearer.as_ref()?.upgrade())
+                    .collect(),
+                live()
+                    .filter(|(_, g)| g.members.is_some())
+                    .map(|(c, _)| c)
+                    .collect(),
+            )
+        };
+        for h in hearers {
             h.killed();
         }
-        let comms: Vec<u64> = lock(&self.members).keys().copied().collect();
         for comm in comms {
             let err = Error::Aborted {
                 group: self.cfg.name.clone(),

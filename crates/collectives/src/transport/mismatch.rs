@@ -31,8 +31,7 @@ impl Shared {
         // (its abort aborts the step's internal group). The step may have
         // ended here, and its op with it: a late frame must still fail the
         // group, not only the internal group.
-        let link = lock(&self.parents).get(&c.comm).cloned();
-        if let Some(l) = link {
+        if let Some(l) = self.parent_link(c.comm) {
             c.comm = l.parent;
             c.seq = l.parent_seq(c.seq);
             return self.raise(c);
@@ -105,7 +104,7 @@ impl Shared {
         theirs: u64,
         desc: Desc,
     ) -> Option<Error> {
-        let l = lock(&self.parents).get(&comm).cloned()?;
+        let l = self.parent_link(comm)?;
         let (pm, pt) = (l.parent_seq(mine), l.parent_seq(theirs));
         if pm == pt {
             return None;

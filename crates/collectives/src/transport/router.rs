@@ -34,24 +34,27 @@
 //! | `calls.rs` | the call book: local calls running and ended, the first peer's call of one not begun |
 //! | `aborts.rs` | each group's abort, the signal that wakes its sends, who has been told |
 //! | `liveness.rs` | peers gone, frames lost part-way, connections broken between frames |
+//! | `groups.rs` | per group, one entry: members, hearer, links to internal groups, telling, calls found diverged; or retired |
 //!
-//! The router itself keeps flow control's accounting, the control frames
-//! it queues, each group's members and the groups dropped here, and decides
+//! The router itself keeps flow control's accounting and the control frames
+//! it queues, and decides
 //! across the parts (a frame for an aborted group is not filed; an abort
 //! fails the receives waiting and drops the frames filed).
 
 mod aborts;
 mod calls;
+mod groups;
 mod liveness;
 mod mailbox;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
 use super::flow::{Inbound, Signal};
 use super::landing::Landing;
+use super::Members;
 use crate::element::{Buf, DType};
 use crate::error::Error;
 use crate::frame::{Algo, Desc, Header, OpKind, HIST_NONE};
@@ -59,6 +62,7 @@ use aborts::Aborts;
 use calls::CallBook;
 #[cfg(test)]
 use calls::ENDED_KEPT;
+use groups::Groups;
 use liveness::Liveness;
 use mailbox::{Held, Mailbox, Put};
 
@@ -158,8 +162,8 @@ pub(crate) enum Start {
 }
 
 /// Frames, waiters, dead peers and aborted groups: the four parts, and
-/// what ties them (flow control's accounting, the control frames queued,
-/// each group's members, the groups dropped here).
+/// what ties them (flow control's accounting, the control frames queued),
+/// and each group's entry.
 pub(crate) struct Router {
     mail: Mailbox,
     calls: CallBook,
@@ -169,13 +173,12 @@ pub(crate) struct Router {
     flow: Inbound,
     /// Flow and want frames to send, per peer, in the order decided.
     control: Vec<(usize, Header)>,
-    /// Each group's members (world ranks): a peer out of credit is asked for
-    /// the group's running collectives if it is one.
-    members: HashMap<u64, std::sync::Arc<[usize]>>,
-    /// Groups dropped here (see [`Router::retire`]): frames and wants for
-    /// them are dropped. Ids are never reused, so each stays; 8 bytes a
-    /// group against the tables it frees.
-    retired: HashSet<u64>,
+    /// Each group's state, or that it was dropped here (see
+    /// [`Router::retire`]: frames and wants for it are dropped; ids are
+    /// never reused, so each stays, a few bytes a group against the tables
+    /// it frees). A peer out of credit is asked for a group's running
+    /// collectives if it is one of the members.
+    groups: Groups,
 }
 
 impl Router {
@@ -189,8 +192,7 @@ impl Router {
             live: Liveness::default(),
             flow: Inbound::new(window),
             control: Vec::new(),
-            members: HashMap::new(),
-            retired: HashSet::new(),
+            groups: Groups::default(),
         }
     }
 
@@ -200,15 +202,16 @@ impl Router {
         let mut t = vec![("slots", self.mail.len())];
         t.extend(self.calls.sizes());
         t.extend(self.aborts.sizes());
-        t.push(("router members", self.members.len()));
+        t.extend(self.groups.sizes());
         t
     }
 
     /// Forgets group `comm`, dropped here (no op of it runs, or ever will):
     /// its filed frames (their senders' credit comes back), calls, abort,
-    /// and members. A frame or want for it that arrives later is dropped.
+    /// and its entry (members, hearer, links). A frame or want for it that
+    /// arrives later is dropped.
     pub fn retire(&mut self, comm: u64) {
-        self.retired.insert(comm);
+        self.groups.retire(comm);
         // Only filed frames: a waiting receive belongs to an op, which holds
         // its group.
         for (k, len) in self.mail.drop_filed(|k| k.comm == comm) {
@@ -217,21 +220,34 @@ impl Router {
         self.calls.retire(comm);
         self.aborts.retire(comm);
         self.live.retire(comm);
-        self.members.remove(&comm);
     }
 
     /// Whether group `comm` was retired here.
     pub fn is_retired(&self, comm: u64) -> bool {
-        self.retired.contains(&comm)
+        self.groups.is_retired(comm)
     }
 
-    pub fn set_members(&mut self, comm: u64, ranks: std::sync::Arc<[usize]>) {
-        self.members.insert(comm, ranks);
+    /// Registers group `comm`'s members (unless it was retired).
+    pub fn set_members(&mut self, comm: u64, m: Members) {
+        if let Some(g) = self.groups.entry(comm) {
+            g.members = Some(m);
+        }
+    }
+
+    /// Each group's entry.
+    pub fn groups(&self) -> &Groups {
+        &self.groups
+    }
+
+    pub fn groups_mut(&mut self) -> &mut Groups {
+        &mut self.groups
     }
 
     /// Whether world rank `peer` is a member of group `comm`.
     fn member(&self, comm: u64, peer: usize) -> bool {
-        self.members.get(&comm).is_some_and(|m| m.contains(&peer))
+        self.groups
+            .members(comm)
+            .is_some_and(|m| m.ranks.contains(&peer))
     }
 
     /// The flow and want frames to send, oldest first.
@@ -347,7 +363,7 @@ impl Router {
     }
 
     pub fn abort_signal(&mut self, comm: u64) -> CancellationToken {
-        if self.retired.contains(&comm) {
+        if self.groups.is_retired(comm) {
             return CancellationToken::new();
         }
         self.aborts.signal(comm)
@@ -355,7 +371,7 @@ impl Router {
 
     /// Notes that `peer` has group `comm`'s abort; false if it was known.
     pub fn note_told(&mut self, comm: u64, peer: usize) -> bool {
-        !self.retired.contains(&comm) && self.aborts.note_told(comm, peer)
+        !self.groups.is_retired(comm) && self.aborts.note_told(comm, peer)
     }
 
     /// Forgets that `peer` has the abort (telling it failed or was skipped),
@@ -382,9 +398,15 @@ impl Router {
     pub fn begin_seq(&mut self, comm: u64, seq: u64, desc: Desc) -> Result<(), Clash> {
         // Peers out of credit send this op's frames (see `peer_blocked`).
         let mut blocked: Vec<usize> = self
-            .members
-            .get(&comm)
-            .map(|m| m.iter().copied().filter(|&p| self.flow.asks(p)).collect())
+            .groups
+            .members(comm)
+            .map(|m| {
+                m.ranks
+                    .iter()
+                    .copied()
+                    .filter(|&p| self.flow.asks(p))
+                    .collect()
+            })
             .unwrap_or_default();
         blocked.sort_unstable();
         for p in blocked {
@@ -460,7 +482,7 @@ impl Router {
         // Aborted, or a collective ended or forgotten here: no receive
         // for the key is to come.
         if self.live.gone(rank).is_some()
-            || self.retired.contains(&key.comm)
+            || self.groups.is_retired(key.comm)
             || self.aborted_for(key.comm, key.collective_seq()).is_some()
             || (!key.p2p
                 && (self.calls.ended(key.comm, key.seq) || self.calls.forgotten(key.comm, key.seq)))
@@ -495,7 +517,8 @@ impl Router {
         if self.live.broke(peer) {
             return;
         }
-        let comms: HashSet<u64> = (self.members.keys().copied())
+        let registered = self.groups.live().filter(|(_, g)| g.members.is_some());
+        let comms: HashSet<u64> = (registered.map(|(c, _)| c))
             .chain(self.calls.groups())
             .chain(self.mail.groups())
             .collect();
@@ -535,7 +558,7 @@ impl Router {
     }
 
     fn file(&mut self, key: Key, desc: Desc, buf: Buf) -> Delivery {
-        if self.retired.contains(&key.comm) {
+        if self.groups.is_retired(key.comm) {
             return Delivery::Taken;
         }
         if self.aborted_for(key.comm, key.collective_seq()).is_some() {
@@ -582,7 +605,7 @@ impl Router {
     pub fn land(&mut self, key: Key, desc: Desc, len: usize) -> Option<Landing> {
         if !self.mail.posted(&key, len)
             || key.p2p
-            || self.retired.contains(&key.comm)
+            || self.groups.is_retired(key.comm)
             || self.aborted_for(key.comm, key.collective_seq()).is_some()
             || self.calls.forgotten(key.comm, key.seq)
             || self.calls.ended(key.comm, key.seq)
@@ -611,7 +634,7 @@ impl Router {
 
     /// A peer waits for our part of collective `seq`, which it called as `desc`.
     pub fn want(&mut self, comm: u64, seq: u64, src: u32, desc: Desc) -> Delivery {
-        if self.retired.contains(&comm) {
+        if self.groups.is_retired(comm) {
             return Delivery::Taken;
         }
         if self.aborted_for(comm, Some(seq)).is_some() {
@@ -647,7 +670,7 @@ impl Router {
     /// one from the same op. Returns whether anything changed;
     /// then whoever had the abort must be told again.
     pub fn abort(&mut self, comm: u64, err: Error, from: u64) -> bool {
-        if self.retired.contains(&comm) || !self.aborts.abort(comm, err.clone(), from) {
+        if self.groups.is_retired(comm) || !self.aborts.abort(comm, err.clone(), from) {
             return false;
         }
         let fails = |k: &Key| k.comm == comm && k.collective_seq().is_none_or(|s| s >= from);
