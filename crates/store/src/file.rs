@@ -28,8 +28,10 @@ use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use rallypoint_sync::MutexExt;
 
 use crate::keyspace::parse_counter;
 use crate::{owned, Result, Store, StoreError, TimeoutCell};
@@ -207,7 +209,7 @@ impl Inner {
     }
 
     fn cache(&self) -> std::sync::MutexGuard<'_, Cache> {
-        self.cache.lock().unwrap_or_else(PoisonError::into_inner)
+        self.cache.locked()
     }
 
     /// Runs `f` on a freshly refreshed cache under the given lock.

@@ -4,10 +4,11 @@
 //! they would a server. Waits register a [`Signal`] with the keyspace and sleep on
 //! it; nothing polls.
 
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use bytes::Bytes;
+use rallypoint_sync::MutexExt;
 
 use crate::keyspace::{Keyspace, Signal, WaitStart};
 use crate::{owned, Result, Store, StoreError, TimeoutCell};
@@ -32,7 +33,7 @@ impl MemoryStore {
     }
 
     fn ks(&self) -> MutexGuard<'_, Keyspace> {
-        self.keyspace.lock().unwrap_or_else(PoisonError::into_inner)
+        self.keyspace.locked()
     }
 
     fn counter_error(key: &str, source: crate::keyspace::CounterError) -> StoreError {

@@ -15,9 +15,10 @@
 //! current runtime, as `TCPStore(is_master=True)` does.
 
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Mutex, PoisonError};
+use std::sync::Mutex;
 use std::time::Duration;
 
+use rallypoint_sync::MutexExt;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
@@ -352,7 +353,7 @@ impl TcpStore {
     }
 
     fn idle(&self) -> std::sync::MutexGuard<'_, Vec<Conn>> {
-        self.pool.lock().unwrap_or_else(PoisonError::into_inner)
+        self.pool.locked()
     }
 
     /// Takes an idle connection, or opens one.

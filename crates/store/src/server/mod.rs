@@ -27,9 +27,10 @@ mod connection;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use rallypoint_sync::MutexExt;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -111,7 +112,7 @@ impl Shared {
     fn keyspace(&self) -> MutexGuard<'_, Keyspace> {
         // A panic while holding the lock cannot leave the maps half-updated in a
         // way later requests could not handle, so keep serving.
-        self.keyspace.lock().unwrap_or_else(PoisonError::into_inner)
+        self.keyspace.locked()
     }
 }
 
