@@ -43,7 +43,7 @@
 //! the group to grow gives up at `join_timeout`, as PyTorch's does (a spare, for
 //! which the group is full, waits as long as the run lasts). The decisions are made without
 //! I/O in [`state`]: a node's join is the state machine [`state::Join`], and
-//! `join` below only performs the store operation each [`state::Step`] asks for
+//! `join` (in `join.rs`) only performs the store operation each [`state::Step`] asks for
 //! and reports what happened; the keep-alive is pluggable ([`Keepalive`]: counters
 //! here, etcd leases in the etcd backend).
 //!
@@ -53,6 +53,7 @@
 //! kept across rounds; a silent participant of a completed round is not noticed.
 
 mod c10d;
+mod join;
 mod keepalive;
 pub mod state;
 mod timing;
@@ -61,7 +62,6 @@ pub use c10d::{advertised_addr, create, default_node_id};
 pub use keepalive::{Beat, CounterKeepalive, Keepalive, RING_INTERVALS, WATCHERS};
 pub use timing::Timing;
 
-use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -75,7 +75,7 @@ use crate::api::{
     BootstrapStoreInfo, MembershipChange, RendezvousError, RendezvousHandler, RendezvousInfo,
     RendezvousParameters,
 };
-use state::{Bounds, Event, Join, JoinFailure, Step};
+use state::Bounds;
 
 /// The value of `r/assigned` for a round given up before its ranks were assigned.
 const ABANDONED: &[u8] = b"abandoned";
@@ -265,56 +265,6 @@ impl DynamicRendezvous {
         .with_worker_hosted_store(addr)
     }
 
-    /// Where workers of `round` reach the job's store.
-    async fn bootstrap_for(
-        &self,
-        round: u64,
-        rank: usize,
-        deadline: Instant,
-    ) -> Result<BootstrapStoreInfo, RendezvousError> {
-        let advertise = match &self.bootstrap {
-            Bootstrap::Agent(info) => return Ok(info.clone()),
-            Bootstrap::Worker { advertise } => advertise,
-        };
-        let key = format!("r{round}/master");
-        if rank == 0 {
-            let port = std::net::TcpListener::bind(("0.0.0.0", 0))
-                .and_then(|l| l.local_addr())
-                .map_err(|e| RendezvousError::State {
-                    run_id: self.run_id.clone(),
-                    reason: format!("no free port for the job's store: {e}"),
-                })?
-                .port();
-            let value = format!("{advertise}:{port}");
-            self.store
-                .set(&key, value.as_bytes())
-                .await
-                .map_err(self.err())?;
-            return Ok(BootstrapStoreInfo {
-                master_addr: advertise.clone(),
-                master_port: port,
-            });
-        }
-        if !self.wait_key(&key, Some(deadline)).await? {
-            return Err(RendezvousError::State {
-                run_id: self.run_id.clone(),
-                reason: format!("rank 0 of round {round} never published the job's store address"),
-            });
-        }
-        let v = self.store.get_now(&key).await.map_err(self.err())?;
-        let v = String::from_utf8_lossy(&v);
-        v.rsplit_once(':')
-            .and_then(|(h, p)| Some((h.to_owned(), p.parse().ok()?)))
-            .map(|(master_addr, master_port)| BootstrapStoreInfo {
-                master_addr,
-                master_port,
-            })
-            .ok_or_else(|| RendezvousError::State {
-                run_id: self.run_id.clone(),
-                reason: format!("round {round} published an invalid store address {v:?}"),
-            })
-    }
-
     /// This node's id.
     pub fn node_id(&self) -> &str {
         &self.node_id
@@ -322,16 +272,6 @@ impl DynamicRendezvous {
 
     fn err(&self) -> impl Fn(StoreError) -> RendezvousError + '_ {
         conn(&self.run_id)
-    }
-
-    /// The error a join ends with when the run is closed: a spare was never
-    /// needed, which is not a failure.
-    fn closed_error(&self, spare: bool) -> RendezvousError {
-        let run_id = self.run_id.clone();
-        match spare {
-            true => RendezvousError::GracefulExit { run_id },
-            false => RendezvousError::Closed { run_id },
-        }
     }
 
     async fn closed(&self) -> Result<bool, RendezvousError> {
@@ -353,23 +293,6 @@ impl DynamicRendezvous {
             Err(e) if e.is_timeout() => Ok(false),
             Err(e) => Err(self.err()(e)),
         }
-    }
-
-    /// How many nodes arrived in round `round`, and the ids of the first 16.
-    async fn arrivals(&self, round: u64) -> (usize, Vec<String>) {
-        let arrived = self
-            .store
-            .add(&format!("r{round}/join"), 0)
-            .await
-            .unwrap_or(0)
-            .max(0) as usize;
-        let mut ids = Vec::new();
-        for i in 1..=arrived.min(16) {
-            if let Ok(v) = self.store.get_now(&format!("r{round}/node/{i}")).await {
-                ids.push(String::from_utf8_lossy(&v).into_owned());
-            }
-        }
-        (arrived, ids)
     }
 
     /// The node ids of `round`'s members marked dead (`r/dead/<rank>`), read
@@ -399,186 +322,6 @@ impl DynamicRendezvous {
         lost
     }
 
-    async fn timeout_error(&self, round: u64, started: Instant) -> RendezvousError {
-        let (arrived, mut joined) = self.arrivals(round).await;
-        // The last round's nodes that did not come back: the ones this
-        // round waited for in vain (a host lost, say).
-        let lost = match round.checked_sub(1) {
-            Some(last) => self.arrivals(last).await.1,
-            None => Vec::new(),
-        }
-        .into_iter()
-        .filter(|id| !joined.contains(id))
-        .collect();
-        if arrived > 16 {
-            joined.push(format!("and {} more", arrived - 16));
-        }
-        RendezvousError::Timeout {
-            run_id: self.run_id.clone(),
-            waited: started.elapsed(),
-            joined,
-            expected: format!("{}..={} nodes", self.bounds.min, self.bounds.max),
-            lost,
-        }
-    }
-
-    /// How long a completed round may take to get its ranks before its members
-    /// give it up: a member that stopped between its steps (after taking an
-    /// arrival index, before publishing its id; or arrival 1, before assigning)
-    /// would otherwise make the others wait for a phantom until the join deadline.
-    fn assign_grace(&self) -> Duration {
-        self.timing.keep_alive * self.timing.max_misses
-    }
-
-    /// Gives up round `round`: its ranks are never assigned (first writer wins
-    /// `assigned`), waiting nodes are released, and the next round is opened.
-    /// `None` if the round was assigned after all.
-    async fn abandon(&self, round: u64) -> Result<Option<()>, RendezvousError> {
-        let r = format!("r{round}");
-        let v = self
-            .store
-            .compare_set(&format!("{r}/assigned"), b"", ABANDONED)
-            .await
-            .map_err(self.err())?;
-        if v != ABANDONED {
-            return Ok(None);
-        }
-        tracing::warn!(
-            round,
-            "a member of the round stopped before it got its ranks; re-forming without it"
-        );
-        self.store
-            .set(&format!("{r}/reform"), b"1")
-            .await
-            .map_err(self.err())?;
-        let _ = self
-            .store
-            .compare_set(
-                "round",
-                round.to_string().as_bytes(),
-                (round + 1).to_string().as_bytes(),
-            )
-            .await;
-        Ok(Some(()))
-    }
-
-    /// Member of `round` with arrival `index` of `members`: learns its rank, or
-    /// `None` if the round was abandoned (see [`Self::assign_grace`]).
-    async fn rank_in(
-        &self,
-        round: u64,
-        index: usize,
-        members: usize,
-        deadline: Instant,
-    ) -> Result<Option<usize>, RendezvousError> {
-        let r = format!("r{round}");
-        let grace = (Instant::now() + self.assign_grace()).min(deadline);
-        if index == 1 {
-            let keys: Vec<String> = (1..=members).map(|i| format!("{r}/node/{i}")).collect();
-            let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-            // Every member publishes its id right after arriving; one that has
-            // not within the grace stopped: abandon the round.
-            match self
-                .store
-                .wait_timeout(&refs, grace.saturating_duration_since(Instant::now()))
-                .await
-            {
-                Ok(()) => {}
-                Err(e) if e.is_timeout() => {
-                    if self.abandon(round).await?.is_some() {
-                        return Ok(None);
-                    }
-                }
-                Err(e) => return Err(self.err()(e)),
-            }
-            let nodes: Vec<String> = self
-                .store
-                .multi_get(&refs)
-                .await
-                .map_err(self.err())?
-                .into_iter()
-                .map(|v| String::from_utf8_lossy(&v).into_owned())
-                .collect();
-            // The run's nodes: one key read and written once per round by
-            // arrival 1 alone, `node=rank` for the last round's members and
-            // `node=` for nodes counted in before. It keeps ranks across
-            // rounds, and arrival 1 counts the members it does not list into
-            // the census (crate::census), first, so a crash before the write
-            // can only count a node twice.
-            let table = self.store.get_now("ranks").await.map_err(self.err())?;
-            let table = String::from_utf8_lossy(&table);
-            let known: Vec<(&str, Option<usize>)> = table
-                .lines()
-                .filter_map(|l| {
-                    let (n, r) = l.rsplit_once('=')?;
-                    Some((n, r.parse().ok()))
-                })
-                .collect();
-            let previous: HashMap<String, usize> = known
-                .iter()
-                .filter_map(|&(n, r)| Some((n.to_owned(), r?)))
-                .collect();
-            let ranks = state::assign_ranks(&nodes, &previous);
-            let listed: std::collections::HashSet<&str> = known.iter().map(|k| k.0).collect();
-            let new = nodes
-                .iter()
-                .filter(|n| !listed.contains(n.as_str()))
-                .count();
-            crate::census::joined_many(&*self.store, new)
-                .await
-                .map_err(self.err())?;
-            let rank_keys: Vec<String> = (1..=members).map(|i| format!("{r}/rank/{i}")).collect();
-            let values: Vec<String> = ranks.iter().map(usize::to_string).collect();
-            let mut table_out = String::new();
-            for (n, v) in nodes.iter().zip(&values) {
-                table_out.push_str(n);
-                table_out.push('=');
-                table_out.push_str(v);
-                table_out.push('\n');
-            }
-            let members_now: std::collections::HashSet<&str> =
-                nodes.iter().map(String::as_str).collect();
-            for (n, _) in known.iter().filter(|k| !members_now.contains(k.0)) {
-                table_out.push_str(n);
-                table_out.push_str("=\n");
-            }
-            let table = table_out;
-            let mut pairs: Vec<(&str, &[u8])> = rank_keys
-                .iter()
-                .zip(&values)
-                .map(|(k, v)| (k.as_str(), v.as_bytes()))
-                .collect();
-            pairs.push(("ranks", table.as_bytes()));
-            // Every heartbeat counter exists before anyone watches it, so a
-            // member that never beats is seen to stop like any other.
-            let beats: Vec<String> = (0..members).map(|m| format!("{r}/hb/{m}")).collect();
-            pairs.extend(beats.iter().map(|k| (k.as_str(), &b"0"[..])));
-            self.store.multi_set(&pairs).await.map_err(self.err())?;
-            let won = self
-                .store
-                .compare_set(&format!("{r}/assigned"), b"", b"1")
-                .await
-                .map_err(self.err())?;
-            // Others may have given the round up while we assigned.
-            return Ok((won != ABANDONED).then_some(ranks[0]));
-        }
-        // Arrival 1 assigns; twice the grace, so its own give-up comes first.
-        let key = format!("{r}/assigned");
-        let until = (Instant::now() + 2 * self.assign_grace()).min(deadline);
-        if !self.wait_key(&key, Some(until)).await? && self.abandon(round).await?.is_some() {
-            return Ok(None);
-        }
-        if self.store.get_now(&key).await.map_err(self.err())? == ABANDONED {
-            return Ok(None);
-        }
-        self.read_number(
-            &format!("{r}/rank/{index}"),
-            &format!("rank of arrival {index} in round {round}"),
-        )
-        .await
-        .map(Some)
-    }
-
     /// A decimal number the protocol stored at `key`; a State error naming `what`
     /// otherwise.
     async fn read_number(&self, key: &str, what: &str) -> Result<usize, RendezvousError> {
@@ -589,209 +332,6 @@ impl DynamicRendezvous {
                 run_id: self.run_id.clone(),
                 reason: format!("{what} is {v:?}"),
             })
-    }
-
-    async fn join(&self) -> Result<RendezvousInfo, RendezvousError> {
-        let started = Instant::now();
-        let mut node = self.node.lock().await;
-        // Leaving the last round for the next: said first, so a member still
-        // in it (slow to stop its workers) does not count this node dead.
-        if let (Some((round, rank, _)), Some(_)) = (node.member_of, &node.heartbeat) {
-            let _ = self.store.set(&format!("r{round}/left/{rank}"), b"1").await;
-        }
-        if let Some(h) = node.heartbeat.take() {
-            h.abort();
-        }
-        // Members of a round move to the next and let late arrivals follow.
-        let pointer = {
-            let v = self
-                .store
-                .compare_set("round", b"", b"0")
-                .await
-                .map_err(self.err())?;
-            String::from_utf8_lossy(&v).parse::<u64>().unwrap_or(0)
-        };
-        let round = match node.member_of.take() {
-            Some((r, _, _)) => {
-                // The other members see a member coming back as a node waiting
-                // (PyTorch's wait list) and re-form too.
-                mark_changed(&*self.store, &format!("r{r}"), "waiting")
-                    .await
-                    .map_err(self.err())?;
-                self.store
-                    .set(&format!("r{r}/reform"), b"1")
-                    .await
-                    .map_err(self.err())?;
-                let next = (r + 1).max(pointer);
-                let _ = self
-                    .store
-                    .compare_set(
-                        "round",
-                        r.to_string().as_bytes(),
-                        next.to_string().as_bytes(),
-                    )
-                    .await;
-                next
-            }
-            None => pointer,
-        };
-        // The decisions are the state machine's; this loop does the store I/O
-        // each step asks for and reports back what happened.
-        let (mut machine, mut step) = Join::start(
-            self.bounds,
-            self.timing.join,
-            self.timing.last_call,
-            round,
-            started.into_std(),
-        );
-        loop {
-            let r = format!("r{}", machine.round());
-            let event = match step {
-                Step::Arrive { round } => {
-                    if self.closed().await? {
-                        Event::Closed
-                    } else {
-                        let index = self
-                            .store
-                            .add(&format!("r{round}/join"), 1)
-                            .await
-                            .map_err(self.err())? as usize;
-                        self.store
-                            .set(&format!("r{round}/node/{index}"), self.node_id.as_bytes())
-                            .await
-                            .map_err(self.err())?;
-                        Event::Arrived { index }
-                    }
-                }
-                Step::Announce {
-                    marks_min,
-                    completes_with,
-                } => {
-                    if marks_min {
-                        self.store
-                            .set(&format!("{r}/min"), b"1")
-                            .await
-                            .map_err(self.err())?;
-                    }
-                    if let Some(k) = completes_with {
-                        self.store
-                            .compare_set(&format!("{r}/complete"), b"", k.to_string().as_bytes())
-                            .await
-                            .map_err(self.err())?;
-                    }
-                    Event::Announced
-                }
-                Step::WaitMin { until } => match self
-                    .wait_key(&format!("{r}/min"), until.map(Instant::from_std))
-                    .await?
-                {
-                    true => Event::MinReached,
-                    false => Event::TimedOut,
-                },
-                Step::WaitComplete { until } => {
-                    let until = Some(Instant::from_std(until));
-                    match self.wait_key(&format!("{r}/complete"), until).await? {
-                        true => Event::Completed {
-                            members: self.members(&r).await?,
-                        },
-                        false => Event::LastCallEnded {
-                            arrivals: self
-                                .store
-                                .add(&format!("{r}/join"), 0)
-                                .await
-                                .map_err(self.err())?
-                                .max(0) as usize,
-                        },
-                    }
-                }
-                Step::Complete { members } => {
-                    self.store
-                        .compare_set(
-                            &format!("{r}/complete"),
-                            b"",
-                            members.to_string().as_bytes(),
-                        )
-                        .await
-                        .map_err(self.err())?;
-                    Event::Completed {
-                        members: self.members(&r).await?,
-                    }
-                }
-                Step::CountWaiting => {
-                    mark_changed(&*self.store, &r, "waiting")
-                        .await
-                        .map_err(self.err())?;
-                    Event::Counted
-                }
-                Step::WaitReform { until } => match self
-                    .wait_key(&format!("{r}/reform"), until.map(Instant::from_std))
-                    .await?
-                {
-                    true => Event::Reformed,
-                    false => Event::TimedOut,
-                },
-                Step::Fail(JoinFailure::Timeout { round }) => {
-                    return Err(self.timeout_error(round, started).await)
-                }
-                Step::Fail(JoinFailure::Closed) => return Err(self.closed_error(false)),
-                Step::Fail(JoinFailure::GracefulExit) => return Err(self.closed_error(true)),
-                Step::Member {
-                    round,
-                    index,
-                    members,
-                } => {
-                    let deadline = machine
-                        .deadline()
-                        .map_or(started + self.timing.join, Instant::from_std);
-                    let Some(rank) = self.rank_in(round, index, members, deadline).await? else {
-                        step = machine.on(Event::Abandoned, std::time::Instant::now());
-                        continue;
-                    };
-                    let bootstrap = self.bootstrap_for(round, rank, deadline).await?;
-                    // Arrival 1 counted every member in (crate::census),
-                    // once per run; a node found dead in an earlier round
-                    // (partitioned for an expiry) counts itself in again.
-                    // Not a reason to fail the join: one the store did not
-                    // take now is taken up at the next join or the leave.
-                    let old = node.standing.take();
-                    node.unsettled.extend(old);
-                    if let Err(e) = node.settle(&*self.store).await {
-                        tracing::warn!(error = %e, "could not reconcile this node's census standing; will at its leave");
-                    }
-                    let standing = crate::census::Standing::new(round, rank);
-                    node.standing = Some(standing.clone());
-                    node.counted_in = true;
-                    node.member_of = Some((round, rank, members));
-                    let beating = Arc::new(std::sync::atomic::AtomicBool::new(true));
-                    node.beating = Some(beating.clone());
-                    node.health = crate::Health::default();
-                    node.heartbeat = Some(self.keepalive.spawn(Beat {
-                        store: self.store.clone(),
-                        namespace: format!("rally.rendezvous.{}/", self.run_id),
-                        round,
-                        rank,
-                        members,
-                        timing: self.timing,
-                        beating,
-                        health: node.health.clone(),
-                        standing,
-                    }));
-                    let job: Arc<dyn Store> = Arc::new(PrefixStore::new(
-                        format!("torch.rendezvous.{}.{round}", self.run_id),
-                        self.base.clone(),
-                    ));
-                    return Ok(RendezvousInfo {
-                        round,
-                        run_store: self.run_store_of_run(),
-                        store: job,
-                        rank,
-                        world_size: members,
-                        bootstrap,
-                    });
-                }
-            };
-            step = machine.on(event, std::time::Instant::now());
-        }
     }
 
     /// The store every node of the run shares across rounds.
