@@ -23,7 +23,7 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// A device: the CPU or a CUDA device by index.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]

@@ -19,10 +19,12 @@ use rallypoint_store::{PrefixStore, Store};
 
 use crate::agent::AgentInner;
 use crate::device::{self, DeviceInfo};
+use crate::error::{Error, Result};
 use crate::registry::init_timeout;
 use crate::registry::{self, BackendContext, BackendType, RpcBackendOptions};
 use crate::transport::{Deliver, Event};
-use crate::{Error, Result, Rpc, WorkerInfo};
+use crate::worker_info::WorkerInfo;
+use crate::Rpc;
 
 static INIT_CALLS: AtomicUsize = AtomicUsize::new(0);
 

@@ -26,7 +26,8 @@
 //!    bulk streams on threads of their own) and [`pg`] (`PROCESS_GROUP`,
 //!    over `rallypoint-collectives`' send and receive); [`wire`] (the
 //!    envelope, ids, the TCP frame and hello; every decoder
-//!    property-tested); [`types`] (type fingerprints); [`device`]; `error`;
+//!    property-tested); [`types`] (type fingerprints); `worker_info`
+//!    ([`WorkerInfo`], a worker's name and rank); [`device`]; `error`;
 //!    `payload` (bulk bytes: it borrows the agent's codec hooks, an upward
 //!    import `.ci/module-cycles` allows until it goes).
 //! 2. **The RRef protocol** (`rref.rs`, `rref/table.rs`): PyTorch's
@@ -69,6 +70,7 @@ pub mod tcp;
 pub mod transport;
 pub mod types;
 pub mod wire;
+mod worker_info;
 
 pub use agent::rrefs::RRef;
 pub use agent::{Functions, Rpc, RpcFuture, ShutdownReport, ToWorker, Value};
@@ -81,12 +83,4 @@ pub use registry::{
     BackendContext, BackendType, RpcBackendOptions,
 };
 pub use rref::{Gid, Leak};
-
-use serde::{Deserialize, Serialize};
-
-/// A worker: its unique name and its id (rank).
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct WorkerInfo {
-    pub name: String,
-    pub id: u32,
-}
+pub use worker_info::WorkerInfo;

@@ -23,9 +23,10 @@ use tokio::time::Instant;
 
 use crate::agent::{AgentInner, Group};
 use crate::device::{self, DeviceInfo};
+use crate::error::{Error, Result};
 use crate::transport::BoxFuture;
 use crate::wire::Request;
-use crate::{Error, Result, WorkerInfo};
+use crate::worker_info::WorkerInfo;
 
 #[derive(Serialize, Deserialize, Clone)]
 struct Member {

@@ -14,9 +14,9 @@ use rallypoint_store::Store;
 
 use crate::agent::Functions;
 use crate::device::{self, Device, DeviceMap, Inventory};
+use crate::error::{Error, Result};
 use crate::tcp::{Tcp, TcpOptions};
 use crate::transport::{BoxFuture, Deliver, Transport};
-use crate::{Error, Result};
 
 /// A registered backend's name (PyTorch's `BackendType`).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -18,8 +18,8 @@ use rallypoint_collectives::{ProcessGroup, ReduceOp};
 use tokio::time::Instant;
 
 use crate::agent::{AgentInner, Group};
+use crate::error::{Error, Result};
 use crate::transport::{BoxFuture, FOREVER};
-use crate::{Error, Result};
 
 /// A static group: its process group.
 pub(crate) struct StaticGroup(pub(crate) ProcessGroup);

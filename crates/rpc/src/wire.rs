@@ -20,7 +20,7 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 use crate::types::Sig;
-use crate::WorkerInfo;
+use crate::worker_info::WorkerInfo;
 
 /// A job-wide unique id: the worker that made it and a counter there
 /// (PyTorch's `GloballyUniqueId`).

@@ -14,9 +14,10 @@ use super::gate::Work;
 use super::rrefs::{self, RRef};
 use super::{concat, AgentInner, Encoded, Functions, Rpc, ShutdownReport};
 use crate::device::{Device, DeviceMap};
+use crate::error::{Error, Mismatch, Result};
 use crate::types::{shape, Sig};
 use crate::wire::{self, Request};
-use crate::{Error, Result, WorkerInfo};
+use crate::worker_info::WorkerInfo;
 
 /// Names a worker: its name, its id, or its [`WorkerInfo`].
 pub trait ToWorker {
@@ -242,7 +243,7 @@ impl Rpc {
                     Some(f) if f.sig.accepts(sig) => (f.run)(args).await,
                     Some(f) => Err(ours::<A, T>(
                         &a2.me.name,
-                        Error::TypeMismatch(Box::new(crate::Mismatch {
+                        Error::TypeMismatch(Box::new(Mismatch {
                             worker: a2.me.name.clone(),
                             what: format!("function {func:?}"),
                             their_args: f.sig.args,

@@ -12,9 +12,9 @@ use tokio::time::Instant;
 use super::gate::Work;
 use super::rrefs::Adopted;
 use super::{AgentInner, Encoded, Pending};
+use crate::error::{Error, Result};
 use crate::transport::Outgoing;
 use crate::wire::{self, Envelope, ForkId, RRefId, Request};
-use crate::{Error, Result};
 
 impl AgentInner {
     /// Sends `req` with encoded `args` to `to` and waits for the answer.

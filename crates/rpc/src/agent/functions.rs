@@ -14,9 +14,9 @@ use serde::Serialize;
 
 use super::rrefs::{Adopted, Held};
 use super::{Rpc, Value};
+use crate::error::{Error, Result};
 use crate::transport::BoxFuture;
 use crate::types::{shape, Signature};
-use crate::{Error, Result};
 
 /// A request's arguments, still encoded.
 pub struct Args {

@@ -14,10 +14,11 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use tokio::sync::Notify;
 
 use super::{with_de, with_ser, AgentInner, Value};
+use crate::error::{Error, Result};
 use crate::rref::table::{Adoption, Control, Effect, OwnerState, Parent, Table, UserStatus};
 use crate::rref::Leak;
 use crate::wire::{ForkData, ForkId, RRefId, Request};
-use crate::{Error, Result, Rpc};
+use crate::Rpc;
 
 /// One local handle (an owner's or a user's); dropping the last clone of an
 /// [`RRef`] drops it.

@@ -11,9 +11,10 @@ use super::gate::Work;
 use super::rrefs::{self, Adopted};
 use super::{AgentInner, Args, Encoded, Pending, Rpc};
 use crate::device::DeviceInfo;
+use crate::error::{Error, Mismatch};
 use crate::transport::{Event, Outgoing};
 use crate::wire::{self, Envelope, Failure, RRefId, Request};
-use crate::{Error, WorkerInfo};
+use crate::worker_info::WorkerInfo;
 
 impl AgentInner {
     /// The transport's entry point.
@@ -51,7 +52,7 @@ impl AgentInner {
                         .map(|v| (v, bulk, adopted))
                         .map_err(|f| match f.types {
                             Some((their_args, their_ret)) => {
-                                Error::TypeMismatch(Box::new(crate::Mismatch {
+                                Error::TypeMismatch(Box::new(Mismatch {
                                     worker: self.name_of(p.to),
                                     what: p.what,
                                     their_args,

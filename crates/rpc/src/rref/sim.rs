@@ -71,7 +71,7 @@ use std::time::{Duration, Instant};
 
 use super::table::{Adoption, Control, Effect, OwnerState, Parent, Table, UserStatus};
 use super::{ForkId, Gid, RRefId, TOMBSTONE_TTL};
-use crate::Error;
+use crate::error::Error;
 
 #[cfg(test)]
 mod tests;

@@ -40,7 +40,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
 use super::{ForkId, Leak, RRefId, TOMBSTONE_TTL};
-use crate::Error;
+use crate::error::Error;
 
 /// A control message of the RRef protocol.
 #[derive(Debug, Clone, PartialEq, Eq)]
