@@ -106,7 +106,7 @@ async fn decide(cx: &OpCtx) -> Result<Layout> {
     let sh = cx.sh();
     let members: Vec<usize> = (0..cx.n()).map(|k| cx.world(k)).collect();
     let unread: Vec<usize> = {
-        let hosts = sh.hosts.lock().unwrap_or_else(|e| e.into_inner());
+        let hosts = sh.hosts.lock();
         members
             .iter()
             .copied()
@@ -116,7 +116,7 @@ async fn decide(cx: &OpCtx) -> Result<Layout> {
     if !unread.is_empty() {
         read_hosts(cx, &unread).await?;
     }
-    let hosts = sh.hosts.lock().unwrap_or_else(|e| e.into_inner());
+    let hosts = sh.hosts.lock();
     let mut by_host: Vec<(&str, Vec<usize>)> = Vec::new();
     for (k, r) in members.iter().enumerate() {
         let host = hosts[r].1.as_str();
@@ -220,7 +220,7 @@ async fn read_hosts(cx: &OpCtx, ranks: &[usize]) -> Result<()> {
             group: cx.group_name(),
             reason: format!("reading the ranks' hosts: {e}"),
         })?;
-    let mut hosts = sh.hosts.lock().unwrap_or_else(|e| e.into_inner());
+    let mut hosts = sh.hosts.lock();
     for (r, v) in ranks.iter().zip(vals) {
         let v = String::from_utf8_lossy(&v).into_owned();
         let (pid, host) = v.split_once(' ').unwrap_or(("", ""));

@@ -57,11 +57,12 @@
 //! | `router.rs` | which op a frame is for; each group's entry (`router/groups.rs`); pure: no I/O |
 //! | `flow.rs`, `landing.rs` | credit per peer; receives posted into ops' buffers |
 //! | `faults.rs` | fault injection for tests |
+//! | `lock_order.rs` | the order of [`Shared`]'s locks, checked in debug builds |
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::Duration;
 
 use rallypoint_store::Store;
@@ -86,6 +87,7 @@ mod diverged;
 mod faults;
 mod flow;
 mod landing;
+mod lock_order;
 mod mismatch;
 mod reader;
 mod router;
@@ -94,6 +96,7 @@ mod send;
 use conn::accept_loop;
 use flow::Outbound;
 pub(crate) use landing::{Gate, Landing};
+use lock_order::{Guard, Ordered};
 use router::Router;
 pub(crate) use router::{Clash, Fail, Key, Start};
 
@@ -160,7 +163,7 @@ pub(crate) struct ChildLink {
     /// Internal ops per op of the group.
     width: u64,
     /// The first op of the group that the group's abort fails.
-    aborted_from: Mutex<Option<u64>>,
+    aborted_from: Ordered<Option<u64>>,
 }
 
 impl ChildLink {
@@ -170,7 +173,7 @@ impl ChildLink {
             comm,
             parent,
             width,
-            aborted_from: Mutex::default(),
+            aborted_from: Ordered::with_default(lock_order::CHILD_LINK),
         }
     }
 
@@ -216,27 +219,50 @@ pub(crate) struct Config {
     pub receive_window: u64,
 }
 
+/// The state a transport's tasks share.
+///
+/// **Lock order.** Its `std` mutexes are [`Ordered`]: a thread takes them
+/// only in this order, and debug builds check it (`lock_order.rs`):
+///
+/// 1. `router`: frames, waiters, aborts, and each group's entry (members,
+///    hearer, links, telling, calls found diverged).
+/// 2. `outbound`: this rank's credit with each peer.
+/// 3. `control`: the queues of control frames (the router's and the
+///    credit's decisions are queued under their lock, so they go out in the
+///    order decided).
+/// 4. Leaves, each taken alone: `peers`, `addrs`, `unpublished`,
+///    `connecting`, `hosts`, and each [`ChildLink`]'s abort.
+///
+/// A hearer ([`HearsAborts`]) is called with no lock held. The `tokio`
+/// mutexes, a connection's writer and a peer's connecting gate, are apart
+/// from this order: they are held across `.await`, and a `std` guard never
+/// is (it is not `Send`, so a future holding one there could not be
+/// spawned), so no `std` lock is held while one is waited for; and neither
+/// is taken while the other is held (a connection is opened before its
+/// writer is taken). A landing's gate (`landing.rs`) is per receive, held
+/// only while bytes are copied into the op's buffer.
 pub(crate) struct Shared {
     pub cfg: Config,
     store: Arc<dyn Store>,
     pub local_addr: SocketAddr,
     pool: Arc<Pool>,
-    addrs: Mutex<HashMap<usize, SocketAddr>>,
-    peers: Mutex<HashMap<usize, Peer>>,
-    connecting: Mutex<HashMap<usize, Arc<tokio::sync::Mutex<()>>>>,
-    router: Mutex<Router>,
+    addrs: Ordered<HashMap<usize, SocketAddr>>,
+    peers: Ordered<HashMap<usize, Peer>>,
+    connecting: Ordered<HashMap<usize, Arc<tokio::sync::Mutex<()>>>>,
+    /// Frames, waiters, aborts, and each group's entry (see `router.rs`).
+    router: Ordered<Router>,
     /// This rank's credit with each peer (flow control).
-    outbound: Mutex<Outbound>,
+    outbound: Ordered<Outbound>,
     /// Wakes sends waiting for credit: credit or a want arrived, or a peer
     /// went.
     flow_changed: tokio::sync::Notify,
     /// Per peer, the queue of flow and want frames to send, in order.
-    control: Mutex<HashMap<usize, tokio::sync::mpsc::UnboundedSender<Header>>>,
+    control: Ordered<HashMap<usize, tokio::sync::mpsc::UnboundedSender<Header>>>,
     /// Peers whose address was looked for and not found (yet).
-    unpublished: Mutex<std::collections::HashSet<usize>>,
+    unpublished: Ordered<std::collections::HashSet<usize>>,
     /// The `host/<rank>` entries read so far (world rank to process id and
     /// host), from which each group decides on shared memory (see `shm`).
-    pub hosts: Mutex<HashMap<usize, (u32, String)>>,
+    pub hosts: Ordered<HashMap<usize, (u32, String)>>,
     refused: AtomicU64,
     /// See [`Shared::landed_bytes`].
     landed_bytes: AtomicU64,
@@ -316,8 +342,8 @@ impl Drop for Transport {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
+fn lock<T>(m: &Ordered<T>) -> Guard<'_, T> {
+    m.lock()
 }
 
 impl Transport {
@@ -337,15 +363,15 @@ impl Transport {
             cfg,
             store,
             local_addr,
-            addrs: Mutex::default(),
-            peers: Mutex::default(),
-            connecting: Mutex::default(),
-            router: Mutex::new(Router::new(window)),
-            outbound: Mutex::new(Outbound::new(window)),
+            addrs: Ordered::with_default(lock_order::ADDRS),
+            peers: Ordered::with_default(lock_order::PEERS),
+            connecting: Ordered::with_default(lock_order::CONNECTING),
+            router: Ordered::new(lock_order::ROUTER, Router::new(window)),
+            outbound: Ordered::new(lock_order::OUTBOUND, Outbound::new(window)),
             flow_changed: tokio::sync::Notify::new(),
-            control: Mutex::default(),
-            hosts: Mutex::default(),
-            unpublished: Mutex::default(),
+            control: Ordered::with_default(lock_order::CONTROL),
+            hosts: Ordered::with_default(lock_order::HOSTS),
+            unpublished: Ordered::with_default(lock_order::UNPUBLISHED),
             refused: AtomicU64::new(0),
             landed_bytes: AtomicU64::new(0),
             next_conn: AtomicU64::new(0),
