@@ -121,12 +121,13 @@ pub(crate) fn reduce_ceiling(n: usize, bytes: usize) -> f64 {
             }
         };
         // Elements `r` of rank `k`'s half `h`, to write and to read.
-        // SAFETY (every use): the ranges a phase writes are written by one
+        // SAFETY: (every use) the ranges a phase writes are written by one
         // rank only and read by none until the next meeting, as in the
         // library (see `Halves`).
         let half = |k: usize, h: usize, r: Range<usize>| unsafe {
             std::slice::from_raw_parts_mut(halves.ptr[2 * k + h].add(r.start), r.len())
         };
+        // SAFETY: as above.
         let read = |k: usize, h: usize, r: Range<usize>| unsafe {
             std::slice::from_raw_parts(halves.ptr[2 * k + h].add(r.start) as *const f32, r.len())
         };

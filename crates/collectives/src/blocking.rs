@@ -77,23 +77,26 @@ impl BlockingGroup {
     }
 
     // These three receive large payloads straight into the caller's buffer
-    // (see `algorithms/posted.rs`): SAFETY: `block_on` runs the op's future
-    // to completion, or drops it while unwinding, before the call returns,
-    // so it is never leaked and `buf` outlives it.
+    // (see `algorithms/posted.rs`), which is sound because `block_on` runs
+    // the op's future to completion, or drops it while unwinding, before the
+    // call returns: it is never leaked, and the buffer outlives it.
 
     pub fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
-        self.rt
-            .block_on(unsafe { self.pg.all_reduce_posting(buf, op) })
+        // SAFETY: the future is run to its end here (above).
+        let op = unsafe { self.pg.all_reduce_posting(buf, op) };
+        self.rt.block_on(op)
     }
 
     pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
-        self.rt
-            .block_on(unsafe { self.pg.broadcast_posting(buf, root) })
+        // SAFETY: the future is run to its end here (above).
+        let op = unsafe { self.pg.broadcast_posting(buf, root) };
+        self.rt.block_on(op)
     }
 
     pub fn all_gather<T: Element>(&self, input: &[T], out: &mut [T]) -> Result<()> {
-        self.rt
-            .block_on(unsafe { self.pg.all_gather_posting(input, out) })
+        // SAFETY: the future is run to its end here (above).
+        let op = unsafe { self.pg.all_gather_posting(input, out) };
+        self.rt.block_on(op)
     }
 
     pub fn send<T: Element>(&self, data: &[T], dst: usize, tag: u32) -> Result<()> {

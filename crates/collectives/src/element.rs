@@ -185,6 +185,7 @@ fn zip_apply<T: Copy>(acc: &mut [T], other: &[T], f: impl Fn(T, T) -> T) {
 
 macro_rules! int_element {
     ($($t:ty => $d:ident),*) => {$(
+        // SAFETY: a primitive integer is plain data of alignment at most 8.
         unsafe impl Element for $t {
             const DTYPE: DType = DType::$d;
             fn reduce(op: ReduceOp, acc: &mut [Self], other: &[Self]) {
@@ -225,6 +226,7 @@ macro_rules! float_minmax {
 
 macro_rules! float_element {
     ($($t:ty => $d:ident),*) => {$(
+        // SAFETY: a primitive float is plain data of alignment at most 8.
         unsafe impl Element for $t {
             const DTYPE: DType = DType::$d;
             fn reduce(op: ReduceOp, acc: &mut [Self], other: &[Self]) {
@@ -256,6 +258,7 @@ float_element!(f32 => F32, f64 => F64);
 /// The 16-bit floats: reduced in `f32` by the kernels in `halves.rs`.
 macro_rules! half_element {
     ($($t:ty => $d:ident, $zip:path, $map:path);*) => {$(
+        // SAFETY: `f16` and `bf16` are a `u16` each: plain data.
         unsafe impl Element for $t {
             const DTYPE: DType = DType::$d;
             fn reduce(op: ReduceOp, acc: &mut [Self], other: &[Self]) {

@@ -340,6 +340,7 @@ impl Group {
         with_dtype!(dtype, T => {
             // SAFETY: see "Memory"; the spawned future runs to its end.
             let buf = unsafe { raw.slice::<T>()? };
+            // SAFETY: as above.
             self.submit(py, now, token, unsafe { pg.start_all_reduce(buf, op) })
         })
     }
@@ -360,6 +361,7 @@ impl Group {
         with_dtype!(dtype, T => {
             // SAFETY: as in all_reduce.
             let buf = unsafe { raw.slice::<T>()? };
+            // SAFETY: as above.
             self.submit(py, now, token, unsafe { pg.start_broadcast(buf, root) })
         })
     }
@@ -406,12 +408,15 @@ impl Group {
             // SAFETY: as in all_reduce, for the input and every output.
             let input = unsafe { input.slice::<T>()? };
             if let Some(out) = out {
+                // SAFETY: as above.
                 let out = unsafe { Raw { addr: out, len: len * n }.slice::<T>()? };
+                // SAFETY: as above.
                 return self.submit(py, now, token, unsafe { pg.start_all_gather(input, out) });
             }
             let outs = outs.ok_or_else(|| PyValueError::new_err("rally: all_gather needs out or outs"))?;
             let outs: Vec<&mut [T]> = raws(&outs, len)
                 .into_iter()
+                // SAFETY: as above.
                 .map(|r| unsafe { r.slice::<T>() })
                 .collect::<PyResult<_>>()?;
             // The gathered parts land in one buffer, whose op starts now.
@@ -452,6 +457,7 @@ impl Group {
             let input = unsafe { Raw { addr, len }.slice::<T>()? };
             let outs: Vec<&mut [T]> = raws(outs.as_deref().unwrap_or(&[]), len)
                 .into_iter()
+                // SAFETY: as above.
                 .map(|r| unsafe { r.slice::<T>() })
                 .collect::<PyResult<_>>()?;
             let op = pg.start_gather(input, root);
@@ -488,7 +494,8 @@ impl Group {
                 Some(ins) => Some(
                     raws(&ins, len)
                         .into_iter()
-                        .map(|r| unsafe { r.slice::<T>() })
+                        // SAFETY: as above.
+                .map(|r| unsafe { r.slice::<T>() })
                         .collect::<PyResult<_>>()?,
                 ),
                 None => None,
@@ -525,6 +532,7 @@ impl Group {
         with_dtype!(dtype, T => {
             // SAFETY: as in all_reduce.
             let input = unsafe { Raw { addr, len: len * n }.slice::<T>()? };
+            // SAFETY: as above.
             let out = unsafe { Raw { addr: out, len }.slice::<T>()? };
             self.submit(py, now, token, pg.start_reduce_scatter(input, out, op))
         })
@@ -565,6 +573,7 @@ impl Group {
         with_dtype!(dtype, T => {
             // SAFETY: as in all_reduce.
             let input = unsafe { Raw { addr, len: in_total }.slice::<T>()? };
+            // SAFETY: as above.
             let output = unsafe { Raw { addr: out, len: out_total }.slice::<T>()? };
             if even {
                 return self.submit(py, now, token, pg.start_all_to_all(input, output));

@@ -28,6 +28,7 @@ pub(crate) struct Place<'a, T> {
 // SAFETY: as `&mut [T]`, which a `Place` stands for; its slices are taken
 // through its unsafe methods, whose callers keep them apart.
 unsafe impl<T: Send> Send for Place<'_, T> {}
+// SAFETY: as `&mut [T]` (above).
 unsafe impl<T: Send + Sync> Sync for Place<'_, T> {}
 
 impl<'a, T> Place<'a, T> {

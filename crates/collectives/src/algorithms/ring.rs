@@ -228,24 +228,25 @@ impl<'a, 'c> Ring<'a, 'c> {
                         one.is_some() || posts.is_none() || ahead.is_empty(),
                         "every segment of a posting pass is posted"
                     );
-                    // SAFETY (each arm): segment `rg` of chunk `cin` is used
-                    // by this step alone, after its receive when it was posted.
                     match (reduce, posts, one) {
                         (Some(op), ..) => {
-                            cx.recv_reduce(prev, at, unsafe { place.range(rg.clone()) }, op)
-                                .await?
+                            // SAFETY: segment `rg` of chunk `cin` is used by
+                            // this step alone.
+                            let seg = unsafe { place.range(rg.clone()) };
+                            cx.recv_reduce(prev, at, seg, op).await?
                         }
                         (None, Some(p), Some(one)) => p.recv(one, place, rg.clone()).await?,
                         (None, ..) => {
-                            cx.recv_copy(prev, at, unsafe { place.range(rg.clone()) })
-                                .await?
+                            // SAFETY: as above.
+                            let seg = unsafe { place.range(rg.clone()) };
+                            cx.recv_copy(prev, at, seg).await?
                         }
                     }
                     if t + 2 < n {
-                        cx.send(next, self.steps.at(phase0 + t + 1, s), unsafe {
-                            place.get(rg)
-                        })
-                        .await?;
+                        // SAFETY: segment `rg`, used by this step alone, was
+                        // received (or posted and landed) just above.
+                        let seg = unsafe { place.get(rg) };
+                        cx.send(next, self.steps.at(phase0 + t + 1, s), seg).await?;
                     }
                 }
             }

@@ -140,6 +140,7 @@ pub(crate) struct Arena {
 // and whose data halves are accessed under the stage protocol (one writer,
 // readers only after the writer's release store).
 unsafe impl Send for Arena {}
+// SAFETY: as for `Send` (above).
 unsafe impl Sync for Arena {}
 
 fn layout(n: usize, slot: usize) -> (usize, usize) {
@@ -461,6 +462,7 @@ mod tests {
         unsafe { *a.data(0, 1) = 42 };
         a.arrive(1);
         assert!(b.arrived(0, 1) && !b.arrived(0, 2));
+        // SAFETY: the same page, after b saw a's arrival.
         assert_eq!(unsafe { *b.data(0, 1) }, 42);
         assert_eq!(b.missing(1), None);
         assert_eq!(a.missing(1), Some(1));

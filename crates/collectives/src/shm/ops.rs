@@ -169,6 +169,7 @@ pub(crate) async fn reduce<T: Element>(
                 let mine = &mut unsafe { r.view_mut::<T>(me, len) }[p.clone()];
                 let others: Vec<&[T]> = (0..n)
                     .filter(|&k| k != me)
+                    // SAFETY: as above: others' parts `p` are only read.
                     .map(|k| &unsafe { r.view::<T>(k, len) }[p.clone()])
                     .collect();
                 if in_place {
@@ -200,6 +201,7 @@ pub(crate) async fn reduce<T: Element>(
             // SAFETY: every half was written before the stage.
             out.copy_from_slice(unsafe { r.view::<T>(0, len) });
             for k in 1..n {
+                // SAFETY: as above.
                 T::reduce(op, out, unsafe { r.view::<T>(k, len) });
             }
             if op == ReduceOp::Avg {
@@ -315,7 +317,7 @@ pub(crate) async fn parts<T: Element>(
             }
         }
         r.stage().await?;
-        // SAFETY (every read below): written before the stage.
+        // SAFETY: every part read below was written before the stage.
         let part = |j: usize| &unsafe { r.view::<T>(j, n * per) }[me * per..me * per + len];
         match how {
             Parts::Scatter { root } => out[c].copy_from_slice(part(root)),

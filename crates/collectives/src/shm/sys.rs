@@ -40,6 +40,7 @@ mod imp {
         let fd = cvt(unsafe { libc::memfd_create(c"rallypoint-shm".as_ptr(), libc::MFD_CLOEXEC) })?;
         // SAFETY: `fd` was just opened and is owned by nothing else.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: a plain syscall on a descriptor we own.
         cvt(unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) })?;
         Ok(fd)
     }
@@ -89,6 +90,7 @@ mod imp {
         let opened = unsafe { OwnedFd::from_raw_fd(raw) };
         // SAFETY: `st` is written by fstat before it is read.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: `st` is a valid place for fstat to write.
         cvt(unsafe { libc::fstat(opened.as_raw_fd(), &mut st) })?;
         if st.st_mode & libc::S_IFMT != libc::S_IFREG {
             return Err(not_ours("not a regular file once opened".into()));
@@ -103,6 +105,7 @@ mod imp {
     pub fn file_len(fd: &OwnedFd) -> io::Result<u64> {
         // SAFETY: `st` is written by fstat before it is read.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: `st` is a valid place for fstat to write.
         cvt(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) })?;
         Ok(st.st_size as u64)
     }
@@ -150,6 +153,7 @@ mod imp {
         if fd < 0 {
             return Err(io::Error::last_os_error());
         }
+        // SAFETY: `fd` was just opened and is owned by nothing else.
         Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
     }
 

@@ -134,6 +134,7 @@ fn a_worker_killed_by_sigkill_is_reported() {
     let dir = tempfile::tempdir().unwrap();
     let (mut ctx, _run) = start(&sh(&["sleep 30"]), &redirected(dir.path()));
     let pid = ctx.pids()[&0];
+    // SAFETY: a plain syscall.
     unsafe { libc::kill(pid as i32, libc::SIGKILL) };
     let r = ctx
         .wait(Some(Duration::from_secs(10)), Duration::from_millis(5))
@@ -232,6 +233,7 @@ fn bad_input_is_a_clear_error_and_leaves_nothing_running() {
     );
     // No child of ours is left (all reaped, none running).
     let mut status = 0;
+    // SAFETY: a plain syscall; `status` is a valid place to write.
     let r = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) };
     assert_eq!(r, -1, "a child was left behind");
 }
@@ -593,6 +595,7 @@ fn a_trapped_signal_is_forwarded_to_the_workers() {
             break;
         }
     }
+    // SAFETY: a plain syscall.
     unsafe { libc::kill(launcher.id() as i32, libc::SIGTERM) };
     let outcome = lines
         .find_map(|l| {

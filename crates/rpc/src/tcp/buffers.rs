@@ -14,6 +14,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex, Weak};
 
 use bytes::Bytes;
+use rallypoint_sync::MutexExt;
 
 /// Buffers smaller than this are not kept.
 const KEEP_FROM: usize = 1 << 20;
@@ -38,7 +39,7 @@ impl Pool {
     /// capacity, or a new one.
     pub(super) fn take(self: &Arc<Self>, n: usize) -> Buf {
         if n >= KEEP_FROM {
-            let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+            let mut free = self.free.locked();
             if let Some(i) = free
                 .iter()
                 .position(|v| v.capacity() >= n && v.capacity() <= 2 * n)
@@ -65,7 +66,7 @@ impl Pool {
     }
 
     fn give(&self, v: Vec<u8>) {
-        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        let mut free = self.free.locked();
         let kept: usize = free.iter().map(Vec::capacity).sum();
         if free.len() < KEEP && kept + v.capacity() <= KEEP_BYTES {
             free.push(v);
@@ -75,7 +76,7 @@ impl Pool {
     /// Buffers kept now (for tests).
     #[cfg(test)]
     fn kept(&self) -> usize {
-        self.free.lock().unwrap_or_else(|e| e.into_inner()).len()
+        self.free.locked().len()
     }
 }
 
@@ -131,6 +132,7 @@ pub(super) struct Pieces {
 // range to one reader (see its contract); `buf` itself is not touched until
 // `into_inner`, which owns the whole.
 unsafe impl Send for Pieces {}
+// SAFETY: as for `Send` (above).
 unsafe impl Sync for Pieces {}
 
 impl Pieces {
@@ -208,6 +210,7 @@ mod tests {
             // SAFETY: 0..5 and 5..10 are disjoint and each is given once.
             unsafe { a.piece(0..5) }.fill(1);
         });
+        // SAFETY: as above.
         unsafe { b.piece(5..10) }.fill(2);
         t.join().unwrap();
         drop(b);
