@@ -21,6 +21,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rallypoint_store::{FileStore, Store, TcpStore};
+use rallypoint_sync::MutexExt;
 
 pub use crate::url::Url;
 
@@ -104,7 +105,7 @@ impl Default for Schemes {
 impl Schemes {
     /// Registers a handler; a scheme registered twice is an error.
     pub fn register(&self, scheme: &str, handler: SchemeHandler) -> Result<(), InitError> {
-        let mut h = self.handlers.lock().unwrap_or_else(|e| e.into_inner());
+        let mut h = self.handlers.locked();
         if h.contains_key(scheme) {
             return Err(InitError::Duplicate(scheme.to_owned()));
         }
@@ -115,7 +116,7 @@ impl Schemes {
     /// Starts a rendezvous for `url`.
     pub fn rendezvous(&self, url: &str, args: InitArgs) -> Result<UrlRendezvous, InitError> {
         let url = Url::parse(url).map_err(InitError::Url)?;
-        let h = self.handlers.lock().unwrap_or_else(|e| e.into_inner());
+        let h = self.handlers.locked();
         let handler = *h.get(&url.scheme).ok_or_else(|| InitError::UnknownScheme {
             scheme: url.scheme.clone(),
             known: h

@@ -7,6 +7,8 @@
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
+use rallypoint_sync::MutexExt;
+
 pub use crate::api::{Created, Creator};
 use crate::api::{RendezvousError, RendezvousHandler, RendezvousParameters};
 
@@ -38,7 +40,7 @@ impl Registry {
 
     /// Registers `creator` under `name`.
     pub fn register(&self, name: &str, creator: Creator) -> Result<(), RendezvousError> {
-        let mut creators = self.creators.lock().unwrap_or_else(|e| e.into_inner());
+        let mut creators = self.creators.locked();
         match creators.get(name) {
             Some(existing) if std::ptr::fn_addr_eq(*existing, creator) => Ok(()),
             Some(_) => Err(RendezvousError::Registry(format!(
@@ -53,7 +55,7 @@ impl Registry {
 
     /// Registered names.
     pub fn names(&self) -> Vec<String> {
-        let creators = self.creators.lock().unwrap_or_else(|e| e.into_inner());
+        let creators = self.creators.locked();
         creators.keys().cloned().collect()
     }
 
@@ -64,7 +66,7 @@ impl Registry {
     ) -> Result<Box<dyn RendezvousHandler>, RendezvousError> {
         let name = params.backend.clone();
         let creator = {
-            let creators = self.creators.lock().unwrap_or_else(|e| e.into_inner());
+            let creators = self.creators.locked();
             creators.get(&name).copied()
         };
         let creator = creator.ok_or_else(|| {

@@ -25,6 +25,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rallypoint_store::{PrefixStore, Store, TcpStore};
+use rallypoint_sync::MutexExt;
 use tokio::sync::OnceCell;
 use tokio::task::JoinHandle;
 
@@ -175,7 +176,7 @@ impl RendezvousHandler for StaticTcpRendezvous {
                 crate::census::joined(&*prefixed)
                     .await
                     .map_err(|e| self.connection(e))?;
-                *self.heartbeat.lock().unwrap_or_else(|e| e.into_inner()) =
+                *self.heartbeat.locked() =
                     Some(self.keep_alive(prefixed.clone()));
                 Ok::<_, RendezvousError>(prefixed)
             })
@@ -400,12 +401,7 @@ impl StaticTcpRendezvous {
     }
 
     fn stop_heartbeat(&self) {
-        if let Some(h) = self
-            .heartbeat
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-        {
+        if let Some(h) = self.heartbeat.locked().take() {
             h.abort();
         }
     }

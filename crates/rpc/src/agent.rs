@@ -33,6 +33,7 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::Duration;
 
 use bytes::Bytes;
+use rallypoint_sync::{MutexExt, RwLockExt};
 use serde::Serialize;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
@@ -47,10 +48,10 @@ pub(crate) mod rrefs;
 mod serve;
 
 use crate::device::{Device, DeviceInfo, DeviceMap};
+use crate::error::{Error, Result};
 use crate::rref::Leak;
 use crate::transport::{BoxFuture, Event, Outgoing, Transport};
 use crate::wire::{self, Request};
-use crate::error::{Error, Result};
 use crate::worker_info::WorkerInfo;
 pub use api::{RpcFuture, ToWorker};
 pub(crate) use codec::{with_de, with_ser, Encoded};
@@ -223,25 +224,25 @@ impl AgentInner {
     pub(crate) fn set_devices(&self, all: &[(String, DeviceInfo)]) {
         let reverse = crate::device::reverse_maps(&self.me.name, all);
         let devices = crate::device::device_list(&self.device_info.devices, &self.maps, &reverse);
-        *self.reverse.write().unwrap_or_else(|e| e.into_inner()) = reverse;
-        *self.devices.write().unwrap_or_else(|e| e.into_inner()) = devices;
+        *self.reverse.write_locked() = reverse;
+        *self.devices.write_locked() = devices;
     }
 
     pub(crate) fn add_worker(&self, w: WorkerInfo) {
-        let mut ws = self.workers.write().unwrap_or_else(|e| e.into_inner());
+        let mut ws = self.workers.write_locked();
         ws.by_name.insert(w.name.clone(), w.id);
         ws.by_id.insert(w.id, w);
     }
 
     pub(crate) fn remove_worker(&self, id: u32) {
-        let mut ws = self.workers.write().unwrap_or_else(|e| e.into_inner());
+        let mut ws = self.workers.write_locked();
         if let Some(w) = ws.by_id.remove(&id) {
             ws.by_name.remove(&w.name);
         }
     }
 
     fn id_of(&self, name: &str) -> Result<u32> {
-        let ws = self.workers.read().unwrap_or_else(|e| e.into_inner());
+        let ws = self.workers.read_locked();
         ws.by_name.get(name).copied().ok_or_else(|| {
             Error::Invalid(format!(
                 "no worker named {name:?} (workers: {})",
@@ -256,8 +257,7 @@ impl AgentInner {
 
     pub(crate) fn worker_by_id(&self, id: u32) -> Result<WorkerInfo> {
         self.workers
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
+            .read_locked()
             .by_id
             .get(&id)
             .cloned()
@@ -350,13 +350,7 @@ impl AgentInner {
         };
         // Teardown runs whatever happened above.
         self.closed.store(true, Ordering::SeqCst);
-        let left: Vec<Pending> = self
-            .pending
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .drain()
-            .map(|(_, p)| p)
-            .collect();
+        let left: Vec<Pending> = self.pending.locked().drain().map(|(_, p)| p).collect();
         for p in left {
             let _ = p.tx.send(Err(Error::Shutdown(self.me.name.clone())));
         }
@@ -369,7 +363,7 @@ impl AgentInner {
             }
         }
         *done = true;
-        let mut leaked = std::mem::take(&mut *self.leaks.lock().unwrap_or_else(|e| e.into_inner()));
+        let mut leaked = std::mem::take(&mut *self.leaks.locked());
         if graceful {
             leaked.extend(self.rrefs.leaks(&|id| self.name_of(id)));
         }

@@ -18,6 +18,7 @@ use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use rallypoint_collectives::ProcessGroup;
+use rallypoint_sync::MutexExt;
 use tokio::task::JoinHandle;
 
 use crate::transport::{BoxFuture, Deliver, Event, Outgoing, Transport, FOREVER};
@@ -158,19 +159,13 @@ impl Transport for PgTransport {
                     })
                     .await;
                 }
-                let loops =
-                    std::mem::take(&mut *self.loops.lock().unwrap_or_else(|e| e.into_inner()));
+                let loops = std::mem::take(&mut *self.loops.locked());
                 for l in loops {
                     let _ = tokio::time::timeout(std::time::Duration::from_secs(5), l).await;
                 }
             } else {
                 self.pg.abort("the RPC agent shut down");
-                for l in self
-                    .loops
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .drain(..)
-                {
+                for l in self.loops.locked().drain(..) {
                     l.abort();
                 }
             }

@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use rallypoint_store::Store;
+use rallypoint_sync::MutexExt;
 
 use crate::agent::Functions;
 use crate::device::{self, Device, DeviceMap, Inventory};
@@ -213,7 +214,7 @@ fn registry() -> &'static Mutex<BTreeMap<String, Entry>> {
 }
 
 fn lock() -> std::sync::MutexGuard<'static, BTreeMap<String, Entry>> {
-    registry().lock().unwrap_or_else(|e| e.into_inner())
+    registry().locked()
 }
 
 /// Registers a backend; a name already taken is an error naming it.

@@ -54,6 +54,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
+use rallypoint_sync::MutexExt;
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
@@ -149,12 +150,7 @@ struct Liveness {
 
 impl Liveness {
     fn stamp(&self, peer: u32) -> Arc<AtomicU64> {
-        self.peers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .entry(peer)
-            .or_default()
-            .clone()
+        self.peers.locked().entry(peer).or_default().clone()
     }
 
     fn mark(&self, s: &AtomicU64) {
@@ -165,12 +161,7 @@ impl Liveness {
     }
 
     fn last(&self, peer: u32) -> Option<std::time::Instant> {
-        let v = self
-            .peers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&peer)?
-            .load(Ordering::Relaxed);
+        let v = self.peers.locked().get(&peer)?.load(Ordering::Relaxed);
         (v > 0).then(|| self.base + Duration::from_millis(v - 1))
     }
 }
@@ -259,10 +250,7 @@ impl Tcp {
             writers: Mutex::default(),
         });
         let accept = tokio::spawn(accept_loop(sh.clone(), listener));
-        sh.tasks
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(accept);
+        sh.tasks.locked().push(accept);
         Ok(Tcp { sh, addr })
     }
 
@@ -277,7 +265,7 @@ fn spawn_tracked(sh: &Arc<Shared>, f: impl std::future::Future<Output = ()> + Se
 }
 
 fn track(sh: &Arc<Shared>, h: JoinHandle<()>) {
-    let mut t = sh.tasks.lock().unwrap_or_else(|e| e.into_inner());
+    let mut t = sh.tasks.locked();
     t.retain(|h| !h.is_finished());
     t.push(h);
 }
@@ -377,7 +365,7 @@ async fn read_loop(sh: Arc<Shared>, from: u32, stream: u16, mut rd: BufReader<Tc
     // missing this stream's part will never be whole (their sender's call fails or
     // times out); those that have it may still complete on the others.
     if let Some(part) = (stream as usize).checked_sub(1) {
-        let mut ps = sh.partials.lock().unwrap_or_else(|e| e.into_inner());
+        let mut ps = sh.partials.locked();
         let gone: Vec<(u32, u64)> = ps
             .live
             .iter()
@@ -439,7 +427,7 @@ async fn read_frame(
     // A part: take its place in the message's buffer, read into it, mark it
     // filled.
     let taken = {
-        let mut ps = sh.partials.lock().unwrap_or_else(|e| e.into_inner());
+        let mut ps = sh.partials.locked();
         if ps.given_up.contains(&(from, h.msg)) {
             None
         } else {
@@ -469,7 +457,7 @@ async fn read_frame(
     drop(buf);
     read.map_err(io)?;
     let done = {
-        let mut ps = sh.partials.lock().unwrap_or_else(|e| e.into_inner());
+        let mut ps = sh.partials.locked();
         let Some(p) = ps.live.get_mut(&(from, h.msg)) else {
             // Given up (another stream of the message ended).
             return Ok(true);
@@ -693,13 +681,12 @@ fn slice_bulk(bulk: &[Bytes], range: std::ops::Range<u64>) -> Vec<Bytes> {
 impl Shared {
     /// The bulk runtime, unless shut down.
     fn bulk_handle(&self) -> Option<tokio::runtime::Handle> {
-        self.bulk.lock().unwrap_or_else(|e| e.into_inner()).handle()
+        self.bulk.locked().handle()
     }
 
     fn peer(&self, to: u32) -> Result<Arc<Peer>, String> {
         self.peers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .locked()
             .get(&to)
             .cloned()
             .ok_or_else(|| format!("no address known for worker {to}"))
@@ -723,7 +710,7 @@ impl Transport for Tcp {
 
     fn add_peer(&self, id: u32, addr: &str) {
         let addr = addr.parse().ok();
-        let mut ps = self.sh.peers.lock().unwrap_or_else(|e| e.into_inner());
+        let mut ps = self.sh.peers.locked();
         let n = self.sh.opts.streams.clamp(1, MAX_PARTS as usize);
         let p = ps.entry(id).or_insert_with(|| {
             Arc::new(Peer {
@@ -731,18 +718,13 @@ impl Transport for Tcp {
                 lines: (0..n).map(|_| std::sync::OnceLock::new()).collect(),
             })
         });
-        *p.addr.lock().unwrap_or_else(|e| e.into_inner()) = addr;
+        *p.addr.locked() = addr;
     }
 
     fn remove_peer(&self, id: u32) {
-        let p = self
-            .sh
-            .peers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&id);
+        let p = self.sh.peers.locked().remove(&id);
         if let Some(p) = p {
-            *p.addr.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            *p.addr.locked() = None;
         }
     }
 
@@ -813,13 +795,8 @@ impl Transport for Tcp {
             // Closing the queues ends the writers once they have written what
             // was queued (and shut their connections); a graceful shutdown
             // gives them a bound to, the rest are stopped.
-            self.sh
-                .peers
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .clear();
-            let mut writers =
-                std::mem::take(&mut *self.sh.writers.lock().unwrap_or_else(|e| e.into_inner()));
+            self.sh.peers.locked().clear();
+            let mut writers = std::mem::take(&mut *self.sh.writers.locked());
             if graceful {
                 let deadline = tokio::time::Instant::now() + SHUTDOWN_FLUSH;
                 for w in writers.iter_mut() {
@@ -840,9 +817,7 @@ impl Transport for Tcp {
             let mut batch = writers;
             let all = async {
                 loop {
-                    batch.extend(std::mem::take(
-                        &mut *self.sh.tasks.lock().unwrap_or_else(|e| e.into_inner()),
-                    ));
+                    batch.extend(std::mem::take(&mut *self.sh.tasks.locked()));
                     batch.retain(|t| Some(t.id()) != me);
                     if batch.is_empty() {
                         break;
@@ -855,9 +830,7 @@ impl Transport for Tcp {
                     for t in batch.drain(..).filter(|t| !t.is_finished()) {
                         let _ = t.await;
                     }
-                    batch.extend(std::mem::take(
-                        &mut *self.sh.writers.lock().unwrap_or_else(|e| e.into_inner()),
-                    ));
+                    batch.extend(std::mem::take(&mut *self.sh.writers.locked()));
                 }
             };
             if tokio::time::timeout(Duration::from_secs(1), all)
@@ -868,10 +841,7 @@ impl Transport for Tcp {
                     "RPC transport shutdown: tasks still running after 1 s; a connection may answer briefly"
                 );
             }
-            let bulk = std::mem::replace(
-                &mut *self.sh.bulk.lock().unwrap_or_else(|e| e.into_inner()),
-                BulkRuntime(None),
-            );
+            let bulk = std::mem::replace(&mut *self.sh.bulk.locked(), BulkRuntime(None));
             drop(bulk);
         })
     }

@@ -29,6 +29,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use rallypoint_collectives::ProcessGroup;
+use rallypoint_sync::{CondvarExt, MutexExt};
 
 /// How long `shutdown` waits for ops and store calls to end.
 pub const EXIT_DEADLINE: Duration = Duration::from_secs(10);
@@ -63,7 +64,7 @@ fn gate() -> &'static Gate {
 }
 
 fn state() -> MutexGuard<'static, State> {
-    gate().state.lock().unwrap_or_else(|e| e.into_inner())
+    gate().state.locked()
 }
 
 /// Leave to enter Python from a thread of ours; `None` once the interpreter
@@ -118,7 +119,7 @@ impl Live {
             return None;
         }
         s.in_flight += 1;
-        *self.in_flight.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        *self.in_flight.locked() += 1;
         Some(InFlight(Arc::clone(self)))
     }
 }
@@ -128,7 +129,7 @@ pub struct InFlight(Arc<Live>);
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        *self.0.in_flight.lock().unwrap_or_else(|e| e.into_inner()) -= 1;
+        *self.0.in_flight.locked() -= 1;
         state().in_flight -= 1;
         gate().changed.notify_all();
     }
@@ -152,7 +153,7 @@ pub fn shutdown(deadline: Duration) -> Left {
         s.groups
             .iter()
             .filter_map(Weak::upgrade)
-            .filter(|g| *g.in_flight.lock().unwrap_or_else(|e| e.into_inner()) > 0)
+            .filter(|g| *g.in_flight.locked() > 0)
             .collect()
     };
     for g in &busy {
@@ -166,11 +167,7 @@ pub fn shutdown(deadline: Duration) -> Left {
         if now >= end {
             break;
         }
-        s = gate()
-            .changed
-            .wait_timeout(s, end - now)
-            .unwrap_or_else(|e| e.into_inner())
-            .0;
+        s = gate().changed.wait_timeout_locked(s, end - now).0;
     }
     Left {
         in_flight: s.in_flight,

@@ -19,6 +19,7 @@ use std::time::Duration;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 use rallypoint_store::{Result, Store, StoreError};
+use rallypoint_sync::MutexExt;
 
 use crate::life::Pass;
 
@@ -230,10 +231,10 @@ impl Store for PyStore {
     }
 
     fn timeout(&self) -> Duration {
-        *self.timeout.lock().unwrap_or_else(|e| e.into_inner())
+        *self.timeout.locked()
     }
 
     fn set_timeout(&self, timeout: Duration) {
-        *self.timeout.lock().unwrap_or_else(|e| e.into_inner()) = timeout;
+        *self.timeout.locked() = timeout;
     }
 }

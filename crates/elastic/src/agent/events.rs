@@ -7,6 +7,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use rallypoint_sync::MutexExt;
 use serde_json::{json, Value};
 
 use super::FailureRecord;
@@ -291,10 +292,7 @@ pub struct Recorder(pub Mutex<Vec<AgentEvent>>);
 
 impl EventSink for Recorder {
     fn emit(&self, event: &AgentEvent) {
-        self.0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(event.clone());
+        self.0.locked().push(event.clone());
     }
 }
 
@@ -313,7 +311,7 @@ impl EventSink for JsonLines {
         // console`), a line in two writes could have theirs in between.
         let mut line = event.to_json().to_string();
         line.push('\n');
-        let mut out = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out = self.0.locked();
         let _ = out.write_all(line.as_bytes());
         let _ = out.flush();
     }

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use rallypoint_sync::RwLockExt;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
@@ -65,8 +66,7 @@ impl Rpc {
     pub fn workers(&self) -> Vec<WorkerInfo> {
         self.0
             .workers
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
+            .read_locked()
             .by_id
             .values()
             .cloned()
@@ -80,20 +80,12 @@ impl Rpc {
 
     /// The devices this worker uses (declared, or derived from the maps).
     pub fn devices(&self) -> Vec<Device> {
-        self.0
-            .devices
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.0.devices.read_locked().clone()
     }
 
     /// The inverse of each peer's device map towards this worker.
     pub fn reverse_device_maps(&self) -> BTreeMap<String, DeviceMap> {
-        self.0
-            .reverse
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.0.reverse.read_locked().clone()
     }
 
     /// Where this worker's transport listens (empty if it has no address).

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use rallypoint_sync::MutexExt;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
@@ -64,23 +65,17 @@ impl AgentInner {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         let forget = |a: &Self| {
-            a.pending
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(&id);
+            a.pending.locked().remove(&id);
         };
-        self.pending
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(
-                id,
-                Pending {
-                    to,
-                    since: Instant::now(),
-                    what: what.clone(),
-                    tx,
-                },
-            );
+        self.pending.locked().insert(
+            id,
+            Pending {
+                to,
+                since: Instant::now(),
+                what: what.clone(),
+                tx,
+            },
+        );
         let env = wire::encode(&Envelope::Request {
             id,
             req,
@@ -169,12 +164,7 @@ impl AgentInner {
         for attempt in 0..5 {
             if attempt > 0 {
                 // A worker found gone will not come back for a retry.
-                if self
-                    .gone
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .contains_key(&to)
-                {
+                if self.gone.locked().contains_key(&to) {
                     break;
                 }
                 tokio::time::sleep(delay).await;
@@ -231,8 +221,7 @@ impl AgentInner {
     /// The turns for requests in flight to worker `to`.
     fn outstanding(&self, to: u32) -> Arc<tokio::sync::Semaphore> {
         self.outstanding
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .locked()
             .entry(to)
             .or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(self.max_requests)))
             .clone()

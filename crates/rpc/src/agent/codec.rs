@@ -9,6 +9,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use bytes::Bytes;
+use rallypoint_sync::RwLockExt;
 use serde::de::DeserializeOwned;
 
 use super::rrefs::Handle;
@@ -138,11 +139,7 @@ impl AgentInner {
     ) -> std::result::Result<Encoded, String> {
         let dest_name = self.name_of(dest);
         let map = if reply {
-            self.reverse
-                .read()
-                .unwrap_or_else(|e| e.into_inner())
-                .get(&dest_name)
-                .cloned()
+            self.reverse.read_locked().get(&dest_name).cloned()
         } else {
             self.maps.get(&dest_name).cloned()
         };

@@ -9,6 +9,7 @@ use std::future::Future;
 use std::sync::{Arc, RwLock};
 
 use bytes::Bytes;
+use rallypoint_sync::RwLockExt;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
@@ -110,7 +111,7 @@ impl Functions {
     }
 
     fn add(&self, name: &str, sig: Signature, run: FnHandler) -> Result<()> {
-        let mut t = self.0.write().unwrap_or_else(|e| e.into_inner());
+        let mut t = self.0.write_locked();
         if t.funcs.contains_key(name) {
             return Err(dup("function", name));
         }
@@ -120,7 +121,7 @@ impl Functions {
 
     fn add_method<T: ?Sized>(&self, name: &str, sig: Signature, run: MethodHandler) -> Result<()> {
         let key = (shape(std::any::type_name::<T>()), name.to_owned());
-        let mut t = self.0.write().unwrap_or_else(|e| e.into_inner());
+        let mut t = self.0.write_locked();
         if t.methods.contains_key(&key) {
             return Err(dup(&format!("method on {}", key.0), name));
         }
@@ -265,12 +266,7 @@ impl Functions {
     }
 
     pub(crate) fn func(&self, name: &str) -> Option<Func> {
-        self.0
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .funcs
-            .get(name)
-            .cloned()
+        self.0.read_locked().funcs.get(name).cloned()
     }
 
     /// Method `name` for a value of type `value_type` (its full type name),
@@ -280,7 +276,7 @@ impl Functions {
         value_type: &str,
         name: &str,
     ) -> std::result::Result<Method, Vec<String>> {
-        let t = self.0.read().unwrap_or_else(|e| e.into_inner());
+        let t = self.0.read_locked();
         let key = (shape(value_type), name.to_owned());
         match t.methods.get(&key) {
             Some(m) => Ok(m.clone()),

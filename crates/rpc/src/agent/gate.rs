@@ -20,6 +20,7 @@
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use rallypoint_sync::MutexExt;
 use tokio::sync::Notify;
 
 #[derive(Default)]
@@ -67,7 +68,7 @@ impl Drop for Active {
 
 impl Gate {
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.st.lock().unwrap_or_else(|e| e.into_inner())
+        self.st.locked()
     }
 
     /// Counts new work at once if the gate lets it in now.

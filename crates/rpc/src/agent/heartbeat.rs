@@ -6,6 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use rallypoint_sync::MutexExt;
 use tokio::time::Instant;
 
 use super::AgentInner;
@@ -63,12 +64,7 @@ impl AgentInner {
 
     pub(super) fn check_heartbeats(self: &Arc<Self>, probe_after: Duration) {
         let mut waited: HashMap<u32, Instant> = HashMap::new();
-        for p in self
-            .pending
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-        {
+        for p in self.pending.locked().values() {
             let e = waited.entry(p.to).or_insert(p.since);
             *e = (*e).min(p.since);
         }
@@ -80,12 +76,7 @@ impl AgentInner {
         let below = self.transport().ok().cloned();
         for (peer, since) in waited {
             let mut last = since;
-            if let Some(h) = self
-                .heard
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .get(&peer)
-            {
+            if let Some(h) = self.heard.locked().get(&peer) {
                 last = last.max(*h);
             }
             if let Some(h) = below.as_ref().and_then(|t| t.heard_from(peer)) {
@@ -101,7 +92,7 @@ impl AgentInner {
                 tracing::warn!(worker = %self.me.name, peer = %self.name_of(peer), "{reason}");
                 self.peer_gone(peer, &reason, false);
             } else if silent >= probe_after {
-                let mut probed = self.probed.lock().unwrap_or_else(|e| e.into_inner());
+                let mut probed = self.probed.locked();
                 let due = probed
                     .get(&peer)
                     .is_none_or(|t| now.saturating_duration_since(*t) >= probe_after);

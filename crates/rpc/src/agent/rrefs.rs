@@ -9,6 +9,7 @@ use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
+use rallypoint_sync::MutexExt;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use tokio::sync::Notify;
@@ -329,7 +330,7 @@ impl RRefContext {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Table<Held>> {
-        self.table.lock().unwrap_or_else(|e| e.into_inner())
+        self.table.locked()
     }
 
     /// A new value owned here with one local handle (`Rpc::rref`, or a

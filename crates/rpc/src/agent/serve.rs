@@ -5,6 +5,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use bytes::Bytes;
+use rallypoint_sync::{MutexExt, RwLockExt};
 use tokio::time::Instant;
 
 use super::gate::Work;
@@ -27,10 +28,7 @@ impl AgentInner {
 
     pub(super) fn message(self: &Arc<Self>, from: u32, env: Vec<u8>, bulk: Bytes) {
         if !self.heartbeat.is_zero() {
-            self.heard
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(from, Instant::now());
+            self.heard.locked().insert(from, Instant::now());
         }
         match wire::decode::<Envelope>(&env) {
             Ok(Envelope::Heartbeat { answer }) => {
@@ -40,7 +38,7 @@ impl AgentInner {
             }
             Ok(Envelope::Response { id, result, forks }) => {
                 let adopted = rrefs::adopt_all(self, forks);
-                let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+                let mut pending = self.pending.locked();
                 // Only the worker asked may answer.
                 let p = match pending.get(&id) {
                     Some(p) if p.to == from => pending.remove(&id),
@@ -117,13 +115,12 @@ impl AgentInner {
     pub(super) fn peer_gone(self: &Arc<Self>, peer: u32, reason: &str, proven: bool) {
         if proven {
             self.gone
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
+                .locked()
                 .entry(peer)
                 .or_insert_with(|| reason.to_owned());
         }
         let failed: Vec<Pending> = {
-            let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+            let mut p = self.pending.locked();
             let ids: Vec<u64> = p
                 .iter()
                 .filter(|(_, v)| v.to == peer)
@@ -144,10 +141,7 @@ impl AgentInner {
             for l in &leaks {
                 tracing::warn!(worker = %self.me.name, "{l}");
             }
-            self.leaks
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .extend(leaks);
+            self.leaks.locked().extend(leaks);
         }
     }
 
@@ -346,14 +340,10 @@ impl AgentInner {
     /// A worker joined (dynamic groups): learn its name, address and the
     /// inverse of its map towards us.
     pub(crate) fn join_peer(&self, info: WorkerInfo, addr: &str, devices: &DeviceInfo) {
-        self.gone
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&info.id);
+        self.gone.locked().remove(&info.id);
         if let Some(m) = devices.maps.get(&self.me.name) {
             self.reverse
-                .write()
-                .unwrap_or_else(|e| e.into_inner())
+                .write_locked()
                 .insert(info.name.clone(), m.iter().map(|(k, v)| (*v, *k)).collect());
         }
         if let Ok(t) = self.transport() {

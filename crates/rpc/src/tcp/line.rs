@@ -27,6 +27,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
+use rallypoint_sync::MutexExt;
 use tokio::io::AsyncWriteExt;
 use tokio::net::tcp::OwnedWriteHalf;
 use tokio::sync::{mpsc, oneshot};
@@ -142,10 +143,6 @@ pub(super) struct Line {
     inline: bool,
 }
 
-fn lock(m: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 impl Line {
     /// A line to `to` (whose address is in `addr`) for stream `stream`; its
     /// writer runs until the line is dropped, then shuts the connection.
@@ -166,7 +163,7 @@ impl Line {
             (0, _) | (_, None) => tokio::spawn(w),
             (_, Some(bulk)) => bulk.spawn(w),
         };
-        let mut ws = sh.writers.lock().unwrap_or_else(|e| e.into_inner());
+        let mut ws = sh.writers.locked();
         ws.retain(|h| !h.is_finished());
         ws.push(h);
         Line {
@@ -179,7 +176,7 @@ impl Line {
     /// Writes `f` at once if the line is idle and the socket takes all of
     /// it, else queues it (a frame begun inline is finished by the writer).
     pub fn submit(&self, mut f: Frame) -> Submitted {
-        let mut st = lock(&self.state);
+        let mut st = self.state.locked();
         let now = std::time::Instant::now();
         let burst = st
             .last
@@ -238,7 +235,7 @@ impl Line {
     /// The connection ended on the other side: reconnect, or report the peer
     /// gone.
     pub fn probe(&self, why: String) {
-        let mut st = lock(&self.state);
+        let mut st = self.state.locked();
         st.busy += 1;
         if self.tx.send(Job::Probe(why)).is_err() {
             st.busy -= 1;
@@ -261,7 +258,7 @@ async fn writer(
     mut jobs: mpsc::UnboundedReceiver<Job>,
 ) {
     let open = || async {
-        let a = (*addr.lock().unwrap_or_else(|e| e.into_inner())).ok_or_else(|| ConnectFailed {
+        let a = (*addr.locked()).ok_or_else(|| ConnectFailed {
             refused: false,
             why: format!("worker {to} has left"),
         })?;
@@ -279,9 +276,9 @@ async fn writer(
         };
         let f = match job {
             Job::Probe(why) => {
-                lock(&state).conn = None;
+                state.locked().conn = None;
                 let fresh = open().await;
-                let mut st = lock(&state);
+                let mut st = state.locked();
                 st.busy -= 1;
                 match fresh {
                     Ok(w) => st.conn = Some(w),
@@ -296,10 +293,10 @@ async fn writer(
             Job::Frame(f) => f,
         };
         if !f.commit.decide(!f.done.is_closed()) {
-            lock(&state).busy -= 1;
+            state.locked().busy -= 1;
             continue;
         }
-        let taken = lock(&state).conn.take();
+        let taken = state.locked().conn.take();
         let w = match (taken, f.skip) {
             (Some(w), _) => Ok(w),
             (None, 0) => match open().await {
@@ -339,7 +336,7 @@ async fn writer(
                                 bytes += g.len();
                                 batch.push(g);
                             } else {
-                                lock(&state).busy -= 1;
+                                state.locked().busy -= 1;
                             }
                         }
                         Ok(probe) => {
@@ -367,7 +364,7 @@ async fn writer(
             }
         };
         {
-            let mut st = lock(&state);
+            let mut st = state.locked();
             st.conn = back;
             st.busy -= batch.len();
         }
@@ -390,7 +387,7 @@ async fn writer(
             let _ = f.done.send(r);
         }
     }
-    let last = lock(&state).conn.take();
+    let last = state.locked().conn.take();
     if let Some(mut w) = last {
         let _ = w.shutdown().await;
     }
