@@ -1,7 +1,7 @@
 //! What the agent is doing, as one name: the phases of its policy while it runs
 //! and how it ended after.
 //!
-//! Both the pure policy (`policy.rs`, which maps each phase and verdict to a
+//! Both the pure policy (`policy/`, which maps each phase and verdict to a
 //! state) and the status server (`status.rs`, which shows it in `/status` and
 //! `/metrics`) use it; it lives apart so that the policy does not depend on the
 //! server.
