@@ -54,6 +54,7 @@
 //! | `abort.rs` | aborts (marked, passed down, recorded, told) and peers gone |
 //! | `mismatch.rs` | calls recorded and compared; mismatches raised |
 //! | `diverged.rs` | calls found diverged, held for the first mismatch |
+//! | `abort/plan.rs`, `mismatch/plan.rs`, `diverged/finding.rs` | what each of those three decides, as pure functions with table tests |
 //! | `router.rs` | which op a frame is for; each group's entry (`router/groups.rs`); pure: no I/O |
 //! | `flow.rs`, `landing.rs` | credit per peer; receives posted into ops' buffers |
 //! | `faults.rs` | fault injection for tests |

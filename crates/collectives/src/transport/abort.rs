@@ -2,10 +2,18 @@
 //! number on, is marked in the hearers of the group (its shared memory),
 //! passed to internal groups, recorded in the store and told to every
 //! member (bounded); a peer gone fails what waits on it.
+//!
+//! What an abort sets off is decided in `abort/plan.rs`, without I/O; this
+//! file carries it out.
+
+mod plan;
 
 use std::sync::Arc;
 
+use tokio::sync::watch;
 use tokio::time::{timeout, Instant};
+
+use plan::{Admit, Effects, Record, Tell};
 
 use super::router::Key;
 use super::{lock, HearsAborts, Members, Origin, Shared, Telling, ABORT_DEADLINE};
@@ -84,78 +92,89 @@ impl Shared {
     ///
     /// The telling runs in the background; [`Shared::told`] waits for it.
     pub fn abort(self: &Arc<Self>, comm: u64, err: Error, how: Origin, from_seq: u64) {
-        let (origin, sender) = match how {
-            Origin::Here => (true, None),
-            Origin::Passed(s) => (false, s),
-            Origin::Leaving => (false, None),
-        };
-        let Some(members) = self.members(comm) else {
-            if how != Origin::Leaving {
-                self.route(|r| r.abort(comm, err.clone(), from_seq));
-                self.abort_children(comm, &err, how, from_seq);
-            }
-            return;
-        };
-        let (done, told) = tokio::sync::watch::channel(Telling::Recording);
-        let err_for_children = err.clone();
-        {
+        let (done, told) = watch::channel(Telling::Recording);
+        let (members, fx) = {
             let mut r = lock(&self.router);
-            // A provisional report never replaces what is in place.
-            if how == Origin::Leaving && r.aborted_for(comm, Some(from_seq)).is_some() {
-                return;
+            let members = r.groups().members(comm).cloned();
+            let covered = r.aborted_for(comm, Some(from_seq)).is_some();
+            match plan::admit(how, members.is_some(), covered) {
+                Admit::Ignore => return,
+                Admit::Unregistered(down) => {
+                    r.abort(comm, err.clone(), from_seq);
+                    self.queue_control(&mut r);
+                    drop(r);
+                    return self.pass_down(comm, &err, down, from_seq);
+                }
+                Admit::Apply => {}
             }
-            let changed = r.abort(comm, err, from_seq);
+            // Admitted only when registered.
+            let Some(members) = members else { return };
+            let changed = r.abort(comm, err.clone(), from_seq);
             // The abort drops filed frames: their credit goes back, and a
             // peer out of credit may resume.
             self.queue_control(&mut r);
-            if !changed {
-                return;
-            }
-            if how == Origin::Leaving {
+            let fx = plan::effects(how, changed, self.is_dead());
+            if fx.provisional {
                 r.mark_provisional(comm);
             }
-            if let Some(f) = sender {
+            if let Some(f) = fx.told_by {
                 r.note_told(comm, f);
             }
             // Under the router's lock: the watch of the abort that won is
             // the one `told` waits for.
-            if let Some(g) = r.groups_mut().entry(comm) {
+            if let Some(g) = r.groups_mut().entry(comm).filter(|_| fx.telling) {
                 g.telling = Some(told);
             }
+            (members, fx)
+        };
+        // Not taken (what is in place stays): nothing follows.
+        if fx == Effects::default() {
+            return;
         }
         tracing::debug!(
             rank = self.cfg.rank,
             comm,
             from = from_seq,
             ?how,
-            "aborted: {err_for_children}"
+            "aborted: {err}"
         );
-        self.abort_children(comm, &err_for_children, how, from_seq);
-        // A killed rank writes nothing, in the region as in the store.
-        if self.is_dead() {
-            return;
+        if let Some(down) = fx.children {
+            self.pass_down(comm, &err, down, from_seq);
         }
-        let hearer = lock(&self.router)
-            .groups()
-            .get(comm)
-            .and_then(|g| g.hearer.as_ref())
-            .and_then(std::sync::Weak::upgrade)
-            .filter(|_| how != Origin::Leaving);
-        if let Some(h) = hearer {
+        if let Some(h) = self.hearer(comm).filter(|_| fx.hearer) {
             h.aborted(from_seq);
         }
+        if let Some(tell) = fx.tell {
+            self.spawn_telling(comm, members, tell, done);
+        }
+    }
+
+    /// What else hears group `comm`'s aborts, if anything does still.
+    fn hearer(&self, comm: u64) -> Option<Arc<dyn HearsAborts>> {
+        let r = lock(&self.router);
+        r.groups().get(comm)?.hearer.as_ref()?.upgrade()
+    }
+
+    /// Records (an origin's) and tells group `comm`'s abort in the
+    /// background, saying how far it has come on `done`.
+    fn spawn_telling(
+        self: &Arc<Self>,
+        comm: u64,
+        members: Members,
+        tell: Tell,
+        done: watch::Sender<Telling>,
+    ) {
         let me = self.clone();
         // Aborts also run from destructors, possibly as the runtime shuts down;
         // spawning then is a no-op (and dropping `done` ends the waits).
         self.rt.spawn(async move {
-            let everyone = origin && me.record_abort(comm, &members).await;
+            let record = match tell {
+                Tell::RecordThenTell => me.record_abort(comm, &members).await,
+                Tell::Connected => None,
+            };
+            let everyone = plan::tell_everyone(tell, record);
             let _ = done.send(Telling::Sending);
-            let targets: Vec<usize> = members
-                .ranks
-                .iter()
-                .copied()
-                .filter(|&m| m != me.cfg.rank && (everyone || me.connected(m)))
-                .collect();
+            let targets = plan::targets(&members.ranks, me.cfg.rank, everyone, |m| me.connected(m));
             let mut tasks = tokio::task::JoinSet::new();
             for m in targets {
                 let me = me.clone();
@@ -166,22 +185,10 @@ impl Shared {
         });
     }
 
-    /// Passes group `comm`'s abort (already in place here) on to its internal
-    /// groups (told, like any passed-on abort, to the members this rank is
-    /// connected to; each member also passes on its own). A provisional
-    /// abort stays provisional: a member told holds it for the group (see
-    /// `diverged.rs`).
-    pub(super) fn abort_children(
-        self: &Arc<Self>,
-        comm: u64,
-        err: &Error,
-        how: Origin,
-        from_seq: u64,
-    ) {
-        let how = match how {
-            Origin::Leaving => Origin::Leaving,
-            _ => Origin::Passed(None),
-        };
+    /// Passes group `comm`'s abort (already in place here) on to its
+    /// internal groups, as `how` ([`plan::passed_down`]); each member also
+    /// passes on its own.
+    pub(super) fn pass_down(self: &Arc<Self>, comm: u64, err: &Error, how: Origin, from_seq: u64) {
         let children = lock(&self.router)
             .groups()
             .get(comm)
@@ -303,33 +310,34 @@ impl Shared {
     }
 
     /// Records the abort of `comm` in the store (the first record wins),
-    /// within [`ABORT_DEADLINE`]. Returns whether this rank must tell every
-    /// member: its record is the first, or the store could not say.
-    pub(super) async fn record_abort(&self, comm: u64, members: &Members) -> bool {
-        let Some((reason, ..)) = self.abort_reason(comm) else {
-            return false;
-        };
+    /// within [`ABORT_DEADLINE`]; `None` when there is no abort to record.
+    pub(super) async fn record_abort(&self, comm: u64, members: &Members) -> Option<Record> {
+        let (reason, ..) = self.abort_reason(comm)?;
         let text = format!(
             "rank {} aborted it: {reason}",
             members.group_rank(self.cfg.rank)
         );
         let key = Self::record_key(comm);
         let write = self.store.compare_set(&key, b"", text.as_bytes());
-        match timeout(ABORT_DEADLINE, write).await {
+        Some(match timeout(ABORT_DEADLINE, write).await {
             Ok(Ok(now)) => {
                 let first = now == text.as_bytes();
                 tracing::debug!(rank = self.cfg.rank, comm, first, "recorded the abort");
-                first
+                if first {
+                    Record::First
+                } else {
+                    Record::Second
+                }
             }
             Ok(Err(e)) => {
                 tracing::debug!("recording the abort in the store failed: {e}");
-                true
+                Record::Unknown
             }
             Err(_) => {
                 tracing::debug!("recording the abort in the store took over {ABORT_DEADLINE:?}");
-                true
+                Record::Unknown
             }
-        }
+        })
     }
 
     /// Group `comm`'s abort record in the store, if some rank wrote one

@@ -41,6 +41,12 @@
 //! histories (its calls meet in one place, in order), so only the TCP
 //! transport holds; a provisional report about an internal group of a group
 //! on several hosts is held for the group, at the op that owns the step.
+//!
+//! The rules above are a state machine without I/O, in
+//! `diverged/finding.rs`; this file keeps one per group (in its entry) and
+//! carries out what it decides.
+
+mod finding;
 
 use std::sync::Arc;
 
@@ -49,15 +55,11 @@ use tokio::time::{sleep, sleep_until, Instant};
 
 use super::{lock, Clash, Origin, Shared};
 use crate::error::{Error, DIVERGED_GRACE};
+use finding::{Finding, Found};
 
 /// A group's finding of diverged calls, held (see the module docs).
 pub(crate) struct Held {
-    /// The lowest op found diverged so far.
-    seq: u64,
-    /// The error it reports.
-    err: Error,
-    /// The grace ended (later findings abort at once).
-    ended: bool,
+    finding: Finding,
     /// Turns true when the grace has ended and its outcome is in place.
     settled: watch::Receiver<bool>,
 }
@@ -99,36 +101,27 @@ impl Shared {
 
     fn hold_finding(self: &Arc<Self>, comm: u64, seq: u64, err: Error) {
         let tx = {
-            // The router's lock first, as `Shared::retire` takes them: a
-            // group retired here runs no op, and its finding would be held
-            // for nothing.
+            // Under the router's lock, as `Shared::retire` checks for a
+            // finding: a group retired here runs no op, and its finding
+            // would be held for nothing.
             let mut r = lock(&self.router);
             let Some(g) = r.groups_mut().entry(comm) else {
                 return;
             };
-            match &mut g.finding {
-                None => {
+            match finding::found(g.finding.as_mut().map(|h| &mut h.finding), seq, err) {
+                Found::StartGrace(finding) => {
                     let (tx, rx) = watch::channel(false);
                     g.finding = Some(Held {
-                        seq,
-                        err,
-                        ended: false,
+                        finding,
                         settled: rx,
                     });
                     tx
                 }
-                // A lower op: kept, in the grace that runs, or reported at
-                // once after it.
-                Some(held) if seq < held.seq => {
-                    held.seq = seq;
-                    held.err = err.clone();
-                    if held.ended {
-                        drop(r);
-                        self.abort(comm, err, Origin::Here, seq);
-                    }
-                    return;
+                Found::AbortNow { seq, err } => {
+                    drop(r);
+                    return self.abort(comm, err, Origin::Here, seq);
                 }
-                Some(_) => return,
+                Found::Lowered | Found::Ignore => return,
             }
         };
         let me = self.clone();
@@ -138,11 +131,8 @@ impl Shared {
                 _ = sleep(grace) => false,
                 _ = me.cancel.cancelled() => true,
             };
-            let lowest = me.finding(comm, |held| {
-                held.ended = true;
-                (held.seq, held.err.clone())
-            });
-            if let Some((seq, err)) = lowest {
+            let lowest = me.finding(comm, |held| held.finding.end_grace(leaving));
+            if let Some((seq, err, how)) = lowest {
                 tracing::debug!(
                     rank = me.cfg.rank,
                     comm,
@@ -150,13 +140,6 @@ impl Shared {
                     leaving,
                     "the grace of calls found diverged ended"
                 );
-                // Final after the grace (it replaces this rank's own
-                // provisional report, made as an op's deadline passed).
-                let how = if leaving {
-                    Origin::Leaving
-                } else {
-                    Origin::Here
-                };
                 me.abort(comm, err, how, seq);
             }
             let _ = tx.send(true);
@@ -178,9 +161,7 @@ impl Shared {
         if let Some(e) = self.aborted_for(comm, Some(seq)) {
             return Some(e);
         }
-        let (at, err) = self
-            .finding(comm, |h| (h.seq <= seq).then(|| (h.seq, h.err.clone())))
-            .flatten()?;
+        let (at, err) = self.finding(comm, |h| h.finding.give_up(seq)).flatten()?;
         self.abort(comm, err.clone(), Origin::Leaving, at);
         Some(self.aborted_for(comm, Some(seq)).unwrap_or(err))
     }
@@ -191,7 +172,10 @@ impl Shared {
     /// grace ends or such an abort comes.
     pub async fn settle_diverged(&self, comm: u64, deadline: Instant) {
         loop {
-            let held = self.finding(comm, |h| (!h.ended).then(|| (h.seq, h.settled.clone())));
+            let held = self.finding(comm, |h| {
+                let at = h.finding.in_grace()?;
+                Some((at, h.settled.clone()))
+            });
             let Some((at, mut settled)) = held.flatten() else {
                 return;
             };

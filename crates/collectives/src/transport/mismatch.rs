@@ -1,6 +1,9 @@
 //! Calls compared: each collective's local call is recorded as it begins
 //! and compared with the peers' frames; a clash is raised as the group's
 //! mismatch (or held, when the calls had diverged earlier: `diverged.rs`).
+//! What a clash raises is decided in `mismatch/plan.rs`, without I/O.
+
+mod plan;
 
 use std::sync::Arc;
 
@@ -8,6 +11,7 @@ use super::router::Clash;
 use super::{lock, Origin, Shared};
 use crate::error::Error;
 use crate::frame::Desc;
+use plan::Raise;
 
 impl Shared {
     /// Records the local call of collective `seq`; a mismatch with what a peer
@@ -25,27 +29,19 @@ impl Shared {
     ///
     /// A clash of calls whose histories differ ([`Clash::diverged`]) is not
     /// the first mismatch: it is held for a grace, for the first mismatch's
-    /// abort (`diverged.rs`).
-    pub fn raise(self: &Arc<Self>, mut c: Clash) {
-        // A step of a two-level op: the mismatch is the group's, at its op
-        // (its abort aborts the step's internal group). The step may have
-        // ended here, and its op with it: a late frame must still fail the
-        // group, not only the internal group.
-        if let Some(l) = self.parent_link(c.comm) {
-            c.comm = l.parent;
-            c.seq = l.parent_seq(c.seq);
-            return self.raise(c);
+    /// abort (`diverged.rs`). A step of a two-level op raises on its
+    /// group, at its op; a clash found after the group retired here is
+    /// dropped (see [`plan::raise`]).
+    pub fn raise(self: &Arc<Self>, c: Clash) {
+        let raised = plan::raise(lock(&self.router).groups(), c);
+        match raised {
+            Raise::Hold(c) => self.hold(c),
+            Raise::Abort(c) => {
+                let err = self.clash_error(&c);
+                self.abort(c.comm, err, Origin::Here, c.seq);
+            }
+            Raise::Ignore => {}
         }
-        if c.diverged {
-            return self.hold(c);
-        }
-        // Found after the group's grace ended here (see `Shared::dropped`):
-        // it has no members to tell.
-        if lock(&self.router).is_retired(c.comm) {
-            return;
-        }
-        let err = self.clash_error(&c);
-        self.abort(c.comm, err, Origin::Here, c.seq);
     }
 
     /// The error a clash raises, naming both sides by group rank.
@@ -105,13 +101,14 @@ impl Shared {
         desc: Desc,
     ) -> Option<Error> {
         let l = self.parent_link(comm)?;
-        let (pm, pt) = (l.parent_seq(mine), l.parent_seq(theirs));
-        if pm == pt {
-            return None;
-        }
+        let plan::Apart {
+            mine: pm,
+            theirs: pt,
+            raises,
+        } = plan::apart(&l, mine, theirs)?;
         let m = self.members(l.parent);
         let grank = |w: usize| m.as_ref().map_or(w, |m| m.group_rank(w));
-        if pt < pm {
+        if raises {
             let local = lock(&self.router).call(l.parent, pt);
             if let Some(local) = local {
                 self.raise(Clash::new(l.parent, pt, (None, local), (src, desc)));

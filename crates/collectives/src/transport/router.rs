@@ -62,7 +62,7 @@ use aborts::Aborts;
 use calls::CallBook;
 #[cfg(test)]
 use calls::ENDED_KEPT;
-use groups::Groups;
+pub(crate) use groups::Groups;
 use liveness::Liveness;
 use mailbox::{Held, Mailbox, Put};
 
@@ -220,11 +220,6 @@ impl Router {
         self.calls.retire(comm);
         self.aborts.retire(comm);
         self.live.retire(comm);
-    }
-
-    /// Whether group `comm` was retired here.
-    pub fn is_retired(&self, comm: u64) -> bool {
-        self.groups.is_retired(comm)
     }
 
     /// Registers group `comm`'s members (unless it was retired).
