@@ -11,6 +11,7 @@ use std::fmt;
 use std::sync::{Arc, Mutex};
 
 use half::{bf16, f16};
+use rallypoint_sync::MutexExt;
 
 mod halves;
 
@@ -373,12 +374,7 @@ impl Pool {
             return Buf::new(len);
         };
         let c = &self.classes[class];
-        let words = c
-            .free
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .pop()
-            .unwrap_or_else(|| vec![0; c.words]);
+        let words = c.free.locked().pop().unwrap_or_else(|| vec![0; c.words]);
         Buf {
             words,
             len,
@@ -391,7 +387,7 @@ impl Drop for Buf {
     fn drop(&mut self) {
         if let Some((p, class)) = self.pool.take() {
             let c = &p.classes[class];
-            let mut free = c.free.lock().unwrap_or_else(|e| e.into_inner());
+            let mut free = c.free.locked();
             if free.len() < c.keep {
                 free.push(std::mem::take(&mut self.words));
             }

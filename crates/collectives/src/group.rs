@@ -12,6 +12,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use rallypoint_sync::MutexExt;
+
 use crate::algorithms as algo;
 use crate::algorithms::choice;
 use crate::element::{Element, ReduceOp};
@@ -231,11 +233,7 @@ impl ProcessGroup {
             return Ok(None);
         };
         let nth = {
-            let mut s = self
-                .comm
-                .subgroups
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
+            let mut s = self.comm.subgroups.locked();
             let c = s.entry(sorted.clone()).or_default();
             *c += 1;
             *c
@@ -310,7 +308,7 @@ impl ProcessGroup {
     fn begin_p2p(&self, desc: Desc, peer: usize, recv: bool) -> Result<OpCtx> {
         let c = &self.comm;
         let seq = {
-            let mut m = c.p2p.lock().unwrap_or_else(|e| e.into_inner());
+            let mut m = c.p2p.locked();
             let n = m.entry((recv, peer, desc.root)).or_default();
             *n += 1;
             *n - 1

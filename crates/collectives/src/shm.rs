@@ -46,6 +46,7 @@ pub(crate) mod sys;
 use std::sync::Arc;
 use std::time::Duration;
 
+use rallypoint_sync::MutexExt;
 use tokio::time::Instant;
 
 pub(crate) use arena::{Arena, Presence};
@@ -216,11 +217,7 @@ pub(crate) struct Round<'a> {
 impl Drop for Round<'_> {
     fn drop(&mut self) {
         if !self.ended {
-            self.a
-                .cursor
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .broken = true;
+            self.a.cursor.locked().broken = true;
         }
     }
 }
@@ -235,7 +232,7 @@ impl<'a> Round<'a> {
             None,
         );
         cx.turn().wait(cx.seq()).await;
-        let at = *a.cursor.lock().unwrap_or_else(|e| e.into_inner());
+        let at = *a.cursor.locked();
         // After a failed op (whose abort may still be on its way here).
         if let Some(e) = cx.sh().aborted_for(cx.comm_id(), Some(cx.seq())) {
             return Err(e);
@@ -340,7 +337,7 @@ impl<'a> Round<'a> {
     /// The operation is done here: the next one starts where it ended.
     pub fn end(mut self) {
         self.at.ops += 1;
-        *self.a.cursor.lock().unwrap_or_else(|e| e.into_inner()) = self.at;
+        *self.a.cursor.locked() = self.at;
         self.ended = true;
     }
 

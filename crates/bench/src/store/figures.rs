@@ -35,10 +35,8 @@ impl Figures {
             let Some(ours) = find(&test, "rally") else {
                 continue;
             };
+            // Throughput: higher is better; latency and server CPU: lower.
             let higher_is_better = test.starts_with("throughput");
-            if test.starts_with("server cpu") {
-                // Reported as-is below.
-            }
             for other in rows.iter().filter(|r| r.0 == test && r.1 != "rally") {
                 let ratio = if higher_is_better {
                     ours / other.2

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use rallypoint_sync::MutexExt;
 use tokio::time::Instant;
 
 use super::{OpCtx, Turn};
@@ -55,7 +56,7 @@ impl Comm {
     /// Takes the next sequence number for `call`: the number, and the
     /// history of the calls before it.
     pub(crate) fn take_seq(&self, call: &Desc) -> (u64, u32) {
-        let mut c = self.calls.lock().unwrap_or_else(|e| e.into_inner());
+        let mut c = self.calls.locked();
         let taken = (c.next, c.hist);
         c.next += 1;
         c.hist = hist_after(c.hist, call);
@@ -64,7 +65,7 @@ impl Comm {
 
     /// The sequence number the next collective will take.
     pub(crate) fn next_seq(&self) -> u64 {
-        self.calls.lock().unwrap_or_else(|e| e.into_inner()).next
+        self.calls.locked().next
     }
 
     pub(crate) fn new(

@@ -21,6 +21,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use rallypoint_sync::MutexExt;
 use tokio::time::{timeout_at, Instant};
 
 pub(crate) use comm::Comm;
@@ -96,10 +97,7 @@ impl OpCtx {
     /// Whether the op failed as it began (see [`OpCtx::doom`]): it runs
     /// over TCP, whose first send or receive fails it.
     pub(crate) fn is_doomed(&self) -> bool {
-        self.doomed
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_some()
+        self.doomed.locked().is_some()
     }
 
     /// A two-level step that succeeded (see `two_level`).
@@ -117,10 +115,9 @@ impl OpCtx {
     /// The rank (of this op's group) and step the op last waited for.
     pub(crate) fn waiting_rank(&self) -> Option<(usize, u32)> {
         self.waiting
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .locked()
             .map(|(r, step, _)| (r, step))
-            .or(*self.noted.lock().unwrap_or_else(|e| e.into_inner()))
+            .or(*self.noted.locked())
     }
 
     /// The group's abort as this rank knows it: told, or recorded.
@@ -220,14 +217,14 @@ impl OpCtx {
     /// What the op waits for, for its timeout message, when that is not a
     /// rank's step.
     pub(crate) fn note_waiting(&self, what: String) {
-        *self.note.lock().unwrap_or_else(|e| e.into_inner()) = Some(what);
+        *self.note.locked() = Some(what);
     }
 
     /// [`OpCtx::note_waiting`], in place of a rank's step; `rank`: the rank
     /// (of the group) and stage the note is about, if one.
     pub(crate) fn wait_note(&self, what: String, rank: Option<(usize, u32)>) {
-        *self.waiting.lock().unwrap_or_else(|e| e.into_inner()) = None;
-        *self.noted.lock().unwrap_or_else(|e| e.into_inner()) = rank;
+        *self.waiting.locked() = None;
+        *self.noted.locked() = rank;
         self.note_waiting(what);
     }
 
@@ -274,7 +271,7 @@ impl OpCtx {
     /// fails at once, so no frame of it is sent.
     pub(crate) fn doom(self, e: Error) -> OpCtx {
         self.done.store(true, Ordering::Relaxed);
-        *self.doomed.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+        *self.doomed.locked() = Some(e);
         self
     }
 
@@ -346,7 +343,7 @@ impl OpCtx {
     }
 
     fn timeout_error(&self) -> Error {
-        let waiting = *self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        let waiting = *self.waiting.locked();
         let waiting_for = match waiting {
             Some((r, _, _)) if self.comm.sh().awaiting_address(self.world(r)) => format!(
                 "rank {r}, which never published its address: it never formed the group (not started, or died during set-up)"
@@ -368,8 +365,7 @@ impl OpCtx {
             Some((r, step, true)) => format!("rank {r} to take step {step}"),
             None => self
                 .note
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
+                .locked()
                 .clone()
                 .unwrap_or_else(|| "the operation to start".into()),
         };
@@ -382,7 +378,7 @@ impl OpCtx {
     }
 
     pub(crate) fn set_waiting(&self, r: usize, step: u32, sending: bool) {
-        *self.waiting.lock().unwrap_or_else(|e| e.into_inner()) = Some((r, step, sending));
+        *self.waiting.locked() = Some((r, step, sending));
     }
 
     pub(crate) async fn send<T: Element>(&self, to: usize, step: u32, data: &[T]) -> Result<()> {
@@ -503,7 +499,7 @@ impl OpCtx {
         &self,
         r: Result<Result<R>, tokio::time::error::Elapsed>,
     ) -> Result<R> {
-        let doomed = self.doomed.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let doomed = self.doomed.locked().take();
         if let Some(e) = doomed {
             self.comm.sh().told(self.comm.id).await;
             return Err(e);

@@ -5,6 +5,8 @@
 use std::collections::BTreeSet;
 use std::sync::Mutex;
 
+use rallypoint_sync::MutexExt;
+
 /// Operations' turns in sequence order: an operation waits
 /// until every earlier one of its group has ended (here).
 #[derive(Default)]
@@ -20,7 +22,7 @@ impl Turn {
             let moved = self.moved.notified();
             tokio::pin!(moved);
             moved.as_mut().enable();
-            if self.state.lock().unwrap_or_else(|e| e.into_inner()).0 >= seq {
+            if self.state.locked().0 >= seq {
                 return;
             }
             moved.await;
@@ -31,7 +33,7 @@ impl Turn {
     /// `Comm::step_ctx`).
     pub fn skip_to(&self, seq: u64) {
         {
-            let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            let mut g = self.state.locked();
             let (next, ended) = &mut *g;
             if seq <= *next {
                 return;
@@ -47,7 +49,7 @@ impl Turn {
 
     pub fn done(&self, seq: u64) {
         {
-            let mut g = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            let mut g = self.state.locked();
             let (next, ended) = &mut *g;
             ended.insert(seq);
             while ended.remove(next) {

@@ -28,6 +28,8 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::*};
 use std::sync::Mutex;
 use std::time::Duration;
 
+use rallypoint_sync::MutexExt;
+
 use super::sys;
 use crate::frame::HEADER_LEN;
 
@@ -384,7 +386,7 @@ impl Arena {
     /// process even if it ends and its number is reused in between.
     pub fn watch_pid(&self, pid: u32) {
         if pid != std::process::id() && pid != 0 {
-            let mut m = self.pidfds.lock().unwrap_or_else(|e| e.into_inner());
+            let mut m = self.pidfds.locked();
             m.entry(pid).or_insert_with(|| sys::pidfd(pid).ok());
         }
     }
@@ -396,7 +398,7 @@ impl Arena {
         if pid == std::process::id() {
             return false;
         }
-        let mut m = self.pidfds.lock().unwrap_or_else(|e| e.into_inner());
+        let mut m = self.pidfds.locked();
         if let Some(Some(fd)) = m.get(&pid) {
             return sys::ended(fd);
         }

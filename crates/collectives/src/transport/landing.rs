@@ -25,6 +25,8 @@
 
 use std::sync::{Arc, Mutex};
 
+use rallypoint_sync::MutexExt;
+
 /// Closes every landing of one op at once.
 #[derive(Default)]
 pub(crate) struct Gate {
@@ -34,7 +36,7 @@ pub(crate) struct Gate {
 impl Gate {
     /// No landing of this gate is written to after this returns.
     pub fn revoke(&self) {
-        *self.revoked.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        *self.revoked.locked() = true;
     }
 }
 
@@ -68,7 +70,7 @@ impl Landing {
     /// Runs `f` on the bytes from `at` on, unless the gate is revoked
     /// (`None`). `f` must not block: the op's end waits for it.
     pub fn write<R>(&self, at: usize, f: impl FnOnce(&mut [u8]) -> R) -> Option<R> {
-        let revoked = self.gate.revoked.lock().unwrap_or_else(|e| e.into_inner());
+        let revoked = self.gate.revoked.locked();
         if *revoked {
             return None;
         }

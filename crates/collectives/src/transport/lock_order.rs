@@ -18,6 +18,8 @@
 use std::ops::{Deref, DerefMut};
 use std::sync::{Mutex, MutexGuard};
 
+use rallypoint_sync::MutexExt;
+
 /// A lock's place in the order: lower ranks are taken first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Level {
@@ -82,12 +84,11 @@ impl<T> Ordered<T> {
         }
     }
 
-    /// Takes the lock (a poisoned one too: a panic elsewhere leaves the
-    /// state as consistent as each step that ran).
+    /// Takes the lock (a poisoned one too: see `rallypoint_sync`).
     pub fn lock(&self) -> Guard<'_, T> {
         held::push(self.level);
         Guard {
-            g: self.m.lock().unwrap_or_else(|e| e.into_inner()),
+            g: self.m.locked(),
             level: self.level,
         }
     }

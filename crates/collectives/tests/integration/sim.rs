@@ -108,6 +108,7 @@ use rallypoint_collectives::{
     AllReduceAlgorithm, BroadcastAlgorithm, Element, Error, Options, ProcessGroup, ReduceOp,
 };
 use rallypoint_simkit::{Mode, Tally};
+use rallypoint_sync::MutexExt;
 
 use crate::harness::{data, group_each, opts};
 
@@ -1116,7 +1117,7 @@ struct TraceWriter;
 
 impl std::io::Write for TraceWriter {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let mut t = TRACE.lock().unwrap_or_else(|e| e.into_inner());
+        let mut t = TRACE.locked();
         t.extend_from_slice(buf);
         // Bounded: a scenario that traces without end keeps its latest
         // 2–4 MiB (whole lines: each write is one).
@@ -1144,12 +1145,12 @@ fn trace_start() {
             .with_target(false)
             .try_init();
     });
-    TRACE.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    TRACE.locked().clear();
 }
 
 /// The last [`TRACE_LINES`] lines of the trace.
 fn trace_tail() -> String {
-    let t = TRACE.lock().unwrap_or_else(|e| e.into_inner());
+    let t = TRACE.locked();
     let text = String::from_utf8_lossy(&t);
     let lines: Vec<&str> = text.lines().collect();
     let from = lines.len().saturating_sub(TRACE_LINES);
