@@ -55,7 +55,7 @@
 //! | `mismatch.rs` | calls recorded and compared; mismatches raised |
 //! | `diverged.rs` | calls found diverged, held for the first mismatch |
 //! | `abort/plan.rs`, `mismatch/plan.rs`, `diverged/finding.rs` | what each of those three decides, as pure functions with table tests |
-//! | `router.rs` | which op a frame is for; each group's entry (`router/groups.rs`); pure: no I/O |
+//! | `router.rs` | which op a frame is for; each group's entry (`router/groups.rs`), whose hearer, links to internal and parent groups and telling watch it stores but never calls; no I/O |
 //! | `flow.rs`, `landing.rs` | credit per peer; receives posted into ops' buffers |
 //! | `faults.rs` | fault injection for tests |
 //! | `lock_order.rs` | the order of [`Shared`]'s locks, checked in debug builds |
@@ -234,7 +234,10 @@ pub(crate) struct Config {
 /// 4. Leaves, each taken alone: `peers`, `addrs`, `unpublished`,
 ///    `connecting`, `hosts`, and each [`ChildLink`]'s abort.
 ///
-/// A hearer ([`HearsAborts`]) is called with no lock held. The `tokio`
+/// The router stores each group's hearer ([`HearsAborts`]), its
+/// [`ChildLink`]s and its telling watch, but calls none of them: the
+/// transport clones them out under the `router` lock and uses them once it
+/// is released, so a hearer is called with no lock held. The `tokio`
 /// mutexes, a connection's writer and a peer's connecting gate, are apart
 /// from this order: they are held across `.await`, and a `std` guard never
 /// is (it is not `Send`, so a future holding one there could not be

@@ -3,7 +3,10 @@
 //!
 //! The router is synchronous and does no I/O: the transport holds it under
 //! one lock, so that a waiter can never miss the event that would fail it, and
-//! acts on what it returns (tell a peer of an abort, raise a mismatch).
+//! acts on what it returns (tell a peer of an abort, raise a mismatch). The
+//! handles a group's entry holds (its hearer, its links to internal groups,
+//! its telling watch) are stored here but never called here: the transport
+//! clones them out and calls them with the router's lock released.
 //!
 //! Frames are addressed by [`Key`]. A collective's frames are compared with
 //! the local call of the same sequence number: while it runs, after it ended
@@ -26,7 +29,7 @@
 //! ([`Router::take_control`]), in the order decided, so that the transport
 //! sends them in that order.
 //!
-//! The router is four named parts and what ties them:
+//! The router is five named parts and what ties them:
 //!
 //! | part | what it holds |
 //! |---|---|
@@ -34,7 +37,7 @@
 //! | `calls.rs` | the call book: local calls running and ended, the first peer's call of one not begun |
 //! | `aborts.rs` | each group's abort, the signal that wakes its sends, who has been told |
 //! | `liveness.rs` | peers gone, frames lost part-way, connections broken between frames |
-//! | `groups.rs` | per group, one entry: members, hearer, links to internal groups, telling, calls found diverged; or retired |
+//! | `groups.rs` | per group, one entry: members, hearer, links to internal and parent groups, telling watch, calls found diverged; or retired |
 //!
 //! The router itself keeps flow control's accounting and the control frames
 //! it queues, and decides

@@ -58,11 +58,28 @@
 //! # Layout
 //!
 //! This file holds the types and the dispatch loop ([`Agent::run`]: take the
-//! next action, perform it, feed what happened to the policy); one file per
-//! phase performs its actions: `joining.rs`, `starting.rs`, `running.rs`
-//! (running, stopping, recording a failure), `ending.rs` (the exit barrier,
-//! the verdict, the close, the linger, the outcome). The run store's keys and
-//! protocol are in [`run_store`].
+//! next action, perform it, feed what happened to the policy). The driver
+//! has one file per group of actions it carries out: `joining.rs`,
+//! `starting.rs`, `running.rs` (running, stopping, recording a failure),
+//! `ending.rs` (the exit barrier, the verdict, the close, the linger, the
+//! outcome).
+//!
+//! The decisions are in [`policy`] (`policy/`), one file per phase
+//! (`rendezvous.rs`, `starting.rs`, `running.rs`, `stopping.rs`,
+//! `recording.rs`, `exit_barrier.rs`, `ending.rs`), with the table of events
+//! that are stale in each phase (`stale.rs`) and the types they share
+//! (`phase.rs`, `event.rs`, `action.rs`, `verdict.rs`). So `starting.rs`,
+//! `running.rs` and `ending.rs` are both here (carrying out actions) and in
+//! `policy/` (deciding them, without I/O), split differently: the driver's
+//! `running.rs` also stops workers and records failures, which the policy
+//! decides in `stopping.rs` and `recording.rs`, and its `ending.rs` also
+//! carries out the exit barrier (`policy/exit_barrier.rs`).
+//!
+//! [`state`] names what the agent is doing as one [`state::AgentState`],
+//! for the policy and the status endpoint ([`status`]) alike; [`run_store`]
+//! holds the run store's keys and protocol; [`ranks`] assigns ranks (and
+//! each worker's environment); `watcher.rs` watches the rendezvous;
+//! [`events`] are what the agent tells its caller.
 //!
 //! # Where torchrun differs
 //!

@@ -44,7 +44,8 @@ pub fn run(a: RunArgs) -> anyhow::Result<i32> {
     let plan = plan::plan(&a)?;
     set_worker_environment(&a, &plan);
     // Kills every descendant of the workers if this process dies, SIGKILL
-    // included (see the watchdog module).
+    // included (see the watchdog module). Released once the agent has swept;
+    // on an early return it is dropped, and so told to sweep.
     let mark = plan.spec.mark.clone().unwrap_or_default();
     // SAFETY: no thread has been started yet (the runtime comes next).
     let watchdog = unsafe { watchdog::fork(&mark) };
@@ -69,8 +70,6 @@ pub fn run(a: RunArgs) -> anyhow::Result<i32> {
     };
     console::announce(&plan);
     let events = console::sinks(&a)?;
-    // Kills every descendant of the workers if this process dies, SIGKILL
-    // included (see the watchdog module); dropped (and so told to sweep) at exit.
     let agent = Agent::new(plan.spec, handler).with_events(events);
     if let Some(port) = a.status_port {
         serve_status(&rt, port, &agent)?;
