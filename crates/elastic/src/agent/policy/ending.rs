@@ -5,6 +5,7 @@
 use super::action::Action;
 use super::event::Event;
 use super::phase::{EndStep, Phase};
+use super::stale;
 use super::verdict::{Failure, Verdict};
 use super::{finish, Policy, Publish};
 use crate::agent::run_store::Closed;
@@ -70,8 +71,7 @@ impl Policy {
                 (v, _) => v,
             }),
             (_, Event::Signal(_)) => finish(verdict),
-            // Stale (see `stale.rs`): the dispatcher drops these first.
-            _ => (Phase::Ending { verdict, step }, vec![]),
+            (step, ev) => stale::unhandled(Phase::Ending { verdict, step }, &ev),
         }
     }
 

@@ -6,6 +6,7 @@ use std::time::Instant;
 use super::action::Action;
 use super::event::{Event, Observation};
 use super::phase::Phase;
+use super::stale;
 use super::verdict::{During, Failure, Verdict};
 use super::{finish, Policy, Publish};
 use crate::agent::run_store::Closed;
@@ -34,13 +35,12 @@ impl Policy {
             } => self.barrier_failed(round, error, timed_out, seen),
             Event::Checked(obs) => self.barrier_checked(round, unreachable_since, obs, now),
             Event::Signal(s) => finish(Verdict::Signaled(s)),
-            // Stale (see `stale.rs`): the dispatcher drops these first.
-            _ => (
+            ev => stale::unhandled(
                 Phase::ExitBarrier {
                     round,
                     unreachable_since,
                 },
-                vec![],
+                &ev,
             ),
         }
     }

@@ -1,6 +1,6 @@
 //! The agent's decisions, without I/O: `(phase, event, now) -> actions`.
 //!
-//! The driver in `mod.rs` performs every [`Action`] (a store round trip, a start,
+//! The driver (`agent/mod.rs` and its per-phase files) performs every [`Action`] (a store round trip, a start,
 //! a stop), reports what happened as an [`Event`] with the time, and applies what
 //! [`Policy::on`] returns. Nothing here blocks, reads a clock or touches a store,
 //! so every row of the table below is tested with simulated time, and the seeded
@@ -101,7 +101,7 @@ pub use super::run_store::Publish;
 pub use action::Action;
 pub use event::{Event, EventKind, Observation, StartError};
 pub use phase::{EndStep, Membership, Phase, StopReason};
-pub use stale::{expected, is_stale};
+use stale::is_stale;
 pub use verdict::{During, Failure, Verdict};
 
 /// The agent's policy knobs.

@@ -6,6 +6,7 @@ use std::time::Instant;
 use super::action::Action;
 use super::event::Event;
 use super::phase::Phase;
+use super::stale;
 use super::verdict::{Failure, Verdict};
 use super::{finish, Policy};
 
@@ -60,14 +61,13 @@ impl Policy {
                 }
             }
             Event::Signal(s) => finish(Verdict::Signaled(s)),
-            // Stale (see `stale.rs`): the dispatcher drops these first.
-            _ => (
+            ev => stale::unhandled(
                 Phase::RecordingFailure {
                     round,
                     closed,
                     since,
                 },
-                vec![],
+                &ev,
             ),
         }
     }

@@ -3,6 +3,7 @@
 use super::action::Action;
 use super::event::Event;
 use super::phase::{EndStep, Membership, Phase};
+use super::stale;
 use super::verdict::Verdict;
 use super::{finish, Policy};
 
@@ -34,8 +35,7 @@ impl Policy {
             // A host whose own store stalls keeps it up for the others.
             Event::JoinFailed(e) => self.end_lingering_unpublished(Verdict::JoinFailed(e)),
             Event::Signal(s) => finish(Verdict::Signaled(s)),
-            // Stale (see `stale.rs`): the dispatcher drops these first.
-            _ => (Phase::Rendezvous, vec![]),
+            ev => stale::unhandled(Phase::Rendezvous, &ev),
         }
     }
 }

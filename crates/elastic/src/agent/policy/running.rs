@@ -5,6 +5,7 @@ use std::time::Instant;
 use super::action::Action;
 use super::event::{Event, Observation};
 use super::phase::{Phase, StopReason};
+use super::stale;
 use super::stopping::stop;
 use super::Policy;
 use crate::agent::run_store::Closed;
@@ -37,14 +38,13 @@ impl Policy {
                 },
                 vec![Action::Stop { signal: s }],
             ),
-            // Stale (see `stale.rs`): the dispatcher drops these first.
-            _ => (
+            ev => stale::unhandled(
                 Phase::Running {
                     round,
                     closed,
                     unreachable_since,
                 },
-                vec![],
+                &ev,
             ),
         }
     }

@@ -6,6 +6,7 @@ use std::time::Instant;
 use super::action::Action;
 use super::event::{Event, Observation, StartError};
 use super::phase::Phase;
+use super::stale;
 use super::verdict::{During, Failure, Verdict};
 use super::{finish, Policy};
 use crate::agent::run_store::Closed;
@@ -54,13 +55,12 @@ impl Policy {
             }
             Event::Checked(obs) => self.starting_checked(round, unreachable_since, obs, now),
             Event::Signal(s) => finish(Verdict::Signaled(s)),
-            // Stale (see `stale.rs`): the dispatcher drops these first.
-            _ => (
+            ev => stale::unhandled(
                 Phase::Starting {
                     round,
                     unreachable_since,
                 },
-                vec![],
+                &ev,
             ),
         }
     }

@@ -6,6 +6,7 @@ use std::time::Instant;
 use super::action::Action;
 use super::event::Event;
 use super::phase::{Phase, StopReason};
+use super::stale;
 use super::verdict::{During, Failure, Verdict};
 use super::{finish, Policy};
 
@@ -39,8 +40,7 @@ impl Policy {
                     if again { vec![Action::Kill] } else { vec![] },
                 )
             }
-            // Stale (see `stale.rs`): the dispatcher drops these first.
-            _ => (Phase::Stopping { round, why, closed }, vec![]),
+            ev => stale::unhandled(Phase::Stopping { round, why, closed }, &ev),
         }
     }
 
