@@ -113,7 +113,7 @@ impl Shared {
             // The abort drops filed frames: their credit goes back, and a
             // peer out of credit may resume.
             self.queue_control(&mut r);
-            let fx = plan::effects(how, changed, self.is_dead());
+            let fx = plan::effects(how, changed);
             if fx.provisional {
                 r.mark_provisional(comm);
             }
@@ -141,6 +141,9 @@ impl Shared {
         if let Some(down) = fx.children {
             self.pass_down(comm, &err, down, from_seq);
         }
+        // A killed rank writes nothing, in the region as in the store:
+        // looked at here, after passing down and before either.
+        let fx = if self.is_dead() { fx.killed() } else { fx };
         if let Some(h) = self.hearer(comm).filter(|_| fx.hearer) {
             h.aborted(from_seq);
         }

@@ -76,10 +76,10 @@ pub(crate) struct Effects {
 }
 
 /// What an abort admitted ([`Admit::Apply`]) sets off. `changed`: the router
-/// took it (it is the first, or fails more, or replaces a provisional one);
-/// `dead`: this rank was killed (fault injection), and writes nothing, in
-/// the region as in the store.
-pub(crate) fn effects(how: Origin, changed: bool, dead: bool) -> Effects {
+/// took it (it is the first, or fails more, or replaces a provisional one).
+/// A rank found killed before the hearer is marked takes
+/// [`Effects::killed`] instead.
+pub(crate) fn effects(how: Origin, changed: bool) -> Effects {
     if !changed {
         return Effects::default();
     }
@@ -93,11 +93,25 @@ pub(crate) fn effects(how: Origin, changed: bool, dead: bool) -> Effects {
         children: Some(passed_down(how)),
         // A provisional report is not marked in shared memory, which would
         // fail the members there for good.
-        hearer: !dead && how != Origin::Leaving,
-        tell: (!dead).then_some(match how {
+        hearer: how != Origin::Leaving,
+        tell: Some(match how {
             Origin::Here => Tell::RecordThenTell,
             _ => Tell::Connected,
         }),
+    }
+}
+
+impl Effects {
+    /// The effects left to a rank that was killed (fault injection): it
+    /// writes nothing, in the region as in the store. The transport looks
+    /// after passing the abort down, just before the first of these, so that
+    /// a kill landing meanwhile is seen.
+    pub(crate) fn killed(self) -> Effects {
+        Effects {
+            hearer: false,
+            tell: None,
+            ..self
+        }
     }
 }
 
@@ -179,11 +193,7 @@ mod tests {
             hearer: true,
             tell: Some(Tell::RecordThenTell),
         };
-        let dead = |e: Effects| Effects {
-            hearer: false,
-            tell: None,
-            ..e
-        };
+        let dead = Effects::killed;
         let from_3 = Effects {
             told_by: Some(3),
             tell: Some(Tell::Connected),
@@ -213,8 +223,9 @@ mod tests {
             (LEAVING, true, true, dead(leaving)),
         ];
         for (how, changed, is_dead, want) in cases {
+            let fx = effects(how, changed);
             assert_eq!(
-                effects(how, changed, is_dead),
+                if is_dead { fx.killed() } else { fx },
                 want,
                 "{how:?} changed {changed} dead {is_dead}"
             );
