@@ -1,8 +1,8 @@
 //! The agent's decisions, without I/O: `(phase, event, now) -> actions`.
 //!
-//! The driver (`agent/mod.rs` and its per-phase files) performs every [`Action`] (a store round trip, a start,
-//! a stop), reports what happened as an [`Event`] with the time, and applies what
-//! [`Policy::on`] returns. Nothing here blocks, reads a clock or touches a store,
+//! The driver (`agent/mod.rs` and its per-phase files) performs every
+//! [`Action`] (a store round trip, a start, a stop), reports what happened as
+//! an [`Event`] with the time, and applies what [`Policy::on`] returns. Nothing here blocks, reads a clock or touches a store,
 //! so every row of the table below is tested with simulated time, and the seeded
 //! simulator (`agent::sim`) drives many agents' policies through random failure
 //! orders.
