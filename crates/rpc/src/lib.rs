@@ -28,8 +28,8 @@
 //!    envelope, ids, the TCP frame and hello; every decoder
 //!    property-tested); [`types`] (type fingerprints); `worker_info`
 //!    ([`WorkerInfo`], a worker's name and rank); [`device`]; `error`;
-//!    `payload` (bulk bytes: it borrows the agent's codec hooks, an upward
-//!    import `.ci/module-cycles` allows until it goes).
+//!    `payload` (bulk bytes, and the thread-local context the agent sets
+//!    while it encodes a message, where they go out of band).
 //! 2. **The RRef protocol** (`rref.rs`, `rref/table.rs`): PyTorch's
 //!    fork/confirm protocol as a pure machine, driven by a seeded simulation
 //!    in the tests.

@@ -1,6 +1,7 @@
 //! Encoding and decoding messages for one peer: arguments and results are
 //! postcard, encoded inside a thread-local context that knows the peer, so
-//! an [`RRef`](crate::RRef) inside is forked for it and a
+//! an [`RRef`](crate::RRef) inside is forked for it, and inside the
+//! payloads' own context (`payload::encoding`), so a
 //! [`Payload`](crate::Payload) inside is mapped through the device maps and
 //! sent out of band.
 
@@ -14,18 +15,13 @@ use serde::de::DeserializeOwned;
 
 use super::rrefs::Handle;
 use super::{AgentInner, Value};
-use crate::device::{Device, DeviceMap};
+use crate::payload::{self, BulkOut};
 use crate::wire::{self, ForkData, ForkId};
 
 /// Set while encoding a message for worker `dest`.
 pub(crate) struct SerCtx {
     agent: Arc<AgentInner>,
     dest: u32,
-    dest_name: String,
-    /// The device map that applies (towards `dest`, or its inverse for replies).
-    map: Option<DeviceMap>,
-    bulk: Vec<Bytes>,
-    off: u64,
     forks: Vec<ForkId>,
     /// What the message carries of those forks (see [`ForkData`]).
     fork_data: Vec<ForkData>,
@@ -37,30 +33,6 @@ impl SerCtx {
     pub(super) fn fail<T>(&mut self, e: String) -> std::result::Result<T, String> {
         self.error.get_or_insert(e.clone());
         Err(e)
-    }
-
-    pub(crate) fn push_bulk(
-        &mut self,
-        device: Device,
-        data: Bytes,
-    ) -> std::result::Result<(Device, u64), String> {
-        let mapped = match self.map.as_ref().and_then(|m| m.get(&device)) {
-            Some(d) => *d,
-            None if device == Device::Cpu => Device::Cpu,
-            None => {
-                let m = format!(
-                    "a payload on {device} cannot be sent to worker {}: worker {} has no device map entry for {device} towards it (call set_device_map, or move the payload to cpu)",
-                    self.dest_name, self.agent.me.name
-                );
-                return self.fail(m);
-            }
-        };
-        let off = self.off;
-        self.off += data.len() as u64;
-        if !data.is_empty() {
-            self.bulk.push(data);
-        }
-        Ok((mapped, off))
     }
 
     pub(crate) fn fork(&mut self, h: &Arc<Handle>) -> std::result::Result<ForkData, String> {
@@ -76,7 +48,6 @@ impl SerCtx {
 
 /// Set while decoding a message: the handles its forks became on arrival.
 pub(crate) struct DeCtx {
-    bulk: Bytes,
     adopted: HashMap<ForkId, Arc<Handle>>,
     error: Option<String>,
 }
@@ -85,16 +56,6 @@ impl DeCtx {
     pub(crate) fn fail<T>(&mut self, e: String) -> std::result::Result<T, String> {
         self.error.get_or_insert(e.clone());
         Err(e)
-    }
-
-    pub(crate) fn bulk_slice(&mut self, off: u64, len: u64) -> std::result::Result<Bytes, String> {
-        let n = self.bulk.len();
-        match off.checked_add(len).filter(|e| *e <= n as u64) {
-            Some(end) => Ok(self.bulk.slice(off as usize..end as usize)),
-            None => self.fail(format!(
-                "payload {off}+{len} lies outside the message's {n} bulk bytes"
-            )),
-        }
     }
 
     /// The handle fork `d` became when its message arrived.
@@ -146,29 +107,26 @@ impl AgentInner {
         let cx = SerCtx {
             agent: self.clone(),
             dest,
-            dest_name,
-            map,
-            bulk: Vec::new(),
-            off: 0,
             forks: Vec::new(),
             fork_data: Vec::new(),
             error: None,
         };
+        let out = BulkOut::new(map, self.me.name.clone(), dest_name);
         let prev = SER.with(|c| c.borrow_mut().replace(cx));
-        let r = f();
+        let (r, out) = payload::encoding(out, f);
         let cx = SER
             .with(|c| std::mem::replace(&mut *c.borrow_mut(), prev))
             .expect("context set");
         match r {
             Ok(bytes) => Ok(Encoded {
                 bytes,
-                bulk: cx.bulk,
+                bulk: out.into_bulk(),
                 forks: cx.forks,
                 fork_data: cx.fork_data,
             }),
             Err(e) => {
                 self.rrefs.cancel_children(self, &cx.forks);
-                Err(cx.error.unwrap_or(e))
+                Err(cx.error.or(out.error).unwrap_or(e))
             }
         }
     }
@@ -182,16 +140,15 @@ impl AgentInner {
         adopted: HashMap<ForkId, Arc<Handle>>,
     ) -> std::result::Result<T, String> {
         let cx = DeCtx {
-            bulk,
             adopted,
             error: None,
         };
         let prev = DE.with(|c| c.borrow_mut().replace(cx));
-        let r = wire::decode::<T>(bytes);
+        let (r, bulk_error) = payload::decoding(bulk, || wire::decode::<T>(bytes));
         let cx = DE
             .with(|c| std::mem::replace(&mut *c.borrow_mut(), prev))
             .expect("context set");
-        r.map_err(|e| cx.error.clone().unwrap_or(e))
+        r.map_err(|e| cx.error.or(bulk_error).unwrap_or(e))
     }
 
     pub(super) fn encode_value(
