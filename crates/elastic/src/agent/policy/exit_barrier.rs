@@ -105,18 +105,16 @@ impl Policy {
             }),
             // A store gone for `lost_grace` ends the wait (the barrier's own
             // timeout may be far longer): the outcome is unknown.
-            Observation::Unreachable(error) => match unreachable_since {
-                None => (waiting(Some(now)), vec![Action::NoteUnreachable { error }]),
-                Some(since) if now.saturating_duration_since(since) >= self.limits.lost_grace => {
+            Observation::Unreachable(error) => {
+                self.unreachable(unreachable_since, now, error, waiting, || {
                     self.end_lingering_unpublished(Verdict::Failed {
                         why: Failure::LostRendezvous {
                             during: During::ExitBarrier,
                         },
                         root: None,
                     })
-                }
-                Some(since) => (waiting(Some(since)), vec![]),
-            },
+                })
+            }
             // Membership changes after this node finished do not concern it.
             Observation::Healthy
             | Observation::Changed { .. }

@@ -205,5 +205,26 @@ fn finish(v: Verdict) -> (Phase, Vec<Action>) {
     (Phase::Done(v.clone()), vec![Action::Finish(v)])
 }
 
+impl Policy {
+    /// A phase whose check found the store unreachable (`error`), unreachable
+    /// since `since` if it was at the last check: the first finding is noted
+    /// (and stays in the phase, `stay`, from `now`); once the store has been
+    /// gone `lost_grace` the phase gives up (`give_up`); before that it stays.
+    fn unreachable(
+        &self,
+        since: Option<Instant>,
+        now: Instant,
+        error: String,
+        stay: impl FnOnce(Option<Instant>) -> Phase,
+        give_up: impl FnOnce() -> (Phase, Vec<Action>),
+    ) -> (Phase, Vec<Action>) {
+        match since {
+            None => (stay(Some(now)), vec![Action::NoteUnreachable { error }]),
+            Some(s) if now.saturating_duration_since(s) >= self.limits.lost_grace => give_up(),
+            Some(s) => (stay(Some(s)), vec![]),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests;

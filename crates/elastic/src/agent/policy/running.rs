@@ -102,16 +102,13 @@ impl Policy {
             Observation::Closed(Closed::Failed(r)) => {
                 stop(round, StopReason::FailedElsewhere(r), closed)
             }
-            Observation::Unreachable(error) => match unreachable_since {
-                None => (
-                    running(closed, Some(now)),
-                    vec![Action::NoteUnreachable { error }],
-                ),
-                Some(since) if now.saturating_duration_since(since) >= self.limits.lost_grace => {
-                    stop(round, StopReason::LostRendezvous, closed)
-                }
-                Some(since) => (running(closed, Some(since)), vec![]),
-            },
+            Observation::Unreachable(error) => self.unreachable(
+                unreachable_since,
+                now,
+                error,
+                |since| running(closed, since),
+                || stop(round, StopReason::LostRendezvous, closed),
+            ),
         }
     }
 }

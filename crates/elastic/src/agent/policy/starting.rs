@@ -103,18 +103,16 @@ impl Policy {
             }),
             // The start's own store calls wait up to the store's timeout: a
             // store gone for `lost_grace` ends it sooner.
-            Observation::Unreachable(error) => match unreachable_since {
-                None => (starting(Some(now)), vec![Action::NoteUnreachable { error }]),
-                Some(since) if now.saturating_duration_since(since) >= self.limits.lost_grace => {
+            Observation::Unreachable(error) => {
+                self.unreachable(unreachable_since, now, error, starting, || {
                     self.end_lingering_unpublished(Verdict::Failed {
                         why: Failure::LostRendezvous {
                             during: During::Starting,
                         },
                         root: None,
                     })
-                }
-                Some(since) => (starting(Some(since)), vec![]),
-            },
+                })
+            }
             // A success closed elsewhere does not stop a start (the workers
             // will run to their end, as on a running node).
             Observation::Healthy
