@@ -54,11 +54,10 @@ impl Policy {
         timed_out: bool,
         seen: Observation,
     ) -> (Phase, Vec<Action>) {
-        let lost = || Verdict::Failed {
-            why: Failure::LostRendezvous {
+        let lost = || {
+            Verdict::failed(Failure::LostRendezvous {
                 during: During::ExitBarrier,
-            },
-            root: None,
+            })
         };
         match seen {
             Observation::Closed(Closed::Failed(root)) => self.end_closing(Verdict::Failed {
@@ -107,12 +106,9 @@ impl Policy {
             // timeout may be far longer): the outcome is unknown.
             Observation::Unreachable(error) => {
                 self.unreachable(unreachable_since, now, error, waiting, || {
-                    self.end_lingering_unpublished(Verdict::Failed {
-                        why: Failure::LostRendezvous {
-                            during: During::ExitBarrier,
-                        },
-                        root: None,
-                    })
+                    self.end_lingering_unpublished(Verdict::failed(Failure::LostRendezvous {
+                        during: During::ExitBarrier,
+                    }))
                 })
             }
             // Membership changes after this node finished do not concern it.

@@ -105,12 +105,9 @@ impl Policy {
             // store gone for `lost_grace` ends it sooner.
             Observation::Unreachable(error) => {
                 self.unreachable(unreachable_since, now, error, starting, || {
-                    self.end_lingering_unpublished(Verdict::Failed {
-                        why: Failure::LostRendezvous {
-                            during: During::Starting,
-                        },
-                        root: None,
-                    })
+                    self.end_lingering_unpublished(Verdict::failed(Failure::LostRendezvous {
+                        during: During::Starting,
+                    }))
                 })
             }
             // A success closed elsewhere does not stop a start (the workers
