@@ -1,0 +1,1 @@
+//! The lighthouse's state machine (being written).

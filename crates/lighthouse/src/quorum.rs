@@ -1,0 +1,1 @@
+//! torchft's quorum rules as pure functions (being written).
