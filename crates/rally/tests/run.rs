@@ -800,3 +800,9 @@ mod stacks;
 mod torch_backend;
 #[path = "run/torch_exit.rs"]
 mod torch_exit;
+#[path = "run/ft_process_group.rs"]
+mod ft_process_group;
+#[path = "run/ft_transport.rs"]
+mod ft_transport;
+#[path = "run/lighthouse.rs"]
+mod lighthouse;

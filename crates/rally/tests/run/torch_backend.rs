@@ -58,14 +58,23 @@ pub(super) fn package(dir: &Path) -> PathBuf {
     let pkg = site.join("rallypoint");
     std::fs::create_dir_all(&pkg).unwrap();
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../python/rallypoint");
-    for e in std::fs::read_dir(src).unwrap() {
-        let p = e.unwrap().path();
-        if p.extension().is_some_and(|x| x == "py") {
-            std::fs::copy(&p, pkg.join(p.file_name().unwrap())).unwrap();
-        }
-    }
+    copy_py(&src, &pkg);
     std::os::unix::fs::symlink(native_module(), pkg.join("_native.abi3.so")).unwrap();
     site
+}
+
+/// Copies the `.py` files of `src` and its subpackages (`rallypoint.ft`) into `dst`.
+fn copy_py(src: &Path, dst: &Path) {
+    for e in std::fs::read_dir(src).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() && p.join("__init__.py").exists() {
+            let sub = dst.join(p.file_name().unwrap());
+            std::fs::create_dir_all(&sub).unwrap();
+            copy_py(&p, &sub);
+        } else if p.extension().is_some_and(|x| x == "py") {
+            std::fs::copy(&p, dst.join(p.file_name().unwrap())).unwrap();
+        }
+    }
 }
 
 /// `torch_backend.py` under `rally run` with `n` workers; its results.
