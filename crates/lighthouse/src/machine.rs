@@ -1,1 +1,481 @@
-//! The lighthouse's state machine (being written).
+//! The lighthouse's decisions as a state machine: events in, actions out.
+//!
+//! The service feeds [`Lighthouse::handle`] what happened (a `Quorum`
+//! request, a heartbeat, a connection that ended, time passing) with the
+//! moment it happened, and carries out the [`Action`]s it returns: answer
+//! the waiting `Quorum` calls of an issued quorum, refuse a request, push an
+//! abort to the watchers of the current quorum. Nothing here reads a clock
+//! or does I/O, so the simulator (`tests/sim.rs`) drives it through random
+//! schedules with a simulated clock.
+//!
+//! **Quorums** follow torchft's rules ([`crate::quorum`]): a `Join` (a
+//! `Quorum` request) makes its replica a participant and counts as a
+//! heartbeat; after every join, drop or revival, and at every `Tick`, the
+//! machine asks [`quorum::compute`] and, on a verdict to issue, numbers the
+//! quorum ([`quorum::next_id`]: ids start above `first_id`, rise on a change
+//! of members or a reported commit failure), answers its members' calls and
+//! keeps every other participant waiting, its join time reset to now (as
+//! torchft puts an unanswered caller back).
+//!
+//! **Liveness**, beyond torchft:
+//!
+//! * A session (one client connection) that ends drops every replica it
+//!   carried at once ([`Event::Closed`]).
+//! * A replica silent for `heartbeat_timeout` is dropped at the `Tick` that
+//!   sees it ([`Lighthouse::next_deadline`] says when that is). Its session
+//!   may still be open (a stopped process): its claim on the replica id is
+//!   released, and if the same session speaks for it again (the process
+//!   resumed) the replica is revived, its waiting `Quorum` call with it.
+//! * A drop of a member of the current quorum yields [`Action::Abort`] for
+//!   that quorum, so the survivors stop waiting on the dead member.
+//! * A replica id is held by the first live session that speaks for it; a
+//!   `Join` or `Heartbeat` for it from another session is refused
+//!   ([`Action::Refuse`]) and the holder keeps it.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Instant, SystemTime};
+
+use crate::quorum::{self, Knobs, Member, Participant, Quorum, Roster, Rules, Verdict};
+
+/// One client connection; the service numbers them.
+pub type Session = u64;
+
+/// What happened.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// A `Quorum` request arrived (also a heartbeat).
+    Join { session: Session, member: Member },
+    /// A heartbeat arrived.
+    Heartbeat {
+        session: Session,
+        replica_id: String,
+    },
+    /// That connection ended (process killed, host reset).
+    Closed { session: Session },
+    /// Time passed (the service sends it every `quorum_tick` and at
+    /// [`Lighthouse::next_deadline`]).
+    Tick,
+}
+
+/// What the service must do.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Answer every waiting `Join` whose replica is in it; the others keep
+    /// waiting.
+    Issue(Quorum),
+    /// Refuse this session's request for `replica_id` (answer its waiting
+    /// `Join`, if any, with this error).
+    Refuse {
+        session: Session,
+        replica_id: String,
+        reason: String,
+    },
+    /// A member of the current quorum was dropped: push an abort to that
+    /// quorum's watchers.
+    Abort {
+        quorum_id: i64,
+        replica_id: String,
+        reason: String,
+    },
+    /// A replica was dropped (for logs and metrics).
+    Dropped { replica_id: String, reason: String },
+}
+
+/// Counts since the service started.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// `Join` events accepted.
+    pub joins: u64,
+    /// `Heartbeat` events accepted.
+    pub heartbeats: u64,
+    /// Replicas dropped (closed or silent).
+    pub drops: u64,
+    /// Quorums issued.
+    pub quorums_issued: u64,
+    /// `Abort` actions.
+    pub aborts: u64,
+    /// `Refuse` actions.
+    pub refusals: u64,
+}
+
+/// The machine's state, for `/status` and `/metrics`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Status {
+    /// The last quorum issued (the current one).
+    pub quorum: Option<Quorum>,
+    /// Its id; `first_id` before the first.
+    pub quorum_id: i64,
+    /// Replicas waiting in a `Quorum` call, sorted.
+    pub waiting: Vec<String>,
+    /// Replicas heard from within the heartbeat timeout, sorted.
+    pub healthy: Vec<String>,
+    /// Why the next quorum is or is not ready (torchft's wording).
+    pub reason: String,
+    /// Counts since start.
+    pub counters: Counters,
+}
+
+/// A rule broken on purpose, so that the simulator can show its invariants
+/// catch it. Never set outside the simulator's tests.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Sabotage {
+    #[default]
+    None,
+    /// Issue a quorum of a minority of the healthy replicas.
+    NoMajorityGuard,
+    /// Issue quorums below `min_replicas`.
+    NoMinReplicas,
+    /// Number quorums from 0, whatever `first_id` says.
+    IgnoreFirstId,
+    /// Do nothing when a session closes.
+    IgnoreClosed,
+    /// Drop members of the current quorum without an abort.
+    NoAbort,
+    /// Never revive a replica dropped for silence.
+    NoRevive,
+}
+
+/// A replica dropped for silence while its session stayed open.
+#[derive(Clone, Debug)]
+struct Stalled {
+    session: Session,
+    /// Its `Quorum` call that was waiting, revived with it.
+    waiting: Option<Member>,
+}
+
+/// The lighthouse's state (see the module docs).
+#[derive(Debug)]
+pub struct Lighthouse {
+    knobs: Knobs,
+    /// The last quorum id issued (`first_id` before the first).
+    last_id: i64,
+    /// Participants and heartbeats of the live replicas.
+    roster: Roster,
+    /// The live session holding each live replica id.
+    holders: BTreeMap<String, Session>,
+    /// The replica ids each session has spoken for.
+    sessions: BTreeMap<Session, BTreeSet<String>>,
+    /// Replicas dropped for silence whose session is still open.
+    stalled: BTreeMap<String, Stalled>,
+    /// The last quorum issued.
+    current: Option<Quorum>,
+    counters: Counters,
+    sabotage: Sabotage,
+}
+
+impl Lighthouse {
+    /// A lighthouse whose quorum ids start above `first_id` (the service
+    /// passes unix milliseconds at start, so a restarted service never
+    /// reuses an id).
+    pub fn new(knobs: Knobs, first_id: i64) -> Lighthouse {
+        Lighthouse {
+            knobs,
+            last_id: first_id,
+            roster: Roster::default(),
+            holders: BTreeMap::new(),
+            sessions: BTreeMap::new(),
+            stalled: BTreeMap::new(),
+            current: None,
+            counters: Counters::default(),
+            sabotage: Sabotage::None,
+        }
+    }
+
+    /// Breaks one rule on purpose (the simulator's tests only).
+    #[doc(hidden)]
+    pub fn sabotage(&mut self, s: Sabotage) {
+        self.sabotage = s;
+        if s == Sabotage::IgnoreFirstId {
+            self.last_id = 0;
+        }
+    }
+
+    /// The knobs it runs with.
+    pub fn knobs(&self) -> &Knobs {
+        &self.knobs
+    }
+
+    /// The last quorum issued.
+    pub fn current(&self) -> Option<&Quorum> {
+        self.current.as_ref()
+    }
+
+    /// What `ev`, at `now`, makes the service do.
+    pub fn handle(&mut self, now: Instant, ev: Event) -> Vec<Action> {
+        let mut out = Vec::new();
+        let attempt = match ev {
+            Event::Join { session, member } => self.join(now, session, member, &mut out),
+            Event::Heartbeat {
+                session,
+                replica_id,
+            } => self.heartbeat(now, session, replica_id, &mut out),
+            Event::Closed { session } => self.closed(session, &mut out),
+            Event::Tick => {
+                self.expire(now, &mut out);
+                true
+            }
+        };
+        if attempt {
+            self.attempt(now, &mut out);
+        }
+        out
+    }
+
+    /// When a `Tick` is next needed: a live replica's heartbeat expires, or
+    /// a quorum that waits for stragglers stops waiting.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        let expiry = self
+            .roster
+            .heartbeats
+            .values()
+            .map(|t| *t + self.knobs.heartbeat_timeout)
+            .min();
+        let join_wait = self
+            .roster
+            .participants
+            .values()
+            .map(|p| p.joined + self.knobs.join_timeout)
+            .min()
+            .filter(|_| self.roster.participants.len() < self.roster.heartbeats.len());
+        match (expiry, join_wait) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// The state as of `now`.
+    pub fn status(&self, now: Instant) -> Status {
+        let timeout = self.knobs.heartbeat_timeout;
+        Status {
+            quorum: self.current.clone(),
+            quorum_id: self.last_id,
+            waiting: self.roster.participants.keys().cloned().collect(),
+            healthy: self
+                .roster
+                .heartbeats
+                .keys()
+                .filter(|id| self.roster.healthy(id, now, timeout))
+                .cloned()
+                .collect(),
+            reason: self.verdict(now).to_string(),
+            counters: self.counters,
+        }
+    }
+
+    /// A `Quorum` request; whether a quorum may now be ready.
+    fn join(
+        &mut self,
+        now: Instant,
+        session: Session,
+        member: Member,
+        out: &mut Vec<Action>,
+    ) -> bool {
+        let id = member.replica_id.clone();
+        if !self.claim(now, session, &id, out) {
+            return false;
+        }
+        self.counters.joins += 1;
+        self.roster.participants.insert(
+            id,
+            Participant {
+                member,
+                joined: now,
+            },
+        );
+        true
+    }
+
+    /// A heartbeat; whether a quorum may now be ready (a replica revived).
+    fn heartbeat(
+        &mut self,
+        now: Instant,
+        session: Session,
+        id: String,
+        out: &mut Vec<Action>,
+    ) -> bool {
+        let revived = self.stalled.contains_key(&id);
+        if !self.claim(now, session, &id, out) {
+            return false;
+        }
+        self.counters.heartbeats += 1;
+        revived
+    }
+
+    /// Records that `session` speaks for `id` at `now`, refusing it if
+    /// another live session holds `id`; whether it was accepted.
+    fn claim(&mut self, now: Instant, session: Session, id: &str, out: &mut Vec<Action>) -> bool {
+        if let Some(&holder) = self.holders.get(id) {
+            if holder != session {
+                self.refuse(
+                    session,
+                    id,
+                    format!("replica id {id:?} is held by another live session ({holder}); a replica id names one process"),
+                    out,
+                );
+                return false;
+            }
+        } else if let Some(stalled) = self.stalled.remove(id) {
+            if stalled.session == session && self.sabotage != Sabotage::NoRevive {
+                // The stopped process resumed: its waiting call waits again.
+                if let Some(member) = stalled.waiting {
+                    self.roster.participants.insert(
+                        id.to_owned(),
+                        Participant {
+                            member,
+                            joined: now,
+                        },
+                    );
+                }
+            } else {
+                if let Some(ids) = self.sessions.get_mut(&stalled.session) {
+                    ids.remove(id);
+                }
+                if stalled.waiting.is_some() {
+                    let reason = if stalled.session == session {
+                        format!("replica {id:?} was dropped for silence")
+                    } else {
+                        format!("replica id {id:?} was dropped for silence and taken by another session ({session})")
+                    };
+                    self.refuse(stalled.session, id, reason, out);
+                }
+            }
+        }
+        self.holders.insert(id.to_owned(), session);
+        self.sessions
+            .entry(session)
+            .or_default()
+            .insert(id.to_owned());
+        self.roster.heartbeats.insert(id.to_owned(), now);
+        true
+    }
+
+    fn refuse(&mut self, session: Session, id: &str, reason: String, out: &mut Vec<Action>) {
+        self.counters.refusals += 1;
+        out.push(Action::Refuse {
+            session,
+            replica_id: id.to_owned(),
+            reason,
+        });
+    }
+
+    /// A session ended: drops every replica it held; whether any was.
+    fn closed(&mut self, session: Session, out: &mut Vec<Action>) -> bool {
+        if self.sabotage == Sabotage::IgnoreClosed {
+            return false;
+        }
+        let Some(ids) = self.sessions.remove(&session) else {
+            return false;
+        };
+        let mut any = false;
+        for id in ids {
+            if self.holders.get(&id) == Some(&session) {
+                self.holders.remove(&id);
+                self.drop_replica(&id, format!("its session ({session}) closed"), out);
+                any = true;
+            } else if self.stalled.get(&id).is_some_and(|s| s.session == session) {
+                self.stalled.remove(&id);
+            }
+        }
+        any
+    }
+
+    /// Drops the replicas silent for `heartbeat_timeout` at `now`.
+    fn expire(&mut self, now: Instant, out: &mut Vec<Action>) {
+        let timeout = self.knobs.heartbeat_timeout;
+        let silent: Vec<(String, Instant)> = self
+            .roster
+            .heartbeats
+            .iter()
+            .filter(|(_, t)| now.saturating_duration_since(**t) >= timeout)
+            .map(|(id, t)| (id.clone(), *t))
+            .collect();
+        for (id, last) in silent {
+            let waiting = self.roster.participants.get(&id).map(|p| p.member.clone());
+            if let Some(session) = self.holders.remove(&id) {
+                self.stalled
+                    .insert(id.clone(), Stalled { session, waiting });
+            }
+            let ms = now.saturating_duration_since(last).as_millis();
+            self.drop_replica(
+                &id,
+                format!(
+                    "no heartbeat for {ms} ms (heartbeat timeout {} ms)",
+                    timeout.as_millis()
+                ),
+                out,
+            );
+        }
+    }
+
+    /// Forgets `id`'s heartbeat and waiting call; an abort if it is a member
+    /// of the current quorum.
+    fn drop_replica(&mut self, id: &str, reason: String, out: &mut Vec<Action>) {
+        self.roster.heartbeats.remove(id);
+        self.roster.participants.remove(id);
+        self.counters.drops += 1;
+        if let Some(q) = &self.current {
+            let member = q.participants.iter().any(|m| m.replica_id == id);
+            if member && self.sabotage != Sabotage::NoAbort {
+                self.counters.aborts += 1;
+                out.push(Action::Abort {
+                    quorum_id: q.id,
+                    replica_id: id.to_owned(),
+                    reason: reason.clone(),
+                });
+            }
+        }
+        out.push(Action::Dropped {
+            replica_id: id.to_owned(),
+            reason,
+        });
+    }
+
+    fn rules(&self) -> Rules {
+        Rules {
+            min_replicas: self.sabotage != Sabotage::NoMinReplicas,
+            majority_guard: self.sabotage != Sabotage::NoMajorityGuard,
+        }
+    }
+
+    fn verdict(&self, now: Instant) -> Verdict {
+        quorum::compute_with(
+            now,
+            &self.roster,
+            self.current.as_ref(),
+            &self.knobs,
+            self.rules(),
+        )
+    }
+
+    /// Issues a quorum if torchft's rules allow one now.
+    fn attempt(&mut self, now: Instant, out: &mut Vec<Action>) {
+        if self.roster.participants.is_empty() {
+            return;
+        }
+        let Verdict::Issue { members, .. } = self.verdict(now) else {
+            return;
+        };
+        self.last_id = quorum::next_id(self.last_id, self.current.as_ref(), &members);
+        for m in &members {
+            self.roster.participants.remove(&m.replica_id);
+        }
+        // The callers left out wait again, as if they had just joined.
+        for p in self.roster.participants.values_mut() {
+            p.joined = now;
+        }
+        let q = Quorum {
+            id: self.last_id,
+            participants: members,
+            // The one clock read: a timestamp for humans, decided nothing.
+            created: SystemTime::now(),
+        };
+        self.counters.quorums_issued += 1;
+        self.current = Some(q.clone());
+        out.push(Action::Issue(q));
+    }
+}
+
+#[cfg(test)]
+#[path = "machine/tests.rs"]
+mod tests;
