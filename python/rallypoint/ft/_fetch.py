@@ -1,0 +1,345 @@
+"""The receiving side of :class:`rallypoint.ft.RallyTransport`:
+:func:`recv_striped` fetches one step's state dict from one or several
+sources (wire format: ``_wire.py``).
+
+How a receive goes
+------------------
+1. The header of the step is read from the first source that answers
+   (sources are tried in order). It is checked entry by entry, and, when the
+   receiver passes its own state dict (``like``), every tensor both sides
+   have must agree in dtype and shape: a mismatch is refused before a byte of
+   tensor data moves.
+2. Fresh CPU buffers are allocated for every tensor. The receiver's own
+   model is never written: the caller (torchft's Manager) loads the result
+   with its ``load_state_dict`` only once the whole state has arrived, so a
+   failure at any point leaves the model as it was.
+3. The flat byte space is cut into pieces of :data:`PIECE` bytes; one thread
+   per source takes pieces from a shared queue and reads each straight into
+   the destination buffers (``recv_into``, :data:`_wire.CHUNK` at a time).
+   Faster sources take more pieces. A source that fails (dies, refuses, sends
+   a malformed frame, times out) gives its piece back and stops; the others
+   take it over. Every source must serve the same tensors (the header's
+   layout is compared), since ranges of two sources are mixed.
+4. The pytree is rebuilt (non-tensor leaves unpickled, tensors as views of
+   their buffers) before any data moves, so a malformed spec costs no
+   transfer; it is returned once every piece has arrived.
+
+Every socket operation has the timeout as its deadline; errors name the
+source, the step and the tensor whose bytes were awaited.
+"""
+
+import pickle
+import socket
+import threading
+from collections import deque
+from datetime import timedelta
+from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
+
+from rallypoint.ft import _wire
+
+#: Bytes per request of a receive: the unit by which sources share the work.
+PIECE = 16 << 20
+
+
+class TransferError(RuntimeError):
+    """A checkpoint could not be received; the message names the source(s),
+    the step and the tensor."""
+
+
+def parse_source(metadata: str) -> Tuple[str, int]:
+    """``"host:port"`` / ``"[v6]:port"`` (what ``metadata()`` returns)."""
+    host, sep, port = metadata.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise TransferError(f"malformed checkpoint source {metadata!r} (expected host:port)")
+    return host.strip("[]"), int(port)
+
+
+def _seconds(timeout: Union[timedelta, float]) -> float:
+    return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+
+
+class _Source:
+    """One connection to one source."""
+
+    def __init__(self, name: str, step: int, timeout: float) -> None:
+        self.name, self.step, self.timeout = name, step, timeout
+        host, port = parse_source(name)
+        self.sock: Optional[socket.socket] = None
+        self.sock = self._io(lambda: socket.create_connection((host, port), timeout=timeout), "a connection")
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+
+    def _io(self, op, what: str):
+        try:
+            return op()
+        except TimeoutError:
+            raise TimeoutError(f"timed out after {self.timeout}s waiting for {what} from checkpoint source {self.name}") from None
+        except OSError as e:
+            raise TransferError(f"checkpoint source {self.name}: {e} (waiting for {what})") from None
+
+    def _recv_into(self, view: memoryview, what: str) -> None:
+        want = len(view)
+        while view:
+            k = self._io(lambda: self.sock.recv_into(view, min(len(view), _wire.CHUNK)), what)
+            if k == 0:
+                raise TransferError(
+                    f"checkpoint source {self.name} closed the connection after {want - len(view)} of {want} "
+                    f"bytes of {what} (it died or stopped serving step {self.step})"
+                )
+            view = view[k:]
+
+    def _frame(self, what: str) -> Tuple[bytes, int]:
+        head = bytearray(_wire.FRAME.size)
+        self._recv_into(memoryview(head), what)
+        kind, n = _wire.FRAME.unpack(head)
+        if kind == b"E":
+            msg = self._payload(n, what).decode(errors="replace")
+            raise TransferError(f"checkpoint source {self.name} refused {what}: {msg}")
+        return kind, n
+
+    def _payload(self, n: int, what: str) -> bytes:
+        if n > _wire.MAX_META:
+            raise TransferError(f"checkpoint source {self.name} sent a malformed {n}-byte frame for {what}")
+        buf = bytearray(n)
+        self._recv_into(memoryview(buf), what)
+        return bytes(buf)
+
+    def _expect(self, kind: bytes, what: str) -> bytes:
+        got, n = self._frame(what)
+        if got != kind:
+            raise TransferError(f"checkpoint source {self.name} sent a {got!r} frame where {what} ({kind!r}) was due")
+        return self._payload(n, what)
+
+    def header(self) -> Tuple[dict, bytes]:
+        what = f"the header of step {self.step}"
+        self._io(lambda: self.sock.sendall(_wire.encode_request(_wire.KIND_META, self.step)), f"sending a request for {what}")
+        payload = self._expect(b"H", what)
+        try:
+            h = _wire.decode_header(payload, self.step)
+        except _wire.WireError as e:
+            raise TransferError(f"checkpoint source {self.name} sent a malformed header for step {self.step}: {e}") from None
+        return h, self._expect(b"S", f"the pytree spec of step {self.step}")
+
+    def fetch(self, header: dict, bufs: "_Buffers", offset: int, length: int, tick) -> None:
+        """Reads ``[offset, offset+length)`` of the flat byte space into ``bufs``."""
+        req = _wire.encode_request(_wire.KIND_RANGE, self.step, header["token"], offset, length)
+        self._io(lambda: self.sock.sendall(req), f"sending a request for bytes {offset}+{length} of step {self.step}")
+        for i, at, n in _wire.segments(bufs.starts, bufs.nbytes, offset, length):
+            pos, end = at, at + n
+            while pos < end:
+                what = f"tensor {bufs.paths[i]} (bytes {pos}..{end} of {bufs.nbytes[i]}, step {self.step})"
+                kind, k = self._frame(what)
+                if kind != b"D" or not 0 < k <= end - pos:
+                    raise TransferError(
+                        f"checkpoint source {self.name} sent a malformed frame ({kind!r}, {k} bytes) "
+                        f"where {end - pos} bytes of {what} were due"
+                    )
+                self._recv_into(bufs.views[i][pos : pos + k], what)
+                pos += k
+                tick()
+
+
+class _Buffers:
+    """Fresh destination buffers for the tensors a header names."""
+
+    def __init__(self, header: dict) -> None:
+        ts = header["tensors"]
+        self.paths = [t["path"] for t in ts]
+        self.nbytes = [t["nbytes"] for t in ts]
+        self.starts = _wire.offsets(self.nbytes)
+        self.total = sum(self.nbytes)
+        self.raw = [torch.empty(n, dtype=torch.uint8) for n in self.nbytes]
+        self.views = [memoryview(b.numpy()).cast("B") for b in self.raw]
+
+    def tensors(self, header: dict) -> List[torch.Tensor]:
+        return [b.view(t["dtype"]).reshape(t["shape"]) for b, t in zip(self.raw, header["tensors"])]
+
+
+class _Plan:
+    """The pieces still to fetch, shared by the sources' threads."""
+
+    def __init__(self, total: int, piece: int, workers: int, timeout: float) -> None:
+        self.cond = threading.Condition()
+        self.pending: Deque[Tuple[int, int]] = deque((o, min(piece, total - o)) for o in range(0, total, piece))
+        self.in_flight = 0
+        self.alive = workers
+        self.progress = 0
+        self.errors: Dict[str, BaseException] = {}
+        self.timeout = timeout
+
+    def tick(self) -> None:
+        with self.cond:
+            self.progress += 1
+            self.cond.notify_all()
+
+    def _wait_progress(self, done) -> bool:
+        """Waits until ``done()``; False when no byte arrived from anyone for the timeout."""
+        while not done():
+            seen = self.progress
+            if not self.cond.wait_for(lambda: done() or self.progress != seen, timeout=self.timeout):
+                return False
+        return True
+
+    def take(self) -> Optional[Tuple[int, int]]:
+        """The next piece; None when none is left (or none moves)."""
+        with self.cond:
+            self._wait_progress(lambda: self.pending or not self.in_flight)
+            if not self.pending:
+                return None
+            self.in_flight += 1
+            return self.pending.popleft()
+
+    def settle(self, piece: Tuple[int, int], ok: bool) -> None:
+        with self.cond:
+            self.in_flight -= 1
+            if not ok:
+                self.pending.appendleft(piece)
+            self.cond.notify_all()
+
+    def leave(self, name: str, err: Optional[BaseException]) -> None:
+        with self.cond:
+            self.alive -= 1
+            if err is not None:
+                self.errors[name] = err
+            self.cond.notify_all()
+
+
+def _work(plan: _Plan, src: _Source, header: dict, bufs: _Buffers) -> None:
+    err: Optional[BaseException] = None
+    try:
+        while (piece := plan.take()) is not None:
+            try:
+                src.fetch(header, bufs, *piece, plan.tick)
+            except BaseException:
+                plan.settle(piece, ok=False)
+                raise
+            plan.settle(piece, ok=True)
+    except BaseException as e:  # reported by recv_striped
+        err = e
+    finally:
+        src.close()
+        plan.leave(src.name, err)
+
+
+def _open(name: str, step: int, timeout: float, first: Optional[dict]) -> Tuple[_Source, dict, bytes]:
+    src = _Source(name, step, timeout)
+    try:
+        h, spec = src.header()
+        if first is not None and not _wire.same_layout(h, first):
+            raise TransferError(f"checkpoint source {name} serves step {step} with other tensors than the first source")
+        return src, h, spec
+    except BaseException:
+        src.close()
+        raise
+
+
+def check_like(header: dict, like: object, source: str) -> None:
+    """Refuses a header whose tensors disagree in dtype or shape with the
+    tensors of the receiver's own state dict at the same paths."""
+    mine = {keystr(kp): v for kp, v in tree_flatten_with_path(like)[0] if isinstance(v, torch.Tensor)}
+    for t in header["tensors"]:
+        m = mine.get(t["path"])
+        if m is not None and (m.dtype != t["dtype"] or tuple(m.shape) != t["shape"]):
+            raise TransferError(
+                f"tensor {t['path']} from checkpoint source {source} (step {header['step']}) is "
+                f"{_wire.dtype_name(t['dtype'])}{list(t['shape'])}, this replica's model has "
+                f"{_wire.dtype_name(m.dtype)}{list(m.shape)}; nothing was received"
+            )
+
+
+def _rebuild(header: dict, spec: bytes, bufs: _Buffers, source: str) -> object:
+    try:
+        treespec, others = pickle.loads(spec)
+        assert isinstance(others, dict) and treespec.num_leaves == header["leaves"]
+    except Exception as e:
+        raise TransferError(f"checkpoint source {source} sent a malformed pytree spec for step {header['step']}: {e!r}") from None
+    values: List[object] = [None] * header["leaves"]
+    for t, v in zip(header["tensors"], bufs.tensors(header)):
+        values[t["leaf"]] = v
+    tensor_leaves = {t["leaf"] for t in header["tensors"]}
+    if set(others) != set(range(header["leaves"])) - tensor_leaves:
+        raise TransferError(f"checkpoint source {source} sent non-tensor leaves that do not fill its pytree (step {header['step']})")
+    for i, v in others.items():
+        values[i] = v
+    return tree_unflatten(values, treespec)
+
+
+def _first(sources: Sequence[str], step: int, timeout: float) -> Tuple[int, _Source, dict, bytes, Dict[str, BaseException]]:
+    errors: Dict[str, BaseException] = {}
+    for i, name in enumerate(sources):
+        try:
+            return (i, *_open(name, step, timeout, None), errors)
+        except (TransferError, TimeoutError) as e:
+            errors[name] = e
+    raise _combined(step, errors)
+
+
+def _combined(step: int, errors: Dict[str, BaseException]) -> BaseException:
+    if len(errors) == 1:
+        return next(iter(errors.values()))
+    text = "; ".join(f"{name}: {e}" for name, e in errors.items())
+    cls = TimeoutError if all(isinstance(e, TimeoutError) for e in errors.values()) else TransferError
+    return cls(f"step {step} could not be received from any of {len(errors)} sources: {text}")
+
+
+def recv_striped(
+    sources: Sequence[str],
+    step: int,
+    timeout: Union[timedelta, float],
+    like: Optional[object] = None,
+    piece: int = PIECE,
+) -> object:
+    """The state dict of ``step``, its bytes split across ``sources`` (each a
+    ``metadata()`` string of a transport serving that step) in parallel.
+
+    ``like``: the receiver's own state dict, to refuse a dtype or shape that
+    does not match it before any byte moves. Raises :class:`TransferError` or
+    :class:`TimeoutError` naming the sources and the tensor; nothing of the
+    receiver's is written in any case."""
+    if not sources:
+        raise TransferError(f"no checkpoint source given for step {step}")
+    t = _seconds(timeout)
+    first, src, header, spec, errors = _first(sources, step, t)
+    opened: List[_Source] = [src]
+    try:
+        if like is not None:
+            check_like(header, like, sources[first])
+        bufs = _Buffers(header)
+        # Tensors are views of `bufs`, filled below; a malformed spec fails before data moves.
+        state = _rebuild(header, spec, bufs, sources[first])
+        for name in sources[first + 1 :]:
+            try:
+                opened.append(_open(name, step, t, header)[0])
+            except (TransferError, TimeoutError) as e:
+                errors[name] = e
+    except BaseException:
+        for s in opened:
+            s.close()
+        raise
+    plan = _Plan(bufs.total, piece, len(opened), t)
+    for s in opened:
+        threading.Thread(target=_work, args=(plan, s, header, bufs), name=f"rally-fetch-{s.name}", daemon=True).start()
+    with plan.cond:
+        moving = plan._wait_progress(lambda: plan.alive == 0)
+        errors.update(plan.errors)
+        missing = plan.pending or plan.in_flight
+    if not moving:
+        for s in opened:
+            _shut(s)
+        raise TimeoutError(f"no byte of step {step} arrived from any of {list(sources)} for {t}s")
+    if missing:
+        raise _combined(step, errors)
+    return state
+
+
+def _shut(s: _Source) -> None:
+    try:
+        s.sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
