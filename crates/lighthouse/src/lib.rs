@@ -11,8 +11,12 @@
 //!
 //! | layer | modules |
 //! |---|---|
+//! | torchft's wire types and gRPC service, generated | `proto` |
 //! | torchft's quorum rules, pure | `quorum` |
 //! | the service's decisions: events in, actions out | `machine` |
+//! | the service: gRPC and HTTP on one port, sessions, ticks, pushes | `service` |
 
 pub mod machine;
+pub mod proto;
 pub mod quorum;
+pub mod service;

@@ -1,0 +1,162 @@
+//! The service of `rally lighthouse`: torchft's gRPC `LighthouseService` and
+//! an HTTP/1.1 push and status endpoint on one port, driving the pure
+//! [`machine::Lighthouse`](crate::machine::Lighthouse).
+//!
+//! How it works:
+//!
+//! * **One session per connection** ([`conn`]). The accept loop numbers each
+//!   TCP connection; each request carries its number, which is the machine's
+//!   `Session`. When a connection ends, the machine gets `Closed` and drops
+//!   every replica that connection spoke for, at once: torchft's manager
+//!   keeps one HTTP/2 channel for heartbeats and quorum calls, so a killed
+//!   manager's reset drops it without waiting for its heartbeats to age out.
+//! * **One lock** ([`state`]). The machine, the `Quorum` calls waiting on it
+//!   and the watch board sit behind one mutex that no await ever holds: a
+//!   request locks, hands its event to the machine with `Instant::now()`,
+//!   carries out the returned actions, unlocks, and then awaits its answer
+//!   on a oneshot channel. A ticker task sends `Tick` every `quorum_tick` and
+//!   at the machine's `next_deadline` (a join wait ending, a heartbeat
+//!   expiring).
+//! * **gRPC** ([`grpc`]): `Quorum` joins and waits (bounded by the call's
+//!   `grpc-timeout`) for an issued quorum that contains the requester; one
+//!   that is not in an issued quorum keeps waiting, as in torchft.
+//!   `Heartbeat` records life. A replica id held by another live connection
+//!   is `ALREADY_EXISTS`; a malformed or oversized ([`MAX_MESSAGE`]) request
+//!   is refused by its status, the connection and every other member
+//!   unharmed.
+//! * **Push** ([`watch`], [`http`]): an `Abort` (a member of the current
+//!   quorum dropped) is written on the watch board, which resolves the
+//!   `/v1/watch` long-polls of that quorum at once, so survivors abort their
+//!   generation instead of waiting out a process-group timeout. `/status`
+//!   and `/metrics` read the machine's state and the service's counters.
+//!
+//! # Layers
+//!
+//! | layer | modules |
+//! |---|---|
+//! | the watch board and its answers, pure | `watch` |
+//! | the machine behind its lock, waiters, counters | `state` |
+//! | the gRPC handlers; the HTTP endpoints | `grpc`, `http` |
+//! | the accept loop: sessions, routing, refusals | `conn` |
+//!
+//! Quorum ids start above [`Config::first_id`], the unix time in
+//! milliseconds at start by default, so a restarted lighthouse never reuses
+//! one.
+//!
+//! ```no_run
+//! # async fn f() -> std::io::Result<()> {
+//! use rallypoint_lighthouse::quorum::Knobs;
+//! use rallypoint_lighthouse::service::{Config, Server};
+//!
+//! let server = Server::bind("127.0.0.1:0".parse().unwrap(), Config::new(Knobs::ours(2))).await?;
+//! println!("listening on {}", server.local_addr()?);
+//! server.run(std::future::pending()).await
+//! # }
+//! ```
+
+mod conn;
+mod grpc;
+mod http;
+mod state;
+mod watch;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use tokio::net::TcpListener;
+use tokio::task::JoinSet;
+
+pub use conn::MAX_MESSAGE;
+pub use grpc::{parse_grpc_timeout, unix_millis, DEFAULT_QUORUM_WAIT, MAX_REPLICA_ID};
+pub use http::MAX_WATCH;
+
+use crate::machine::Lighthouse;
+use crate::quorum::Knobs;
+
+/// How the service runs.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// torchft's knobs (`--min_replicas`, `--join_timeout_ms`, ...).
+    pub knobs: Knobs,
+    /// Quorum ids start above this.
+    pub first_id: i64,
+    /// Largest gRPC message accepted, in bytes.
+    pub max_message: usize,
+}
+
+impl Config {
+    /// These knobs, ids above the unix time in milliseconds now, a 1 MiB
+    /// message cap.
+    pub fn new(knobs: Knobs) -> Config {
+        Config {
+            knobs,
+            first_id: unix_millis(),
+            max_message: MAX_MESSAGE,
+        }
+    }
+}
+
+/// A bound lighthouse, not yet serving.
+pub struct Server {
+    listener: TcpListener,
+    config: Config,
+}
+
+impl Server {
+    /// Binds `addr`.
+    pub async fn bind(addr: SocketAddr, config: Config) -> std::io::Result<Server> {
+        Ok(Server::from_listener(
+            TcpListener::bind(addr).await?,
+            config,
+        ))
+    }
+
+    /// Serves on an already bound listener.
+    pub fn from_listener(listener: TcpListener, config: Config) -> Server {
+        Server { listener, config }
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.listener.local_addr()
+    }
+
+    /// Serves until `shutdown` resolves; then stops accepting and ends every
+    /// connection and task it started. An accept error (out of file
+    /// descriptors) is logged and retried after a pause, never fatal.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> std::io::Result<()> {
+        let Config {
+            knobs,
+            first_id,
+            max_message,
+        } = self.config;
+        let quorum_tick = knobs.quorum_tick;
+        let keep_alive = knobs.heartbeat_timeout;
+        let shared = state::Shared::new(Lighthouse::new(knobs, first_id));
+        let conns = Arc::new(conn::Conns::new(shared.clone(), max_message, keep_alive));
+        let mut tasks = JoinSet::new();
+        tasks.spawn(shared.ticker(quorum_tick));
+        let mut next_session = 0;
+        tokio::pin!(shutdown);
+        loop {
+            tokio::select! {
+                () = &mut shutdown => break,
+                accepted = self.listener.accept() => match accepted {
+                    Ok((stream, peer)) => {
+                        next_session += 1;
+                        tasks.spawn(conns.clone().serve(next_session, stream, peer));
+                    }
+                    Err(e) => {
+                        tracing::warn!("accept failed: {e}; retrying in 100 ms");
+                        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    }
+                },
+                // Reap finished connections so the set does not grow.
+                Some(_) = tasks.join_next(), if tasks.len() > 1 => {}
+            }
+        }
+        tasks.shutdown().await;
+        Ok(())
+    }
+}

@@ -1,0 +1,158 @@
+//! The accept loop: one session per TCP connection, HTTP/2 (gRPC) or
+//! HTTP/1.1 on each, and the connection's end as the machine's
+//! `Event::Closed`.
+//!
+//! Every accepted connection gets the next [`Session`] number and is served
+//! by hyper's auto builder (it tells an HTTP/2 preface from HTTP/1.1). Each
+//! request carries its [`Conn`] in its extensions; one whose `content-type`
+//! is `application/grpc*` goes to tonic's generated `LighthouseService`
+//! server, any other to [`super::http`]. torchft's manager keeps one HTTP/2
+//! channel to the lighthouse for its heartbeats and quorum calls, so when
+//! its process dies the kernel resets that connection, hyper's connection
+//! future ends, and the machine drops the replica at that moment.
+//!
+//! Every refusal is logged here, once, with the peer's address, and counted:
+//! a gRPC error status (a bad request, a replica id held elsewhere, a
+//! message over the size cap), an HTTP `4xx`, or a connection that does not
+//! speak HTTP at all. A peer that merely goes away (reset, EOF) is not one.
+
+use std::convert::Infallible;
+use std::error::Error as StdError;
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{Request, Response};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::net::TcpStream;
+use tonic::codegen::Service as _;
+
+use super::grpc::{Conn, Grpc};
+use super::state::{Counters, Shared};
+use crate::machine::Session;
+use crate::proto::LighthouseServiceServer;
+
+/// Largest gRPC message accepted, in bytes (a `QuorumMember` is a few hundred).
+pub const MAX_MESSAGE: usize = 1 << 20;
+
+/// Largest HTTP/1.1 head or HTTP/2 header list accepted, in bytes.
+const MAX_HEADERS: u32 = 64 << 10;
+
+/// What every connection of one server shares.
+pub struct Conns {
+    pub shared: Arc<Shared>,
+    pub grpc: LighthouseServiceServer<Grpc>,
+    /// HTTP/2 pings on an idle connection this often, and drop it if one
+    /// goes unanswered this long (a host cut off leaves no reset behind).
+    pub keep_alive: Duration,
+}
+
+impl Conns {
+    pub fn new(shared: Arc<Shared>, max_message: usize, keep_alive: Duration) -> Conns {
+        let grpc = LighthouseServiceServer::from_arc(Arc::new(Grpc {
+            shared: shared.clone(),
+        }))
+        .max_decoding_message_size(max_message);
+        Conns {
+            shared,
+            grpc,
+            keep_alive,
+        }
+    }
+
+    /// Serves one connection to its end, then closes its session.
+    pub async fn serve(self: Arc<Self>, session: Session, stream: TcpStream, peer: SocketAddr) {
+        let c = &self.shared.counters;
+        Counters::add(&c.sessions);
+        c.open.fetch_add(1, Ordering::Relaxed);
+        let _ = stream.set_nodelay(true);
+        let conn = Conn { session, peer };
+        let me = self.clone();
+        let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
+            let me = me.clone();
+            async move { Ok::<_, Infallible>(me.request(conn, req).await) }
+        });
+        let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+        builder
+            .http1()
+            .timer(TokioTimer::new())
+            .max_buf_size(MAX_HEADERS as usize);
+        builder
+            .http2()
+            .timer(TokioTimer::new())
+            .keep_alive_interval(self.keep_alive)
+            .keep_alive_timeout(self.keep_alive)
+            .max_header_list_size(MAX_HEADERS);
+        if let Err(e) = builder.serve_connection(TokioIo::new(stream), svc).await {
+            if !is_goodbye(e.as_ref()) {
+                Counters::add(&c.bad_connections);
+                tracing::warn!(%peer, session, "refused a connection that broke the protocol: {e}");
+            }
+        }
+        c.open.fetch_sub(1, Ordering::Relaxed);
+        self.shared.closed(session);
+    }
+
+    async fn request(&self, conn: Conn, mut req: Request<Incoming>) -> Response<tonic::body::Body> {
+        req.extensions_mut().insert(conn);
+        let path = req.uri().path().to_owned();
+        let is_grpc = req
+            .headers()
+            .get(http::header::CONTENT_TYPE)
+            .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"));
+        if !is_grpc {
+            let resp = super::http::serve(self.shared.clone(), req).await;
+            if resp.status().is_client_error() {
+                self.refused(conn, &path, &format!("HTTP {}", resp.status()));
+            }
+            return resp;
+        }
+        let resp = match self.grpc.clone().call(req).await {
+            Ok(r) => r,
+            Err(never) => match never {},
+        };
+        // An error ends the call at once: its status is in the headers.
+        if let Some(status) = tonic::Status::from_header_map(resp.headers()) {
+            use tonic::Code;
+            match status.code() {
+                Code::Ok | Code::Unavailable => {}
+                Code::DeadlineExceeded => {
+                    tracing::warn!(peer = %conn.peer, session = conn.session, "{path}: {}", status.message());
+                }
+                code => self.refused(conn, &path, &format!("{code:?}: {}", status.message())),
+            }
+        }
+        resp
+    }
+
+    fn refused(&self, conn: Conn, path: &str, why: &str) {
+        Counters::add(&self.shared.counters.refused);
+        tracing::warn!(peer = %conn.peer, session = conn.session, "refused {path}: {why}");
+    }
+}
+
+/// Whether a connection's error is only the peer going away (reset, EOF
+/// mid-request, a closed stream): not a refusal.
+fn is_goodbye(e: &(dyn StdError + 'static)) -> bool {
+    let mut cur = Some(e);
+    while let Some(e) = cur {
+        if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            use std::io::ErrorKind::*;
+            if matches!(
+                io.kind(),
+                ConnectionReset | BrokenPipe | UnexpectedEof | ConnectionAborted
+            ) {
+                return true;
+            }
+        }
+        if let Some(h) = e.downcast_ref::<hyper::Error>() {
+            if h.is_incomplete_message() || h.is_canceled() || h.is_closed() {
+                return true;
+            }
+        }
+        cur = e.source();
+    }
+    false
+}

@@ -1,0 +1,214 @@
+//! torchft's `LighthouseService` over the machine: `Quorum` joins and waits
+//! for an issued quorum that contains the requester (bounded by the call's
+//! `grpc-timeout`, else [`DEFAULT_QUORUM_WAIT`]); `Heartbeat` records that the
+//! replica is alive. Each call knows its connection ([`Conn`], put in the
+//! request's extensions by the accept loop), which is the machine's session.
+//!
+//! Errors are gRPC statuses with a message a person can act on:
+//! `INVALID_ARGUMENT` for a request the service cannot place (no requester,
+//! an empty or oversized replica id), `ALREADY_EXISTS` for a replica id held
+//! by another live connection, `DEADLINE_EXCEEDED` naming who the quorum
+//! still waits for. The accept loop logs and counts every refusal once.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use tonic::{Request, Response, Status};
+
+use super::state::{Counters, Shared};
+use crate::machine::Session;
+use crate::proto;
+use crate::quorum::{Member, Quorum};
+
+/// How long a `Quorum` call without a `grpc-timeout` waits (torchft's
+/// managers always send one: their `quorum_timeout`, 60 s by default).
+pub const DEFAULT_QUORUM_WAIT: Duration = Duration::from_secs(60);
+
+/// Longest replica id accepted, in bytes (torchft's are `name:uuid4`).
+pub const MAX_REPLICA_ID: usize = 1024;
+
+/// The connection a request arrived on.
+#[derive(Clone, Copy, Debug)]
+pub struct Conn {
+    /// The machine's session: one per accepted connection.
+    pub session: Session,
+    /// The peer's address, for logs.
+    pub peer: SocketAddr,
+}
+
+/// The gRPC handlers.
+pub struct Grpc {
+    pub shared: Arc<Shared>,
+}
+
+#[tonic::async_trait]
+impl proto::LighthouseService for Grpc {
+    async fn quorum(
+        &self,
+        req: Request<proto::LighthouseQuorumRequest>,
+    ) -> Result<Response<proto::LighthouseQuorumResponse>, Status> {
+        let conn = conn(&req)?;
+        let wait = grpc_timeout(&req)?.unwrap_or(DEFAULT_QUORUM_WAIT);
+        let requester = req.into_inner().requester.ok_or_else(|| {
+            Status::invalid_argument("quorum request without a requester (QuorumMember)")
+        })?;
+        check_replica_id(&requester.replica_id)?;
+        let member = member(requester);
+        let replica_id = member.replica_id.clone();
+        let mut waiting = self
+            .shared
+            .join(conn.session, member)
+            .map_err(|reason| already_exists(&replica_id, &reason))?;
+        match tokio::time::timeout(wait, &mut waiting.rx).await {
+            Ok(Ok(q)) => Ok(Response::new(proto::LighthouseQuorumResponse {
+                quorum: Some(quorum(q)),
+            })),
+            Ok(Err(_)) => Err(Status::unavailable("the lighthouse is stopping")),
+            Err(_) => {
+                Counters::add(&self.shared.counters.timeouts);
+                let s = self.shared.status();
+                Err(Status::deadline_exceeded(format!(
+                    "no quorum with replica {replica_id} within {wait:?}: waiting {:?}, healthy {:?}; {}",
+                    s.waiting, s.healthy, s.reason
+                )))
+            }
+        }
+    }
+
+    async fn heartbeat(
+        &self,
+        req: Request<proto::LighthouseHeartbeatRequest>,
+    ) -> Result<Response<proto::LighthouseHeartbeatResponse>, Status> {
+        let conn = conn(&req)?;
+        let replica_id = req.into_inner().replica_id;
+        check_replica_id(&replica_id)?;
+        self.shared
+            .heartbeat(conn.session, replica_id.clone())
+            .map_err(|reason| already_exists(&replica_id, &reason))?;
+        Ok(Response::new(proto::LighthouseHeartbeatResponse {}))
+    }
+}
+
+fn conn<T>(req: &Request<T>) -> Result<Conn, Status> {
+    req.extensions()
+        .get::<Conn>()
+        .copied()
+        .ok_or_else(|| Status::internal("request without a connection (a defect of the service)"))
+}
+
+fn already_exists(replica_id: &str, reason: &str) -> Status {
+    Status::already_exists(format!(
+        "replica id {replica_id} is held by another live connection: {reason} \
+         (each replica group needs its own id; torchft's Manager adds a uuid to it)"
+    ))
+}
+
+fn check_replica_id(id: &str) -> Result<(), Status> {
+    if id.is_empty() {
+        return Err(Status::invalid_argument("empty replica_id"));
+    }
+    if id.len() > MAX_REPLICA_ID {
+        return Err(Status::invalid_argument(format!(
+            "replica_id of {} bytes, more than {MAX_REPLICA_ID}",
+            id.len()
+        )));
+    }
+    Ok(())
+}
+
+/// The call's `grpc-timeout` header, if any.
+fn grpc_timeout<T>(req: &Request<T>) -> Result<Option<Duration>, Status> {
+    let Some(v) = req.metadata().get("grpc-timeout") else {
+        return Ok(None);
+    };
+    let text = v.to_str().unwrap_or("");
+    parse_grpc_timeout(text)
+        .map(Some)
+        .ok_or_else(|| Status::invalid_argument(format!("malformed grpc-timeout header {text:?}")))
+}
+
+/// gRPC's `TimeoutValue TimeoutUnit`: at most 8 digits, then one of
+/// `H M S m u n`.
+pub fn parse_grpc_timeout(text: &str) -> Option<Duration> {
+    if !text.is_ascii() {
+        return None;
+    }
+    let (digits, unit) = text.split_at(text.len().checked_sub(1)?);
+    if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n * 3600),
+        "M" => Duration::from_secs(n * 60),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+/// torchft's `QuorumMember` as the machine's.
+pub fn member(m: proto::QuorumMember) -> Member {
+    Member {
+        replica_id: m.replica_id,
+        address: m.address,
+        store_address: m.store_address,
+        step: m.step,
+        world_size: m.world_size,
+        shrink_only: m.shrink_only,
+        commit_failures: m.commit_failures,
+        data: m.data,
+    }
+}
+
+/// The machine's quorum as torchft's.
+pub fn quorum(q: Quorum) -> proto::Quorum {
+    proto::Quorum {
+        quorum_id: q.id,
+        participants: q.participants.into_iter().map(quorum_member).collect(),
+        created: Some(prost_types::Timestamp::from(q.created)),
+    }
+}
+
+fn quorum_member(m: Member) -> proto::QuorumMember {
+    proto::QuorumMember {
+        replica_id: m.replica_id,
+        address: m.address,
+        store_address: m.store_address,
+        step: m.step,
+        world_size: m.world_size,
+        shrink_only: m.shrink_only,
+        commit_failures: m.commit_failures,
+        data: m.data,
+    }
+}
+
+/// Unix time in milliseconds: the first quorum id of a service started now,
+/// so that a restarted service never reuses an id.
+pub fn unix_millis() -> i64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeouts_parse() {
+        assert_eq!(parse_grpc_timeout("5S"), Some(Duration::from_secs(5)));
+        assert_eq!(parse_grpc_timeout("250m"), Some(Duration::from_millis(250)));
+        assert_eq!(parse_grpc_timeout("1H"), Some(Duration::from_secs(3600)));
+        assert_eq!(
+            parse_grpc_timeout("99999999n"),
+            Some(Duration::from_nanos(99_999_999))
+        );
+        for bad in ["", "S", "5", "5s", "123456789S", "-5S", "5 S", "é"] {
+            assert_eq!(parse_grpc_timeout(bad), None, "{bad:?}");
+        }
+    }
+}

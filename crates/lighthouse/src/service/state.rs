@@ -1,0 +1,290 @@
+//! The service's one piece of shared state: the machine ([`Lighthouse`])
+//! with the `Quorum` calls waiting on it, behind one mutex that is never held
+//! across an await, plus the watch board and the service's counters.
+//!
+//! Every input goes through [`Shared::step`]: it locks, hands the event to
+//! the machine with the current instant, carries out the actions before
+//! unlocking (answer the waiting calls of an issued quorum through their
+//! oneshot channels, record an abort on the watch board, log drops), and
+//! returns the refusals to its caller. A `Quorum` call registers its waiter
+//! in the same critical section as its `Join`, so a quorum issued by that
+//! very join reaches it. A waiter leaves the map when its call ends in any
+//! way (answered, timed out, its connection gone), by [`Waiting`]'s drop.
+//!
+//! [`Shared::ticker`] sends `Tick` every `quorum_tick` and at the machine's
+//! `next_deadline`; each step wakes it to look at the deadline again.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rallypoint_sync::MutexExt;
+use tokio::sync::{oneshot, watch, Notify};
+
+use super::watch::Board;
+use crate::machine::{Action, Event, Lighthouse, Session, Status};
+use crate::quorum::{Member, Quorum};
+
+/// The service's own counts (the machine counts joins, drops, quorums and
+/// aborts itself).
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// Connections accepted.
+    pub sessions: AtomicU64,
+    /// Connections open now.
+    pub open: AtomicU64,
+    /// Requests refused: bad input, a replica id held by another live
+    /// process, a request it cannot place.
+    pub refused: AtomicU64,
+    /// Connections that broke the protocol (not HTTP, not gRPC).
+    pub bad_connections: AtomicU64,
+    /// `Quorum` calls that reached their deadline without a quorum.
+    pub timeouts: AtomicU64,
+    /// `/v1/watch` polls answered `dropped` (aborts pushed to survivors).
+    pub aborts_pushed: AtomicU64,
+}
+
+impl Counters {
+    pub fn add(c: &AtomicU64) {
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// A refusal of the machine: a replica id held by another live session.
+#[derive(Clone, Debug)]
+pub struct Refusal {
+    pub session: Session,
+    pub replica_id: String,
+    pub reason: String,
+}
+
+struct Waiter {
+    replica_id: String,
+    tx: oneshot::Sender<Quorum>,
+}
+
+struct Inner {
+    machine: Lighthouse,
+    waiters: HashMap<u64, Waiter>,
+    next_waiter: u64,
+}
+
+/// The machine, its waiters, the watch board, the counters.
+pub struct Shared {
+    inner: Mutex<Inner>,
+    wake_ticker: Notify,
+    board: watch::Sender<Board>,
+    pub counters: Counters,
+}
+
+/// A `Quorum` call's place in line; leaving it (drop) removes the waiter.
+pub struct Waiting {
+    shared: Arc<Shared>,
+    id: u64,
+    /// The quorum, once one that contains the replica is issued.
+    pub rx: oneshot::Receiver<Quorum>,
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.shared.inner.locked().waiters.remove(&self.id);
+    }
+}
+
+impl Shared {
+    pub fn new(machine: Lighthouse) -> Arc<Shared> {
+        Arc::new(Shared {
+            inner: Mutex::new(Inner {
+                machine,
+                waiters: HashMap::new(),
+                next_waiter: 0,
+            }),
+            wake_ticker: Notify::new(),
+            board: watch::Sender::new(Board::default()),
+            counters: Counters::default(),
+        })
+    }
+
+    /// A `Quorum` request: the replica joins and waits for a quorum that
+    /// contains it, or is refused.
+    pub fn join(self: &Arc<Self>, session: Session, member: Member) -> Result<Waiting, String> {
+        let (tx, rx) = oneshot::channel();
+        let replica_id = member.replica_id.clone();
+        let mut inner = self.inner.locked();
+        let id = inner.next_waiter;
+        inner.next_waiter += 1;
+        inner.waiters.insert(
+            id,
+            Waiter {
+                replica_id: replica_id.clone(),
+                tx,
+            },
+        );
+        let refusals = self.step(&mut inner, Event::Join { session, member });
+        drop(inner);
+        let waiting = Waiting {
+            shared: self.clone(),
+            id,
+            rx,
+        };
+        match mine(refusals, session, &replica_id) {
+            Some(reason) => Err(reason),
+            None => Ok(waiting),
+        }
+    }
+
+    /// A `Heartbeat` request.
+    pub fn heartbeat(&self, session: Session, replica_id: String) -> Result<(), String> {
+        let mut inner = self.inner.locked();
+        let refusals = self.step(
+            &mut inner,
+            Event::Heartbeat {
+                session,
+                replica_id: replica_id.clone(),
+            },
+        );
+        match mine(refusals, session, &replica_id) {
+            Some(reason) => Err(reason),
+            None => Ok(()),
+        }
+    }
+
+    /// A connection ended: the machine drops every replica it carried.
+    pub fn closed(&self, session: Session) {
+        let mut inner = self.inner.locked();
+        let refusals = self.step(&mut inner, Event::Closed { session });
+        log_refusals(refusals);
+    }
+
+    /// Time passed; returns when the machine next needs a tick.
+    pub fn tick(&self) -> Option<Instant> {
+        let mut inner = self.inner.locked();
+        let refusals = self.step(&mut inner, Event::Tick);
+        log_refusals(refusals);
+        inner.machine.next_deadline()
+    }
+
+    /// The machine's state now.
+    pub fn status(&self) -> Status {
+        self.inner.locked().machine.status(Instant::now())
+    }
+
+    /// A receiver of the watch board.
+    pub fn board(&self) -> watch::Receiver<Board> {
+        self.board.subscribe()
+    }
+
+    /// Sends `Tick` every `quorum_tick` and at the machine's next deadline,
+    /// for ever (the server aborts it when it stops).
+    pub async fn ticker(self: Arc<Self>, quorum_tick: Duration) {
+        let mut at = Instant::now() + quorum_tick;
+        loop {
+            let woken = self.wake_ticker.notified();
+            tokio::select! {
+                () = tokio::time::sleep_until(at.into()) => {
+                    let next = self.tick();
+                    at = earliest(Instant::now() + quorum_tick, next);
+                }
+                () = woken => {
+                    let next = self.inner.locked().machine.next_deadline();
+                    at = earliest(at, next);
+                }
+            }
+        }
+    }
+
+    /// Hands one event to the machine and carries out its actions (under the
+    /// caller's lock); returns the refusals.
+    fn step(&self, inner: &mut Inner, ev: Event) -> Vec<Refusal> {
+        let actions = inner.machine.handle(Instant::now(), ev);
+        let mut refusals = Vec::new();
+        for action in actions {
+            match action {
+                Action::Issue(q) => self.issue(inner, q),
+                Action::Refuse {
+                    session,
+                    replica_id,
+                    reason,
+                } => refusals.push(Refusal {
+                    session,
+                    replica_id,
+                    reason,
+                }),
+                Action::Abort {
+                    quorum_id,
+                    replica_id,
+                    reason,
+                } => {
+                    tracing::warn!(
+                        quorum_id,
+                        replica_id,
+                        reason,
+                        "member of the current quorum dropped: aborting its watchers"
+                    );
+                    self.board
+                        .send_modify(|b| b.aborted(quorum_id, &replica_id, &reason));
+                }
+                Action::Dropped { replica_id, reason } => {
+                    tracing::info!(replica_id, reason, "replica dropped");
+                }
+            }
+        }
+        self.wake_ticker.notify_one();
+        refusals
+    }
+
+    /// Answers every waiting call whose replica is in `q`; the others keep
+    /// waiting (torchft's rule).
+    fn issue(&self, inner: &mut Inner, q: Quorum) {
+        let members: Vec<&str> = q
+            .participants
+            .iter()
+            .map(|m| m.replica_id.as_str())
+            .collect();
+        tracing::info!(quorum_id = q.id, ?members, "quorum issued");
+        self.board.send_modify(|b| b.issued(q.id));
+        let answered: Vec<u64> = inner
+            .waiters
+            .iter()
+            .filter(|(_, w)| members.contains(&w.replica_id.as_str()))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in answered {
+            if let Some(w) = inner.waiters.remove(&id) {
+                // The call may have ended meanwhile; nothing to answer then.
+                let _ = w.tx.send(q.clone());
+            }
+        }
+    }
+}
+
+/// The refusal addressed to this caller, if any; the rest are logged.
+fn mine(refusals: Vec<Refusal>, session: Session, replica_id: &str) -> Option<String> {
+    let mut found = None;
+    let mut others = Vec::new();
+    for r in refusals {
+        if found.is_none() && r.session == session && r.replica_id == replica_id {
+            found = Some(r.reason);
+        } else {
+            others.push(r);
+        }
+    }
+    log_refusals(others);
+    found
+}
+
+fn log_refusals(refusals: Vec<Refusal>) {
+    for r in refusals {
+        tracing::warn!(
+            session = r.session,
+            replica_id = r.replica_id,
+            reason = r.reason,
+            "refused"
+        );
+    }
+}
+
+fn earliest(a: Instant, b: Option<Instant>) -> Instant {
+    b.map_or(a, |b| a.min(b))
+}
