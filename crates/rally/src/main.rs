@@ -8,6 +8,7 @@ macro_rules! say {
     };
 }
 
+mod lighthouse;
 mod run;
 mod serve;
 mod stacks;
@@ -33,6 +34,9 @@ enum Command {
     /// Print the Python stacks of a running job's workers without stopping
     /// them (a worker's pid, an agent's pid, or a run id).
     Stacks(stacks::StacksArgs),
+    /// The quorum service of per-step fault tolerance: a drop-in for
+    /// torchft's `torchft_lighthouse` (same flags, same gRPC service).
+    Lighthouse(lighthouse::LighthouseArgs),
     /// The key-value store.
     Store {
         #[command(subcommand)]
@@ -78,6 +82,7 @@ fn main() -> anyhow::Result<()> {
                 std::process::exit(2)
             }
         },
+        Command::Lighthouse(args) => lighthouse::run(args),
         Command::Store {
             command: StoreCommand::Serve(args),
         } => serve::serve(args),

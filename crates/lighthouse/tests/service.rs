@@ -1,0 +1,429 @@
+//! The lighthouse's service over loopback, with tonic clients as torchft's
+//! managers use: a quorum forms; a killed client's connection drops it at
+//! once and its quorum's watchers are told; a silent client is dropped at
+//! the heartbeat timeout; the watch endpoint's four answers; bad input is
+//! refused with a clear error while every other member goes on.
+//!
+//! Each client has its own TCP connection (its session). "Killing" one
+//! shuts its socket down, which is what the kernel does to the sockets of a
+//! killed process (the torchft test in `crates/rally/tests/run/lighthouse.rs`
+//! SIGKILLs real managers).
+
+use std::net::{Shutdown, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rallypoint_lighthouse::proto::{self, LighthouseServiceClient};
+use rallypoint_lighthouse::quorum::Knobs;
+use rallypoint_lighthouse::service::{Config, Server};
+use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Code, Request};
+
+/// Every wait of these tests; far above what any step needs.
+const LIMIT: Duration = Duration::from_secs(20);
+
+fn knobs(min_replicas: u64, heartbeat_timeout: Duration) -> Knobs {
+    Knobs {
+        min_replicas,
+        join_timeout: Duration::from_secs(60),
+        quorum_tick: Duration::from_millis(50),
+        heartbeat_timeout,
+    }
+}
+
+async fn start(knobs: Knobs) -> (SocketAddr, i64) {
+    let config = Config::new(knobs);
+    let first_id = config.first_id;
+    let server = Server::bind("127.0.0.1:0".parse().unwrap(), config)
+        .await
+        .unwrap();
+    let addr = server.local_addr().unwrap();
+    tokio::spawn(server.run(std::future::pending()));
+    (addr, first_id)
+}
+
+/// A client on a connection of its own, which the test can cut.
+struct Client {
+    rpc: LighthouseServiceClient<Channel>,
+    channel: Channel,
+    socket: Arc<Mutex<Option<std::net::TcpStream>>>,
+}
+
+impl Client {
+    async fn connect(addr: SocketAddr) -> Client {
+        let socket = Arc::new(Mutex::new(None));
+        let kept = socket.clone();
+        let connector = tower::service_fn(move |_uri| {
+            let kept = kept.clone();
+            async move {
+                let tcp = tokio::net::TcpStream::connect(addr).await?.into_std()?;
+                *kept.lock().unwrap() = Some(tcp.try_clone()?);
+                let tcp = tokio::net::TcpStream::from_std(tcp)?;
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tcp))
+            }
+        });
+        let channel = Endpoint::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect_with_connector(connector)
+            .await
+            .unwrap();
+        Client {
+            rpc: LighthouseServiceClient::new(channel.clone()),
+            channel,
+            socket,
+        }
+    }
+
+    /// Ends the connection as the kernel does when the process dies.
+    fn kill(&self) {
+        let s = self.socket.lock().unwrap().take().expect("connected");
+        s.shutdown(Shutdown::Both).unwrap();
+    }
+
+    async fn quorum(&mut self, m: proto::QuorumMember) -> Result<proto::Quorum, tonic::Status> {
+        let mut r = Request::new(proto::LighthouseQuorumRequest { requester: Some(m) });
+        r.set_timeout(LIMIT);
+        let q = self.rpc.quorum(r).await?.into_inner().quorum;
+        Ok(q.expect("a quorum in the answer"))
+    }
+
+    async fn heartbeat(&mut self, id: &str) -> Result<(), tonic::Status> {
+        let r = proto::LighthouseHeartbeatRequest {
+            replica_id: id.into(),
+        };
+        self.rpc.heartbeat(r).await.map(|_| ())
+    }
+}
+
+fn member(id: &str) -> proto::QuorumMember {
+    proto::QuorumMember {
+        replica_id: id.into(),
+        address: format!("http://{id}:1"),
+        store_address: format!("{id}:2"),
+        world_size: 1,
+        ..Default::default()
+    }
+}
+
+fn ids(q: &proto::Quorum) -> Vec<&str> {
+    q.participants
+        .iter()
+        .map(|m| m.replica_id.as_str())
+        .collect()
+}
+
+/// A plain HTTP/1.1 GET (or another method); the status and the body.
+async fn http(addr: SocketAddr, method: &str, path: &str) -> (u16, String) {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!("{method} {path} HTTP/1.1\r\nHost: lh\r\nConnection: close\r\n\r\n");
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut out = String::new();
+    tokio::time::timeout(LIMIT, s.read_to_string(&mut out))
+        .await
+        .expect("an HTTP answer within the limit")
+        .unwrap();
+    let status = out[9..12].parse().unwrap();
+    let body = out.split_once("\r\n\r\n").map_or("", |p| p.1).to_owned();
+    (status, body)
+}
+
+async fn watch(addr: SocketAddr, quorum_id: i64, timeout_ms: u64) -> (u16, Value) {
+    let path = format!("/v1/watch?quorum_id={quorum_id}&timeout_ms={timeout_ms}");
+    let (status, body) = http(addr, "GET", &path).await;
+    let v = if body.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_str(&body).unwrap()
+    };
+    (status, v)
+}
+
+/// Two clients heartbeat, then both join: one quorum of both (the first
+/// joiner waits for the other, which is healthy but has not joined yet).
+async fn quorum_of(a: &mut Client, b: &mut Client) -> proto::Quorum {
+    a.heartbeat("a").await.unwrap();
+    b.heartbeat("b").await.unwrap();
+    let (qa, qb) = tokio::join!(a.quorum(member("a")), b.quorum(member("b")));
+    let (qa, qb) = (qa.unwrap(), qb.unwrap());
+    assert_eq!(qa, qb, "both members get the same quorum");
+    qa
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quorum_of_two_forms_and_shows_in_status_and_metrics() {
+    let (addr, first_id) = start(knobs(2, Duration::from_secs(5))).await;
+    let (mut a, mut b) = (Client::connect(addr).await, Client::connect(addr).await);
+    let (qa, qb) = tokio::join!(a.quorum(member("b2")), b.quorum(member("a2")));
+    let (qa, qb) = (qa.unwrap(), qb.unwrap());
+    assert_eq!(qa, qb);
+    assert_eq!(ids(&qa), ["a2", "b2"], "participants sorted by replica id");
+    assert!(qa.quorum_id > first_id, "ids start above the start time");
+    assert_eq!(qa.participants[0].store_address, "a2:2");
+    assert!(qa.created.is_some());
+
+    let (code, body) = http(addr, "GET", "/status").await;
+    assert_eq!(code, 200);
+    let s: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(s["quorum_id"], qa.quorum_id);
+    assert_eq!(s["participants"].as_array().unwrap().len(), 2);
+    assert_eq!(s["counters"]["quorums_issued"], 1);
+    let (code, metrics) = http(addr, "GET", "/metrics").await;
+    assert_eq!(code, 200);
+    for line in [
+        format!("rally_lighthouse_quorum_id {}", qa.quorum_id),
+        "rally_lighthouse_participants 2".into(),
+        "rally_lighthouse_joins_total 2".into(),
+        "rally_lighthouse_quorums_issued_total 1".into(),
+        "rally_lighthouse_drops_total 0".into(),
+        "rally_lighthouse_refused_requests_total 0".into(),
+    ] {
+        assert!(metrics.lines().any(|l| l == line), "{line:?} in\n{metrics}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_clients_connection_drops_it_at_once_and_pushes_the_abort() {
+    // A heartbeat timeout of a minute: only the connection can explain a
+    // drop within the test's limit.
+    let heartbeat_timeout = Duration::from_secs(60);
+    let (addr, _) = start(knobs(1, heartbeat_timeout)).await;
+    let (mut a, mut b) = (Client::connect(addr).await, Client::connect(addr).await);
+    let q = quorum_of(&mut a, &mut b).await;
+    assert_eq!(ids(&q), ["a", "b"]);
+    assert_eq!(
+        watch(addr, q.quorum_id, 50).await.0,
+        204,
+        "whole: nothing to say"
+    );
+
+    let watcher = tokio::spawn(watch(addr, q.quorum_id, LIMIT.as_millis() as u64));
+    let killed = Instant::now();
+    a.kill();
+    let (code, v) = watcher.await.unwrap();
+    let took = killed.elapsed();
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["event"], "dropped", "{v}");
+    assert_eq!(v["quorum_id"], q.quorum_id);
+    assert_eq!(v["replica_id"], "a");
+    assert!(
+        took < heartbeat_timeout,
+        "dropped by its connection, {took:?}"
+    );
+
+    // The survivor's next quorum is issued without waiting for anything.
+    let next = b.quorum(member("b")).await.unwrap();
+    assert_eq!(ids(&next), ["b"]);
+    assert!(next.quorum_id > q.quorum_id);
+    let (_, metrics) = http(addr, "GET", "/metrics").await;
+    assert!(
+        metrics.contains("rally_lighthouse_drops_total 1\n"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("rally_lighthouse_aborts_pushed_total 1\n"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_client_is_dropped_at_the_heartbeat_timeout() {
+    let heartbeat_timeout = Duration::from_millis(400);
+    let (addr, _) = start(knobs(1, heartbeat_timeout)).await;
+    let (mut a, mut b) = (Client::connect(addr).await, Client::connect(addr).await);
+    a.heartbeat("a").await.unwrap();
+    b.heartbeat("b").await.unwrap();
+    // a's last word is its join; its connection stays open, silent.
+    let a_last_word = Instant::now();
+    let (qa, qb) = tokio::join!(a.quorum(member("a")), b.quorum(member("b")));
+    let q = qa.unwrap();
+    assert_eq!(q, qb.unwrap());
+    let beating = tokio::spawn(async move {
+        loop {
+            b.heartbeat("b").await.unwrap();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+    let (code, v) = watch(addr, q.quorum_id, LIMIT.as_millis() as u64).await;
+    let silent = a_last_word.elapsed();
+    assert_eq!(
+        (code, &v["event"], &v["replica_id"]),
+        (200, &"dropped".into(), &"a".into()),
+        "{v}"
+    );
+    assert!(
+        silent >= heartbeat_timeout,
+        "not before its timeout: {silent:?}"
+    );
+    beating.abort();
+    drop(a);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_watch_endpoint_gives_its_four_answers() {
+    let (addr, _) = start(knobs(1, Duration::from_secs(60))).await;
+    let (code, v) = watch(addr, 5, 10_000).await;
+    assert_eq!(
+        (code, &v["event"]),
+        (200, &"unknown".into()),
+        "nothing issued yet: {v}"
+    );
+
+    let mut a = Client::connect(addr).await;
+    let q1 = a.quorum(member("a")).await.unwrap();
+    let (code, v) = watch(addr, q1.quorum_id, 100).await;
+    assert_eq!((code, v), (204, Value::Null), "current and whole");
+    let (code, v) = watch(addr, q1.quorum_id + 1, 10_000).await;
+    assert_eq!(
+        (code, &v["event"]),
+        (200, &"unknown".into()),
+        "from the future: {v}"
+    );
+
+    // A commit failure reported raises the id (torchft's rule).
+    let q2 = a
+        .quorum(proto::QuorumMember {
+            commit_failures: 1,
+            ..member("a")
+        })
+        .await
+        .unwrap();
+    assert!(q2.quorum_id > q1.quorum_id);
+    let (code, v) = watch(addr, q1.quorum_id, 10_000).await;
+    assert_eq!(
+        (code, &v["event"], &v["current"]),
+        (200, &"superseded".into(), &q2.quorum_id.into()),
+        "{v}"
+    );
+
+    a.kill();
+    let (code, v) = watch(addr, q2.quorum_id, 10_000).await;
+    assert_eq!(
+        (code, &v["event"], &v["replica_id"]),
+        (200, &"dropped".into(), &"a".into()),
+        "{v}"
+    );
+    assert!(v["reason"].as_str().is_some_and(|r| !r.is_empty()), "{v}");
+
+    // Bad queries say what is wrong.
+    let (code, body) = http(addr, "GET", "/v1/watch?timeout_ms=5").await;
+    assert_eq!(code, 400);
+    assert!(body.contains("quorum_id"), "{body}");
+    assert_eq!(
+        http(addr, "GET", "/v1/watch?quorum_id=x&timeout_ms=5")
+            .await
+            .0,
+        400
+    );
+    assert_eq!(http(addr, "GET", "/nowhere").await.0, 404);
+    assert_eq!(http(addr, "POST", "/status").await.0, 405);
+}
+
+/// A heartbeat whose replica id is not UTF-8: a protobuf string field that
+/// does not decode.
+#[derive(Clone, PartialEq, prost::Message)]
+struct MalformedHeartbeat {
+    #[prost(bytes = "vec", tag = "1")]
+    replica_id: Vec<u8>,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_is_refused_clearly_and_harms_no_one() {
+    let (addr, _) = start(knobs(1, Duration::from_secs(60))).await;
+    let mut a = Client::connect(addr).await;
+    let q = a.quorum(member("a")).await.unwrap();
+
+    // The same replica id from a second live connection.
+    let mut impostor = Client::connect(addr).await;
+    let e = impostor.quorum(member("a")).await.unwrap_err();
+    assert_eq!(e.code(), Code::AlreadyExists, "{e:?}");
+    assert!(
+        e.message().contains("replica id a is held by another"),
+        "{e:?}"
+    );
+    let e = impostor.heartbeat("a").await.unwrap_err();
+    assert_eq!(e.code(), Code::AlreadyExists, "{e:?}");
+
+    // Requests it cannot place.
+    let mut r = Request::new(proto::LighthouseQuorumRequest { requester: None });
+    r.set_timeout(LIMIT);
+    let e = impostor.rpc.quorum(r).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains("without a requester"), "{e:?}");
+    let e = impostor.heartbeat("").await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+
+    // A malformed message.
+    let mut grpc = tonic::client::Grpc::new(impostor.channel.clone());
+    grpc.ready().await.unwrap();
+    let e = grpc
+        .unary(
+            Request::new(MalformedHeartbeat {
+                replica_id: vec![0xff, 0xfe],
+            }),
+            tonic::codegen::http::uri::PathAndQuery::from_static(
+                "/torchft.LighthouseService/Heartbeat",
+            ),
+            tonic_prost::ProstCodec::<MalformedHeartbeat, proto::LighthouseHeartbeatResponse>::default(),
+        )
+        .await
+        .unwrap_err();
+    assert!(e.message().contains("decode"), "{e:?}");
+
+    // An oversized one (the cap is 1 MiB).
+    let e = impostor
+        .quorum(proto::QuorumMember {
+            data: "x".repeat(2 << 20),
+            ..member("big")
+        })
+        .await
+        .unwrap_err();
+    assert!(e.message().contains("too large"), "{e:?}");
+
+    // Bytes that are not HTTP at all.
+    let mut raw = tokio::net::TcpStream::connect(addr).await.unwrap();
+    raw.write_all(b"\x00\x01 not a request\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(LIMIT, raw.read_to_end(&mut answer))
+        .await
+        .expect("the service answers or closes")
+        .ok();
+
+    // Every refusal counted; the member and a newcomer go on.
+    let (_, metrics) = http(addr, "GET", "/metrics").await;
+    let refused: u64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("rally_lighthouse_refused_requests_total "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(refused >= 7, "{metrics}");
+    a.heartbeat("a").await.unwrap();
+    let mut c = Client::connect(addr).await;
+    // The newcomer waits (no majority of the healthy alone); the member's
+    // join then makes a fast quorum with the newcomer in it.
+    let newcomer = tokio::spawn(async move { c.quorum(member("c")).await });
+    wait_status(addr, |s| s["waiting"] == serde_json::json!(["c"])).await;
+    let next = a.quorum(member("a")).await;
+    let status = http(addr, "GET", "/status").await.1;
+    let next = next.unwrap_or_else(|e| panic!("{e:?}; status {status}"));
+    assert_eq!(next, newcomer.await.unwrap().unwrap());
+    assert_eq!(ids(&next), ["a", "c"]);
+    assert!(next.quorum_id > q.quorum_id);
+}
+
+/// Polls `/status` until `ok` holds (within [`LIMIT`]).
+async fn wait_status(addr: SocketAddr, ok: impl Fn(&Value) -> bool) {
+    let t0 = Instant::now();
+    loop {
+        let s: Value = serde_json::from_str(&http(addr, "GET", "/status").await.1).unwrap();
+        if ok(&s) {
+            return;
+        }
+        assert!(t0.elapsed() < LIMIT, "status never got there: {s}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}

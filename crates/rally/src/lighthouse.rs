@@ -1,0 +1,98 @@
+//! `rally lighthouse`: the quorum service of per-step fault tolerance, a
+//! drop-in for torchft's `torchft_lighthouse` (its flags as it spells them,
+//! kebab-case aliases too), serving until Ctrl-C or SIGTERM. Once bound it
+//! prints `rally lighthouse: listening on ADDR` on stderr, where scripts and
+//! tests read the port.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::Context;
+use rallypoint_lighthouse::quorum::Knobs;
+use rallypoint_lighthouse::service::{Config, Server};
+
+/// torchft's knobs, with our defaults tuned for fast detection: torchft's
+/// managers heartbeat every 100 ms, so a replica silent for 1 s (torchft:
+/// 5 s) is gone, and a killed one is dropped the moment its connection
+/// resets, whatever the timeout.
+#[derive(clap::Args)]
+#[command(
+    after_help = "Defaults are tuned for fast detection: a killed replica is dropped the \
+    moment its connection resets, a silent one after --heartbeat_timeout_ms (1 s here, 5 s in \
+    torchft; its managers heartbeat every 100 ms). \
+    Point torchft at it with TORCHFT_LIGHTHOUSE=http://HOST:PORT. \
+    Survivors of a dropped member learn it from GET /v1/watch on the same port; \
+    /status (JSON) and /metrics (Prometheus) are there too."
+)]
+pub struct LighthouseArgs {
+    /// Address to serve gRPC and HTTP on (`[::]` also accepts IPv4).
+    #[arg(long, default_value = "[::]:29510")]
+    bind: SocketAddr,
+    /// The fewest replicas a new (not fast) quorum may have.
+    #[arg(long = "min_replicas", alias = "min-replicas")]
+    min_replicas: u64,
+    /// How long a quorum waits for healthy replicas that have not joined yet,
+    /// from the first join, in ms (torchft's default too).
+    #[arg(
+        long = "join_timeout_ms",
+        alias = "join-timeout-ms",
+        default_value_t = 60_000
+    )]
+    join_timeout_ms: u64,
+    /// How often the quorum is looked at again while members wait, in ms
+    /// (torchft's default too).
+    #[arg(
+        long = "quorum_tick_ms",
+        alias = "quorum-tick-ms",
+        default_value_t = 100
+    )]
+    quorum_tick_ms: u64,
+    /// A replica silent this long is dropped, in ms (torchft: 5000; its
+    /// managers heartbeat every 100 ms, so 1000 is ten missed beats).
+    #[arg(
+        long = "heartbeat_timeout_ms",
+        alias = "heartbeat-timeout-ms",
+        default_value_t = 1_000
+    )]
+    heartbeat_timeout_ms: u64,
+}
+
+/// Serves until Ctrl-C or SIGTERM.
+pub fn run(args: LighthouseArgs) -> anyhow::Result<()> {
+    if args.quorum_tick_ms == 0 || args.heartbeat_timeout_ms == 0 {
+        anyhow::bail!("--quorum_tick_ms and --heartbeat_timeout_ms must be above 0");
+    }
+    let knobs = Knobs {
+        min_replicas: args.min_replicas,
+        join_timeout: Duration::from_millis(args.join_timeout_ms),
+        quorum_tick: Duration::from_millis(args.quorum_tick_ms),
+        heartbeat_timeout: Duration::from_millis(args.heartbeat_timeout_ms),
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("failed to start the runtime")?;
+    rt.block_on(async move {
+        let server = Server::bind(args.bind, Config::new(knobs.clone()))
+            .await
+            .with_context(|| format!("failed to listen on {}", args.bind))?;
+        let addr = server
+            .local_addr()
+            .context("failed to read the bound address")?;
+        say!("rally lighthouse: listening on {addr}");
+        tracing::info!(?knobs, "serving");
+        server.run(shutdown_signal()).await?;
+        tracing::info!("lighthouse stopped");
+        anyhow::Ok(())
+    })
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}
