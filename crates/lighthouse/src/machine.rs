@@ -35,7 +35,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Instant, SystemTime};
 
-use crate::quorum::{self, Knobs, Member, Participant, Quorum, Roster, Rules, Verdict};
+use crate::quorum::{self, Knobs, Member, Quorum, Roster, Rules, Verdict};
 
 /// One client connection; the service numbers them.
 pub type Session = u64;
@@ -225,19 +225,18 @@ impl Lighthouse {
     /// When a `Tick` is next needed: a live replica's heartbeat expires, or
     /// a quorum that waits for stragglers stops waiting.
     pub fn next_deadline(&self) -> Option<Instant> {
-        let expiry = self
-            .roster
-            .heartbeats
-            .values()
-            .map(|t| *t + self.knobs.heartbeat_timeout)
+        let replicas = self.roster.replicas.values();
+        let expiry = replicas
+            .clone()
+            .map(|r| r.heard + self.knobs.heartbeat_timeout)
             .min();
+        let waiting = self.roster.waiting().count();
         let join_wait = self
             .roster
-            .participants
-            .values()
+            .waiting()
             .map(|p| p.joined + self.knobs.join_timeout)
             .min()
-            .filter(|_| self.roster.participants.len() < self.roster.heartbeats.len());
+            .filter(|_| waiting < self.roster.replicas.len());
         match (expiry, join_wait) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
@@ -250,10 +249,14 @@ impl Lighthouse {
         Status {
             quorum: self.current.clone(),
             quorum_id: self.last_id,
-            waiting: self.roster.participants.keys().cloned().collect(),
+            waiting: self
+                .roster
+                .waiting()
+                .map(|p| p.member.replica_id.clone())
+                .collect(),
             healthy: self
                 .roster
-                .heartbeats
+                .replicas
                 .keys()
                 .filter(|id| self.roster.healthy(id, now, timeout))
                 .cloned()
@@ -276,13 +279,7 @@ impl Lighthouse {
             return false;
         }
         self.counters.joins += 1;
-        self.roster.participants.insert(
-            id,
-            Participant {
-                member,
-                joined: now,
-            },
-        );
+        self.roster.join(member, now);
         true
     }
 
@@ -319,13 +316,7 @@ impl Lighthouse {
             if stalled.session == session && self.sabotage != Sabotage::NoRevive {
                 // The stopped process resumed: its waiting call waits again.
                 if let Some(member) = stalled.waiting {
-                    self.roster.participants.insert(
-                        id.to_owned(),
-                        Participant {
-                            member,
-                            joined: now,
-                        },
-                    );
+                    self.roster.join(member, now);
                 }
             } else {
                 if let Some(ids) = self.sessions.get_mut(&stalled.session) {
@@ -346,7 +337,7 @@ impl Lighthouse {
             .entry(session)
             .or_default()
             .insert(id.to_owned());
-        self.roster.heartbeats.insert(id.to_owned(), now);
+        self.roster.heard(id, now);
         true
     }
 
@@ -383,15 +374,17 @@ impl Lighthouse {
     /// Drops the replicas silent for `heartbeat_timeout` at `now`.
     fn expire(&mut self, now: Instant, out: &mut Vec<Action>) {
         let timeout = self.knobs.heartbeat_timeout;
-        let silent: Vec<(String, Instant)> = self
+        let silent: Vec<(String, Instant, Option<Member>)> = self
             .roster
-            .heartbeats
+            .replicas
             .iter()
-            .filter(|(_, t)| now.saturating_duration_since(**t) >= timeout)
-            .map(|(id, t)| (id.clone(), *t))
+            .filter(|(_, r)| now.saturating_duration_since(r.heard) >= timeout)
+            .map(|(id, r)| {
+                let waiting = r.waiting.as_ref().map(|p| p.member.clone());
+                (id.clone(), r.heard, waiting)
+            })
             .collect();
-        for (id, last) in silent {
-            let waiting = self.roster.participants.get(&id).map(|p| p.member.clone());
+        for (id, last, waiting) in silent {
             if let Some(session) = self.holders.remove(&id) {
                 self.stalled
                     .insert(id.clone(), Stalled { session, waiting });
@@ -411,11 +404,13 @@ impl Lighthouse {
     /// Forgets `id`'s heartbeat and waiting call; an abort if it is a member
     /// of the current quorum.
     fn drop_replica(&mut self, id: &str, reason: String, out: &mut Vec<Action>) {
-        self.roster.heartbeats.remove(id);
-        self.roster.participants.remove(id);
+        self.roster.replicas.remove(id);
         self.counters.drops += 1;
         if let Some(q) = &self.current {
-            let member = q.participants.iter().any(|m| m.replica_id == id);
+            let member = q
+                .participants
+                .binary_search_by(|m| m.replica_id.as_str().cmp(id))
+                .is_ok();
             if member && self.sabotage != Sabotage::NoAbort {
                 self.counters.aborts += 1;
                 out.push(Action::Abort {
@@ -450,7 +445,7 @@ impl Lighthouse {
 
     /// Issues a quorum if torchft's rules allow one now.
     fn attempt(&mut self, now: Instant, out: &mut Vec<Action>) {
-        if self.roster.participants.is_empty() {
+        if self.roster.waiting().next().is_none() {
             return;
         }
         let Verdict::Issue { members, .. } = self.verdict(now) else {
@@ -458,10 +453,17 @@ impl Lighthouse {
         };
         self.last_id = quorum::next_id(self.last_id, self.current.as_ref(), &members);
         for m in &members {
-            self.roster.participants.remove(&m.replica_id);
+            if let Some(r) = self.roster.replicas.get_mut(&m.replica_id) {
+                r.waiting = None;
+            }
         }
         // The callers left out wait again, as if they had just joined.
-        for p in self.roster.participants.values_mut() {
+        for p in self
+            .roster
+            .replicas
+            .values_mut()
+            .filter_map(|r| r.waiting.as_mut())
+        {
             p.joined = now;
         }
         let q = Quorum {

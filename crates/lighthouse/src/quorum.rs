@@ -39,7 +39,7 @@
 //! `commit_failures > 0`; otherwise the quorum keeps its id (torchft's
 //! `_quorum_tick`).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::fmt;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -121,21 +121,66 @@ pub struct Participant {
     pub joined: Instant,
 }
 
-/// What [`compute`] looks at besides the previous quorum.
+/// What the lighthouse knows of one replica.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Replica {
+    /// The last time it was heard from (a heartbeat or a join; torchft's
+    /// `heartbeats`).
+    pub heard: Instant,
+    /// Its waiting `Quorum` call, if any (torchft's `participants`).
+    pub waiting: Option<Participant>,
+}
+
+/// What [`compute`] looks at besides the previous quorum: every replica
+/// heard from, by replica id (one map, so that one pass sees everything).
 #[derive(Clone, Debug, Default)]
 pub struct Roster {
-    /// The replicas waiting for a quorum, by replica id.
-    pub participants: BTreeMap<String, Participant>,
-    /// The last time each replica was heard from (a join counts).
-    pub heartbeats: BTreeMap<String, Instant>,
+    pub replicas: BTreeMap<String, Replica>,
 }
 
 impl Roster {
+    /// Notes that `replica_id` was heard from at `now`.
+    pub fn heard(&mut self, replica_id: &str, now: Instant) {
+        match self.replicas.get_mut(replica_id) {
+            Some(r) => r.heard = now,
+            None => {
+                self.replicas.insert(
+                    replica_id.to_owned(),
+                    Replica {
+                        heard: now,
+                        waiting: None,
+                    },
+                );
+            }
+        }
+    }
+
+    /// `member` asks for a quorum at `now` (also a heartbeat).
+    pub fn join(&mut self, member: Member, now: Instant) {
+        let r = self
+            .replicas
+            .entry(member.replica_id.clone())
+            .or_insert(Replica {
+                heard: now,
+                waiting: None,
+            });
+        r.heard = now;
+        r.waiting = Some(Participant {
+            member,
+            joined: now,
+        });
+    }
+
     /// Whether `replica_id` was heard from less than `timeout` before `now`.
     pub fn healthy(&self, replica_id: &str, now: Instant, timeout: Duration) -> bool {
-        self.heartbeats
+        self.replicas
             .get(replica_id)
-            .is_some_and(|t| now.saturating_duration_since(*t) < timeout)
+            .is_some_and(|r| now.saturating_duration_since(r.heard) < timeout)
+    }
+
+    /// The waiting calls, by replica id.
+    pub fn waiting(&self) -> impl Iterator<Item = &Participant> {
+        self.replicas.values().filter_map(|r| r.waiting.as_ref())
     }
 }
 
@@ -255,58 +300,81 @@ pub fn compute_with(
     rules: Rules,
 ) -> Verdict {
     let timeout = knobs.heartbeat_timeout;
-    let healthy = roster
-        .heartbeats
-        .values()
-        .filter(|t| now.saturating_duration_since(**t) < timeout)
-        .count();
-    // BTreeMap order: sorted by replica id, as torchft sorts its candidates.
-    let joined: Vec<&Participant> = roster
-        .participants
-        .iter()
-        .filter(|(id, _)| roster.healthy(id, now, timeout))
-        .map(|(_, p)| p)
-        .collect();
-    let census = Census {
-        healthy_participants: joined.len(),
-        participants: roster.participants.len(),
-        healthy,
-        shrink_only: joined.iter().any(|p| p.member.shrink_only),
+    let healthy = |r: &Replica| now.saturating_duration_since(r.heard) < timeout;
+    // One pass: the counts, the first join, and the moment the first healthy
+    // replica that has not joined goes silent.
+    let mut census = Census {
+        healthy_participants: 0,
+        participants: 0,
+        healthy: 0,
+        shrink_only: false,
     };
-    // The earliest moment a healthy replica that has not joined goes silent.
-    let straggler_expiry = || {
+    let mut first_joined: Option<Instant> = None;
+    let mut straggler_expiry: Option<Instant> = None;
+    for r in roster.replicas.values() {
+        census.participants += usize::from(r.waiting.is_some());
+        if !healthy(r) {
+            continue;
+        }
+        census.healthy += 1;
+        match &r.waiting {
+            Some(p) => {
+                census.healthy_participants += 1;
+                census.shrink_only |= p.member.shrink_only;
+                first_joined = Some(first_joined.map_or(p.joined, |t| t.min(p.joined)));
+            }
+            None => {
+                let t = r.heard + timeout;
+                straggler_expiry = Some(straggler_expiry.map_or(t, |s| s.min(t)));
+            }
+        }
+    }
+    // The candidates: the healthy participants, sorted by replica id as
+    // torchft sorts them (the map's order); with shrink_only, only those of
+    // the previous quorum.
+    let shrink_to = prev.filter(|_| census.shrink_only);
+    let candidates = || -> Vec<Member> {
+        let of_prev = |id: &str| {
+            shrink_to.is_none_or(|q| {
+                q.participants
+                    .binary_search_by(|m| m.replica_id.as_str().cmp(id))
+                    .is_ok()
+            })
+        };
         roster
-            .heartbeats
-            .iter()
-            .filter(|(id, _)| !roster.participants.contains_key(*id))
-            .map(|(_, t)| *t + timeout)
-            .filter(|t| *t > now)
-            .min()
+            .replicas
+            .values()
+            .filter(|r| healthy(r))
+            .filter_map(|r| r.waiting.as_ref())
+            .filter(|p| of_prev(&p.member.replica_id))
+            .map(|p| p.member.clone())
+            .collect()
+    };
+    let is_back = |m: &Member| {
+        roster
+            .replicas
+            .get(&m.replica_id)
+            .is_some_and(|r| r.waiting.is_some() && healthy(r))
     };
 
-    let mut candidates: Vec<&Participant> = joined.clone();
     if let Some(prev) = prev {
-        let prev_ids: BTreeSet<&str> = prev
-            .participants
-            .iter()
-            .map(|m| m.replica_id.as_str())
-            .collect();
-        if census.shrink_only {
-            candidates.retain(|p| prev_ids.contains(p.member.replica_id.as_str()));
-        }
-        let fast = prev_ids
-            .iter()
-            .all(|id| roster.participants.contains_key(*id) && roster.healthy(id, now, timeout));
-        if fast {
+        // Counting first spares the look-ups while members are still coming
+        // back (a round of n joins would otherwise look up n²/2 members).
+        let enough = census.healthy_participants >= prev.participants.len();
+        if enough && prev.participants.iter().all(is_back) {
             return Verdict::Issue {
-                members: candidates.iter().map(|p| p.member.clone()).collect(),
+                members: candidates(),
                 fast: true,
                 census,
             };
         }
     }
 
-    let have = candidates.len();
+    let have = match shrink_to {
+        // The healthy participants of the previous quorum.
+        Some(q) => q.participants.iter().filter(|m| is_back(m)).count(),
+        None => census.healthy_participants,
+    };
     if rules.min_replicas && (have as u64) < knobs.min_replicas {
         return Verdict::Wait {
             why: Why::BelowMin {
@@ -317,32 +385,32 @@ pub fn compute_with(
             until: None,
         };
     }
-    if rules.majority_guard && joined.len() <= healthy / 2 {
+    let joined = census.healthy_participants;
+    if rules.majority_guard && joined <= census.healthy / 2 {
         return Verdict::Wait {
             why: Why::Minority {
-                have: joined.len(),
-                healthy,
+                have: joined,
+                healthy: census.healthy,
             },
             census,
-            until: straggler_expiry(),
+            until: straggler_expiry,
         };
     }
-    if joined.len() < healthy {
-        let first = joined.iter().map(|p| p.joined).min().unwrap_or(now);
-        let until = first + knobs.join_timeout;
+    if joined < census.healthy {
+        let until = first_joined.unwrap_or(now) + knobs.join_timeout;
         if now < until {
             return Verdict::Wait {
                 why: Why::Stragglers {
-                    waiting_for: healthy - joined.len(),
+                    waiting_for: census.healthy - joined,
                     until,
                 },
                 census,
-                until: Some(straggler_expiry().map_or(until, |t| t.min(until))),
+                until: Some(straggler_expiry.map_or(until, |t| t.min(until))),
             };
         }
     }
     Verdict::Issue {
-        members: candidates.iter().map(|p| p.member.clone()).collect(),
+        members: candidates(),
         fast: false,
         census,
     }

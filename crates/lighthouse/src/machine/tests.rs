@@ -1,4 +1,8 @@
 //! Tables of the machine's transitions: events in, actions out.
+//!
+//! Each case is a list of steps: the moment (ms after the start), the event,
+//! and the actions expected, each written as a short line (`issue 101
+//! [a,b]`, `refuse s2 a`, `abort 101 b`, `dropped b`), in order.
 
 use std::time::Duration;
 
@@ -17,29 +21,356 @@ fn member(id: &str) -> Member {
     }
 }
 
-#[test]
-fn two_joins_make_a_quorum() {
-    let t0 = Instant::now();
-    let mut lh = Lighthouse::new(Knobs::ours(2), 100);
-    let a = lh.handle(
-        t0,
-        Event::Join {
-            session: 1,
-            member: member("a"),
-        },
-    );
-    assert!(a.is_empty(), "{a:?}");
-    let a = lh.handle(
-        t0,
-        Event::Join {
-            session: 2,
-            member: member("b"),
-        },
-    );
-    let [Action::Issue(q)] = a.as_slice() else {
-        panic!("{a:?}")
+/// An event of a table, in short.
+#[derive(Clone, Copy, Debug)]
+enum Ev {
+    /// `Join` from session `.0` for replica `.1`.
+    Join(Session, &'static str),
+    /// `Join` with shrink_only.
+    JoinShrink(Session, &'static str),
+    /// `Join` reporting a commit failure.
+    JoinFailed(Session, &'static str),
+    /// `Heartbeat` from session `.0` for replica `.1`.
+    Beat(Session, &'static str),
+    Closed(Session),
+    Tick,
+}
+
+fn event(ev: Ev) -> Event {
+    let join = |session, id, f: fn(&mut Member)| {
+        let mut member = member(id);
+        f(&mut member);
+        Event::Join { session, member }
     };
-    assert_eq!(q.id, 101);
-    assert_eq!(q.participants, vec![member("a"), member("b")]);
-    let _ = Duration::ZERO;
+    match ev {
+        Ev::Join(s, id) => join(s, id, |_| {}),
+        Ev::JoinShrink(s, id) => join(s, id, |m| m.shrink_only = true),
+        Ev::JoinFailed(s, id) => join(s, id, |m| m.commit_failures = 1),
+        Ev::Beat(session, id) => Event::Heartbeat {
+            session,
+            replica_id: id.to_owned(),
+        },
+        Ev::Closed(session) => Event::Closed { session },
+        Ev::Tick => Event::Tick,
+    }
+}
+
+/// An action in short.
+fn line(a: &Action) -> String {
+    match a {
+        Action::Issue(q) => {
+            let ids: Vec<&str> = q
+                .participants
+                .iter()
+                .map(|m| m.replica_id.as_str())
+                .collect();
+            format!("issue {} [{}]", q.id, ids.join(","))
+        }
+        Action::Refuse {
+            session,
+            replica_id,
+            ..
+        } => format!("refuse s{session} {replica_id}"),
+        Action::Abort {
+            quorum_id,
+            replica_id,
+            ..
+        } => format!("abort {quorum_id} {replica_id}"),
+        Action::Dropped { replica_id, .. } => format!("dropped {replica_id}"),
+    }
+}
+
+struct Case {
+    name: &'static str,
+    min_replicas: u64,
+    join_timeout_ms: u64,
+    /// (ms, event, expected actions)
+    steps: &'static [(u64, Ev, &'static [&'static str])],
+}
+
+/// Heartbeat timeout of every case: 1 s (`Knobs::ours`).
+const CASES: &[Case] = &[
+    Case {
+        name: "two joins make a quorum; ids start above first_id",
+        min_replicas: 2,
+        join_timeout_ms: 60_000,
+        steps: &[
+            (0, Ev::Join(1, "a"), &[]),
+            (10, Ev::Join(2, "b"), &["issue 101 [a,b]"]),
+        ],
+    },
+    Case {
+        name: "a heartbeat from a replica never seen is fine",
+        min_replicas: 1,
+        join_timeout_ms: 60_000,
+        steps: &[
+            (0, Ev::Beat(1, "a"), &[]),
+            (0, Ev::Join(1, "a"), &["issue 101 [a]"]),
+        ],
+    },
+    Case {
+        name: "a second live session for a replica id is refused; the first keeps it",
+        min_replicas: 2,
+        join_timeout_ms: 60_000,
+        steps: &[
+            (0, Ev::Join(1, "a"), &[]),
+            (0, Ev::Join(2, "a"), &["refuse s2 a"]),
+            (0, Ev::Beat(2, "a"), &["refuse s2 a"]),
+            (0, Ev::Closed(2), &[]),
+            (0, Ev::Join(3, "b"), &["issue 101 [a,b]"]),
+        ],
+    },
+    Case {
+        name: "a closed session drops its replicas at once, aborting the current quorum",
+        min_replicas: 1,
+        join_timeout_ms: 60_000,
+        steps: &[
+            (0, Ev::Beat(1, "a"), &[]),
+            (0, Ev::Beat(1, "b"), &[]),
+            (0, Ev::Join(2, "c"), &[]),
+            (0, Ev::Join(1, "a"), &[]),
+            (0, Ev::Join(1, "b"), &["issue 101 [a,b,c]"]),
+            (
+                5,
+                Ev::Closed(1),
+                &["abort 101 a", "dropped a", "abort 101 b", "dropped b"],
+            ),
+            (5, Ev::Join(2, "c"), &["issue 102 [c]"]),
+        ],
+    },
+    Case {
+        name: "a closed session of a replica waiting outside the quorum: dropped, no abort",
+        min_replicas: 1,
+        join_timeout_ms: 60_000,
+        steps: &[
+            (0, Ev::Join(1, "a"), &["issue 101 [a]"]),
+            (1, Ev::Beat(2, "b"), &[]),
+            (1, Ev::Closed(2), &["dropped b"]),
+            (2, Ev::Closed(7), &[]),
+        ],
+    },
+    Case {
+        name: "a silent replica is dropped at the tick that sees it",
+        min_replicas: 1,
+        join_timeout_ms: 60_000,
+        steps: &[
+            (0, Ev::Beat(2, "b"), &[]),
+            (0, Ev::Join(1, "a"), &[]),
+            (0, Ev::Join(2, "b"), &["issue 101 [a,b]"]),
+            (500, Ev::Beat(1, "a"), &[]),
+            (999, Ev::Tick, &[]),
+            (1000, Ev::Tick, &["abort 101 b", "dropped b"]),
+            (1100, Ev::Join(1, "a"), &["issue 102 [a]"]),
+        ],
+    },
+    Case {
+        name: "a stopped process that resumes is revived with its waiting call",
+        min_replicas: 2,
+        join_timeout_ms: 60_000,
+        steps: &[
+            (0, Ev::Join(1, "a"), &[]),
+            (1000, Ev::Tick, &["dropped a"]),
+            (1500, Ev::Join(2, "b"), &[]),
+            (1600, Ev::Beat(1, "a"), &["issue 101 [a,b]"]),
+        ],
+    },
+    Case {
+        name: "a silent replica's id taken by another session: the old call is refused",
+        min_replicas: 2,
+        join_timeout_ms: 60_000,
+        steps: &[
+            (0, Ev::Join(1, "a"), &[]),
+            (1000, Ev::Tick, &["dropped a"]),
+            (1100, Ev::Join(3, "a"), &["refuse s1 a"]),
+            (1200, Ev::Beat(1, "a"), &["refuse s1 a"]),
+            (1300, Ev::Join(2, "b"), &["issue 101 [a,b]"]),
+        ],
+    },
+    Case {
+        name: "same members keep the id (fast quorum); a commit failure raises it",
+        min_replicas: 2,
+        join_timeout_ms: 60_000,
+        steps: &[
+            (0, Ev::Join(1, "a"), &[]),
+            (0, Ev::Join(2, "b"), &["issue 101 [a,b]"]),
+            (10, Ev::Join(1, "a"), &[]),
+            (10, Ev::Join(2, "b"), &["issue 101 [a,b]"]),
+            (20, Ev::Join(1, "a"), &[]),
+            (20, Ev::JoinFailed(2, "b"), &["issue 102 [a,b]"]),
+        ],
+    },
+    Case {
+        name: "stragglers are waited for until the join timeout, at a tick",
+        min_replicas: 1,
+        join_timeout_ms: 500,
+        steps: &[
+            (0, Ev::Beat(3, "c"), &[]),
+            (0, Ev::Join(1, "a"), &[]),
+            (0, Ev::Join(2, "b"), &[]),
+            (400, Ev::Beat(3, "c"), &[]),
+            (499, Ev::Tick, &[]),
+            (500, Ev::Tick, &["issue 101 [a,b]"]),
+            // c alone is a minority of three; the fast quorum takes it along.
+            (600, Ev::Join(3, "c"), &[]),
+            (700, Ev::Join(1, "a"), &[]),
+            (700, Ev::Join(2, "b"), &["issue 102 [a,b,c]"]),
+        ],
+    },
+    Case {
+        name: "shrink_only leaves a joiner waiting; it comes in at the next quorum",
+        min_replicas: 2,
+        join_timeout_ms: 60_000,
+        steps: &[
+            (0, Ev::Join(1, "a"), &[]),
+            (0, Ev::Join(2, "b"), &["issue 101 [a,b]"]),
+            (10, Ev::Join(3, "c"), &[]),
+            (10, Ev::JoinShrink(1, "a"), &[]),
+            (10, Ev::Join(2, "b"), &["issue 101 [a,b]"]),
+            (20, Ev::Join(1, "a"), &[]),
+            (20, Ev::Join(2, "b"), &["issue 102 [a,b,c]"]),
+        ],
+    },
+    Case {
+        name: "below min_replicas nothing is issued, however long",
+        min_replicas: 3,
+        join_timeout_ms: 0,
+        steps: &[
+            (0, Ev::Join(1, "a"), &[]),
+            (0, Ev::Join(2, "b"), &[]),
+            (300, Ev::Beat(1, "a"), &[]),
+            (300, Ev::Beat(2, "b"), &[]),
+            (600, Ev::Tick, &[]),
+            (600, Ev::Join(3, "c"), &["issue 101 [a,b,c]"]),
+        ],
+    },
+];
+
+#[test]
+fn transitions_table() {
+    let t0 = Instant::now();
+    for case in CASES {
+        let mut knobs = Knobs::ours(case.min_replicas);
+        knobs.join_timeout = Duration::from_millis(case.join_timeout_ms);
+        let mut lh = Lighthouse::new(knobs, 100);
+        for (i, &(ms, ev, want)) in case.steps.iter().enumerate() {
+            let got: Vec<String> = lh
+                .handle(t0 + Duration::from_millis(ms), event(ev))
+                .iter()
+                .map(line)
+                .collect();
+            assert_eq!(got, want, "{}: step {i} ({ev:?} at {ms} ms)", case.name);
+        }
+    }
+}
+
+#[test]
+fn next_deadline_names_the_first_expiry_and_the_join_wait() {
+    let t0 = Instant::now();
+    let mut knobs = Knobs::ours(1);
+    knobs.join_timeout = Duration::from_millis(300);
+    let mut lh = Lighthouse::new(knobs, 0);
+    assert_eq!(lh.next_deadline(), None, "nothing to wait for");
+    lh.handle(t0, event(Ev::Beat(1, "a")));
+    assert_eq!(
+        lh.next_deadline(),
+        Some(t0 + Duration::from_secs(1)),
+        "a's heartbeat expires"
+    );
+    lh.handle(t0 + Duration::from_millis(100), event(Ev::Beat(2, "b")));
+    lh.handle(t0 + Duration::from_millis(100), event(Ev::Beat(3, "c")));
+    lh.handle(t0 + Duration::from_millis(200), event(Ev::Join(2, "b")));
+    lh.handle(t0 + Duration::from_millis(200), event(Ev::Join(3, "c")));
+    assert_eq!(
+        lh.next_deadline(),
+        Some(t0 + Duration::from_millis(500)),
+        "the join wait for a ends"
+    );
+}
+
+#[test]
+fn status_counts_what_happened() {
+    let t0 = Instant::now();
+    let mut lh = Lighthouse::new(Knobs::ours(1), 0);
+    lh.handle(t0, event(Ev::Join(1, "a")));
+    lh.handle(t0, event(Ev::Join(2, "a")));
+    lh.handle(t0, event(Ev::Beat(3, "b")));
+    lh.handle(t0, event(Ev::Join(3, "b")));
+    lh.handle(t0, event(Ev::Closed(1)));
+    let s = lh.status(t0);
+    // a alone made quorum 1; b waited (a minority beside a) until a's
+    // session closed, then made quorum 2 alone.
+    assert_eq!(s.quorum_id, 2);
+    let ids: Vec<&str> = s
+        .quorum
+        .iter()
+        .flat_map(|q| &q.participants)
+        .map(|m| m.replica_id.as_str())
+        .collect();
+    assert_eq!(ids, ["b"]);
+    assert!(s.waiting.is_empty(), "{:?}", s.waiting);
+    assert_eq!(s.healthy, vec!["b".to_owned()]);
+    assert_eq!(
+        s.counters,
+        Counters {
+            joins: 2,
+            heartbeats: 1,
+            drops: 1,
+            quorums_issued: 2,
+            aborts: 1,
+            refusals: 1,
+        }
+    );
+    assert!(
+        s.reason
+            .contains("[0/0 participants healthy][1 heartbeating]"),
+        "{}",
+        s.reason
+    );
+}
+
+/// The issue's scale: 1,024 members in one process. One round (every member
+/// heartbeats, then joins) issues a quorum of all of them, and a second
+/// round a fast quorum with the same id.
+#[test]
+fn a_round_of_1024_members_issues_one_quorum_of_all() {
+    let t0 = Instant::now();
+    let n: u64 = 1024;
+    let mut lh = Lighthouse::new(Knobs::ours(1), 0);
+    let ids: Vec<String> = (0..n).map(|i| format!("replica-{i:04}")).collect();
+    for (s, id) in (0..n).zip(&ids) {
+        assert!(lh
+            .handle(
+                t0,
+                Event::Heartbeat {
+                    session: s,
+                    replica_id: id.clone()
+                }
+            )
+            .is_empty());
+    }
+    for round in 0..2 {
+        let at = t0 + Duration::from_millis(10 * (round + 1));
+        let mut issued = Vec::new();
+        for (s, id) in (0..n).zip(&ids) {
+            issued.extend(lh.handle(
+                at,
+                Event::Join {
+                    session: s,
+                    member: member(id),
+                },
+            ));
+        }
+        let [Action::Issue(q)] = issued.as_slice() else {
+            panic!(
+                "round {round}: wanted one quorum, got {} actions",
+                issued.len()
+            );
+        };
+        assert_eq!(q.id, 1, "round {round}");
+        assert_eq!(q.participants.len(), 1024, "round {round}");
+        assert!(q
+            .participants
+            .windows(2)
+            .all(|w| w[0].replica_id < w[1].replica_id));
+    }
 }

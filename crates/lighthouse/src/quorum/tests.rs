@@ -60,19 +60,12 @@ struct Row {
 fn roster(now: Instant, replicas: &[Replica]) -> Roster {
     let mut r = Roster::default();
     for &(id, heard, joined, shrink_only) in replicas {
-        r.heartbeats
-            .insert(id.to_owned(), now - Duration::from_secs(heard));
         if let Some(joined) = joined {
             let mut m = member(id);
             m.shrink_only = shrink_only;
-            r.participants.insert(
-                id.to_owned(),
-                Participant {
-                    member: m,
-                    joined: now - Duration::from_secs(joined),
-                },
-            );
+            r.join(m, now - Duration::from_secs(joined));
         }
+        r.heard(id, now - Duration::from_secs(heard));
     }
     r
 }
