@@ -73,6 +73,9 @@ pub fn run(args: LighthouseArgs) -> anyhow::Result<()> {
         .build()
         .context("failed to start the runtime")?;
     rt.block_on(async move {
+        // Signal handlers before the line that tells the world we are up, so
+        // that a SIGTERM right after it stops us cleanly.
+        let stop = shutdown_signal()?;
         let server = Server::bind(args.bind, Config::new(knobs.clone()))
             .await
             .with_context(|| format!("failed to listen on {}", args.bind))?;
@@ -81,18 +84,22 @@ pub fn run(args: LighthouseArgs) -> anyhow::Result<()> {
             .context("failed to read the bound address")?;
         say!("rally lighthouse: listening on {addr}");
         tracing::info!(?knobs, "serving");
-        server.run(shutdown_signal()).await?;
+        server.run(stop).await?;
         tracing::info!("lighthouse stopped");
         anyhow::Ok(())
     })
 }
 
-/// Resolves on Ctrl-C or SIGTERM.
-async fn shutdown_signal() {
+/// Resolves on SIGINT (Ctrl-C) or SIGTERM; the handlers are in place when
+/// this returns.
+fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
     use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
+    let mut int = signal(SignalKind::interrupt()).context("failed to handle SIGINT")?;
+    let mut term = signal(SignalKind::terminate()).context("failed to handle SIGTERM")?;
+    Ok(async move {
+        tokio::select! {
+            _ = int.recv() => {}
+            _ = term.recv() => {}
+        }
+    })
 }

@@ -242,7 +242,12 @@ impl Shared {
             .iter()
             .map(|m| m.replica_id.as_str())
             .collect();
-        tracing::info!(quorum_id = q.id, ?members, "quorum issued");
+        // Every step re-issues the quorum; a new id is the news.
+        if self.board.borrow().current == Some(q.id) {
+            tracing::debug!(quorum_id = q.id, "quorum issued again");
+        } else {
+            tracing::info!(quorum_id = q.id, ?members, "new quorum issued");
+        }
         self.board.send_modify(|b| b.issued(q.id));
         let answered: Vec<u64> = inner
             .waiters

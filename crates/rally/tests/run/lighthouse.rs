@@ -207,3 +207,41 @@ fn a_survivor_commits_at_once_after_its_peer_is_sigkilled_between_steps() {
         lh.log()
     );
 }
+
+#[test]
+fn rally_lighthouse_stops_cleanly_on_sigterm_and_sigint() {
+    for sig in [libc::SIGTERM, libc::SIGINT] {
+        let mut lh = Lighthouse::start(&["--min_replicas", "1"]);
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(lh.child.id() as i32, sig) };
+        let log = lh.log.clone();
+        let status = super::wait_or_kill(&mut lh.child, Duration::from_secs(30), || {
+            log.lock().unwrap().clone()
+        });
+        assert!(status.success(), "signal {sig}: {status}\n{}", lh.log());
+    }
+}
+
+#[test]
+fn rally_lighthouse_refuses_bad_flags_and_a_busy_port() {
+    let out = Command::new(env!("CARGO_BIN_EXE_rally"))
+        .args(["lighthouse", "--bind", "127.0.0.1:0"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--min_replicas"), "{err}");
+
+    let lh = Lighthouse::start(&["--min-replicas", "1", "--heartbeat-timeout-ms", "500"]);
+    let bind = format!("127.0.0.1:{}", lh.port);
+    let out = Command::new(env!("CARGO_BIN_EXE_rally"))
+        .args(["lighthouse", "--min_replicas", "1", "--bind", &bind])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!("failed to listen on {bind}")),
+        "{err}"
+    );
+}
