@@ -16,7 +16,8 @@ How a receive goes
 3. The flat byte space is cut into pieces of :data:`PIECE` bytes; one thread
    per source takes pieces from a shared queue and reads each straight into
    the destination buffers (``recv_into``, :data:`_wire.CHUNK` at a time).
-   Faster sources take more pieces. A source that fails (dies, refuses, sends
+   Pieces are dealt round robin; a source done with its share steals from
+   the others', so faster sources take more. A source that fails (dies, refuses, sends
    a malformed frame, times out) gives its piece back and stops; the others
    take it over. Every source must serve the same tensors (the header's
    layout is compared), since ranges of two sources are mixed.
@@ -68,6 +69,7 @@ class _Source:
         self.name, self.step, self.timeout = name, step, timeout
         host, port = parse_source(name)
         self.sock: Optional[socket.socket] = None
+        self.token = 0
         self.sock = self._io(lambda: socket.create_connection((host, port), timeout=timeout), "a connection")
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -124,11 +126,12 @@ class _Source:
             h = _wire.decode_header(payload, self.step)
         except _wire.WireError as e:
             raise TransferError(f"checkpoint source {self.name} sent a malformed header for step {self.step}: {e}") from None
+        self.token = h["token"]  # this source's staging; ranges name it
         return h, self._expect(b"S", f"the pytree spec of step {self.step}")
 
-    def fetch(self, header: dict, bufs: "_Buffers", offset: int, length: int, tick) -> None:
+    def fetch(self, bufs: "_Buffers", offset: int, length: int, tick) -> None:
         """Reads ``[offset, offset+length)`` of the flat byte space into ``bufs``."""
-        req = _wire.encode_request(_wire.KIND_RANGE, self.step, header["token"], offset, length)
+        req = _wire.encode_request(_wire.KIND_RANGE, self.step, self.token, offset, length)
         self._io(lambda: self.sock.sendall(req), f"sending a request for bytes {offset}+{length} of step {self.step}")
         for i, at, n in _wire.segments(bufs.starts, bufs.nbytes, offset, length):
             pos, end = at, at + n
@@ -162,11 +165,19 @@ class _Buffers:
 
 
 class _Plan:
-    """The pieces still to fetch, shared by the sources' threads."""
+    """The pieces still to fetch, shared by the sources' threads.
+
+    Pieces are dealt round robin, one queue per source; a source takes from
+    the front of its own queue, and, when that is empty, steals from the back
+    of the longest queue of a source that has started (taken a piece) or
+    left. So every healthy source serves at least its first piece, and fast
+    sources take over the slow or failed ones' share."""
 
     def __init__(self, total: int, piece: int, workers: int, timeout: float) -> None:
         self.cond = threading.Condition()
-        self.pending: Deque[Tuple[int, int]] = deque((o, min(piece, total - o)) for o in range(0, total, piece))
+        pieces = [(o, min(piece, total - o)) for o in range(0, total, piece)]
+        self.queues: List[Deque[Tuple[int, int]]] = [deque(pieces[i::workers]) for i in range(workers)]
+        self.started: set = set()
         self.in_flight = 0
         self.alive = workers
         self.progress = 0
@@ -178,6 +189,9 @@ class _Plan:
             self.progress += 1
             self.cond.notify_all()
 
+    def pending(self) -> int:
+        return sum(len(q) for q in self.queues)
+
     def _wait_progress(self, done) -> bool:
         """Waits until ``done()``; False when no byte arrived from anyone for the timeout."""
         while not done():
@@ -186,45 +200,54 @@ class _Plan:
                 return False
         return True
 
-    def take(self) -> Optional[Tuple[int, int]]:
-        """The next piece; None when none is left (or none moves)."""
-        with self.cond:
-            self._wait_progress(lambda: self.pending or not self.in_flight)
-            if not self.pending:
-                return None
-            self.in_flight += 1
-            return self.pending.popleft()
+    def _queue_for(self, me: int) -> Optional[Deque[Tuple[int, int]]]:
+        if self.queues[me]:
+            return self.queues[me]
+        shared = [q for i, q in enumerate(self.queues) if q and i in self.started]
+        return max(shared, key=len) if shared else None
 
-    def settle(self, piece: Tuple[int, int], ok: bool) -> None:
+    def take(self, me: int) -> Optional[Tuple[int, int]]:
+        """Source ``me``'s next piece; None when none is left (or none moves)."""
+        with self.cond:
+            self._wait_progress(lambda: self._queue_for(me) is not None or not (self.in_flight or self.pending()))
+            q = self._queue_for(me)
+            if q is None:
+                return None
+            self.started.add(me)
+            self.in_flight += 1
+            return q.popleft() if q is self.queues[me] else q.pop()
+
+    def settle(self, me: int, piece: Tuple[int, int], ok: bool) -> None:
         with self.cond:
             self.in_flight -= 1
             if not ok:
-                self.pending.appendleft(piece)
+                self.queues[me].appendleft(piece)
             self.cond.notify_all()
 
-    def leave(self, name: str, err: Optional[BaseException]) -> None:
+    def leave(self, me: int, name: str, err: Optional[BaseException]) -> None:
         with self.cond:
             self.alive -= 1
+            self.started.add(me)
             if err is not None:
                 self.errors[name] = err
             self.cond.notify_all()
 
 
-def _work(plan: _Plan, src: _Source, header: dict, bufs: _Buffers) -> None:
+def _work(plan: _Plan, me: int, src: _Source, bufs: _Buffers) -> None:
     err: Optional[BaseException] = None
     try:
-        while (piece := plan.take()) is not None:
+        while (piece := plan.take(me)) is not None:
             try:
-                src.fetch(header, bufs, *piece, plan.tick)
+                src.fetch(bufs, *piece, plan.tick)
             except BaseException:
-                plan.settle(piece, ok=False)
+                plan.settle(me, piece, ok=False)
                 raise
-            plan.settle(piece, ok=True)
+            plan.settle(me, piece, ok=True)
     except BaseException as e:  # reported by recv_striped
         err = e
     finally:
         src.close()
-        plan.leave(src.name, err)
+        plan.leave(me, src.name, err)
 
 
 def _open(name: str, step: int, timeout: float, first: Optional[dict]) -> Tuple[_Source, dict, bytes]:
@@ -254,11 +277,14 @@ def check_like(header: dict, like: object, source: str) -> None:
 
 
 def _rebuild(header: dict, spec: bytes, bufs: _Buffers, source: str) -> object:
+    bad = f"checkpoint source {source} sent a malformed pytree spec for step {header['step']}"
     try:
         treespec, others = pickle.loads(spec)
-        assert isinstance(others, dict) and treespec.num_leaves == header["leaves"]
+        leaves = treespec.num_leaves
     except Exception as e:
-        raise TransferError(f"checkpoint source {source} sent a malformed pytree spec for step {header['step']}: {e!r}") from None
+        raise TransferError(f"{bad}: {e!r}") from None
+    if not isinstance(others, dict) or leaves != header["leaves"]:
+        raise TransferError(f"{bad}: {leaves} leaves where its header names {header['leaves']}")
     values: List[object] = [None] * header["leaves"]
     for t, v in zip(header["tensors"], bufs.tensors(header)):
         values[t["leaf"]] = v
@@ -323,12 +349,12 @@ def recv_striped(
             s.close()
         raise
     plan = _Plan(bufs.total, piece, len(opened), t)
-    for s in opened:
-        threading.Thread(target=_work, args=(plan, s, header, bufs), name=f"rally-fetch-{s.name}", daemon=True).start()
+    for i, s in enumerate(opened):
+        threading.Thread(target=_work, args=(plan, i, s, bufs), name=f"rally-fetch-{s.name}", daemon=True).start()
     with plan.cond:
         moving = plan._wait_progress(lambda: plan.alive == 0)
         errors.update(plan.errors)
-        missing = plan.pending or plan.in_flight
+        missing = plan.pending() or plan.in_flight
     if not moving:
         for s in opened:
             _shut(s)

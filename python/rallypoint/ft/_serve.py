@@ -123,6 +123,7 @@ class Server:
         self._active: Dict[socket.socket, str] = {}  # connections streaming staged bytes
         self._conns: Dict[socket.socket, str] = {}
         self._closed = False
+        self.served = 0  # tensor bytes sent, for tests and figures
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -188,7 +189,8 @@ class Server:
                     self._conns[conn] = peer
             if busy or closed:
                 conn.settimeout(self._timeout)
-                _try_error(conn, f"source busy: {MAX_CONNECTIONS} connections already served")
+                why = "shutting down" if closed else f"busy: {MAX_CONNECTIONS} connections already served"
+                _try_error(conn, f"checkpoint source {why}")
                 conn.close()
                 continue
             threading.Thread(target=self._serve, args=(conn, peer), name=f"rally-ckpt-{peer}", daemon=True).start()
@@ -256,6 +258,7 @@ class Server:
                         )
                     conn.sendall(_wire.FRAME.pack(b"D", b - a))
                     conn.sendall(st.views[i][a:b])
+                    self.served += b - a  # several threads may race: a count for tests and figures, not an account
         finally:
             with self._lock:
                 self._active.pop(conn, None)
