@@ -31,6 +31,7 @@ import itertools
 import os
 import threading
 import time
+import uuid
 from typing import List, Optional
 
 import torch
@@ -40,7 +41,7 @@ from torch._C._distributed_c10d import ReduceOp
 
 from rallypoint import _native
 
-__all__ = ["RallyBackend", "monitored_barrier", "DTYPES"]
+__all__ = ["RallyBackend", "monitored_barrier", "membership", "DTYPES"]
 
 NAME = "rally"
 
@@ -159,7 +160,19 @@ def _timeout(opts) -> Optional[float]:
 class RallyBackend(_C10dBackend):
     """A ``torch.distributed`` Backend over rallypoint's collectives (CPU)."""
 
-    def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta, name: str, ranks=None):
+    def __init__(
+        self,
+        store,
+        rank: int,
+        size: int,
+        timeout: datetime.timedelta,
+        name: str,
+        ranks=None,
+        *,
+        done=None,
+        fresh_prefix: bool = False,
+        reconfigurable: bool = False,
+    ):
         if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL":
             # torch 2.15 wraps a plugin backend in its ProcessGroupWrapper
             # under DETAIL (distributed_c10d._new_process_group_helper), and
@@ -174,18 +187,79 @@ class RallyBackend(_C10dBackend):
         self._store = store
         self._timeout = timeout
         self._name = name
+        self._rank, self._size = rank, size
         self._ranks = list(ranks) if ranks else list(range(size))
         self._options = _C10dBackend.Options(NAME, timeout=timeout)
-        # torch may hand the same prefix again after destroy_process_group
-        # (group names restart at 0), where an earlier group's keys are: each
-        # rank counts the groups it formed under this prefix, the same count
-        # on every rank, and the group forms under a fresh sub-prefix.
-        again = store.add(f"rallypoint/formed/{rank}", 1)
-        prefix = name if again == 1 else f"{name}.{again}"
-        self._prefix = prefix
-        self._group = _native.Group(store, rank, size, timeout.total_seconds(), prefix, _done)
+        # `done(token, kind, message)` completes an op's future; the
+        # fault-tolerant group (rallypoint.ft) passes one that never fails it.
+        self._done = done or _done
         self._monitored = itertools.count(1)
         self._lock = threading.Lock()
+        self._reconfigure = _Reconfigure(store)
+        self._group = None
+        self._prefix = name
+        if reconfigurable:
+            # torch's enable_reconfigure: no members until reconfigure().
+            return
+        if not fresh_prefix:
+            # torch may hand the same prefix again after destroy_process_group
+            # (group names restart at 0), where an earlier group's keys are:
+            # each rank counts the groups it formed under this prefix, the
+            # same count on every rank, and the group forms under a fresh
+            # sub-prefix. (A caller whose every prefix is fresh, as torchft's
+            # quorum ids make them, skips that store round.)
+            again = store.add(f"rallypoint/formed/{rank}", 1)
+            self._prefix = name if again == 1 else f"{name}.{again}"
+        self._group = _native.Group(store, rank, size, timeout.total_seconds(), self._prefix, self._done)
+
+    @property
+    def _g(self):
+        g = self._group
+        if g is None:
+            raise ValueError(
+                "rally: this group was made with enable_reconfigure=True and has no members yet:"
+                " call dist._reconfigure(uuid, handles) first"
+            )
+        return g
+
+    # torch 2.15's ProcessGroup reads rank and size from the C++ Backend's
+    # fields, set at construction; after a reconfigure the Python backend's
+    # own answers are the current ones (see `membership`).
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    # -- reconfigure (torch 2.15's fault-tolerance API) -------------------
+
+    @property
+    def supports_reconfigure(self):
+        return True
+
+    def get_reconfigure_handle(self) -> str:
+        return self._reconfigure.handle
+
+    def reconfigure(self, opts):
+        """Forms the next membership: ``opts.handles`` (one handle per member,
+        a list in rank order, or a set this backend orders) under
+        ``opts.uuid`` (fresh each time) through the store this backend was
+        made with. The current members' group, if any, is replaced: its ops
+        in flight fail (aborted, naming the reconfigure). Blocks until this
+        rank has joined (rank 0 publishes, the others read it: no all-to-all
+        wait); the returned Work is complete."""
+        rank, size, prefix = self._reconfigure.next(opts, self._name)
+        timeout = opts.timeout if opts.timeout is not None else self._timeout
+        group = _native.Group(self._store, rank, size, max(timeout.total_seconds(), 0.001), prefix, self._done)
+        old = self._group
+        with self._lock:
+            self._group, self._rank, self._size, self._prefix = group, rank, size, prefix
+            self._ranks = list(range(size))
+        if old is not None and old.in_flight():
+            old.abort(f"the group was reconfigured (uuid {opts.uuid}) with ops in flight")
+        fut = torch.futures.Future()
+        fut.set_result(None)
+        return _Work(fut)
 
     @property
     def options(self):
@@ -226,17 +300,17 @@ class RallyBackend(_C10dBackend):
     def allreduce(self, tensors, opts):
         t = _one(tensors, "all_reduce")
         code = _check(t, "all_reduce's tensor")
-        return self._work(self._group.all_reduce, tensors, t, t.data_ptr(), t.numel(), code, self._op(opts, t), _timeout(opts), now=not opts.asyncOp)
+        return self._work(self._g.all_reduce, tensors, t, t.data_ptr(), t.numel(), code, self._op(opts, t), _timeout(opts), now=not opts.asyncOp)
 
     def broadcast(self, tensors, opts):
         t = _one(tensors, "broadcast")
         code = _check(t, "broadcast's tensor")
-        return self._work(self._group.broadcast, tensors, t, t.data_ptr(), t.numel(), code, opts.rootRank, _timeout(opts), now=not opts.asyncOp)
+        return self._work(self._g.broadcast, tensors, t, t.data_ptr(), t.numel(), code, opts.rootRank, _timeout(opts), now=not opts.asyncOp)
 
     def reduce(self, tensors, opts):
         t = _one(tensors, "reduce")
         code = _check(t, "reduce's tensor")
-        return self._work(self._group.reduce, tensors, t, t.data_ptr(), t.numel(), code, opts.rootRank, self._op(opts, t), _timeout(opts), now=not opts.asyncOp)
+        return self._work(self._g.reduce, tensors, t, t.data_ptr(), t.numel(), code, opts.rootRank, self._op(opts, t), _timeout(opts), now=not opts.asyncOp)
 
     def allgather(self, output_tensors, input_tensors, opts):
         t = _one(input_tensors, "all_gather")
@@ -246,7 +320,7 @@ class RallyBackend(_C10dBackend):
             raise ValueError(f"rally: all_gather needs {self.size()} output tensors, got {len(outs)}")
         _same(outs, t, "all_gather's output")
         return self._work(
-            self._group.all_gather, output_tensors, (t, outs), t.data_ptr(), t.numel(), code,
+            self._g.all_gather, output_tensors, (t, outs), t.data_ptr(), t.numel(), code,
             outs=[o.data_ptr() for o in outs], timeout=_timeout(opts), now=not opts.asyncOp,
         )
 
@@ -259,7 +333,7 @@ class RallyBackend(_C10dBackend):
                 f" it must be {input.dtype} x {input.numel() * self.size()} (input x world size)"
             )
         return self._work(
-            self._group.all_gather, [output], (input, output), input.data_ptr(), input.numel(), code,
+            self._g.all_gather, [output], (input, output), input.data_ptr(), input.numel(), code,
             out=output.data_ptr(), timeout=_timeout(opts), now=not opts.asyncOp,
         )
 
@@ -275,7 +349,7 @@ class RallyBackend(_C10dBackend):
             _same(outs, t, "gather's output")
         result = outs if outs is not None else []
         return self._work(
-            self._group.gather, result, (t, outs), t.data_ptr(), t.numel(), code, root,
+            self._g.gather, result, (t, outs), t.data_ptr(), t.numel(), code, root,
             outs=[o.data_ptr() for o in outs] if outs is not None else None, timeout=_timeout(opts), now=not opts.asyncOp,
         )
 
@@ -290,7 +364,7 @@ class RallyBackend(_C10dBackend):
                 raise ValueError(f"rally: scatter needs {self.size()} input tensors at the root, got {len(ins)}")
             _same(ins, t, "scatter's input")
         return self._work(
-            self._group.scatter, output_tensors, (t, ins), t.data_ptr(), t.numel(), code, root,
+            self._g.scatter, output_tensors, (t, ins), t.data_ptr(), t.numel(), code, root,
             ins=[i.data_ptr() for i in ins] if ins is not None else None, timeout=_timeout(opts), now=not opts.asyncOp,
         )
 
@@ -303,7 +377,7 @@ class RallyBackend(_C10dBackend):
         _same(ins, t, "reduce_scatter's input")
         flat = torch.cat([i.reshape(-1) for i in ins])
         return self._work(
-            self._group.reduce_scatter, output_tensors, (t, flat), flat.data_ptr(), t.data_ptr(), t.numel(), code,
+            self._g.reduce_scatter, output_tensors, (t, flat), flat.data_ptr(), t.data_ptr(), t.numel(), code,
             self._op(opts, t), _timeout(opts), now=not opts.asyncOp,
         )
 
@@ -316,7 +390,7 @@ class RallyBackend(_C10dBackend):
                 f" it must be {output.dtype} x {output.numel() * self.size()} (output x world size)"
             )
         return self._work(
-            self._group.reduce_scatter, [output], (input, output), input.data_ptr(), output.data_ptr(), output.numel(),
+            self._g.reduce_scatter, [output], (input, output), input.data_ptr(), output.data_ptr(), output.numel(),
             code, self._op(opts, output), _timeout(opts), now=not opts.asyncOp,
         )
 
@@ -328,7 +402,7 @@ class RallyBackend(_C10dBackend):
         ins = self._splits(input, input_split_sizes, "input")
         outs = self._splits(output, output_split_sizes, "output")
         return self._work(
-            self._group.all_to_all, [output], (input, output), input.data_ptr(), ins, output.data_ptr(), outs, code,
+            self._g.all_to_all, [output], (input, output), input.data_ptr(), ins, output.data_ptr(), outs, code,
             _timeout(opts), now=not opts.asyncOp,
         )
 
@@ -360,7 +434,7 @@ class RallyBackend(_C10dBackend):
                 o.view(-1).copy_(part)
 
         return self._work(
-            self._group.all_to_all, output_tensors, (flat_in, flat_out), flat_in.data_ptr(),
+            self._g.all_to_all, output_tensors, (flat_in, flat_out), flat_in.data_ptr(),
             [t.numel() for t in input_tensors], flat_out.data_ptr(), [t.numel() for t in output_tensors], code,
             _timeout(opts), after=after, now=not opts.asyncOp,
         )
@@ -368,18 +442,18 @@ class RallyBackend(_C10dBackend):
     def send(self, tensors, dst, tag=0):
         t = _one(tensors, "send")
         code = _check(t, "send's tensor")
-        return self._work(self._group.send, tensors, t, t.data_ptr(), t.numel(), code, dst, tag)
+        return self._work(self._g.send, tensors, t, t.data_ptr(), t.numel(), code, dst, tag)
 
     def recv(self, tensors, src, tag=0):
         t = _one(tensors, "recv")
         code = _check(t, "recv's tensor")
-        return self._work(self._group.recv, tensors, t, t.data_ptr(), t.numel(), code, src, tag)
+        return self._work(self._g.recv, tensors, t, t.data_ptr(), t.numel(), code, src, tag)
 
     def recv_anysource(self, tensors, tag=0):
         raise ValueError("rally: recv from any source is not supported; name the source rank")
 
     def barrier(self, opts):
-        return self._work(self._group.barrier, [], None, _timeout(opts), now=not opts.asyncOp)
+        return self._work(self._g.barrier, [], None, _timeout(opts), now=not opts.asyncOp)
 
     # -- monitored barrier -----------------------------------------------
 
@@ -439,6 +513,65 @@ class RallyBackend(_C10dBackend):
         return f"{r}" if g == r else f"{r} (global rank {g})"
 
 
+class _Reconfigure:
+    """This backend's reconfigure handle and the uuids it has formed under.
+
+    A handle is ``rally:<store>:<token>``: the store every member forms
+    through (the TCPStore's ``host:port``, or the store's kind) and a token
+    unique to this backend. It does not change across reconfigures."""
+
+    def __init__(self, store):
+        self.store = _store_id(store)
+        self.handle = f"rally:{self.store}:{uuid.uuid4().hex}"
+        self.used = set()
+
+    def next(self, opts, name: str):
+        """(rank, size, prefix) of the membership ``opts`` names, or ValueError."""
+        handles = opts.handles
+        ordered = isinstance(handles, list)
+        hs = list(handles) if ordered else sorted(handles)
+        if not hs:
+            raise ValueError("rally: reconfigure needs at least one handle (this rank's)")
+        if ordered and len(set(hs)) != len(hs):
+            dup = sorted({h for h in hs if hs.count(h) > 1})
+            raise ValueError(f"rally: reconfigure's handles name a member twice: {dup}")
+        for h in hs:
+            parts = h.split(":")
+            if len(parts) < 3 or parts[0] != "rally":
+                raise ValueError(f"rally: {h!r} is not a rally reconfigure handle (from dist._get_reconfigure_handle on a rally group)")
+            if ":".join(parts[1:-1]) != self.store:
+                raise ValueError(
+                    f"rally: handle {h!r} forms through another store than this rank's ({self.store});"
+                    " every member must use the job's one store"
+                )
+        if self.handle not in hs:
+            raise ValueError(f"rally: this rank's handle {self.handle!r} is not among reconfigure's {len(hs)} handles")
+        if opts.uuid in self.used:
+            raise ValueError(f"rally: reconfigure uuid {opts.uuid} was used before on this group; pass a fresh one")
+        self.used.add(opts.uuid)
+        return hs.index(self.handle), len(hs), f"{name}/reconfigure/{opts.uuid}"
+
+
+def _store_id(store) -> str:
+    s = store
+    while isinstance(s, dist.PrefixStore):
+        s = s.underlying_store
+    if isinstance(s, dist.TCPStore):
+        return f"{s.host}:{s.port}"
+    return f"{type(s).__name__}@{id(s):x}"
+
+
+def membership(group=None):
+    """(rank, size) of this process in ``group``'s rally backend now.
+
+    After ``dist._reconfigure`` changed them, torch's ``dist.get_rank`` and
+    ``get_world_size`` still answer with the values the group was made with:
+    torch 2.15 reads them from the C++ Backend's fields, which a Python
+    backend cannot change."""
+    be = _backend_of(group)
+    return be.rank(), be.size()
+
+
 def _backend_of(group) -> RallyBackend:
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
     be = pg._get_backend(torch.device("cpu"))
@@ -464,6 +597,7 @@ def _create(dist_opts, backend_opts):
         dist_opts.timeout,
         str(dist_opts.group_id),
         dist_opts.global_ranks_in_group,
+        reconfigurable=bool(getattr(dist_opts, "enable_reconfigure", False)),
     )
 
 

@@ -643,6 +643,42 @@ impl Group {
         })
     }
 
+    /// Aborts the group: every op in flight and every later one fails at
+    /// once, here and on every member (each is told), with an error naming
+    /// this rank and `reason`. Idempotent; the first reason stays.
+    fn abort(&self, py: Python<'_>, reason: &str) {
+        let pg = self.live.pg().clone();
+        py.allow_threads(|| {
+            let _in_runtime = runtime().enter();
+            pg.abort(reason);
+        });
+    }
+
+    /// The error the group's ops fail with once it is aborted (here or by a
+    /// member), or `None`.
+    fn aborted(&self) -> Option<String> {
+        self.live.pg().aborted().map(|e| e.to_string())
+    }
+
+    /// Ops started on this group and not yet ended.
+    fn in_flight(&self) -> usize {
+        self.live.in_flight()
+    }
+
+    /// The address this rank listens on for its peers (`ip:port`).
+    fn local_addr(&self) -> String {
+        self.live.pg().local_addr().to_string()
+    }
+
+    /// This rank and the group's size.
+    fn rank(&self) -> usize {
+        self.live.pg().rank()
+    }
+
+    fn size(&self) -> usize {
+        self.live.pg().size()
+    }
+
     #[pyo3(signature = (token, timeout=None, now=false))]
     fn barrier(
         &self,

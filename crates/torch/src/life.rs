@@ -112,6 +112,11 @@ impl Live {
         &self.pg
     }
 
+    /// Ops of this group started and not yet ended.
+    pub fn in_flight(&self) -> usize {
+        *self.in_flight.locked()
+    }
+
     /// An op of this group begins; `None` once the interpreter is exiting.
     pub fn begin(self: &Arc<Live>) -> Option<InFlight> {
         let mut s = state();

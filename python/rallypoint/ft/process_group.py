@@ -1,0 +1,539 @@
+"""``ProcessGroupRally``: torchft's reconfigurable ``ProcessGroup`` over the
+``rally`` collectives, so that ``torchft.Manager(pg=ProcessGroupRally(...))``
+runs torchft's own loop on rallypoint's collectives, nothing else changed::
+
+    from rallypoint.ft import ProcessGroupRally
+    pg = ProcessGroupRally(timeout=timedelta(seconds=5))
+    manager = Manager(pg=pg, ...)                 # torchft's, unchanged
+
+This is the only module of ``rallypoint.ft`` that imports torchft.
+
+# Generations
+
+Each ``configure(store_addr, replica_id, rank, world_size, quorum_id, ...)``
+(torchft's Manager calls it when the quorum changes, with a fresh
+``host:port/torchft/<quorum id>/<group rank>``) forms the next generation:
+a ``rally`` backend (:class:`rallypoint.torch.RallyBackend`, whose op code
+every op here goes through) over ``PrefixStore(prefix, TCPStore(host,
+port))``. Forming publishes this rank's address (rank 0 also the group's
+nonce) and returns; connections open at the first op, shared memory when
+every member is on this host.
+
+A configure first checks its arguments (a rank outside the world, a world
+of 0, a prefix that a live generation of this process uses) and reaches the
+store: any of those failing raises ``ValueError`` or ``TimeoutError`` and
+leaves the current generation **as it was, usable**. Once the store has
+answered, the current generation is shut down (ops in flight fail, aborted
+and named) and the next one forms; if forming fails, configure raises and
+the group has no generation: every op fails at once and :meth:`errored`
+names why, until the next configure.
+
+# Errors
+
+torchft's DDP comm hook asserts on the future of a failed all_reduce
+(``torchft/ddp.py``: its ``_ManagedWork.wait`` swallows the error before the
+future chain exists), so a failure reaching it crashes ``backward()``.
+Here a failed **collective's** Work completes without raising (``wait()``
+returns, its future carries the op's tensors), and the error is reported by
+:meth:`errored`: the generation's first error, recorded the moment the op
+fails (not when it is waited for). torchft's Manager reads it in
+``should_commit``, votes no, and reconfigures at the next quorum. After an
+error every collective returns at once, without communicating, a completed
+Work, until the next configure.
+
+**send and recv** (torchft's ``PGTransport`` heals through them) are the
+exception: their Work fails (``wait()`` raises), and after an error they
+fail at once. A swallowed failed receive would hand the checkpoint
+transport garbage lengths and tensors, which torchft would load.
+
+:meth:`abort` (from any thread) aborts the generation: every op in flight
+fails at once here and on every member, each told which replica aborted and
+why. A member that dies fails every survivor's op at once (the collectives
+see its connection end, or its pid go, within a few ms).
+
+# Push abort from the lighthouse
+
+With ``lighthouse=URL`` (or ``TORCHFT_LIGHTHOUSE`` set) each generation
+long-polls ``rally lighthouse``'s ``GET /v1/watch?quorum_id=Q`` on a daemon
+thread (``_watch.py``): when the lighthouse drops a member of quorum Q the
+generation is aborted at once, naming the replica and the lighthouse's
+reason, so no survivor waits for an op to notice. torchft's own lighthouse
+has no such endpoint (a 404: logged once, the watch ends).
+
+# Exit
+
+:meth:`shutdown` ends the watch and the generation. A process that exits
+with a generation configured exits normally: ``rallypoint.torch``'s atexit
+hook aborts what is in flight and keeps the extension's threads out of the
+finalizing interpreter (``crates/torch/src/life.rs``).
+"""
+
+import logging
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed import PrefixStore, TCPStore
+from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, BarrierOptions, ReduceOp
+from torchft.process_group import ProcessGroup
+from torchft.work import _DummyWork
+
+from rallypoint import torch as _rally
+from rallypoint.ft import _registry
+from rallypoint.ft._watch import Watch, parse_lighthouse
+
+__all__ = ["ProcessGroupRally"]
+
+log = logging.getLogger(__name__)
+
+NAME = "torchft-rally"
+
+# Store addresses ("host:port/prefix") of this process's live generations,
+# by every ProcessGroupRally: a second generation under one prefix would
+# find the first one's keys.
+_live: Dict[str, str] = {}
+_live_lock = threading.Lock()
+
+
+def parse_store_addr(store_addr: str) -> Tuple[str, int, str]:
+    """(host, port, prefix) of torchft's ``host:port/prefix`` (``[v6]:port/...``
+    too), or ValueError."""
+    if not isinstance(store_addr, str):
+        raise ValueError(f"rallypoint.ft: store_addr must be 'host:port/prefix', not {store_addr!r}")
+    addr, _, prefix = store_addr.partition("/")
+    host, _, port = addr.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"rallypoint.ft: store_addr {store_addr!r} is not 'host:port/prefix'")
+    if not prefix:
+        raise ValueError(
+            f"rallypoint.ft: store_addr {store_addr!r} has no prefix; each configure needs a fresh one"
+            " (torchft's Manager passes host:port/torchft/<quorum id>/<group rank>)"
+        )
+    return host, int(port), prefix
+
+
+def check_membership(rank, world_size) -> None:
+    """ValueError unless ``0 <= rank < world_size``."""
+    for what, v in (("rank", rank), ("world_size", world_size)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"rallypoint.ft: configure's {what} must be an int, not {v!r}")
+    if world_size < 1:
+        raise ValueError(f"rallypoint.ft: configure's world_size is {world_size}; a group has at least one member")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rallypoint.ft: configure's rank {rank} is outside a world of {world_size} (0..{world_size - 1})")
+
+
+def _within(deadline: float, call):
+    """(True, call()) if it returns by ``deadline`` (monotonic), else (False,
+    the exception it raised, or None if it is still running). It runs on a
+    daemon thread, abandoned at the deadline."""
+    box = {}
+
+    def run():
+        try:
+            box["ok"] = call()
+        except Exception as e:  # noqa: BLE001 - torch raises several kinds
+            box["error"] = e
+
+    th = threading.Thread(target=run, name="rally-store-connect", daemon=True)
+    th.start()
+    th.join(max(deadline - time.monotonic(), 0))
+    if "ok" in box:
+        return True, box["ok"]
+    return False, box.get("error")
+
+
+class _Fault:
+    """The first error of one generation (or of the time without one)."""
+
+    def __init__(self, error: Optional[Exception] = None):
+        self._lock = threading.Lock()
+        self.error: Optional[Exception] = error
+
+    def record(self, e: Exception) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = e
+
+    def done(self, token, kind, message) -> None:
+        """The generation's op completion (``rallypoint.torch._done``'s
+        contract): records a failure the moment the op fails, then completes
+        the op's future as the rally backend does."""
+        if kind is not None:
+            self.record(_rally._ERRORS.get(kind, dist.DistBackendError)(message))
+        _rally._done(token, kind, message)
+
+
+class _Swallowing(dist._Work):
+    """A collective's Work that completes without raising: a failure is
+    recorded in the generation's fault, and the future carries ``result``."""
+
+    def __init__(self, work, fault: _Fault, result):
+        super().__init__()
+        self._work, self._fault, self._result = work, fault, result
+
+    def wait(self, timeout=None):
+        try:
+            self._work.wait()
+        except Exception as e:  # noqa: BLE001 - reported by errored()
+            self._fault.record(e)
+        return True
+
+    def get_future(self):
+        fault, result = self._fault, self._result
+
+        def swallow(f):
+            try:
+                return f.value()
+            except Exception as e:  # noqa: BLE001 - reported by errored()
+                fault.record(e)
+                return result
+
+        return self._work.get_future().then(swallow)
+
+
+class _Failed(dist._Work):
+    """A send or recv refused at once: ``wait()`` raises ``error``."""
+
+    def __init__(self, error: Exception):
+        super().__init__()
+        self._error = error
+
+    def wait(self, timeout=None):
+        raise self._error
+
+    def get_future(self):
+        fut = torch.futures.Future()
+        fut.set_exception(self._error)
+        return fut.then(_rally._value)
+
+
+class _All(dist._Work):
+    """The Works of a coalesced call, one per tensor, as one."""
+
+    def __init__(self, works, result):
+        super().__init__()
+        self._works, self._result = works, result
+
+    def wait(self, timeout=None):
+        for w in self._works:
+            w.wait()
+        return True
+
+    def get_future(self):
+        result = self._result
+        return torch.futures.collect_all([w.get_future() for w in self._works]).then(lambda _: result)
+
+
+class _Generation:
+    """One configure's group: its backend, store address, quorum and watch."""
+
+    def __init__(self, backend, addr: str, quorum_id, replica_id: str, fault: _Fault):
+        self.backend = backend
+        self.addr = addr
+        self.quorum_id = quorum_id
+        self.replica_id = replica_id
+        self.fault = fault
+        self.watch: Optional[Watch] = None
+
+    @property
+    def group(self):
+        return self.backend._group
+
+    def who(self) -> str:
+        q = f" of quorum {self.quorum_id}" if self.quorum_id is not None else ""
+        return f"replica {self.replica_id} (rank {self.backend.rank()} of {self.backend.size()}{q})"
+
+    def abort(self, reason: str) -> None:
+        """Fails every op in flight at once, here and on every member."""
+        self.group.abort(reason)
+        why = self.group.aborted()
+        self.fault.record(dist.DistBackendError(why or reason))
+
+    def close(self, reason: str) -> None:
+        """Ends the watch, aborts ops still in flight, and releases the prefix;
+        the group's connections close when its last op has ended."""
+        if self.watch is not None:
+            self.watch.stop()
+        if self.group.in_flight():
+            self.abort(reason)
+        self.fault.record(RuntimeError(f"rallypoint.ft: generation {self.addr} was closed: {reason}"))
+        with _live_lock:
+            _live.pop(self.addr, None)
+
+
+class ProcessGroupRally(ProcessGroup):
+    """torchft's ``ProcessGroup`` over the ``rally`` collectives (CPU tensors).
+
+    ``timeout``: each op's deadline and how long configure waits for the
+    store. ``lighthouse``: ``http://host:port`` of ``rally lighthouse``
+    (default: ``TORCHFT_LIGHTHOUSE``), whose drops abort the generation at
+    once; ``""`` turns the watch off.
+    """
+
+    def __init__(self, timeout: timedelta = timedelta(seconds=60), lighthouse: Optional[str] = None):
+        super().__init__(0, 1)
+        if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
+            raise ValueError(f"rallypoint.ft: ProcessGroupRally's timeout must be a positive timedelta, not {timeout!r}")
+        self._timeout = timeout
+        url = os.environ.get("TORCHFT_LIGHTHOUSE", "") if lighthouse is None else lighthouse
+        if url:
+            parse_lighthouse(url)
+        self._lighthouse = url or None
+        self._configure_lock = threading.Lock()
+        # The TCPStore client of the last generation, by (host, port).
+        self._stores: Dict[Tuple[str, int], TCPStore] = {}
+        self._fault = _Fault(RuntimeError("rallypoint.ft: ProcessGroupRally is not configured yet"))
+        self._gen: Optional[_Generation] = None
+        _registry.set_current(self)
+
+    # -- torchft's contract ----------------------------------------------
+
+    def getBackendName(self) -> str:
+        return NAME
+
+    def configure(
+        self,
+        store_addr: str,
+        replica_id: str,
+        rank: int,
+        world_size: int,
+        quorum_id: Optional[int] = None,
+        group_rank: Optional[int] = None,
+        group_world_size: Optional[int] = None,
+        global_ranks: Optional[List[int]] = None,
+    ) -> None:
+        """Forms the next generation (see the module's doc for what a failure
+        leaves). ``group_rank``, ``group_world_size`` and ``global_ranks`` are
+        torchft's bookkeeping and unused here."""
+        host, port, prefix = parse_store_addr(store_addr)
+        check_membership(rank, world_size)
+        with self._configure_lock:
+            self._claim(store_addr, quorum_id)
+            try:
+                store = self._connect(host, port, prefix)
+            except BaseException:
+                with _live_lock:
+                    _live.pop(store_addr, None)
+                raise
+            # The point of no return: the current generation goes.
+            self._retire(f"replaced by the generation at {store_addr}")
+            fault = _Fault()
+            try:
+                backend = _rally.RallyBackend(
+                    store, rank, world_size, self._timeout, prefix, done=fault.done, fresh_prefix=True
+                )
+            except Exception as e:
+                with _live_lock:
+                    _live.pop(store_addr, None)
+                err = RuntimeError(f"rallypoint.ft: forming the generation at {store_addr} as rank {rank} of {world_size} failed: {e}")
+                self._fault = _Fault(err)
+                raise err from e
+            gen = _Generation(backend, store_addr, quorum_id, str(replica_id), fault)
+            if self._lighthouse and quorum_id is not None:
+                gen.watch = Watch(self._lighthouse, int(quorum_id), gen.abort)
+            self._gen, self._fault = gen, fault
+
+    def _claim(self, store_addr: str, quorum_id) -> None:
+        with _live_lock:
+            held = _live.get(store_addr)
+            if held is not None:
+                raise ValueError(
+                    f"rallypoint.ft: the prefix {store_addr!r} is used by a live generation ({held});"
+                    " each configure needs a fresh prefix (torchft's quorum id makes one)"
+                )
+            _live[store_addr] = f"quorum {quorum_id}" if quorum_id is not None else "a configure without a quorum id"
+
+    def _connect(self, host: str, port: int, prefix: str):
+        """A client of the store at host:port, answering within the timeout.
+
+        The client of the last generation is kept and reused when the store
+        is the same (torchft's Manager keeps using one replica's store while
+        it lives): one round to see that it still answers instead of a new
+        connection. (torch 2.15's TCPStore client takes 5 s for one
+        connection in 26 on loopback, every 26th, measured; a fresh client
+        per configure, as torchft's ProcessGroupGloo makes, pays it.)
+
+        Each attempt runs on a daemon thread given up at the deadline: torch's
+        client retries for up to about three times its timeout (a listener
+        that never answers: two tries and a backoff); torch ends the attempt
+        on its own, and its result is dropped."""
+        t = self._timeout
+        deadline = time.monotonic() + t.total_seconds()
+        key = (host, port)
+        cached = self._stores.get(key)
+        if cached is not None:
+            ok, _ = _within(deadline, lambda: cached.check(["rallypoint/ft/alive"]))
+            if ok:
+                return PrefixStore(prefix, cached)
+            self._stores.pop(key, None)
+
+        def connect():
+            return TCPStore(host_name=host, port=port, is_master=False, wait_for_workers=False, timeout=t)
+
+        ok, got = _within(deadline, connect)
+        if ok:
+            self._stores = {key: got}
+            return PrefixStore(prefix, got)
+        why = f"{type(got).__name__}: {got}" if got is not None else "no answer"
+        raise TimeoutError(
+            f"rallypoint.ft: configure could not reach the store at {host}:{port} within"
+            f" {t.total_seconds():g} s ({why}); the current generation is left as it was"
+        )
+
+    def _retire(self, reason: str) -> None:
+        gen, self._gen = self._gen, None
+        if gen is not None:
+            gen.close(reason)
+
+    def abort(self, reason: Optional[str] = None) -> None:
+        """Aborts the current generation from any thread: every op in flight
+        fails at once on every member, naming this replica and ``reason``.
+        Ops then fail at once until the next configure."""
+        gen = self._gen
+        if gen is None:
+            return
+        gen.abort(f"{gen.who()} called abort(){': ' + reason if reason else ''}")
+
+    def shutdown(self) -> None:
+        """Ends the watch and the generation; ops then fail at once. Idempotent."""
+        with self._configure_lock:
+            self._retire("ProcessGroupRally.shutdown()")
+            self._fault = _Fault(RuntimeError("rallypoint.ft: ProcessGroupRally was shut down"))
+
+    def errored(self) -> Optional[Exception]:
+        """The first error of the current generation (an op's failure, an
+        abort here or by a member or the lighthouse), or None."""
+        fault, gen = self._fault, self._gen
+        if fault.error is None and gen is not None:
+            why = gen.group.aborted()
+            if why:
+                fault.record(dist.DistBackendError(why))
+        return fault.error
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        """The timeout of the next generations (the current one keeps its own)."""
+        self._timeout = timeout
+
+    def size(self) -> int:
+        gen = self._gen
+        return gen.backend.size() if gen is not None else 1
+
+    def rank(self) -> int:
+        gen = self._gen
+        return gen.backend.rank() if gen is not None else 0
+
+    def listen_host(self) -> Optional[str]:
+        """The address this rank's collectives listen on (for RallyTransport)."""
+        gen = self._gen
+        if gen is None:
+            return None
+        host, _, _ = gen.group.local_addr().rpartition(":")
+        return host.strip("[]") or None
+
+    @property
+    def quorum_id(self):
+        gen = self._gen
+        return gen.quorum_id if gen is not None else None
+
+    def __repr__(self) -> str:
+        gen = self._gen
+        return f"ProcessGroupRally({gen.addr if gen is not None else 'not configured'})"
+
+    # -- ops ---------------------------------------------------------------
+
+    def _collective(self, result, call):
+        """Runs ``call(backend)``; a failure, now or later, is recorded and
+        its Work completes without raising."""
+        fault, gen = self._fault, self._gen
+        if fault.error is not None:
+            return _DummyWork(result)
+        if gen is None:
+            return _DummyWork(result)
+        try:
+            return _Swallowing(call(gen.backend), fault, result)
+        except Exception as e:  # noqa: BLE001 - reported by errored()
+            fault.record(e)
+            return _DummyWork(result)
+
+    def _message(self, call):
+        """Runs a send or recv: its Work fails on failure (see the module doc)."""
+        fault, gen = self._fault, self._gen
+        if fault.error is not None:
+            return _Failed(RuntimeError(f"rallypoint.ft: the generation has failed: {fault.error}"))
+        try:
+            return call(gen.backend)
+        except Exception as e:  # noqa: BLE001
+            fault.record(e)
+            return _Failed(e)
+
+    def allreduce(self, tensors, opts):
+        if isinstance(opts, (ReduceOp, ReduceOp.RedOpType)):
+            op, opts = opts, AllreduceOptions()
+            opts.reduceOp = op
+        return self._collective(tensors, lambda b: b.allreduce(tensors, opts))
+
+    def allreduce_coalesced(self, tensors, opts):
+        def each(b):
+            works = []
+            for t in tensors:
+                o = AllreduceOptions()
+                o.reduceOp = opts.reduceOp
+                o.timeout = opts.timeout
+                works.append(b.allreduce([t], o))
+            return _All(works, tensors)
+
+        return self._collective(tensors, each)
+
+    def allgather(self, output_tensors, input_tensor, opts=None):
+        opts = opts or AllgatherOptions()
+        return self._collective(output_tensors, lambda b: b.allgather(output_tensors, input_tensor, opts))
+
+    def allgather_into_tensor_coalesced(self, output_tensors, input_tensors, opts=None):
+        opts = opts or AllgatherOptions()
+        return self._collective(
+            output_tensors,
+            lambda b: _All([b.all_gather_single(o, i, opts) for o, i in zip(output_tensors, input_tensors)], output_tensors),
+        )
+
+    def alltoall_base(self, output_buffer, input_buffer, output_split_sizes, input_split_sizes, opts):
+        return self._collective(
+            output_buffer,
+            lambda b: b.all_to_all_single(output_buffer, input_buffer, output_split_sizes, input_split_sizes, opts),
+        )
+
+    def barrier(self, opts=None):
+        opts = opts or BarrierOptions()
+        return self._collective(None, lambda b: b.barrier(opts))
+
+    def broadcast(self, tensor_list, opts):
+        return self._collective(tensor_list, lambda b: b.broadcast(tensor_list, opts))
+
+    def reduce(self, tensors, opts):
+        return self._collective(tensors, lambda b: b.reduce(tensors, opts))
+
+    def gather(self, output_tensors, input_tensors, opts):
+        return self._collective(output_tensors, lambda b: b.gather(output_tensors, input_tensors, opts))
+
+    def scatter(self, output_tensors, input_tensors, opts):
+        return self._collective(output_tensors, lambda b: b.scatter(output_tensors, input_tensors, opts))
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts):
+        return self._collective(output_tensors, lambda b: b.reduce_scatter(output_tensors, input_tensors, opts))
+
+    def reduce_scatter_tensor_coalesced(self, output_tensors, input_tensors, opts):
+        return self._collective(
+            output_tensors,
+            lambda b: _All([b.reduce_scatter_single(o, i, opts) for o, i in zip(output_tensors, input_tensors)], output_tensors),
+        )
+
+    def send(self, tensors, dst_rank: int, tag: int = 0):
+        return self._message(lambda b: b.send(tensors, dst_rank, tag))
+
+    def recv(self, tensors, src_rank: int, tag: int = 0):
+        return self._message(lambda b: b.recv(tensors, src_rank, tag))
