@@ -11,9 +11,10 @@
 //! 1. **Healthy** replicas are those heard from less than
 //!    `heartbeat_timeout` ago; healthy participants are the participants
 //!    among them. Unhealthy participants count for nothing.
-//! 2. **shrink_only**: if any healthy participant asked for it, the
-//!    candidates are only the healthy participants that were in the previous
-//!    quorum (joiners keep waiting).
+//! 2. **shrink_only**: if any healthy participant of the previous quorum
+//!    asked for it, the candidates are only the healthy participants that
+//!    were in the previous quorum (joiners keep waiting), unless those are
+//!    fewer than `min_replicas`.
 //! 3. **Fast quorum**: if every member of the previous quorum is a healthy
 //!    participant again, the candidates are issued at once, without the
 //!    checks below and without waiting for stragglers (joiners that are
@@ -27,11 +28,20 @@
 //!    until `join_timeout` after the first participant joined; then issue
 //!    the candidates without it.
 //!
-//! One deliberate difference: torchft checks `min_replicas` against the
-//! healthy participants but then issues the candidates, which `shrink_only`
-//! may have cut below `min_replicas`; here the candidates must reach
-//! `min_replicas` too, so no quorum is ever smaller than `min_replicas`. A
-//! fast quorum holds every member of the previous one, so it is never
+//! Two deliberate differences, both found by our simulator as livelocks
+//! of torchft's rules under a `shrink_only` call that keeps waiting:
+//!
+//! * torchft honours `shrink_only` from any participant, so a replica
+//!   outside the previous quorum that asks for it keeps itself and every
+//!   other joiner out for as long as its call waits; here only members of
+//!   the previous quorum can shrink it.
+//! * torchft checks `min_replicas` against the healthy participants but
+//!   issues the candidates, which `shrink_only` may have cut below
+//!   `min_replicas`; here a `shrink_only` that would cut the candidates
+//!   below `min_replicas` is ignored (a quorum below `min_replicas` is never
+//!   issued, and refusing one would wait forever on the call that asked).
+//!
+//! A fast quorum holds every member of the previous one, so it is never
 //! smaller than the previous quorum.
 //!
 //! The quorum id ([`next_id`]) rises when the members (by replica id) differ
@@ -194,7 +204,8 @@ pub struct Census {
     pub participants: usize,
     /// Healthy replicas, joined or not.
     pub healthy: usize,
-    /// Whether a healthy participant asked for shrink_only.
+    /// Whether a healthy participant of the previous quorum asked for
+    /// shrink_only.
     pub shrink_only: bool,
 }
 
@@ -309,6 +320,13 @@ pub fn compute_with(
         healthy: 0,
         shrink_only: false,
     };
+    let in_prev = |id: &str| {
+        prev.is_some_and(|q| {
+            q.participants
+                .binary_search_by(|m| m.replica_id.as_str().cmp(id))
+                .is_ok()
+        })
+    };
     let mut first_joined: Option<Instant> = None;
     let mut straggler_expiry: Option<Instant> = None;
     for r in roster.replicas.values() {
@@ -320,7 +338,7 @@ pub fn compute_with(
         match &r.waiting {
             Some(p) => {
                 census.healthy_participants += 1;
-                census.shrink_only |= p.member.shrink_only;
+                census.shrink_only |= p.member.shrink_only && in_prev(&p.member.replica_id);
                 first_joined = Some(first_joined.map_or(p.joined, |t| t.min(p.joined)));
             }
             None => {
@@ -329,18 +347,23 @@ pub fn compute_with(
             }
         }
     }
+    let is_back = |m: &Member| {
+        roster
+            .replicas
+            .get(&m.replica_id)
+            .is_some_and(|r| r.waiting.is_some() && healthy(r))
+    };
+    // shrink_only keeps the candidates to the previous quorum's members that
+    // are back, unless they are fewer than min_replicas: then no quorum
+    // could be issued for as long as the call that asked waits, and the
+    // request is ignored.
+    let back = |q: &Quorum| q.participants.iter().filter(|m| is_back(m)).count();
+    let shrink_to = prev.filter(|q| census.shrink_only && back(q) as u64 >= knobs.min_replicas);
     // The candidates: the healthy participants, sorted by replica id as
     // torchft sorts them (the map's order); with shrink_only, only those of
     // the previous quorum.
-    let shrink_to = prev.filter(|_| census.shrink_only);
     let candidates = || -> Vec<Member> {
-        let of_prev = |id: &str| {
-            shrink_to.is_none_or(|q| {
-                q.participants
-                    .binary_search_by(|m| m.replica_id.as_str().cmp(id))
-                    .is_ok()
-            })
-        };
+        let of_prev = |id: &str| shrink_to.is_none() || in_prev(id);
         roster
             .replicas
             .values()
@@ -349,12 +372,6 @@ pub fn compute_with(
             .filter(|p| of_prev(&p.member.replica_id))
             .map(|p| p.member.clone())
             .collect()
-    };
-    let is_back = |m: &Member| {
-        roster
-            .replicas
-            .get(&m.replica_id)
-            .is_some_and(|r| r.waiting.is_some() && healthy(r))
     };
 
     if let Some(prev) = prev {
@@ -370,11 +387,7 @@ pub fn compute_with(
         }
     }
 
-    let have = match shrink_to {
-        // The healthy participants of the previous quorum.
-        Some(q) => q.participants.iter().filter(|m| is_back(m)).count(),
-        None => census.healthy_participants,
-    };
+    let have = shrink_to.map_or(census.healthy_participants, back);
     if rules.min_replicas && (have as u64) < knobs.min_replicas {
         return Verdict::Wait {
             why: Why::BelowMin {

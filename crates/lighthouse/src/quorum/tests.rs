@@ -228,12 +228,20 @@ const ROWS: &[Row] = &[
         want: Want::Issue(&["a", "b"], true),
     },
     Row {
-        name: "shrink_only below min_replicas waits (torchft would issue [a])",
+        name: "a shrink_only that would go below min_replicas is ignored (torchft would issue [a])",
         replicas: &[("a", 0, Some(0), true), ("c", 0, Some(0), false)],
         prev: Some(&["a", "b"]),
         min_replicas: 2,
         join_timeout: HOUR,
-        want: Want::BelowMin,
+        want: Want::Issue(&["a", "c"], false),
+    },
+    Row {
+        name: "a joiner's shrink_only keeps nobody out (torchft would issue [a])",
+        replicas: &[("a", 0, Some(0), false), ("c", 0, Some(0), true)],
+        prev: Some(&["a"]),
+        min_replicas: 1,
+        join_timeout: HOUR,
+        want: Want::Issue(&["a", "c"], true),
     },
     Row {
         name: "an unhealthy participant's shrink_only counts for nothing",
@@ -309,7 +317,7 @@ fn reasons_read_as_torchfts() {
     let v = compute(now, &r, None, &k);
     assert!(v.to_string().contains("New quorum not ready, only have 1 participants, need at least half of 2 healthy workers [1/1 participants healthy][2 heartbeating]"), "{v}");
     let r = roster(now, &[("a", 0, Some(0), true)]);
-    let v = compute(now, &r, None, &k);
+    let v = compute(now, &r, Some(&quorum(1, &["a"])), &k);
     assert!(v.to_string().contains("[shrink_only=true]"), "{v}");
 }
 
