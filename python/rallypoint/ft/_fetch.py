@@ -43,6 +43,8 @@ from rallypoint.ft import _wire
 
 #: Bytes per request of a receive: the unit by which sources share the work.
 PIECE = 16 << 20
+#: Requests a receiver keeps in flight per source.
+AHEAD = 2
 
 
 class TransferError(RuntimeError):
@@ -129,10 +131,13 @@ class _Source:
         self.token = h["token"]  # this source's staging; ranges name it
         return h, self._expect(b"S", f"the pytree spec of step {self.step}")
 
-    def fetch(self, bufs: "_Buffers", offset: int, length: int, tick) -> None:
-        """Reads ``[offset, offset+length)`` of the flat byte space into ``bufs``."""
+    def request(self, offset: int, length: int) -> None:
+        """Asks for ``[offset, offset+length)`` of the flat byte space."""
         req = _wire.encode_request(_wire.KIND_RANGE, self.step, self.token, offset, length)
         self._io(lambda: self.sock.sendall(req), f"sending a request for bytes {offset}+{length} of step {self.step}")
+
+    def receive(self, bufs: "_Buffers", offset: int, length: int, tick) -> None:
+        """Reads the answer to :meth:`request` straight into ``bufs``."""
         for i, at, n in _wire.segments(bufs.starts, bufs.nbytes, offset, length):
             pos, end = at, at + n
             while pos < end:
@@ -206,10 +211,12 @@ class _Plan:
         shared = [q for i, q in enumerate(self.queues) if q and i in self.started]
         return max(shared, key=len) if shared else None
 
-    def take(self, me: int) -> Optional[Tuple[int, int]]:
-        """Source ``me``'s next piece; None when none is left (or none moves)."""
+    def take(self, me: int, wait: bool = True) -> Optional[Tuple[int, int]]:
+        """Source ``me``'s next piece; None when none is left (or none moves,
+        or, without ``wait``, none is free right now)."""
         with self.cond:
-            self._wait_progress(lambda: self._queue_for(me) is not None or not (self.in_flight or self.pending()))
+            if wait:
+                self._wait_progress(lambda: self._queue_for(me) is not None or not (self.in_flight or self.pending()))
             q = self._queue_for(me)
             if q is None:
                 return None
@@ -234,17 +241,23 @@ class _Plan:
 
 
 def _work(plan: _Plan, me: int, src: _Source, bufs: _Buffers) -> None:
+    """Fetches pieces from ``src``, keeping :data:`AHEAD` requests in flight so
+    the stream does not drain between pieces."""
     err: Optional[BaseException] = None
+    held: Deque[Tuple[int, int]] = deque()  # requested from src, oldest first
     try:
-        while (piece := plan.take(me)) is not None:
-            try:
-                src.fetch(bufs, *piece, plan.tick)
-            except BaseException:
-                plan.settle(me, piece, ok=False)
-                raise
-            plan.settle(me, piece, ok=True)
+        while True:
+            while len(held) < AHEAD and (piece := plan.take(me, wait=not held)) is not None:
+                held.append(piece)
+                src.request(*piece)
+            if not held:
+                break
+            src.receive(bufs, *held[0], plan.tick)
+            plan.settle(me, held.popleft(), ok=True)
     except BaseException as e:  # reported by recv_striped
         err = e
+        for piece in held:
+            plan.settle(me, piece, ok=False)
     finally:
         src.close()
         plan.leave(me, src.name, err)
