@@ -4,7 +4,8 @@ between two processes on loopback, ``RallyTransport`` beside torchft 0.2.0's
 its ``ProcessGroupGloo``, in one run.
 
 A sender and a receiver process share a TCPStore (hosted here). For each
-repetition, each size and each transport in turn (interleaved), the sender
+repetition, each size and each transport in turn (interleaved, the order
+rotating from one repetition to the next), the sender
 stages the state dict (``send_checkpoint``) and the receiver times
 ``recv_checkpoint`` from the call to its return (the whole state in the
 receiver's memory); PGTransport's sender sends during that time (it has no
@@ -73,7 +74,7 @@ def worker(rank: int, port: int, sizes: list, reps: int) -> None:
     for rep in range(reps):
         for mb in sizes:
             sd = state(mb) if rank == 0 else None
-            for kind in TRANSPORTS:
+            for kind in TRANSPORTS[rep % 3 :] + TRANSPORTS[: rep % 3]:  # each goes first in turn
                 step += 1
                 t = transports[kind]
                 if rank == 0:

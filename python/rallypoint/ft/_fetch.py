@@ -14,7 +14,8 @@ How a receive goes
    with its ``load_state_dict`` only once the whole state has arrived, so a
    failure at any point leaves the model as it was.
 3. The flat byte space is cut into pieces of :data:`PIECE` bytes; one thread
-   per source takes pieces from a shared queue and reads each straight into
+   per source (the first source's is the calling thread) takes pieces, keeping
+   :data:`AHEAD` requests in flight, and reads each straight into
    the destination buffers (``recv_into``, :data:`_wire.CHUNK` at a time).
    Pieces are dealt round robin; a source done with its share steals from
    the others', so faster sources take more. A source that fails (dies, refuses, sends
@@ -190,18 +191,19 @@ class _Plan:
         self.timeout = timeout
 
     def tick(self) -> None:
-        with self.cond:
-            self.progress += 1
-            self.cond.notify_all()
+        """A chunk arrived. No lock, no wake-up: waiters only need to see the
+        count change by the time their wait expires."""
+        self.progress += 1
 
     def pending(self) -> int:
         return sum(len(q) for q in self.queues)
 
     def _wait_progress(self, done) -> bool:
-        """Waits until ``done()``; False when no byte arrived from anyone for the timeout."""
+        """Waits until ``done()``; False when no byte arrived from anyone for
+        the timeout (checked each time the timeout expires)."""
         while not done():
             seen = self.progress
-            if not self.cond.wait_for(lambda: done() or self.progress != seen, timeout=self.timeout):
+            if not self.cond.wait_for(done, timeout=self.timeout) and self.progress == seen:
                 return False
         return True
 
@@ -362,8 +364,9 @@ def recv_striped(
             s.close()
         raise
     plan = _Plan(bufs.total, piece, len(opened), t)
-    for i, s in enumerate(opened):
+    for i, s in enumerate(opened[1:], start=1):
         threading.Thread(target=_work, args=(plan, i, s, bufs), name=f"rally-fetch-{s.name}", daemon=True).start()
+    _work(plan, 0, opened[0], bufs)  # the first source in the calling thread
     with plan.cond:
         moving = plan._wait_progress(lambda: plan.alive == 0)
         errors.update(plan.errors)
