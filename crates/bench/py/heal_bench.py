@@ -13,9 +13,17 @@ staging). The state dict is float32 tensors of 8 MiB, as a model's would
 be, plus a step counter. The table gives, per size and transport, the median
 time over the repetitions, its spread (min-max) and the median rate.
 
+``--heal MB...`` measures instead the issue's figure: a replica started
+beside a running one (torchft 0.2.0's Manager, DDP, optimizer wrapper and
+in-process lighthouse; ``ProcessGroupGloo``), its model carrying a buffer of
+MB megabytes, from its Manager being ready to its first committed step (the
+quorum, the heal, loading the state, one step), RallyTransport against the
+Manager's default HTTPTransport, interleaved.
+
 Usage::
 
     .venv/bin/python crates/bench/py/heal_bench.py --sizes 64 256 1024 --reps 5
+    .venv/bin/python crates/bench/py/heal_bench.py --heal 64 1024 --reps 3
 """
 
 import argparse
@@ -101,12 +109,85 @@ def worker(rank: int, port: int, sizes: list, reps: int) -> None:
     store.wait(["exit/0", "exit/1"])
 
 
+def heal_replica(rid: int, lighthouse: str, kind: str, mb: int) -> None:
+    """One replica of ``--heal``: trains until it has committed two steps
+    beside its peer; replica 1 prints HEAL_TIME."""
+    from torchft import Manager
+    from torchft.ddp import DistributedDataParallel
+    from torchft.optim import OptimizerWrapper
+    from torchft.process_group import ProcessGroupGloo
+
+    torch.manual_seed(rid)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    model.register_buffer("ballast", torch.full((mb << 18,), float(rid)))
+    inner = torch.optim.AdamW(model.parameters())
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    transport = None
+    if kind == "rally":
+        from rallypoint.ft import RallyTransport
+
+        transport = RallyTransport(timeout=TIMEOUT)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=TIMEOUT), min_replica_size=1,
+        load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), inner.load_state_dict(sd["optim"])),
+        state_dict=lambda: {"model": model.state_dict(), "optim": inner.state_dict()},
+        replica_id=f"heal_{rid}", store_addr="127.0.0.1", store_port=store.port, rank=0, world_size=1,
+        lighthouse_addr=lighthouse, hostname="127.0.0.1", timeout=TIMEOUT, checkpoint_transport=transport,
+    )
+    ready = time.perf_counter()
+    ddp, opt = DistributedDataParallel(manager, model), OptimizerWrapper(manager, inner)
+    together, first = 0, None
+    while together < 2:
+        before = manager.current_step()
+        opt.zero_grad()
+        ddp(torch.randn(8, 32)).sum().backward()
+        opt.step()
+        if manager.current_step() == before:
+            continue
+        first = first or time.perf_counter()
+        print(f"COMMITTED {manager.current_step()}", flush=True)
+        together += manager.num_participants() == 2
+    assert float(model.ballast[0]) == 0.0  # healed (replica 1) or never changed (replica 0)
+    if rid == 1:
+        print(f"HEAL_TIME {first - ready:.4f}", flush=True)
+    manager.shutdown()
+
+
+def heal(sizes: list, reps: int) -> None:
+    from torchft._torchft import LighthouseServer
+
+    times: dict = {}
+    for rep in range(reps):
+        for mb in sizes:
+            for kind in ("rally", "http")[rep % 2 :] + ("rally", "http")[: rep % 2]:
+                lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=1000, quorum_tick_ms=50)
+                cmd = lambda rid: [sys.executable, __file__, "heal-replica", str(rid), lh.address(), kind, str(mb)]
+                r0 = subprocess.Popen(cmd(0), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                while not r0.stdout.readline().startswith("COMMITTED 2"):
+                    assert r0.poll() is None, "replica 0 ended early"
+                r1 = subprocess.check_output(cmd(1), stderr=subprocess.DEVNULL, text=True, timeout=300)
+                took = float(next(l for l in r1.splitlines() if l.startswith("HEAL_TIME")).split()[1])
+                times.setdefault((mb, kind), []).append(took)
+                r0.stdout.read()
+                assert r0.wait(300) == 0
+                lh.shutdown()
+    print(f"a replica joining a running one: its Manager ready -> its first committed step; {reps} reps interleaved")
+    print(f"{'MB':>6} {'transport':>10} {'median s':>10} {'min-max s':>17}")
+    for mb in sizes:
+        for kind in ("rally", "http"):
+            ts = times[(mb, kind)]
+            print(f"{mb:>6} {kind:>10} {statistics.median(ts):>10.4f} {min(ts):>8.4f}-{max(ts):<8.4f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024], help="state dict sizes in MB")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1, help="repetitions run first and not counted")
+    ap.add_argument("--heal", type=int, nargs="+", help="measure healing a joining replica instead (sizes in MB)")
     a = ap.parse_args()
+    if a.heal:
+        return heal(a.heal, a.reps)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
     env = dict(os.environ, MASTER_ADDR="127.0.0.1")
     args = [str(store.port), ",".join(map(str, a.sizes)), str(a.warmup + a.reps)]
@@ -132,7 +213,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+    if len(sys.argv) > 1 and sys.argv[1] == "heal-replica":
+        heal_replica(int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "worker":
         worker(int(sys.argv[2]), int(sys.argv[3]), [int(x) for x in sys.argv[4].split(",")], int(sys.argv[5]))
     else:
         main()
