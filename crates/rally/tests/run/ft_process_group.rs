@@ -1,1 +1,374 @@
-//! (being written: issue 47)
+//! `rallypoint.ft.ProcessGroupRally` (issue 47 §1) under real torch and
+//! torchft 0.2.0, processes started by hand on loopback:
+//!
+//! - torchft's own loop (`tests/py/ft/pg_torchft.py`: its `Manager`,
+//!   `DistributedDataParallel`, `Optimizer` and `PGTransport`, unchanged)
+//!   with torchft's own lighthouse: a healthy run commits the same steps on
+//!   both replicas with bitwise-equal parameters; a replica SIGKILLed inside
+//!   the gradient all_reduce leaves the survivor running, that step not
+//!   committed, and the survivor committing again alone; the same kill
+//!   under torchft's `ProcessGroupGloo` crashes the survivor in torchft's
+//!   DDP comm hook (the contrast the adapter exists for);
+//! - the group on its own (`tests/py/ft/pg_ops.py`): errors and abort,
+//!   bad configure input, membership changes (timed), the lighthouse watch;
+//! - the `rally` backend's torch reconfigure API (`tests/py/ft/pg_reconfigure.py`).
+//!
+//! Each scenario counts its checks per section in its JSON; the counts are
+//! asserted here, so a section that stops checking fails.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use super::torch_backend::{env_rank, package};
+use super::{free_port, python, script, wait_or_kill};
+
+const LIMIT: Duration = Duration::from_secs(120);
+
+fn log_of(paths: &[PathBuf]) -> String {
+    paths
+        .iter()
+        .map(|p| {
+            format!(
+                "--- {}\n{}",
+                p.display(),
+                std::fs::read_to_string(p).unwrap_or_default()
+            )
+        })
+        .collect()
+}
+
+fn read_json(p: &Path) -> Option<Value> {
+    serde_json::from_str(&std::fs::read_to_string(p).ok()?).ok()
+}
+
+/// `ft/pg_ops.py` at `n` ranks; each rank's JSON, by rank, after every rank
+/// ended normally (but rank `dies`, which must have died by SIGKILL: its
+/// JSON is `null`).
+fn ops(scenario: &str, n: usize, env: &[(&str, &str)], dies: Option<usize>) -> Vec<Value> {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("results");
+    std::fs::create_dir(&out).unwrap();
+    let site = package(dir.path());
+    let port = free_port().to_string();
+    let mut vars: Vec<(&str, &std::ffi::OsStr)> = vec![
+        ("RESULT_DIR", out.as_os_str()),
+        ("SCENARIO", scenario.as_ref()),
+    ];
+    vars.extend(env.iter().map(|(k, v)| (*k, v.as_ref())));
+    let mut kids: Vec<(Child, PathBuf)> = (0..n)
+        .map(|r| env_rank("ft/pg_ops.py", dir.path(), &site, &port, (r, n), &vars))
+        .collect();
+    let logs: Vec<PathBuf> = kids.iter().map(|(_, p)| p.clone()).collect();
+    let statuses: Vec<ExitStatus> = kids
+        .iter_mut()
+        .map(|(c, _)| wait_or_kill(c, LIMIT, || log_of(&logs)))
+        .collect();
+    (0..n)
+        .map(|r| {
+            if dies == Some(r) {
+                assert!(
+                    killed_by_sigkill(statuses[r]),
+                    "rank {r} did not die: {:?}\n{}",
+                    statuses[r],
+                    log_of(&logs)
+                );
+                return Value::Null;
+            }
+            let v = read_json(&out.join(format!("{r}.json")));
+            assert!(
+                statuses[r].success() && v.is_some(),
+                "rank {r}: {:?}\n{}",
+                statuses[r],
+                log_of(&logs)
+            );
+            v.unwrap()
+        })
+        .collect()
+}
+
+fn checks(v: &Value, section: &str) -> u64 {
+    v["checks"][section].as_u64().unwrap_or(0)
+}
+
+#[test]
+fn a_failed_op_is_reported_by_errored_abort_reaches_every_member_and_configure_clears_it() {
+    let res = ops("errors", 2, &[], Some(1));
+    // Rank 0 ends after rank 1's death; rank 1 is SIGKILLed (no JSON).
+    assert_eq!(checks(&res[0], "errors"), 7, "{res:?}");
+    let died = res[0]["death_error"].as_str().unwrap();
+    assert!(died.contains("rank 1 is gone"), "{died}");
+    eprintln!(
+        "abort to op done: {:.1} ms; death to op done: {:.1} ms",
+        res[0]["abort_to_done_ms"].as_f64().unwrap(),
+        res[0]["death_to_done_ms"].as_f64().unwrap()
+    );
+}
+
+#[test]
+fn bad_configure_input_is_refused_and_leaves_the_generation_usable() {
+    let res = ops("bad_input", 2, &[], None);
+    assert_eq!(checks(&res[0], "bad_input"), 14, "{res:?}");
+    assert_eq!(checks(&res[1], "bad_input"), 16, "{res:?}");
+    for (what, e) in res[1]["errors"].as_object().unwrap() {
+        eprintln!("{what}: {e}");
+    }
+}
+
+#[test]
+fn membership_changes_three_to_two_and_back_are_timed() {
+    let res = ops("membership", 3, &[("ROUNDS", "10")], None);
+    for (r, v) in res.iter().enumerate() {
+        let want = if r < 2 { 20 } else { 10 };
+        assert_eq!(checks(v, "membership"), want, "rank {r}: {v}");
+    }
+    eprintln!(
+        "rank 0 medians over 10 rounds: configure {} ms; configure + first all_reduce {} ms",
+        res[0]["configure_ms"], res[0]["configure_and_first_all_reduce_ms"]
+    );
+}
+
+#[test]
+fn the_lighthouse_watch_aborts_its_generation_only() {
+    let res = ops("watch", 2, &[], None);
+    assert_eq!(checks(&res[0], "watch"), 8, "{res:?}");
+    assert_eq!(checks(&res[1], "watch"), 7, "{res:?}");
+}
+
+/// torchft's lighthouse (and the test's coordination store) in a process of
+/// its own; it ends normally when its stdin closes.
+struct Lighthouse {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    address: String,
+    coord_port: u64,
+}
+
+impl Lighthouse {
+    fn start(dir: &Path, site: &Path, out: &Path, min_replicas: u32) -> Lighthouse {
+        let log = std::fs::File::create(dir.join("lighthouse.log")).unwrap();
+        let mut child = Command::new(python())
+            .arg(script("ft/pg_lighthouse.py"))
+            .env("PYTHONPATH", site)
+            .env("RESULT_DIR", out)
+            .env("MIN_REPLICAS", min_replicas.to_string())
+            .env("JOIN_TIMEOUT_MS", "1000")
+            .env("HEARTBEAT_TIMEOUT_MS", "500")
+            .stdin(Stdio::piped())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let stdin = child.stdin.take();
+        let path = out.join("lighthouse.json");
+        let t0 = Instant::now();
+        let v = loop {
+            if let Some(v) = read_json(&path) {
+                break v;
+            }
+            if let Some(s) = child.try_wait().unwrap() {
+                panic!(
+                    "the lighthouse ended ({s}):\n{}",
+                    std::fs::read_to_string(dir.join("lighthouse.log")).unwrap_or_default()
+                );
+            }
+            assert!(t0.elapsed() < LIMIT, "the lighthouse never wrote {path:?}");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        Lighthouse {
+            child,
+            stdin,
+            address: v["address"].as_str().unwrap().to_owned(),
+            coord_port: v["coord_port"].as_u64().unwrap(),
+        }
+    }
+
+    fn stop(mut self) {
+        drop(self.stdin.take());
+        let s = wait_or_kill(&mut self.child, LIMIT, String::new);
+        assert!(s.success(), "the lighthouse ended {s}");
+    }
+}
+
+/// One replica's outcome: its exit, its JSON (if it wrote one), its log.
+struct Replica {
+    status: ExitStatus,
+    result: Option<Value>,
+    log: String,
+}
+
+/// Two replicas of `pg_torchft.py` over `pg` ("rally" or "gloo"); replica 1
+/// dies inside the all_reduce of step `kill_at` unless it is negative.
+fn torchft_run(pg: &str, kill_at: i32, min_replicas: u32) -> Vec<Replica> {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("results");
+    std::fs::create_dir(&out).unwrap();
+    let site = package(dir.path());
+    let lh = Lighthouse::start(dir.path(), &site, &out, min_replicas);
+    let coord = lh.coord_port.to_string();
+    let kill = kill_at.to_string();
+    let mut kids: Vec<(Child, PathBuf)> = (0..2)
+        .map(|r| {
+            let victim = if r == 1 && kill_at >= 0 { "1" } else { "0" };
+            let env: Vec<(&str, &std::ffi::OsStr)> = vec![
+                ("RESULT_DIR", out.as_os_str()),
+                ("REPLICA", if r == 0 { "0" } else { "1" }.as_ref()),
+                ("PG", pg.as_ref()),
+                ("KILL_AT", kill.as_ref()),
+                ("VICTIM", victim.as_ref()),
+                ("STEPS", "8".as_ref()),
+                ("TORCHFT_LIGHTHOUSE", lh.address.as_ref()),
+                ("COORD_PORT", coord.as_ref()),
+            ];
+            let port = free_port().to_string();
+            env_rank("ft/pg_torchft.py", dir.path(), &site, &port, (r, 2), &env)
+        })
+        .collect();
+    let logs: Vec<PathBuf> = kids.iter().map(|(_, p)| p.clone()).collect();
+    let statuses: Vec<ExitStatus> = kids
+        .iter_mut()
+        .map(|(c, _)| wait_or_kill(c, LIMIT, || log_of(&logs)))
+        .collect();
+    lh.stop();
+    statuses
+        .into_iter()
+        .enumerate()
+        .map(|(r, status)| Replica {
+            status,
+            result: read_json(&out.join(format!("{r}.json"))),
+            log: std::fs::read_to_string(&logs[r]).unwrap_or_default(),
+        })
+        .collect()
+}
+
+fn committed(v: &Value) -> Vec<i64> {
+    v["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["committed"].as_bool().unwrap())
+        .map(|s| s["step"].as_i64().unwrap())
+        .collect()
+}
+
+fn killed_by_sigkill(s: ExitStatus) -> bool {
+    use std::os::unix::process::ExitStatusExt;
+    s.signal() == Some(libc::SIGKILL)
+}
+
+#[test]
+fn torchft_loop_over_rally_commits_the_same_steps_on_both_replicas() {
+    let rs = torchft_run("rally", -1, 2);
+    let all = |r: &Replica| format!("{:?}\n{}", r.status, r.log);
+    for r in &rs {
+        assert!(r.status.success() && r.result.is_some(), "{}", all(r));
+    }
+    let (a, b) = (
+        rs[0].result.as_ref().unwrap(),
+        rs[1].result.as_ref().unwrap(),
+    );
+    assert_eq!(committed(a), (0..8).collect::<Vec<_>>(), "{a}");
+    assert_eq!(committed(a), committed(b), "{a}\n{b}");
+    assert_eq!(a["params"], b["params"], "parameters differ");
+}
+
+#[test]
+fn a_replica_killed_inside_all_reduce_leaves_the_survivor_committing() {
+    let rs = torchft_run("rally", 4, 1);
+    let (survivor, victim) = (&rs[0], &rs[1]);
+    assert!(
+        killed_by_sigkill(victim.status),
+        "the victim did not die by SIGKILL: {:?}\n{}",
+        victim.status,
+        victim.log
+    );
+    assert!(
+        survivor.status.success(),
+        "the survivor crashed: {:?}\n{}",
+        survivor.status,
+        survivor.log
+    );
+    let v = survivor.result.as_ref().unwrap();
+    let k = v["killed_step"].as_i64().expect("no kill recorded");
+    let steps = v["steps"].as_array().unwrap();
+    let first = steps.iter().find(|s| s["step"] == k).unwrap();
+    assert_eq!(
+        first["committed"], false,
+        "the killed step was committed: {v}"
+    );
+    let err = first["error"].as_str().unwrap_or("");
+    assert!(
+        err.contains("rank 1 is gone"),
+        "the failed step's error: {err:?}"
+    );
+    let after: Vec<i64> = committed(v).into_iter().filter(|&s| s >= k).collect();
+    assert!(after.len() >= 3, "the survivor did not commit again: {v}");
+    eprintln!(
+        "kill inside all_reduce at step {k}: survivor's next commit {:.0} ms after the kill (torchft's lighthouse, heartbeat timeout 500 ms)",
+        v["kill_to_commit_ms"].as_f64().unwrap()
+    );
+}
+
+#[test]
+fn the_same_kill_under_torchfts_gloo_group_crashes_the_survivor_in_its_ddp_hook() {
+    let rs = torchft_run("gloo", 4, 1);
+    let (survivor, victim) = (&rs[0], &rs[1]);
+    assert!(
+        killed_by_sigkill(victim.status),
+        "{:?}\n{}",
+        victim.status,
+        victim.log
+    );
+    assert!(
+        !survivor.status.success() && survivor.log.contains("assert fut._fut"),
+        "torchft's gloo survivor did not crash in its comm hook: {:?}\n{}",
+        survivor.status,
+        survivor.log
+    );
+}
+
+#[test]
+fn the_rally_backend_reconfigures_through_torchs_api_from_two_to_three_members_and_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("results");
+    std::fs::create_dir(&out).unwrap();
+    let site = package(dir.path());
+    let port = free_port().to_string();
+    let env: Vec<(&str, &std::ffi::OsStr)> = vec![("RESULT_DIR", out.as_os_str())];
+    let mut kids: Vec<(Child, PathBuf)> = (0..3)
+        .map(|r| {
+            env_rank(
+                "ft/pg_reconfigure.py",
+                dir.path(),
+                &site,
+                &port,
+                (r, 3),
+                &env,
+            )
+        })
+        .collect();
+    let logs: Vec<PathBuf> = kids.iter().map(|(_, p)| p.clone()).collect();
+    for (r, (c, _)) in kids.iter_mut().enumerate() {
+        let s = wait_or_kill(c, LIMIT, || log_of(&logs));
+        assert!(s.success(), "rank {r}: {s}\n{}", log_of(&logs));
+    }
+    for r in 0..3 {
+        let v = read_json(&out.join(format!("{r}.json"))).unwrap();
+        for (section, want) in [
+            ("api", 3),
+            ("two", 3),
+            ("three", 3),
+            ("bad", 4),
+            ("reversed", 2),
+        ] {
+            let want = if r == 2 && section == "two" { 0 } else { want };
+            assert_eq!(checks(&v, section), want, "rank {r} {section}: {v}");
+        }
+        if r < 2 {
+            // torch still answers with the size the group was made with.
+            assert_eq!(v["torch_rank_after"][1], 3, "{v}");
+        }
+    }
+}
