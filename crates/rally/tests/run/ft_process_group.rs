@@ -147,12 +147,15 @@ struct Lighthouse {
 }
 
 impl Lighthouse {
-    fn start(dir: &Path, site: &Path, out: &Path, min_replicas: u32) -> Lighthouse {
+    /// torchft's lighthouse (`own`) and the coordination store, or the
+    /// coordination store alone (`address` empty).
+    fn start(dir: &Path, site: &Path, out: &Path, min_replicas: u32, own: bool) -> Lighthouse {
         let log = std::fs::File::create(dir.join("lighthouse.log")).unwrap();
         let mut child = Command::new(python())
             .arg(script("ft/pg_lighthouse.py"))
             .env("PYTHONPATH", site)
             .env("RESULT_DIR", out)
+            .env("OWN", if own { "1" } else { "0" })
             .env("MIN_REPLICAS", min_replicas.to_string())
             .env("JOIN_TIMEOUT_MS", "1000")
             .env("HEARTBEAT_TIMEOUT_MS", "500")
@@ -199,27 +202,118 @@ struct Replica {
     log: String,
 }
 
-/// Two replicas of `pg_torchft.py` over `pg` ("rally" or "gloo"); replica 1
-/// dies inside the all_reduce of step `kill_at` unless it is negative.
-fn torchft_run(pg: &str, kill_at: i32, min_replicas: u32) -> Vec<Replica> {
+/// `rally lighthouse` on a free loopback port, with torchft's knobs as
+/// `pg_lighthouse.py` sets them; killed when dropped.
+struct RallyLighthouse {
+    child: Child,
+    address: String,
+}
+
+impl RallyLighthouse {
+    fn start(dir: &Path, min_replicas: u32) -> RallyLighthouse {
+        use std::io::{BufRead, BufReader};
+        let mut child = Command::new(env!("CARGO_BIN_EXE_rally"))
+            .args(["lighthouse", "--min_replicas", &min_replicas.to_string()])
+            .args(["--bind", "127.0.0.1:0", "--join_timeout_ms", "1000"])
+            .args(["--heartbeat_timeout_ms", "500"])
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let log = dir.join("rally-lighthouse.log");
+        std::thread::spawn(move || {
+            let mut f = std::fs::File::create(log).unwrap();
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if let Some(addr) = line.strip_prefix("rally lighthouse: listening on ") {
+                    let _ = tx.send(addr.to_owned());
+                }
+                let _ = std::io::Write::write_all(&mut f, format!("{line}\n").as_bytes());
+            }
+        });
+        let addr = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("rally lighthouse never said where it listens");
+        RallyLighthouse {
+            child,
+            address: format!("http://{addr}"),
+        }
+    }
+}
+
+impl Drop for RallyLighthouse {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One run of two `pg_torchft.py` replicas.
+struct Run {
+    /// "rally" or "gloo".
+    pg: &'static str,
+    /// Replica 1 dies inside the all_reduce of this step (negative: never).
+    kill_at: i32,
+    min_replicas: u32,
+    /// `rally lighthouse` instead of torchft's.
+    rally_lighthouse: bool,
+    /// "kill" (SIGKILL) or "stop" (SIGSTOP; the test kills it at the end).
+    how: &'static str,
+}
+
+impl Run {
+    fn healthy() -> Run {
+        Run {
+            pg: "rally",
+            kill_at: -1,
+            min_replicas: 2,
+            rally_lighthouse: false,
+            how: "kill",
+        }
+    }
+
+    fn kill(pg: &'static str) -> Run {
+        Run {
+            pg,
+            kill_at: 4,
+            min_replicas: 1,
+            ..Run::healthy()
+        }
+    }
+}
+
+fn torchft_run(run: Run) -> Vec<Replica> {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("results");
     std::fs::create_dir(&out).unwrap();
     let site = package(dir.path());
-    let lh = Lighthouse::start(dir.path(), &site, &out, min_replicas);
+    let lh = Lighthouse::start(
+        dir.path(),
+        &site,
+        &out,
+        run.min_replicas,
+        !run.rally_lighthouse,
+    );
+    let ours = run
+        .rally_lighthouse
+        .then(|| RallyLighthouse::start(dir.path(), run.min_replicas));
+    let address = ours
+        .as_ref()
+        .map_or(lh.address.clone(), |l| l.address.clone());
     let coord = lh.coord_port.to_string();
-    let kill = kill_at.to_string();
+    let kill = run.kill_at.to_string();
     let mut kids: Vec<(Child, PathBuf)> = (0..2)
         .map(|r| {
-            let victim = if r == 1 && kill_at >= 0 { "1" } else { "0" };
+            let victim = if r == 1 && run.kill_at >= 0 { "1" } else { "0" };
             let env: Vec<(&str, &std::ffi::OsStr)> = vec![
                 ("RESULT_DIR", out.as_os_str()),
                 ("REPLICA", if r == 0 { "0" } else { "1" }.as_ref()),
-                ("PG", pg.as_ref()),
+                ("PG", run.pg.as_ref()),
                 ("KILL_AT", kill.as_ref()),
                 ("VICTIM", victim.as_ref()),
+                ("HOW", run.how.as_ref()),
                 ("STEPS", "8".as_ref()),
-                ("TORCHFT_LIGHTHOUSE", lh.address.as_ref()),
+                ("TORCHFT_LIGHTHOUSE", address.as_ref()),
                 ("COORD_PORT", coord.as_ref()),
             ];
             let port = free_port().to_string();
@@ -227,11 +321,16 @@ fn torchft_run(pg: &str, kill_at: i32, min_replicas: u32) -> Vec<Replica> {
         })
         .collect();
     let logs: Vec<PathBuf> = kids.iter().map(|(_, p)| p.clone()).collect();
-    let statuses: Vec<ExitStatus> = kids
-        .iter_mut()
-        .map(|(c, _)| wait_or_kill(c, LIMIT, || log_of(&logs)))
-        .collect();
+    let mut statuses = Vec::new();
+    for (r, (c, _)) in kids.iter_mut().enumerate() {
+        if r == 1 && run.how == "stop" {
+            // Stopped inside its all_reduce for good: the fault's end.
+            let _ = c.kill();
+        }
+        statuses.push(wait_or_kill(c, LIMIT, || log_of(&logs)));
+    }
     lh.stop();
+    drop(ours);
     statuses
         .into_iter()
         .enumerate()
@@ -260,7 +359,7 @@ fn killed_by_sigkill(s: ExitStatus) -> bool {
 
 #[test]
 fn torchft_loop_over_rally_commits_the_same_steps_on_both_replicas() {
-    let rs = torchft_run("rally", -1, 2);
+    let rs = torchft_run(Run::healthy());
     let all = |r: &Replica| format!("{:?}\n{}", r.status, r.log);
     for r in &rs {
         assert!(r.status.success() && r.result.is_some(), "{}", all(r));
@@ -274,13 +373,17 @@ fn torchft_loop_over_rally_commits_the_same_steps_on_both_replicas() {
     assert_eq!(a["params"], b["params"], "parameters differ");
 }
 
-#[test]
-fn a_replica_killed_inside_all_reduce_leaves_the_survivor_committing() {
-    let rs = torchft_run("rally", 4, 1);
+/// The survivor of `run` (replica 0) ran on, did not commit the step its
+/// peer failed in (that step's error names one of `causes`) and committed again
+/// alone; the victim died as `run.how` says. Returns the time from the
+/// fault to the survivor's next commit, in ms.
+fn survivor_commits_again(run: Run, causes: &[&str]) -> f64 {
+    let how = run.how;
+    let rs = torchft_run(run);
     let (survivor, victim) = (&rs[0], &rs[1]);
     assert!(
         killed_by_sigkill(victim.status),
-        "the victim did not die by SIGKILL: {:?}\n{}",
+        "the victim did not end by SIGKILL ({how}): {:?}\n{}",
         victim.status,
         victim.log
     );
@@ -291,29 +394,57 @@ fn a_replica_killed_inside_all_reduce_leaves_the_survivor_committing() {
         survivor.log
     );
     let v = survivor.result.as_ref().unwrap();
-    let k = v["killed_step"].as_i64().expect("no kill recorded");
+    let k = v["killed_step"].as_i64().expect("no fault recorded");
     let steps = v["steps"].as_array().unwrap();
     let first = steps.iter().find(|s| s["step"] == k).unwrap();
     assert_eq!(
         first["committed"], false,
-        "the killed step was committed: {v}"
+        "the failed step was committed: {v}"
     );
     let err = first["error"].as_str().unwrap_or("");
     assert!(
-        err.contains("rank 1 is gone"),
-        "the failed step's error: {err:?}"
+        causes.iter().any(|c| err.contains(c)),
+        "the failed step's error names none of {causes:?}: {err:?}"
     );
     let after: Vec<i64> = committed(v).into_iter().filter(|&s| s >= k).collect();
     assert!(after.len() >= 3, "the survivor did not commit again: {v}");
-    eprintln!(
-        "kill inside all_reduce at step {k}: survivor's next commit {:.0} ms after the kill (torchft's lighthouse, heartbeat timeout 500 ms)",
-        v["kill_to_commit_ms"].as_f64().unwrap()
-    );
+    v["kill_to_commit_ms"].as_f64().unwrap()
+}
+
+#[test]
+fn a_replica_killed_inside_all_reduce_leaves_the_survivor_committing() {
+    let ms = survivor_commits_again(Run::kill("rally"), &["rank 1 is gone"]);
+    eprintln!("SIGKILL inside all_reduce, torchft's lighthouse (heartbeat timeout 500 ms): next commit {ms:.0} ms after the kill");
+}
+
+#[test]
+fn with_rally_lighthouse_a_killed_replica_is_dropped_at_once() {
+    let run = Run {
+        rally_lighthouse: true,
+        ..Run::kill("rally")
+    };
+    // Whichever comes first: its pid's end, or the lighthouse's push.
+    let ms = survivor_commits_again(run, &["rank 1 is gone", "the lighthouse at"]);
+    eprintln!("SIGKILL inside all_reduce, rally lighthouse: next commit {ms:.0} ms after the kill");
+}
+
+#[test]
+fn with_rally_lighthouse_a_replica_stopped_inside_all_reduce_is_aborted_by_push() {
+    // Its process lives on and its connections stay open: only the
+    // lighthouse (500 ms of silence) can tell; its push aborts the
+    // survivor's all_reduce, which would otherwise wait for the group's 5 s.
+    let run = Run {
+        rally_lighthouse: true,
+        how: "stop",
+        ..Run::kill("rally")
+    };
+    let ms = survivor_commits_again(run, &["the lighthouse at"]);
+    eprintln!("SIGSTOP inside all_reduce, rally lighthouse: next commit {ms:.0} ms after the stop");
 }
 
 #[test]
 fn the_same_kill_under_torchfts_gloo_group_crashes_the_survivor_in_its_ddp_hook() {
-    let rs = torchft_run("gloo", 4, 1);
+    let rs = torchft_run(Run::kill("gloo"));
     let (survivor, victim) = (&rs[0], &rs[1]);
     assert!(
         killed_by_sigkill(victim.status),

@@ -17,6 +17,8 @@ Knobs (environment):
                  started, then SIGKILLs itself from inside its allreduce call
                  (never sending its part); -1: nobody dies
   VICTIM         1 on the replica that dies
+  HOW            kill (SIGKILL, default) or stop (SIGSTOP: it hangs there
+                 until the test kills it)
   PG_TIMEOUT     the group's timeout in seconds (torchft's example: 5)
 
 Writes ``RESULT_DIR/<replica>.json``: every step it tried (step, committed,
@@ -45,6 +47,7 @@ OUT = os.environ["RESULT_DIR"]
 STEPS = int(os.environ.get("STEPS", "10"))
 KILL_AT = int(os.environ.get("KILL_AT", "-1"))
 VICTIM = os.environ.get("VICTIM") == "1"
+STOP = os.environ.get("HOW") == "stop"
 AFTER_KILL = int(os.environ.get("AFTER_KILL", "3"))
 PG = os.environ.get("PG", "rally")
 TIMEOUT = timedelta(seconds=float(os.environ.get("PG_TIMEOUT", "5")))
@@ -69,7 +72,7 @@ def kill_hook(base):
                 coord.wait([f"started/{step}"], WAIT)
                 coord.set("killed_at", repr(time.time()))
                 coord.set("killed_step", str(step))
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGSTOP if STOP else signal.SIGKILL)
             work = super().allreduce(tensors, opts)
             coord.set(f"started/{step}", "1")
             return work
