@@ -132,7 +132,8 @@ pub enum Sabotage {
     IgnoreClosed,
     /// Drop members of the current quorum without an abort.
     NoAbort,
-    /// Never revive a replica dropped for silence.
+    /// Forget the waiting call of a replica dropped for silence when it
+    /// resumes (neither revive nor refuse it: the call waits forever).
     NoRevive,
 }
 
@@ -313,21 +314,22 @@ impl Lighthouse {
                 return false;
             }
         } else if let Some(stalled) = self.stalled.remove(id) {
-            if stalled.session == session && self.sabotage != Sabotage::NoRevive {
+            if stalled.session == session {
                 // The stopped process resumed: its waiting call waits again.
-                if let Some(member) = stalled.waiting {
+                let revive = self.sabotage != Sabotage::NoRevive;
+                if let Some(member) = stalled.waiting.filter(|_| revive) {
                     self.roster.join(member, now);
                 }
             } else {
+                // Another session takes the id: the old one's waiting call
+                // is answered with an error.
                 if let Some(ids) = self.sessions.get_mut(&stalled.session) {
                     ids.remove(id);
                 }
                 if stalled.waiting.is_some() {
-                    let reason = if stalled.session == session {
-                        format!("replica {id:?} was dropped for silence")
-                    } else {
-                        format!("replica id {id:?} was dropped for silence and taken by another session ({session})")
-                    };
+                    let reason = format!(
+                        "replica id {id:?} was dropped for silence and taken by another session ({session})"
+                    );
                     self.refuse(stalled.session, id, reason, out);
                 }
             }

@@ -18,7 +18,8 @@
 //! * `vanish`: the process goes silent for good, its session never closes
 //!   (a host cut off); a new one starts later;
 //! * `stall`: silent past the heartbeat timeout, then resumes (SIGSTOP and
-//!   SIGCONT); `blip`: silent for less than the heartbeat timeout;
+//!   SIGCONT); `stall waiting`: the same, inside a `Quorum` call; `blip`:
+//!   silent for less than the heartbeat timeout;
 //! * `restart`: the service dies (every session ends) and a new
 //!   `Lighthouse` starts after a pause, its ids above the old ones (the
 //!   service passes unix milliseconds); members reconnect with backoff;
@@ -122,6 +123,7 @@ enum Fault {
     Kill,
     Vanish,
     Stall,
+    StallWaiting,
     Blip,
     Restart,
     Impostor,
@@ -129,10 +131,11 @@ enum Fault {
 }
 
 impl Fault {
-    const ALL: [Fault; 7] = [
+    const ALL: [Fault; 8] = [
         Fault::Kill,
         Fault::Vanish,
         Fault::Stall,
+        Fault::StallWaiting,
         Fault::Blip,
         Fault::Restart,
         Fault::Impostor,
@@ -143,6 +146,7 @@ impl Fault {
             Fault::Kill => "kill",
             Fault::Vanish => "vanish",
             Fault::Stall => "stall",
+            Fault::StallWaiting => "stall waiting",
             Fault::Blip => "blip",
             Fault::Restart => "restart",
             Fault::Impostor => "impostor",
@@ -184,7 +188,7 @@ impl Scenario {
         let hb = knobs.heartbeat_timeout.as_millis() as u64;
         let mut faults = Vec::new();
         for _ in 0..n_faults {
-            let kind = rng.pick(&Fault::ALL[..6]);
+            let kind = rng.pick(&Fault::ALL[..7]);
             let at = rng.range(300, fault_phase_ms);
             let slot = rng.range(0, members as u64 - 1) as usize;
             faults.push((at, kind, slot));
@@ -311,7 +315,7 @@ struct Sim {
     issued: Vec<(u64, u64, BTreeSet<String>)>,
     /// Replica ids whose process died (fresh ids are never reused).
     dead: BTreeSet<String>,
-    fired: [u64; 7],
+    fired: [u64; 8],
     /// Kinds drawn that never fired (their member was not there).
     never: BTreeSet<&'static str>,
     /// Deadline ticks scheduled.
@@ -340,7 +344,7 @@ impl Sim {
             current: None,
             issued: Vec::new(),
             dead: BTreeSet::new(),
-            fired: [0; 7],
+            fired: [0; 8],
             never: BTreeSet::new(),
             deadlines: BTreeSet::new(),
             settled: 0,
@@ -555,7 +559,7 @@ impl Sim {
             && self.sc.shrink_one_in > 0
             && self.rng.one_in(self.sc.shrink_one_in);
         if shrink_only {
-            self.fired[6] += 1;
+            self.fired[7] += 1;
             self.settled = self.settled.max(self.t);
         }
         let p = &mut self.procs[slot];
@@ -626,9 +630,14 @@ impl Sim {
 
 impl Sim {
     fn fault(&mut self, i: usize) -> Result<(), Broken> {
-        let (_, kind, slot) = self.sc.faults[i];
+        let (at, kind, slot) = self.sc.faults[i];
         let p = &self.procs[slot];
         let runs = p.life == Life::Alive && p.stalled_until.is_none();
+        if kind == Fault::StallWaiting && runs && !p.waiting && self.t < at + 3_000 {
+            // Stalls in a `Quorum` call: looks again until the member waits.
+            self.at(self.t + 10, SimEv::Fault(i));
+            return Ok(());
+        }
         let eligible = match kind {
             Fault::Restart => self.lh.is_some(),
             Fault::Impostor => {
@@ -666,8 +675,8 @@ impl Sim {
                     self.send(Event::Closed { session })?;
                 }
             }
-            Fault::Stall | Fault::Blip => {
-                let d = if kind == Fault::Stall {
+            Fault::Stall | Fault::StallWaiting | Fault::Blip => {
+                let d = if kind != Fault::Blip {
                     self.rng.range(hb * 12 / 10, hb * 3)
                 } else {
                     self.rng.range(hb / 5, hb * 8 / 10)
