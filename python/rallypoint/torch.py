@@ -19,6 +19,13 @@ every rank is on one host, TCP otherwise, and failures named:
 - a timeout says which rank it waited for (``DistBackendError``);
 - :func:`monitored_barrier` names every rank that did not arrive.
 
+torch 2.15's reconfigure API works too (``init_process_group("rally",
+enable_reconfigure=True)``, ``dist._get_reconfigure_handle``,
+``dist._reconfigure``): each reconfigure forms the next membership under
+``<group>/reconfigure/<uuid>`` of the backend's store; :func:`membership`
+tells this process's rank and size in it (torch's own ``get_rank`` keeps
+the first ones). See docs/torch-backend.md.
+
 Tensors must be CPU and contiguous, of a dtype in ``DTYPES``; anything else
 raises ``ValueError`` before anything is sent (nothing is copied silently).
 How a call reaches Rust and how its future completes:

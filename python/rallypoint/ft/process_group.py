@@ -288,8 +288,12 @@ class ProcessGroupRally(ProcessGroup):
         self._configure_lock = threading.Lock()
         # The TCPStore client of the last generation, by (host, port).
         self._stores: Dict[Tuple[str, int], TCPStore] = {}
-        self._fault = _Fault(RuntimeError("rallypoint.ft: ProcessGroupRally is not configured yet"))
-        self._gen: Optional[_Generation] = None
+        # (the current fault, the current generation), swapped as one: an
+        # op on another thread never pairs a generation with another's fault.
+        self._state: Tuple[_Fault, Optional[_Generation]] = (
+            _Fault(RuntimeError("rallypoint.ft: ProcessGroupRally is not configured yet")),
+            None,
+        )
         _registry.set_current(self)
 
     # -- torchft's contract ----------------------------------------------
@@ -332,12 +336,12 @@ class ProcessGroupRally(ProcessGroup):
                 with _live_lock:
                     _live.pop(store_addr, None)
                 err = RuntimeError(f"rallypoint.ft: forming the generation at {store_addr} as rank {rank} of {world_size} failed: {e}")
-                self._fault = _Fault(err)
+                self._state = (_Fault(err), None)
                 raise err from e
             gen = _Generation(backend, store_addr, quorum_id, str(replica_id), fault)
             if self._lighthouse and quorum_id is not None:
                 gen.watch = Watch(self._lighthouse, int(quorum_id), gen.abort)
-            self._gen, self._fault = gen, fault
+            self._state = (fault, gen)
 
     def _claim(self, store_addr: str, quorum_id) -> None:
         with _live_lock:
@@ -387,9 +391,14 @@ class ProcessGroupRally(ProcessGroup):
         )
 
     def _retire(self, reason: str) -> None:
-        gen, self._gen = self._gen, None
+        fault, gen = self._state
+        self._state = (fault, None)
         if gen is not None:
             gen.close(reason)
+
+    @property
+    def _gen(self) -> Optional[_Generation]:
+        return self._state[1]
 
     def abort(self, reason: Optional[str] = None) -> None:
         """Aborts the current generation from any thread: every op in flight
@@ -404,12 +413,12 @@ class ProcessGroupRally(ProcessGroup):
         """Ends the watch and the generation; ops then fail at once. Idempotent."""
         with self._configure_lock:
             self._retire("ProcessGroupRally.shutdown()")
-            self._fault = _Fault(RuntimeError("rallypoint.ft: ProcessGroupRally was shut down"))
+            self._state = (_Fault(RuntimeError("rallypoint.ft: ProcessGroupRally was shut down")), None)
 
     def errored(self) -> Optional[Exception]:
         """The first error of the current generation (an op's failure, an
         abort here or by a member or the lighthouse), or None."""
-        fault, gen = self._fault, self._gen
+        fault, gen = self._state
         if fault.error is None and gen is not None:
             why = gen.group.aborted()
             if why:
@@ -450,7 +459,7 @@ class ProcessGroupRally(ProcessGroup):
     def _collective(self, result, call):
         """Runs ``call(backend)``; a failure, now or later, is recorded and
         its Work completes without raising."""
-        fault, gen = self._fault, self._gen
+        fault, gen = self._state
         if fault.error is not None:
             return _DummyWork(result)
         if gen is None:
@@ -463,7 +472,7 @@ class ProcessGroupRally(ProcessGroup):
 
     def _message(self, call):
         """Runs a send or recv: its Work fails on failure (see the module doc)."""
-        fault, gen = self._fault, self._gen
+        fault, gen = self._state
         if fault.error is not None:
             return _Failed(RuntimeError(f"rallypoint.ft: the generation has failed: {fault.error}"))
         try:

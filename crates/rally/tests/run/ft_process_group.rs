@@ -10,7 +10,10 @@
 //!   under torchft's `ProcessGroupGloo` crashes the survivor in torchft's
 //!   DDP comm hook (the contrast the adapter exists for);
 //! - the group on its own (`tests/py/ft/pg_ops.py`): errors and abort,
-//!   bad configure input, membership changes (timed), the lighthouse watch;
+//!   bad configure input, membership changes (timed), the lighthouse watch
+//!   (a fake `/v1/watch`: drops on command), torchft's `register` path;
+//! - with `rally lighthouse` in torchft's loop: a killed replica dropped at
+//!   once, and one stopped inside the all_reduce aborted by the push;
 //! - the `rally` backend's torch reconfigure API (`tests/py/ft/pg_reconfigure.py`).
 //!
 //! Each scenario counts its checks per section in its JSON; the counts are
@@ -128,6 +131,13 @@ fn membership_changes_three_to_two_and_back_are_timed() {
         "rank 0 medians over 10 rounds: configure {} ms; configure + first all_reduce {} ms",
         res[0]["configure_ms"], res[0]["configure_and_first_all_reduce_ms"]
     );
+}
+
+#[test]
+fn torchfts_register_path_runs_dist_functional_collectives_and_device_mesh_over_it() {
+    for (r, v) in ops("register", 2, &[], None).iter().enumerate() {
+        assert_eq!(checks(v, "register"), 3, "rank {r}: {v}");
+    }
 }
 
 #[test]

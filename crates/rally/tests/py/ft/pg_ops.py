@@ -17,8 +17,11 @@ hosts the TCPStore at MASTER_PORT that every configure forms through.
   2 sits out of the 2-member generations), each followed by an all_reduce
   checked for its value; every rank reports its configure times and
   configure + first all_reduce times, in ms.
-- ``watch`` (2): the lighthouse watch. LIGHTHOUSE (``rally lighthouse``) is
-  used if set, else rank 0 serves a fake ``/v1/watch`` (see FakeLighthouse).
+- ``register`` (2): torchft's ``register`` (DeviceMesh, functional
+  collectives) over a configured group.
+- ``watch`` (2): the lighthouse watch, against a fake ``/v1/watch`` that
+  rank 0 serves (FakeLighthouse: it drops a member on command; the real
+  ``rally lighthouse`` is driven by ``pg_torchft.py``'s replicas).
 
 Each rank writes ``RESULT_DIR/<rank>.json`` (``checks``: how many checks
 passed, by section) and ends normally.
@@ -299,22 +302,22 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.end_headers()
             return
         body = json.dumps(ev).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        try:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        except OSError:
+            pass  # the watch was stopped: it closed its connection
 
 
 def watch():
     fake = None
-    url = os.environ.get("LIGHTHOUSE")
-    if not url:
-        if RANK == 0:
-            fake = FakeLighthouse()
-            STORE.set("w/url", fake.url())
-        url = STORE.get("w/url").decode()
-    result["lighthouse"] = "real" if fake is None and RANK == 0 and os.environ.get("LIGHTHOUSE") else "fake"
+    if RANK == 0:
+        fake = FakeLighthouse()
+        STORE.set("w/url", fake.url())
+    url = STORE.get("w/url").decode()
     pg = ProcessGroupRally(timeout=DEADLINE, lighthouse=url)
     pg.configure(addr("w/7"), f"r{RANK}", RANK, WORLD, 7)
     all_reduce(pg, 1)
@@ -375,6 +378,28 @@ def watch():
     sync("w/end")
 
 
-{"errors": errors, "bad_input": bad_input, "membership": membership, "watch": watch}[SCENARIO]()
+def register():
+    """torchft's ``register`` path (DeviceMesh, functional collectives): the
+    group registered as a backend of a size-1 torch group on each rank, its
+    ops still across the configured generation."""
+    import torch.distributed._functional_collectives as fc
+    from torch.distributed.device_mesh import DeviceMesh
+
+    dist.init_process_group("gloo", store=dist.PrefixStore("default", STORE), rank=RANK, world_size=WORLD)
+    pg = ProcessGroupRally(timeout=DEADLINE)
+    pg.configure(addr("r/1"), f"r{RANK}", RANK, WORLD, 1)
+    reg = pg.register("ft")
+    t = torch.ones(3)
+    dist.all_reduce(t, group=reg)
+    check("register", t.tolist() == [2.0, 2.0, 2.0], f"dist.all_reduce over the registered group: {t.tolist()}")
+    out = fc.all_reduce(torch.full((3,), float(RANK + 1)), "sum", reg)
+    check("register", torch.as_tensor(out).tolist() == [3.0, 3.0, 3.0], f"functional all_reduce: {out}")
+    mesh = DeviceMesh.from_group(reg, "cpu")
+    check("register", mesh.size() == 1, f"DeviceMesh over it: {mesh}")
+    pg.shutdown()
+    dist.destroy_process_group()
+
+
+{"errors": errors, "bad_input": bad_input, "membership": membership, "watch": watch, "register": register}[SCENARIO]()
 write()
 print(f"ended {RANK}", flush=True)
