@@ -28,6 +28,7 @@ Usage::
 
 import argparse
 import os
+import select
 import statistics
 import subprocess
 import sys
@@ -122,20 +123,41 @@ def heal_replica(rid: int, lighthouse: str, kind: str, mb: int) -> None:
     model.register_buffer("ballast", torch.full((mb << 18,), float(rid)))
     inner = torch.optim.AdamW(model.parameters())
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    transport = None
     if kind == "rally":
         from rallypoint.ft import RallyTransport
 
         transport = RallyTransport(timeout=TIMEOUT)
+    else:
+        from torchft.checkpointing.http_transport import HTTPTransport
+
+        transport = HTTPTransport(timeout=TIMEOUT, num_chunks=0)  # the Manager's default
+    spent = {"recv": 0.0, "load": 0.0}
+    recv = transport.recv_checkpoint
+
+    def timed_recv(*args, **kw):
+        t0 = time.perf_counter()
+        try:
+            return recv(*args, **kw)
+        finally:
+            spent["recv"] += time.perf_counter() - t0
+
+    def load(sd):
+        t0 = time.perf_counter()
+        model.load_state_dict(sd["model"])
+        inner.load_state_dict(sd["optim"])
+        spent["load"] += time.perf_counter() - t0
+
+    transport.recv_checkpoint = timed_recv
     manager = Manager(
         pg=ProcessGroupGloo(timeout=TIMEOUT), min_replica_size=1,
-        load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), inner.load_state_dict(sd["optim"])),
+        load_state_dict=load,
         state_dict=lambda: {"model": model.state_dict(), "optim": inner.state_dict()},
         replica_id=f"heal_{rid}", store_addr="127.0.0.1", store_port=store.port, rank=0, world_size=1,
         lighthouse_addr=lighthouse, hostname="127.0.0.1", timeout=TIMEOUT, checkpoint_transport=transport,
     )
+    ddp = DistributedDataParallel(manager, model, broadcast_buffers=False)
+    opt = OptimizerWrapper(manager, inner)
     ready = time.perf_counter()
-    ddp, opt = DistributedDataParallel(manager, model), OptimizerWrapper(manager, inner)
     together, first = 0, None
     while together < 2:
         before = manager.current_step()
@@ -149,7 +171,7 @@ def heal_replica(rid: int, lighthouse: str, kind: str, mb: int) -> None:
         together += manager.num_participants() == 2
     assert float(model.ballast[0]) == 0.0  # healed (replica 1) or never changed (replica 0)
     if rid == 1:
-        print(f"HEAL_TIME {first - ready:.4f}", flush=True)
+        print(f"HEAL_TIME {first - ready:.4f} {spent['recv']:.4f} {spent['load']:.4f}", flush=True)
     manager.shutdown()
 
 
@@ -161,22 +183,31 @@ def heal(sizes: list, reps: int) -> None:
         for mb in sizes:
             for kind in ("rally", "http")[rep % 2 :] + ("rally", "http")[: rep % 2]:
                 lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=1000, quorum_tick_ms=50)
-                cmd = lambda rid: [sys.executable, __file__, "heal-replica", str(rid), lh.address(), kind, str(mb)]
+                address = f"http://127.0.0.1:{lh.address().rsplit(':', 1)[1]}"  # address() names the hostname
+                cmd = lambda rid: [sys.executable, __file__, "heal-replica", str(rid), address, kind, str(mb)]
                 r0 = subprocess.Popen(cmd(0), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-                while not r0.stdout.readline().startswith("COMMITTED 2"):
-                    assert r0.poll() is None, "replica 0 ended early"
+                deadline = time.monotonic() + 300
+                while True:
+                    ready, _, _ = select.select([r0.stdout], [], [], max(deadline - time.monotonic(), 0))
+                    assert ready, "replica 0 committed no 2 steps within 300 s"
+                    line = r0.stdout.readline()
+                    assert line, "replica 0 ended early"
+                    if line.startswith("COMMITTED 2"):
+                        break
                 r1 = subprocess.check_output(cmd(1), stderr=subprocess.DEVNULL, text=True, timeout=300)
-                took = float(next(l for l in r1.splitlines() if l.startswith("HEAL_TIME")).split()[1])
+                took = [float(x) for x in next(l for l in r1.splitlines() if l.startswith("HEAL_TIME")).split()[1:]]
                 times.setdefault((mb, kind), []).append(took)
                 r0.stdout.read()
                 assert r0.wait(300) == 0
                 lh.shutdown()
     print(f"a replica joining a running one: its Manager ready -> its first committed step; {reps} reps interleaved")
-    print(f"{'MB':>6} {'transport':>10} {'median s':>10} {'min-max s':>17}")
+    print("(of which recv_checkpoint, and the user's load_state_dict, medians)")
+    print(f"{'MB':>6} {'transport':>10} {'median s':>10} {'min-max s':>17} {'recv s':>8} {'load s':>8}")
     for mb in sizes:
         for kind in ("rally", "http"):
-            ts = times[(mb, kind)]
-            print(f"{mb:>6} {kind:>10} {statistics.median(ts):>10.4f} {min(ts):>8.4f}-{max(ts):<8.4f}")
+            ts = [t[0] for t in times[(mb, kind)]]
+            rv, ld = (statistics.median(t[i] for t in times[(mb, kind)]) for i in (1, 2))
+            print(f"{mb:>6} {kind:>10} {statistics.median(ts):>10.4f} {min(ts):>8.4f}-{max(ts):<8.4f} {rv:>8.4f} {ld:>8.4f}")
 
 
 def main() -> None:

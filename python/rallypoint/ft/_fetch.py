@@ -30,12 +30,13 @@ Every socket operation has the timeout as its deadline; errors name the
 source, the step and the tensor whose bytes were awaited.
 """
 
+import functools
 import pickle
 import socket
 import threading
 from collections import deque
 from datetime import timedelta
-from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
@@ -179,7 +180,9 @@ class _Plan:
     left. So every healthy source serves at least its first piece, and fast
     sources take over the slow or failed ones' share."""
 
-    def __init__(self, total: int, piece: int, workers: int, timeout: float) -> None:
+    def __init__(self, total: int, piece: int, names: List[str], timeout: float) -> None:
+        workers = len(names)
+        self.names = names
         self.cond = threading.Condition()
         pieces = [(o, min(piece, total - o)) for o in range(0, total, piece)]
         self.queues: List[Deque[Tuple[int, int]]] = [deque(pieces[i::workers]) for i in range(workers)]
@@ -199,11 +202,12 @@ class _Plan:
         return sum(len(q) for q in self.queues)
 
     def _wait_progress(self, done) -> bool:
-        """Waits until ``done()``; False when no byte arrived from anyone for
-        the timeout (checked each time the timeout expires)."""
+        """Waits until ``done()``; False when nothing moved (no chunk, no piece
+        taken or settled, no source leaving) for three timeouts: long enough
+        for a source still connecting (connect, header) to fail or start."""
         while not done():
             seen = self.progress
-            if not self.cond.wait_for(done, timeout=self.timeout) and self.progress == seen:
+            if not self.cond.wait_for(done, timeout=3 * self.timeout) and self.progress == seen:
                 return False
         return True
 
@@ -224,11 +228,13 @@ class _Plan:
                 return None
             self.started.add(me)
             self.in_flight += 1
+            self.progress += 1
             return q.popleft() if q is self.queues[me] else q.pop()
 
     def settle(self, me: int, piece: Tuple[int, int], ok: bool) -> None:
         with self.cond:
             self.in_flight -= 1
+            self.progress += 1
             if not ok:
                 self.queues[me].appendleft(piece)
             self.cond.notify_all()
@@ -236,18 +242,21 @@ class _Plan:
     def leave(self, me: int, name: str, err: Optional[BaseException]) -> None:
         with self.cond:
             self.alive -= 1
+            self.progress += 1
             self.started.add(me)
             if err is not None:
                 self.errors[name] = err
             self.cond.notify_all()
 
 
-def _work(plan: _Plan, me: int, src: _Source, bufs: _Buffers) -> None:
-    """Fetches pieces from ``src``, keeping :data:`AHEAD` requests in flight so
-    the stream does not drain between pieces."""
+def _work(plan: _Plan, me: int, src: Union[_Source, Callable[[], _Source]], bufs: _Buffers) -> None:
+    """Fetches pieces from ``src`` (or the source ``src()`` opens, here, so a
+    slow source delays no other), keeping :data:`AHEAD` requests in flight
+    so the stream does not drain between pieces."""
     err: Optional[BaseException] = None
     held: Deque[Tuple[int, int]] = deque()  # requested from src, oldest first
     try:
+        src = src if isinstance(src, _Source) else src()
         while True:
             while len(held) < AHEAD and (piece := plan.take(me, wait=not held)) is not None:
                 held.append(piece)
@@ -261,8 +270,9 @@ def _work(plan: _Plan, me: int, src: _Source, bufs: _Buffers) -> None:
         for piece in held:
             plan.settle(me, piece, ok=False)
     finally:
-        src.close()
-        plan.leave(me, src.name, err)
+        if isinstance(src, _Source):
+            src.close()
+        plan.leave(me, getattr(src, "name", None) or plan.names[me], err)
 
 
 def _open(name: str, step: int, timeout: float, first: Optional[dict]) -> Tuple[_Source, dict, bytes]:
@@ -275,6 +285,10 @@ def _open(name: str, step: int, timeout: float, first: Optional[dict]) -> Tuple[
     except BaseException:
         src.close()
         raise
+
+
+def _open_like(name: str, step: int, timeout: float, first: dict) -> _Source:
+    return _open(name, step, timeout, first)[0]
 
 
 def check_like(header: dict, like: object, source: str) -> None:
@@ -347,41 +361,29 @@ def recv_striped(
         raise TransferError(f"no checkpoint source given for step {step}")
     t = _seconds(timeout)
     first, src, header, spec, errors = _first(sources, step, t)
-    opened: List[_Source] = [src]
     try:
         if like is not None:
             check_like(header, like, sources[first])
         bufs = _Buffers(header)
         # Tensors are views of `bufs`, filled below; a malformed spec fails before data moves.
         state = _rebuild(header, spec, bufs, sources[first])
-        for name in sources[first + 1 :]:
-            try:
-                opened.append(_open(name, step, t, header)[0])
-            except (TransferError, TimeoutError) as e:
-                errors[name] = e
     except BaseException:
-        for s in opened:
-            s.close()
+        src.close()
         raise
-    plan = _Plan(bufs.total, piece, len(opened), t)
-    for i, s in enumerate(opened[1:], start=1):
-        threading.Thread(target=_work, args=(plan, i, s, bufs), name=f"rally-fetch-{s.name}", daemon=True).start()
-    _work(plan, 0, opened[0], bufs)  # the first source in the calling thread
+    others = list(sources[first + 1 :])
+    plan = _Plan(bufs.total, piece, [sources[first], *others], t)
+    for i, name in enumerate(others, start=1):
+        opener = functools.partial(_open_like, name, step, t, header)
+        threading.Thread(target=_work, args=(plan, i, opener, bufs), name=f"rally-fetch-{name}", daemon=True).start()
+    _work(plan, 0, src, bufs)  # the first source in the calling thread
     with plan.cond:
         moving = plan._wait_progress(lambda: plan.alive == 0)
         errors.update(plan.errors)
         missing = plan.pending() or plan.in_flight
     if not moving:
-        for s in opened:
-            _shut(s)
-        raise TimeoutError(f"no byte of step {step} arrived from any of {list(sources)} for {t}s")
+        raise TimeoutError(f"nothing of step {step} arrived from any of {list(sources)} for {3 * t}s")
     if missing:
         raise _combined(step, errors)
     return state
 
 
-def _shut(s: _Source) -> None:
-    try:
-        s.sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass

@@ -1,5 +1,5 @@
 """RallyTransport case by case, with real torch: ``python transport_cases.py
-CASE`` runs one case and prints ``PASS CASE``. Cases: roundtrip, striped,
+CASE`` runs one case and prints ``PASS CASE``. Cases: roundtrip, early, striped,
 failover, wrong_step, died, truncated, mismatch, malformed, hostile, timeout,
 disallow_midway. (``serve MB`` is the sender process of ``died``.)"""
 
@@ -153,6 +153,15 @@ def failover() -> None:
     out = _fetch.recv_striped([dying.name, other_step.metadata(), good.metadata()], STEP, T, piece=256 << 10)
     assert_bitwise_equal(state, out)
     dying.close()
+    # a silent second source (accepts, never answers): its share waits for its
+    # header's deadline, then the first source serves it
+    mute = socket.socket()
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(1)
+    silent = f"127.0.0.1:{mute.getsockname()[1]}"
+    out = _fetch.recv_striped([good.metadata(), silent], STEP, timedelta(seconds=2), piece=256 << 10)
+    assert_bitwise_equal(state, out)
+    mute.close()
     # every source failing: one error naming each
     dead = FakeSource(lambda conn: None)
     msg = expect_error(lambda: _fetch.recv_striped([dead.name, other_step.metadata()], STEP, T), dead.name, other_step.metadata(), cls=TransferError)
@@ -160,11 +169,36 @@ def failover() -> None:
     print(f"failover: {msg[:200]}")
 
 
+def early() -> None:
+    """A receiver that asks before the source has staged the step (under
+    torchft's Manager both start when the quorum names them) waits for it."""
+    state = manager_like_state(seed=3)
+    sender = RallyTransport(timeout=T)
+    receiver = RallyTransport(timeout=T)
+    got = {}
+    t = threading.Thread(target=lambda: got.setdefault("sd", receiver.recv_checkpoint(0, sender.metadata(), STEP, T)))
+    t.start()
+    server = sender._serving()
+    deadline = time.monotonic() + 20
+    while not server._conns:  # the receiver's request is in
+        assert time.monotonic() < deadline, "the receiver never connected"
+        time.sleep(0.01)
+    sender.send_checkpoint([1], STEP, state, T)
+    t.join(30)
+    assert not t.is_alive(), "the early receiver never got the step"
+    assert_bitwise_equal(state, got["sd"])
+    sender.shutdown()
+    receiver.shutdown()
+    print("early: the receiver waited for the step to be staged")
+
+
 def wrong_step() -> None:
     receiver = RallyTransport(timeout=T)
-    idle = RallyTransport(timeout=T)
+    # A header request for a step not staged waits the source's timeout
+    # (see `early`): short ones here.
+    idle = RallyTransport(timeout=timedelta(seconds=1))
     expect_error(lambda: receiver.recv_checkpoint(0, idle.metadata(), STEP, T), idle.metadata(), f"step {STEP}", "serves no step", cls=TransferError)
-    sender = serving(manager_like_state())
+    sender = serving(manager_like_state(), timeout=timedelta(seconds=1))
     msg = expect_error(lambda: receiver.recv_checkpoint(0, sender.metadata(), STEP + 1, T), sender.metadata(), f"step {STEP + 1}", f"serves step {STEP}", cls=TransferError)
     sender.disallow_checkpoint()
     expect_error(lambda: receiver.recv_checkpoint(0, sender.metadata(), STEP, T), "serves no step", cls=TransferError)
@@ -372,7 +406,7 @@ def disallow_midway() -> None:
     print(f"disallow_midway: {err}")
 
 
-CASES = {f.__name__: f for f in (roundtrip, striped, failover, wrong_step, died, truncated, mismatch, malformed, hostile, timeout, disallow_midway)}
+CASES = {f.__name__: f for f in (roundtrip, early, striped, failover, wrong_step, died, truncated, mismatch, malformed, hostile, timeout, disallow_midway)}
 
 if __name__ == "__main__":
     if sys.argv[1] == "serve":

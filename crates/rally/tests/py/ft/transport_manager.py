@@ -152,12 +152,14 @@ def main() -> None:
     from torchft._torchft import LighthouseServer
 
     lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=1000, quorum_tick_ms=50, heartbeat_timeout_ms=2000)
+    # address() names the hostname; the lighthouse listens on loopback only
+    address = f"http://127.0.0.1:{lh.address().rsplit(':', 1)[1]}"
     deadline = time.monotonic() + LIMIT
     with tempfile.TemporaryDirectory() as out:
-        r0 = Replica(0, lh.address(), out)
+        r0 = Replica(0, address, out)
         try:
             r0.until("COMMITTED 2 ", deadline)
-            r1 = Replica(1, lh.address(), out)
+            r1 = Replica(1, address, out)
             try:
                 healed = int(r1.until("HEALED", deadline).split()[1])
                 r1.finish(deadline)
