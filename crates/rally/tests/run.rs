@@ -806,3 +806,5 @@ mod ft_process_group;
 mod ft_transport;
 #[path = "run/lighthouse.rs"]
 mod lighthouse;
+#[path = "run/ft_hosts.rs"]
+mod ft_hosts;

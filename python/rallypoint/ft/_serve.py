@@ -141,6 +141,21 @@ class Server:
         self.freeze()
         with self._lock:
             self._staged = staged
+            self._lock.notify_all()
+
+    def _awaited(self, kind: int, step: int) -> Optional[Staged]:
+        """What is staged for a request of ``step``. A header request for a
+        step not staged yet waits for it (up to the timeout): under torchft's
+        Manager the receiver asks as soon as the quorum names its source,
+        while the source stages in its own quorum thread (torchft's
+        HTTPTransport blocks such a request on its lock in the same way)."""
+        with self._lock:
+            if kind == _wire.KIND_META:
+                self._lock.wait_for(
+                    lambda: self._closed or (self._staged is not None and self._staged.step >= step),
+                    timeout=self._timeout,
+                )
+            return self._staged
 
     def freeze(self) -> None:
         """Stops serving; returns once no transfer holds the staged tensors."""
@@ -164,6 +179,7 @@ class Server:
         with self._lock:
             self._closed = True
             self._staged = None
+            self._lock.notify_all()
             conns = list(self._conns)
         _shutdown(self._sock)
         self._sock.close()
@@ -223,8 +239,7 @@ class Server:
             kind, step, token, offset, length = _wire.decode_request(buf)
         except _wire.WireError as e:
             _refuse(conn, str(e))
-        with self._lock:
-            st = self._staged
+        st = self._awaited(kind, step)
         if st is None or st.step != step:
             serving = f"step {st.step}" if st else "no step (none staged since its last commit)"
             _refuse(conn, f"step {step} is not served here: this source serves {serving}")

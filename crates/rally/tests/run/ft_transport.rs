@@ -63,6 +63,15 @@ fn sources_that_refuse_or_die_mid_piece_hand_their_pieces_to_the_others() {
     case("failover");
 }
 
+/// Under torchft's Manager the receiver asks as soon as the quorum names its
+/// source, which stages the step in its own quorum thread: a header request
+/// for a step not staged yet waits for it (a refusal there failed the heal
+/// of every replica that started second, and torchft's DDP then crashed).
+#[test]
+fn a_receiver_asking_before_the_step_is_staged_waits_for_it() {
+    case("early");
+}
+
 #[test]
 fn a_step_the_source_does_not_serve_is_refused_naming_what_it_serves() {
     let out = case("wrong_step");

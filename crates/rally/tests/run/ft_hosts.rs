@@ -1,0 +1,366 @@
+//! Per-step fault tolerance across test hosts (issue 47 §4): one replica
+//! group of one process per host, torchft 0.2.0's own `Manager`,
+//! `DistributedDataParallel` and `Optimizer` on a small MLP
+//! (`crates/bench/py/ft_worker.py`), with our parts: `ProcessGroupRally`,
+//! `RallyTransport` and `rally lighthouse` (on node1, beside replica 0).
+//!
+//! Every test checks, besides its own bound:
+//! - no survivor was restarted: each survivor's records carry one pid, the
+//!   pid of the process the test started, which is still the one that ends;
+//! - every step committed by several replicas has one digest (parameters and
+//!   optimizer state, SHA-256) on all of them, so a healed replica's state
+//!   equals its peers' bitwise;
+//! - every survivor ends normally.
+//!
+//! Bounds are a configured deadline plus a margin (`MARGIN`), never a speed:
+//! the group's own timeout is set far above them (`PG_TIMEOUT`), so meeting
+//! one proves the path that was meant (the connection's end, the
+//! lighthouse's keep-alive and its push), not the group's timeout.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use rallypoint_testhosts::{cluster, Cluster, Host};
+use serde_json::Value;
+
+use super::{python, Job, LIMIT};
+
+/// The group's timeout in these tests: far above every bound below.
+const PG_TIMEOUT: &str = "30";
+/// The margin on a bound (the project's rule for tests across hosts).
+const MARGIN: Duration = Duration::from_secs(5);
+/// Where the lighthouse listens on node1.
+const LH_PORT: u16 = 29710;
+
+fn worker() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../bench/py/ft_worker.py")
+}
+
+/// `rally lighthouse` on `host`, its keep-alive `heartbeat_ms`.
+fn lighthouse_on(host: &Host, dir: &Path, heartbeat_ms: u64) -> Job {
+    let mut cmd = host.command(env!("CARGO_BIN_EXE_rally"));
+    cmd.args(["lighthouse", "--min_replicas", "1", "--bind"])
+        .arg(format!("{}:{LH_PORT}", host.addr))
+        .args(["--heartbeat_timeout_ms", &heartbeat_ms.to_string()]);
+    let j = Job::spawn(cmd, dir, &format!("lighthouse-{}", unix_ms()));
+    let t0 = Instant::now();
+    while !j.output().contains("listening on") {
+        assert!(t0.elapsed() < LIMIT, "no lighthouse: {}", j.output());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    j
+}
+
+fn unix_ms() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis()
+}
+
+/// The replicas' records, one file per process started.
+struct Replica {
+    job: Job,
+    out: PathBuf,
+    pid: u32,
+}
+
+impl Replica {
+    fn records(&self) -> Vec<Value> {
+        std::fs::read_to_string(&self.out)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    }
+
+    /// The time (unix seconds) of the first record matching `f`.
+    fn first(&self, f: impl Fn(&Value) -> bool) -> Option<f64> {
+        self.records()
+            .into_iter()
+            .find(|r| f(r))
+            .and_then(|r| r["t"].as_f64())
+    }
+
+    fn committed(&self) -> BTreeMap<u64, String> {
+        self.records()
+            .into_iter()
+            .filter(|r| r["committed"] == true)
+            .map(|r| {
+                let step = r["step"].as_u64().unwrap();
+                (step, r["digest"].as_str().unwrap_or("").to_owned())
+            })
+            .collect()
+    }
+}
+
+struct FtJob {
+    c: Cluster,
+    dir: tempfile::TempDir,
+    site: PathBuf,
+    lighthouse: Option<Job>,
+    replicas: Vec<Replica>,
+}
+
+impl FtJob {
+    fn start(n: usize, heartbeat_ms: u64) -> FtJob {
+        let c = cluster(n);
+        let dir = tempfile::tempdir().unwrap();
+        let site = super::torch_backend::package(dir.path());
+        let lighthouse = Some(lighthouse_on(c.host(0), dir.path(), heartbeat_ms));
+        FtJob {
+            c,
+            dir,
+            site,
+            lighthouse,
+            replicas: Vec::new(),
+        }
+    }
+
+    /// Starts replica group `i` on host `i`, with `env` on top of the common one.
+    fn replica(&mut self, i: usize, env: &[(&str, &str)]) -> usize {
+        let host = self.c.host(i);
+        let k = self.replicas.len();
+        let out = self.dir.path().join(format!("replica{i}.{k}.jsonl"));
+        let mut cmd: Command = host.command(python());
+        cmd.arg(worker())
+            .env("PYTHONPATH", &self.site)
+            .env("REPLICA_GROUP_ID", i.to_string())
+            .env("NUM_REPLICA_GROUPS", self.c.hosts().len().to_string())
+            .env("MASTER_ADDR", host.addr.to_string())
+            .env("MASTER_PORT", "29720")
+            .env(
+                "TORCHFT_LIGHTHOUSE",
+                format!("http://{}:{LH_PORT}", self.c.host(0).addr),
+            )
+            .env("TORCHFT_QUORUM_RETRIES", "10")
+            .env("FT_SIDE", "rally")
+            .env("FT_MODEL", "small")
+            .env("FT_DIGEST", "1")
+            .env("FT_PG_TIMEOUT", PG_TIMEOUT)
+            .env("FT_OUT", &out)
+            .env_remove("HOSTNAME");
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let job = Job::spawn(cmd, self.dir.path(), &format!("replica{i}.{k}"));
+        let pid = job.child.id();
+        self.replicas.push(Replica { job, out, pid });
+        k
+    }
+
+    fn wait_for(&self, what: &str, limit: Duration, mut f: impl FnMut(&FtJob) -> bool) {
+        let t0 = Instant::now();
+        while !f(self) {
+            assert!(
+                t0.elapsed() < limit,
+                "waited {limit:?} for {what}\n{}",
+                self.logs()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn logs(&self) -> String {
+        let mut s = String::new();
+        for j in self.lighthouse.iter().chain(self.replicas.iter().map(|r| &r.job)) {
+            let o = j.output();
+            let tail = &o[o.len().saturating_sub(3000)..];
+            s.push_str(&format!("--- {}\n{tail}\n", j.log.display()));
+        }
+        s
+    }
+
+    /// The survivors (`ks`) each commit a step past `step`, within `bound`
+    /// of `t0` (unix seconds); returns the slowest's gap.
+    fn survivors_commit_past(&self, ks: &[usize], step: u64, t0: f64, bound: Duration) -> f64 {
+        self.wait_for("the survivors' next commit", bound + MARGIN + LIMIT, |j| {
+            ks.iter().all(|&k| j.replicas[k].committed().keys().any(|s| *s > step))
+        });
+        let gap = ks
+            .iter()
+            .map(|&k| {
+                self.replicas[k]
+                    .first(|r| r["committed"] == true && r["step"].as_u64() > Some(step))
+                    .unwrap()
+                    - t0
+            })
+            .fold(0.0, f64::max);
+        eprintln!("survivors committed past step {step} {gap:.3} s after the fault (bound {bound:?} + {MARGIN:?})");
+        assert!(
+            gap < (bound + MARGIN).as_secs_f64(),
+            "the survivors' next commit came {gap:.3} s after the fault, past {bound:?} + {MARGIN:?}\n{}",
+            self.logs()
+        );
+        gap
+    }
+
+    /// Every survivor `ks` ends normally, kept its one pid, and every step
+    /// committed by several replicas has one digest.
+    fn finish(&mut self, ks: &[usize]) {
+        for &k in ks {
+            let r = &mut self.replicas[k];
+            let s = r.job.wait(LIMIT);
+            assert!(s.success(), "replica {k}: {s}\n{}", self.logs());
+            let r = &self.replicas[k];
+            let pids: std::collections::BTreeSet<u64> = r
+                .records()
+                .iter()
+                .filter_map(|x| x["pid"].as_u64())
+                .collect();
+            assert_eq!(
+                pids.into_iter().collect::<Vec<_>>(),
+                vec![r.pid as u64],
+                "replica {k} was restarted"
+            );
+        }
+        let mut by_step: BTreeMap<u64, Vec<(usize, String)>> = BTreeMap::new();
+        for (k, r) in self.replicas.iter().enumerate() {
+            for (s, d) in r.committed() {
+                by_step.entry(s).or_default().push((k, d));
+            }
+        }
+        for (s, ds) in &by_step {
+            assert!(
+                ds.windows(2).all(|w| w[0].1 == w[1].1),
+                "step {s} was committed with different states: {ds:?}"
+            );
+        }
+    }
+
+    fn fault_time(&self, k: usize) -> f64 {
+        self.replicas[k]
+            .first(|r| r["event"] == "fault")
+            .expect("the fault's moment")
+    }
+}
+
+/// How many steps each survivor runs; the fault comes at `AT`.
+const STEPS: &str = "60";
+const AT: u64 = 15;
+
+/// A replica SIGKILLed inside its gradient all_reduce: its connections reset,
+/// so the survivors' op fails at once and the lighthouse drops it at once
+/// (its keep-alive here is 20 s: meeting the bound proves the connection's
+/// end, not the keep-alive). Then it is launched again and heals to its
+/// peers' state.
+#[test]
+fn a_replica_killed_inside_the_all_reduce_is_dropped_at_once_and_heals_on_return() {
+    let mut j = FtJob::start(3, 20_000);
+    let at = AT.to_string();
+    for i in 0..2 {
+        j.replica(i, &[("FT_STEPS", STEPS)]);
+    }
+    let victim = j.replica(
+        2,
+        &[("FT_STEPS", STEPS), ("FT_FAULT", "kill-allreduce"), ("FT_FAULT_STEP", &at)],
+    );
+    j.wait_for("the victim's fault", LIMIT, |j| {
+        j.replicas[victim].first(|r| r["event"] == "fault").is_some()
+    });
+    let t0 = j.fault_time(victim);
+    j.survivors_commit_past(&[0, 1], AT, t0, Duration::from_millis(250));
+    let _ = j.replicas[victim].job.wait(LIMIT);
+    let back = j.replica(2, &[("FT_STEPS", "10")]);
+    j.wait_for("the returned replica's commits", LIMIT, |j| {
+        j.replicas[back].committed().len() >= 3
+    });
+    j.finish(&[0, 1, back]);
+}
+
+/// A replica SIGSTOPped inside the all_reduce, past the keep-alive (1 s):
+/// the lighthouse drops it and pushes an abort into the survivors' group, so
+/// they go on without waiting out the group's 30 s timeout. Resumed, it
+/// heals and takes part again.
+#[test]
+fn a_replica_stopped_past_the_keep_alive_is_dropped_and_rejoins_when_resumed() {
+    let mut j = FtJob::start(3, 1000);
+    let at = AT.to_string();
+    for i in 0..2 {
+        j.replica(i, &[("FT_STEPS", STEPS)]);
+    }
+    let victim = j.replica(
+        2,
+        &[("FT_STEPS", STEPS), ("FT_FAULT", "stop-allreduce"), ("FT_FAULT_STEP", &at)],
+    );
+    j.wait_for("the victim's fault", LIMIT, |j| {
+        j.replicas[victim].first(|r| r["event"] == "fault").is_some()
+    });
+    let t0 = j.fault_time(victim);
+    j.survivors_commit_past(&[0, 1], AT, t0, Duration::from_millis(1250));
+    j.replicas[victim].job.signal(libc::SIGCONT);
+    let before = j.replicas[victim].committed().len();
+    j.wait_for("the resumed replica's commits", LIMIT, |j| {
+        j.replicas[victim].committed().len() >= before + 3
+    });
+    j.finish(&[0, 1, victim]);
+}
+
+/// A host cut off for good (no reset reaches anyone): dropped at the
+/// lighthouse's keep-alive (1 s), the survivors' group aborted by its push.
+#[test]
+fn a_host_cut_off_for_good_is_dropped_at_the_keep_alive() {
+    let mut j = FtJob::start(3, 1000);
+    for i in 0..3 {
+        j.replica(i, &[("FT_STEPS", STEPS)]);
+    }
+    j.wait_for("step 10 everywhere", LIMIT, |j| {
+        j.replicas.iter().all(|r| r.committed().contains_key(&10))
+    });
+    let t0 = unix_ms() as f64 / 1000.0;
+    j.c.host(2).cut();
+    let step = j.replicas[0].committed().keys().max().copied().unwrap() + 1;
+    j.survivors_commit_past(&[0, 1], step, t0, Duration::from_millis(1250));
+    j.finish(&[0, 1]);
+    j.c.hosts_mut()[2].power_off();
+}
+
+/// A host cut off for less than the keep-alive (20 s here): its replica
+/// stays in every quorum, the step it was in waits and goes on, and it
+/// commits every step the others commit.
+#[test]
+fn a_host_cut_off_for_less_than_the_keep_alive_is_ridden_out() {
+    let mut j = FtJob::start(3, 20_000);
+    for i in 0..3 {
+        j.replica(i, &[("FT_STEPS", "40")]);
+    }
+    j.wait_for("step 10 everywhere", LIMIT, |j| {
+        j.replicas.iter().all(|r| r.committed().contains_key(&10))
+    });
+    j.c.host(2).cut();
+    std::thread::sleep(Duration::from_millis(1500));
+    j.c.host(2).heal();
+    j.finish(&[0, 1, 2]);
+    let all: Vec<BTreeMap<u64, String>> = j.replicas.iter().map(Replica::committed).collect();
+    assert_eq!(all[0].keys().collect::<Vec<_>>(), all[2].keys().collect::<Vec<_>>(), "replica 2 missed steps");
+}
+
+/// The lighthouse SIGKILLed and started again on its address: no replica
+/// crashes (torchft's managers retry, `TORCHFT_QUORUM_RETRIES`), and the
+/// replicas commit again soon after it is back.
+#[test]
+fn the_lighthouse_killed_and_restarted_stops_no_replica() {
+    let mut j = FtJob::start(3, 1000);
+    for i in 0..3 {
+        j.replica(i, &[("FT_STEPS", STEPS)]);
+    }
+    j.wait_for("step 10 everywhere", LIMIT, |j| {
+        j.replicas.iter().all(|r| r.committed().contains_key(&10))
+    });
+    drop(j.lighthouse.take());
+    std::thread::sleep(Duration::from_millis(500));
+    let dir = j.dir.path().to_owned();
+    j.lighthouse = Some(lighthouse_on(j.c.host(0), &dir, 1000));
+    let t0 = unix_ms() as f64 / 1000.0;
+    let step = j
+        .replicas
+        .iter()
+        .map(|r| r.committed().keys().max().copied().unwrap_or(0))
+        .max()
+        .unwrap();
+    j.survivors_commit_past(&[0, 1, 2], step, t0, Duration::from_secs(1));
+    j.finish(&[0, 1, 2]);
+}
+
