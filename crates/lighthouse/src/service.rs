@@ -34,7 +34,7 @@
 //!
 //! | layer | modules |
 //! |---|---|
-//! | the watch board and its answers, pure | `watch` |
+//! | the watch board and its answers, pure; wire types and the encoded answer | `watch`, `wire` |
 //! | the machine behind its lock, waiters, counters | `state` |
 //! | the gRPC handlers; the HTTP endpoints | `grpc`, `http` |
 //! | the accept loop: sessions, routing, refusals | `conn` |
@@ -59,6 +59,7 @@ mod grpc;
 mod http;
 mod state;
 mod watch;
+mod wire;
 
 use std::future::Future;
 use std::net::SocketAddr;

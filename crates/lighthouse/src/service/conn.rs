@@ -6,7 +6,8 @@
 //! by hyper's auto builder (it tells an HTTP/2 preface from HTTP/1.1). Each
 //! request carries its [`Conn`] in its extensions; one whose `content-type`
 //! is `application/grpc*` goes to tonic's generated `LighthouseService`
-//! server, any other to [`super::http`]. torchft's manager keeps one HTTP/2
+//! server (`Quorum` to [`QuorumCall`], which writes the answer encoded once
+//! per quorum: [`super::wire`]), any other to [`super::http`]. torchft's manager keeps one HTTP/2
 //! channel to the lighthouse for its heartbeats and quorum calls, so when
 //! its process dies the kernel resets that connection, hyper's connection
 //! future ends, and the machine drops the replica at that moment.
@@ -29,10 +30,14 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::TcpStream;
 use tonic::codegen::Service as _;
 
-use super::grpc::{Conn, Grpc};
+use super::grpc::{Conn, Grpc, QuorumCall};
 use super::state::{Counters, Shared};
+use super::wire::Encoded;
 use crate::machine::Session;
-use crate::proto::LighthouseServiceServer;
+use crate::proto::{LighthouseQuorumRequest, LighthouseServiceServer};
+
+/// The path of torchft's `Quorum` call.
+const QUORUM: &str = "/torchft.LighthouseService/Quorum";
 
 /// Largest gRPC message accepted, in bytes (a `QuorumMember` is a few hundred).
 pub const MAX_MESSAGE: usize = 1 << 20;
@@ -44,6 +49,9 @@ const MAX_HEADERS: u32 = 64 << 10;
 pub struct Conns {
     pub shared: Arc<Shared>,
     pub grpc: LighthouseServiceServer<Grpc>,
+    /// `Quorum` with its answer encoded once per quorum.
+    pub quorum: QuorumCall,
+    pub max_message: usize,
     /// HTTP/2 pings on an idle connection this often, and drop it if one
     /// goes unanswered this long (a host cut off leaves no reset behind).
     pub keep_alive: Duration,
@@ -56,8 +64,12 @@ impl Conns {
         }))
         .max_decoding_message_size(max_message);
         Conns {
+            quorum: QuorumCall {
+                shared: shared.clone(),
+            },
             shared,
             grpc,
+            max_message,
             keep_alive,
         }
     }
@@ -109,9 +121,17 @@ impl Conns {
             }
             return resp;
         }
-        let resp = match self.grpc.clone().call(req).await {
-            Ok(r) => r,
-            Err(never) => match never {},
+        let resp = if path == QUORUM {
+            let codec = tonic_prost::ProstCodec::<Encoded, LighthouseQuorumRequest>::default();
+            tonic::server::Grpc::new(codec)
+                .apply_max_message_size_config(Some(self.max_message), None)
+                .unary(self.quorum.clone(), req)
+                .await
+        } else {
+            match self.grpc.clone().call(req).await {
+                Ok(r) => r,
+                Err(never) => match never {},
+            }
         };
         // An error ends the call at once: its status is in the headers.
         if let Some(status) = tonic::Status::from_header_map(resp.headers()) {

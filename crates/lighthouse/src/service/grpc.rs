@@ -17,9 +17,9 @@ use std::time::{Duration, SystemTime};
 use tonic::{Request, Response, Status};
 
 use super::state::{Counters, Shared};
+use super::wire::{self, Encoded, Issued};
 use crate::machine::Session;
 use crate::proto;
-use crate::quorum::{Member, Quorum};
 
 /// How long a `Quorum` call without a `grpc-timeout` waits (torchft's
 /// managers always send one: their `quorum_timeout`, 60 s by default).
@@ -44,36 +44,18 @@ pub struct Grpc {
 
 #[tonic::async_trait]
 impl proto::LighthouseService for Grpc {
+    /// The generated server's `Quorum`; the accept loop routes `Quorum`
+    /// calls to [`QuorumCall`], which writes the answer encoded once, so
+    /// this one serves only a caller that reaches the generated server some
+    /// other way. Same rules, same answer.
     async fn quorum(
         &self,
         req: Request<proto::LighthouseQuorumRequest>,
     ) -> Result<Response<proto::LighthouseQuorumResponse>, Status> {
-        let conn = conn(&req)?;
-        let wait = grpc_timeout(&req)?.unwrap_or(DEFAULT_QUORUM_WAIT);
-        let requester = req.into_inner().requester.ok_or_else(|| {
-            Status::invalid_argument("quorum request without a requester (QuorumMember)")
-        })?;
-        check_replica_id(&requester.replica_id)?;
-        let member = member(requester);
-        let replica_id = member.replica_id.clone();
-        let mut waiting = self
-            .shared
-            .join(conn.session, member)
-            .map_err(|reason| already_exists(&replica_id, &reason))?;
-        match tokio::time::timeout(wait, &mut waiting.rx).await {
-            Ok(Ok(q)) => Ok(Response::new(proto::LighthouseQuorumResponse {
-                quorum: Some(quorum(q)),
-            })),
-            Ok(Err(_)) => Err(Status::unavailable("the lighthouse is stopping")),
-            Err(_) => {
-                Counters::add(&self.shared.counters.timeouts);
-                let s = self.shared.status();
-                Err(Status::deadline_exceeded(format!(
-                    "no quorum with replica {replica_id} within {wait:?}: waiting {:?}, healthy {:?}; {}",
-                    s.waiting, s.healthy, s.reason
-                )))
-            }
-        }
+        let issued = join_and_wait(&self.shared, req).await?;
+        Ok(Response::new(proto::LighthouseQuorumResponse {
+            quorum: Some(wire::to_proto(issued.quorum.clone())),
+        }))
     }
 
     async fn heartbeat(
@@ -87,6 +69,59 @@ impl proto::LighthouseService for Grpc {
             .heartbeat(conn.session, replica_id.clone())
             .map_err(|reason| already_exists(&replica_id, &reason))?;
         Ok(Response::new(proto::LighthouseHeartbeatResponse {}))
+    }
+}
+
+/// `Quorum` as the accept loop serves it: the same rules as
+/// [`Grpc::quorum`], answered with the bytes encoded once per issued quorum.
+#[derive(Clone)]
+pub struct QuorumCall {
+    pub shared: Arc<Shared>,
+}
+
+impl tonic::server::UnaryService<proto::LighthouseQuorumRequest> for QuorumCall {
+    type Response = Encoded;
+    type Future = BoxFuture<'static, Result<Response<Encoded>, Status>>;
+
+    fn call(&mut self, req: Request<proto::LighthouseQuorumRequest>) -> Self::Future {
+        let shared = self.shared.clone();
+        Box::pin(async move {
+            let issued = join_and_wait(&shared, req).await?;
+            Ok(Response::new(issued.answer.clone()))
+        })
+    }
+}
+
+type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
+
+/// A `Quorum` call: join, then wait (bounded by the call's `grpc-timeout`)
+/// for an issued quorum that contains the requester.
+async fn join_and_wait(
+    shared: &Arc<Shared>,
+    req: Request<proto::LighthouseQuorumRequest>,
+) -> Result<Arc<Issued>, Status> {
+    let conn = conn(&req)?;
+    let wait = grpc_timeout(&req)?.unwrap_or(DEFAULT_QUORUM_WAIT);
+    let requester = req.into_inner().requester.ok_or_else(|| {
+        Status::invalid_argument("quorum request without a requester (QuorumMember)")
+    })?;
+    check_replica_id(&requester.replica_id)?;
+    let member = wire::member(requester);
+    let replica_id = member.replica_id.clone();
+    let mut waiting = shared
+        .join(conn.session, member)
+        .map_err(|reason| already_exists(&replica_id, &reason))?;
+    match tokio::time::timeout(wait, &mut waiting.rx).await {
+        Ok(Ok(issued)) => Ok(issued),
+        Ok(Err(_)) => Err(Status::unavailable("the lighthouse is stopping")),
+        Err(_) => {
+            Counters::add(&shared.counters.timeouts);
+            let s = shared.status();
+            Err(Status::deadline_exceeded(format!(
+                "no quorum with replica {replica_id} within {wait:?}: waiting {:?}, healthy {:?}; {}",
+                s.waiting, s.healthy, s.reason
+            )))
+        }
     }
 }
 
@@ -148,42 +183,6 @@ pub fn parse_grpc_timeout(text: &str) -> Option<Duration> {
         "n" => Duration::from_nanos(n),
         _ => return None,
     })
-}
-
-/// torchft's `QuorumMember` as the machine's.
-pub fn member(m: proto::QuorumMember) -> Member {
-    Member {
-        replica_id: m.replica_id,
-        address: m.address,
-        store_address: m.store_address,
-        step: m.step,
-        world_size: m.world_size,
-        shrink_only: m.shrink_only,
-        commit_failures: m.commit_failures,
-        data: m.data,
-    }
-}
-
-/// The machine's quorum as torchft's.
-pub fn quorum(q: Quorum) -> proto::Quorum {
-    proto::Quorum {
-        quorum_id: q.id,
-        participants: q.participants.into_iter().map(quorum_member).collect(),
-        created: Some(prost_types::Timestamp::from(q.created)),
-    }
-}
-
-fn quorum_member(m: Member) -> proto::QuorumMember {
-    proto::QuorumMember {
-        replica_id: m.replica_id,
-        address: m.address,
-        store_address: m.store_address,
-        step: m.step,
-        world_size: m.world_size,
-        shrink_only: m.shrink_only,
-        commit_failures: m.commit_failures,
-        data: m.data,
-    }
 }
 
 /// Unix time in milliseconds: the first quorum id of a service started now,

@@ -14,7 +14,7 @@
 //! [`Shared::ticker`] sends `Tick` every `quorum_tick` and at the machine's
 //! `next_deadline`; each step wakes it to look at the deadline again.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -23,6 +23,7 @@ use rallypoint_sync::MutexExt;
 use tokio::sync::{oneshot, watch, Notify};
 
 use super::watch::Board;
+use super::wire::Issued;
 use crate::machine::{Action, Event, Lighthouse, Session, Status};
 use crate::quorum::{Member, Quorum};
 
@@ -61,7 +62,7 @@ pub struct Refusal {
 
 struct Waiter {
     replica_id: String,
-    tx: oneshot::Sender<Quorum>,
+    tx: oneshot::Sender<Arc<Issued>>,
 }
 
 struct Inner {
@@ -82,8 +83,9 @@ pub struct Shared {
 pub struct Waiting {
     shared: Arc<Shared>,
     id: u64,
-    /// The quorum, once one that contains the replica is issued.
-    pub rx: oneshot::Receiver<Quorum>,
+    /// The quorum and its encoded answer, once one that contains the
+    /// replica is issued.
+    pub rx: oneshot::Receiver<Arc<Issued>>,
 }
 
 impl Drop for Waiting {
@@ -234,31 +236,40 @@ impl Shared {
         refusals
     }
 
-    /// Answers every waiting call whose replica is in `q`; the others keep
-    /// waiting (torchft's rule).
+    /// Answers every waiting call whose replica is in `q`, all with the same
+    /// encoded answer; the others keep waiting (torchft's rule).
     fn issue(&self, inner: &mut Inner, q: Quorum) {
-        let members: Vec<&str> = q
-            .participants
-            .iter()
-            .map(|m| m.replica_id.as_str())
-            .collect();
         // Every step re-issues the quorum; a new id is the news.
         if self.board.borrow().current == Some(q.id) {
             tracing::debug!(quorum_id = q.id, "quorum issued again");
         } else {
+            let members: Vec<&str> = q
+                .participants
+                .iter()
+                .map(|m| m.replica_id.as_str())
+                .collect();
             tracing::info!(quorum_id = q.id, ?members, "new quorum issued");
         }
         self.board.send_modify(|b| b.issued(q.id));
+        let members: HashSet<&str> = q
+            .participants
+            .iter()
+            .map(|m| m.replica_id.as_str())
+            .collect();
         let answered: Vec<u64> = inner
             .waiters
             .iter()
-            .filter(|(_, w)| members.contains(&w.replica_id.as_str()))
+            .filter(|(_, w)| members.contains(w.replica_id.as_str()))
             .map(|(id, _)| *id)
             .collect();
+        if answered.is_empty() {
+            return;
+        }
+        let issued = Arc::new(Issued::new(q));
         for id in answered {
             if let Some(w) = inner.waiters.remove(&id) {
                 // The call may have ended meanwhile; nothing to answer then.
-                let _ = w.tx.send(q.clone());
+                let _ = w.tx.send(issued.clone());
             }
         }
     }
