@@ -373,3 +373,84 @@ fn ids_rise_on_change_or_commit_failure() {
     let other = quorum(0, &["a", "c"]).participants;
     assert_eq!(next_id(7, Some(&q), &other), 8, "a member replaced");
 }
+
+/// A random roster: per replica (heard ms ago, joined ms ago or not,
+/// shrink_only), a previous quorum of some of them (or none), knobs.
+fn arbitrary(
+) -> impl proptest::strategy::Strategy<Value = (Vec<(u64, Option<u64>, bool, bool)>, bool, u64, u64)>
+{
+    use proptest::prelude::*;
+    (
+        proptest::collection::vec(
+            (
+                0u64..8_000,
+                proptest::option::of(0u64..4_000),
+                any::<bool>(),
+                any::<bool>(),
+            ),
+            0..12,
+        ),
+        any::<bool>(),
+        0u64..5,
+        prop_oneof![Just(0u64), Just(500), Just(3_000)],
+    )
+}
+
+proptest::proptest! {
+    /// Whatever the roster: an issued quorum is sorted, made of healthy
+    /// participants, never below min_replicas, and either fast (holding
+    /// every previous member) or backed by more than half of the healthy
+    /// replicas; with shrink_only (from a previous member) honoured, it adds
+    /// no one.
+    #[test]
+    fn an_issued_quorum_keeps_the_rules((replicas, with_prev, min, join_ms) in arbitrary()) {
+        let now = Instant::now() + Duration::from_secs(100_000);
+        let mut knobs = knobs(min, Duration::from_millis(join_ms));
+        knobs.heartbeat_timeout = Duration::from_secs(5);
+        let mut r = Roster::default();
+        let mut prev_ids = Vec::new();
+        for (i, (heard, joined, shrink_only, in_prev)) in replicas.iter().enumerate() {
+            let id = format!("r{i:02}");
+            if let Some(joined) = joined {
+                let mut m = member(&id);
+                m.shrink_only = *shrink_only;
+                r.join(m, now - Duration::from_millis(*joined));
+            }
+            r.heard(&id, now - Duration::from_millis(*heard));
+            if *in_prev {
+                prev_ids.push(id);
+            }
+        }
+        let prev_ids: Vec<&str> = prev_ids.iter().map(String::as_str).collect();
+        let prev = (with_prev && !prev_ids.is_empty()).then(|| quorum(1, &prev_ids));
+        let v = compute(now, &r, prev.as_ref(), &knobs);
+        let Verdict::Issue { members, fast, census } = v else {
+            return Ok(());
+        };
+        let timeout = knobs.heartbeat_timeout;
+        let ids: Vec<&str> = members.iter().map(|m| m.replica_id.as_str()).collect();
+        proptest::prop_assert!(ids.windows(2).all(|w| w[0] < w[1]), "sorted: {ids:?}");
+        for id in &ids {
+            let rep = &r.replicas[*id];
+            proptest::prop_assert!(rep.waiting.is_some() && r.healthy(id, now, timeout));
+        }
+        proptest::prop_assert!(members.len() as u64 >= min || fast, "{ids:?} below {min}");
+        if fast {
+            for p in &prev_ids {
+                proptest::prop_assert!(ids.contains(p), "fast without {p}: {ids:?}");
+            }
+        } else {
+            proptest::prop_assert!(census.healthy_participants * 2 > census.healthy, "{census}");
+        }
+        if census.shrink_only && members.len() as u64 >= min {
+            let added: Vec<&&str> = ids.iter().filter(|id| !prev_ids.contains(id)).collect();
+            let shrunk = prev_ids.iter().filter(|p| {
+                r.replicas.get(**p).is_some_and(|x| x.waiting.is_some())
+                    && r.healthy(p, now, timeout)
+            }).count() as u64;
+            if shrunk >= min {
+                proptest::prop_assert!(added.is_empty(), "shrink_only let in {added:?}");
+            }
+        }
+    }
+}
