@@ -374,11 +374,12 @@ fn ids_rise_on_change_or_commit_failure() {
     assert_eq!(next_id(7, Some(&q), &other), 8, "a member replaced");
 }
 
-/// A random roster: per replica (heard ms ago, joined ms ago or not,
-/// shrink_only), a previous quorum of some of them (or none), knobs.
-fn arbitrary(
-) -> impl proptest::strategy::Strategy<Value = (Vec<(u64, Option<u64>, bool, bool)>, bool, u64, u64)>
-{
+/// A random case: per replica (heard ms ago, joined ms ago or not,
+/// shrink_only, in the previous quorum), whether there is a previous quorum,
+/// min_replicas, the join timeout in ms.
+type Case = (Vec<(u64, Option<u64>, bool, bool)>, bool, u64, u64);
+
+fn arbitrary() -> impl proptest::strategy::Strategy<Value = Case> {
     use proptest::prelude::*;
     (
         proptest::collection::vec(
