@@ -27,8 +27,9 @@ Environment (besides torchft's ``TORCHFT_LIGHTHOUSE``):
   this replica's own store, served here (as torchrun would);
 - ``FT_MODEL``: ``small`` (a 2-layer MLP, ~70k parameters) or ``10m`` (an MLP
   of hidden width 3072, 10.3M parameters);
-- ``FT_STEPS`` (stop after this many committed steps) and ``FT_SECONDS``
-  (stop after this long), whichever first;
+- ``FT_STEPS`` (stop after this many committed steps), ``FT_SECONDS``
+  (stop after this long) and ``FT_STOP_FILE`` (stop once it exists),
+  whichever first;
 - ``FT_MIN_REPLICAS`` (default 1), ``FT_PG_TIMEOUT`` (seconds, default 5,
   torchft's example), ``FT_BATCH`` (default 32);
 - ``FT_FAULT`` at ``FT_FAULT_STEP``: ``kill-between`` (SIGKILL after that
@@ -169,7 +170,10 @@ def run_ft(out, side: str) -> None:
     digest = os.environ.get("FT_DIGEST") == "1"
     kill_between = int(os.environ["FT_FAULT_STEP"]) if os.environ.get("FT_FAULT") == "kill-between" else None
     batches = _batches(1000 + manager.current_step(), int(os.environ.get("FT_BATCH", "32")), width)
+    stop_file = os.environ.get("FT_STOP_FILE")
     while commits < limit_steps and time.monotonic() < deadline:
+        if stop_file and os.path.exists(stop_file):
+            break
         x, y = next(batches)
         before = manager.current_step()
         opt.zero_grad()
