@@ -16,8 +16,9 @@ Each ``configure(store_addr, replica_id, rank, world_size, quorum_id, ...)``
 a ``rally`` backend (:class:`rallypoint.torch.RallyBackend`, whose op code
 every op here goes through) over ``PrefixStore(prefix, TCPStore(host,
 port))``. Forming publishes this rank's address (rank 0 also the group's
-nonce) and returns; connections open at the first op, shared memory when
-every member is on this host.
+nonce), then waits (the store's wait, one round) until every member has
+formed it; connections open at the first op, shared memory when every
+member is on this host.
 
 A configure first checks its arguments (a rank outside the world, a world
 of 0, a prefix that a live generation of this process uses) and reaches the
@@ -26,7 +27,7 @@ leaves the current generation **as it was, usable**. Once the store has
 answered, the current generation is shut down (ops in flight fail, aborted
 and named) and the next one forms; if forming fails, configure raises and
 the group has no generation: every op fails at once and :meth:`errored`
-names why, until the next configure.
+names why (a member that never joined is named), until the next configure.
 
 # Errors
 
@@ -338,10 +339,38 @@ class ProcessGroupRally(ProcessGroup):
                 err = RuntimeError(f"rallypoint.ft: forming the generation at {store_addr} as rank {rank} of {world_size} failed: {e}")
                 self._state = (_Fault(err), None)
                 raise err from e
+            try:
+                self._wait_members(store, prefix, world_size)
+            except Exception as e:
+                with _live_lock:
+                    _live.pop(store_addr, None)
+                self._state = (_Fault(e), None)
+                raise
             gen = _Generation(backend, store_addr, quorum_id, str(replica_id), fault)
             if self._lighthouse and quorum_id is not None:
                 gen.watch = Watch(self._lighthouse, int(quorum_id), gen.abort)
             self._state = (fault, gen)
+
+    def _wait_members(self, store, prefix: str, world_size: int) -> None:
+        """Waits (the store's own wait: no polling) until every member has
+        formed the generation, so that its first op finds every member's
+        address and host at once: otherwise that op polls the store for
+        them every 50 ms (``SLICE``, collectives' ``plan.rs``), one slice a
+        membership change. The keys are the ones the collectives publish at
+        set-up (``group/bootstrap.rs``: ``host/<rank>`` under
+        ``rallypoint/collectives/<name>``; only for a group of 2 or more)."""
+        if world_size < 2:
+            return
+        base = f"rallypoint/collectives/{prefix}/host"
+        keys = [f"{base}/{r}" for r in range(world_size)]
+        try:
+            store.wait(keys, self._timeout)
+        except Exception as e:  # noqa: BLE001 - torch raises several kinds
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            raise RuntimeError(
+                f"rallypoint.ft: the generation at {prefix!r} did not form within {self._timeout.total_seconds():g} s:"
+                f" rank(s) {missing} of {world_size} never joined ({type(e).__name__})"
+            ) from e
 
     def _claim(self, store_addr: str, quorum_id) -> None:
         with _live_lock:

@@ -101,6 +101,7 @@ fn a_failed_op_is_reported_by_errored_abort_reaches_every_member_and_configure_c
     let res = ops("errors", 2, &[], Some(1));
     // Rank 0 ends after rank 1's death; rank 1 is SIGKILLed (no JSON).
     assert_eq!(checks(&res[0], "errors"), 7, "{res:?}");
+    assert_eq!(checks(&res[0], "import"), 1, "{res:?}");
     let died = res[0]["death_error"].as_str().unwrap();
     assert!(died.contains("rank 1 is gone"), "{died}");
     eprintln!(
@@ -113,10 +114,11 @@ fn a_failed_op_is_reported_by_errored_abort_reaches_every_member_and_configure_c
 #[test]
 fn bad_configure_input_is_refused_and_leaves_the_generation_usable() {
     let res = ops("bad_input", 2, &[], None);
-    assert_eq!(checks(&res[0], "bad_input"), 14, "{res:?}");
-    assert_eq!(checks(&res[1], "bad_input"), 16, "{res:?}");
-    for (what, e) in res[1]["errors"].as_object().unwrap() {
-        eprintln!("{what}: {e}");
+    for (r, v) in res.iter().enumerate() {
+        assert_eq!(checks(v, "bad_input"), 16, "rank {r}: {v}");
+        for (what, e) in v["errors"].as_object().unwrap() {
+            eprintln!("rank {r}, {what}: {e}");
+        }
     }
 }
 

@@ -11,8 +11,9 @@ hosts the TCPStore at MASTER_PORT that every configure forms through.
 - ``bad_input`` (2): configure with a rank outside the world, a world of 0,
   the live generation's prefix, a store nobody listens on, a store that
   accepts and never answers: each a clear error, the generation still
-  usable; then a generation whose rank 0 never comes: configure raises
-  after the timeout and ops fail at once until the next configure.
+  usable; then generations whose rank 0 (on rank 1), or rank 1 (on rank 0),
+  never comes: configure raises after the timeout naming it, and ops fail
+  at once until the next configure.
 - ``membership`` (3): ROUNDS rounds of configure 3 -> 2 -> 3 members (rank
   2 sits out of the 2-member generations), each followed by an all_reduce
   checked for its value; every rank reports its configure times and
@@ -42,7 +43,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllreduceOptions
 
-from rallypoint.ft import ProcessGroupRally
+import rallypoint.ft  # noqa: E402 - before its adapter: it must not need torchft
+
+IMPORTED_TORCHFT = "torchft" in sys.modules
+from rallypoint.ft import ProcessGroupRally  # noqa: E402
 
 SCENARIO = os.environ["SCENARIO"]
 OUT = os.environ["RESULT_DIR"]
@@ -87,6 +91,7 @@ def all_reduce(pg, value, opts=None):
 
 
 def errors():
+    check("import", not IMPORTED_TORCHFT, "import rallypoint.ft imported torchft")
     pg = ProcessGroupRally(timeout=DEADLINE)
     pg.configure(addr("e/1"), f"r{RANK}", RANK, WORLD, 1)
     t, _ = all_reduce(pg, RANK + 1)
@@ -206,6 +211,18 @@ def bad_input():
         t = torch.full((10,), 4.0)
         w = pg.allreduce([t], AllreduceOptions())
         check("bad_input", w.wait() and t[0].item() == 4.0 and "rank 0" in str(pg.errored()), f"ops after a failed configure: {pg.errored()!r}")
+    else:
+        # A generation whose rank 1 never comes: rank 0 forms it alone.
+        t0 = time.monotonic()
+        try:
+            pg.configure(addr("b/alone"), "r0", 0, 2, 9)
+            check("bad_input", False, "a configure whose rank 1 never came succeeded")
+        except RuntimeError as e:
+            check("bad_input", "rank(s) [1] of 2 never joined" in str(e), f"alone configure: {e!r}")
+            result.setdefault("errors", {})["rank 1 never came"] = [str(e), round(time.monotonic() - t0, 3)]
+        t = torch.full((10,), 4.0)
+        w = pg.allreduce([t], AllreduceOptions())
+        check("bad_input", w.wait() and t[0].item() == 4.0 and "never joined" in str(pg.errored()), f"ops after a failed configure: {pg.errored()!r}")
     sync("bad/after-lonely")
     pg.configure(addr("b/3"), f"r{RANK}", RANK, WORLD, 3)
     still_usable("a configure after the failures")
@@ -216,7 +233,13 @@ def bad_input():
 
 def membership():
     rounds = int(os.environ.get("ROUNDS", "10"))
-    pg = ProcessGroupRally(timeout=DEADLINE)
+    if os.environ.get("PG") == "gloo":  # by hand, for comparison
+        from torchft.process_group import ProcessGroupGloo
+
+        pg = ProcessGroupGloo(timeout=DEADLINE)
+        pg.errored = lambda: None
+    else:
+        pg = ProcessGroupRally(timeout=DEADLINE)
     times = {"3->2": [], "2->3": []}
     firsts = {"3->2": [], "2->3": []}
     q = 0
