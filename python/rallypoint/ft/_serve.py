@@ -17,8 +17,11 @@ Serving rules (torchft's, made exact)
   its socket shut down after :data:`CUT_AFTER` seconds, and its receiver sees
   the stream end. Every received byte therefore belongs to one staging (the
   token), and a receiver never assembles a state mixing two steps.
-- A request for another step, or for a token that is no longer staged, is
-  refused with an ``E`` frame saying what this source serves.
+- A header request for a step not staged yet waits for it, up to the
+  timeout (under torchft's Manager the receiver asks as soon as the quorum
+  names its source, which stages in its own quorum thread); then, as a
+  request for another step or for a token no longer staged, it is refused
+  with an ``E`` frame saying what this source serves.
 - Each connection is served by its own thread with every socket operation
   bounded by the timeout; a malformed request gets an ``E`` frame and the
   connection is closed; a peer that dies mid-transfer ends only its own
@@ -242,7 +245,8 @@ class Server:
         st = self._awaited(kind, step)
         if st is None or st.step != step:
             serving = f"step {st.step}" if st else "no step (none staged since its last commit)"
-            _refuse(conn, f"step {step} is not served here: this source serves {serving}")
+            waited = f" (waited {self._timeout}s for it)" if kind == _wire.KIND_META else ""
+            _refuse(conn, f"step {step} is not served here{waited}: this source serves {serving}")
         if kind == _wire.KIND_META:
             _send_frame(conn, b"H", st.header)
             _send_frame(conn, b"S", st.spec)
