@@ -76,9 +76,11 @@ class Watch:
         self._thread = threading.Thread(target=self._run, name=f"rally-watch-q{quorum_id}", daemon=True)
         self._thread.start()
 
-    def stop(self, wait: float = 1.0) -> None:
-        """Ends the watch: no ``on_drop`` call starts after this returns. Waits
-        up to ``wait`` seconds for the thread (a daemon: never longer)."""
+    def stop(self, wait: float = 0.0) -> None:
+        """Ends the watch: no ``on_drop`` call starts after this returns (one
+        running is waited for: it holds the lock taken here). The thread ends
+        on its own (its poll's connection is shut now, or it sees the flag
+        when its poll returns); ``wait`` > 0 joins it for up to that long."""
         self._stop.set()
         with self._lock:
             conn = self._conn
@@ -87,7 +89,7 @@ class Watch:
                 conn.sock.shutdown(2)
             except OSError:
                 pass
-        if threading.current_thread() is not self._thread:
+        if wait > 0 and threading.current_thread() is not self._thread:
             self._thread.join(wait)
 
     def _run(self) -> None:
