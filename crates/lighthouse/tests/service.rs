@@ -1,6 +1,7 @@
 //! The lighthouse's service over loopback, with tonic clients as torchft's
 //! managers use: a quorum forms; a killed client's connection drops it at
-//! once and its quorum's watchers are told; a silent client is dropped at
+//! once (also while its `Quorum` call waits) and its quorum's watchers are
+//! told; a silent client is dropped at
 //! the heartbeat timeout; the watch endpoint's four answers; bad input is
 //! refused with a clear error while every other member goes on.
 //!
@@ -224,6 +225,32 @@ async fn a_killed_clients_connection_drops_it_at_once_and_pushes_the_abort() {
     assert!(
         metrics.contains("rally_lighthouse_aborts_pushed_total 1\n"),
         "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_killed_while_its_quorum_call_waits_is_dropped_at_once() {
+    // min_replicas 2 and one member: its call waits; a heartbeat timeout of
+    // a minute, so only the connection can drop it within the test's limit.
+    let (addr, _) = start(knobs(2, Duration::from_secs(60))).await;
+    let mut a = Client::connect(addr).await;
+    let socket = a.socket.clone();
+    let call = tokio::spawn(async move { a.quorum(member("a")).await });
+    wait_status(addr, |s| s["waiting"] == serde_json::json!(["a"])).await;
+    socket
+        .lock()
+        .unwrap()
+        .take()
+        .unwrap()
+        .shutdown(Shutdown::Both)
+        .unwrap();
+    wait_status(addr, |s| {
+        s["counters"]["drops"] == 1 && s["healthy"] == serde_json::json!([])
+    })
+    .await;
+    assert!(
+        call.await.unwrap().is_err(),
+        "its call ends with its connection"
     );
 }
 
