@@ -4,27 +4,27 @@
 //!
 //! How it works:
 //!
-//! * **One session per connection** ([`conn`]). The accept loop numbers each
+//! * **One session per connection** (`conn`). The accept loop numbers each
 //!   TCP connection; each request carries its number, which is the machine's
 //!   `Session`. When a connection ends, the machine gets `Closed` and drops
 //!   every replica that connection spoke for, at once: torchft's manager
 //!   keeps one HTTP/2 channel for heartbeats and quorum calls, so a killed
 //!   manager's reset drops it without waiting for its heartbeats to age out.
-//! * **One lock** ([`state`]). The machine, the `Quorum` calls waiting on it
+//! * **One lock** (`state`). The machine, the `Quorum` calls waiting on it
 //!   and the watch board sit behind one mutex that no await ever holds: a
 //!   request locks, hands its event to the machine with `Instant::now()`,
 //!   carries out the returned actions, unlocks, and then awaits its answer
 //!   on a oneshot channel. A ticker task sends `Tick` every `quorum_tick` and
 //!   at the machine's `next_deadline` (a join wait ending, a heartbeat
 //!   expiring).
-//! * **gRPC** ([`grpc`]): `Quorum` joins and waits (bounded by the call's
+//! * **gRPC** (`grpc`): `Quorum` joins and waits (bounded by the call's
 //!   `grpc-timeout`) for an issued quorum that contains the requester; one
 //!   that is not in an issued quorum keeps waiting, as in torchft.
 //!   `Heartbeat` records life. A replica id held by another live connection
 //!   is `ALREADY_EXISTS`; a malformed or oversized ([`MAX_MESSAGE`]) request
 //!   is refused by its status, the connection and every other member
 //!   unharmed.
-//! * **Push** ([`watch`], [`http`]): an `Abort` (a member of the current
+//! * **Push** (`watch`, `http`): an `Abort` (a member of the current
 //!   quorum dropped) is written on the watch board, which resolves the
 //!   `/v1/watch` long-polls of that quorum at once, so survivors abort their
 //!   generation instead of waiting out a process-group timeout. `/status`
