@@ -28,9 +28,16 @@
 //!   resumed) the replica is revived, its waiting `Quorum` call with it.
 //! * A drop of a member of the current quorum yields [`Action::Abort`] for
 //!   that quorum, so the survivors stop waiting on the dead member.
-//! * A replica id is held by the first live session that speaks for it; a
-//!   `Join` or `Heartbeat` for it from another session is refused
-//!   ([`Action::Refuse`]) and the holder keeps it.
+//! * A replica id is held by one process: the manager address its first
+//!   `Join` names, over every session that speaks for it. torchft's manager
+//!   replaces its client after a failed call (a lighthouse that restarted,
+//!   a blip), so one process may speak over two connections at once: a
+//!   heartbeat from a new session is that process's, and the replica is
+//!   dropped when its last session ends. A `Join` naming another manager
+//!   address while the holder lives is a second process with the same id:
+//!   it is refused ([`Action::Refuse`]) and the holder keeps the id. (A
+//!   heartbeat names no address, so a second process's heartbeats alone
+//!   cannot be told apart; its first `Join` is refused.)
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Instant, SystemTime};
@@ -137,10 +144,32 @@ pub enum Sabotage {
     NoRevive,
 }
 
-/// A replica dropped for silence while its session stayed open.
+/// The process that speaks for a live replica id.
+#[derive(Clone, Debug, Default)]
+struct Holder {
+    /// Its manager's address, from its first `Join` (none before one).
+    address: Option<String>,
+    /// Every live session it has spoken over.
+    sessions: BTreeSet<Session>,
+    /// The session of its last `Join` (where its waiting call is).
+    joined_on: Option<Session>,
+}
+
+impl Holder {
+    /// Whether a request over `session` naming `address` (a `Join`'s) comes
+    /// from this process.
+    fn is(&self, session: Session, address: Option<&str>) -> bool {
+        match (address, self.address.as_deref()) {
+            (Some(a), Some(mine)) => a == mine,
+            _ => self.sessions.contains(&session) || address.is_none() || self.address.is_none(),
+        }
+    }
+}
+
+/// A replica dropped for silence while a session of its stayed open.
 #[derive(Clone, Debug)]
 struct Stalled {
-    session: Session,
+    holder: Holder,
     /// Its `Quorum` call that was waiting, revived with it.
     waiting: Option<Member>,
 }
@@ -153,12 +182,15 @@ pub struct Lighthouse {
     last_id: i64,
     /// Participants and heartbeats of the live replicas.
     roster: Roster,
-    /// The live session holding each live replica id.
-    holders: BTreeMap<String, Session>,
+    /// The process holding each live replica id.
+    holders: BTreeMap<String, Holder>,
     /// The replica ids each session has spoken for.
     sessions: BTreeMap<Session, BTreeSet<String>>,
     /// Replicas dropped for silence whose session is still open.
     stalled: BTreeMap<String, Stalled>,
+    /// Sessions whose replica id another process took while they were
+    /// silent: they no longer speak for it.
+    displaced: BTreeSet<(Session, String)>,
     /// The last quorum issued.
     current: Option<Quorum>,
     counters: Counters,
@@ -177,6 +209,7 @@ impl Lighthouse {
             holders: BTreeMap::new(),
             sessions: BTreeMap::new(),
             stalled: BTreeMap::new(),
+            displaced: BTreeSet::new(),
             current: None,
             counters: Counters::default(),
             sabotage: Sabotage::None,
@@ -276,7 +309,7 @@ impl Lighthouse {
         out: &mut Vec<Action>,
     ) -> bool {
         let id = member.replica_id.clone();
-        if !self.claim(now, session, &id, out) {
+        if !self.claim(now, session, &id, Some(&member.address), out) {
             return false;
         }
         self.counters.joins += 1;
@@ -293,54 +326,102 @@ impl Lighthouse {
         out: &mut Vec<Action>,
     ) -> bool {
         let revived = self.stalled.contains_key(&id);
-        if !self.claim(now, session, &id, out) {
+        if !self.claim(now, session, &id, None, out) {
             return false;
         }
         self.counters.heartbeats += 1;
         revived
     }
 
-    /// Records that `session` speaks for `id` at `now`, refusing it if
-    /// another live session holds `id`; whether it was accepted.
-    fn claim(&mut self, now: Instant, session: Session, id: &str, out: &mut Vec<Action>) -> bool {
-        if let Some(&holder) = self.holders.get(id) {
-            if holder != session {
+    /// Records that `session` speaks for `id` at `now` (a `Join` names its
+    /// manager's `address`), refusing it if another live process holds
+    /// `id`; whether it was accepted.
+    fn claim(
+        &mut self,
+        now: Instant,
+        session: Session,
+        id: &str,
+        address: Option<&str>,
+        out: &mut Vec<Action>,
+    ) -> bool {
+        if self.displaced.contains(&(session, id.to_owned())) {
+            let reason = format!(
+                "replica id {id:?} was taken by another process while this session's was silent"
+            );
+            self.refuse(session, id, reason, out);
+            return false;
+        }
+        let mut holder = match self.holders.remove(id) {
+            Some(h) if !h.is(session, address) => {
+                let mine = h.address.clone().unwrap_or_default();
+                self.holders.insert(id.to_owned(), h);
                 self.refuse(
                     session,
                     id,
-                    format!("replica id {id:?} is held by another live session ({holder}); a replica id names one process"),
+                    format!(
+                        "replica id {id:?} is held by another live process (manager {mine}); this request names {}: a replica id names one process",
+                        address.unwrap_or("no address")
+                    ),
                     out,
                 );
                 return false;
             }
-        } else if let Some(stalled) = self.stalled.remove(id) {
-            if stalled.session == session {
-                // The stopped process resumed: its waiting call waits again.
-                let revive = self.sabotage != Sabotage::NoRevive;
-                if let Some(member) = stalled.waiting.filter(|_| revive) {
-                    self.roster.join(member, now);
-                }
-            } else {
-                // Another session takes the id: the old one's waiting call
-                // is answered with an error.
-                if let Some(ids) = self.sessions.get_mut(&stalled.session) {
-                    ids.remove(id);
-                }
-                if stalled.waiting.is_some() {
-                    let reason = format!(
-                        "replica id {id:?} was dropped for silence and taken by another session ({session})"
-                    );
-                    self.refuse(stalled.session, id, reason, out);
-                }
-            }
+            Some(h) => h,
+            None => self.unstall(now, session, id, address, out),
+        };
+        holder.sessions.insert(session);
+        if holder.address.is_none() {
+            holder.address = address.map(str::to_owned);
         }
-        self.holders.insert(id.to_owned(), session);
+        if address.is_some() {
+            holder.joined_on = Some(session);
+        }
+        self.holders.insert(id.to_owned(), holder);
         self.sessions
             .entry(session)
             .or_default()
             .insert(id.to_owned());
         self.roster.heard(id, now);
         true
+    }
+
+    /// The holder of `id` that was dropped for silence, if this request is
+    /// its process speaking again (revived with its waiting call); else a
+    /// fresh holder, the stalled process's waiting call refused.
+    fn unstall(
+        &mut self,
+        now: Instant,
+        session: Session,
+        id: &str,
+        address: Option<&str>,
+        out: &mut Vec<Action>,
+    ) -> Holder {
+        let Some(stalled) = self.stalled.remove(id) else {
+            return Holder::default();
+        };
+        if stalled.holder.is(session, address) {
+            // The stopped process resumed: its waiting call waits again.
+            let revive = self.sabotage != Sabotage::NoRevive;
+            if let Some(member) = stalled.waiting.filter(|_| revive) {
+                self.roster.join(member, now);
+            }
+            return stalled.holder;
+        }
+        // Another process takes the id: the old one's waiting call is
+        // answered with an error, and its sessions no longer speak for it.
+        for s in &stalled.holder.sessions {
+            if let Some(ids) = self.sessions.get_mut(s) {
+                ids.remove(id);
+            }
+            self.displaced.insert((*s, id.to_owned()));
+        }
+        if let (Some(_), Some(on)) = (&stalled.waiting, stalled.holder.joined_on) {
+            let reason = format!(
+                "replica id {id:?} was dropped for silence and taken by another process (session {session})"
+            );
+            self.refuse(on, id, reason, out);
+        }
+        Holder::default()
     }
 
     fn refuse(&mut self, session: Session, id: &str, reason: String, out: &mut Vec<Action>) {
@@ -357,17 +438,24 @@ impl Lighthouse {
         if self.sabotage == Sabotage::IgnoreClosed {
             return false;
         }
+        self.displaced.retain(|(s, _)| *s != session);
         let Some(ids) = self.sessions.remove(&session) else {
             return false;
         };
         let mut any = false;
         for id in ids {
-            if self.holders.get(&id) == Some(&session) {
-                self.holders.remove(&id);
-                self.drop_replica(&id, format!("its session ({session}) closed"), out);
-                any = true;
-            } else if self.stalled.get(&id).is_some_and(|s| s.session == session) {
-                self.stalled.remove(&id);
+            if let Some(h) = self.holders.get_mut(&id) {
+                h.sessions.remove(&session);
+                if h.sessions.is_empty() {
+                    self.holders.remove(&id);
+                    self.drop_replica(&id, format!("its session ({session}) closed"), out);
+                    any = true;
+                }
+            } else if let Some(st) = self.stalled.get_mut(&id) {
+                st.holder.sessions.remove(&session);
+                if st.holder.sessions.is_empty() {
+                    self.stalled.remove(&id);
+                }
             }
         }
         any
@@ -387,9 +475,8 @@ impl Lighthouse {
             })
             .collect();
         for (id, last, waiting) in silent {
-            if let Some(session) = self.holders.remove(&id) {
-                self.stalled
-                    .insert(id.clone(), Stalled { session, waiting });
+            if let Some(holder) = self.holders.remove(&id) {
+                self.stalled.insert(id.clone(), Stalled { holder, waiting });
             }
             let ms = now.saturating_duration_since(last).as_millis();
             self.drop_replica(

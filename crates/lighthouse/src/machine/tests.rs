@@ -30,6 +30,8 @@ enum Ev {
     JoinShrink(Session, &'static str),
     /// `Join` reporting a commit failure.
     JoinFailed(Session, &'static str),
+    /// `Join` from another process (another manager address) with the id.
+    JoinOther(Session, &'static str),
     /// `Heartbeat` from session `.0` for replica `.1`.
     Beat(Session, &'static str),
     Closed(Session),
@@ -46,6 +48,7 @@ fn event(ev: Ev) -> Event {
         Ev::Join(s, id) => join(s, id, |_| {}),
         Ev::JoinShrink(s, id) => join(s, id, |m| m.shrink_only = true),
         Ev::JoinFailed(s, id) => join(s, id, |m| m.commit_failures = 1),
+        Ev::JoinOther(s, id) => join(s, id, |m| m.address = format!("{}-other", m.address)),
         Ev::Beat(session, id) => Event::Heartbeat {
             session,
             replica_id: id.to_owned(),
@@ -109,15 +112,29 @@ const CASES: &[Case] = &[
         ],
     },
     Case {
-        name: "a second live session for a replica id is refused; the first keeps it",
+        name: "a second live process with a replica id is refused; the first keeps it",
         min_replicas: 2,
         join_timeout_ms: 60_000,
         steps: &[
             (0, Ev::Join(1, "a"), &[]),
-            (0, Ev::Join(2, "a"), &["refuse s2 a"]),
-            (0, Ev::Beat(2, "a"), &["refuse s2 a"]),
+            (0, Ev::JoinOther(2, "a"), &["refuse s2 a"]),
             (0, Ev::Closed(2), &[]),
             (0, Ev::Join(3, "b"), &["issue 101 [a,b]"]),
+        ],
+    },
+    Case {
+        // torchft's manager replaces its client after a failed call: for a
+        // while one process speaks over two connections.
+        name: "one process over two sessions keeps its id until the last closes",
+        min_replicas: 1,
+        join_timeout_ms: 60_000,
+        steps: &[
+            (0, Ev::Join(1, "a"), &["issue 101 [a]"]),
+            (10, Ev::Beat(2, "a"), &[]),
+            (20, Ev::Join(2, "a"), &["issue 101 [a]"]),
+            (30, Ev::Closed(1), &[]),
+            (40, Ev::Beat(2, "a"), &[]),
+            (50, Ev::Closed(2), &["abort 101 a", "dropped a"]),
         ],
     },
     Case {
@@ -175,13 +192,13 @@ const CASES: &[Case] = &[
         ],
     },
     Case {
-        name: "a silent replica's id taken by another session: the old call is refused",
+        name: "a silent replica's id taken by another process: the old call and its later beats are refused",
         min_replicas: 2,
         join_timeout_ms: 60_000,
         steps: &[
             (0, Ev::Join(1, "a"), &[]),
             (1000, Ev::Tick, &["dropped a"]),
-            (1100, Ev::Join(3, "a"), &["refuse s1 a"]),
+            (1100, Ev::JoinOther(3, "a"), &["refuse s1 a"]),
             (1200, Ev::Beat(1, "a"), &["refuse s1 a"]),
             (1300, Ev::Join(2, "b"), &["issue 101 [a,b]"]),
         ],
@@ -292,7 +309,7 @@ fn status_counts_what_happened() {
     let t0 = Instant::now();
     let mut lh = Lighthouse::new(Knobs::ours(1), 0);
     lh.handle(t0, event(Ev::Join(1, "a")));
-    lh.handle(t0, event(Ev::Join(2, "a")));
+    lh.handle(t0, event(Ev::JoinOther(2, "a")));
     lh.handle(t0, event(Ev::Beat(3, "b")));
     lh.handle(t0, event(Ev::Join(3, "b")));
     lh.handle(t0, event(Ev::Closed(1)));
