@@ -356,16 +356,21 @@ async fn bad_input_is_refused_clearly_and_harms_no_one() {
     let mut a = Client::connect(addr).await;
     let q = a.quorum(member("a")).await.unwrap();
 
-    // The same replica id from a second live connection.
+    // The same replica id from a second live process (another manager
+    // address, another connection).
     let mut impostor = Client::connect(addr).await;
-    let e = impostor.quorum(member("a")).await.unwrap_err();
+    let e = impostor
+        .quorum(proto::QuorumMember {
+            address: "http://impostor:1".into(),
+            ..member("a")
+        })
+        .await
+        .unwrap_err();
     assert_eq!(e.code(), Code::AlreadyExists, "{e:?}");
     assert!(
-        e.message().contains("replica id a is held by another"),
+        e.message().contains("is held by another live process"),
         "{e:?}"
     );
-    let e = impostor.heartbeat("a").await.unwrap_err();
-    assert_eq!(e.code(), Code::AlreadyExists, "{e:?}");
 
     // Requests it cannot place.
     let mut r = Request::new(proto::LighthouseQuorumRequest { requester: None });
@@ -418,12 +423,12 @@ async fn bad_input_is_refused_clearly_and_harms_no_one() {
     // follow the answer); the member and a newcomer go on.
     wait_status(addr, |s| {
         let c = &s["counters"];
-        c["refused_requests"].as_u64().unwrap() == 6 && c["bad_connections"] == 1
+        c["refused_requests"].as_u64().unwrap() == 5 && c["bad_connections"] == 1
     })
     .await;
     let (_, metrics) = http(addr, "GET", "/metrics").await;
     assert!(
-        metrics.contains("\nrally_lighthouse_refused_requests_total 7\n"),
+        metrics.contains("\nrally_lighthouse_refused_requests_total 6\n"),
         "{metrics}"
     );
     a.heartbeat("a").await.unwrap();
@@ -451,4 +456,30 @@ async fn wait_status(addr: SocketAddr, ok: impl Fn(&Value) -> bool) {
         assert!(t0.elapsed() < LIMIT, "status never got there: {s}");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_call_whose_id_another_process_took_ends_with_the_refusal() {
+    // min_replicas 2: calls wait. a goes silent past its timeout inside its
+    // call (a stopped process), and another process takes its id.
+    let (addr, _) = start(knobs(2, Duration::from_millis(300))).await;
+    let mut a = Client::connect(addr).await;
+    let stalled = tokio::spawn(async move { a.quorum(member("a")).await });
+    wait_status(addr, |s| s["counters"]["drops"] == 1).await;
+    let mut other = Client::connect(addr).await;
+    let taker = tokio::spawn(async move {
+        let m = proto::QuorumMember {
+            address: "http://other:1".into(),
+            ..member("a")
+        };
+        other.quorum(m).await
+    });
+    let e = tokio::time::timeout(LIMIT, stalled)
+        .await
+        .expect("the stalled call ends")
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(e.code(), Code::AlreadyExists, "{e:?}");
+    assert!(e.message().contains("taken by another process"), "{e:?}");
+    taker.abort();
 }

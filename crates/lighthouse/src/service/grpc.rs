@@ -7,7 +7,8 @@
 //! Errors are gRPC statuses with a message a person can act on:
 //! `INVALID_ARGUMENT` for a request the service cannot place (no requester,
 //! an empty or oversized replica id), `ALREADY_EXISTS` for a replica id held
-//! by another live connection, `DEADLINE_EXCEEDED` naming who the quorum
+//! by another live process (also ending a waiting call whose id another
+//! process took while it was silent), `DEADLINE_EXCEEDED` naming who the quorum
 //! still waits for. The accept loop logs and counts every refusal once.
 
 use std::net::SocketAddr;
@@ -67,7 +68,7 @@ impl proto::LighthouseService for Grpc {
         check_replica_id(&replica_id)?;
         self.shared
             .heartbeat(conn.session, replica_id.clone())
-            .map_err(|reason| already_exists(&replica_id, &reason))?;
+            .map_err(|reason| already_exists(&reason))?;
         Ok(Response::new(proto::LighthouseHeartbeatResponse {}))
     }
 }
@@ -110,9 +111,10 @@ async fn join_and_wait(
     let replica_id = member.replica_id.clone();
     let mut waiting = shared
         .join(conn.session, member)
-        .map_err(|reason| already_exists(&replica_id, &reason))?;
+        .map_err(|reason| already_exists(&reason))?;
     match tokio::time::timeout(wait, &mut waiting.rx).await {
-        Ok(Ok(issued)) => Ok(issued),
+        Ok(Ok(Ok(issued))) => Ok(issued),
+        Ok(Ok(Err(reason))) => Err(already_exists(&reason)),
         Ok(Err(_)) => Err(Status::unavailable("the lighthouse is stopping")),
         Err(_) => {
             Counters::add(&shared.counters.timeouts);
@@ -132,10 +134,10 @@ fn conn<T>(req: &Request<T>) -> Result<Conn, Status> {
         .ok_or_else(|| Status::internal("request without a connection (a defect of the service)"))
 }
 
-fn already_exists(replica_id: &str, reason: &str) -> Status {
+/// The machine's refusal: a replica id held by another live process.
+fn already_exists(reason: &str) -> Status {
     Status::already_exists(format!(
-        "replica id {replica_id} is held by another live connection: {reason} \
-         (each replica group needs its own id; torchft's Manager adds a uuid to it)"
+        "{reason} (each replica group needs its own id; torchft's Manager adds a uuid to it)"
     ))
 }
 

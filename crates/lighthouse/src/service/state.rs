@@ -61,9 +61,14 @@ pub struct Refusal {
 }
 
 struct Waiter {
+    session: Session,
     replica_id: String,
-    tx: oneshot::Sender<Arc<Issued>>,
+    tx: oneshot::Sender<Answer>,
 }
+
+/// What a waiting `Quorum` call gets: its quorum, or the machine's refusal
+/// (its replica id was taken by another process while it was silent).
+pub type Answer = Result<Arc<Issued>, String>;
 
 struct Inner {
     machine: Lighthouse,
@@ -84,8 +89,8 @@ pub struct Waiting {
     shared: Arc<Shared>,
     id: u64,
     /// The quorum and its encoded answer, once one that contains the
-    /// replica is issued.
-    pub rx: oneshot::Receiver<Arc<Issued>>,
+    /// replica is issued, or a refusal.
+    pub rx: oneshot::Receiver<Answer>,
 }
 
 impl Drop for Waiting {
@@ -119,6 +124,7 @@ impl Shared {
         inner.waiters.insert(
             id,
             Waiter {
+                session,
                 replica_id: replica_id.clone(),
                 tx,
             },
@@ -208,11 +214,14 @@ impl Shared {
                     session,
                     replica_id,
                     reason,
-                } => refusals.push(Refusal {
-                    session,
-                    replica_id,
-                    reason,
-                }),
+                } => {
+                    refuse_waiters(inner, session, &replica_id, &reason);
+                    refusals.push(Refusal {
+                        session,
+                        replica_id,
+                        reason,
+                    });
+                }
                 Action::Abort {
                     quorum_id,
                     replica_id,
@@ -269,8 +278,23 @@ impl Shared {
         for id in answered {
             if let Some(w) = inner.waiters.remove(&id) {
                 // The call may have ended meanwhile; nothing to answer then.
-                let _ = w.tx.send(issued.clone());
+                let _ = w.tx.send(Ok(issued.clone()));
             }
+        }
+    }
+}
+
+/// Ends the waiting calls of `replica_id` on `session` with the refusal.
+fn refuse_waiters(inner: &mut Inner, session: Session, replica_id: &str, reason: &str) {
+    let refused: Vec<u64> = inner
+        .waiters
+        .iter()
+        .filter(|(_, w)| w.session == session && w.replica_id == replica_id)
+        .map(|(id, _)| *id)
+        .collect();
+    for id in refused {
+        if let Some(w) = inner.waiters.remove(&id) {
+            let _ = w.tx.send(Err(reason.to_owned()));
         }
     }
 }
