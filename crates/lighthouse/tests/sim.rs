@@ -23,8 +23,10 @@
 //! * `restart`: the service dies (every session ends) and a new
 //!   `Lighthouse` starts after a pause, its ids above the old ones (the
 //!   service passes unix milliseconds); members reconnect with backoff;
-//! * `impostor`: a second session joins with a live member's replica id,
-//!   then closes;
+//! * `impostor`: a second process joins with a live member's replica id
+//!   (and another manager address), then its session closes; only once the
+//!   member has joined this service, since before its first `Join` the
+//!   service has no address to tell the two processes apart;
 //! * `shrink`: a join with `shrink_only`.
 //!
 //! **Invariants**, checked after every event ([`Invariant`]):
@@ -282,6 +284,9 @@ struct Ledger {
     waiting: bool,
     /// Dropped for silence (its session still open).
     dropped: bool,
+    /// It has joined this service (the service knows its manager's
+    /// address).
+    joined: bool,
 }
 
 /// Events of the simulation.
@@ -465,7 +470,9 @@ impl Sim {
                 }
             }
             SimEv::Reconnect { slot, inc } => {
-                if self.is(slot, inc) && self.procs[slot].stalled_until.is_none() {
+                // Not if it reconnected already (on resuming from a stall).
+                let p = &self.procs[slot];
+                if self.is(slot, inc) && p.stalled_until.is_none() && p.session.is_none() {
                     self.reconnect(slot)?;
                 }
             }
@@ -654,7 +661,7 @@ impl Sim {
                 runs && p.session.is_some_and(|s| {
                     self.ledger
                         .get(&p.replica_id)
-                        .is_some_and(|l| l.session == s && !l.dropped)
+                        .is_some_and(|l| l.session == s && !l.dropped && l.joined)
                 })
             }
             _ => runs,
@@ -807,6 +814,7 @@ impl Sim {
                 l.session = session;
                 l.heard = t;
                 l.waiting |= join;
+                l.joined |= join;
                 l.dropped = false;
             }
             None => {
@@ -817,6 +825,7 @@ impl Sim {
                         heard: t,
                         waiting: join,
                         dropped: false,
+                        joined: join,
                     },
                 );
             }
