@@ -22,6 +22,8 @@ the spread (min-max). Figures:
   next committed step, and how many survivors crashed;
 - ``restart``: a killed replica launched again, from its Manager being
   ready to its first committed step;
+- ``lighthouse``: the lighthouse SIGKILLed and started again, from its
+  return to every replica's next commit, and replicas crashed;
 - ``steady``: the median step (between commits) of the 10M-parameter MLP.
 
 Usage::
@@ -48,6 +50,24 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
 WORKER = HERE / "ft_worker.py"
 PY = os.environ.get("RALLY_PYTHON", str(ROOT / ".venv/bin/python"))
+
+
+def workdir():
+    """A temporary directory for one run's records and logs; kept (and
+    named on stderr) when ``FT_BENCH_KEEP=1``."""
+    if os.environ.get("FT_BENCH_KEEP") == "1":
+        d = tempfile.mkdtemp(prefix="ft_bench.")
+        print(f"keeping {d}", file=sys.stderr)
+
+        class Kept:
+            def __enter__(self):
+                return d
+
+            def __exit__(self, *a):
+                return False
+
+        return Kept()
+    return tempfile.TemporaryDirectory()
 
 
 def free_port() -> int:
@@ -156,7 +176,7 @@ def fault_figure(side: str, n: int, fault: str, rally: str, model="small", resta
     slowest survivor), survivors crashed, and with ``restart`` the victim's
     ready-to-first-commit after it is launched again."""
     at = 20
-    with tempfile.TemporaryDirectory() as d:
+    with workdir() as d:
         lh = Lighthouse(side, rally)
         reps = []
         try:
@@ -197,9 +217,53 @@ def fault_figure(side: str, n: int, fault: str, rally: str, model="small", resta
             lh.stop()
 
 
+# torchft's manager sleeps quorum_timeout / (retries + 1) between tries of a
+# failed quorum call (manager.rs, _quorum_with_retries): 60 s / 121, ~0.5 s.
+RETRIES = 120
+
+
+def lighthouse_figure(side: str, n: int, rally: str, model="small"):
+    """The lighthouse SIGKILLed at step 20 and started again on its port
+    0.5 s later, ``TORCHFT_QUORUM_RETRIES`` the same on both sides
+    (``RETRIES``): from its return to every replica's next commit, and how
+    many replicas crashed."""
+    with workdir() as d:
+        lh = Lighthouse(side, rally)
+        reps = []
+        try:
+            env = {"FT_MODEL": model, "FT_STEPS": 80, "TORCHFT_QUORUM_RETRIES": RETRIES}
+            reps = [Replica(Path(d), i, n, side, lh, dict(env)) for i in range(n)]
+
+            def step_of(r):
+                return max((x["step"] for x in r.records() if x.get("committed")), default=0)
+
+            _wait_for(lambda: all(step_of(r) >= 20 for r in reps), 120, "step 20 everywhere")
+            lh.stop()
+            time.sleep(0.5)
+            lh.start()
+            t_back = time.time()
+            last = max(step_of(r) for r in reps)
+
+            def after(r):
+                return next((x["t"] for x in r.records() if x.get("committed") and x["step"] > last), None)
+
+            gaps = []
+            for r in reps:
+                try:
+                    gaps.append(_wait_for(lambda: after(r), 60, "a commit after the lighthouse came back") - t_back)
+                except TimeoutError:
+                    gaps.append(float("inf"))
+            crashed = sum(r.wait(120) != 0 for r in reps)
+            return {"gap": max(gaps), "crashed": crashed}
+        finally:
+            for r in reps:
+                r.kill()
+            lh.stop()
+
+
 def steady_figure(side: str, n: int, rally: str, seconds=20.0, model="10m"):
     """The median interval between committed steps after a warm-up."""
-    with tempfile.TemporaryDirectory() as d:
+    with workdir() as d:
         lh = None if side.startswith("ddp-") else Lighthouse(side, rally)
         reps = []
         try:
@@ -233,7 +297,7 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--replicas", type=int, nargs="+", default=[2, 3])
     ap.add_argument("--sides", nargs="+", default=["gloo", "gloo-tuned", "rally"])
-    ap.add_argument("--figures", nargs="+", default=["kill-between", "kill-allreduce", "stop-allreduce", "restart", "steady"])
+    ap.add_argument("--figures", nargs="+", default=["kill-between", "kill-allreduce", "stop-allreduce", "restart", "lighthouse", "steady"])
     ap.add_argument("--steady-seconds", type=float, default=20.0)
     ap.add_argument("--rally", default=str(ROOT / "target/release/rally"))
     a = ap.parse_args()
@@ -247,6 +311,8 @@ def main():
                 for side in sides if rep % 2 == 0 else reversed(sides):
                     if fig == "steady":
                         r = steady_figure(side, n, a.rally, a.steady_seconds)
+                    elif fig == "lighthouse":
+                        r = lighthouse_figure(side, n, a.rally)
                     elif fig == "restart":
                         r = fault_figure(side, n, "kill-between", a.rally, restart=True)
                     else:
@@ -258,7 +324,8 @@ def main():
     for (fig, n, side), rs in results.items():
         key = {"steady": "step", "restart": "heal"}.get(fig, "gap")
         crashed = sum(r.get("crashed", 0) for r in rs)
-        print(f"| {fig} | {n} | {side} | {spread([r[key] for r in rs])} s | {crashed} of {len(rs) * (n - 1)} |")
+        at_risk = n if fig == "lighthouse" else n - 1
+        print(f"| {fig} | {n} | {side} | {spread([r[key] for r in rs])} s | {crashed} of {len(rs) * at_risk} |")
 
 
 if __name__ == "__main__":

@@ -135,7 +135,9 @@ impl FtJob {
                 "TORCHFT_LIGHTHOUSE",
                 format!("http://{}:{LH_PORT}", self.c.host(0).addr),
             )
-            .env("TORCHFT_QUORUM_RETRIES", "10")
+            // torchft's manager sleeps quorum_timeout / (retries + 1) between
+            // tries of a failed quorum call: 60 s / 121, ~0.5 s.
+            .env("TORCHFT_QUORUM_RETRIES", "120")
             .env("FT_SIDE", "rally")
             .env("FT_MODEL", "small")
             .env("FT_DIGEST", "1")
