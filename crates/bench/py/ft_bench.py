@@ -188,10 +188,18 @@ def fault_figure(side: str, n: int, fault: str, rally: str, model="small", resta
             t_fault = _wait_for(lambda: _fault_time(victim), 120, f"{side}: the victim's fault at step {at}")
             survivors = reps[:-1]
 
-            # The survivors' first commit of a step past the fault's: the
-            # fault's own step may still commit on a survivor after the moment.
+            # The survivors' first commit of a step begun after the fault. A
+            # record's step is the Manager's after it, so the commit of the
+            # fault's own step (which a survivor may still make: the victim
+            # sent its part before it died, and torchft's should_commit is
+            # local to a replica group) reads at + 1 for a fault inside it.
+            past = at if fault == "kill-between" else at + 1
+
             def next_commit(r):
-                return next((x["t"] for x in r.records() if x.get("committed") and x["step"] > at), None)
+                t = next((x["t"] for x in r.records() if x.get("committed") and x["step"] > past), None)
+                if t is None and r.proc.poll() is not None:
+                    return float("inf")  # it exited (crashed) without one
+                return t
 
             gaps, crashed = [], 0
             for r in survivors:

@@ -192,7 +192,11 @@ impl FtJob {
     }
 
     /// The survivors (`ks`) each commit a step past `step`, within `bound`
-    /// of `t0` (unix seconds); returns the slowest's gap.
+    /// of `t0` (unix seconds); returns the slowest's gap. A record's step is
+    /// the Manager's after the commit, so for a fault inside step `AT` the
+    /// survivors' commit of that step reads `AT + 1` (the victim may have
+    /// sent its part before it died); the first step begun after the fault
+    /// reads `AT + 2`, past `AT + 1`.
     fn survivors_commit_past(&self, ks: &[usize], step: u64, t0: f64, bound: Duration) -> f64 {
         self.wait_for("the survivors' next commit", bound + MARGIN + LIMIT, |j| {
             ks.iter()
@@ -279,7 +283,7 @@ fn a_replica_killed_inside_the_all_reduce_is_dropped_at_once_and_heals_on_return
             .is_some()
     });
     let t0 = j.fault_time(victim);
-    j.survivors_commit_past(&[0, 1], AT, t0, Duration::from_millis(250));
+    j.survivors_commit_past(&[0, 1], AT + 1, t0, Duration::from_millis(250));
     let _ = j.replicas[victim].job.wait(LIMIT);
     let back = j.replica(2, &[]);
     j.wait_for("the returned replica's commits", LIMIT, |j| {
@@ -306,7 +310,7 @@ fn a_replica_stopped_past_the_keep_alive_is_dropped_and_rejoins_when_resumed() {
             .is_some()
     });
     let t0 = j.fault_time(victim);
-    j.survivors_commit_past(&[0, 1], AT, t0, Duration::from_millis(1250));
+    j.survivors_commit_past(&[0, 1], AT + 1, t0, Duration::from_millis(1250));
     j.replicas[victim].job.signal(libc::SIGCONT);
     let before = j.replicas[victim].committed().len();
     j.wait_for("the resumed replica's commits", LIMIT, |j| {
