@@ -1,8 +1,35 @@
-//! `rally lighthouse`: the quorum service of per-step fault tolerance.
+//! `rally lighthouse`: the quorum service of per-step fault tolerance, a
+//! drop-in for torchft's `torchft_lighthouse`.
 //!
-//! (Module docs to be written as the parts land: the pure quorum rules in
-//! `quorum`, the service's state machine in `machine`, the gRPC and HTTP
-//! service in `service`.)
+//! Replica groups of a fault-tolerant job ask it, at every step, which
+//! groups take part (a *quorum*); a group that died drops out of the step,
+//! the others commit without it, and it rejoins later by healing from a
+//! live one. It speaks torchft's gRPC `LighthouseService` (`Quorum`,
+//! `Heartbeat`) and takes `torchft_lighthouse`'s flags, so torchft's own
+//! managers use it with `TORCHFT_LIGHTHOUSE=http://HOST:PORT` and nothing
+//! else changed.
+//!
+//! How it is built, bottom up:
+//!
+//! * [`quorum`]: torchft's quorum rules (`quorum_compute`: healthy
+//!   replicas, the fast quorum, `min_replicas`, the majority guard against
+//!   split brain, the join wait, `shrink_only`; a new id on a change of
+//!   members or a commit failure) as a pure function, with two deviations
+//!   the simulator found as livelocks in torchft's rules (its docs).
+//! * [`machine`]: the service's decisions as a state machine, events in
+//!   (a join, a heartbeat, a connection that ended, time passing) and
+//!   actions out (issue a quorum, refuse a request, push an abort), with
+//!   what torchft lacks: **liveness from the connection** (a killed
+//!   member's reset drops it at once; a silent one goes at its keep-alive,
+//!   1 s by default), **aborts pushed** to the survivors of a dropped
+//!   member, a replica id held by one process, and quorum ids that a
+//!   restarted service never reuses. `tests/sim.rs` drives it through
+//!   seeded schedules of kills, silences, stalls, restarts and impostors,
+//!   checking its invariants after every step.
+//! * [`service`]: gRPC and HTTP/1.1 on one port (`/v1/watch`, `/status`,
+//!   `/metrics`), one session per TCP connection, one lock.
+//!
+//! The guide is `docs/ft.md`.
 //!
 //! # Layers
 //!
