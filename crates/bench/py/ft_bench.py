@@ -300,6 +300,16 @@ def spread(xs):
     return f"{med:.3f} ({min(xs):.3f}-{max(xs):.3f})"
 
 
+def one_figure(fig: str, side: str, n: int, a):
+    if fig == "steady":
+        return steady_figure(side, n, a.rally, a.steady_seconds)
+    if fig == "lighthouse":
+        return lighthouse_figure(side, n, a.rally)
+    if fig == "restart":
+        return fault_figure(side, n, "kill-between", a.rally, restart=True)
+    return fault_figure(side, n, fig, a.rally)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=3)
@@ -317,23 +327,23 @@ def main():
                 if fig == "steady":
                     sides = ["ddp-rally", "ddp-gloo"] + [s for s in sides if s != "gloo-tuned"]
                 for side in sides if rep % 2 == 0 else reversed(sides):
-                    if fig == "steady":
-                        r = steady_figure(side, n, a.rally, a.steady_seconds)
-                    elif fig == "lighthouse":
-                        r = lighthouse_figure(side, n, a.rally)
-                    elif fig == "restart":
-                        r = fault_figure(side, n, "kill-between", a.rally, restart=True)
-                    else:
-                        r = fault_figure(side, n, fig, a.rally)
+                    try:
+                        r = one_figure(fig, side, n, a)
+                    except (TimeoutError, RuntimeError) as e:
+                        # A run that did not get as far as its figure: said,
+                        # counted, and the others go on.
+                        r = {"error": str(e)}
                     results.setdefault((fig, n, side), []).append(r)
                     print(json.dumps({"rep": rep, "figure": fig, "replicas": n, "side": side, **r}), flush=True)
-    print("\n| figure | replicas | side | median (min-max) | survivors crashed |")
-    print("|---|---|---|---|---|")
+    print("\n| figure | replicas | side | median (min-max) | survivors crashed | runs that failed before the figure |")
+    print("|---|---|---|---|---|---|")
     for (fig, n, side), rs in results.items():
         key = {"steady": "step", "restart": "heal"}.get(fig, "gap")
-        crashed = sum(r.get("crashed", 0) for r in rs)
+        ok = [r for r in rs if "error" not in r]
+        crashed = sum(r.get("crashed", 0) for r in ok)
         at_risk = n if fig == "lighthouse" else n - 1
-        print(f"| {fig} | {n} | {side} | {spread([r[key] for r in rs])} s | {crashed} of {len(rs) * at_risk} |")
+        failed = len(rs) - len(ok)
+        print(f"| {fig} | {n} | {side} | {spread([r[key] for r in ok])} s | {crashed} of {len(ok) * at_risk} | {failed} |")
 
 
 if __name__ == "__main__":

@@ -119,9 +119,18 @@ pub(crate) async fn attach(cx: &OpCtx, pids: Arc<[u32]>) -> Result<Option<Arc<Ar
     } else {
         cx.note_waiting("rank 0 to create the group's shared memory".into());
         let creator = pids.first().copied();
+        // A store wait of a slice, not a sleep: the key is read the moment
+        // rank 0 publishes it (a sleep cost a fresh group's first op up to
+        // a slice, most of a torchft generation's set-up on one host), and
+        // between slices rank 0's death still ends the wait. (A wait that
+        // times out is cancelled on the store's side: CANCEL_WAIT.)
         while !sh.store().check(&[&key]).await.unwrap_or(false) {
             check_absent(cx, 0, creator)?;
-            tokio::time::sleep(SLICE).await;
+            let t = std::time::Instant::now();
+            if sh.store().wait_timeout(&[&key], SLICE).await.is_err() {
+                // A store that fails at once must not make this a spin.
+                tokio::time::sleep(SLICE.saturating_sub(t.elapsed())).await;
+            }
         }
         let v = sh
             .store()
