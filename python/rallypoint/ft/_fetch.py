@@ -9,7 +9,10 @@ How a receive goes
    receiver passes its own state dict (``like``), every tensor both sides
    have must agree in dtype and shape: a mismatch is refused before a byte of
    tensor data moves.
-2. Fresh CPU buffers are allocated for every tensor. The receiver's own
+2. Fresh CPU buffers are allocated for every tensor, once the header's
+   total is known to fit in the memory available here (else the receive is
+   refused naming the tensor that does not fit; an allocation that fails
+   anyway is a :class:`TransferError` naming it too). The receiver's own
    model is never written: the caller (torchft's Manager) loads the result
    with its ``load_state_dict`` only once the whole state has arrived, so a
    failure at any point leaves the model as it was.
@@ -31,6 +34,7 @@ source, the step and the tensor whose bytes were awaited.
 """
 
 import functools
+import os
 import pickle
 import socket
 import threading
@@ -155,16 +159,55 @@ class _Source:
                 tick()
 
 
+def available_memory() -> int:
+    """Bytes of memory this host can still give (``MemAvailable``; the free
+    pages where /proc/meminfo is missing)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_room(header: dict, source: str, room: Optional[int] = None) -> None:
+    """Refuses a header whose tensors, laid end to end, need more than the
+    memory available here, naming the first tensor that does not fit: a
+    malformed or hostile header must not make the receiver allocate
+    terabytes (or fail with a bare allocator error)."""
+    room = available_memory() if room is None else room
+    at = 0
+    for t in header["tensors"]:
+        at += t["nbytes"]
+        if at > room:
+            raise TransferError(
+                f"tensor {t['path']} from checkpoint source {source} (step {header['step']}) is "
+                f"{_wire.dtype_name(t['dtype'])}{list(t['shape'])} ({t['nbytes']} bytes): the header's tensors "
+                f"need {sum(x['nbytes'] for x in header['tensors'])} bytes, this host has {room} available; "
+                f"nothing was allocated"
+            )
+
+
 class _Buffers:
     """Fresh destination buffers for the tensors a header names."""
 
-    def __init__(self, header: dict) -> None:
+    def __init__(self, header: dict, source: str) -> None:
         ts = header["tensors"]
         self.paths = [t["path"] for t in ts]
         self.nbytes = [t["nbytes"] for t in ts]
         self.starts = _wire.offsets(self.nbytes)
         self.total = sum(self.nbytes)
-        self.raw = [torch.empty(n, dtype=torch.uint8) for n in self.nbytes]
+        self.raw = []
+        for t in ts:
+            try:
+                self.raw.append(torch.empty(t["nbytes"], dtype=torch.uint8))
+            except (RuntimeError, MemoryError) as e:
+                raise TransferError(
+                    f"could not allocate {t['nbytes']} bytes for tensor {t['path']} from checkpoint source "
+                    f"{source} (step {header['step']}, {self.total} bytes in all): {e}"
+                ) from None
         self.views = [memoryview(b.numpy()).cast("B") for b in self.raw]
 
     def tensors(self, header: dict) -> List[torch.Tensor]:
@@ -364,7 +407,8 @@ def recv_striped(
     try:
         if like is not None:
             check_like(header, like, sources[first])
-        bufs = _Buffers(header)
+        check_room(header, sources[first])
+        bufs = _Buffers(header, sources[first])
         # Tensors are views of `bufs`, filled below; a malformed spec fails before data moves.
         state = _rebuild(header, spec, bufs, sources[first])
     except BaseException:

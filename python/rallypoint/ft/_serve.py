@@ -11,11 +11,14 @@ Serving rules (torchft's, made exact)
 - ``disallow_checkpoint()`` (:meth:`Server.freeze`) stops serving before the
   optimizer mutates those tensors: new requests are refused at once, and a
   range in progress stops at its next chunk boundary with an ``E`` frame
-  naming the step and the tensor. ``freeze`` returns only once no transfer
+  naming the step and the tensor. ``freeze`` returns once no transfer
   holds the staged tensors, so no receiver ever gets bytes written after it
   returns: a transfer stuck in a send (a receiver that stopped reading) has
   its socket shut down after :data:`CUT_AFTER` seconds, and its receiver sees
-  the stream end. Every received byte therefore belongs to one staging (the
+  the stream end. Should a transfer outlive that shutdown by the timeout (a
+  thread stuck outside its socket), ``freeze`` logs it and returns rather
+  than raise into torchft's ``should_commit``; that transfer can send no
+  further chunk (its socket is shut down, and it checks the staging first). Every received byte therefore belongs to one staging (the
   token), and a receiver never assembles a state mixing two steps.
 - A header request for a step not staged yet waits for it, up to the
   timeout (under torchft's Manager the receiver asks as soon as the quorum
@@ -25,7 +28,10 @@ Serving rules (torchft's, made exact)
 - Each connection is served by its own thread with every socket operation
   bounded by the timeout; a malformed request gets an ``E`` frame and the
   connection is closed; a peer that dies mid-transfer ends only its own
-  thread. At most :data:`MAX_CONNECTIONS` connections are served at once.
+  thread. At most :data:`MAX_CONNECTIONS` connections are served at once,
+  not counting header requests waiting for a step not staged yet (at most
+  :data:`MAX_WAITING` of those; one more is refused at once), so receivers
+  idling on a future step never starve the receivers of the staged one.
 """
 
 import logging
@@ -44,7 +50,11 @@ from rallypoint.ft import _wire
 
 log = logging.getLogger(__name__)
 
+#: Connections served at once, not counting those whose header request waits
+#: for a step not staged yet.
 MAX_CONNECTIONS = 64
+#: Header requests that may wait at once for a step not staged yet.
+MAX_WAITING = 256
 #: How long ``freeze`` lets a transfer reach its next chunk boundary before
 #: shutting its socket down (capped by the transport's timeout).
 CUT_AFTER = 1.0
@@ -116,6 +126,10 @@ class _Abort(Exception):
     """Ends a connection after an ``E`` frame was sent."""
 
 
+class _Busy(Exception):
+    """Too many waiters: refused with an ``E`` frame saying so."""
+
+
 class Server:
     """Listens on ``host`` (port 0) and serves what is staged."""
 
@@ -126,6 +140,7 @@ class Server:
         self._active: Dict[socket.socket, str] = {}  # connections streaming staged bytes
         self._conns: Dict[socket.socket, str] = {}
         self._closed = False
+        self._waiting = 0  # header requests waiting for a step (not held against the cap)
         self.served = 0  # tensor bytes sent, for tests and figures
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
@@ -151,18 +166,30 @@ class Server:
         step not staged yet waits for it (up to the timeout): under torchft's
         Manager the receiver asks as soon as the quorum names its source,
         while the source stages in its own quorum thread (torchft's
-        HTTPTransport blocks such a request on its lock in the same way)."""
+        HTTPTransport blocks such a request on its lock in the same way).
+        A waiting request does not count against :data:`MAX_CONNECTIONS`
+        (idle waiters must not starve receivers of the staged step); at most
+        :data:`MAX_WAITING` wait at once, and one more is refused at once."""
+        ready = lambda: self._closed or (self._staged is not None and self._staged.step >= step)  # noqa: E731
         with self._lock:
-            if kind == _wire.KIND_META:
-                self._lock.wait_for(
-                    lambda: self._closed or (self._staged is not None and self._staged.step >= step),
-                    timeout=self._timeout,
-                )
+            if kind != _wire.KIND_META or ready():
+                return self._staged
+            if self._waiting >= MAX_WAITING:
+                raise _Busy(f"busy: {MAX_WAITING} receivers already wait for a step not staged yet")
+            self._waiting += 1
+            try:
+                self._lock.wait_for(ready, timeout=self._timeout)
+            finally:
+                self._waiting -= 1
             return self._staged
 
     def freeze(self) -> None:
-        """Stops serving; returns once no transfer holds the staged tensors."""
+        """Stops serving; returns once no transfer holds the staged tensors,
+        or, if a transfer outlives its socket's shutdown by the timeout,
+        logs it and returns anyway (never raises: torchft calls
+        ``disallow_checkpoint`` in ``should_commit``, outside any try)."""
         with self._lock:
+            step = self._staged.step if self._staged is not None else None
             self._staged = None
             if not self._active:
                 return
@@ -173,9 +200,13 @@ class Server:
             _shutdown(s)
         with self._lock:
             if not self._lock.wait_for(lambda: not self._active, timeout=self._timeout):
-                raise TimeoutError(
-                    f"disallow_checkpoint: transfers to {sorted(self._active.values())} did not stop "
-                    f"within {self._timeout}s of their sockets being shut down"
+                log.warning(
+                    "disallow_checkpoint: transfers of step %s to %s did not stop within %ss of their "
+                    "sockets being shut down; returning anyway (their sockets are shut down and each "
+                    "checks the staging before its next chunk, so they send nothing more)",
+                    step,
+                    sorted(self._active.values()),
+                    self._timeout,
                 )
 
     def close(self, wait: bool = True) -> None:
@@ -203,7 +234,7 @@ class Server:
                 return  # closed
             peer = _peer_name(addr)
             with self._lock:
-                busy, closed = len(self._conns) >= MAX_CONNECTIONS, self._closed
+                busy, closed = len(self._conns) - self._waiting >= MAX_CONNECTIONS, self._closed
                 if not busy and not closed:
                     self._conns[conn] = peer
             if busy or closed:
@@ -242,7 +273,10 @@ class Server:
             kind, step, token, offset, length = _wire.decode_request(buf)
         except _wire.WireError as e:
             _refuse(conn, str(e))
-        st = self._awaited(kind, step)
+        try:
+            st = self._awaited(kind, step)
+        except _Busy as e:
+            _refuse(conn, f"checkpoint source {e}")
         if st is None or st.step != step:
             serving = f"step {st.step}" if st else "no step (none staged since its last commit)"
             waited = f" (waited {self._timeout}s for it)" if kind == _wire.KIND_META else ""

@@ -41,8 +41,11 @@ Frames (source -> receiver)
 The header names the step, the staging ``token`` (a random 64-bit number
 drawn each time a step is staged, so ranges of two stagings are never
 mixed), the number of pytree leaves, and one entry per tensor leaf:
-``{"leaf", "path", "dtype", "shape", "nbytes"}``. Tensor data is never
-pickled.
+``{"leaf", "path", "dtype", "shape", "nbytes"}`` (integers, never JSON
+booleans; ``nbytes`` must equal the shape's size). Tensor data is never
+pickled. The ``S`` frame is: a receiver trusts its sources' pickled spec
+and non-tensor leaves as torchft's own transports do (sources are the
+job's own replicas); only the header is checked field by field.
 """
 
 import json
@@ -135,6 +138,11 @@ def encode_header(step: int, token: int, leaves: int, tensors: List[dict]) -> by
     ).encode()
 
 
+def _is_int(v: object) -> bool:
+    """An integer of JSON, not a boolean (``True`` is an ``int`` in Python)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _check_tensor(e: object, leaves: int, seen: set) -> dict:
     if not isinstance(e, dict):
         raise WireError(f"tensor entry is not an object: {e!r:.80}")
@@ -142,14 +150,14 @@ def _check_tensor(e: object, leaves: int, seen: set) -> dict:
     if not isinstance(path, str):
         raise WireError(f"tensor entry without a path: {e!r:.80}")
     leaf, shape, nbytes = e.get("leaf"), e.get("shape"), e.get("nbytes")
-    if not isinstance(leaf, int) or not 0 <= leaf < leaves or leaf in seen:
+    if not _is_int(leaf) or not 0 <= leaf < leaves or leaf in seen:
         raise WireError(f"tensor {path}: leaf index {leaf!r} out of range or repeated")
     seen.add(leaf)
     dtype = dtype_from_name(e.get("dtype"))
-    if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+    if not isinstance(shape, list) or not all(_is_int(s) and s >= 0 for s in shape):
         raise WireError(f"tensor {path}: bad shape {shape!r:.80}")
     want = math.prod(shape) * dtype.itemsize
-    if nbytes != want:
+    if not _is_int(nbytes) or nbytes != want:
         raise WireError(f"tensor {path}: {nbytes!r} bytes for {dtype_name(dtype)}{shape} (expected {want})")
     return {"leaf": leaf, "path": path, "dtype": dtype, "shape": tuple(shape), "nbytes": nbytes}
 
@@ -166,7 +174,7 @@ def decode_header(payload: bytes, step: int) -> dict:
     if h.get("step") != step:
         raise WireError(f"header is for step {h.get('step')!r}, not step {step}")
     leaves, token, entries = h.get("leaves"), h.get("token"), h.get("tensors")
-    if not isinstance(leaves, int) or leaves < 0 or not isinstance(token, int) or not isinstance(entries, list):
+    if not _is_int(leaves) or leaves < 0 or not _is_int(token) or not isinstance(entries, list):
         raise WireError("header lacks leaves, token or tensors")
     seen: set = set()
     tensors = [_check_tensor(e, leaves, seen) for e in entries]

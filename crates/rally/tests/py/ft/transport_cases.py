@@ -1,7 +1,7 @@
 """RallyTransport case by case, with real torch: ``python transport_cases.py
 CASE`` runs one case and prints ``PASS CASE``. Cases: roundtrip, early, striped,
 failover, wrong_step, died, truncated, mismatch, malformed, hostile, timeout,
-disallow_midway. (``serve MB`` is the sender process of ``died``.)"""
+disallow_midway, stuck_freeze, huge_header, idle_meta, blackholed. (``serve MB`` is the sender process of ``died``.)"""
 
 import copy
 import os
@@ -406,7 +406,140 @@ def disallow_midway() -> None:
     print(f"disallow_midway: {err}")
 
 
-CASES = {f.__name__: f for f in (roundtrip, early, striped, failover, wrong_step, died, truncated, mismatch, malformed, hostile, timeout, disallow_midway)}
+def stuck_freeze() -> None:
+    """Review item 3: a transfer that its socket's shutdown does not end
+    (a thread stuck outside the socket) must not make disallow_checkpoint
+    raise: torchft calls it inside should_commit, outside any try."""
+    import logging
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logging.getLogger("rallypoint.ft._serve").addHandler(Keep())
+    sender = serving(manager_like_state(), timeout=timedelta(seconds=1))
+    server = sender._server
+    a, b = socket.socketpair()
+    with server._lock:
+        server._active[a] = "127.0.0.1:9 (stuck)"  # a transfer nobody ends
+    t0 = time.monotonic()
+    sender.disallow_checkpoint()  # must return, not raise
+    took = time.monotonic() - t0
+    assert took < 10, took  # CUT_AFTER + the 1 s timeout, well under
+    assert any("127.0.0.1:9 (stuck)" in r for r in records), records
+    with server._lock:
+        server._active.pop(a, None)
+    # the step is no longer served; the next one is
+    expect_error(lambda: RallyTransport(timeout=T).recv_checkpoint(0, sender.metadata(), STEP, T),
+                 "not served here", cls=TransferError)
+    state2 = manager_like_state(seed=2)
+    sender.send_checkpoint([1], STEP + 1, state2, T)
+    assert_bitwise_equal(state2, RallyTransport(timeout=T).recv_checkpoint(0, sender.metadata(), STEP + 1, T))
+    a.close(), b.close()
+    sender.shutdown()
+    print(f"stuck_freeze: returned in {took:.2f}s, logged {records[-1]}")
+
+
+def huge_header() -> None:
+    """Review item 8: a header naming a huge shape is refused naming the source
+    and the tensor before anything is allocated; a boolean leaf is refused."""
+    allocated = []
+    orig = _fetch._Buffers.__init__
+
+    def counting(self, *a, **k):
+        allocated.append(a)
+        orig(self, *a, **k)
+
+    _fetch._Buffers.__init__ = counting
+    spec = pickle.dumps((tree_flatten({"w": torch.zeros(2)})[1], {}))
+    huge = {"leaf": 0, "path": "['w']", "dtype": "float32", "shape": [2**40], "nbytes": 4 * 2**40}
+    receiver = RallyTransport(timeout=T)
+    like = RallyTransport(timeout=T, state_dict=lambda: {"other": torch.zeros(3)})
+    for r in (receiver, like):
+        def script(conn):
+            read_request(conn)
+            conn.sendall(frame(b"H", header(STEP, [huge], 1)) + frame(b"S", spec))
+            drain(conn)
+
+        src = FakeSource(script)
+        msg = expect_error(lambda: r.recv_checkpoint(0, src.name, STEP, T), src.name, "tensor ['w']", "nothing was allocated", cls=TransferError)
+        src.close()
+        print(f"huge_header: {msg}")
+    assert not allocated, allocated
+    _fetch._Buffers.__init__ = orig
+    ok = {"leaf": 0, "path": "['w']", "dtype": "float32", "shape": [2], "nbytes": 8}
+    for bad, needle in ((dict(ok, leaf=False), "leaf index False"), (dict(ok, shape=[True, 2], nbytes=8), "bad shape"),
+                        (dict(ok, dtype="int8", shape=[1], nbytes=True), "True bytes")):
+        expect_error(lambda: _wire.decode_header(header(STEP, [bad], 1), STEP), needle, cls=_wire.WireError)
+    heals_afterwards(receiver)
+
+
+def idle_meta() -> None:
+    """Review item 9: MAX_CONNECTIONS idle header requests for a future step
+    do not starve a receiver of the staged one."""
+    from rallypoint.ft import _serve
+
+    state = manager_like_state()
+    sender = serving(state)
+    _serve.MAX_WAITING = _serve.MAX_CONNECTIONS  # so that one more waiter is refused below
+    idle = []
+    for _ in range(_serve.MAX_CONNECTIONS):
+        s = _raw(sender.metadata())
+        s.sendall(_wire.encode_request(_wire.KIND_META, STEP + 1))
+        idle.append(s)
+    deadline = time.monotonic() + 30
+    while sender._server._waiting < len(idle):  # every one parked in its wait
+        assert time.monotonic() < deadline, f"only {sender._server._waiting} of {len(idle)} requests wait after 30 s"
+        time.sleep(0.01)
+    extra = _raw(sender.metadata())
+    extra.sendall(_wire.encode_request(_wire.KIND_META, STEP + 1))
+    kind, n = _wire.FRAME.unpack(extra.recv(5, socket.MSG_WAITALL))
+    reply = extra.recv(n, socket.MSG_WAITALL)
+    assert kind == b"E" and b"already wait for a step not staged yet" in reply, (kind, reply)
+    extra.close()
+    t0 = time.monotonic()
+    assert_bitwise_equal(state, RallyTransport(timeout=T).recv_checkpoint(0, sender.metadata(), STEP, T))
+    took = time.monotonic() - t0
+    assert took < T.total_seconds() / 2, took
+    # the waiters get the step once it is staged
+    state2 = manager_like_state(seed=2)
+    sender.send_checkpoint([1], STEP + 1, state2, T)
+    for s in idle:
+        kind, n = _wire.FRAME.unpack(s.recv(5, socket.MSG_WAITALL))
+        assert kind == b"H", (kind, s.recv(n, socket.MSG_WAITALL))
+        s.close()
+    sender.shutdown()
+    print(f"idle_meta: a receiver behind {len(idle)} waiting header requests healed in {took:.2f}s")
+
+
+def blackholed() -> None:
+    """Review item 10: a second source that accepts and never answers does not
+    hold its share of a striped receive until its own deadline."""
+    state = big_state(16)
+    good = serving(state)
+    mute = socket.socket()
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(1)
+    silent = f"127.0.0.1:{mute.getsockname()[1]}"
+    t0 = time.monotonic()
+    alone = _fetch.recv_striped([good.metadata()], STEP, T, piece=256 << 10)
+    own = time.monotonic() - t0
+    assert_bitwise_equal(state, alone)
+    t0 = time.monotonic()
+    out = _fetch.recv_striped([good.metadata(), silent], STEP, T, piece=256 << 10)
+    took = time.monotonic() - t0
+    assert_bitwise_equal(state, out)
+    # the timeout is 20 s: the silent source must cost nothing like it
+    assert took < own + 5, (took, own)
+    mute.close()
+    good.shutdown()
+    print(f"blackholed: {took:.2f}s with a silent second source, {own:.2f}s from the good one alone")
+
+
+CASES = {f.__name__: f for f in (roundtrip, early, striped, failover, wrong_step, died, truncated, mismatch, malformed, hostile, timeout, disallow_midway,
+                                       stuck_freeze, huge_header, idle_meta, blackholed)}
 
 if __name__ == "__main__":
     if sys.argv[1] == "serve":
