@@ -21,13 +21,19 @@ How a receive goes
    :data:`AHEAD` requests in flight, and reads each straight into
    the destination buffers (``recv_into``, :data:`_wire.CHUNK` at a time).
    Pieces are dealt round robin; a source done with its share steals from
-   the others', so faster sources take more. A source that fails (dies, refuses, sends
+   the others' (a source still connecting or silent included, sparing its
+   first piece while there is other work), so faster sources take more and a
+   silent one delays nothing. A source that fails (dies, refuses, sends
    a malformed frame, times out) gives its piece back and stops; the others
-   take it over. Every source must serve the same tensors (the header's
+   take it over. The receive ends once every piece has arrived, without
+   waiting for a source that is still connecting. Every source must serve the same tensors (the header's
    layout is compared), since ranges of two sources are mixed.
 4. The pytree is rebuilt (non-tensor leaves unpickled, tensors as views of
    their buffers) before any data moves, so a malformed spec costs no
-   transfer; it is returned once every piece has arrived.
+   transfer; it is returned once every piece has arrived. The receiver
+   trusts its sources' pickled spec and non-tensor leaves (sources are the
+   job's own replicas, as with torchft's transports); only the header is
+   checked field by field.
 
 Every socket operation has the timeout as its deadline; errors name the
 source, the step and the tensor whose bytes were awaited.
@@ -219,9 +225,10 @@ class _Plan:
 
     Pieces are dealt round robin, one queue per source; a source takes from
     the front of its own queue, and, when that is empty, steals from the back
-    of the longest queue of a source that has started (taken a piece) or
-    left. So every healthy source serves at least its first piece, and fast
-    sources take over the slow or failed ones' share."""
+    of another's (:meth:`_queue_for`). Fast sources thus take over the slow,
+    failed or silent ones' share: a source that never answers delays the
+    receive by nothing but the pieces it holds in flight (none, if it never
+    sent a header)."""
 
     def __init__(self, total: int, piece: int, names: List[str], timeout: float) -> None:
         workers = len(names)
@@ -255,10 +262,19 @@ class _Plan:
         return True
 
     def _queue_for(self, me: int) -> Optional[Deque[Tuple[int, int]]]:
+        """Where ``me`` takes its next piece: its own queue; else the longest
+        of a source that started or left; else that of a source not started
+        yet (still connecting, or silent), sparing its first piece while
+        another can be taken, so a source that is merely slower to connect
+        still serves a share; else that first piece."""
         if self.queues[me]:
             return self.queues[me]
-        shared = [q for i, q in enumerate(self.queues) if q and i in self.started]
-        return max(shared, key=len) if shared else None
+        started = [q for i, q in enumerate(self.queues) if q and i in self.started]
+        if started:
+            return max(started, key=len)
+        waiting = [q for q in self.queues if q]
+        spare = [q for q in waiting if len(q) > 1]
+        return max(spare or waiting, key=len) if waiting else None
 
     def take(self, me: int, wait: bool = True) -> Optional[Tuple[int, int]]:
         """Source ``me``'s next piece; None when none is left (or none moves,
@@ -293,9 +309,9 @@ class _Plan:
 
 
 def _work(plan: _Plan, me: int, src: Union[_Source, Callable[[], _Source]], bufs: _Buffers) -> None:
-    """Fetches pieces from ``src`` (or the source ``src()`` opens, here, so a
-    slow source delays no other), keeping :data:`AHEAD` requests in flight
-    so the stream does not drain between pieces."""
+    """Fetches pieces from ``src`` (or the source ``src()`` opens, here, so
+    the others need not wait for it to connect), keeping :data:`AHEAD`
+    requests in flight so the stream does not drain between pieces."""
     err: Optional[BaseException] = None
     held: Deque[Tuple[int, int]] = deque()  # requested from src, oldest first
     try:
@@ -421,7 +437,10 @@ def recv_striped(
         threading.Thread(target=_work, args=(plan, i, opener, bufs), name=f"rally-fetch-{name}", daemon=True).start()
     _work(plan, 0, src, bufs)  # the first source in the calling thread
     with plan.cond:
-        moving = plan._wait_progress(lambda: plan.alive == 0)
+        # Done once every piece has arrived: a source still connecting (or
+        # silent) holds no piece and writes nothing; its thread finds no work
+        # left and ends on its own deadline.
+        moving = plan._wait_progress(lambda: plan.alive == 0 or not (plan.pending() or plan.in_flight))
         errors.update(plan.errors)
         missing = plan.pending() or plan.in_flight
     if not moving:

@@ -3,7 +3,9 @@
 //! process (round trip, striping over two sources, failover, and every bad
 //! input: a step the source does not have, a source killed mid-transfer,
 //! truncated and malformed streams, a shape that does not match the model,
-//! hostile clients, a silent source, `disallow_checkpoint` mid-transfer), and
+//! hostile clients, a silent source, `disallow_checkpoint` mid-transfer or
+//! with a transfer stuck past its socket's shutdown, a header naming a huge
+//! shape, receivers idling on a future step, a blackholed second source), and
 //! `tests/py/ft/transport_manager.py`: a replica healing through it under
 //! torchft 0.2.0's own `Manager`, lighthouse and training loop, its state
 //! then bitwise equal to its peer's.
@@ -113,6 +115,35 @@ fn a_silent_source_times_out_saying_what_was_awaited_and_from_whom() {
 #[test]
 fn disallow_checkpoint_mid_transfer_fails_the_receiver_never_mixing_two_steps() {
     case("disallow_midway");
+}
+
+/// Review item 3: torchft calls `disallow_checkpoint` in `should_commit`,
+/// outside any try; a transfer its socket's shutdown does not end is logged,
+/// never raised.
+#[test]
+fn disallow_checkpoint_never_raises_when_a_transfer_outlives_its_sockets_shutdown() {
+    let out = case("stuck_freeze");
+    assert!(out.contains("returning anyway"), "{out}");
+}
+
+/// Review item 8: no allocation from a header the host cannot hold; JSON
+/// booleans are not integers.
+#[test]
+fn a_header_naming_a_huge_shape_is_refused_before_any_allocation() {
+    let out = case("huge_header");
+    assert!(out.contains("nothing was allocated"), "{out}");
+}
+
+/// Review item 9.
+#[test]
+fn receivers_waiting_for_a_future_step_do_not_starve_a_receiver_of_the_staged_one() {
+    case("idle_meta");
+}
+
+/// Review item 10: a silent source's share is served by the others at once.
+#[test]
+fn a_blackholed_second_source_does_not_delay_a_striped_receive() {
+    case("blackholed");
 }
 
 #[test]

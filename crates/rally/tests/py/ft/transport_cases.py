@@ -153,8 +153,8 @@ def failover() -> None:
     out = _fetch.recv_striped([dying.name, other_step.metadata(), good.metadata()], STEP, T, piece=256 << 10)
     assert_bitwise_equal(state, out)
     dying.close()
-    # a silent second source (accepts, never answers): its share waits for its
-    # header's deadline, then the first source serves it
+    # a silent second source (accepts, never answers): the first source
+    # serves its share (the case `blackholed` bounds how soon)
     mute = socket.socket()
     mute.bind(("127.0.0.1", 0))
     mute.listen(1)
