@@ -179,6 +179,7 @@ class RallyBackend(_C10dBackend):
         done=None,
         fresh_prefix: bool = False,
         reconfigurable: bool = False,
+        advertise: Optional[str] = None,
     ):
         if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL":
             # torch 2.15 wraps a plugin backend in its ProcessGroupWrapper
@@ -217,7 +218,10 @@ class RallyBackend(_C10dBackend):
             # quorum ids make them, skips that store round.)
             again = store.add(f"rallypoint/formed/{rank}", 1)
             self._prefix = name if again == 1 else f"{name}.{again}"
-        self._group = _native.Group(store, rank, size, timeout.total_seconds(), self._prefix, self._done)
+        # `advertise`: the IP address its collectives listen on (default:
+        # the route to MASTER_ADDR); rallypoint.ft passes the route to the
+        # quorum's store, which every member reaches.
+        self._group = _native.Group(store, rank, size, timeout.total_seconds(), self._prefix, self._done, advertise)
 
     @property
     def _g(self):

@@ -296,9 +296,11 @@ fn finish(
 #[pymethods]
 impl Group {
     /// Forms the group through `store` (a torch Store), blocking with the GIL
-    /// released. `done` completes ops (see [`Group::submit`]).
+    /// released. `done` completes ops (see [`Group::submit`]). `advertise`:
+    /// the IP address to listen on and publish (default: the collectives'
+    /// rule, the route to `MASTER_ADDR`).
     #[new]
-    #[pyo3(signature = (store, rank, size, timeout, name, done))]
+    #[pyo3(signature = (store, rank, size, timeout, name, done, advertise=None))]
     fn new(
         py: Python<'_>,
         store: Py<PyAny>,
@@ -307,11 +309,20 @@ impl Group {
         timeout: f64,
         name: String,
         done: Py<PyAny>,
+        advertise: Option<String>,
     ) -> PyResult<Group> {
+        let advertise = advertise
+            .map(|a| {
+                a.parse::<std::net::IpAddr>().map_err(|_| {
+                    PyValueError::new_err(format!("rally: advertise {a:?} is not an IP address"))
+                })
+            })
+            .transpose()?;
         let store = Arc::new(PyStore::new(py, store)?);
         let opts = Options {
             prefix: name,
             timeout: Duration::from_secs_f64(timeout.max(0.001)),
+            advertise,
             ..Options::default()
         };
         let pg = py

@@ -21,13 +21,21 @@ formed it; connections open at the first op, shared memory when every
 member is on this host.
 
 A configure first checks its arguments (a rank outside the world, a world
-of 0, a prefix that a live generation of this process uses) and reaches the
-store: any of those failing raises ``ValueError`` or ``TimeoutError`` and
-leaves the current generation **as it was, usable**. Once the store has
-answered, the current generation is shut down (ops in flight fail, aborted
-and named) and the next one forms; if forming fails, configure raises and
-the group has no generation: every op fails at once and :meth:`errored`
-names why (a member that never joined is named), until the next configure.
+of 0, a prefix that a live generation of this process uses, a malformed
+address): bad input raises ``ValueError`` and leaves the current generation
+**as it was, usable**. Any later failure (the store not answering, forming
+failing, a member that never joins within the timeout, named) does **not**
+raise: torchft's Manager would record it and then hand its DDP hook a Work
+the hook asserts on, crashing ``backward()``. The failure is logged once
+and becomes the error of a group with no generation: :meth:`errored`
+reports it, collectives return completed Works, send/recv fail, torchft's
+``should_commit`` votes no and its next quorum configures again. The
+current generation is retired either way (the quorum has moved on), and a
+backend formed before the failure is aborted.
+
+The generation's collectives listen on the route to the store's host
+(every member reaches the quorum's store), or, when that route is
+loopback, on the collectives' own choice (the route to ``MASTER_ADDR``).
 
 # Errors
 
@@ -42,10 +50,15 @@ fails (not when it is waited for). torchft's Manager reads it in
 error every collective returns at once, without communicating, a completed
 Work, until the next configure.
 
-**send and recv** (torchft's ``PGTransport`` heals through them) are the
-exception: their Work fails (``wait()`` raises), and after an error they
-fail at once. A swallowed failed receive would hand the checkpoint
-transport garbage lengths and tensors, which torchft would load.
+**recv** (torchft's ``PGTransport`` heals through send and recv) is the
+exception: its Work fails (``wait()`` raises), and after an error it fails
+at once. A swallowed failed receive would hand the checkpoint transport
+garbage lengths and tensors, which torchft would load. (torchft then
+records the failure before backward, and its DDP hook crashes on the Work
+its Manager hands out: a failed heal of the receiver is fatal to torchft's
+loop over any group.) A **send** is swallowed as a collective is: the
+sender's state is untouched, the receiver's recv fails on its side, and a
+failing send would crash the sender's loop the same way.
 
 :meth:`abort` (from any thread) aborts the generation: every op in flight
 fails at once here and on every member, each told which replica aborted and
@@ -69,6 +82,7 @@ hook aborts what is in flight and keeps the extension's threads out of the
 finalizing interpreter (``crates/torch/src/life.rs``).
 """
 
+import ipaddress
 import logging
 import os
 import threading
@@ -76,7 +90,6 @@ import time
 from datetime import timedelta
 from typing import Dict, List, Optional, Tuple
 
-import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, BarrierOptions, ReduceOp
@@ -86,6 +99,7 @@ from torchft.work import _DummyWork
 from rallypoint import torch as _rally
 from rallypoint.ft import _registry
 from rallypoint.ft._watch import Watch, parse_lighthouse
+from rallypoint.ft._work import _All, _Failed, _Fault, _Swallowing
 
 __all__ = ["ProcessGroupRally"]
 
@@ -129,6 +143,17 @@ def check_membership(rank, world_size) -> None:
         raise ValueError(f"rallypoint.ft: configure's rank {rank} is outside a world of {world_size} (0..{world_size - 1})")
 
 
+def listen_ip(store_host: str) -> Optional[str]:
+    """The address a generation's collectives listen on: the route to the
+    quorum's store (every member reaches it), or None (the collectives'
+    own rule: the route to ``MASTER_ADDR``) when that route is loopback or
+    there is none."""
+    ip = _registry._route_to(store_host)
+    if ip is None or ipaddress.ip_address(ip).is_loopback:
+        return None
+    return ip
+
+
 def _within(deadline: float, call):
     """(True, call()) if it returns by ``deadline`` (monotonic), else (False,
     the exception it raised, or None if it is still running). It runs on a
@@ -147,88 +172,6 @@ def _within(deadline: float, call):
     if "ok" in box:
         return True, box["ok"]
     return False, box.get("error")
-
-
-class _Fault:
-    """The first error of one generation (or of the time without one)."""
-
-    def __init__(self, error: Optional[Exception] = None):
-        self._lock = threading.Lock()
-        self.error: Optional[Exception] = error
-
-    def record(self, e: Exception) -> None:
-        with self._lock:
-            if self.error is None:
-                self.error = e
-
-    def done(self, token, kind, message) -> None:
-        """The generation's op completion (``rallypoint.torch._done``'s
-        contract): records a failure the moment the op fails, then completes
-        the op's future as the rally backend does."""
-        if kind is not None:
-            self.record(_rally._ERRORS.get(kind, dist.DistBackendError)(message))
-        _rally._done(token, kind, message)
-
-
-class _Swallowing(dist._Work):
-    """A collective's Work that completes without raising: a failure is
-    recorded in the generation's fault, and the future carries ``result``."""
-
-    def __init__(self, work, fault: _Fault, result):
-        super().__init__()
-        self._work, self._fault, self._result = work, fault, result
-
-    def wait(self, timeout=None):
-        try:
-            self._work.wait()
-        except Exception as e:  # noqa: BLE001 - reported by errored()
-            self._fault.record(e)
-        return True
-
-    def get_future(self):
-        fault, result = self._fault, self._result
-
-        def swallow(f):
-            try:
-                return f.value()
-            except Exception as e:  # noqa: BLE001 - reported by errored()
-                fault.record(e)
-                return result
-
-        return self._work.get_future().then(swallow)
-
-
-class _Failed(dist._Work):
-    """A send or recv refused at once: ``wait()`` raises ``error``."""
-
-    def __init__(self, error: Exception):
-        super().__init__()
-        self._error = error
-
-    def wait(self, timeout=None):
-        raise self._error
-
-    def get_future(self):
-        fut = torch.futures.Future()
-        fut.set_exception(self._error)
-        return fut.then(_rally._value)
-
-
-class _All(dist._Work):
-    """The Works of a coalesced call, one per tensor, as one."""
-
-    def __init__(self, works, result):
-        super().__init__()
-        self._works, self._result = works, result
-
-    def wait(self, timeout=None):
-        for w in self._works:
-            w.wait()
-        return True
-
-    def get_future(self):
-        result = self._result
-        return torch.futures.collect_all([w.get_future() for w in self._works]).then(lambda _: result)
 
 
 class _Generation:
@@ -321,35 +264,39 @@ class ProcessGroupRally(ProcessGroup):
         with self._configure_lock:
             self._claim(store_addr, quorum_id)
             try:
-                store = self._connect(host, port, prefix)
-            except BaseException:
+                gen = self._form(store_addr, host, port, prefix, rank, world_size, quorum_id, str(replica_id))
+            except Exception as e:  # noqa: BLE001 - recorded, see the module doc
                 with _live_lock:
                     _live.pop(store_addr, None)
-                raise
-            # The point of no return: the current generation goes.
-            self._retire(f"replaced by the generation at {store_addr}")
-            fault = _Fault()
-            try:
-                backend = _rally.RallyBackend(
-                    store, rank, world_size, self._timeout, prefix, done=fault.done, fresh_prefix=True
-                )
-            except Exception as e:
-                with _live_lock:
-                    _live.pop(store_addr, None)
-                err = RuntimeError(f"rallypoint.ft: forming the generation at {store_addr} as rank {rank} of {world_size} failed: {e}")
-                self._state = (_Fault(err), None)
-                raise err from e
-            try:
-                self._wait_members(store, prefix, world_size)
-            except Exception as e:
-                with _live_lock:
-                    _live.pop(store_addr, None)
+                self._retire(f"the configure at {store_addr} failed")
                 self._state = (_Fault(e), None)
-                raise
-            gen = _Generation(backend, store_addr, quorum_id, str(replica_id), fault)
-            if self._lighthouse and quorum_id is not None:
-                gen.watch = Watch(self._lighthouse, int(quorum_id), gen.abort)
-            self._state = (fault, gen)
+                log.error("%s", e)
+                return
+            self._state = (gen.fault, gen)
+
+    def _form(self, store_addr: str, host: str, port: int, prefix: str, rank: int, world_size: int, quorum_id, replica_id: str):
+        """The next generation: the store reached, the current generation
+        retired, the backend formed and every member seen; raises otherwise
+        (the backend formed is then aborted and dropped)."""
+        store = self._connect(host, port, prefix)
+        # The point of no return: the current generation goes.
+        self._retire(f"replaced by the generation at {store_addr}")
+        fault = _Fault()
+        try:
+            backend = _rally.RallyBackend(
+                store, rank, world_size, self._timeout, prefix, done=fault.done, fresh_prefix=True, advertise=listen_ip(host)
+            )
+        except Exception as e:
+            raise RuntimeError(f"rallypoint.ft: forming the generation at {store_addr} as rank {rank} of {world_size} failed: {e}") from e
+        try:
+            self._wait_members(store, prefix, world_size)
+        except Exception as e:
+            backend._group.abort(f"rallypoint.ft: the generation at {store_addr} never formed: {e}")
+            raise
+        gen = _Generation(backend, store_addr, quorum_id, replica_id, fault)
+        if self._lighthouse and quorum_id is not None:
+            gen.watch = Watch(self._lighthouse, int(quorum_id), gen.abort)
+        return gen
 
     def _wait_members(self, store, prefix: str, world_size: int) -> None:
         """Waits (the store's own wait: no polling) until every member has
@@ -420,10 +367,13 @@ class ProcessGroupRally(ProcessGroup):
         )
 
     def _retire(self, reason: str) -> None:
+        """Closes the current generation, then publishes that there is none:
+        its fault records the closing first, so an op racing this one finds
+        either the generation (failing with its abort) or its error."""
         fault, gen = self._state
-        self._state = (fault, None)
         if gen is not None:
             gen.close(reason)
+        self._state = (fault, None)
 
     @property
     def _gen(self) -> Optional[_Generation]:
@@ -504,6 +454,8 @@ class ProcessGroupRally(ProcessGroup):
         fault, gen = self._state
         if fault.error is not None:
             return _Failed(RuntimeError(f"rallypoint.ft: the generation has failed: {fault.error}"))
+        if gen is None:
+            return _Failed(RuntimeError("rallypoint.ft: no generation is configured"))
         try:
             return call(gen.backend)
         except Exception as e:  # noqa: BLE001
@@ -571,7 +523,7 @@ class ProcessGroupRally(ProcessGroup):
         )
 
     def send(self, tensors, dst_rank: int, tag: int = 0):
-        return self._message(lambda b: b.send(tensors, dst_rank, tag))
+        return self._collective(tensors, lambda b: b.send(tensors, dst_rank, tag))
 
     def recv(self, tensors, src_rank: int, tag: int = 0):
         return self._message(lambda b: b.recv(tensors, src_rank, tag))

@@ -16,6 +16,9 @@ Knobs (environment):
                  waits until the other replica's all_reduce of that step has
                  started, then SIGKILLs itself from inside its allreduce call
                  (never sending its part); -1: nobody dies
+                 -2: the victim dies on entering its first configure of a
+                 quorum of both (the survivor's configure waits for it);
+                 each step waits for its quorum before backward
   VICTIM         1 on the replica that dies
   HOW            kill (SIGKILL, default) or stop (SIGSTOP: it hangs there
                  until the test kills it)
@@ -77,6 +80,16 @@ def kill_hook(base):
             coord.set(f"started/{step}", "1")
             return work
 
+        def configure(self, store_addr, replica_id, rank, world_size, *args, **kwargs):
+            # KILL_AT == -2: the victim dies on entering its first configure
+            # of a quorum of both replicas (it never joins that generation).
+            if KILL_AT == -2 and VICTIM and world_size == 2:
+                step = manager.current_step()
+                coord.set("killed_at", repr(time.time()))
+                coord.set("killed_step", str(step))
+                os.kill(os.getpid(), signal.SIGKILL)
+            return super().configure(store_addr, replica_id, rank, world_size, *args, **kwargs)
+
     return Hooked
 
 
@@ -130,6 +143,10 @@ while time.monotonic() < DEADLINE:
     g = torch.Generator().manual_seed(1000 + step)
     x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
     loss = ((m(x) - y) ** 2).mean()
+    if KILL_AT == -2:
+        # As a loop whose forward outlasts the quorum: the configure has
+        # ended (or failed) before backward's all_reduce starts.
+        manager.wait_quorum()
     loss.backward()
     opt.step()
     committed = manager.current_step() > step
@@ -146,7 +163,7 @@ while time.monotonic() < DEADLINE:
     killed = coord.check(["killed_at"])
     if committed and killed:
         after_kill += 1
-    if manager.current_step() >= STEPS and (KILL_AT < 0 or after_kill >= AFTER_KILL):
+    if manager.current_step() >= STEPS and (KILL_AT == -1 or after_kill >= AFTER_KILL):
         break
 
 result = {
@@ -157,7 +174,7 @@ result = {
     "params": [p.detach().contiguous().numpy().tobytes().hex() for p in model.parameters()],
     "errored": str(pg.errored()) if hasattr(pg, "errored") else None,
 }
-if KILL_AT >= 0 and coord.check(["killed_at"]):
+if KILL_AT != -1 and coord.check(["killed_at"]):
     t_kill = float(coord.get("killed_at"))
     result["killed_step"] = int(coord.get("killed_step"))
     later = [s for s in steps if s["committed"] and s["t"] > t_kill]
