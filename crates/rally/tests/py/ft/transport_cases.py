@@ -122,6 +122,16 @@ def striped() -> None:
     state = manager_like_state()
     state["user"]["default"]["extra"]["big"] = torch.randn(4_000_000)  # 16 MB
     a, b = serving(state), serving(state)
+    # Source a sends each piece 5 ms late (a throttle, not a wait for an
+    # event): b, however late it connects on a loaded machine, finds pieces
+    # left to take, so both serving is certain rather than a race.
+    send = a._serving()._send_range
+
+    def slow(*args, **kw):
+        time.sleep(0.005)
+        return send(*args, **kw)
+
+    a._serving()._send_range = slow
     out = _fetch.recv_striped([a.metadata(), b.metadata()], STEP, T, piece=256 << 10)
     assert_bitwise_equal(state, out)
     sa, sb = a._server.served, b._server.served
