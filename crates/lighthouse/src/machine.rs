@@ -57,6 +57,13 @@ pub enum Event {
         session: Session,
         replica_id: String,
     },
+    /// A `Quorum` call of `replica_id` on `session` ended unanswered (the
+    /// client cancelled it or its deadline passed) and no other call of
+    /// that replica waits: the replica is no longer a participant.
+    Left {
+        session: Session,
+        replica_id: String,
+    },
     /// That connection ended (process killed, host reset).
     Closed { session: Session },
     /// Time passed (the service sends it every `quorum_tick` and at
@@ -103,6 +110,9 @@ pub struct Counters {
     pub aborts: u64,
     /// `Refuse` actions.
     pub refusals: u64,
+    /// `Quorum` calls that ended unanswered and stopped being participants
+    /// ([`Event::Left`]).
+    pub left: u64,
 }
 
 /// The machine's state, for `/status` and `/metrics`.
@@ -142,6 +152,11 @@ pub enum Sabotage {
     /// Forget the waiting call of a replica dropped for silence when it
     /// resumes (neither revive nor refuse it: the call waits forever).
     NoRevive,
+    /// Issue the next quorum under an aborted id when its members are the
+    /// same and report no commit failure (review item 4).
+    ReuseAbortedId,
+    /// Ignore [`Event::Left`]: a call that ended stays a participant.
+    IgnoreLeft,
 }
 
 /// The process that speaks for a live replica id.
@@ -193,6 +208,9 @@ pub struct Lighthouse {
     displaced: BTreeSet<(Session, String)>,
     /// The last quorum issued.
     current: Option<Quorum>,
+    /// Whether `current` was aborted: the next quorum issued gets a new id
+    /// whatever its members (torchft reconfigures only on a new id).
+    aborted: bool,
     counters: Counters,
     sabotage: Sabotage,
 }
@@ -211,6 +229,7 @@ impl Lighthouse {
             stalled: BTreeMap::new(),
             displaced: BTreeSet::new(),
             current: None,
+            aborted: false,
             counters: Counters::default(),
             sabotage: Sabotage::None,
         }
@@ -244,6 +263,10 @@ impl Lighthouse {
                 session,
                 replica_id,
             } => self.heartbeat(now, session, replica_id, &mut out),
+            Event::Left {
+                session,
+                replica_id,
+            } => self.left(session, &replica_id),
             Event::Closed { session } => self.closed(session, &mut out),
             Event::Tick => {
                 self.expire(now, &mut out);
@@ -433,6 +456,35 @@ impl Lighthouse {
         });
     }
 
+    /// A `Quorum` call ended unanswered: if it was the replica's last
+    /// `Join` (made over `session`), the replica stops being a participant
+    /// (a stalled one is revived without it); whether a quorum may now be
+    /// ready. A call over another session, or an older one, changes nothing.
+    fn left(&mut self, session: Session, id: &str) -> bool {
+        if self.sabotage == Sabotage::IgnoreLeft {
+            return false;
+        }
+        if let Some(h) = self.holders.get(id) {
+            if h.joined_on != Some(session) {
+                return false;
+            }
+            let Some(r) = self.roster.replicas.get_mut(id) else {
+                return false;
+            };
+            if r.waiting.take().is_none() {
+                return false;
+            }
+        } else if let Some(st) = self.stalled.get_mut(id) {
+            if st.holder.joined_on != Some(session) || st.waiting.take().is_none() {
+                return false;
+            }
+        } else {
+            return false;
+        }
+        self.counters.left += 1;
+        true
+    }
+
     /// A session ended: drops every replica it held; whether any was.
     fn closed(&mut self, session: Session, out: &mut Vec<Action>) -> bool {
         if self.sabotage == Sabotage::IgnoreClosed {
@@ -502,6 +554,7 @@ impl Lighthouse {
                 .is_ok();
             if member && self.sabotage != Sabotage::NoAbort {
                 self.counters.aborts += 1;
+                self.aborted = true;
                 out.push(Action::Abort {
                     quorum_id: q.id,
                     replica_id: id.to_owned(),
@@ -540,7 +593,12 @@ impl Lighthouse {
         let Verdict::Issue { members, .. } = self.verdict(now) else {
             return;
         };
-        self.last_id = quorum::next_id(self.last_id, self.current.as_ref(), &members);
+        self.last_id = if self.aborted && self.sabotage != Sabotage::ReuseAbortedId {
+            self.last_id + 1
+        } else {
+            quorum::next_id(self.last_id, self.current.as_ref(), &members)
+        };
+        self.aborted = false;
         for m in &members {
             if let Some(r) = self.roster.replicas.get_mut(&m.replica_id) {
                 r.waiting = None;

@@ -483,3 +483,58 @@ async fn a_waiting_call_whose_id_another_process_took_ends_with_the_refusal() {
     assert!(e.message().contains("taken by another process"), "{e:?}");
     taker.abort();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quorum_call_that_ends_unanswered_is_no_participant() {
+    // min_replicas 2, a heartbeat timeout of a minute: a's calls wait, and
+    // only their end can take a out of the participants.
+    let (addr, _) = start(knobs(2, Duration::from_secs(60))).await;
+    let mut a = Client::connect(addr).await;
+    let mut b = Client::connect(addr).await;
+
+    // 1. Its client cancels the call (the future dropped); the connection
+    //    stays open (a still heartbeats).
+    let mut rpc = a.rpc.clone();
+    let call = tokio::spawn(async move {
+        let r = Request::new(proto::LighthouseQuorumRequest {
+            requester: Some(member("a")),
+        });
+        rpc.quorum(r).await
+    });
+    wait_status(addr, |s| s["waiting"] == serde_json::json!(["a"])).await;
+    call.abort();
+    wait_status(addr, |s| {
+        s["waiting"] == serde_json::json!([]) && s["counters"]["left"] == 1
+    })
+    .await;
+
+    // 2. The call's deadline passes. tonic's channel keeps the same
+    //    deadline from the grpc-timeout header: whichever timer fires first
+    //    (the service's: DEADLINE_EXCEEDED; the client's: CANCELLED, the
+    //    stream reset), the service's call ends unanswered.
+    let mut r = Request::new(proto::LighthouseQuorumRequest {
+        requester: Some(member("a")),
+    });
+    r.set_timeout(Duration::from_millis(200));
+    let e = a.rpc.quorum(r).await.unwrap_err();
+    assert!(
+        matches!(e.code(), Code::DeadlineExceeded | Code::Cancelled),
+        "{e:?}"
+    );
+    wait_status(addr, |s| {
+        s["waiting"] == serde_json::json!([]) && s["counters"]["left"] == 2
+    })
+    .await;
+    a.heartbeat("a").await.unwrap();
+
+    // b alone is no quorum: a's ended calls are not issued along with it.
+    let b_call = tokio::spawn(async move { b.quorum(member("b")).await });
+    wait_status(addr, |s| s["waiting"] == serde_json::json!(["b"])).await;
+    let (_, status) = http(addr, "GET", "/status").await;
+    let status: Value = serde_json::from_str(&status).unwrap();
+    assert_eq!(status["counters"]["quorums_issued"], 0, "{status}");
+    // a joins again: the quorum names both, and both hear of it.
+    let q = a.quorum(member("a")).await.unwrap();
+    assert_eq!(ids(&q), ["a", "b"]);
+    assert_eq!(q, b_call.await.unwrap().unwrap());
+}

@@ -27,6 +27,9 @@
 //!   (and another manager address), then its session closes; only once the
 //!   member has joined this service, since before its first `Join` the
 //!   service has no address to tell the two processes apart;
+//! * `give up`: a member's waiting `Quorum` call ends unanswered (its
+//!   deadline, a cancel: the service sends `Left`); it asks again a little
+//!   later, as torchft's next step does;
 //! * `shrink`: a join with `shrink_only`.
 //!
 //! **Invariants**, checked after every event ([`Invariant`]):
@@ -55,13 +58,21 @@
 //!    restart when the members can have reconnected): the heartbeat
 //!    timeout, twice a step and the join timeout, the reconnect backoff and
 //!    a few ticks.
+//! 7. `aborted id new`: a quorum id that was aborted is never issued again
+//!    (torchft reconfigures only on a new id: the same members under the
+//!    aborted id would stay on the aborted generation).
+//! 8. `issued to callers`: every member of an issued quorum has a waiting
+//!    `Quorum` call in the simulator's book (a call that ended, `give up`,
+//!    is never issued: the others would wait on a member that never hears
+//!    of the quorum).
 //!
 //! **Proof that it tests something**: besides the tally's floors, each
 //! invariant has a test that breaks one rule on purpose ([`Sabotage`]:
 //! no majority guard, no `min_replicas`, ids from 0 after a restart,
-//! `Closed` ignored, no aborts, no revival of a stalled member) and
-//! requires that some seed among the first few hundred breaks that
-//! invariant.
+//! `Closed` ignored, no aborts, no revival of a stalled member, an aborted
+//! id reused, `Left` ignored) and requires that some seed among the first
+//! few hundred breaks that invariant (for the aborted id: among the first
+//! few hundred whose scenario can show it, see its test).
 //!
 //! The default run plays 400 seeds (a few seconds in a debug build).
 //! `RALLY_SIM_SEEDS=n` / `RALLY_SIM_FIRST=s` run other seeds;
@@ -85,7 +96,7 @@ const SEEDS: u64 = 400;
 
 /// Every kind of fault must fire in at least one seed in this many.
 ///
-/// A seed draws up to 6 faults of 7 kinds, each firing unless its member is
+/// A seed draws up to 6 faults of 8 kinds, each firing unless its member is
 /// dead or stalled at the moment: each kind fires in about 30% of the seeds
 /// (shrink_only, drawn per scenario, in about 24%); one in 20 leaves a wide
 /// margin yet catches a kind that stopped firing. Fewer than 20 seeds make
@@ -138,11 +149,12 @@ enum Fault {
     Blip,
     Restart,
     Impostor,
+    GiveUp,
     Shrink,
 }
 
 impl Fault {
-    const ALL: [Fault; 8] = [
+    const ALL: [Fault; 9] = [
         Fault::Kill,
         Fault::Vanish,
         Fault::Stall,
@@ -150,6 +162,7 @@ impl Fault {
         Fault::Blip,
         Fault::Restart,
         Fault::Impostor,
+        Fault::GiveUp,
         Fault::Shrink,
     ];
     fn name(self) -> &'static str {
@@ -161,6 +174,7 @@ impl Fault {
             Fault::Blip => "blip",
             Fault::Restart => "restart",
             Fault::Impostor => "impostor",
+            Fault::GiveUp => "give up",
             Fault::Shrink => "shrink",
         }
     }
@@ -198,7 +212,7 @@ impl Scenario {
         let n_faults = rng.range(0, 6);
         let mut faults = Vec::new();
         for _ in 0..n_faults {
-            let kind = rng.pick(&Fault::ALL[..7]);
+            let kind = rng.pick(&Fault::ALL[..8]);
             let at = rng.range(300, fault_phase_ms);
             let slot = rng.range(0, members as u64 - 1) as usize;
             faults.push((at, kind, slot));
@@ -236,6 +250,8 @@ enum Invariant {
     Sessions,
     DropAborts,
     Liveness,
+    AbortedIdNew,
+    IssuedToCallers,
 }
 
 /// A broken invariant and what showed it.
@@ -325,9 +341,11 @@ struct Sim {
     current: Option<(i64, Vec<String>)>,
     /// Quorums issued: (ms, service, members).
     issued: Vec<(u64, u64, BTreeSet<String>)>,
+    /// Quorum ids aborted, across restarts.
+    aborted: BTreeSet<i64>,
     /// Replica ids whose process died (fresh ids are never reused).
     dead: BTreeSet<String>,
-    fired: [u64; 8],
+    fired: [u64; 9],
     /// Kinds drawn that never fired (their member was not there).
     never: BTreeSet<&'static str>,
     /// Deadline ticks scheduled.
@@ -358,7 +376,8 @@ impl Sim {
             current: None,
             issued: Vec::new(),
             dead: BTreeSet::new(),
-            fired: [0; 8],
+            aborted: BTreeSet::new(),
+            fired: [0; 9],
             never: BTreeSet::new(),
             deadlines: BTreeSet::new(),
             settled: 0,
@@ -576,7 +595,7 @@ impl Sim {
             && self.sc.shrink_one_in > 0
             && self.rng.one_in(self.sc.shrink_one_in);
         if shrink_only {
-            self.fired[7] += 1;
+            self.fired[8] += 1;
             self.settled = self.settled.max(self.t);
         }
         let p = &mut self.procs[slot];
@@ -650,13 +669,16 @@ impl Sim {
         let (at, kind, slot) = self.sc.faults[i];
         let p = &self.procs[slot];
         let runs = p.life == Life::Alive && p.stalled_until.is_none();
-        if kind == Fault::StallWaiting && runs && !p.waiting && self.t < at + 3_000 {
-            // Stalls in a `Quorum` call: looks again until the member waits.
+        let in_call = matches!(kind, Fault::StallWaiting | Fault::GiveUp);
+        if in_call && runs && !p.waiting && self.t < at + 3_000 {
+            // Stalls in (gives up) a `Quorum` call: looks again until the
+            // member waits.
             self.at(self.t + 10, SimEv::Fault(i));
             return Ok(());
         }
         let eligible = match kind {
             Fault::Restart => self.lh.is_some(),
+            Fault::GiveUp => runs && p.waiting && p.session.is_some(),
             Fault::Impostor => {
                 runs && p.session.is_some_and(|s| {
                     self.ledger
@@ -733,6 +755,21 @@ impl Sim {
                 })?;
                 self.send(Event::Closed { session: s2 })?;
             }
+            Fault::GiveUp => {
+                // The call's deadline passed (or its client cancelled it):
+                // torchft's step fails and the member asks again later.
+                let session = self.procs[slot].session.expect("eligible");
+                self.procs[slot].waiting = false;
+                self.procs[slot].want_join = true;
+                let again = self.t + self.rng.range(50, 1_000);
+                self.settled = self.settled.max(again);
+                let inc = self.procs[slot].incarnation;
+                self.at(again, SimEv::Join { slot, inc });
+                self.send(Event::Left {
+                    session,
+                    replica_id: id,
+                })?;
+            }
             Fault::Shrink => {}
         }
         Ok(())
@@ -764,6 +801,16 @@ impl Sim {
                     .map(|(id, _)| id.clone())
                     .collect();
                 self.ledger.retain(|_, l| l.session != *session);
+            }
+            Event::Left {
+                session,
+                replica_id,
+            } => {
+                if let Some(l) = self.ledger.get_mut(replica_id) {
+                    if l.session == *session {
+                        l.waiting = false;
+                    }
+                }
             }
             Event::Tick => {}
         }
@@ -840,7 +887,7 @@ impl Sim {
         })
     }
 
-    /// Invariants 1 to 5 on the actions of one event.
+    /// Invariants 1 to 5, 7 and 8 on the actions of one event.
     fn check(
         &mut self,
         ev: &Event,
@@ -912,7 +959,9 @@ impl Sim {
                         }
                     }
                 }
-                Action::Abort { .. } => {}
+                Action::Abort { quorum_id, .. } => {
+                    self.aborted.insert(*quorum_id);
+                }
             }
         }
         Ok(())
@@ -929,6 +978,21 @@ impl Sim {
             }
         }
         self.ids.insert(id, members.to_vec());
+        if self.aborted.contains(&id) {
+            return self.broken(
+                Invariant::AbortedIdNew,
+                format!("quorum {id} of {members:?} issued again after it was aborted"),
+            );
+        }
+        if let Some(m) = members
+            .iter()
+            .find(|m| !self.ledger.get(*m).is_some_and(|l| l.waiting))
+        {
+            return self.broken(
+                Invariant::IssuedToCallers,
+                format!("quorum {id} of {members:?} names {m}, which has no waiting Quorum call"),
+            );
+        }
         let min = self.sc.knobs.min_replicas;
         if (members.len() as u64) < min {
             return self.broken(
@@ -1084,6 +1148,10 @@ fn short_event(ev: &Event) -> String {
             session,
             replica_id,
         } => format!("beat s{session} {replica_id}"),
+        Event::Left {
+            session,
+            replica_id,
+        } => format!("left s{session} {replica_id}"),
         Event::Closed { session } => format!("closed s{session}"),
         Event::Tick => "tick".into(),
     }
@@ -1209,7 +1277,14 @@ fn replay(seed: u64) {
 
 /// Runs seeds with `sabotage` until one breaks `invariant`.
 fn caught(sabotage: Sabotage, invariant: Invariant) {
-    for seed in 0..SABOTAGE_SEEDS {
+    caught_where(sabotage, invariant, |_| true);
+}
+
+/// [`caught`] over the seeds whose scenario `fits` (the first
+/// [`SABOTAGE_SEEDS`] of them).
+fn caught_where(sabotage: Sabotage, invariant: Invariant, fits: impl Fn(&Scenario) -> bool) {
+    let seeds = (0..SABOTAGE_SEEDS * 100).filter(|s| fits(&Scenario::draw(*s)));
+    for seed in seeds.take(SABOTAGE_SEEDS as usize) {
         if let (_, Err(b)) = one(seed, sabotage) {
             if b.invariant == invariant {
                 eprintln!("{sabotage:?}: seed {seed} broke {invariant:?}: {}", b.what);
@@ -1250,4 +1325,21 @@ fn drops_without_aborts_are_seen() {
 #[test]
 fn a_stalled_member_never_revived_is_left_out() {
     caught(Sabotage::NoRevive, Invariant::Liveness);
+}
+
+/// The broken rule shows when a member of the current quorum is dropped
+/// for silence inside its next `Quorum` call and no quorum forms without
+/// it before it resumes (no one stepping takes a commit failure): every
+/// member needed (`min_replicas` of all), a stall in a call.
+#[test]
+fn an_aborted_id_issued_again_is_seen() {
+    caught_where(Sabotage::ReuseAbortedId, Invariant::AbortedIdNew, |sc| {
+        sc.knobs.min_replicas == sc.members as u64
+            && sc.faults.iter().any(|f| f.1 == Fault::StallWaiting)
+    });
+}
+
+#[test]
+fn a_call_that_ended_issued_into_a_quorum_is_seen() {
+    caught(Sabotage::IgnoreLeft, Invariant::IssuedToCallers);
 }

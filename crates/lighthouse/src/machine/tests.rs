@@ -34,6 +34,9 @@ enum Ev {
     JoinOther(Session, &'static str),
     /// `Heartbeat` from session `.0` for replica `.1`.
     Beat(Session, &'static str),
+    /// The `Quorum` call of replica `.1` on session `.0` ended unanswered
+    /// (the client gave up: a cancelled call, its deadline).
+    Left(Session, &'static str),
     Closed(Session),
     Tick,
 }
@@ -50,6 +53,10 @@ fn event(ev: Ev) -> Event {
         Ev::JoinFailed(s, id) => join(s, id, |m| m.commit_failures = 1),
         Ev::JoinOther(s, id) => join(s, id, |m| m.address = format!("{}-other", m.address)),
         Ev::Beat(session, id) => Event::Heartbeat {
+            session,
+            replica_id: id.to_owned(),
+        },
+        Ev::Left(session, id) => Event::Left {
             session,
             replica_id: id.to_owned(),
         },
@@ -204,6 +211,69 @@ const CASES: &[Case] = &[
         ],
     },
     Case {
+        // Review item 4: torchft reconfigures only on a new id, so a quorum
+        // issued again under an aborted id would leave every member on the
+        // aborted generation.
+        name: "after an abort of the current quorum, the next quorum gets a new id, even with the same members and no commit failure",
+        min_replicas: 2,
+        join_timeout_ms: 60_000,
+        steps: &[
+            (0, Ev::Join(1, "a"), &[]),
+            (0, Ev::Join(2, "b"), &["issue 101 [a,b]"]),
+            (500, Ev::Beat(1, "a"), &[]),
+            (1000, Ev::Tick, &["abort 101 b", "dropped b"]),
+            // b's process resumes before the next round.
+            (1100, Ev::Beat(2, "b"), &[]),
+            (1200, Ev::Join(1, "a"), &[]),
+            (1200, Ev::Join(2, "b"), &["issue 102 [a,b]"]),
+            // The quorum after that, unaborted, keeps its id again.
+            (1300, Ev::Join(1, "a"), &[]),
+            (1300, Ev::Join(2, "b"), &["issue 102 [a,b]"]),
+        ],
+    },
+    Case {
+        // Review item 6: a call that ended is no participant; issuing it
+        // would make the others wait on a member that never hears of it.
+        name: "a Quorum call that ended unanswered is no longer a participant",
+        min_replicas: 1,
+        join_timeout_ms: 60_000,
+        steps: &[
+            (0, Ev::Beat(2, "b"), &[]),
+            // a alone is a minority of the two healthy: it waits.
+            (0, Ev::Join(1, "a"), &[]),
+            (10, Ev::Left(1, "a"), &[]),
+            // b alone is a minority too: a's ended call does not count.
+            (20, Ev::Join(2, "b"), &[]),
+            (30, Ev::Join(1, "a"), &["issue 101 [a,b]"]),
+        ],
+    },
+    Case {
+        name: "a call left on one session leaves the same process's call on another waiting",
+        min_replicas: 1,
+        join_timeout_ms: 60_000,
+        steps: &[
+            (0, Ev::Beat(2, "b"), &[]),
+            (0, Ev::Join(1, "a"), &[]),
+            (10, Ev::Join(3, "a"), &[]),
+            (20, Ev::Left(1, "a"), &[]),
+            (30, Ev::Left(9, "a"), &[]),
+            (40, Ev::Join(2, "b"), &["issue 101 [a,b]"]),
+        ],
+    },
+    Case {
+        name: "a stalled replica whose call ended is revived without it",
+        min_replicas: 2,
+        join_timeout_ms: 60_000,
+        steps: &[
+            (0, Ev::Join(1, "a"), &[]),
+            (1000, Ev::Tick, &["dropped a"]),
+            (1200, Ev::Left(1, "a"), &[]),
+            (1500, Ev::Join(2, "b"), &[]),
+            (1600, Ev::Beat(1, "a"), &[]),
+            (1700, Ev::Join(1, "a"), &["issue 101 [a,b]"]),
+        ],
+    },
+    Case {
         name: "same members keep the id (fast quorum); a commit failure raises it",
         min_replicas: 2,
         join_timeout_ms: 60_000,
@@ -335,6 +405,7 @@ fn status_counts_what_happened() {
             quorums_issued: 2,
             aborts: 1,
             refusals: 1,
+            left: 0,
         }
     );
     assert!(

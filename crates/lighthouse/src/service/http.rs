@@ -128,6 +128,7 @@ fn status_json(shared: &Shared) -> String {
             "quorums_issued": s.counters.quorums_issued,
             "aborts": s.counters.aborts,
             "refusals": s.counters.refusals,
+            "left": s.counters.left,
             "aborts_pushed": c.aborts_pushed.load(Ordering::Relaxed),
             "refused_requests": c.refused.load(Ordering::Relaxed),
             "bad_connections": c.bad_connections.load(Ordering::Relaxed),
@@ -144,7 +145,7 @@ pub fn metrics(shared: &Shared) -> String {
     let s = shared.status();
     let c = &shared.counters;
     let participants = s.quorum.as_ref().map_or(0, |q| q.participants.len());
-    let rows: [(&str, &str, &str, u64); 13] = [
+    let rows: [(&str, &str, &str, u64); 14] = [
         (
             "quorum_id",
             "gauge",
@@ -198,6 +199,12 @@ pub fn metrics(shared: &Shared) -> String {
             "counter",
             "members of a current quorum dropped",
             s.counters.aborts,
+        ),
+        (
+            "quorum_calls_left_total",
+            "counter",
+            "Quorum calls that ended unanswered (cancelled, deadline) and stopped being participants",
+            s.counters.left,
         ),
         (
             "aborts_pushed_total",

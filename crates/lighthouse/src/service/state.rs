@@ -9,7 +9,12 @@
 //! returns the refusals to its caller. A `Quorum` call registers its waiter
 //! in the same critical section as its `Join`, so a quorum issued by that
 //! very join reaches it. A waiter leaves the map when its call ends in any
-//! way (answered, timed out, its connection gone), by [`Waiting`]'s drop.
+//! way (answered, timed out, cancelled by its client, its connection gone),
+//! by [`Waiting`]'s drop; one that ends unanswered sends the machine
+//! `Event::Left`, so that a call nobody waits on any more is never issued
+//! into a quorum (the other members would wait on it until their timeout).
+//! The `waiters` map is the list of calls: whatever path ends a call, the
+//! drop runs once, under the lock.
 //!
 //! [`Shared::ticker`] sends `Tick` every `quorum_tick` and at the machine's
 //! `next_deadline`; each step wakes it to look at the deadline again.
@@ -94,8 +99,27 @@ pub struct Waiting {
 }
 
 impl Drop for Waiting {
+    /// A call that ends unanswered (its client cancelled it, its deadline
+    /// passed) tells the machine ([`Event::Left`]) so that it is not issued
+    /// into a quorum it will never hear of, unless another call of the
+    /// same replica waits (the machine's one waiting call is then that
+    /// one's).
     fn drop(&mut self) {
-        self.shared.inner.locked().waiters.remove(&self.id);
+        let mut inner = self.shared.inner.locked();
+        let Some(w) = inner.waiters.remove(&self.id) else {
+            return; // answered or refused
+        };
+        if inner.waiters.values().any(|o| o.replica_id == w.replica_id) {
+            return;
+        }
+        let refusals = self.shared.step(
+            &mut inner,
+            Event::Left {
+                session: w.session,
+                replica_id: w.replica_id,
+            },
+        );
+        log_refusals(refusals);
     }
 }
 
