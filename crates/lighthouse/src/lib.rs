@@ -22,10 +22,14 @@
 //!   what torchft lacks: **liveness from the connection** (a killed
 //!   member's reset drops it at once; a silent one goes at its keep-alive,
 //!   1 s by default), **aborts pushed** to the survivors of a dropped
-//!   member, a replica id held by one process, and quorum ids that a
-//!   restarted service never reuses. `tests/sim.rs` drives it through
-//!   seeded schedules of kills, silences, stalls, restarts and impostors,
-//!   checking its invariants after every step.
+//!   member, a replica id held by one process, a new id after every abort,
+//!   calls that ended dropped from the participants, and quorum ids that a
+//!   restarted service never reuses (ids from the wall clock: see
+//!   [`service`] for the assumption). Heartbeats from ids never seen are
+//!   accepted, as torchft does (see [`machine`]). `tests/sim.rs` drives it
+//!   through seeded schedules of kills, silences, stalls, restarts,
+//!   impostors and calls given up, checking its invariants after every
+//!   step.
 //! * [`service`]: gRPC and HTTP/1.1 on one port (`/v1/watch`, `/status`,
 //!   `/metrics`), one session per TCP connection, one lock.
 //!

@@ -27,7 +27,16 @@
 //!   released, and if the same session speaks for it again (the process
 //!   resumed) the replica is revived, its waiting `Quorum` call with it.
 //! * A drop of a member of the current quorum yields [`Action::Abort`] for
-//!   that quorum, so the survivors stop waiting on the dead member.
+//!   that quorum, so the survivors stop waiting on the dead member; the
+//!   next quorum issued after an abort always gets a new id, even with the
+//!   same members and no commit failure (a member dropped for silence that
+//!   resumes before the next round): torchft reconfigures only on a new id,
+//!   and the aborted generation is dead.
+//! * A `Quorum` call that ends unanswered (its client cancelled it, its
+//!   deadline passed) is [`Event::Left`]: the replica stops being a
+//!   participant, so it is never issued into a quorum it will not hear of
+//!   (the other members would wait on it until their timeout). It stays a
+//!   live replica (healthy while it heartbeats).
 //! * A replica id is held by one process: the manager address its first
 //!   `Join` names, over every session that speaks for it. torchft's manager
 //!   replaces its client after a failed call (a lighthouse that restarted,
@@ -38,6 +47,17 @@
 //!   it is refused ([`Action::Refuse`]) and the holder keeps the id. (A
 //!   heartbeat names no address, so a second process's heartbeats alone
 //!   cannot be told apart; its first `Join` is refused.)
+//!
+//! **A deviation from the project's rule** that a service refuses a request
+//! from a member it does not know: a heartbeat for a replica id never seen
+//! is accepted and makes that id a live, healthy replica. torchft's manager
+//! starts heartbeating when it is built, before its first `Quorum` call, and
+//! torchft's lighthouse accepts that; refusing would fail every manager's
+//! first beats. The cost: a stray id that heartbeats but never joins counts
+//! among the healthy, so a quorum that is not fast waits the join timeout
+//! for it, and enough of them deny a majority, as in torchft. It goes when
+//! its session closes or at the heartbeat timeout after its last beat; ids
+//! are bounded in length by the service.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Instant, SystemTime};

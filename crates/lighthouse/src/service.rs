@@ -41,7 +41,18 @@
 //!
 //! Quorum ids start above [`Config::first_id`], the unix time in
 //! milliseconds at start by default, so a restarted lighthouse never reuses
-//! one.
+//! one. That rests on the wall clock: each id issued uses up one
+//! millisecond of headroom, so the new service's ids are fresh as long as
+//! its start reads later than the old one's start plus the ids the old one
+//! issued (a new id per change of members, commit failure or abort: a few
+//! per fault, against the thousands of milliseconds of any uptime). It
+//! assumes the clock never steps back by more than that margin across a
+//! restart (NTP's slewing is fine; a step back by hours is not), and that a
+//! lighthouse restarted on another host has no such skew against the
+//! first. A reused id with other members would leave torchft's managers on
+//! their old configuration (they reconfigure only on a new id). There is no
+//! margin beyond that: give `first_id` yourself (the library) where the
+//! clock cannot be trusted.
 //!
 //! ```no_run
 //! # async fn f() -> std::io::Result<()> {

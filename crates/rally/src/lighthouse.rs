@@ -22,7 +22,12 @@ use rallypoint_lighthouse::service::{Config, Server};
     torchft; its managers heartbeat every 100 ms). \
     Point torchft at it with TORCHFT_LIGHTHOUSE=http://HOST:PORT. \
     Survivors of a dropped member learn it from GET /v1/watch on the same port; \
-    /status (JSON) and /metrics (Prometheus) are there too."
+    /status (JSON) and /metrics (Prometheus) are there too. \
+    Quorum ids start above the wall clock's Unix milliseconds, so a restarted lighthouse \
+    never reuses one provided the clock did not step back across the restart by more than \
+    the old one's uptime less the ids it issued (nor a new host's clock lag that much). \
+    Heartbeats from replica ids not seen yet are accepted, as torchft's lighthouse does \
+    (its managers beat before their first quorum call)."
 )]
 pub struct LighthouseArgs {
     /// Address to serve gRPC and HTTP on (`[::]` also accepts IPv4).
