@@ -145,8 +145,8 @@ fn torchfts_register_path_runs_dist_functional_collectives_and_device_mesh_over_
 #[test]
 fn the_lighthouse_watch_aborts_its_generation_only() {
     let res = ops("watch", 2, &[], None);
-    assert_eq!(checks(&res[0], "watch"), 8, "{res:?}");
-    assert_eq!(checks(&res[1], "watch"), 7, "{res:?}");
+    assert_eq!(checks(&res[0], "watch"), 9, "{res:?}");
+    assert_eq!(checks(&res[1], "watch"), 8, "{res:?}");
 }
 
 /// torchft's lighthouse (and the test's coordination store) in a process of
@@ -212,6 +212,8 @@ struct Replica {
     status: ExitStatus,
     result: Option<Value>,
     log: String,
+    /// `rally lighthouse`'s log, when the run had one (the same on both).
+    lighthouse_log: String,
 }
 
 /// `rally lighthouse` on a free loopback port, with torchft's knobs as
@@ -219,6 +221,9 @@ struct Replica {
 struct RallyLighthouse {
     child: Child,
     address: String,
+    /// Copies its stderr to `log` until it ends.
+    copier: Option<std::thread::JoinHandle<()>>,
+    log: PathBuf,
 }
 
 impl RallyLighthouse {
@@ -234,7 +239,8 @@ impl RallyLighthouse {
         let stderr = child.stderr.take().unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
         let log = dir.join("rally-lighthouse.log");
-        std::thread::spawn(move || {
+        let path = log.clone();
+        let copier = std::thread::spawn(move || {
             let mut f = std::fs::File::create(log).unwrap();
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
                 if let Some(addr) = line.strip_prefix("rally lighthouse: listening on ") {
@@ -249,7 +255,21 @@ impl RallyLighthouse {
         RallyLighthouse {
             child,
             address: format!("http://{addr}"),
+            copier: Some(copier),
+            log: path,
         }
+    }
+}
+
+impl RallyLighthouse {
+    /// Stops it; its whole log (the copier ends at its stderr's end).
+    fn stop(mut self) -> String {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if let Some(c) = self.copier.take() {
+            let _ = c.join();
+        }
+        std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 }
 
@@ -317,7 +337,11 @@ fn torchft_run(run: Run) -> Vec<Replica> {
     let kill = run.kill_at.to_string();
     let mut kids: Vec<(Child, PathBuf)> = (0..2)
         .map(|r| {
-            let victim = if r == 1 && run.kill_at != -1 { "1" } else { "0" };
+            let victim = if r == 1 && run.kill_at != -1 {
+                "1"
+            } else {
+                "0"
+            };
             let env: Vec<(&str, &std::ffi::OsStr)> = vec![
                 ("RESULT_DIR", out.as_os_str()),
                 ("REPLICA", if r == 0 { "0" } else { "1" }.as_ref()),
@@ -343,7 +367,7 @@ fn torchft_run(run: Run) -> Vec<Replica> {
         statuses.push(wait_or_kill(c, LIMIT, || log_of(&logs)));
     }
     lh.stop();
-    drop(ours);
+    let lighthouse_log = ours.map(RallyLighthouse::stop).unwrap_or_default();
     statuses
         .into_iter()
         .enumerate()
@@ -351,6 +375,7 @@ fn torchft_run(run: Run) -> Vec<Replica> {
             status,
             result: read_json(&out.join(format!("{r}.json"))),
             log: std::fs::read_to_string(&logs[r]).unwrap_or_default(),
+            lighthouse_log: lighthouse_log.clone(),
         })
         .collect()
 }
@@ -390,7 +415,7 @@ fn torchft_loop_over_rally_commits_the_same_steps_on_both_replicas() {
 /// peer failed in (that step's error names one of `causes`) and committed again
 /// alone; the victim died as `run.how` says. Returns the time from the
 /// fault to the survivor's next commit, in ms.
-fn survivor_commits_again(run: Run, causes: &[&str]) -> f64 {
+fn survivor_commits_again(run: Run, causes: &[&str]) -> (f64, String) {
     let how = run.how;
     let rs = torchft_run(run);
     let (survivor, victim) = (&rs[0], &rs[1]);
@@ -421,12 +446,15 @@ fn survivor_commits_again(run: Run, causes: &[&str]) -> f64 {
     );
     let after: Vec<i64> = committed(v).into_iter().filter(|&s| s >= k).collect();
     assert!(after.len() >= 3, "the survivor did not commit again: {v}");
-    v["kill_to_commit_ms"].as_f64().unwrap()
+    (
+        v["kill_to_commit_ms"].as_f64().unwrap(),
+        survivor.lighthouse_log.clone(),
+    )
 }
 
 #[test]
 fn a_replica_killed_inside_all_reduce_leaves_the_survivor_committing() {
-    let ms = survivor_commits_again(Run::kill("rally"), &["rank 1 is gone"]);
+    let (ms, _) = survivor_commits_again(Run::kill("rally"), &["rank 1 is gone"]);
     eprintln!("SIGKILL inside all_reduce, torchft's lighthouse (heartbeat timeout 500 ms): next commit {ms:.0} ms after the kill");
 }
 
@@ -440,7 +468,7 @@ fn a_member_that_never_joins_a_configure_leaves_the_loop_running() {
         kill_at: -2,
         ..Run::kill("rally")
     };
-    let ms = survivor_commits_again(run, &["never joined", "could not reach the store"]);
+    let (ms, _) = survivor_commits_again(run, &["never joined", "could not reach the store"]);
     eprintln!("SIGKILL on entering configure: next commit {ms:.0} ms after the kill");
 }
 
@@ -450,8 +478,18 @@ fn with_rally_lighthouse_a_killed_replica_is_dropped_at_once() {
         rally_lighthouse: true,
         ..Run::kill("rally")
     };
-    // Whichever comes first: its pid's end, or the lighthouse's push.
-    let ms = survivor_commits_again(run, &["rank 1 is gone", "the lighthouse at"]);
+    // Whichever comes first fails the op: its pid's end, or the
+    // lighthouse's push. The lighthouse must have dropped it for its closed
+    // session (at once), not for its silence (the heartbeat timeout).
+    let (ms, log) = survivor_commits_again(run, &["rank 1 is gone", "the lighthouse at"]);
+    let drop = log
+        .lines()
+        .find(|l| l.contains("replica dropped") && l.contains("pg_torchft_1"))
+        .unwrap_or_else(|| panic!("the lighthouse never dropped replica 1:\n{log}"));
+    assert!(
+        drop.contains("session") && drop.contains("closed"),
+        "replica 1 was not dropped for its closed session: {drop}"
+    );
     eprintln!("SIGKILL inside all_reduce, rally lighthouse: next commit {ms:.0} ms after the kill");
 }
 
@@ -465,7 +503,13 @@ fn with_rally_lighthouse_a_replica_stopped_inside_all_reduce_is_aborted_by_push(
         how: "stop",
         ..Run::kill("rally")
     };
-    let ms = survivor_commits_again(run, &["the lighthouse at"]);
+    let (ms, _) = survivor_commits_again(run, &["the lighthouse at"]);
+    // The push comes at the keep-alive (500 ms); 2 s of margin on a loaded
+    // machine, well under the group's 5 s that the op would wait without it.
+    assert!(
+        ms < 2500.0,
+        "the stop was not pushed: the next commit came {ms:.0} ms after it"
+    );
     eprintln!("SIGSTOP inside all_reduce, rally lighthouse: next commit {ms:.0} ms after the stop");
 }
 

@@ -118,6 +118,9 @@ def errors():
         th.start()
         th.join()
         check("errors", "called abort()" in str(pg.errored()), f"the aborting rank's errored() is {pg.errored()!r}")
+    # Rank 1 stays until rank 0 has read the abort (leaving closes its
+    # connections, which rank 0 may see before the abort's reason).
+    sync("e/read")
     # After the error: collectives return at once, untouched; messages fail.
     t = torch.full((1000,), 5.0)
     w = pg.allreduce([t], AllreduceOptions())
@@ -445,17 +448,26 @@ def watch():
     t, _ = all_reduce(pg, 1)
     check("watch", t[0].item() == 2, "quorum 8 after superseded")
     sync("w/superseded")
-    # Quorum 10's watch must never abort quorum 11 (its drop comes after 11 formed).
+    # Quorum 10's watch, firing after quorum 11 formed, must abort 10 only:
+    # it is kept running past configure(11) (detached from its generation,
+    # so the retire does not stop it), then the lighthouse drops a member
+    # of 10 and the watch delivers it.
     pg.configure(addr("w/10"), f"r{RANK}", RANK, WORLD, 10)
     gen10 = pg._gen
+    stale, gen10.watch = gen10.watch, None
     pg.configure(addr("w/11"), f"r{RANK}", RANK, WORLD, 11)
-    check("watch", gen10.watch.ended == "stopped" or gen10.watch._stop.is_set(), "quorum 10's watch still runs after 11 formed")
+    check("watch", stale.ended is None, f"quorum 10's watch ended before its drop: {stale.ended}")
     sync("w/11")
     if RANK == 0:
         fake.drop(10, "r9", "late")
+    deadline = time.monotonic() + DEADLINE.total_seconds()
+    while stale.ended is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    check("watch", stale.ended == "dropped", f"quorum 10's watch did not deliver its drop: {stale.ended}")
     t, _ = all_reduce(pg, 1)
     sync("w/late")
     check("watch", t[0].item() == 2 and pg.errored() is None, f"quorum 11 after 10's drop: {pg.errored()!r}")
+    stale.stop()
     pg.shutdown()
     check("watch", pg._gen is None, "shutdown left a generation")
     # torchft's own lighthouse has no /v1/watch: a 404 ends the watch, once.
