@@ -363,7 +363,7 @@ class ProcessGroupRally(ProcessGroup):
         why = f"{type(got).__name__}: {got}" if got is not None else "no answer"
         raise TimeoutError(
             f"rallypoint.ft: configure could not reach the store at {host}:{port} within"
-            f" {t.total_seconds():g} s ({why}); the current generation is left as it was"
+            f" {t.total_seconds():g} s ({why})"
         )
 
     def _retire(self, reason: str) -> None:
