@@ -19,6 +19,11 @@
 //!
 //! **Liveness**, beyond torchft:
 //!
+//! * A started (or restarted) service issues its first quorum no sooner
+//!   than a heartbeat timeout (at most [`STARTUP_GRACE_MAX`]) after it
+//!   first heard anyone: until then it cannot know every replica that
+//!   is alive, and a first caller alone would pass the majority guard.
+//!
 //! * A session (one client connection) that ends drops every replica it
 //!   carried at once ([`Event::Closed`]).
 //! * A replica silent for `heartbeat_timeout` is dropped at the `Tick` that
@@ -63,6 +68,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Instant, SystemTime};
 
 use crate::quorum::{self, Knobs, Member, Quorum, Roster, Rules, Verdict};
+
+/// The longest a started service waits before its first quorum (see
+/// `Lighthouse::grace`): ten of torchft's heartbeat intervals.
+pub const STARTUP_GRACE_MAX: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// One client connection; the service numbers them.
 pub type Session = u64;
@@ -177,6 +186,8 @@ pub enum Sabotage {
     ReuseAbortedId,
     /// Ignore [`Event::Left`]: a call that ended stays a participant.
     IgnoreLeft,
+    /// Issue the first quorum at once after a start (no startup grace).
+    NoStartupGrace,
 }
 
 /// The process that speaks for a live replica id.
@@ -231,6 +242,11 @@ pub struct Lighthouse {
     /// Whether `current` was aborted: the next quorum issued gets a new id
     /// whatever its members (torchft reconfigures only on a new id).
     aborted: bool,
+    /// The moment of the first event: until a heartbeat timeout after it,
+    /// the replicas alive are not all known yet (see [`Lighthouse::grace`]).
+    started: Option<Instant>,
+    /// Whether that grace has passed (so no past moment is a deadline).
+    graced: bool,
     counters: Counters,
     sabotage: Sabotage,
 }
@@ -250,6 +266,8 @@ impl Lighthouse {
             displaced: BTreeSet::new(),
             current: None,
             aborted: false,
+            started: None,
+            graced: false,
             counters: Counters::default(),
             sabotage: Sabotage::None,
         }
@@ -276,6 +294,10 @@ impl Lighthouse {
 
     /// What `ev`, at `now`, makes the service do.
     pub fn handle(&mut self, now: Instant, ev: Event) -> Vec<Action> {
+        self.started.get_or_insert(now);
+        if !self.graced && self.grace().is_none_or(|g| now >= g) {
+            self.graced = true;
+        }
         let mut out = Vec::new();
         let attempt = match ev {
             Event::Join { session, member } => self.join(now, session, member, &mut out),
@@ -314,10 +336,27 @@ impl Lighthouse {
             .map(|p| p.joined + self.knobs.join_timeout)
             .min()
             .filter(|_| waiting < self.roster.replicas.len());
-        match (expiry, join_wait) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
+        let grace = self.grace().filter(|_| waiting > 0 && !self.graced);
+        [expiry, join_wait, grace].into_iter().flatten().min()
+    }
+
+    /// When a started (or restarted) service may issue its first quorum: a
+    /// heartbeat timeout after it first heard anyone, at most
+    /// [`STARTUP_GRACE_MAX`] (torchft's managers beat every 100 ms and
+    /// reconnect at their next beat). Before that the
+    /// replicas alive are not all known: a member that has not reached this
+    /// service yet (torchft's managers reconnect after a failed call) is
+    /// neither healthy nor counted, so the first caller alone would be a
+    /// majority of one and commit on its own while the others form a
+    /// second quorum, two states for one step (the lighthouse restarted
+    /// across test hosts did exactly that). A fast quorum needs a previous
+    /// one, so this wait is only ever paid once per start.
+    fn grace(&self) -> Option<Instant> {
+        if self.sabotage == Sabotage::NoStartupGrace {
+            return None;
         }
+        let wait = self.knobs.heartbeat_timeout.min(STARTUP_GRACE_MAX);
+        self.started.map(|t| t + wait)
     }
 
     /// The state as of `now`.
@@ -608,6 +647,9 @@ impl Lighthouse {
     /// Issues a quorum if torchft's rules allow one now.
     fn attempt(&mut self, now: Instant, out: &mut Vec<Action>) {
         if self.roster.waiting().next().is_none() {
+            return;
+        }
+        if !self.graced {
             return;
         }
         let Verdict::Issue { members, .. } = self.verdict(now) else {

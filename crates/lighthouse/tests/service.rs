@@ -260,9 +260,22 @@ async fn a_silent_client_is_dropped_at_the_heartbeat_timeout() {
     let heartbeat_timeout = Duration::from_millis(400);
     let (addr, _) = start(knobs(1, heartbeat_timeout)).await;
     let mut a = Client::connect(addr).await;
-    // a's last word is its join; its connection stays open, silent.
-    let a_last_word = Instant::now();
-    let q = a.quorum(member("a")).await.unwrap();
+    // a beats (over a second connection of its process, as torchft's
+    // manager may) until its quorum comes, past the service's startup
+    // grace; then its beats stop and its connection stays open, silent.
+    let mut beats = Client::connect(addr).await;
+    let call = tokio::spawn(async move {
+        let q = a.quorum(member("a")).await.unwrap();
+        (a, q)
+    });
+    let mut a_last_word = Instant::now();
+    while !call.is_finished() {
+        beats.heartbeat("a").await.unwrap();
+        a_last_word = Instant::now();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (a, q) = call.await.unwrap();
+    drop(beats);
     let (code, v) = watch(addr, q.quorum_id, LIMIT.as_millis() as u64).await;
     let silent = a_last_word.elapsed();
     assert_eq!(

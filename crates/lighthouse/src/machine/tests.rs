@@ -332,13 +332,58 @@ const CASES: &[Case] = &[
     },
 ];
 
+/// A service that has been up for a while (its startup grace over by
+/// `t0`): the tables are about the rules after it.
+fn warm(knobs: Knobs, first_id: i64, t0: Instant) -> Lighthouse {
+    let up = knobs.heartbeat_timeout.min(STARTUP_GRACE_MAX);
+    let mut lh = Lighthouse::new(knobs, first_id);
+    lh.handle(
+        t0.checked_sub(up).expect("an instant before t0"),
+        Event::Tick,
+    );
+    lh
+}
+
+/// A service that has just started issues no quorum until a heartbeat
+/// timeout after it first heard anyone: before that a member that has not
+/// reached it yet is unknown, and the first caller alone is a majority.
+#[test]
+fn a_started_service_waits_a_heartbeat_timeout_before_its_first_quorum() {
+    let t0 = Instant::now();
+    let mut lh = Lighthouse::new(Knobs::ours(1), 100);
+    let at = |ms| t0 + Duration::from_millis(ms);
+    assert!(
+        lh.handle(at(0), event(Ev::Join(1, "a"))).is_empty(),
+        "a alone, at once"
+    );
+    assert_eq!(lh.next_deadline(), Some(at(1000)), "the grace's end");
+    lh.handle(at(400), event(Ev::Beat(2, "b")));
+    assert!(lh.handle(at(500), event(Ev::Join(2, "b"))).is_empty());
+    lh.handle(at(900), event(Ev::Beat(1, "a")));
+    let got: Vec<String> = lh.handle(at(1000), Event::Tick).iter().map(line).collect();
+    assert_eq!(
+        got,
+        ["issue 101 [a,b]"],
+        "one quorum of both, not two of one"
+    );
+    // Without the grace, a alone is issued a quorum at once.
+    let mut broken = Lighthouse::new(Knobs::ours(1), 100);
+    broken.sabotage(Sabotage::NoStartupGrace);
+    let got: Vec<String> = broken
+        .handle(at(0), event(Ev::Join(1, "a")))
+        .iter()
+        .map(line)
+        .collect();
+    assert_eq!(got, ["issue 101 [a]"]);
+}
+
 #[test]
 fn transitions_table() {
     let t0 = Instant::now();
     for case in CASES {
         let mut knobs = Knobs::ours(case.min_replicas);
         knobs.join_timeout = Duration::from_millis(case.join_timeout_ms);
-        let mut lh = Lighthouse::new(knobs, 100);
+        let mut lh = warm(knobs, 100, t0);
         for (i, &(ms, ev, want)) in case.steps.iter().enumerate() {
             let got: Vec<String> = lh
                 .handle(t0 + Duration::from_millis(ms), event(ev))
@@ -355,7 +400,7 @@ fn next_deadline_names_the_first_expiry_and_the_join_wait() {
     let t0 = Instant::now();
     let mut knobs = Knobs::ours(1);
     knobs.join_timeout = Duration::from_millis(300);
-    let mut lh = Lighthouse::new(knobs, 0);
+    let mut lh = warm(knobs, 0, t0);
     assert_eq!(lh.next_deadline(), None, "nothing to wait for");
     lh.handle(t0, event(Ev::Beat(1, "a")));
     assert_eq!(
@@ -377,7 +422,7 @@ fn next_deadline_names_the_first_expiry_and_the_join_wait() {
 #[test]
 fn status_counts_what_happened() {
     let t0 = Instant::now();
-    let mut lh = Lighthouse::new(Knobs::ours(1), 0);
+    let mut lh = warm(Knobs::ours(1), 0, t0);
     lh.handle(t0, event(Ev::Join(1, "a")));
     lh.handle(t0, event(Ev::JoinOther(2, "a")));
     lh.handle(t0, event(Ev::Beat(3, "b")));
@@ -423,7 +468,7 @@ fn status_counts_what_happened() {
 fn a_round_of_1024_members_issues_one_quorum_of_all() {
     let t0 = Instant::now();
     let n: u64 = 1024;
-    let mut lh = Lighthouse::new(Knobs::ours(1), 0);
+    let mut lh = warm(Knobs::ours(1), 0, t0);
     let ids: Vec<String> = (0..n).map(|i| format!("replica-{i:04}")).collect();
     for (s, id) in (0..n).zip(&ids) {
         assert!(lh
