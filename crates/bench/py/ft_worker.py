@@ -103,7 +103,7 @@ def _fault_hook(out, pg, step_of):
 
     def allreduce(*args, **kw):
         work = inner(*args, **kw)
-        if step_of() == at and not fired:
+        if step_of() >= at and not fired:
             fired.append(True)
             _fault(out, sig)
         return work
@@ -186,7 +186,7 @@ def run_ft(out, side: str) -> None:
         if digest and committed:
             rec["digest"] = _digest(model, inner)
         _log(out, **rec)
-        if kill_between is not None and manager.current_step() == kill_between:
+        if kill_between is not None and manager.current_step() >= kill_between:
             kill_between = None
             _fault(out, signal.SIGKILL)
     _log(out, event="done", steps=steps, commits=commits)
