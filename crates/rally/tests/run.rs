@@ -786,8 +786,16 @@ mod agent_failures;
 mod collectives;
 #[path = "run/dropin.rs"]
 mod dropin;
+#[path = "run/ft_hosts.rs"]
+mod ft_hosts;
+#[path = "run/ft_process_group.rs"]
+mod ft_process_group;
+#[path = "run/ft_transport.rs"]
+mod ft_transport;
 #[path = "run/hosts.rs"]
 mod hosts;
+#[path = "run/lighthouse.rs"]
+mod lighthouse;
 #[path = "run/numa.rs"]
 mod numa;
 #[path = "run/rendezvous_failures.rs"]
@@ -800,11 +808,3 @@ mod stacks;
 mod torch_backend;
 #[path = "run/torch_exit.rs"]
 mod torch_exit;
-#[path = "run/ft_process_group.rs"]
-mod ft_process_group;
-#[path = "run/ft_transport.rs"]
-mod ft_transport;
-#[path = "run/lighthouse.rs"]
-mod lighthouse;
-#[path = "run/ft_hosts.rs"]
-mod ft_hosts;
