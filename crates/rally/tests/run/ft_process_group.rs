@@ -25,23 +25,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use super::torch_backend::{env_rank, package};
+use super::torch_backend::{children_logs as log_of, env_rank, package};
 use super::{free_port, python, script, wait_or_kill};
 
 const LIMIT: Duration = Duration::from_secs(120);
-
-fn log_of(paths: &[PathBuf]) -> String {
-    paths
-        .iter()
-        .map(|p| {
-            format!(
-                "--- {}\n{}",
-                p.display(),
-                std::fs::read_to_string(p).unwrap_or_default()
-            )
-        })
-        .collect()
-}
 
 fn read_json(p: &Path) -> Option<Value> {
     serde_json::from_str(&std::fs::read_to_string(p).ok()?).ok()

@@ -161,7 +161,7 @@ pub(super) fn env_rank(
     (child, log)
 }
 
-fn children_logs(paths: &[PathBuf]) -> String {
+pub(super) fn children_logs(paths: &[PathBuf]) -> String {
     paths
         .iter()
         .map(|p| {
