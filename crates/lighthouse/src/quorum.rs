@@ -454,4 +454,4 @@ pub fn next_id(last_id: i64, prev: Option<&Quorum>, members: &[Member]) -> i64 {
 
 #[cfg(test)]
 #[path = "quorum/tests.rs"]
-mod tests;
+pub(crate) mod tests;

@@ -7,19 +7,7 @@
 use std::time::Duration;
 
 use super::*;
-
-fn member(id: &str) -> Member {
-    Member {
-        replica_id: id.to_owned(),
-        address: format!("addr-{id}"),
-        store_address: format!("store-{id}"),
-        step: 1,
-        world_size: 1,
-        shrink_only: false,
-        commit_failures: 0,
-        data: String::new(),
-    }
-}
+use crate::quorum::tests::member;
 
 /// An event of a table, in short.
 #[derive(Clone, Copy, Debug)]

@@ -5,7 +5,8 @@ use super::*;
 
 const HOUR: Duration = Duration::from_secs(3600);
 
-fn member(id: &str) -> Member {
+/// A member of the tables (the machine's tables use it too).
+pub(crate) fn member(id: &str) -> Member {
     Member {
         replica_id: id.to_owned(),
         address: format!("addr-{id}"),
