@@ -382,6 +382,44 @@ impl Lighthouse {
         }
     }
 
+    /// The replica id a heal report names (`POST /v1/heal`), among the ids
+    /// this service knows: the live replicas and the current quorum's
+    /// members. `name` is either such an id, or the name torchft's
+    /// `Manager` was given, which it turns into `name:uuid4` for the
+    /// lighthouse while its process group hears only `name` (a
+    /// `ProcessGroupRally` knows no other): then the one known id whose
+    /// part before its last `:` is `name`. No such id, or several, is an
+    /// error saying which.
+    pub fn resolve_replica(&self, name: &str) -> Result<String, String> {
+        let participants = self.current.iter().flat_map(|q| &q.participants);
+        let known: BTreeSet<&str> = self
+            .roster
+            .replicas
+            .keys()
+            .chain(self.holders.keys())
+            .map(String::as_str)
+            .chain(participants.map(|m| m.replica_id.as_str()))
+            .collect();
+        if known.contains(name) {
+            return Ok(name.to_owned());
+        }
+        let named: Vec<&str> = known
+            .iter()
+            .copied()
+            .filter(|id| id.rsplit_once(':').is_some_and(|(n, _)| n == name))
+            .collect();
+        match named[..] {
+            [one] => Ok(one.to_owned()),
+            [] => Err(format!(
+                "unknown replica id {name:?}: it is neither a live replica nor a member of the current quorum, nor the name (before \":uuid\") of one ({} known)",
+                known.len()
+            )),
+            _ => Err(format!(
+                "replica name {name:?} is ambiguous: {named:?} are all live; report the full replica id"
+            )),
+        }
+    }
+
     /// A `Quorum` request; whether a quorum may now be ready.
     fn join(
         &mut self,

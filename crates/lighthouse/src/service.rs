@@ -67,6 +67,7 @@
 
 mod conn;
 mod grpc;
+mod heals;
 mod http;
 mod state;
 mod watch;

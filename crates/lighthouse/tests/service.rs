@@ -117,9 +117,30 @@ fn ids(q: &proto::Quorum) -> Vec<&str> {
 
 /// A plain HTTP/1.1 GET (or another method); the status and the body.
 async fn http(addr: SocketAddr, method: &str, path: &str) -> (u16, String) {
+    http_with(addr, method, path, None).await
+}
+
+/// An HTTP/1.1 request with an optional body; the status and the body.
+async fn http_with(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: Option<&[u8]>,
+) -> (u16, String) {
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let req = format!("{method} {path} HTTP/1.1\r\nHost: lh\r\nConnection: close\r\n\r\n");
+    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: lh\r\nConnection: close\r\n");
+    if let Some(b) = body {
+        req.push_str(&format!(
+            "Content-Type: application/json\r\nContent-Length: {}\r\n",
+            b.len()
+        ));
+    }
+    req.push_str("\r\n");
     s.write_all(req.as_bytes()).await.unwrap();
+    if let Some(b) = body {
+        // The service may answer (413) and close before reading it all.
+        let _ = s.write_all(b).await;
+    }
     let mut out = String::new();
     tokio::time::timeout(LIMIT, s.read_to_string(&mut out))
         .await
@@ -550,4 +571,76 @@ async fn a_quorum_call_that_ends_unanswered_is_no_participant() {
     let q = a.quorum(member("a")).await.unwrap();
     assert_eq!(ids(&q), ["a", "b"]);
     assert_eq!(q, b_call.await.unwrap().unwrap());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heal_reports_show_in_status_and_metrics_and_bad_ones_are_refused() {
+    let (addr, _) = start(knobs(1, Duration::from_secs(60))).await;
+    let mut a = Client::connect(addr).await;
+    // torchft's Manager names its replica "heal_1:<uuid4>" at the
+    // lighthouse; its process group knows "heal_1".
+    let q = a.quorum(member("heal_1:0b4f")).await.unwrap();
+    let report = |id: &str, bytes: u64, seconds: f64| {
+        serde_json::json!({
+            "replica_id": id, "step": 7, "bytes": bytes, "seconds": seconds,
+            "sources": ["127.0.0.1:4100"], "quorum_id": q.quorum_id,
+        })
+        .to_string()
+    };
+    let post = |body: String| async move {
+        http_with(addr, "POST", "/v1/heal", Some(body.as_bytes())).await
+    };
+    let (code, body) = post(report("heal_1", 28_480, 0.03)).await;
+    assert_eq!(code, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        v["replica_id"], "heal_1:0b4f",
+        "resolved from torchft's name"
+    );
+    assert_eq!(post(report("heal_1:0b4f", 1_000, 2.0)).await.0, 200);
+
+    // Bad reports: each a clear 4xx, nothing recorded.
+    let (code, body) = post("{not json".into()).await;
+    assert_eq!(code, 400);
+    assert!(body.contains("not JSON"), "{body}");
+    let (code, body) = post(r#"{"replica_id":"heal_1","step":1,"seconds":1}"#.into()).await;
+    assert_eq!(code, 400);
+    assert!(body.contains("bytes"), "{body}");
+    let (code, body) = post(report("nobody", 5, 0.1)).await;
+    assert_eq!(code, 422);
+    assert!(body.contains("unknown replica id \"nobody\""), "{body}");
+    let huge = format!("{{\"replica_id\":\"{}\"}}", "x".repeat(100 << 10));
+    let (code, body) = post(huge).await;
+    assert_eq!(code, 413);
+    assert!(body.contains("at most"), "{body}");
+    assert_eq!(http(addr, "GET", "/v1/heal").await.0, 405);
+
+    let (_, s) = http(addr, "GET", "/status").await;
+    let s: Value = serde_json::from_str(&s).unwrap();
+    let h = &s["heals"];
+    assert_eq!(h["total"], 2, "{s}");
+    assert_eq!(h["bytes_total"], 29_480, "{s}");
+    assert_eq!(h["seconds_max"], 2.0, "{s}");
+    assert_eq!(h["last"][0]["bytes"], 1_000, "newest first: {s}");
+    assert_eq!(
+        h["last"][1]["sources"],
+        serde_json::json!(["127.0.0.1:4100"])
+    );
+    assert_eq!(h["by_replica"]["heal_1:0b4f"]["step"], 7, "{s}");
+    assert_eq!(s["counters"]["refused_requests"], 5, "{s}");
+    let (_, metrics) = http(addr, "GET", "/metrics").await;
+    for line in [
+        "rally_lighthouse_heals_total 2",
+        "rally_lighthouse_heal_bytes_total 29480",
+        "rally_lighthouse_heal_seconds_max 2",
+        "rally_lighthouse_heal_seconds_bucket{le=\"0.05\"} 1",
+        "rally_lighthouse_heal_seconds_bucket{le=\"+Inf\"} 2",
+        "rally_lighthouse_heal_seconds_sum 2.03",
+        "rally_lighthouse_heal_seconds_count 2",
+    ] {
+        assert!(metrics.lines().any(|l| l == line), "{line:?} in\n{metrics}");
+    }
+    // The member goes on.
+    let next = a.quorum(member("heal_1:0b4f")).await.unwrap();
+    assert_eq!(next.quorum_id, q.quorum_id);
 }

@@ -449,6 +449,26 @@ fn status_counts_what_happened() {
     );
 }
 
+#[test]
+fn a_heal_reports_replica_is_resolved_by_id_or_by_torchfts_name() {
+    let t0 = Instant::now();
+    let mut lh = warm(Knobs::ours(1), 0, t0);
+    lh.handle(t0, event(Ev::Beat(1, "heal_0:1111")));
+    lh.handle(t0, event(Ev::Beat(2, "heal_1:2222")));
+    lh.handle(t0, event(Ev::Beat(3, "twin:aaaa")));
+    lh.handle(t0, event(Ev::Beat(4, "twin:bbbb")));
+    assert_eq!(lh.resolve_replica("heal_1:2222"), Ok("heal_1:2222".into()));
+    assert_eq!(lh.resolve_replica("heal_1"), Ok("heal_1:2222".into()));
+    let e = lh.resolve_replica("heal_2").unwrap_err();
+    assert!(e.contains("unknown replica id \"heal_2\""), "{e}");
+    let e = lh.resolve_replica("twin").unwrap_err();
+    assert!(e.contains("ambiguous"), "{e}");
+    assert!(lh.resolve_replica("heal").is_err(), "a prefix is no name");
+    // A replica that is gone is no longer known.
+    lh.handle(t0, event(Ev::Closed(2)));
+    assert!(lh.resolve_replica("heal_1").is_err());
+}
+
 /// The issue's scale: 1,024 members in one process. One round (every member
 /// heartbeats, then joins) issues a quorum of all of them, and a second
 /// round a fast quorum with the same id.

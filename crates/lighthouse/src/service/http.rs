@@ -1,12 +1,16 @@
 //! The HTTP/1.1 side of the port (beside gRPC, as torchft serves `/status`
-//! on its one port): `GET /v1/watch`, `GET /status` and `GET /metrics`.
+//! on its one port): `GET /v1/watch`, `POST /v1/heal`, `GET /status` and
+//! `GET /metrics`.
 //!
 //! `/v1/watch?quorum_id=Q&timeout_ms=T` is the push channel to survivors:
 //! it reads the watch board ([`super::watch`]) and answers `200` with JSON as
 //! soon as it has something to say about `Q`, or `204` after `T` ms (at most
-//! [`MAX_WATCH`]). `/status` is the machine's state as JSON; `/metrics` the
-//! same figures in Prometheus' text format. Anything else is `404`, a bad
-//! query `400` with the reason, a method other than `GET` `405`.
+//! [`MAX_WATCH`]). `/v1/heal` takes a healed replica's report
+//! ([`super::heals`]: its body, its checks and its answers; the body is read
+//! within [`BODY_DEADLINE`], else `408`). `/status` is the machine's state
+//! and the heals as JSON; `/metrics` the same figures in Prometheus' text
+//! format. Anything else is `404`, a bad query `400` with the reason, a
+//! known path with another method `405`.
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -14,35 +18,102 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode};
-use http_body_util::Full;
+use http_body_util::{BodyExt, Full, Limited};
 use std::sync::atomic::Ordering;
 
+use super::heals::{self, MAX_BODY};
 use super::state::{Counters, Shared};
 
 /// The longest a watch poll may wait before its `204`.
 pub const MAX_WATCH: Duration = Duration::from_secs(60);
 
+/// The longest a client may take to send a request's body.
+pub const BODY_DEADLINE: Duration = Duration::from_secs(10);
+
 type Body = tonic::body::Body;
 
 /// Serves one HTTP request that is not gRPC.
-pub async fn serve<B>(shared: Arc<Shared>, req: Request<B>) -> Response<Body> {
-    if req.method() != Method::GET {
-        return text(StatusCode::METHOD_NOT_ALLOWED, "only GET is served here\n");
-    }
-    match req.uri().path() {
-        "/v1/watch" => match watch_query(req.uri().query().unwrap_or("")) {
+pub async fn serve<B>(shared: Arc<Shared>, req: Request<B>) -> Response<Body>
+where
+    B: hyper::body::Body<Data = Bytes>,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let path = req.uri().path().to_owned();
+    match (req.method(), path.as_str()) {
+        (&Method::GET, "/v1/watch") => match watch_query(req.uri().query().unwrap_or("")) {
             Ok((q, t)) => watch(&shared, q, t).await,
             Err(why) => text(StatusCode::BAD_REQUEST, &format!("{why}\n")),
         },
-        "/status" => json(StatusCode::OK, status_json(&shared)),
-        "/metrics" => Response::builder()
+        (&Method::POST, "/v1/heal") => heal(&shared, req).await,
+        (&Method::GET, "/status") => json(StatusCode::OK, status_json(&shared)),
+        (&Method::GET, "/metrics") => Response::builder()
             .header("content-type", "text/plain; version=0.0.4")
             .body(Body::new(Full::new(Bytes::from(metrics(&shared)))))
             .unwrap_or_default(),
-        other => text(
-            StatusCode::NOT_FOUND,
-            &format!("no {other} here: /v1/watch, /status and /metrics are\n"),
+        (_, "/v1/watch" | "/status" | "/metrics") => text(
+            StatusCode::METHOD_NOT_ALLOWED,
+            &format!("only GET is served at {path}\n"),
         ),
+        (_, "/v1/heal") => text(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "only POST is served at /v1/heal\n",
+        ),
+        (_, other) => text(
+            StatusCode::NOT_FOUND,
+            &format!("no {other} here: /v1/watch, /v1/heal, /status and /metrics are\n"),
+        ),
+    }
+}
+
+/// `POST /v1/heal`: reads the body (at most [`MAX_BODY`] bytes, within
+/// [`BODY_DEADLINE`]), checks it, resolves its replica and records it.
+async fn heal<B>(shared: &Shared, req: Request<B>) -> Response<Body>
+where
+    B: hyper::body::Body<Data = Bytes>,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let too_large = || {
+        text(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            &format!("a heal report is at most {MAX_BODY} bytes\n"),
+        )
+    };
+    let declared = req
+        .headers()
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > MAX_BODY as u64) {
+        return too_large();
+    }
+    let read = Limited::new(req.into_body(), MAX_BODY).collect();
+    let body = match tokio::time::timeout(BODY_DEADLINE, read).await {
+        Err(_) => {
+            return text(
+                StatusCode::REQUEST_TIMEOUT,
+                &format!("the body did not arrive within {BODY_DEADLINE:?}\n"),
+            )
+        }
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => return too_large(),
+        Ok(Err(e)) => return text(StatusCode::BAD_REQUEST, &format!("reading the body: {e}\n")),
+        Ok(Ok(b)) => b.to_bytes(),
+    };
+    let report = match heals::parse(&body) {
+        Ok(r) => r,
+        Err(why) => {
+            return text(
+                StatusCode::BAD_REQUEST,
+                &format!("bad heal report: {why}\n"),
+            )
+        }
+    };
+    let at = super::unix_millis() as f64 / 1000.0;
+    match shared.heal(report, at) {
+        Ok(id) => json(
+            StatusCode::OK,
+            serde_json::json!({"recorded": true, "replica_id": id}).to_string(),
+        ),
+        Err(why) => text(StatusCode::UNPROCESSABLE_ENTITY, &format!("{why}\n")),
     }
 }
 
@@ -136,6 +207,7 @@ fn status_json(shared: &Shared) -> String {
             "sessions": c.sessions.load(Ordering::Relaxed),
             "sessions_open": c.open.load(Ordering::Relaxed),
         },
+        "heals": shared.heals().to_json(),
     })
     .to_string()
 }
@@ -237,6 +309,7 @@ pub fn metrics(shared: &Shared) -> String {
         let _ = writeln!(out, "# TYPE rally_lighthouse_{name} {kind}");
         let _ = writeln!(out, "rally_lighthouse_{name} {value}");
     }
+    shared.heals().metrics(&mut out);
     out
 }
 

@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 use rallypoint_sync::MutexExt;
 use tokio::sync::{oneshot, watch, Notify};
 
+use super::heals::{Heal, Heals, Report};
 use super::watch::Board;
 use super::wire::Issued;
 use crate::machine::{Action, Event, Lighthouse, Session, Status};
@@ -87,6 +88,9 @@ pub struct Shared {
     wake_ticker: Notify,
     board: watch::Sender<Board>,
     pub counters: Counters,
+    /// Heals reported (`POST /v1/heal`); its own lock, never held with the
+    /// machine's.
+    heals: Mutex<Heals>,
 }
 
 /// A `Quorum` call's place in line; leaving it (drop) removes the waiter.
@@ -134,6 +138,7 @@ impl Shared {
             wake_ticker: Notify::new(),
             board: watch::Sender::new(Board::default()),
             counters: Counters::default(),
+            heals: Mutex::new(Heals::default()),
         })
     }
 
@@ -195,6 +200,39 @@ impl Shared {
         let refusals = self.step(&mut inner, Event::Tick);
         log_refusals(refusals);
         inner.machine.next_deadline()
+    }
+
+    /// A heal report: recorded under the replica id the machine resolves
+    /// its name to (returned), or the machine's reason it cannot.
+    pub fn heal(&self, report: Report, at: f64) -> Result<String, String> {
+        let replica_id = self
+            .inner
+            .locked()
+            .machine
+            .resolve_replica(&report.replica_id)?;
+        tracing::info!(
+            replica_id,
+            step = report.step,
+            bytes = report.bytes,
+            seconds = report.seconds,
+            sources = ?report.sources,
+            "heal reported"
+        );
+        self.heals.locked().record(Heal {
+            replica_id: replica_id.clone(),
+            step: report.step,
+            bytes: report.bytes,
+            seconds: report.seconds,
+            sources: report.sources,
+            quorum_id: report.quorum_id,
+            at,
+        });
+        Ok(replica_id)
+    }
+
+    /// The heals reported so far.
+    pub fn heals(&self) -> Heals {
+        self.heals.locked().clone()
     }
 
     /// The machine's state now.
