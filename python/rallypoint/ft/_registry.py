@@ -2,8 +2,9 @@
 collectives use, so that ``RallyTransport`` needs no argument to find them.
 
 Owned by ``process_group.py`` (which calls :func:`set_current` when a group is
-made); read by ``transport.py`` through :func:`current` and
-:func:`advertise_host`. Needs neither torch nor torchft.
+made); read by ``transport.py`` through :func:`current`,
+:func:`advertise_host`, :func:`lighthouse` and :func:`replica`. Needs neither
+torch nor torchft.
 """
 
 import os
@@ -64,3 +65,26 @@ def advertise_host() -> str:
             if ip:
                 return ip
     return "127.0.0.1"
+
+
+def lighthouse() -> Optional[str]:
+    """The lighthouse this process reports to (``http://host:port``): the
+    ``ProcessGroupRally``'s ``lighthouse=`` when a group exists (``""``
+    there turns reports off too), else ``TORCHFT_LIGHTHOUSE``, else
+    ``RALLY_LIGHTHOUSE``; None if none."""
+    pg = current()
+    if pg is not None and hasattr(pg, "_lighthouse"):
+        return pg._lighthouse or None
+    return os.environ.get("TORCHFT_LIGHTHOUSE") or os.environ.get("RALLY_LIGHTHOUSE") or None
+
+
+def replica():
+    """(replica id, quorum id) of the current generation of this process's
+    ``ProcessGroupRally``, as torchft's Manager passed them to ``configure``
+    (its replica name, without the ``:uuid`` the lighthouse knows), or
+    (None, None) before one."""
+    pg = current()
+    gen = getattr(pg, "_gen", None) if pg is not None else None
+    if gen is None:
+        return None, None
+    return getattr(gen, "replica_id", None), getattr(gen, "quorum_id", None)

@@ -24,6 +24,16 @@ server starts at the first ``metadata()`` or ``send_checkpoint``.
   sources serving the same step, splitting the bytes across them.
 - ``shutdown(wait)``: closes the server and its connections.
 
+After a receive, the heal (replica, step, tensor bytes, seconds, sources) is
+reported to the lighthouse's ``POST /v1/heal`` for its ``/status`` and
+``/metrics`` (``_report.py``: on a daemon thread, never delaying the heal nor
+raising; a lighthouse without the endpoint is logged once). The lighthouse
+is ``lighthouse=``, else the ``ProcessGroupRally``'s, else
+``TORCHFT_LIGHTHOUSE`` / ``RALLY_LIGHTHOUSE`` (``_registry.lighthouse``); the
+replica is ``replica_id=``, else the name torchft's Manager gave the group's
+``configure`` (the lighthouse resolves it to its ``name:uuid``). With
+neither a lighthouse nor a replica id, nothing is reported.
+
 The wire format (``_wire.py``): raw tensor bytes in 4 MiB chunks, with a JSON
 header naming each tensor's pytree path, dtype and shape; only the pytree spec
 and non-tensor leaves are pickled. The sender writes straight from the
@@ -41,13 +51,18 @@ from the local one refused before any byte moves; tensors the receiver does
 not have yet (a fresh optimizer's state) are accepted.
 """
 
+import logging
 import threading
+import time
 from datetime import timedelta
 from typing import Callable, List, Optional, Sequence, TypeVar, Union
 
 from torchft.checkpointing.transport import CheckpointTransport
 
-from rallypoint.ft import _registry
+import torch
+from torch.utils._pytree import tree_leaves
+
+from rallypoint.ft import _registry, _report
 from rallypoint.ft._fetch import TransferError, recv_striped
 from rallypoint.ft._serve import Server, stage
 
@@ -55,13 +70,23 @@ __all__ = ["RallyTransport", "TransferError", "recv_striped"]
 
 T = TypeVar("T")
 
+log = logging.getLogger(__name__)
+
 
 class RallyTransport(CheckpointTransport[T]):
     """torchft's ``CheckpointTransport`` over raw TCP; see the module docs."""
 
-    def __init__(self, timeout: Union[timedelta, float], state_dict: Optional[Callable[[], object]] = None) -> None:
+    def __init__(
+        self,
+        timeout: Union[timedelta, float],
+        state_dict: Optional[Callable[[], object]] = None,
+        lighthouse: Optional[str] = None,
+        replica_id: Optional[str] = None,
+    ) -> None:
         self._timeout = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
         self._state_dict = state_dict
+        self._lighthouse = lighthouse
+        self._replica_id = replica_id
         self._lock = threading.Lock()
         self._server: Optional[Server] = None
 
@@ -90,7 +115,23 @@ class RallyTransport(CheckpointTransport[T]):
     def recv_striped(self, sources: Sequence[str], step: int, timeout: Union[timedelta, float]) -> T:
         """The state dict of ``step`` from several sources at once (:func:`recv_striped`)."""
         like = self._state_dict() if self._state_dict is not None else None
-        return recv_striped(sources, step, timeout, like=like)
+        t0 = time.perf_counter()
+        state = recv_striped(sources, step, timeout, like=like)
+        self._report(sources, step, state, time.perf_counter() - t0)
+        return state
+
+    def _report(self, sources: Sequence[str], step: int, state: object, seconds: float) -> None:
+        """Hands the heal to the lighthouse's reporter; never raises."""
+        try:
+            url = self._lighthouse if self._lighthouse is not None else _registry.lighthouse()
+            name, quorum_id = _registry.replica()
+            replica_id = self._replica_id or name
+            if not url or not replica_id:
+                return
+            nbytes = sum(t.numel() * t.element_size() for t in tree_leaves(state) if isinstance(t, torch.Tensor))
+            _report.heal(url, replica_id, step, nbytes, seconds, sources, quorum_id)
+        except Exception as e:  # noqa: BLE001 - a report must never fail a heal
+            log.warning("rallypoint.ft: not reporting the heal of step %s: %s", step, e)
 
     def shutdown(self, wait: bool = True) -> None:
         with self._lock:

@@ -6,7 +6,10 @@
 //! they reach with torchft's own gRPC client. Healthy, both commit every step
 //! together and end normally; with one SIGKILLed between steps, the survivor
 //! commits its next step without waiting for a heartbeat to age out, since
-//! the dead manager's connection reset drops it at once.
+//! the dead manager's connection reset drops it at once. A replica healed
+//! through `RallyTransport` under torchft's `Manager`
+//! (`tests/py/ft/heal_report.py`) shows in the lighthouse's `/status` and
+//! `/metrics` with its byte count.
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -16,6 +19,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use serde_json::Value;
 
+use super::torch_backend::package;
 use super::{free_port, python, script, Job};
 
 /// How long a run of a few steps may take, imports included (seconds of
@@ -244,4 +248,69 @@ fn rally_lighthouse_refuses_bad_flags_and_a_busy_port() {
         err.contains(&format!("failed to listen on {bind}")),
         "{err}"
     );
+}
+
+/// A GET of `path` at the lighthouse on `port`; the body of its `200`.
+fn get(port: u16, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: lh\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    assert!(out.starts_with("HTTP/1.1 200"), "GET {path}: {out}");
+    out.split_once("\r\n\r\n").unwrap().1.to_owned()
+}
+
+#[test]
+fn a_heal_through_rally_transport_under_torchfts_manager_shows_in_status_and_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    let lh = Lighthouse::start(&["--min_replicas", "1", "--join_timeout_ms", "1000"]);
+    let mut c = Command::new(python());
+    c.arg(script("ft/heal_report.py"))
+        .env("PYTHONPATH", package(dir.path()))
+        .env("LIGHTHOUSE", format!("http://127.0.0.1:{}", lh.port))
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("PYTHONUNBUFFERED", "1");
+    let mut job = Job::spawn(c, dir.path(), "script");
+    let status = job.wait(RUN_LIMIT);
+    let out = job.output();
+    assert!(
+        status.success() && out.contains("PASS"),
+        "{status}\n{out}\nlighthouse:\n{}",
+        lh.log()
+    );
+    assert!(out.contains("no heal endpoint, logged once"), "{out}");
+    let line = out.lines().find(|l| l.starts_with("HEAL step ")).unwrap();
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let (step, bytes): (i64, u64) = (words[2].parse().unwrap(), words[4].parse().unwrap());
+    // The report left on a daemon thread that the replica waited for at
+    // exit; it has landed by now.
+    let s: Value = serde_json::from_str(&get(lh.port, "/status")).unwrap();
+    let heals = &s["heals"];
+    assert_eq!(heals["total"], 1, "one heal: {s}\n{}", lh.log());
+    let h = &heals["last"][0];
+    assert!(
+        h["replica_id"].as_str().unwrap().starts_with("heal_1:"),
+        "torchft's name:uuid of replica 1: {h}"
+    );
+    assert_eq!(h["step"], step, "{h}");
+    assert_eq!(h["bytes"], bytes, "the state dict's tensor bytes: {h}");
+    assert!(h["seconds"].as_f64().unwrap() > 0.0, "{h}");
+    assert_eq!(h["sources"].as_array().unwrap().len(), 1, "{h}");
+    assert!(h["quorum_id"].as_i64().is_some(), "{h}");
+    assert_eq!(heals["by_replica"][h["replica_id"].as_str().unwrap()], *h);
+    let metrics = get(lh.port, "/metrics");
+    for want in [
+        "rally_lighthouse_heals_total 1".to_owned(),
+        format!("rally_lighthouse_heal_bytes_total {bytes}"),
+        "rally_lighthouse_heal_seconds_count 1".to_owned(),
+    ] {
+        assert!(metrics.lines().any(|l| l == want), "{want:?} in\n{metrics}");
+    }
+    assert!(lh.log().contains("heal reported"), "{}", lh.log());
 }
