@@ -4,6 +4,8 @@
 //! |---|---|
 //! | `group.rs` | [`ProcessGroup`]: its state, accessors, subgroups, and how an op begins (its number, its call checked, a mismatch found as it begins) |
 //! | `bootstrap.rs` | forming a group from a store, a URL or the environment |
+//! | `reform.rs` | a group whose members change: each generation over the last one's connections |
+//! | `lineage.rs` | who keeps their connections at a generation's round, decided alike by every member |
 //! | `ops.rs` | the collectives, messages and object collectives |
 //! | `work.rs` | the `*_async` forms and [`Work`] |
 //! | `started.rs` | the `start_*` forms, numbered when called |
@@ -26,7 +28,9 @@ use crate::plan::{Plan, PlanCell};
 use crate::transport::{Members, Origin};
 
 mod bootstrap;
+mod lineage;
 mod ops;
+mod reform;
 mod started;
 #[cfg(test)]
 mod tests;

@@ -232,7 +232,7 @@ pub(crate) struct Config {
 ///    credit's decisions are queued under their lock, so they go out in the
 ///    order decided).
 /// 4. Leaves, each taken alone: `peers`, `addrs`, `unpublished`,
-///    `connecting`, `hosts`, and each [`ChildLink`]'s abort.
+///    `connecting`, `hosts`, `store`, and each [`ChildLink`]'s abort.
 ///
 /// The router stores each group's hearer ([`HearsAborts`]), its
 /// [`ChildLink`]s and its telling watch, but calls none of them: the
@@ -247,7 +247,10 @@ pub(crate) struct Config {
 /// only while bytes are copied into the op's buffer.
 pub(crate) struct Shared {
     pub cfg: Config,
-    store: Arc<dyn Store>,
+    /// The group's (prefixed) store; a group that changes members
+    /// ([`crate::ProcessGroup::next_generation`]) swaps in each
+    /// generation's.
+    store: Ordered<Arc<dyn Store>>,
     pub local_addr: SocketAddr,
     pool: Arc<Pool>,
     addrs: Ordered<HashMap<usize, SocketAddr>>,
@@ -268,6 +271,9 @@ pub(crate) struct Shared {
     /// host), from which each group decides on shared memory (see `shm`).
     pub hosts: Ordered<HashMap<usize, (u32, String)>>,
     refused: AtomicU64,
+    /// Connections established (opened or accepted), for
+    /// [`crate::ProcessGroup::handshakes`].
+    handshakes: AtomicU64,
     /// See [`Shared::landed_bytes`].
     landed_bytes: AtomicU64,
     next_conn: AtomicU64,
@@ -365,7 +371,7 @@ impl Transport {
             // larger window, is allocated afresh.
             pool: Pool::new(cfg.segment_bytes, window.clamp(32 << 20, 64 << 20) as usize),
             cfg,
-            store,
+            store: Ordered::new(lock_order::STORE, store),
             local_addr,
             addrs: Ordered::with_default(lock_order::ADDRS),
             peers: Ordered::with_default(lock_order::PEERS),
@@ -377,6 +383,7 @@ impl Transport {
             hosts: Ordered::with_default(lock_order::HOSTS),
             unpublished: Ordered::with_default(lock_order::UNPUBLISHED),
             refused: AtomicU64::new(0),
+            handshakes: AtomicU64::new(0),
             landed_bytes: AtomicU64::new(0),
             next_conn: AtomicU64::new(0),
             handshaking: AtomicUsize::new(0),
@@ -513,8 +520,52 @@ impl Shared {
         out
     }
 
-    /// The group's (prefixed) store.
-    pub fn store(&self) -> &Arc<dyn Store> {
-        &self.store
+    /// The group's (prefixed) store: the current generation's.
+    pub fn store(&self) -> Arc<dyn Store> {
+        lock(&self.store).clone()
+    }
+
+    /// The next generation's store (see `group/reform.rs`): addresses,
+    /// hosts, regions and abort records are looked up and written there
+    /// from now on (an earlier generation's abort record too: its key is
+    /// its own).
+    pub fn set_store(&self, store: Arc<dyn Store>) {
+        *lock(&self.store) = store;
+    }
+
+    /// Connections established with peers so far (opened or accepted).
+    pub fn handshakes(&self) -> u64 {
+        self.handshakes.load(Ordering::Relaxed)
+    }
+
+    /// The peers this rank has found gone (world ranks, sorted).
+    pub fn gone_peers(&self) -> Vec<usize> {
+        let mut v = lock(&self.router).gone_peers();
+        v.sort_unstable();
+        v
+    }
+
+    /// Records where `peer` listens and what its host entry says, as a
+    /// generation's round published them: no store lookup for it later.
+    /// `Err` with the address known before, if another (the peer's world
+    /// rank names another process here).
+    pub fn learn_peer(
+        &self,
+        peer: usize,
+        addr: SocketAddr,
+        host: (u32, String),
+    ) -> Result<(), SocketAddr> {
+        {
+            let mut addrs = lock(&self.addrs);
+            match addrs.get(&peer) {
+                Some(a) if *a != addr => return Err(*a),
+                Some(_) => {}
+                None => {
+                    addrs.insert(peer, addr);
+                }
+            }
+        }
+        lock(&self.hosts).insert(peer, host);
+        Ok(())
     }
 }

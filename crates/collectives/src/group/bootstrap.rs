@@ -22,6 +22,22 @@ pub(super) fn setup_err(group: String) -> impl Fn(String) -> Error {
     }
 }
 
+/// A rank in the group and options a group can use, or why not.
+pub(super) fn check_args(rank: usize, size: usize, opts: &Options) -> Result<()> {
+    if size == 0 || rank >= size {
+        return Err(Error::Invalid(format!(
+            "rank {rank} is not in a group of {size}"
+        )));
+    }
+    if opts.segment_bytes < 8 || opts.segment_bytes as u64 > MAX_PAYLOAD {
+        return Err(Error::Invalid(format!(
+            "segment_bytes {} is outside 8..={MAX_PAYLOAD}",
+            opts.segment_bytes
+        )));
+    }
+    Ok(())
+}
+
 /// The local address on the route to `host`.
 pub fn route_ip(host: &str) -> Option<IpAddr> {
     let to = (host, 9).to_socket_addrs().ok()?.next()?;
@@ -58,19 +74,9 @@ impl ProcessGroup {
         size: usize,
         opts: Options,
     ) -> Result<ProcessGroup> {
+        check_args(rank, size, &opts)?;
         let name = opts.prefix.clone();
         let err = setup_err(name.clone());
-        if size == 0 || rank >= size {
-            return Err(Error::Invalid(format!(
-                "rank {rank} is not in a group of {size}"
-            )));
-        }
-        if opts.segment_bytes < 8 || opts.segment_bytes as u64 > MAX_PAYLOAD {
-            return Err(Error::Invalid(format!(
-                "segment_bytes {} is outside 8..={MAX_PAYLOAD}",
-                opts.segment_bytes
-            )));
-        }
         let store: Arc<dyn Store> = Arc::new(PrefixStore::new(
             format!("rallypoint/collectives/{name}"),
             store,

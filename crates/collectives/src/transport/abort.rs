@@ -321,7 +321,8 @@ impl Shared {
             members.group_rank(self.cfg.rank)
         );
         let key = Self::record_key(comm);
-        let write = self.store.compare_set(&key, b"", text.as_bytes());
+        let store = self.store();
+        let write = store.compare_set(&key, b"", text.as_bytes());
         Some(match timeout(ABORT_DEADLINE, write).await {
             Ok(Ok(now)) => {
                 let first = now == text.as_bytes();
@@ -348,8 +349,8 @@ impl Shared {
     pub async fn abort_record(&self, comm: u64) -> Option<String> {
         let key = Self::record_key(comm);
         let got = timeout(ABORT_DEADLINE, async {
-            if self.store.check(&[&key]).await.ok()? {
-                self.store.get_now(&key).await.ok()
+            if self.store().check(&[&key]).await.ok()? {
+                self.store().get_now(&key).await.ok()
             } else {
                 None
             }

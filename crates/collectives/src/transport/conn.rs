@@ -131,7 +131,7 @@ impl Shared {
             return true;
         }
         let key = format!("addr/{peer}");
-        timeout(ABORT_DEADLINE, self.store.check(&[&key]))
+        timeout(ABORT_DEADLINE, self.store().check(&[&key]))
             .await
             .is_ok_and(|r| r.unwrap_or(true))
     }
@@ -144,8 +144,8 @@ impl Shared {
         let key = format!("addr/{peer}");
         let left = deadline.saturating_duration_since(Instant::now());
         let fetched = async {
-            self.store.wait_timeout(&[&key], left).await?;
-            self.store.get_now(&key).await
+            self.store().wait_timeout(&[&key], left).await?;
+            self.store().get_now(&key).await
         };
         // Until it is found (not merely until this wait ends: a timeout may
         // drop the wait, and its message reads this).
@@ -246,6 +246,7 @@ impl Shared {
             writer: Arc::new(tokio::sync::Mutex::new(wr)),
         });
         lock(&self.peers).entry(peer).or_default().conns.push(conn);
+        self.handshakes.fetch_add(1, Ordering::Relaxed);
         self.rt.spawn(read_loop(self.clone(), peer, id, rd));
         self.tell_aborts_to(peer, None);
     }

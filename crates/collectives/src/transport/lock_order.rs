@@ -64,6 +64,10 @@ pub(crate) const HOSTS: Level = Level {
     rank: LEAF,
     name: "hosts",
 };
+pub(crate) const STORE: Level = Level {
+    rank: LEAF,
+    name: "store",
+};
 /// A group's abort as its internal group sees it ([`ChildLink`](super::ChildLink)).
 pub(crate) const CHILD_LINK: Level = Level {
     rank: LEAF,

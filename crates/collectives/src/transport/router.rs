@@ -387,6 +387,10 @@ impl Router {
         self.aborts.groups()
     }
 
+    pub fn gone_peers(&self) -> Vec<usize> {
+        self.live.gone_peers()
+    }
+
     pub fn gone(&self, peer: usize) -> Option<&String> {
         self.live.gone(peer)
     }

@@ -5,6 +5,7 @@ mod bootstrap;
 mod failures;
 mod fake_peer;
 mod flow;
+mod generations;
 mod harness;
 mod hosts;
 mod ops;

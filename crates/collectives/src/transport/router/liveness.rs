@@ -40,6 +40,11 @@ pub(super) struct Liveness {
 
 impl Liveness {
     /// Why `peer` is gone, if it is.
+    /// Every peer marked gone.
+    pub fn gone_peers(&self) -> Vec<usize> {
+        self.gone.keys().copied().collect()
+    }
+
     pub fn gone(&self, peer: usize) -> Option<&String> {
         self.gone.get(&peer)
     }
