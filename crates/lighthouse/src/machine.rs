@@ -98,6 +98,17 @@ pub enum Event {
     /// Time passed (the service sends it every `quorum_tick` and at
     /// [`Lighthouse::next_deadline`]).
     Tick,
+    /// A lighthouse that took over (`--state etcd://...`) read what its
+    /// predecessor left: the last quorum id issued and that quorum. Ids go
+    /// on from `last_id` (durable, so the wall clock is not needed), and
+    /// when every member of `quorum` is back in a `Quorum` call it is
+    /// re-issued at once, under its id when nothing changed (a fast
+    /// quorum), without the startup grace. Only heeded before the first
+    /// quorum is issued.
+    Restored {
+        last_id: i64,
+        quorum: Option<Quorum>,
+    },
 }
 
 /// What the service must do.
@@ -247,6 +258,9 @@ pub struct Lighthouse {
     started: Option<Instant>,
     /// Whether that grace has passed (so no past moment is a deadline).
     graced: bool,
+    /// Whether `current` is a quorum restored from a predecessor
+    /// ([`Event::Restored`]) that this service has not issued yet.
+    restored: bool,
     counters: Counters,
     sabotage: Sabotage,
 }
@@ -268,6 +282,7 @@ impl Lighthouse {
             aborted: false,
             started: None,
             graced: false,
+            restored: false,
             counters: Counters::default(),
             sabotage: Sabotage::None,
         }
@@ -314,6 +329,7 @@ impl Lighthouse {
                 self.expire(now, &mut out);
                 true
             }
+            Event::Restored { last_id, quorum } => self.restore(last_id, quorum),
         };
         if attempt {
             self.attempt(now, &mut out);
@@ -418,6 +434,33 @@ impl Lighthouse {
                 "replica name {name:?} is ambiguous: {named:?} are all live; report the full replica id"
             )),
         }
+    }
+
+    /// What a predecessor left ([`Event::Restored`]); whether a quorum may
+    /// now be ready.
+    fn restore(&mut self, last_id: i64, quorum: Option<Quorum>) -> bool {
+        if self.counters.quorums_issued > 0 {
+            return false;
+        }
+        self.last_id = last_id;
+        self.restored = quorum.is_some();
+        self.current = quorum;
+        true
+    }
+
+    /// Whether every member of a restored quorum is waiting again: it may
+    /// then be re-issued before the startup grace, since the replicas it
+    /// waits for are all known.
+    fn restored_back(&self) -> bool {
+        let Some(q) = self.current.as_ref().filter(|_| self.restored) else {
+            return false;
+        };
+        q.participants.iter().all(|m| {
+            self.roster
+                .replicas
+                .get(&m.replica_id)
+                .is_some_and(|r| r.waiting.is_some())
+        })
     }
 
     /// A `Quorum` request; whether a quorum may now be ready.
@@ -688,7 +731,12 @@ impl Lighthouse {
             return;
         }
         if !self.graced {
-            return;
+            if !self.restored_back() {
+                return;
+            }
+            // Every member of the predecessor's last quorum is back: the
+            // replicas alive are known, as after the grace.
+            self.graced = true;
         }
         let Verdict::Issue { members, .. } = self.verdict(now) else {
             return;
@@ -720,6 +768,7 @@ impl Lighthouse {
             created: SystemTime::now(),
         };
         self.counters.quorums_issued += 1;
+        self.restored = false;
         self.current = Some(q.clone());
         out.push(Action::Issue(q));
     }

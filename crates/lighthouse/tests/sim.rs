@@ -814,7 +814,10 @@ impl Sim {
                     }
                 }
             }
-            Event::Tick => {}
+            // The simulator's restarts start afresh (ids from the clock);
+            // it never sends `Restored` (`--state etcd://` is tested in
+            // tests/state.rs against a real etcd).
+            Event::Tick | Event::Restored { .. } => {}
         }
         let now = self.base + Duration::from_millis(self.t);
         let Some(lh) = self.lh.as_mut() else {
@@ -1156,6 +1159,7 @@ fn short_event(ev: &Event) -> String {
         } => format!("left s{session} {replica_id}"),
         Event::Closed { session } => format!("closed s{session}"),
         Event::Tick => "tick".into(),
+        Event::Restored { last_id, .. } => format!("restored {last_id}"),
     }
 }
 

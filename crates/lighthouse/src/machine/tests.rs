@@ -469,6 +469,68 @@ fn a_heal_reports_replica_is_resolved_by_id_or_by_torchfts_name() {
     assert!(lh.resolve_replica("heal_1").is_err());
 }
 
+fn restored(last_id: i64, ids: &[&str]) -> Event {
+    Event::Restored {
+        last_id,
+        quorum: Some(Quorum {
+            id: last_id,
+            participants: ids.iter().map(|id| member(id)).collect(),
+            created: std::time::SystemTime::UNIX_EPOCH,
+        }),
+    }
+}
+
+fn issued(actions: &[Action]) -> Vec<String> {
+    actions
+        .iter()
+        .filter(|a| matches!(a, Action::Issue(_)))
+        .map(line)
+        .collect()
+}
+
+/// A lighthouse that took over from etcd's state re-issues the previous
+/// quorum, under its id, as soon as all its members are back, without the
+/// startup grace; ids go on from the restored one, not the wall clock's.
+#[test]
+fn a_restored_quorum_is_reissued_at_once_when_its_members_return() {
+    let t0 = Instant::now();
+    let at = |ms| t0 + Duration::from_millis(ms);
+    let mut lh = Lighthouse::new(Knobs::ours(1), 5_000);
+    assert!(lh.handle(at(0), restored(42, &["a", "b"])).is_empty());
+    assert!(
+        issued(&lh.handle(at(1), event(Ev::Join(1, "a")))).is_empty(),
+        "b is not back"
+    );
+    assert_eq!(
+        issued(&lh.handle(at(2), event(Ev::Join(2, "b")))),
+        ["issue 42 [a,b]"],
+        "all back: the same quorum, its id, 2 ms after the start"
+    );
+    // Restored is heeded only before the first quorum.
+    assert!(lh.handle(at(3), restored(7, &["z"])).is_empty());
+    lh.handle(at(4), event(Ev::JoinFailed(1, "a")));
+    let q = issued(&lh.handle(at(5), event(Ev::Join(2, "b"))));
+    assert_eq!(q, ["issue 43 [a,b]"], "a commit failure: the next id");
+}
+
+#[test]
+fn a_restored_quorum_whose_members_do_not_all_return_waits_the_grace() {
+    let t0 = Instant::now();
+    let at = |ms| t0 + Duration::from_millis(ms);
+    let mut lh = Lighthouse::new(Knobs::ours(1), 5_000);
+    lh.handle(at(0), restored(42, &["a", "b"]));
+    assert!(issued(&lh.handle(at(1), event(Ev::Join(1, "a")))).is_empty());
+    assert!(
+        issued(&lh.handle(at(999), Event::Tick)).is_empty(),
+        "in the grace"
+    );
+    assert_eq!(
+        issued(&lh.handle(at(1000), Event::Tick)),
+        ["issue 43 [a]"],
+        "after the grace, without b: a new id above the restored one"
+    );
+}
+
 /// The issue's scale: 1,024 members in one process. One round (every member
 /// heartbeats, then joins) issues a quorum of all of them, and a second
 /// round a fast quorum with the same id.
