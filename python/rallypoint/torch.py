@@ -180,6 +180,8 @@ class RallyBackend(_C10dBackend):
         fresh_prefix: bool = False,
         reconfigurable: bool = False,
         advertise: Optional[str] = None,
+        lineage: bool = False,
+        prev=None,
     ):
         if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL":
             # torch 2.15 wraps a plugin backend in its ProcessGroupWrapper
@@ -221,7 +223,15 @@ class RallyBackend(_C10dBackend):
         # `advertise`: the IP address its collectives listen on (default:
         # the route to MASTER_ADDR); rallypoint.ft passes the route to the
         # quorum's store, which every member reaches.
-        self._group = _native.Group(store, rank, size, timeout.total_seconds(), self._prefix, self._done, advertise)
+        if lineage:
+            # A generation of a group whose members change: over `prev`'s
+            # (a native group of this process's last generation) connections
+            # to the members that survive (see `ProcessGroup::next_generation`).
+            self._group = _native.Group.next_generation(
+                prev, store, rank, size, timeout.total_seconds(), self._prefix, self._done, advertise
+            )
+        else:
+            self._group = _native.Group(store, rank, size, timeout.total_seconds(), self._prefix, self._done, advertise)
 
     @property
     def _g(self):
@@ -257,12 +267,14 @@ class RallyBackend(_C10dBackend):
         ``opts.uuid`` (fresh each time) through the store this backend was
         made with. The current members' group, if any, is replaced: its ops
         in flight fail (aborted, naming the reconfigure). Blocks until this
-        rank has joined (rank 0 publishes, the others read it: no all-to-all
-        wait); the returned Work is complete."""
+        rank has joined: every member's entry read (one store round), the
+        connections to members that stay kept; the returned Work is complete."""
         rank, size, prefix = self._reconfigure.next(opts, self._name)
         timeout = opts.timeout if opts.timeout is not None else self._timeout
-        group = _native.Group(self._store, rank, size, max(timeout.total_seconds(), 0.001), prefix, self._done)
+        # Over the last membership's connections to the members that stay
+        # (see `ProcessGroup::next_generation`).
         old = self._group
+        group = _native.Group.next_generation(old, self._store, rank, size, max(timeout.total_seconds(), 0.001), prefix, self._done)
         with self._lock:
             self._group, self._rank, self._size, self._prefix = group, rank, size, prefix
             self._ranks = list(range(size))

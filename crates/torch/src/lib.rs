@@ -256,6 +256,41 @@ impl Group {
     }
 }
 
+/// A group's store and options from `Group`'s arguments.
+fn group_args(
+    py: Python<'_>,
+    store: Py<PyAny>,
+    timeout: f64,
+    name: String,
+    advertise: Option<String>,
+) -> PyResult<(Arc<PyStore>, Options)> {
+    let advertise = advertise
+        .map(|a| {
+            a.parse::<std::net::IpAddr>().map_err(|_| {
+                PyValueError::new_err(format!("rally: advertise {a:?} is not an IP address"))
+            })
+        })
+        .transpose()?;
+    let store = Arc::new(PyStore::new(py, store)?);
+    let opts = Options {
+        prefix: name,
+        timeout: Duration::from_secs_f64(timeout.max(0.001)),
+        advertise,
+        ..Options::default()
+    };
+    Ok((store, opts))
+}
+
+impl Group {
+    fn formed(pg: ProcessGroup, done: Py<PyAny>) -> Group {
+        Group {
+            live: Live::new(pg),
+            done: Arc::new(done),
+            uneven: AtomicU32::new(0),
+        }
+    }
+}
+
 /// The error of a call made while the interpreter exits.
 fn exiting() -> PyErr {
     PyRuntimeError::new_err("rally: the process is exiting; no new operation can start")
@@ -311,28 +346,49 @@ impl Group {
         done: Py<PyAny>,
         advertise: Option<String>,
     ) -> PyResult<Group> {
-        let advertise = advertise
-            .map(|a| {
-                a.parse::<std::net::IpAddr>().map_err(|_| {
-                    PyValueError::new_err(format!("rally: advertise {a:?} is not an IP address"))
-                })
-            })
-            .transpose()?;
-        let store = Arc::new(PyStore::new(py, store)?);
-        let opts = Options {
-            prefix: name,
-            timeout: Duration::from_secs_f64(timeout.max(0.001)),
-            advertise,
-            ..Options::default()
-        };
+        let (store, opts) = group_args(py, store, timeout, name, advertise)?;
         let pg = py
             .allow_threads(|| runtime().block_on(ProcessGroup::new(store, rank, size, opts)))
             .map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
-        Ok(Group {
-            live: Live::new(pg),
-            done: Arc::new(done),
-            uneven: AtomicU32::new(0),
-        })
+        Ok(Group::formed(pg, done))
+    }
+
+    /// The next generation of a group whose members change (see
+    /// `ProcessGroup::next_generation`): over `prev`'s connections to the
+    /// members that survive, when `prev` is this process's last generation.
+    #[staticmethod]
+    #[pyo3(signature = (prev, store, rank, size, timeout, name, done, advertise=None))]
+    fn next_generation(
+        py: Python<'_>,
+        prev: Option<Py<Group>>,
+        store: Py<PyAny>,
+        rank: usize,
+        size: usize,
+        timeout: f64,
+        name: String,
+        done: Py<PyAny>,
+        advertise: Option<String>,
+    ) -> PyResult<Group> {
+        let (store, opts) = group_args(py, store, timeout, name, advertise)?;
+        let prev = prev.map(|p| p.get().live.pg().clone());
+        let pg = py
+            .allow_threads(|| {
+                runtime().block_on(ProcessGroup::next_generation(
+                    prev.as_ref(),
+                    store,
+                    rank,
+                    size,
+                    opts,
+                ))
+            })
+            .map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
+        Ok(Group::formed(pg, done))
+    }
+
+    /// Connections this rank's transport has established, over every
+    /// generation that shared it.
+    fn handshakes(&self) -> u64 {
+        self.live.pg().handshakes()
     }
 
     #[pyo3(signature = (token, addr, len, dtype, op, timeout=None, now=false))]

@@ -15,10 +15,13 @@ Each ``configure(store_addr, replica_id, rank, world_size, quorum_id, ...)``
 ``host:port/torchft/<quorum id>/<group rank>``) forms the next generation:
 a ``rally`` backend (:class:`rallypoint.torch.RallyBackend`, whose op code
 every op here goes through) over ``PrefixStore(prefix, TCPStore(host,
-port))``. Forming publishes this rank's address (rank 0 also the group's
-nonce), then waits (the store's wait, one round) until every member has
-formed it; connections open at the first op, shared memory when every
-member is on this host.
+port))``, formed as the next generation of the last one
+(``ProcessGroup::next_generation``, one store round: every member
+publishes an entry and waits, the store's wait, for every other's). A
+member that took part in the last generation keeps its connections to the
+others that did: only a newcomer connects, once to each member, at the
+first op that needs it. Shared memory (every member on this host) is laid
+out per generation.
 
 A configure first checks its arguments (a rank outside the world, a world
 of 0, a prefix that a live generation of this process uses, a malformed
@@ -230,6 +233,10 @@ class ProcessGroupRally(ProcessGroup):
             parse_lighthouse(url)
         self._lighthouse = url or None
         self._configure_lock = threading.Lock()
+        # The native group of the last generation formed: the next one keeps
+        # its connections to the members that stay (even after a failed
+        # configure in between).
+        self._lineage = None
         # The TCPStore client of the last generation, by (host, port).
         self._stores: Dict[Tuple[str, int], TCPStore] = {}
         # (the current fault, the current generation), swapped as one: an
@@ -283,41 +290,27 @@ class ProcessGroupRally(ProcessGroup):
         self._retire(f"replaced by the generation at {store_addr}")
         fault = _Fault()
         try:
+            # Over the last generation's connections to the members that
+            # stay; forming waits for every member (one store round).
             backend = _rally.RallyBackend(
-                store, rank, world_size, self._timeout, prefix, done=fault.done, fresh_prefix=True, advertise=listen_ip(host)
+                store,
+                rank,
+                world_size,
+                self._timeout,
+                prefix,
+                done=fault.done,
+                fresh_prefix=True,
+                advertise=listen_ip(host),
+                lineage=True,
+                prev=self._lineage,
             )
         except Exception as e:
             raise RuntimeError(f"rallypoint.ft: forming the generation at {store_addr} as rank {rank} of {world_size} failed: {e}") from e
-        try:
-            self._wait_members(store, prefix, world_size)
-        except Exception as e:
-            backend._group.abort(f"rallypoint.ft: the generation at {store_addr} never formed: {e}")
-            raise
+        self._lineage = backend._group
         gen = _Generation(backend, store_addr, quorum_id, replica_id, fault)
         if self._lighthouse and quorum_id is not None:
             gen.watch = Watch(self._lighthouse, int(quorum_id), gen.abort)
         return gen
-
-    def _wait_members(self, store, prefix: str, world_size: int) -> None:
-        """Waits (the store's own wait: no polling) until every member has
-        formed the generation, so that its first op finds every member's
-        address and host at once: otherwise that op polls the store for
-        them every 50 ms (``SLICE``, collectives' ``plan.rs``), one slice a
-        membership change. The keys are the ones the collectives publish at
-        set-up (``group/bootstrap.rs``: ``host/<rank>`` under
-        ``rallypoint/collectives/<name>``; only for a group of 2 or more)."""
-        if world_size < 2:
-            return
-        base = f"rallypoint/collectives/{prefix}/host"
-        keys = [f"{base}/{r}" for r in range(world_size)]
-        try:
-            store.wait(keys, self._timeout)
-        except Exception as e:  # noqa: BLE001 - torch raises several kinds
-            missing = [r for r, k in enumerate(keys) if not store.check([k])]
-            raise RuntimeError(
-                f"rallypoint.ft: the generation at {prefix!r} did not form within {self._timeout.total_seconds():g} s:"
-                f" rank(s) {missing} of {world_size} never joined ({type(e).__name__})"
-            ) from e
 
     def _claim(self, store_addr: str, quorum_id) -> None:
         with _live_lock:

@@ -122,6 +122,22 @@ fn membership_changes_three_to_two_and_back_are_timed() {
     );
 }
 
+/// Over TCP (each rank its own host id): from the second round on, every
+/// generation runs over the transport of the first, with no new connection
+/// (`ProcessGroup::next_generation`).
+#[test]
+fn membership_changes_keep_the_survivors_connections() {
+    let res = ops("membership", 3, &[("ROUNDS", "4"), ("APART", "1")], None);
+    for (r, v) in res.iter().enumerate() {
+        let want = if r < 2 { 8 + 2 } else { 4 + 2 };
+        assert_eq!(checks(v, "membership"), want, "rank {r}: {v}");
+    }
+    eprintln!(
+        "rank 0 over TCP, medians over 4 rounds: configure {} ms; configure + first all_reduce {} ms; (address, connections) per round {}",
+        res[0]["configure_ms"], res[0]["configure_and_first_all_reduce_ms"], res[0]["transport_per_round"]
+    );
+}
+
 #[test]
 fn torchfts_register_path_runs_dist_functional_collectives_and_device_mesh_over_it() {
     for (r, v) in ops("register", 2, &[], None).iter().enumerate() {

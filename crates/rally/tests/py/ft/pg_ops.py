@@ -20,7 +20,10 @@ hosts the TCPStore at MASTER_PORT that every configure forms through.
 - ``membership`` (3): ROUNDS rounds of configure 3 -> 2 -> 3 members (rank
   2 sits out of the 2-member generations), each followed by an all_reduce
   checked for its value; every rank reports its configure times and
-  configure + first all_reduce times, in ms.
+  configure + first all_reduce times, in ms. With APART=1 each rank takes
+  its own ``RALLY_HOST_ID`` (TCP, not shared memory), and checks that every
+  generation after the first round runs over the same transport (its
+  listening address) without a new connection.
 - ``register`` (2): torchft's ``register`` (DeviceMesh, functional
   collectives) over a configured group.
 - ``watch`` (2): the lighthouse watch, against a fake ``/v1/watch`` that
@@ -314,11 +317,17 @@ def membership():
         pg.errored = lambda: None
     else:
         pg = ProcessGroupRally(timeout=DEADLINE)
+    apart = os.environ.get("APART") == "1"
+    if apart:
+        # Read at each generation's round (the collectives' host entry).
+        os.environ["RALLY_HOST_ID"] = f"apart-{RANK}"
     times = {"3->2": [], "2->3": []}
     firsts = {"3->2": [], "2->3": []}
     q = 0
     pg.configure(addr(f"m/{q}"), f"r{RANK}", RANK, 3, q)
     all_reduce(pg, 1)
+    # (listening address, connections) after each round's generations.
+    seen = []
     for i in range(rounds):
         for change, members in (("3->2", 2), ("2->3", 3)):
             q += 1
@@ -334,6 +343,15 @@ def membership():
             check("membership", t[0].item() == want and pg.errored() is None, f"round {i} {change}: {t[0].item()} != {want}")
             times[change].append((t1 - t0) * 1000)
             firsts[change].append((t2 - t0) * 1000)
+        g = pg._gen.group
+        seen.append((g.local_addr(), g.handshakes()))
+    if apart:
+        # Every pair connected in round 0; from then on, one transport and no
+        # new connection: the survivors' connections are kept across 3 -> 2
+        # and rank 2's, alive while it sat out, across 2 -> 3.
+        check("membership", len(set(seen)) == 1, f"transport (address, connections) per round: {seen}")
+        check("membership", seen[0][1] > 0, f"no connection at all: {seen}")
+    result["transport_per_round"] = [list(x) for x in seen]
     result["configure_ms"] = {k: statistics.median(v) for k, v in times.items() if v}
     result["configure_and_first_all_reduce_ms"] = {k: statistics.median(v) for k, v in firsts.items() if v}
     result["samples"] = {k: [round(x, 2) for x in v] for k, v in firsts.items()}
