@@ -132,7 +132,7 @@ def free_port() -> int:
 class Lighthouse:
     """torchft's or ours, on a fresh port of place 0 (loopback, or node1)."""
 
-    def __init__(self, side: str, b: Bench, extra=()):
+    def __init__(self, side: str, b: Bench, workdir, extra=()):
         self.net = b.net
         self.port = free_port()
         bind = f"{self.net.addr(0)}:{self.port}"
@@ -144,14 +144,14 @@ class Lighthouse:
             cmd = [exe, "--bind", bind, "--min_replicas", "1", "--join_timeout_ms", "500",
                    "--quorum_tick_ms", "100", "--heartbeat_timeout_ms", hb, *extra]
         self.cmd = self.net.prefix(0) + cmd
-        self.log = tempfile.NamedTemporaryFile("w+", suffix=".lighthouse.log", delete=False)
+        self.log = open(Path(workdir) / "lighthouse.log", "a")
         self.proc = None
         self.start()
 
     def start(self):
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=self.log)
         wait_listening(self.net, 0, self.port, self.proc, 20, PY, f"lighthouse {self.cmd}",
-                       Path(self.log.name).read_text())
+                       Path(self.log.name).read_text(errors="replace"))
 
     @property
     def url(self) -> str:
@@ -237,6 +237,14 @@ def _first_commit_past(r: Replica, past: int):
     return t
 
 
+def _step_before(r: Replica, t: float):
+    """The median interval between ``r``'s last 10 commits before ``t``:
+    the step a fault's figure is to be read against."""
+    ts = [x["t"] for x in r.records() if x.get("committed") and x["t"] < t][-11:]
+    gaps = [y - x for x, y in zip(ts, ts[1:])]
+    return statistics.median(gaps) if gaps else None
+
+
 def _gaps(survivors, past_of, t0: float, what: str):
     """Each survivor's first commit past ``past_of(r)``, less ``t0``."""
     gaps = []
@@ -256,7 +264,7 @@ def fault_figure(side: str, n: int, fault: str, b: Bench, model="small", restart
     slowest survivor), survivors crashed, and with ``restart`` the victim's
     ready-to-first-commit after it is launched again."""
     with workdir() as d:
-        lh = Lighthouse(side, b)
+        lh = Lighthouse(side, b, d)
         reps = []
         try:
             common = {"FT_MODEL": model, "FT_STEPS": AT + 40}
@@ -283,7 +291,8 @@ def fault_figure(side: str, n: int, fault: str, b: Bench, model="small", restart
                 first = _wait_for(lambda: next((x["t"] for x in again.records() if x.get("committed")), None), 60, "its first commit")
                 heal = first - ready
             crashed = sum(r.wait(120) != 0 for r in survivors)
-            return {"gap": max(gaps), "crashed": crashed, "heal": heal}
+            step = _step_before(survivors[0], t_fault)
+            return {"gap": max(gaps), "crashed": crashed, "heal": heal, "step": step}
         finally:
             for r in reps:
                 r.kill()
@@ -298,7 +307,7 @@ def cut_figure(side: str, n: int, b: Bench, model="small"):
     if not isinstance(b.net, Hosts):
         raise SystemExit("the figure `cut` needs test hosts (--hosts N)")
     with workdir() as d:
-        lh = Lighthouse(side, b)
+        lh = Lighthouse(side, b, d)
         reps, cut = [], False
         try:
             env = {"FT_MODEL": model, "FT_STEPS": AT + 40}
@@ -314,7 +323,7 @@ def cut_figure(side: str, n: int, b: Bench, model="small"):
             past = {r.i: r.committed_step(before=t_before) + 1 for r in survivors}
             gaps = _gaps(survivors, lambda r: past[r.i], t_cut, "a survivor's next commit after the cut")
             crashed = sum(r.wait(120) != 0 for r in survivors)
-            return {"gap": max(gaps), "crashed": crashed}
+            return {"gap": max(gaps), "crashed": crashed, "step": _step_before(survivors[0], t_cut)}
         finally:
             for r in reps:
                 r.kill()
@@ -334,7 +343,7 @@ def lighthouse_figure(side: str, n: int, b: Bench, model="small"):
     (``RETRIES``): from its return to every replica's next commit, and how
     many replicas crashed."""
     with workdir() as d:
-        lh = Lighthouse(side, b)
+        lh = Lighthouse(side, b, d)
         reps = []
         try:
             env = {"FT_MODEL": model, "FT_STEPS": 80, "TORCHFT_QUORUM_RETRIES": RETRIES}
@@ -358,7 +367,7 @@ def steady_figure(side: str, n: int, b: Bench, model="10m"):
     """The median interval between committed steps after a warm-up."""
     seconds = b.steady_seconds
     with workdir() as d:
-        lh = None if side.startswith("ddp-") else Lighthouse(side, b)
+        lh = None if side.startswith("ddp-") else Lighthouse(side, b, d)
         reps = []
         try:
             env = {"FT_MODEL": model, "FT_SECONDS": seconds}
@@ -470,15 +479,17 @@ def run_sides(results: dict, rep: int, n: int, fig: str, sides: list, b: Bench):
 
 
 def print_table(results: dict):
-    print("\n| figure | replicas | side | median (min-max) | survivors crashed | runs that failed before the figure |")
-    print("|---|---|---|---|---|---|")
+    print("\n| figure | replicas | side | median (min-max) | survivors crashed | runs that failed before the figure | step before the fault |")
+    print("|---|---|---|---|---|---|---|")
     for (fig, n, side), rs in results.items():
         key = {"steady": "step", "restart": "heal"}.get(fig, "gap")
         ok = [r for r in rs if "error" not in r]
         crashed = sum(r.get("crashed", 0) for r in ok)
         at_risk = n if fig == "lighthouse" else n - 1
         failed = len(rs) - len(ok)
-        print(f"| {fig} | {n} | {side} | {spread([r[key] for r in ok])} s | {crashed} of {len(ok) * at_risk} | {failed} |")
+        step = spread([r.get("step") for r in ok if fig not in ("steady", "lighthouse")])
+        unit = "" if step == "-" else " s"
+        print(f"| {fig} | {n} | {side} | {spread([r[key] for r in ok])} s | {crashed} of {len(ok) * at_risk} | {failed} | {step}{unit} |")
 
 
 if __name__ == "__main__":
