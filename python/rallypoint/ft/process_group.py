@@ -33,8 +33,8 @@ the hook asserts on, crashing ``backward()``. The failure is logged once
 and becomes the error of a group with no generation: :meth:`errored`
 reports it, collectives return completed Works, send/recv fail, torchft's
 ``should_commit`` votes no and its next quorum configures again. The
-current generation is retired either way (the quorum has moved on), and a
-backend formed before the failure is aborted.
+current generation is retired either way (the quorum has moved on); no
+backend is formed unless every member published its entry.
 
 The generation's collectives listen on the route to the store's host
 (every member reaches the quorum's store), or, when that route is

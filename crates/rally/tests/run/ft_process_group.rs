@@ -471,7 +471,10 @@ fn a_member_that_never_joins_a_configure_leaves_the_loop_running() {
         kill_at: -2,
         ..Run::kill("rally")
     };
-    let (ms, _) = survivor_commits_again(run, &["never joined", "could not reach the store"]);
+    let (ms, _) = survivor_commits_again(
+        run,
+        &["never published their entry", "could not reach the store"],
+    );
     eprintln!("SIGKILL on entering configure: next commit {ms:.0} ms after the kill");
 }
 
