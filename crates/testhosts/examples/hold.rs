@@ -32,7 +32,7 @@ use std::io::{BufRead, Write};
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use rallypoint_testhosts::Cluster;
+use rallypoint_testhosts::{Cluster, Host};
 
 fn main() {
     let n: usize = match std::env::args().nth(1).map(|a| a.parse()) {
@@ -89,16 +89,15 @@ fn serve(held: &Mutex<Option<Cluster>>, line: &str) -> String {
             )
         }
     };
+    let act: fn(&Host) = match verb {
+        "cut" => Host::cut,
+        "heal" => Host::heal,
+        _ => return format!("error: {line:?}: unknown command (cut I, heal I)"),
+    };
     let host = cluster.host(i);
     // cut and heal panic (saying why) when `ip` fails: answered, not fatal.
-    let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match verb {
-        "cut" => Some(host.cut()),
-        "heal" => Some(host.heal()),
-        _ => None,
-    }));
-    match done {
-        Ok(Some(())) => format!("ok {:.6}", unix_now()),
-        Ok(None) => format!("error: {line:?}: unknown command (cut I, heal I)"),
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| act(host))) {
+        Ok(()) => format!("ok {:.6}", unix_now()),
         Err(p) => format!("error: {verb} {i}: {}", panic_text(&p)),
     }
 }
