@@ -19,7 +19,8 @@ the spread (min-max). Figures:
 
 - ``kill-between``, ``kill-allreduce``, ``stop-allreduce``: from the fault
   (the victim records the moment, then signals itself) to the survivors'
-  next committed step, and how many survivors crashed;
+  first commit of a step whose quorum left the victim out (the slowest
+  survivor's), and how many survivors crashed;
 - ``restart``: a killed replica launched again, from its Manager being
   ready to its first committed step;
 - ``lighthouse``: the lighthouse SIGKILLed and started again, from its
@@ -27,7 +28,7 @@ the spread (min-max). Figures:
 - ``steady``: the median step (between commits) of the 10M-parameter MLP;
 - ``cut`` (across hosts only): the last replica's host taken off the bridge
   (silent loss both ways, no reset), from the moment it is off to the
-  survivors' first commit of a step begun after it.
+  survivors' first commit of a step whose quorum left it out.
 
 Across test hosts (``--hosts N``, root): one replica group per host, N
 network namespaces on a bridge (``10.77.0.<i>``, hostnames ``node<i>``),
@@ -192,9 +193,9 @@ class Replica:
             return []
         return [json.loads(line) for line in self.out.read_text().splitlines() if line.strip()]
 
-    def committed_step(self, before: float = float("inf")) -> int:
-        """The last step it committed (records written before ``before``)."""
-        return max((x["step"] for x in self.records() if x.get("committed") and x["t"] < before), default=0)
+    def committed_step(self) -> int:
+        """The last step it committed."""
+        return max((x["step"] for x in self.records() if x.get("committed")), default=0)
 
     def wait(self, limit: float) -> int:
         try:
@@ -228,13 +229,23 @@ def _fault_time(r: Replica):
     return next((x["t"] for x in r.records() if x.get("event") == "fault"), None)
 
 
-def _first_commit_past(r: Replica, past: int):
-    """The time of ``r``'s first commit of a step past ``past``; infinity
-    once it exited (crashed) without one; None while it may still come."""
-    t = next((x["t"] for x in r.records() if x.get("committed") and x["step"] > past), None)
+def _first_commit(r: Replica, pred):
+    """The time of ``r``'s first commit that ``pred`` accepts; infinity once
+    it exited (crashed) without one; None while it may still come."""
+    t = next((x["t"] for x in r.records() if x.get("committed") and pred(x)), None)
     if t is None and r.proc.poll() is not None:
         return float("inf")
     return t
+
+
+def _without_victim(t0: float, n: int):
+    """A commit after ``t0`` of a step whose quorum left a replica out: the
+    survivors' recovery from a fault at ``t0``. (A commit after the fault in
+    which the victim still took part, which a survivor may make when the
+    victim sent its part of the all_reduce before it died, or before its
+    host was cut off, does not count; torchft's should_commit is local to a
+    replica group.)"""
+    return lambda x: x["t"] > t0 and x.get("participants", n) < n
 
 
 def _step_before(r: Replica, t: float):
@@ -245,12 +256,12 @@ def _step_before(r: Replica, t: float):
     return statistics.median(gaps) if gaps else None
 
 
-def _gaps(survivors, past_of, t0: float, what: str):
-    """Each survivor's first commit past ``past_of(r)``, less ``t0``."""
+def _gaps(survivors, pred, t0: float, what: str):
+    """Each survivor's first commit that ``pred`` accepts, less ``t0``."""
     gaps = []
     for r in survivors:
         try:
-            gaps.append(_wait_for(lambda: _first_commit_past(r, past_of(r)), 60, what) - t0)
+            gaps.append(_wait_for(lambda: _first_commit(r, pred), 60, what) - t0)
         except TimeoutError:
             gaps.append(float("inf"))
     return gaps
@@ -260,9 +271,9 @@ AT = 20  # the step a fault comes at
 
 
 def fault_figure(side: str, n: int, fault: str, b: Bench, model="small", restart=False):
-    """From the victim's fault to the survivors' next committed step (the
-    slowest survivor), survivors crashed, and with ``restart`` the victim's
-    ready-to-first-commit after it is launched again."""
+    """From the victim's fault to the survivors' first commit without it
+    (the slowest survivor), survivors crashed, and with ``restart`` the
+    victim's ready-to-first-commit after it is launched again."""
     with workdir() as d:
         lh = Lighthouse(side, b, d)
         reps = []
@@ -274,14 +285,7 @@ def fault_figure(side: str, n: int, fault: str, b: Bench, model="small", restart
             victim = reps[-1]
             t_fault = _wait_for(lambda: _fault_time(victim), 120, f"{side}: the victim's fault at step {AT}")
             survivors = reps[:-1]
-
-            # The survivors' first commit of a step begun after the fault. A
-            # record's step is the Manager's after it, so the commit of the
-            # fault's own step (which a survivor may still make: the victim
-            # sent its part before it died, and torchft's should_commit is
-            # local to a replica group) reads AT + 1 for a fault inside it.
-            past = AT if fault == "kill-between" else AT + 1
-            gaps = _gaps(survivors, lambda r: past, t_fault, "a survivor's next commit")
+            gaps = _gaps(survivors, _without_victim(t_fault, n), t_fault, "a survivor's commit without the victim")
             heal = None
             if restart:
                 victim.kill()
@@ -302,8 +306,8 @@ def fault_figure(side: str, n: int, fault: str, b: Bench, model="small", restart
 def cut_figure(side: str, n: int, b: Bench, model="small"):
     """The last replica's host taken off the bridge once every replica has
     committed step ``AT``: from the moment it is off to each survivor's
-    first commit of a step begun after it (the slowest survivor), and
-    survivors crashed. The host is put back once the run is over."""
+    first commit of a step without it (the slowest survivor), and survivors
+    crashed. The host is put back once the run is over."""
     if not isinstance(b.net, Hosts):
         raise SystemExit("the figure `cut` needs test hosts (--hosts N)")
     with workdir() as d:
@@ -314,14 +318,9 @@ def cut_figure(side: str, n: int, b: Bench, model="small"):
             reps = [Replica(Path(d), i, n, side, lh, dict(env), b) for i in range(n)]
             _wait_for(lambda: all(r.committed_step() >= AT for r in reps), 120, f"{side}: step {AT} everywhere")
             survivors = reps[:-1]
-            t_before = time.time()
             cut = True
             t_cut = b.net.cut(n - 1)
-            # A survivor's step past the last it committed before the cut
-            # began before it (records are written after each commit, and
-            # the next step starts after that); the one after it did not.
-            past = {r.i: r.committed_step(before=t_before) + 1 for r in survivors}
-            gaps = _gaps(survivors, lambda r: past[r.i], t_cut, "a survivor's next commit after the cut")
+            gaps = _gaps(survivors, _without_victim(t_cut, n), t_cut, "a survivor's commit without the cut-off replica")
             crashed = sum(r.wait(120) != 0 for r in survivors)
             return {"gap": max(gaps), "crashed": crashed, "step": _step_before(survivors[0], t_cut)}
         finally:
@@ -354,7 +353,7 @@ def lighthouse_figure(side: str, n: int, b: Bench, model="small"):
             lh.start()
             t_back = time.time()
             last = max(r.committed_step() for r in reps)
-            gaps = _gaps(reps, lambda r: last, t_back, "a commit after the lighthouse came back")
+            gaps = _gaps(reps, lambda x: x["step"] > last, t_back, "a commit after the lighthouse came back")
             crashed = sum(r.wait(120) != 0 for r in reps)
             return {"gap": max(gaps), "crashed": crashed}
         finally:

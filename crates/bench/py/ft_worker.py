@@ -16,9 +16,11 @@ test hosts (``crates/rally/tests/run/ft_hosts.rs``): the driver reads what it
 writes. Every line of ``FT_OUT`` is one JSON record:
 
 - ``{"event": "ready", "pid", "t"}`` once the Manager exists;
-- ``{"step", "committed", "t", "pid", "digest"?}`` after each optimizer step
-  (``step`` is the Manager's step after it; ``digest`` the SHA-256 of every
-  parameter's and optimizer tensor's bytes when ``FT_DIGEST=1``);
+- ``{"step", "committed", "participants", "t", "pid", "digest"?}`` after each
+  optimizer step (``step`` is the Manager's step after it; ``participants``
+  the replica groups in that step's quorum, so a commit without a failed
+  replica is told from one it still took part in; ``digest`` the SHA-256 of
+  every parameter's and optimizer tensor's bytes when ``FT_DIGEST=1``);
 - ``{"event": "done", "pid", "t", "steps", "commits"}`` at a normal end.
 
 Environment (besides torchft's ``TORCHFT_LIGHTHOUSE``):
@@ -182,7 +184,7 @@ def run_ft(out, side: str) -> None:
         steps += 1
         committed = manager.current_step() > before
         commits += committed
-        rec = {"step": manager.current_step(), "committed": committed}
+        rec = {"step": manager.current_step(), "committed": committed, "participants": manager.num_participants()}
         if digest and committed:
             rec["digest"] = _digest(model, inner)
         _log(out, **rec)
