@@ -103,8 +103,9 @@ pub enum Event {
     /// on from `last_id` (durable, so the wall clock is not needed), and
     /// when every member of `quorum` is back in a `Quorum` call it is
     /// re-issued at once, under its id when nothing changed (a fast
-    /// quorum), without the startup grace. Only heeded before the first
-    /// quorum is issued.
+    /// quorum), without the startup grace (which starts again at this
+    /// event: a standby that takes over knows no replica yet). Only heeded
+    /// before the first quorum is issued.
     Restored {
         last_id: i64,
         quorum: Option<Quorum>,
@@ -329,7 +330,7 @@ impl Lighthouse {
                 self.expire(now, &mut out);
                 true
             }
-            Event::Restored { last_id, quorum } => self.restore(last_id, quorum),
+            Event::Restored { last_id, quorum } => self.restore(now, last_id, quorum),
         };
         if attempt {
             self.attempt(now, &mut out);
@@ -438,10 +439,14 @@ impl Lighthouse {
 
     /// What a predecessor left ([`Event::Restored`]); whether a quorum may
     /// now be ready.
-    fn restore(&mut self, last_id: i64, quorum: Option<Quorum>) -> bool {
+    fn restore(&mut self, now: Instant, last_id: i64, quorum: Option<Quorum>) -> bool {
         if self.counters.quorums_issued > 0 {
             return false;
         }
+        // A standby's clock ran while it refused everyone: its grace starts
+        // now, when it starts hearing replicas.
+        self.started = Some(now);
+        self.graced = false;
         self.last_id = last_id;
         self.restored = quorum.is_some();
         self.current = quorum;

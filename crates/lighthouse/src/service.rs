@@ -24,6 +24,13 @@
 //!   is `ALREADY_EXISTS`; a malformed or oversized ([`MAX_MESSAGE`]) request
 //!   is refused by its status, the connection and every other member
 //!   unharmed.
+//! * **State in etcd** (`etcd`, `lead`), with `--state
+//!   etcd://HOST:PORT[/prefix]`: one lighthouse per prefix leads (an etcd
+//!   lease on a leader key), the others stand by and refuse every call
+//!   until the leader's lease expires; the leader saves each quorum with a
+//!   new id before answering it, so a lighthouse that takes over goes on
+//!   above it and re-issues the last quorum at once when its members
+//!   return. The rules are in [`etcd`]'s docs.
 //! * **Push** (`watch`, `http`): an `Abort` (a member of the current
 //!   quorum dropped) is written on the watch board, which resolves the
 //!   `/v1/watch` long-polls of that quorum at once, so survivors abort their
@@ -34,9 +41,9 @@
 //!
 //! | layer | modules |
 //! |---|---|
-//! | the watch board and its answers, pure; wire types and the encoded answer | `watch`, `wire` |
-//! | the machine behind its lock, waiters, counters | `state` |
-//! | the gRPC handlers; the HTTP endpoints | `grpc`, `http` |
+//! | the watch board and its answers, pure; wire types and the encoded answer; heal reports; etcd's keys and calls | `watch`, `wire`, `heals`, `etcd` |
+//! | the machine behind its lock, waiters, counters, role | `state` |
+//! | the gRPC handlers; the HTTP endpoints; the lead task | `grpc`, `http`, `lead` |
 //! | the accept loop: sessions, routing, refusals | `conn` |
 //!
 //! Quorum ids start above [`Config::first_id`], the unix time in
@@ -52,7 +59,8 @@
 //! first. A reused id with other members would leave torchft's managers on
 //! their old configuration (they reconfigure only on a new id). There is no
 //! margin beyond that: give `first_id` yourself (the library) where the
-//! clock cannot be trusted.
+//! clock cannot be trusted, or use `--state etcd://`, whose saved id
+//! replaces the clock's once anything was saved under the prefix.
 //!
 //! ```no_run
 //! # async fn f() -> std::io::Result<()> {
@@ -66,9 +74,11 @@
 //! ```
 
 mod conn;
+pub mod etcd;
 mod grpc;
 mod heals;
 mod http;
+mod lead;
 mod state;
 mod watch;
 mod wire;
@@ -96,6 +106,8 @@ pub struct Config {
     pub first_id: i64,
     /// Largest gRPC message accepted, in bytes.
     pub max_message: usize,
+    /// `--state etcd://...`: lead (or stand by) through this etcd.
+    pub state: Option<etcd::Etcd>,
 }
 
 impl Config {
@@ -106,6 +118,7 @@ impl Config {
             knobs,
             first_id: unix_millis(),
             max_message: MAX_MESSAGE,
+            state: None,
         }
     }
 }
@@ -137,24 +150,45 @@ impl Server {
 
     /// Serves until `shutdown` resolves; then stops accepting and ends every
     /// connection and task it started. An accept error (out of file
-    /// descriptors) is logged and retried after a pause, never fatal.
+    /// descriptors) is logged and retried after a pause, never fatal. With
+    /// `--state`, it also ends (an error saying why) when it led and lost
+    /// its lease; a clean stop gives its lease up, so a standby takes over
+    /// at once.
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> std::io::Result<()> {
         let Config {
             knobs,
             first_id,
             max_message,
+            state,
         } = self.config;
         let quorum_tick = knobs.quorum_tick;
         let keep_alive = knobs.heartbeat_timeout;
-        let shared = state::Shared::new(Lighthouse::new(knobs, first_id));
+        let standby = state
+            .as_ref()
+            .map(|e| format!("(nobody yet: campaigning at {})", e.url));
+        let shared = state::Shared::new(Lighthouse::new(knobs, first_id), standby);
         let conns = Arc::new(conn::Conns::new(shared.clone(), max_message, keep_alive));
         let mut tasks = JoinSet::new();
-        tasks.spawn(shared.ticker(quorum_tick));
+        tasks.spawn(shared.clone().ticker(quorum_tick));
+        let mut lead = JoinSet::new();
+        if let Some(etcd) = state.clone() {
+            let me = format!(
+                "{} (pid {})",
+                self.listener.local_addr()?,
+                std::process::id()
+            );
+            lead.spawn(lead::lead(etcd, shared.clone(), me));
+        }
         let mut next_session = 0;
         tokio::pin!(shutdown);
+        let mut stopped = None;
         loop {
             tokio::select! {
                 () = &mut shutdown => break,
+                Some(why) = lead.join_next() => {
+                    stopped = Some(why.unwrap_or_else(|e| format!("the lead task failed: {e}")));
+                    break;
+                }
                 accepted = self.listener.accept() => match accepted {
                     Ok((stream, peer)) => {
                         next_session += 1;
@@ -170,6 +204,13 @@ impl Server {
             }
         }
         tasks.shutdown().await;
+        lead.shutdown().await;
+        if let Some(why) = stopped {
+            return Err(std::io::Error::other(why));
+        }
+        if let (Some(etcd), state::Role::Leader { lease }) = (state, shared.role()) {
+            etcd.resign(lease).await;
+        }
         Ok(())
     }
 }

@@ -9,7 +9,9 @@
 //! an empty or oversized replica id), `ALREADY_EXISTS` for a replica id held
 //! by another live process (also ending a waiting call whose id another
 //! process took while it was silent), `DEADLINE_EXCEEDED` naming who the quorum
-//! still waits for. The accept loop logs and counts every refusal once.
+//! still waits for, `UNAVAILABLE` from a standby (`--state etcd://`: it
+//! names the leader) or a lighthouse that lost its lease. The accept loop
+//! logs and counts every refusal once.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -17,7 +19,7 @@ use std::time::{Duration, SystemTime};
 
 use tonic::{Request, Response, Status};
 
-use super::state::{Counters, Shared};
+use super::state::{Counters, Refused, Shared};
 use super::wire::{self, Encoded, Issued};
 use crate::machine::Session;
 use crate::proto;
@@ -68,7 +70,7 @@ impl proto::LighthouseService for Grpc {
         check_replica_id(&replica_id)?;
         self.shared
             .heartbeat(conn.session, replica_id.clone())
-            .map_err(|reason| already_exists(&reason))?;
+            .map_err(refused)?;
         Ok(Response::new(proto::LighthouseHeartbeatResponse {}))
     }
 }
@@ -109,12 +111,10 @@ async fn join_and_wait(
     check_replica_id(&requester.replica_id)?;
     let member = wire::member(requester);
     let replica_id = member.replica_id.clone();
-    let mut waiting = shared
-        .join(conn.session, member)
-        .map_err(|reason| already_exists(&reason))?;
+    let mut waiting = shared.join(conn.session, member).map_err(refused)?;
     match tokio::time::timeout(wait, &mut waiting.rx).await {
         Ok(Ok(Ok(issued))) => Ok(issued),
-        Ok(Ok(Err(reason))) => Err(already_exists(&reason)),
+        Ok(Ok(Err(r))) => Err(refused(r)),
         Ok(Err(_)) => Err(Status::unavailable("the lighthouse is stopping")),
         Err(_) => {
             Counters::add(&shared.counters.timeouts);
@@ -132,6 +132,16 @@ fn conn<T>(req: &Request<T>) -> Result<Conn, Status> {
         .get::<Conn>()
         .copied()
         .ok_or_else(|| Status::internal("request without a connection (a defect of the service)"))
+}
+
+/// A refusal as its status: `ALREADY_EXISTS` for a replica id held by
+/// another live process, `UNAVAILABLE` from a lighthouse that does not
+/// serve (a standby, or one that lost its lease: ask again, or the other).
+fn refused(r: Refused) -> Status {
+    match r {
+        Refused::Held(reason) => already_exists(&reason),
+        Refused::Unavailable(reason) => Status::unavailable(reason),
+    }
 }
 
 /// The machine's refusal: a replica id held by another live process.

@@ -22,7 +22,7 @@ use http_body_util::{BodyExt, Full, Limited};
 use std::sync::atomic::Ordering;
 
 use super::heals::{self, MAX_BODY};
-use super::state::{Counters, Shared};
+use super::state::{Counters, Refused, Role, Shared};
 
 /// The longest a watch poll may wait before its `204`.
 pub const MAX_WATCH: Duration = Duration::from_secs(60);
@@ -113,7 +113,10 @@ where
             StatusCode::OK,
             serde_json::json!({"recorded": true, "replica_id": id}).to_string(),
         ),
-        Err(why) => text(StatusCode::UNPROCESSABLE_ENTITY, &format!("{why}\n")),
+        Err(Refused::Held(why)) => text(StatusCode::UNPROCESSABLE_ENTITY, &format!("{why}\n")),
+        Err(Refused::Unavailable(why)) => {
+            text(StatusCode::SERVICE_UNAVAILABLE, &format!("{why}\n"))
+        }
     }
 }
 
@@ -186,7 +189,15 @@ fn status_json(shared: &Shared) -> String {
             })
         })
         .collect();
+    let (role, leader, lost) = match shared.role() {
+        Role::Leader { .. } => ("leader", None, None),
+        Role::Standby { leader } => ("standby", Some(leader), None),
+        Role::Lost { why } => ("lost", None, Some(why)),
+    };
     serde_json::json!({
+        "role": role,
+        "leader": leader,
+        "lost": lost,
         "quorum_id": s.quorum_id,
         "participants": participants,
         "waiting": s.waiting,
@@ -217,7 +228,14 @@ pub fn metrics(shared: &Shared) -> String {
     let s = shared.status();
     let c = &shared.counters;
     let participants = s.quorum.as_ref().map_or(0, |q| q.participants.len());
-    let rows: [(&str, &str, &str, u64); 14] = [
+    let leading = matches!(shared.role(), Role::Leader { .. });
+    let rows: [(&str, &str, &str, u64); 15] = [
+        (
+            "leader",
+            "gauge",
+            "1 while this lighthouse serves quorums (a standby or a deposed one: 0)",
+            u64::from(leading),
+        ),
         (
             "quorum_id",
             "gauge",

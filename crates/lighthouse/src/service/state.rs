@@ -18,8 +18,15 @@
 //!
 //! [`Shared::ticker`] sends `Tick` every `quorum_tick` and at the machine's
 //! `next_deadline`; each step wakes it to look at the deadline again.
+//!
+//! **With `--state etcd://`** ([`super::etcd`], [`super::lead`]) the service
+//! has a [`Role`]: a standby (or a leader that lost its lease) refuses every
+//! call with [`Refused::Unavailable`] before the machine sees it. A
+//! leader's quorum with an id above the last one saved in etcd is held in
+//! `pending`, unanswered and off the watch board, until the lead task has
+//! saved it ([`Shared::saved`]); one it cannot save answers nobody.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -72,14 +79,56 @@ struct Waiter {
     tx: oneshot::Sender<Answer>,
 }
 
-/// What a waiting `Quorum` call gets: its quorum, or the machine's refusal
-/// (its replica id was taken by another process while it was silent).
-pub type Answer = Result<Arc<Issued>, String>;
+/// What a waiting `Quorum` call gets: its quorum, or a refusal.
+pub type Answer = Result<Arc<Issued>, Refused>;
+
+/// Why a request is refused.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Refused {
+    /// The machine's refusal: the replica id is held by another live
+    /// process (or was taken while this one was silent).
+    Held(String),
+    /// This lighthouse does not serve quorums: it stands by, or it lost
+    /// its lease.
+    Unavailable(String),
+}
+
+/// Whether this lighthouse serves (always, without `--state`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// It leads: under this etcd lease (0 without `--state`).
+    Leader { lease: i64 },
+    /// Another lighthouse leads.
+    Standby { leader: String },
+    /// It led and lost its lease: it serves no more.
+    Lost { why: String },
+}
 
 struct Inner {
     machine: Lighthouse,
     waiters: HashMap<u64, Waiter>,
     next_waiter: u64,
+    role: Role,
+    /// Quorums with ids up to this one are saved in etcd (`i64::MAX`
+    /// without `--state`: nothing to save).
+    durable: i64,
+    /// Quorums issued above `durable`, oldest first, awaiting their save.
+    pending: VecDeque<Quorum>,
+}
+
+impl Inner {
+    /// Why this lighthouse refuses requests now, if it does.
+    fn not_serving(&self) -> Option<Refused> {
+        match &self.role {
+            Role::Leader { .. } => None,
+            Role::Standby { leader } => Some(Refused::Unavailable(format!(
+                "this lighthouse stands by: {leader} leads; it takes over when that one's etcd lease expires"
+            ))),
+            Role::Lost { why } => Some(Refused::Unavailable(format!(
+                "this lighthouse lost its etcd lease and serves no more: {why}"
+            ))),
+        }
+    }
 }
 
 /// The machine, its waiters, the watch board, the counters.
@@ -91,6 +140,8 @@ pub struct Shared {
     /// Heals reported (`POST /v1/heal`); its own lock, never held with the
     /// machine's.
     heals: Mutex<Heals>,
+    /// Wakes the lead task: a quorum awaits its save.
+    save_wake: Notify,
 }
 
 /// A `Quorum` call's place in line; leaving it (drop) removes the waiter.
@@ -128,26 +179,39 @@ impl Drop for Waiting {
 }
 
 impl Shared {
-    pub fn new(machine: Lighthouse) -> Arc<Shared> {
+    /// A service that serves at once (no `--state`), or, with `standby`,
+    /// one that refuses every call until [`Shared::lead`].
+    pub fn new(machine: Lighthouse, standby: Option<String>) -> Arc<Shared> {
+        let role = match standby {
+            Some(leader) => Role::Standby { leader },
+            None => Role::Leader { lease: 0 },
+        };
         Arc::new(Shared {
             inner: Mutex::new(Inner {
                 machine,
                 waiters: HashMap::new(),
                 next_waiter: 0,
+                role,
+                durable: i64::MAX,
+                pending: VecDeque::new(),
             }),
             wake_ticker: Notify::new(),
             board: watch::Sender::new(Board::default()),
             counters: Counters::default(),
             heals: Mutex::new(Heals::default()),
+            save_wake: Notify::new(),
         })
     }
 
     /// A `Quorum` request: the replica joins and waits for a quorum that
     /// contains it, or is refused.
-    pub fn join(self: &Arc<Self>, session: Session, member: Member) -> Result<Waiting, String> {
+    pub fn join(self: &Arc<Self>, session: Session, member: Member) -> Result<Waiting, Refused> {
         let (tx, rx) = oneshot::channel();
         let replica_id = member.replica_id.clone();
         let mut inner = self.inner.locked();
+        if let Some(r) = inner.not_serving() {
+            return Err(r);
+        }
         let id = inner.next_waiter;
         inner.next_waiter += 1;
         inner.waiters.insert(
@@ -166,14 +230,17 @@ impl Shared {
             rx,
         };
         match mine(refusals, session, &replica_id) {
-            Some(reason) => Err(reason),
+            Some(reason) => Err(Refused::Held(reason)),
             None => Ok(waiting),
         }
     }
 
     /// A `Heartbeat` request.
-    pub fn heartbeat(&self, session: Session, replica_id: String) -> Result<(), String> {
+    pub fn heartbeat(&self, session: Session, replica_id: String) -> Result<(), Refused> {
         let mut inner = self.inner.locked();
+        if let Some(r) = inner.not_serving() {
+            return Err(r);
+        }
         let refusals = self.step(
             &mut inner,
             Event::Heartbeat {
@@ -182,7 +249,7 @@ impl Shared {
             },
         );
         match mine(refusals, session, &replica_id) {
-            Some(reason) => Err(reason),
+            Some(reason) => Err(Refused::Held(reason)),
             None => Ok(()),
         }
     }
@@ -204,12 +271,17 @@ impl Shared {
 
     /// A heal report: recorded under the replica id the machine resolves
     /// its name to (returned), or the machine's reason it cannot.
-    pub fn heal(&self, report: Report, at: f64) -> Result<String, String> {
-        let replica_id = self
-            .inner
-            .locked()
-            .machine
-            .resolve_replica(&report.replica_id)?;
+    pub fn heal(&self, report: Report, at: f64) -> Result<String, Refused> {
+        let replica_id = {
+            let inner = self.inner.locked();
+            if let Some(r) = inner.not_serving() {
+                return Err(r);
+            }
+            inner
+                .machine
+                .resolve_replica(&report.replica_id)
+                .map_err(Refused::Held)?
+        };
         tracing::info!(
             replica_id,
             step = report.step,
@@ -228,6 +300,74 @@ impl Shared {
             at,
         });
         Ok(replica_id)
+    }
+
+    /// This lighthouse's role.
+    pub fn role(&self) -> Role {
+        self.inner.locked().role.clone()
+    }
+
+    /// Another lighthouse leads (its etcd key names it).
+    pub fn stand_by(&self, leader: String) {
+        self.inner.locked().role = Role::Standby { leader };
+    }
+
+    /// This lighthouse leads under `lease`, going on from what its
+    /// predecessor `saved` (its last id and quorum), if anything; returns
+    /// the last id it goes on from.
+    pub fn lead(&self, lease: i64, saved: Option<super::etcd::Saved>) -> i64 {
+        let mut inner = self.inner.locked();
+        if let Some(saved) = saved {
+            let refusals = self.step(
+                &mut inner,
+                Event::Restored {
+                    last_id: saved.last_id,
+                    quorum: saved.quorum,
+                },
+            );
+            log_refusals(refusals);
+        }
+        inner.durable = inner.machine.status(Instant::now()).quorum_id;
+        inner.role = Role::Leader { lease };
+        inner.durable
+    }
+
+    /// The newest quorum awaiting its save, if any.
+    pub fn to_save(&self) -> Option<Quorum> {
+        self.inner.locked().pending.back().cloned()
+    }
+
+    /// Resolves when a quorum may await its save.
+    pub async fn save_wanted(&self) {
+        self.save_wake.notified().await;
+    }
+
+    /// Quorums up to `id` are saved: answers their waiting calls, oldest
+    /// first, and puts them on the watch board.
+    pub fn saved(&self, id: i64) {
+        let mut inner = self.inner.locked();
+        inner.durable = inner.durable.max(id);
+        while inner.pending.front().is_some_and(|q| q.id <= id) {
+            if let Some(q) = inner.pending.pop_front() {
+                self.issue(&mut inner, q);
+            }
+        }
+    }
+
+    /// The lease is lost: nothing pending is answered, every waiting call
+    /// ends refused, and every request from now on is.
+    pub fn lost(&self, why: &str) {
+        let mut inner = self.inner.locked();
+        inner.role = Role::Lost {
+            why: why.to_owned(),
+        };
+        inner.pending.clear();
+        let refused = inner
+            .not_serving()
+            .unwrap_or(Refused::Unavailable(why.to_owned()));
+        for (_, w) in inner.waiters.drain() {
+            let _ = w.tx.send(Err(refused.clone()));
+        }
     }
 
     /// The heals reported so far.
@@ -271,6 +411,11 @@ impl Shared {
         let mut refusals = Vec::new();
         for action in actions {
             match action {
+                Action::Issue(q) if q.id > inner.durable => {
+                    // Saved before anyone hears of it (see the module docs).
+                    inner.pending.push_back(q);
+                    self.save_wake.notify_one();
+                }
                 Action::Issue(q) => self.issue(inner, q),
                 Action::Refuse {
                     session,
@@ -356,7 +501,7 @@ fn refuse_waiters(inner: &mut Inner, session: Session, replica_id: &str, reason:
         .collect();
     for id in refused {
         if let Some(w) = inner.waiters.remove(&id) {
-            let _ = w.tx.send(Err(reason.to_owned()));
+            let _ = w.tx.send(Err(Refused::Held(reason.to_owned())));
         }
     }
 }
