@@ -2,14 +2,21 @@
 //! drop-in for torchft's `torchft_lighthouse` (its flags as it spells them,
 //! kebab-case aliases too), serving until Ctrl-C or SIGTERM. Once bound it
 //! prints `rally lighthouse: listening on ADDR` on stderr, where scripts and
-//! tests read the port.
+//! tests read the port. With `--state etcd://HOST:PORT[/prefix]` its state
+//! lives in etcd and one lighthouse per prefix leads while the others stand
+//! by (`rallypoint_lighthouse::service::etcd`); it exits non-zero if it
+//! loses its lease.
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::Context;
 use rallypoint_lighthouse::quorum::Knobs;
+use rallypoint_lighthouse::service::etcd::{Etcd, StateUrl};
 use rallypoint_lighthouse::service::{Config, Server};
+
+/// How long `--state`'s etcd has to answer at start (and each call after).
+const STATE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// torchft's knobs, with our defaults tuned for fast detection: torchft's
 /// managers heartbeat every 100 ms, so a replica silent for 1 s (torchft:
@@ -27,7 +34,11 @@ use rallypoint_lighthouse::service::{Config, Server};
     never reuses one provided the clock did not step back across the restart by more than \
     the old one's uptime less the ids it issued (nor a new host's clock lag that much). \
     Heartbeats from replica ids not seen yet are accepted, as torchft's lighthouse does \
-    (its managers beat before their first quorum call)."
+    (its managers beat before their first quorum call). \
+    With --state etcd://HOST:PORT[/prefix], the last quorum id and members live in etcd: one \
+    lighthouse per prefix leads, others stand by (refusing calls with UNAVAILABLE) and take over \
+    within --state_lease_s of the leader's death; point managers at a name that follows the \
+    leader (a DNS name or VIP, or restart on the same host)."
 )]
 pub struct LighthouseArgs {
     /// Address to serve gRPC and HTTP on (`[::]` also accepts IPv4).
@@ -60,6 +71,16 @@ pub struct LighthouseArgs {
         default_value_t = 1_000
     )]
     heartbeat_timeout_ms: u64,
+    /// Keep the state in etcd, `etcd://HOST:PORT[/prefix]` (prefix
+    /// default `/rally/lighthouse/`), so that a second lighthouse on the
+    /// same prefix can take over; an etcd that does not answer within 5 s
+    /// at start is an error.
+    #[arg(long = "state", value_name = "etcd://HOST:PORT[/prefix]")]
+    state: Option<StateUrl>,
+    /// The TTL of the leader's etcd lease, in seconds (at least 2): a
+    /// standby takes over this long after the leader dies.
+    #[arg(long = "state_lease_s", alias = "state-lease-s", default_value_t = 2)]
+    state_lease_s: u64,
 }
 
 /// Serves until Ctrl-C or SIGTERM.
@@ -81,7 +102,15 @@ pub fn run(args: LighthouseArgs) -> anyhow::Result<()> {
         // Signal handlers before the line that tells the world we are up, so
         // that a SIGTERM right after it stops us cleanly.
         let stop = shutdown_signal()?;
-        let server = Server::bind(args.bind, Config::new(knobs.clone()))
+        let mut config = Config::new(knobs.clone());
+        if let Some(url) = args.state {
+            let ttl = Duration::from_secs(args.state_lease_s);
+            let etcd = Etcd::connect(url.clone(), ttl, STATE_TIMEOUT)
+                .await
+                .map_err(|e| anyhow::anyhow!("--state {url}: {e}"))?;
+            config.state = Some(etcd);
+        }
+        let server = Server::bind(args.bind, config)
             .await
             .with_context(|| format!("failed to listen on {}", args.bind))?;
         let addr = server
@@ -89,7 +118,10 @@ pub fn run(args: LighthouseArgs) -> anyhow::Result<()> {
             .context("failed to read the bound address")?;
         say!("rally lighthouse: listening on {addr}");
         tracing::info!(?knobs, "serving");
-        server.run(stop).await?;
+        server
+            .run(stop)
+            .await
+            .context("rally lighthouse stopped serving")?;
         tracing::info!("lighthouse stopped");
         anyhow::Ok(())
     })

@@ -314,3 +314,104 @@ fn a_heal_through_rally_transport_under_torchfts_manager_shows_in_status_and_met
     }
     assert!(lh.log().contains("heal reported"), "{}", lh.log());
 }
+
+/// A real etcd on loopback (Debian's `etcd-server`).
+#[cfg(feature = "etcd")]
+fn etcd() -> rallypoint_rendezvous::etcd::testing::EtcdServer {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(rallypoint_rendezvous::etcd::testing::EtcdServer::start())
+        .unwrap()
+}
+
+/// Polls the lighthouse's `/status` until `ok` holds, within `limit`.
+fn until_status(lh: &Lighthouse, limit: Duration, ok: impl Fn(&Value) -> bool) -> Duration {
+    let t0 = Instant::now();
+    loop {
+        let s: Value = serde_json::from_str(&get(lh.port, "/status")).unwrap();
+        if ok(&s) {
+            return t0.elapsed();
+        }
+        assert!(
+            t0.elapsed() < limit,
+            "status never got there within {limit:?}: {s}\n{}",
+            lh.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `--state etcd://`: a second `rally lighthouse` on the prefix stands by
+/// and takes over when the leader is SIGKILLed, within the lease's TTL
+/// (2 s) plus a margin of 8 s.
+#[cfg(feature = "etcd")]
+#[test]
+fn a_standby_rally_lighthouse_takes_over_when_the_leader_is_sigkilled() {
+    let etcd = etcd();
+    let state = format!("etcd://{}/job1", etcd.endpoint);
+    let args = [
+        "--min_replicas",
+        "1",
+        "--state",
+        &state,
+        "--state_lease_s",
+        "2",
+    ];
+    let mut leader = Lighthouse::start(&args);
+    until_status(&leader, RUN_LIMIT, |s| s["role"] == "leader");
+    let standby = Lighthouse::start(&args);
+    let named = format!("127.0.0.1:{}", leader.port);
+    until_status(&standby, RUN_LIMIT, |s| {
+        s["role"] == "standby" && s["leader"].as_str().is_some_and(|l| l.contains(&named))
+    });
+    assert!(standby.log().contains("standing by"), "{}", standby.log());
+    let metrics = get(standby.port, "/metrics");
+    assert!(
+        metrics.contains("\nrally_lighthouse_leader 0\n"),
+        "{metrics}"
+    );
+
+    let killed = Instant::now();
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(leader.child.id() as i32, libc::SIGKILL) };
+    let _ = leader.child.wait();
+    until_status(&standby, Duration::from_secs(10), |s| s["role"] == "leader");
+    let took = killed.elapsed();
+    eprintln!("the standby led {took:?} after the leader's SIGKILL (lease TTL 2 s)");
+    assert!(
+        standby.log().contains("this lighthouse leads now"),
+        "{}",
+        standby.log()
+    );
+    let metrics = get(standby.port, "/metrics");
+    assert!(
+        metrics.contains("\nrally_lighthouse_leader 1\n"),
+        "{metrics}"
+    );
+}
+
+#[test]
+fn rally_lighthouse_names_an_unreachable_state_store_within_its_timeout() {
+    let port = free_port();
+    let t0 = Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_rally"))
+        .args(["lighthouse", "--min_replicas", "1", "--bind", "127.0.0.1:0"])
+        .args(["--state", &format!("etcd://127.0.0.1:{port}/x")])
+        .output()
+        .unwrap();
+    let took = t0.elapsed();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(&format!("etcd at 127.0.0.1:{port}")), "{err}");
+    // Its timeout is 5 s; a margin of 10 s for a loaded machine.
+    assert!(took < Duration::from_secs(15), "{took:?}: {err}");
+    let out = Command::new(env!("CARGO_BIN_EXE_rally"))
+        .args(["lighthouse", "--min_replicas", "1", "--state", "http://h:1"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("only etcd://HOST:PORT[/prefix]"), "{err}");
+}
