@@ -30,8 +30,11 @@
 //!   through seeded schedules of kills, silences, stalls, restarts,
 //!   impostors and calls given up, checking its invariants after every
 //!   step.
-//! * [`service`]: gRPC and HTTP/1.1 on one port (`/v1/watch`, `/status`,
-//!   `/metrics`), one session per TCP connection, one lock.
+//! * [`service`]: gRPC and HTTP/1.1 on one port (`/v1/watch`,
+//!   `/v1/heal`, `/status`, `/metrics`), one session per TCP connection,
+//!   one lock; with `--state etcd://` one leader per etcd prefix, the
+//!   others standing by, each new quorum saved before it is answered
+//!   ([`service::etcd`]).
 //!
 //! The guide is `docs/ft.md`.
 //!
