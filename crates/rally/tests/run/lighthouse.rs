@@ -35,8 +35,15 @@ struct Lighthouse {
 
 impl Lighthouse {
     fn start(args: &[&str]) -> Lighthouse {
+        let mut all = vec!["--bind", "127.0.0.1:0"];
+        all.extend_from_slice(args);
+        Lighthouse::start_with(&all)
+    }
+
+    /// With exactly these flags (`--bind` among them).
+    fn start_with(args: &[&str]) -> Lighthouse {
         let mut child = Command::new(env!("CARGO_BIN_EXE_rally"))
-            .args(["lighthouse", "--bind", "127.0.0.1:0"])
+            .arg("lighthouse")
             .args(args)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -78,6 +85,15 @@ impl Drop for Lighthouse {
 /// Replica group `n` of the loop, up to `steps` committed steps; with
 /// `pause_at`, it waits after committing that step (for the test's kill).
 fn replica(dir: &Path, lh: &Lighthouse, n: u32, steps: u32, pause_at: Option<u32>) -> Job {
+    let mut c = replica_command(dir, lh, n, steps);
+    if let Some(p) = pause_at {
+        c.env("PAUSE_AT", p.to_string());
+    }
+    Job::spawn(c, dir, &format!("replica{n}"))
+}
+
+/// The command of replica group `n` of the loop, up to `steps` steps.
+fn replica_command(dir: &Path, lh: &Lighthouse, n: u32, steps: u32) -> Command {
     let mut c = Command::new(python());
     c.arg(script("ft/lighthouse_loop.py"))
         .env("REPLICA", n.to_string())
@@ -92,10 +108,12 @@ fn replica(dir: &Path, lh: &Lighthouse, n: u32, steps: u32, pause_at: Option<u32
         )
         .env("LH_STATUS", format!("http://127.0.0.1:{}/status", lh.port))
         .env("GLOO_SOCKET_IFNAME", "lo");
-    if let Some(p) = pause_at {
-        c.env("PAUSE_AT", p.to_string());
-    }
-    Job::spawn(c, dir, &format!("replica{n}"))
+    c
+}
+
+/// How many steps replica `n` has committed.
+fn steps_of(dir: &Path, n: u32) -> usize {
+    commits(dir, n).len()
 }
 
 /// The committed steps of replica `n`, one JSON object each.
@@ -414,4 +432,84 @@ fn rally_lighthouse_names_an_unreachable_state_store_within_its_timeout() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("only etcd://HOST:PORT[/prefix]"), "{err}");
+}
+
+/// The quorum ids of a lighthouse log's `new quorum issued` lines, in order.
+fn issued_ids(log: &str) -> Vec<i64> {
+    log.lines()
+        .filter(|l| l.contains("new quorum issued"))
+        .filter_map(|l| {
+            let at = l.find("quorum_id=")? + "quorum_id=".len();
+            let digits: String = l[at..].chars().take_while(char::is_ascii_digit).collect();
+            digits.parse().ok()
+        })
+        .collect()
+}
+
+/// torchft 0.2.0's managers through a restart of `rally lighthouse
+/// --state etcd://` on the same address (SIGKILLed, so the new one waits
+/// out the old lease, refusing calls, then leads): no replica crashes,
+/// every step is committed by both, and the new lighthouse's first quorum
+/// is the saved one under its id (the managers do not reconfigure).
+#[cfg(feature = "etcd")]
+#[test]
+fn torchft_managers_ride_a_sigkilled_and_restarted_rally_lighthouse_with_its_state_in_etcd() {
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = etcd();
+    let state = format!("etcd://{}/ride", etcd.endpoint);
+    let bind = format!("127.0.0.1:{}", free_port());
+    let args = [
+        "--min_replicas",
+        "1",
+        "--join_timeout_ms",
+        "10000",
+        "--state",
+        &state,
+        "--bind",
+        &bind,
+    ];
+    let mut first = Lighthouse::start_with(&args);
+    until_status(&first, RUN_LIMIT, |s| s["role"] == "leader");
+    let total = 40;
+    let mut jobs = [0, 1].map(|n| {
+        let mut c = replica_command(dir.path(), &first, n, total);
+        c.env("TORCHFT_QUORUM_RETRIES", "120");
+        Job::spawn(c, dir.path(), &format!("replica{n}"))
+    });
+    let t0 = Instant::now();
+    while [0, 1].iter().any(|&n| steps_of(dir.path(), n) < 5) {
+        assert!(t0.elapsed() < RUN_LIMIT, "no step 5:\n{}", first.log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(first.child.id() as i32, libc::SIGKILL) };
+    let _ = first.child.wait();
+    let before = issued_ids(&first.log());
+    let second = Lighthouse::start_with(&args);
+    for (n, job) in jobs.iter_mut().enumerate() {
+        let status = job.wait(RUN_LIMIT);
+        assert!(
+            status.success(),
+            "replica {n}: {status}\n{}\nlighthouse:\n{}",
+            job.output(),
+            second.log()
+        );
+    }
+    for n in [0, 1] {
+        let c = commits(dir.path(), n);
+        assert_eq!(
+            steps(&c),
+            (1..=u64::from(total)).collect::<Vec<_>>(),
+            "replica {n}"
+        );
+    }
+    let log = second.log();
+    assert!(log.contains("this lighthouse leads now"), "{log}");
+    let after = issued_ids(&log);
+    assert_eq!(
+        after.first(),
+        before.last(),
+        "the saved quorum re-issued under its id\nfirst:\n{}\nsecond:\n{log}",
+        first.log()
+    );
 }
