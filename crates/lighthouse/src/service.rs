@@ -172,9 +172,11 @@ impl Server {
         tasks.spawn(shared.clone().ticker(quorum_tick));
         let mut lead = JoinSet::new();
         if let Some(etcd) = state.clone() {
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
             let me = format!(
-                "{} (pid {})",
+                "{} on {} (pid {})",
                 self.listener.local_addr()?,
+                host.trim(),
                 std::process::id()
             );
             lead.spawn(lead::lead(etcd, shared.clone(), me));

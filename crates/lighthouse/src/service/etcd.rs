@@ -360,7 +360,11 @@ impl Etcd {
                 );
             }
             let sent = Instant::now();
-            if keeper.keep_alive().await.is_err() {
+            let left = lost_after.saturating_sub(silent);
+            if !matches!(
+                tokio::time::timeout(left, keeper.keep_alive()).await,
+                Ok(Ok(()))
+            ) {
                 continue;
             }
             let left = lost_after.saturating_sub(acked_sent.elapsed());
