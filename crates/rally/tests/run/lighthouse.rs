@@ -330,7 +330,7 @@ fn a_heal_through_rally_transport_under_torchfts_manager_shows_in_status_and_met
     ] {
         assert!(metrics.lines().any(|l| l == want), "{want:?} in\n{metrics}");
     }
-    assert!(lh.log().contains("heal reported"), "{}", lh.log());
+    until_log(&lh, "heal reported");
 }
 
 /// A real etcd on loopback (Debian's `etcd-server`).
@@ -361,6 +361,20 @@ fn until_status(lh: &Lighthouse, limit: Duration, ok: impl Fn(&Value) -> bool) -
     }
 }
 
+/// Waits until the lighthouse's log (read from its stderr by a thread)
+/// has `needle`, within [`RUN_LIMIT`].
+fn until_log(lh: &Lighthouse, needle: &str) {
+    let t0 = Instant::now();
+    while !lh.log().contains(needle) {
+        assert!(
+            t0.elapsed() < RUN_LIMIT,
+            "{needle:?} never in the log:\n{}",
+            lh.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// `--state etcd://`: a second `rally lighthouse` on the prefix stands by
 /// and takes over when the leader is SIGKILLed, within the lease's TTL
 /// (2 s) plus a margin of 8 s.
@@ -384,7 +398,7 @@ fn a_standby_rally_lighthouse_takes_over_when_the_leader_is_sigkilled() {
     until_status(&standby, RUN_LIMIT, |s| {
         s["role"] == "standby" && s["leader"].as_str().is_some_and(|l| l.contains(&named))
     });
-    assert!(standby.log().contains("standing by"), "{}", standby.log());
+    until_log(&standby, "standing by");
     let metrics = get(standby.port, "/metrics");
     assert!(
         metrics.contains("\nrally_lighthouse_leader 0\n"),
@@ -398,11 +412,7 @@ fn a_standby_rally_lighthouse_takes_over_when_the_leader_is_sigkilled() {
     until_status(&standby, Duration::from_secs(10), |s| s["role"] == "leader");
     let took = killed.elapsed();
     eprintln!("the standby led {took:?} after the leader's SIGKILL (lease TTL 2 s)");
-    assert!(
-        standby.log().contains("this lighthouse leads now"),
-        "{}",
-        standby.log()
-    );
+    until_log(&standby, "this lighthouse leads now");
     let metrics = get(standby.port, "/metrics");
     assert!(
         metrics.contains("\nrally_lighthouse_leader 1\n"),
@@ -503,8 +513,8 @@ fn torchft_managers_ride_a_sigkilled_and_restarted_rally_lighthouse_with_its_sta
             "replica {n}"
         );
     }
+    until_log(&second, "this lighthouse leads now");
     let log = second.log();
-    assert!(log.contains("this lighthouse leads now"), "{log}");
     let after = issued_ids(&log);
     assert_eq!(
         after.first(),
