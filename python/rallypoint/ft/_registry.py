@@ -73,8 +73,8 @@ def lighthouse() -> Optional[str]:
     there turns reports off too), else ``TORCHFT_LIGHTHOUSE``, else
     ``RALLY_LIGHTHOUSE``; None if none."""
     pg = current()
-    if pg is not None and hasattr(pg, "_lighthouse"):
-        return pg._lighthouse or None
+    if pg is not None and hasattr(pg, "lighthouse"):
+        return pg.lighthouse or None
     return os.environ.get("TORCHFT_LIGHTHOUSE") or os.environ.get("RALLY_LIGHTHOUSE") or None
 
 
@@ -84,7 +84,6 @@ def replica():
     (its replica name, without the ``:uuid`` the lighthouse knows), or
     (None, None) before one."""
     pg = current()
-    gen = getattr(pg, "_gen", None) if pg is not None else None
-    if gen is None:
+    if pg is None or not hasattr(pg, "membership"):
         return None, None
-    return getattr(gen, "replica_id", None), getattr(gen, "quorum_id", None)
+    return pg.membership

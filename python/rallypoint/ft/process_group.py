@@ -247,6 +247,20 @@ class ProcessGroupRally(ProcessGroup):
         )
         _registry.set_current(self)
 
+    @property
+    def lighthouse(self) -> Optional[str]:
+        """The lighthouse this group watches (``http://host:port``), or None."""
+        return self._lighthouse
+
+    @property
+    def membership(self) -> Tuple[Optional[str], Optional[int]]:
+        """(replica id, quorum id) of the current generation, as torchft's
+        Manager passed them to ``configure``; (None, None) before one."""
+        gen = self._gen
+        if gen is None:
+            return None, None
+        return gen.replica_id, gen.quorum_id
+
     # -- torchft's contract ----------------------------------------------
 
     def getBackendName(self) -> str:
