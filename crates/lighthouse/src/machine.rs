@@ -200,6 +200,13 @@ pub enum Sabotage {
     IgnoreLeft,
     /// Issue the first quorum at once after a start (no startup grace).
     NoStartupGrace,
+    /// After [`Event::Restored`], number the first quorum with the restored
+    /// id whatever its members (a re-issue of the saved id with others).
+    RestoredIdAnyMembers,
+    /// Ignore [`Event::Restored`]'s `last_id`: ids go on from this
+    /// service's own `first_id` (its clock), below the saved one if that
+    /// clock is behind.
+    RestoredIdIgnored,
 }
 
 /// The process that speaks for a live replica id.
@@ -447,7 +454,9 @@ impl Lighthouse {
         // now, when it starts hearing replicas.
         self.started = Some(now);
         self.graced = false;
-        self.last_id = last_id;
+        if self.sabotage != Sabotage::RestoredIdIgnored {
+            self.last_id = last_id;
+        }
         self.restored = quorum.is_some();
         self.current = quorum;
         true
@@ -746,7 +755,9 @@ impl Lighthouse {
         let Verdict::Issue { members, .. } = self.verdict(now) else {
             return;
         };
-        self.last_id = if self.aborted && self.sabotage != Sabotage::ReuseAbortedId {
+        self.last_id = if self.restored && self.sabotage == Sabotage::RestoredIdAnyMembers {
+            self.last_id
+        } else if self.aborted && self.sabotage != Sabotage::ReuseAbortedId {
             self.last_id + 1
         } else {
             quorum::next_id(self.last_id, self.current.as_ref(), &members)

@@ -90,7 +90,7 @@ use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
 use rallypoint_lighthouse::machine::{Action, Event, Lighthouse, Sabotage, Session};
-use rallypoint_lighthouse::quorum::{Knobs, Member};
+use rallypoint_lighthouse::quorum::{Knobs, Member, Quorum};
 use rallypoint_simkit::{Mode, Tally};
 
 /// Seeds of the default run (CI).
@@ -150,19 +150,23 @@ enum Fault {
     StallWaiting,
     Blip,
     Restart,
+    RestartSaved,
+    Takeover,
     Impostor,
     GiveUp,
     Shrink,
 }
 
 impl Fault {
-    const ALL: [Fault; 9] = [
+    const ALL: [Fault; 11] = [
         Fault::Kill,
         Fault::Vanish,
         Fault::Stall,
         Fault::StallWaiting,
         Fault::Blip,
         Fault::Restart,
+        Fault::RestartSaved,
+        Fault::Takeover,
         Fault::Impostor,
         Fault::GiveUp,
         Fault::Shrink,
@@ -175,11 +179,31 @@ impl Fault {
             Fault::StallWaiting => "stall waiting",
             Fault::Blip => "blip",
             Fault::Restart => "restart",
+            Fault::RestartSaved => "restart with state",
+            Fault::Takeover => "takeover",
             Fault::Impostor => "impostor",
             Fault::GiveUp => "give up",
             Fault::Shrink => "shrink",
         }
     }
+
+    /// Its place in [`Fault::ALL`] (and in the tally).
+    fn index(self) -> usize {
+        Fault::ALL.iter().position(|k| *k == self).unwrap_or(0)
+    }
+}
+
+/// How a (re)started service begins.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Start {
+    /// Afresh: ids above its clock, nothing restored (no `--state`).
+    Memory,
+    /// The same service restarted with `--state`: its clock may be behind
+    /// (ids above it would go back), and it reads the saved state.
+    Saved,
+    /// A standby that started with the job (its clock may be behind too)
+    /// takes over the lease and reads the saved state.
+    Takeover,
 }
 
 /// What a seed plays.
@@ -214,7 +238,8 @@ impl Scenario {
         let n_faults = rng.range(0, 6);
         let mut faults = Vec::new();
         for _ in 0..n_faults {
-            let kind = rng.pick(&Fault::ALL[..8]);
+            // Every kind but shrink (drawn per scenario, below).
+            let kind = rng.pick(&Fault::ALL[..10]);
             let at = rng.range(300, fault_phase_ms);
             let slot = rng.range(0, members as u64 - 1) as usize;
             faults.push((at, kind, slot));
@@ -254,6 +279,7 @@ enum Invariant {
     Liveness,
     AbortedIdNew,
     IssuedToCallers,
+    IdsRise,
 }
 
 /// A broken invariant and what showed it.
@@ -318,7 +344,7 @@ enum SimEv {
     Respawn { slot: usize },
     Tick { service: u64 },
     Deadline { service: u64 },
-    Up,
+    Up(Start),
     Fault(usize),
 }
 
@@ -345,9 +371,12 @@ struct Sim {
     issued: Vec<(u64, u64, BTreeSet<String>)>,
     /// Quorum ids aborted, across restarts.
     aborted: BTreeSet<i64>,
+    /// The state in etcd (`--state`): the last quorum issued with a new id,
+    /// saved before any member hears of it.
+    saved: Option<Quorum>,
     /// Replica ids whose process died (fresh ids are never reused).
     dead: BTreeSet<String>,
-    fired: [u64; 9],
+    fired: [u64; 11],
     /// Kinds drawn that never fired (their member was not there).
     never: BTreeSet<&'static str>,
     /// Deadline ticks scheduled.
@@ -379,7 +408,8 @@ impl Sim {
             issued: Vec::new(),
             dead: BTreeSet::new(),
             aborted: BTreeSet::new(),
-            fired: [0; 9],
+            saved: None,
+            fired: [0; 11],
             never: BTreeSet::new(),
             deadlines: BTreeSet::new(),
             settled: 0,
@@ -387,7 +417,7 @@ impl Sim {
             trace: Vec::new(),
             sc,
         };
-        sim.start_service();
+        sim.start_service(Start::Memory);
         for slot in 0..sim.sc.members {
             sim.procs.push(Proc {
                 replica_id: String::new(),
@@ -421,9 +451,19 @@ impl Sim {
         self.trace.push(format!("{:>6} ms  {line}", self.t));
     }
 
-    fn start_service(&mut self) {
+    /// A service starts; what it must restore, if anything: one with state
+    /// is fed what was saved last ([`Sim::restore`]).
+    fn start_service(&mut self, how: Start) -> Option<Quorum> {
         self.service += 1;
-        let mut lh = Lighthouse::new(self.sc.knobs.clone(), EPOCH_MS + self.t as i64);
+        // Its clock's unix ms when its process started: now for a
+        // restart, the job's start for a standby; one with state may be
+        // behind by up to 5 s (the saved id must win).
+        let first_ms = match how {
+            Start::Memory => self.t as i64,
+            Start::Saved => self.t as i64 - self.rng.range(0, 5_000) as i64,
+            Start::Takeover => -(self.rng.range(0, 5_000) as i64),
+        };
+        let mut lh = Lighthouse::new(self.sc.knobs.clone(), EPOCH_MS + first_ms);
         if self.sabotage != Sabotage::None {
             lh.sabotage(self.sabotage);
         }
@@ -432,7 +472,27 @@ impl Sim {
         self.current = None;
         let service = self.service;
         self.at(self.t + 100, SimEv::Tick { service });
-        self.log(format!("service {service} up"));
+        let saved = self.saved.clone().filter(|_| how != Start::Memory);
+        self.log(format!(
+            "service {service} up ({how:?}, first id {first_ms}{})",
+            saved
+                .as_ref()
+                .map(|q| format!(", restores {}", q.id - EPOCH_MS))
+                .unwrap_or_default()
+        ));
+        saved
+    }
+
+    /// Feeds the new service the saved quorum ([`Event::Restored`]) before
+    /// anyone reaches it, as `service::lead` does when it starts to lead.
+    fn restore(&mut self, q: Quorum) -> Result<(), Broken> {
+        // The machine's previous quorum now (a fast one may follow it).
+        let members = q.participants.iter().map(|m| m.replica_id.clone());
+        self.current = Some((q.id, members.collect()));
+        self.send(Event::Restored {
+            last_id: q.id,
+            quorum: Some(q),
+        })
     }
 
     /// Runs to the end; the first broken invariant.
@@ -509,8 +569,10 @@ impl Sim {
                     self.send(Event::Tick)?;
                 }
             }
-            SimEv::Up => {
-                self.start_service();
+            SimEv::Up(how) => {
+                if let Some(q) = self.start_service(how) {
+                    self.restore(q)?;
+                }
                 for slot in 0..self.procs.len() {
                     if self.procs[slot].life == Life::Alive {
                         let inc = self.procs[slot].incarnation;
@@ -597,7 +659,7 @@ impl Sim {
             && self.sc.shrink_one_in > 0
             && self.rng.one_in(self.sc.shrink_one_in);
         if shrink_only {
-            self.fired[8] += 1;
+            self.fired[Fault::Shrink.index()] += 1;
             self.settled = self.settled.max(self.t);
         }
         let p = &mut self.procs[slot];
@@ -679,7 +741,7 @@ impl Sim {
             return Ok(());
         }
         let eligible = match kind {
-            Fault::Restart => self.lh.is_some(),
+            Fault::Restart | Fault::RestartSaved | Fault::Takeover => self.lh.is_some(),
             Fault::GiveUp => runs && p.waiting && p.session.is_some(),
             Fault::Impostor => {
                 runs && p.session.is_some_and(|s| {
@@ -694,7 +756,7 @@ impl Sim {
             self.never.insert(kind.name());
             return Ok(());
         }
-        self.fired[Fault::ALL.iter().position(|k| *k == kind).unwrap_or(0)] += 1;
+        self.fired[kind.index()] += 1;
         let id = self.procs[slot].replica_id.clone();
         self.log(format!("FAULT {} {id}", kind.name()));
         let hb = self.sc.hb_ms();
@@ -727,7 +789,10 @@ impl Sim {
                 let inc = p.incarnation;
                 self.at(self.t + d, SimEv::Resume { slot, inc });
             }
-            Fault::Restart => {
+            Fault::Restart | Fault::RestartSaved | Fault::Takeover => {
+                // The service ends (killed, or a leader whose lease is lost
+                // stops at once and its calls end refused): every session
+                // ends, callers ask again once they reach a service.
                 self.lh = None;
                 self.ledger.clear();
                 for p in &mut self.procs {
@@ -736,8 +801,16 @@ impl Sim {
                         p.want_join = true;
                     }
                 }
-                let up = self.t + self.rng.range(100, 1_000);
-                self.at(up, SimEv::Up);
+                let (how, pause) = match kind {
+                    Fault::Restart => (Start::Memory, (100, 1_000)),
+                    Fault::RestartSaved => (Start::Saved, (100, 1_000)),
+                    // The leader stops once no keep-alive was acknowledged
+                    // for 3/4 of its lease's TTL (2 s), etcd frees the key
+                    // at the TTL and the standby's watch campaigns.
+                    _ => (Start::Takeover, (500, 2_500)),
+                };
+                let up = self.t + self.rng.range(pause.0, pause.1);
+                self.at(up, SimEv::Up(how));
             }
             Fault::Impostor => {
                 let s2 = self.new_session();
@@ -814,9 +887,8 @@ impl Sim {
                     }
                 }
             }
-            // The simulator's restarts start afresh (ids from the clock);
-            // it never sends `Restored` (`--state etcd://` is tested in
-            // tests/state.rs against a real etcd).
+            // A service with state is fed `Restored` before anyone reaches
+            // it (etcd itself is tested in tests/state.rs).
             Event::Tick | Event::Restored { .. } => {}
         }
         let now = self.base + Duration::from_millis(self.t);
@@ -944,6 +1016,11 @@ impl Sim {
                         .map(|m| m.replica_id.clone())
                         .collect();
                     self.check_issue(q.id, &members, hb)?;
+                    // Saved (fenced, in etcd) before any member hears of
+                    // it; the same id again writes nothing.
+                    if self.saved.as_ref().is_none_or(|s| s.id != q.id) {
+                        self.saved = Some(q.clone());
+                    }
                     for id in &members {
                         if let Some(l) = self.ledger.get_mut(id) {
                             l.waiting = false;
@@ -981,6 +1058,12 @@ impl Sim {
                     format!("quorum {id} issued as {before:?} and now as {members:?}"),
                 );
             }
+        }
+        if let Some((&top, _)) = self.ids.last_key_value().filter(|(top, _)| **top > id) {
+            return self.broken(
+                Invariant::IdsRise,
+                format!("quorum {id} of {members:?} issued after quorum {top}: ids went back"),
+            );
         }
         self.ids.insert(id, members.to_vec());
         if self.aborted.contains(&id) {
@@ -1159,7 +1242,7 @@ fn short_event(ev: &Event) -> String {
         } => format!("left s{session} {replica_id}"),
         Event::Closed { session } => format!("closed s{session}"),
         Event::Tick => "tick".into(),
-        Event::Restored { last_id, .. } => format!("restored {last_id}"),
+        Event::Restored { last_id, .. } => format!("restored {}", last_id - EPOCH_MS),
     }
 }
 
@@ -1348,4 +1431,30 @@ fn an_aborted_id_issued_again_is_seen() {
 #[test]
 fn a_call_that_ended_issued_into_a_quorum_is_seen() {
     caught(Sabotage::IgnoreLeft, Invariant::IssuedToCallers);
+}
+
+/// A service restarted with state, or a standby taking over, whose
+/// machine numbers the first quorum with the saved id whatever its members
+/// (shows when a member of the saved quorum died meanwhile).
+#[test]
+fn a_restored_id_issued_with_other_members_is_seen() {
+    caught_where(
+        Sabotage::RestoredIdAnyMembers,
+        Invariant::SameIdSameMembers,
+        |sc| {
+            sc.faults
+                .iter()
+                .any(|f| matches!(f.1, Fault::RestartSaved | Fault::Takeover))
+        },
+    );
+}
+
+/// One that ignores the saved id: its clock is behind, its ids go back.
+#[test]
+fn a_restored_id_ignored_goes_back() {
+    caught_where(Sabotage::RestoredIdIgnored, Invariant::IdsRise, |sc| {
+        sc.faults
+            .iter()
+            .any(|f| matches!(f.1, Fault::RestartSaved | Fault::Takeover))
+    });
 }
