@@ -88,7 +88,8 @@ impl ProcessGroup {
         let prev = prev
             .map(|p| p.comm.t.clone())
             .filter(|t| t.shared.cfg.world == LINK_SPACE && !t.shared.is_dead());
-        let proposed = fastrand::u32(..u32::MAX);
+        let spare_addr = spare.local_addr().map_err(|e| err(e.to_string()))?;
+        let (proposed, fresh) = draw(spare_addr);
         let host = plan::host_entry(
             proposed as usize,
             opts.shared_memory,
@@ -97,9 +98,9 @@ impl ProcessGroup {
         let (pid, host) = host.split_once(' ').expect("a host entry is \"pid key\"");
         let mine = Entry {
             held: prev.as_ref().map(|t| held(t, &name)),
-            spare: spare.local_addr().map_err(|e| err(e.to_string()))?,
+            spare: spare_addr,
             link: proposed,
-            fresh: fastrand::u64(1..),
+            fresh,
             pid: pid.parse().expect("a pid"),
             host: host.to_owned(),
         };
@@ -162,6 +163,26 @@ impl ProcessGroup {
     pub fn handshakes(&self) -> u64 {
         self.comm.sh().handshakes()
     }
+}
+
+/// A link id to propose and a fresh lineage's nonce: random, mixed with
+/// what no other process on this host shares (its pid, its spare port), so
+/// that processes forked with one generator's state still draw apart.
+fn draw(spare: std::net::SocketAddr) -> (u32, u64) {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let mix = |salt: u64| {
+        stable_hash(&[
+            salt,
+            fastrand::u64(..),
+            u64::from(std::process::id()),
+            u64::from(spare.port()),
+            nanos,
+        ])
+    };
+    let link = (mix(1) % u64::from(u32::MAX)) as u32;
+    (link, mix(2).max(1))
 }
 
 /// What this member's transport holds, for its entry.
