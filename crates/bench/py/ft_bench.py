@@ -39,8 +39,8 @@ of this script, Ctrl-C and crashes included. The lighthouse runs on node1
 beside replica 0, each replica's store on its own host, and the victim is
 the last replica (on the last host)::
 
-    flock /tmp/rally-cargo.lock cargo build --release -p rally -p rallypoint-torch
-    flock /tmp/rally-cargo.lock cargo build --release -p rallypoint-testhosts --example hold
+    cargo build --release -p rally -p rallypoint-torch
+    cargo build --release -p rallypoint-testhosts --example hold
     .venv/bin/python crates/bench/py/ft_bench.py --hosts 3 --reps 3
 
 Usage on loopback::
