@@ -72,6 +72,14 @@ pub struct Options {
     /// share memory (tests of several hosts in one process), never to join
     /// ranks that cannot.
     pub host_id: Option<String>,
+    /// A failing operation returns once the other members have been told of
+    /// the group's abort (bounded by 2 s), so that a process that exits on
+    /// the error leaves them its reason, not merely its absence. `false`:
+    /// it returns at once and the telling goes on in the background, for a
+    /// process that lives on after a failure (a fault-tolerant job's
+    /// generations, `next_generation`): a member that cannot be told (cut
+    /// off, its connection stalled) then costs nothing.
+    pub tell_before_failing: bool,
 }
 
 impl Default for Options {
@@ -91,6 +99,7 @@ impl Default for Options {
             shm_slot_bytes: 1 << 20,
             receive_window: 32 << 20,
             host_id: None,
+            tell_before_failing: true,
         }
     }
 }

@@ -369,7 +369,11 @@ impl Group {
         done: Py<PyAny>,
         advertise: Option<String>,
     ) -> PyResult<Group> {
-        let (store, opts) = group_args(py, store, timeout, name, advertise)?;
+        let (store, mut opts) = group_args(py, store, timeout, name, advertise)?;
+        // A generation's process lives on after a failure (the next
+        // generation replaces it): its failing ops do not wait to tell a
+        // member that cannot be told (cut off, stalled).
+        opts.tell_before_failing = false;
         let prev = prev.map(|p| p.get().live.pg().clone());
         let pg = py
             .allow_threads(|| {

@@ -501,7 +501,7 @@ impl OpCtx {
     ) -> Result<R> {
         let doomed = self.doomed.locked().take();
         if let Some(e) = doomed {
-            self.comm.sh().told(self.comm.id).await;
+            self.told().await;
             return Err(e);
         }
         match r {
@@ -520,7 +520,7 @@ impl OpCtx {
                     .aborted_for(self.comm.id, self.collective_seq())
                 {
                     Some(e) => {
-                        self.comm.sh().told(self.comm.id).await;
+                        self.told().await;
                         Err(e)
                     }
                     None => Ok(v),
@@ -531,13 +531,22 @@ impl OpCtx {
         }
     }
 
+    /// Waits (bounded) until the other members have been told of the
+    /// group's abort, unless the group's options say not to
+    /// ([`Options::tell_before_failing`](crate::Options)).
+    async fn told(&self) {
+        if self.comm.opts.tell_before_failing {
+            self.comm.sh().told(self.comm.id).await;
+        }
+    }
+
     /// Fails the group with `e` and returns `e` once the others have been
     /// told (bounded), so a rank that exits on the error does not leave them
     /// to find only that it, too, is gone.
     async fn fail_told(&self, e: Error) -> Error {
         let e = self.explain(e).await;
         let e = self.fail(e);
-        self.comm.sh().told(self.comm.id).await;
+        self.told().await;
         e
     }
 

@@ -244,3 +244,75 @@ async fn a_member_that_never_comes_is_named_and_a_prefix_reused_refused() {
         "{bad}"
     );
 }
+
+/// How long rank 1's send to a frozen rank 2 takes to fail after rank 1
+/// aborts the group, with `tell` as the group's `tell_before_failing`.
+async fn failing_beside_a_frozen_member(tell: bool) -> Duration {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let o = Options {
+        tell_before_failing: tell,
+        ..tcp("frozen")
+    };
+    // Rank 2 on its own runtime of one thread, which a blocking task then
+    // holds: its sockets go unread, as a stopped process's or a cut-off
+    // host's (the kernel takes what fits in its buffers, then nothing).
+    let frozen = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (s2, o2) = (store.clone(), o.clone());
+    let third =
+        frozen.spawn(async move { ProcessGroup::next_generation(None, s2, 2, 3, o2).await });
+    let tasks: Vec<_> = (0..2)
+        .map(|g| {
+            let (s, o) = (store.clone(), o.clone());
+            tokio::spawn(async move { ProcessGroup::next_generation(None, s, g, 3, o).await })
+        })
+        .collect();
+    let mut pgs = Vec::new();
+    for t in tasks {
+        pgs.push(t.await.unwrap().unwrap());
+    }
+    let _victim = third.await.unwrap().unwrap();
+    let (thaw, thawed) = std::sync::mpsc::channel::<()>();
+    frozen.spawn(async move {
+        let _ = thawed.recv_timeout(Duration::from_secs(30));
+    });
+    // 64 MiB: far more than the socket buffers, so the send's writer stops
+    // mid-frame, holding the connection.
+    let sender = pgs[1].clone();
+    let mut send = tokio::spawn(async move {
+        let data = vec![1f32; 16 << 20];
+        sender.send(&data, 2, 1).await
+    });
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), &mut send)
+            .await
+            .is_err(),
+        "a send to a frozen member cannot finish"
+    );
+    // Rank 1 itself aborts (as a survivor whose lighthouse watch fired
+    // does): it tells every member, the frozen one too.
+    let t0 = std::time::Instant::now();
+    pgs[1].abort("a member was dropped");
+    let e = tokio::time::timeout(Duration::from_secs(10), send)
+        .await
+        .expect("the send fails within the abort's bounds")
+        .unwrap()
+        .expect_err("aborted");
+    let took = t0.elapsed();
+    assert!(e.to_string().contains("a member was dropped"), "{e}");
+    let _ = thaw.send(());
+    frozen.shutdown_background();
+    took
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_that_cannot_be_told_costs_a_living_group_nothing() {
+    // Telling the frozen member waits behind the stalled send's writer (up
+    // to 2 s, the telling's bound); a generation's op does not wait for it.
+    let took = failing_beside_a_frozen_member(false).await;
+    assert!(took < Duration::from_millis(1000), "took {took:?}");
+    eprintln!("aborted beside a frozen member: the op failed {took:?} after the abort");
+}
