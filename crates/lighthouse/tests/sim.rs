@@ -23,6 +23,21 @@
 //! * `restart`: the service dies (every session ends) and a new
 //!   `Lighthouse` starts after a pause, its ids above the old ones (the
 //!   service passes unix milliseconds); members reconnect with backoff;
+//! * `restart with state` (`--state etcd://`): the same, but the new
+//!   service's clock may be up to 5 s behind, and it is fed the saved
+//!   state as [`Event::Restored`] before anyone reaches it;
+//! * `takeover`: the leader's lease is lost, so it stops at once (its
+//!   calls end, sessions with them) and a standby, started with the job
+//!   (its clock up to 5 s behind too), leads 0.5 to 2.5 s later (the lease
+//!   TTL, 2 s, and the standby's watch) with the saved state as `Restored`.
+//!
+//!   The saved state is etcd's as `service::lead` keeps it: each quorum
+//!   with a new id is saved before any member hears of it (fenced: a
+//!   stopped leader saves nothing more), the same id again writes nothing;
+//!   every service saves, a memory-only `restart` just reads nothing.
+//!   After a `Restored`, the restored quorum is the machine's previous one
+//!   (invariants 3 and 5 treat it so: its members back in one call is a
+//!   fast quorum, the drop of one aborts it);
 //! * `impostor`: a second process joins with a live member's replica id
 //!   (and another manager address), then its session closes; only once the
 //!   member has joined this service, since before its first `Join` the
@@ -65,14 +80,19 @@
 //!    `Quorum` call in the simulator's book (a call that ended, `give up`,
 //!    is never issued: the others would wait on a member that never hears
 //!    of the quorum).
+//! 9. `ids rise`: an issued id is never below one issued before, across
+//!    restarts and takeovers (a standby whose clock is behind goes on
+//!    from the saved id).
 //!
 //! **Proof that it tests something**: besides the tally's floors, each
 //! invariant has a test that breaks one rule on purpose ([`Sabotage`]:
 //! no majority guard, no `min_replicas`, ids from 0 after a restart,
 //! `Closed` ignored, no aborts, no revival of a stalled member, an aborted
-//! id reused, `Left` ignored) and requires that some seed among the first
-//! few hundred breaks that invariant (for the aborted id: among the first
-//! few hundred whose scenario can show it, see its test).
+//! id reused, `Left` ignored, a restored machine that re-issues the saved
+//! id with other members or ignores the saved id) and requires that some seed among the first
+//! few hundred breaks that invariant (for the aborted id and the restored
+//! ones: among the first few hundred whose scenario can show it, see their
+//! tests).
 //!
 //! The default run plays 400 seeds (a few seconds in a debug build).
 //! `RALLY_SIM_SEEDS=n` / `RALLY_SIM_FIRST=s` run other seeds;
@@ -501,7 +521,12 @@ impl Sim {
         // timeouts, at most 6 s) the faults can start.
         let end_faults = self.sc.fault_phase_ms + 7_000;
         while let Some(Reverse((t, _, ev))) = self.queue.pop() {
-            if t > end_faults && t > self.settled + self.sc.bound() + 200 {
+            // A fault still under way settles later: a stall in a call
+            // fires up to 3 s late (it waits for the call, and a takeover
+            // keeps every call away for up to 2.5 s), the service is down.
+            let stalled = self.procs.iter().any(|p| p.stalled_until.is_some());
+            let pending = stalled || self.lh.is_none();
+            if !pending && t > end_faults && t > self.settled + self.sc.bound() + 200 {
                 break;
             }
             self.t = t;
@@ -1457,4 +1482,41 @@ fn a_restored_id_ignored_goes_back() {
             .iter()
             .any(|f| matches!(f.1, Fault::RestartSaved | Fault::Takeover))
     });
+}
+
+/// KNOWN BUG, ignored until the service saves aborts: a member of the
+/// current quorum is dropped while every member waits in its next call
+/// (an abort, no commit failure), then the service restarts with state or
+/// a standby takes over: it restores that quorum, and when its members are
+/// back re-issues it under its id, the aborted generation (invariant 7).
+/// The machine cannot tell: `<prefix>state` holds the quorum, not its
+/// abort. The fix is the service's: save the abort (`Restored` with
+/// `quorum: None` and the aborted id as `last_id` makes the next quorum a
+/// new id) before pushing it. Seed 35406 shows it (replay it with
+/// `RALLY_SIM_SEED`); this plays the first 3,000 seeds whose scenario can
+/// (every member needed, a stall, a restart with state or a takeover):
+/// 3 fail (23133, 35406, 81399).
+#[test]
+#[ignore = "known bug: a takeover re-issues an aborted quorum under its id (the abort is not saved)"]
+fn a_takeover_after_an_abort_issues_a_new_id() {
+    let fits = |sc: &Scenario| {
+        sc.knobs.min_replicas == sc.members as u64
+            && sc
+                .faults
+                .iter()
+                .any(|f| matches!(f.1, Fault::Stall | Fault::StallWaiting))
+            && sc
+                .faults
+                .iter()
+                .any(|f| matches!(f.1, Fault::RestartSaved | Fault::Takeover))
+    };
+    let seeds = (0..).filter(|s| fits(&Scenario::draw(*s))).take(3_000);
+    let mut failed = Vec::new();
+    for seed in seeds {
+        if let (_, Err(b)) = one(seed, Sabotage::None) {
+            eprintln!("seed {seed}: {:?}: {}", b.invariant, b.what);
+            failed.push(seed);
+        }
+    }
+    assert!(failed.is_empty(), "seeds {failed:?} failed (see above)");
 }
