@@ -101,8 +101,15 @@
 //! invariant (10,000 seeds: none failed, 32 s in a release build; the
 //! slowest member came into a quorum 2.1 s after the last fault settled,
 //! 58% of its bound. With `give up` and invariants 7 and 8, 2,000 seeds:
-//! none failed, 42 s in a debug build, worst 2.2 s, 49% of its bound).
+//! none failed, 42 s in a debug build, worst 2.2 s, 49% of its bound.
+//! With `restart with state`, `takeover` and invariant 9, 10,000 seeds:
+//! none failed, 33 s in a release build, worst 2.6 s, 57% of its bound;
+//! each of the ten fault kinds fired in 21% to 25% of the seeds).
 //! Every run prints that worst share of the bound.
+//!
+//! **Known bug** (the ignored test `a_takeover_after_an_abort_issues_a_new_id`):
+//! a takeover right after an abort re-issues the aborted quorum under its
+//! id, since the service saves quorums, not aborts.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
