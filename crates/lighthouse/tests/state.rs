@@ -54,17 +54,31 @@ struct Running {
 }
 
 async fn start(etcd: &EtcdServer, prefix: &str) -> Running {
+    start_at(etcd, prefix, "127.0.0.1:0".parse().unwrap(), TTL).await
+}
+
+/// [`start`] on `bind` (retried until the port is free again: a killed
+/// lighthouse's listener closes as its task is dropped), with lease `ttl`.
+async fn start_at(etcd: &EtcdServer, prefix: &str, bind: SocketAddr, ttl: Duration) -> Running {
     let url: StateUrl = format!("etcd://{}{prefix}", etcd.endpoint).parse().unwrap();
-    let state = Etcd::connect(url, TTL, Duration::from_secs(5))
+    let state = Etcd::connect(url, ttl, Duration::from_secs(5))
         .await
         .unwrap();
     let config = Config {
         state: Some(state),
         ..Config::new(knobs())
     };
-    let server = Server::bind("127.0.0.1:0".parse().unwrap(), config)
-        .await
-        .unwrap();
+    let deadline = Instant::now() + LIMIT;
+    let server = loop {
+        match Server::bind(bind, config.clone()).await {
+            Ok(s) => break s,
+            Err(e) if Instant::now() < deadline => {
+                eprintln!("binding {bind}: {e}; again");
+                tokio::task::yield_now().await;
+            }
+            Err(e) => panic!("binding {bind}: {e}"),
+        }
+    };
     let addr = server.local_addr().unwrap();
     let (tx, rx) = oneshot::channel::<()>();
     let task = tokio::spawn(server.run(async move {
@@ -316,4 +330,36 @@ async fn an_etcd_that_is_not_there_is_an_error_naming_it_within_the_timeout() {
     assert!(e.contains(&format!("etcd at 127.0.0.1:{port}")), "{e}");
     // Bounded by the timeout (2 s), with a margin of 3 s.
     assert!(took < timeout + Duration::from_secs(3), "{took:?}: {e}");
+}
+
+/// A lighthouse killed and started again at its own address takes over at
+/// once, not a lease later: the address being free proves its predecessor
+/// gone. (A lease of 30 s: a takeover by expiry could not come within the
+/// bound.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lighthouse_restarted_at_its_own_address_leads_at_once() {
+    let etcd = EtcdServer::start().await.unwrap();
+    let ttl = Duration::from_secs(30);
+    let first = start_at(&etcd, "/same", "127.0.0.1:0".parse().unwrap(), ttl).await;
+    until(first.addr, LIMIT, leads).await;
+    let (mut a, mut b) = (client(first.addr).await, client(first.addr).await);
+    let q = round(&mut a, &mut b).await;
+    let at = first.addr;
+    first.kill();
+    let killed = Instant::now();
+    let second = start_at(&etcd, "/same", at, ttl).await;
+    until(second.addr, LIMIT, leads).await;
+    let took = killed.elapsed();
+    assert!(
+        took < ttl / 2,
+        "led {took:?} after the kill: the lease ran out instead"
+    );
+    eprintln!("restarted at its own address: led {took:?} after the kill (lease {ttl:?})");
+    let (mut a, mut b) = (client(second.addr).await, client(second.addr).await);
+    assert_eq!(
+        round(&mut a, &mut b).await.quorum_id,
+        q.quorum_id,
+        "the saved quorum"
+    );
+    second.stop().await;
 }

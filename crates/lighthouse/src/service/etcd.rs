@@ -156,9 +156,13 @@ pub fn decode(value: &[u8]) -> Result<Saved, String> {
 pub enum Campaign {
     /// This lighthouse leads, under this lease.
     Won { lease: i64 },
-    /// Another leads (its `<prefix>leader` value); the key's revision, to
-    /// watch from.
-    Held { by: String, revision: i64 },
+    /// Another leads (its `<prefix>leader` value, under its `lease`); the
+    /// key's revision, to watch from.
+    Held {
+        by: String,
+        lease: i64,
+        revision: i64,
+    },
 }
 
 /// A client of the etcd holding the state.
@@ -268,18 +272,37 @@ impl Etcd {
             .call("revoke an unused lease", c.lease_revoke(lease))
             .await;
         let revision = r.header().map_or(0, |h| h.revision());
-        let by = r
+        let (by, held_by) = r
             .op_responses()
             .into_iter()
             .find_map(|op| match op {
                 etcd_client::TxnOpResponse::Get(g) => g
                     .kvs()
                     .first()
-                    .map(|kv| String::from_utf8_lossy(kv.value()).into_owned()),
+                    .map(|kv| (String::from_utf8_lossy(kv.value()).into_owned(), kv.lease())),
                 _ => None,
             })
-            .unwrap_or_else(|| "(gone meanwhile)".into());
-        Ok(Campaign::Held { by, revision })
+            .unwrap_or_else(|| ("(gone meanwhile)".into(), 0));
+        Ok(Campaign::Held {
+            by,
+            lease: held_by,
+            revision,
+        })
+    }
+
+    /// Ends a predecessor's lease (see `lead.rs`: one at this lighthouse's
+    /// own address, which is gone): its leader key goes with it.
+    pub async fn revoke(&self, lease: i64) -> Result<(), String> {
+        let mut c = self.client.clone();
+        match self
+            .call("revoke the predecessor's lease", c.lease_revoke(lease))
+            .await
+        {
+            Ok(_) => Ok(()),
+            // Expired meanwhile: as good.
+            Err(e) if e.contains("lease not found") => Ok(()),
+            Err(e) => Err(e),
+        }
     }
 
     /// Waits until `<prefix>leader` is deleted after `revision` (its

@@ -82,12 +82,40 @@ fn stop(shared: &Shared, why: String) -> String {
 }
 
 /// Campaigns until this lighthouse leads; its lease.
+/// Whether the leader named `by` served at this lighthouse's own address on
+/// this host (`me` and `by` read "ADDR on HOST (pid N)", whatever the pid: a
+/// campaign this lighthouse wins returns, so a key held under its own name
+/// is a predecessor's, which had the same pid in another pid namespace, or
+/// is this process's in a test).
+fn predecessor(by: &str, me: &str) -> bool {
+    let place = |s: &str| s.rsplit_once(" (pid ").map(|(p, _)| p.to_owned());
+    match (place(by), place(me)) {
+        (Some(a), Some(b)) => a == b,
+        _ => false,
+    }
+}
+
 async fn campaign(etcd: &Etcd, shared: &Shared, me: &str) -> i64 {
     let mut told: Option<String> = None;
     loop {
         match etcd.campaign(me).await {
             Ok(Campaign::Won { lease }) => return lease,
-            Ok(Campaign::Held { by, revision }) => {
+            Ok(Campaign::Held { by, lease, .. }) if predecessor(&by, me) => {
+                // Its address is ours now: it is gone (a listener holds its
+                // port for as long as its process lives), so its lease need
+                // not run out before this lighthouse leads.
+                match etcd.revoke(lease).await {
+                    Ok(()) => tracing::warn!(
+                        predecessor = by,
+                        "taking over at once from the lighthouse that served at this address before (its port is ours, so it is gone)"
+                    ),
+                    Err(e) => {
+                        tracing::warn!("{e}; trying again in {RETRY:?}");
+                        tokio::time::sleep(RETRY).await;
+                    }
+                }
+            }
+            Ok(Campaign::Held { by, revision, .. }) => {
                 if told.as_deref() != Some(by.as_str()) {
                     tracing::warn!(
                         leader = by,
@@ -109,5 +137,26 @@ async fn campaign(etcd: &Etcd, shared: &Shared, me: &str) -> i64 {
                 tokio::time::sleep(RETRY).await;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::predecessor;
+
+    #[test]
+    fn a_predecessor_is_the_same_address_and_host_under_another_pid() {
+        let me = "10.0.0.1:29510 on node1 (pid 7)";
+        assert!(predecessor("10.0.0.1:29510 on node1 (pid 6)", me));
+        assert!(predecessor(me, me), "the same pid (another pid namespace)");
+        assert!(
+            !predecessor("10.0.0.1:29511 on node1 (pid 6)", me),
+            "another port"
+        );
+        assert!(
+            !predecessor("10.0.0.1:29510 on node2 (pid 6)", me),
+            "another host"
+        );
+        assert!(!predecessor("(gone meanwhile)", me));
     }
 }
