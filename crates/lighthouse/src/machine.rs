@@ -109,6 +109,9 @@ pub enum Event {
     Restored {
         last_id: i64,
         quorum: Option<Quorum>,
+        /// The predecessor aborted that quorum (a member dropped): its id
+        /// is never issued again, and its members, once back, get the next.
+        aborted: bool,
     },
 }
 
@@ -337,7 +340,11 @@ impl Lighthouse {
                 self.expire(now, &mut out);
                 true
             }
-            Event::Restored { last_id, quorum } => self.restore(now, last_id, quorum),
+            Event::Restored {
+                last_id,
+                quorum,
+                aborted,
+            } => self.restore(now, last_id, quorum, aborted),
         };
         if attempt {
             self.attempt(now, &mut out);
@@ -446,7 +453,13 @@ impl Lighthouse {
 
     /// What a predecessor left ([`Event::Restored`]); whether a quorum may
     /// now be ready.
-    fn restore(&mut self, now: Instant, last_id: i64, quorum: Option<Quorum>) -> bool {
+    fn restore(
+        &mut self,
+        now: Instant,
+        last_id: i64,
+        quorum: Option<Quorum>,
+        aborted: bool,
+    ) -> bool {
         if self.counters.quorums_issued > 0 {
             return false;
         }
@@ -458,6 +471,9 @@ impl Lighthouse {
             self.last_id = last_id;
         }
         self.restored = quorum.is_some();
+        // An aborted quorum's id is dead (its members' generation was
+        // aborted through the watch): the next quorum takes a new one.
+        self.aborted = aborted && quorum.is_some();
         self.current = quorum;
         true
     }

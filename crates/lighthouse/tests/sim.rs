@@ -107,9 +107,11 @@
 //! each of the ten fault kinds fired in 21% to 25% of the seeds).
 //! Every run prints that worst share of the bound.
 //!
-//! **Known bug** (the ignored test `a_takeover_after_an_abort_issues_a_new_id`):
-//! a takeover right after an abort re-issues the aborted quorum under its
-//! id, since the service saves quorums, not aborts.
+//! **Found by it**: a takeover right after an abort re-issued the aborted
+//! quorum under its id (the service saved quorums, not aborts; seeds 23133,
+//! 35406, 81399 of an earlier numbering). The service now saves an abort
+//! before pushing it, and `Restored` says the quorum was aborted
+//! (`a_takeover_after_an_abort_issues_a_new_id`).
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
@@ -399,8 +401,9 @@ struct Sim {
     /// Quorum ids aborted, across restarts.
     aborted: BTreeSet<i64>,
     /// The state in etcd (`--state`): the last quorum issued with a new id,
-    /// saved before any member hears of it.
-    saved: Option<Quorum>,
+    /// saved before any member hears of it, and whether it was aborted
+    /// (saved before its watchers hear of it).
+    saved: Option<(Quorum, bool)>,
     /// Replica ids whose process died (fresh ids are never reused).
     dead: BTreeSet<String>,
     fired: [u64; 11],
@@ -480,7 +483,7 @@ impl Sim {
 
     /// A service starts; what it must restore, if anything: one with state
     /// is fed what was saved last ([`Sim::restore`]).
-    fn start_service(&mut self, how: Start) -> Option<Quorum> {
+    fn start_service(&mut self, how: Start) -> Option<(Quorum, bool)> {
         self.service += 1;
         // Its clock's unix ms when its process started: now for a
         // restart, the job's start for a standby; one with state may be
@@ -504,7 +507,11 @@ impl Sim {
             "service {service} up ({how:?}, first id {first_ms}{})",
             saved
                 .as_ref()
-                .map(|q| format!(", restores {}", q.id - EPOCH_MS))
+                .map(|(q, aborted)| format!(
+                    ", restores {}{}",
+                    q.id - EPOCH_MS,
+                    if *aborted { " (aborted)" } else { "" }
+                ))
                 .unwrap_or_default()
         ));
         saved
@@ -512,13 +519,14 @@ impl Sim {
 
     /// Feeds the new service the saved quorum ([`Event::Restored`]) before
     /// anyone reaches it, as `service::lead` does when it starts to lead.
-    fn restore(&mut self, q: Quorum) -> Result<(), Broken> {
+    fn restore(&mut self, (q, aborted): (Quorum, bool)) -> Result<(), Broken> {
         // The machine's previous quorum now (a fast one may follow it).
         let members = q.participants.iter().map(|m| m.replica_id.clone());
         self.current = Some((q.id, members.collect()));
         self.send(Event::Restored {
             last_id: q.id,
             quorum: Some(q),
+            aborted,
         })
     }
 
@@ -1050,8 +1058,8 @@ impl Sim {
                     self.check_issue(q.id, &members, hb)?;
                     // Saved (fenced, in etcd) before any member hears of
                     // it; the same id again writes nothing.
-                    if self.saved.as_ref().is_none_or(|s| s.id != q.id) {
-                        self.saved = Some(q.clone());
+                    if self.saved.as_ref().is_none_or(|s| s.0.id != q.id) {
+                        self.saved = Some((q.clone(), false));
                     }
                     for id in &members {
                         if let Some(l) = self.ledger.get_mut(id) {
@@ -1075,6 +1083,11 @@ impl Sim {
                 }
                 Action::Abort { quorum_id, .. } => {
                     self.aborted.insert(*quorum_id);
+                    // Saved, marked aborted, before its watchers hear of
+                    // it (`service::state`).
+                    if let Some(saved) = self.saved.as_mut().filter(|s| s.0.id == *quorum_id) {
+                        saved.1 = true;
+                    }
                 }
             }
         }
@@ -1491,20 +1504,16 @@ fn a_restored_id_ignored_goes_back() {
     });
 }
 
-/// KNOWN BUG, ignored until the service saves aborts: a member of the
-/// current quorum is dropped while every member waits in its next call
-/// (an abort, no commit failure), then the service restarts with state or
-/// a standby takes over: it restores that quorum, and when its members are
-/// back re-issues it under its id, the aborted generation (invariant 7).
-/// The machine cannot tell: `<prefix>state` holds the quorum, not its
-/// abort. The fix is the service's: save the abort (`Restored` with
-/// `quorum: None` and the aborted id as `last_id` makes the next quorum a
-/// new id) before pushing it. Seed 35406 shows it (replay it with
-/// `RALLY_SIM_SEED`); this plays the first 3,000 seeds whose scenario can
-/// (every member needed, a stall, a restart with state or a takeover):
-/// 3 fail (23133, 35406, 81399).
+/// Found by the simulator: a member of the current quorum is dropped while
+/// every member waits in its next call (an abort, no commit failure), then
+/// the service restarts with state or a standby takes over: it restored
+/// that quorum and, when its members were back, re-issued it under its id,
+/// the aborted generation (invariant 7), since `<prefix>state` held the
+/// quorum and not its abort. Fixed by saving the abort before pushing it.
+/// This plays the first 3,000 seeds whose scenario can show it (every
+/// member needed, a stall, a restart with state or a takeover); 3 failed
+/// before the fix.
 #[test]
-#[ignore = "known bug: a takeover re-issues an aborted quorum under its id (the abort is not saved)"]
 fn a_takeover_after_an_abort_issues_a_new_id() {
     let fits = |sc: &Scenario| {
         sc.knobs.min_replicas == sc.members as u64

@@ -470,6 +470,10 @@ fn a_heal_reports_replica_is_resolved_by_id_or_by_torchfts_name() {
 }
 
 fn restored(last_id: i64, ids: &[&str]) -> Event {
+    restored_as(last_id, ids, false)
+}
+
+fn restored_as(last_id: i64, ids: &[&str], aborted: bool) -> Event {
     Event::Restored {
         last_id,
         quorum: Some(Quorum {
@@ -477,7 +481,26 @@ fn restored(last_id: i64, ids: &[&str]) -> Event {
             participants: ids.iter().map(|id| member(id)).collect(),
             created: std::time::SystemTime::UNIX_EPOCH,
         }),
+        aborted,
     }
+}
+
+/// A quorum its predecessor aborted (saved so before its watchers heard):
+/// its members, back, get the next id at once, never the aborted one.
+#[test]
+fn a_restored_aborted_quorum_is_never_reissued_under_its_id() {
+    let t0 = Instant::now();
+    let at = |ms| t0 + Duration::from_millis(ms);
+    let mut lh = Lighthouse::new(Knobs::ours(1), 5_000);
+    assert!(lh
+        .handle(at(0), restored_as(42, &["a", "b"], true))
+        .is_empty());
+    assert!(issued(&lh.handle(at(1), event(Ev::Join(1, "a")))).is_empty());
+    assert_eq!(
+        issued(&lh.handle(at(2), event(Ev::Join(2, "b")))),
+        ["issue 43 [a,b]"],
+        "all back: at once, under a new id"
+    );
 }
 
 fn issued(actions: &[Action]) -> Vec<String> {

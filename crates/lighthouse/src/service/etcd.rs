@@ -97,10 +97,13 @@ impl std::fmt::Display for StateUrl {
 pub struct Saved {
     pub last_id: i64,
     pub quorum: Option<Quorum>,
+    /// That quorum was aborted (a member dropped) after it was issued.
+    pub aborted: bool,
 }
 
-/// `<prefix>state`'s value for quorum `q`.
-pub fn encode(q: &Quorum) -> String {
+/// `<prefix>state`'s value for quorum `q` (`aborted`: after a member of it
+/// dropped).
+pub fn encode(q: &Quorum, aborted: bool) -> String {
     let members: Vec<Value> = q
         .participants
         .iter()
@@ -113,7 +116,7 @@ pub fn encode(q: &Quorum) -> String {
             })
         })
         .collect();
-    json!({"last_id": q.id, "members": members}).to_string()
+    json!({"last_id": q.id, "members": members, "aborted": aborted}).to_string()
 }
 
 /// `<prefix>state`'s value read back; an error says what is wrong with it.
@@ -148,7 +151,15 @@ pub fn decode(value: &[u8]) -> Result<Saved, String> {
         participants,
         created: SystemTime::now(),
     });
-    Ok(Saved { last_id, quorum })
+    let aborted = match &v["aborted"] {
+        Value::Null => false,
+        a => a.as_bool().ok_or("aborted is not a boolean")?,
+    };
+    Ok(Saved {
+        last_id,
+        quorum,
+        aborted,
+    })
 }
 
 /// A campaign's outcome.
@@ -349,11 +360,11 @@ impl Etcd {
 
     /// Writes `q` as the last quorum, only while `lease` owns the leader
     /// key; `Ok(false)` when it no longer does (deposed).
-    pub async fn save(&self, lease: i64, q: &Quorum) -> Result<bool, String> {
+    pub async fn save(&self, lease: i64, q: &Quorum, aborted: bool) -> Result<bool, String> {
         let mut c = self.client.clone();
         let txn = Txn::new()
             .when([Compare::lease(self.key("leader"), CompareOp::Equal, lease)])
-            .and_then([TxnOp::put(self.key("state"), encode(q), None)]);
+            .and_then([TxnOp::put(self.key("state"), encode(q, aborted), None)]);
         Ok(self.call("write the state", c.txn(txn)).await?.succeeded())
     }
 
@@ -449,8 +460,13 @@ mod tests {
             participants: vec![m],
             created: SystemTime::now(),
         };
-        let back = decode(encode(&q).as_bytes()).unwrap();
+        let back = decode(encode(&q, false).as_bytes()).unwrap();
         assert_eq!(back.last_id, 42);
+        assert!(!back.aborted);
+        assert!(decode(encode(&q, true).as_bytes()).unwrap().aborted);
+        assert!(decode(br#"{"last_id": 1, "members": [], "aborted": 3}"#)
+            .unwrap_err()
+            .contains("aborted"));
         assert_eq!(back.quorum.unwrap().participants, q.participants);
         assert!(decode(b"{}").unwrap_err().contains("last_id"));
         assert!(decode(b"nope").unwrap_err().contains("not JSON"));

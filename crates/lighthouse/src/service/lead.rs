@@ -60,9 +60,9 @@ pub async fn lead(etcd: Etcd, shared: Arc<Shared>, me: String) -> String {
                 return stop(&shared, why);
             }
             () = shared.save_wanted() => {
-                while let Some(q) = shared.to_save() {
-                    match etcd.save(lease, &q).await {
-                        Ok(true) => shared.saved(q.id),
+                while let Some((n, q, aborted)) = shared.to_save() {
+                    match etcd.save(lease, &q, aborted).await {
+                        Ok(true) => shared.saved(n),
                         Ok(false) => {
                             let why = format!("deposed: lease {lease:x} no longer owns {}leader", etcd.url.prefix);
                             return stop(&shared, why);

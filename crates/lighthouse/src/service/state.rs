@@ -24,7 +24,12 @@
 //! call with [`Refused::Unavailable`] before the machine sees it. A
 //! leader's quorum with an id above the last one saved in etcd is held in
 //! `pending`, unanswered and off the watch board, until the lead task has
-//! saved it ([`Shared::saved`]); one it cannot save answers nobody.
+//! saved it ([`Shared::saved`]); one it cannot save answers nobody. So is
+//! the abort of a quorum (a member dropped): saved as that quorum marked
+//! aborted before the survivors are told, so that a successor never issues
+//! the aborted id again (found by the simulator: a takeover right after an
+//! abort re-issued it, and the survivors, told of the abort, would have
+//! gone on with their aborted generation).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -112,8 +117,35 @@ struct Inner {
     /// Quorums with ids up to this one are saved in etcd (`i64::MAX`
     /// without `--state`: nothing to save).
     durable: i64,
-    /// Quorums issued above `durable`, oldest first, awaiting their save.
-    pending: VecDeque<Quorum>,
+    /// Records awaiting their save, oldest first, numbered from
+    /// `next_record`: quorums issued above `durable`, and aborts.
+    pending: VecDeque<(u64, Pending)>,
+    next_record: u64,
+    /// The last quorum issued (or restored), for an abort's record.
+    last_quorum: Option<Quorum>,
+}
+
+/// What waits for its save in etcd before anyone hears of it.
+#[derive(Debug)]
+enum Pending {
+    /// A quorum with a new id: answered once saved.
+    Issue(Quorum),
+    /// Quorum `quorum` aborted: pushed to its watchers once saved.
+    Abort {
+        quorum: Quorum,
+        replica_id: String,
+        reason: String,
+    },
+}
+
+impl Pending {
+    /// The state it saves: a quorum, and whether it was aborted.
+    fn record(&self) -> (Quorum, bool) {
+        match self {
+            Pending::Issue(q) => (q.clone(), false),
+            Pending::Abort { quorum, .. } => (quorum.clone(), true),
+        }
+    }
 }
 
 impl Inner {
@@ -194,6 +226,8 @@ impl Shared {
                 role,
                 durable: i64::MAX,
                 pending: VecDeque::new(),
+                next_record: 0,
+                last_quorum: None,
             }),
             wake_ticker: Notify::new(),
             board: watch::Sender::new(Board::default()),
@@ -318,11 +352,13 @@ impl Shared {
     pub fn lead(&self, lease: i64, saved: Option<super::etcd::Saved>) -> i64 {
         let mut inner = self.inner.locked();
         if let Some(saved) = saved {
+            inner.last_quorum = saved.quorum.clone();
             let refusals = self.step(
                 &mut inner,
                 Event::Restored {
                     last_id: saved.last_id,
                     quorum: saved.quorum,
+                    aborted: saved.aborted,
                 },
             );
             log_refusals(refusals);
@@ -332,9 +368,14 @@ impl Shared {
         inner.durable
     }
 
-    /// The newest quorum awaiting its save, if any.
-    pub fn to_save(&self) -> Option<Quorum> {
-        self.inner.locked().pending.back().cloned()
+    /// The newest record awaiting its save (its number, the quorum, whether
+    /// it was aborted), if any: saving it saves every older one too (the
+    /// state is the last record).
+    pub fn to_save(&self) -> Option<(u64, Quorum, bool)> {
+        let inner = self.inner.locked();
+        let (n, p) = inner.pending.back()?;
+        let (q, aborted) = p.record();
+        Some((*n, q, aborted))
     }
 
     /// Resolves when a quorum may await its save.
@@ -342,16 +383,44 @@ impl Shared {
         self.save_wake.notified().await;
     }
 
-    /// Quorums up to `id` are saved: answers their waiting calls, oldest
-    /// first, and puts them on the watch board.
-    pub fn saved(&self, id: i64) {
+    /// Records up to number `n` are saved: answers the waiting calls of
+    /// their quorums and pushes their aborts, oldest first.
+    pub fn saved(&self, n: u64) {
         let mut inner = self.inner.locked();
-        inner.durable = inner.durable.max(id);
-        while inner.pending.front().is_some_and(|q| q.id <= id) {
-            if let Some(q) = inner.pending.pop_front() {
-                self.issue(&mut inner, q);
+        while inner.pending.front().is_some_and(|(m, _)| *m <= n) {
+            match inner.pending.pop_front().map(|(_, p)| p) {
+                Some(Pending::Issue(q)) => {
+                    inner.durable = inner.durable.max(q.id);
+                    self.issue(&mut inner, q);
+                }
+                Some(Pending::Abort {
+                    quorum,
+                    replica_id,
+                    reason,
+                }) => self.push_abort(quorum.id, &replica_id, &reason),
+                None => {}
             }
         }
+    }
+
+    /// Queues `p` for its save and wakes the lead task.
+    fn pend(&self, inner: &mut Inner, p: Pending) {
+        let n = inner.next_record;
+        inner.next_record += 1;
+        inner.pending.push_back((n, p));
+        self.save_wake.notify_one();
+    }
+
+    /// Tells quorum `quorum_id`'s watchers that `replica_id` was dropped.
+    fn push_abort(&self, quorum_id: i64, replica_id: &str, reason: &str) {
+        tracing::warn!(
+            quorum_id,
+            replica_id,
+            reason,
+            "member of the current quorum dropped: aborting its watchers"
+        );
+        self.board
+            .send_modify(|b| b.aborted(quorum_id, replica_id, reason));
     }
 
     /// The lease is lost: nothing pending is answered, every waiting call
@@ -413,8 +482,7 @@ impl Shared {
             match action {
                 Action::Issue(q) if q.id > inner.durable => {
                     // Saved before anyone hears of it (see the module docs).
-                    inner.pending.push_back(q);
-                    self.save_wake.notify_one();
+                    self.pend(inner, Pending::Issue(q));
                 }
                 Action::Issue(q) => self.issue(inner, q),
                 Action::Refuse {
@@ -434,14 +502,28 @@ impl Shared {
                     replica_id,
                     reason,
                 } => {
-                    tracing::warn!(
-                        quorum_id,
-                        replica_id,
-                        reason,
-                        "member of the current quorum dropped: aborting its watchers"
-                    );
-                    self.board
-                        .send_modify(|b| b.aborted(quorum_id, &replica_id, &reason));
+                    // With state, saved first (see the module docs): the
+                    // quorum is the last issued, perhaps still pending.
+                    let quorum = inner
+                        .pending
+                        .iter()
+                        .rev()
+                        .find_map(|(_, p)| match p {
+                            Pending::Issue(q) if q.id == quorum_id => Some(q.clone()),
+                            _ => None,
+                        })
+                        .or_else(|| inner.last_quorum.clone().filter(|q| q.id == quorum_id));
+                    match quorum {
+                        Some(quorum) if inner.durable != i64::MAX => self.pend(
+                            inner,
+                            Pending::Abort {
+                                quorum,
+                                replica_id,
+                                reason,
+                            },
+                        ),
+                        _ => self.push_abort(quorum_id, &replica_id, &reason),
+                    }
                 }
                 Action::Dropped { replica_id, reason } => {
                     tracing::info!(replica_id, reason, "replica dropped");
@@ -455,6 +537,7 @@ impl Shared {
     /// Answers every waiting call whose replica is in `q`, all with the same
     /// encoded answer; the others keep waiting (torchft's rule).
     fn issue(&self, inner: &mut Inner, q: Quorum) {
+        inner.last_quorum = Some(q.clone());
         // Every step re-issues the quorum; a new id is the news.
         if self.board.borrow().current == Some(q.id) {
             tracing::debug!(quorum_id = q.id, "quorum issued again");
