@@ -363,3 +363,46 @@ async fn a_lighthouse_restarted_at_its_own_address_leads_at_once() {
     );
     second.stop().await;
 }
+
+/// An abort is saved before its watchers hear of it: a lighthouse that
+/// takes over right after gives the aborted quorum's members a new id, never
+/// the aborted one (the simulator found a takeover re-issuing it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abort_is_saved_and_a_takeover_never_reissues_the_aborted_id() {
+    let etcd = EtcdServer::start().await.unwrap();
+    let ttl = Duration::from_secs(30);
+    let first = start_at(&etcd, "/abort", "127.0.0.1:0".parse().unwrap(), ttl).await;
+    until(first.addr, LIMIT, leads).await;
+    let (mut a, mut b) = (client(first.addr).await, client(first.addr).await);
+    let q = round(&mut a, &mut b).await;
+    // a's process ends: its connection closes, it is dropped, q is aborted.
+    drop(a);
+    let url: StateUrl = format!("etcd://{}/abort", etcd.endpoint).parse().unwrap();
+    let state = Etcd::connect(url, ttl, Duration::from_secs(5))
+        .await
+        .unwrap();
+    let t0 = Instant::now();
+    loop {
+        let saved = state.saved().await.unwrap().expect("a saved state");
+        if saved.aborted {
+            assert_eq!(saved.last_id, q.quorum_id, "the aborted quorum, marked");
+            break;
+        }
+        assert!(t0.elapsed() < LIMIT, "the abort was never saved: {saved:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let at = first.addr;
+    first.kill();
+    drop(b);
+    let second = start_at(&etcd, "/abort", at, ttl).await;
+    until(second.addr, LIMIT, leads).await;
+    let (mut a, mut b) = (client(second.addr).await, client(second.addr).await);
+    let again = round(&mut a, &mut b).await;
+    assert_eq!(
+        again.quorum_id,
+        q.quorum_id + 1,
+        "the same members, back: a new id, not the aborted {}",
+        q.quorum_id
+    );
+    second.stop().await;
+}
