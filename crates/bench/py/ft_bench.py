@@ -11,8 +11,16 @@ replica group, on loopback:
   ours (1 s);
 - ``rally``: ``ProcessGroupRally``, ``RallyTransport`` and ``rally lighthouse``
   at its defaults;
+- ``rally-state``: the same with the lighthouse's state in a real etcd
+  (``--state etcd://``), so a restarted lighthouse re-issues the saved
+  quorum as soon as its members are back instead of waiting its startup
+  grace (figure ``lighthouse``);
 - ``ddp-rally`` / ``ddp-gloo``: plain torch DDP across the replicas, no fault
   tolerance (the floor of the steady state).
+- ``ddp-gloo-local``: the same over gloo with every step under DDP's
+  ``no_sync()`` (no gradient all_reduce): the loop's computation alone, so
+  that ``1 - local / ddp-gloo`` is the share of plain DDP's step spent
+  communicating (steady only).
 
 Sides are interleaved within each repetition; the table gives medians and
 the spread (min-max). Figures:
@@ -136,8 +144,13 @@ class Lighthouse:
     def __init__(self, side: str, b: Bench, workdir, extra=()):
         self.net = b.net
         self.port = free_port()
+        self.etcd = None
         bind = f"{self.net.addr(0)}:{self.port}"
-        if side == "rally":
+        if side == "rally-state":
+            # Its state (the last quorum) in etcd, on the same place.
+            self.etcd = Etcd(b, workdir)
+            extra = ("--state", f"etcd://{self.net.addr(0)}:{self.etcd.port}", *extra)
+        if side.startswith("rally"):
             cmd = [b.rally, "lighthouse", "--bind", bind, "--min_replicas", "1", *extra]
         else:
             hb = "1000" if side == "gloo-tuned" else "5000"
@@ -163,6 +176,35 @@ class Lighthouse:
             self.proc.kill()
             self.proc.wait()
 
+    def close(self):
+        self.stop()
+        if self.etcd is not None:
+            self.etcd.stop()
+
+
+class Etcd:
+    """A real etcd (``/usr/bin/etcd``, as ``.ci/run`` installs it) on a fresh
+    port of place 0, for ``rally lighthouse --state``."""
+
+    def __init__(self, b: Bench, workdir):
+        self.port = free_port()
+        peer = free_port()
+        host = b.net.addr(0)
+        cmd = b.net.prefix(0) + [
+            "etcd", "--data-dir", str(Path(workdir) / "etcd"), "--name", "bench",
+            "--listen-client-urls", f"http://{host}:{self.port}", "--advertise-client-urls", f"http://{host}:{self.port}",
+            "--listen-peer-urls", f"http://{host}:{peer}", "--initial-advertise-peer-urls", f"http://{host}:{peer}",
+            "--initial-cluster", f"bench=http://{host}:{peer}",
+        ]
+        self.log = open(Path(workdir) / "etcd.log", "a")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=self.log)
+        wait_listening(b.net, 0, self.port, self.proc, 20, PY, f"etcd {cmd}", Path(self.log.name).read_text(errors="replace"))
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
 
 class Replica:
     """Replica group ``i`` of ``n`` (one process), on place ``i``."""
@@ -177,7 +219,7 @@ class Replica:
         path = [b.site] + [p for p in os.environ.get("PYTHONPATH", "").split(":") if p]
         e.update(
             REPLICA_GROUP_ID=str(i), NUM_REPLICA_GROUPS=str(n), MASTER_ADDR=b.net.addr(i),
-            FT_SIDE="rally" if side == "rally" else ("gloo" if side.startswith("gloo") else side),
+            FT_SIDE="rally" if side.startswith("rally") else ("gloo" if side.startswith("gloo") else side),
             FT_OUT=str(self.out), PYTHONPATH=":".join(path),
         )
         e["MASTER_PORT"] = str(env.pop("MASTER_PORT", free_port()))
@@ -300,7 +342,7 @@ def fault_figure(side: str, n: int, fault: str, b: Bench, model="small", restart
         finally:
             for r in reps:
                 r.kill()
-            lh.stop()
+            lh.close()
 
 
 def cut_figure(side: str, n: int, b: Bench, model="small"):
@@ -326,7 +368,7 @@ def cut_figure(side: str, n: int, b: Bench, model="small"):
         finally:
             for r in reps:
                 r.kill()
-            lh.stop()
+            lh.close()
             if cut:
                 b.net.heal(n - 1)
 
@@ -359,7 +401,7 @@ def lighthouse_figure(side: str, n: int, b: Bench, model="small"):
         finally:
             for r in reps:
                 r.kill()
-            lh.stop()
+            lh.close()
 
 
 def steady_figure(side: str, n: int, b: Bench, model="10m"):
@@ -385,7 +427,7 @@ def steady_figure(side: str, n: int, b: Bench, model="10m"):
             for r in reps:
                 r.kill()
             if lh:
-                lh.stop()
+                lh.close()
 
 
 def spread(xs):
@@ -465,7 +507,7 @@ def run_sides(results: dict, rep: int, n: int, fig: str, sides: list, b: Bench):
     each repetition."""
     sides = list(sides)
     if fig == "steady":
-        sides = ["ddp-rally", "ddp-gloo"] + [s for s in sides if s != "gloo-tuned"]
+        sides = ["ddp-rally", "ddp-gloo", "ddp-gloo-local"] + [s for s in sides if s != "gloo-tuned"]
     for side in sides if rep % 2 == 0 else reversed(sides):
         try:
             r = one_figure(fig, side, n, b)

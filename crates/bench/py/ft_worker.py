@@ -9,7 +9,9 @@ wrappers, unchanged, with one of two sets of parts (issue 47):
 
 and, for the floor without fault tolerance, plain torch DDP across the
 replicas (``FT_SIDE=ddp-rally`` or ``ddp-gloo``: one process group of
-``NUM_REPLICA_GROUPS`` ranks through replica 0's store).
+``NUM_REPLICA_GROUPS`` ranks through replica 0's store; ``ddp-gloo-local``:
+the same with every step under DDP's ``no_sync()``, no gradient all_reduce,
+so its step is the loop's computation alone).
 
 The same script serves the benchmark (``ft_bench.py``) and the tests across
 test hosts (``crates/rally/tests/run/ft_hosts.rs``): the driver reads what it
@@ -196,8 +198,13 @@ def run_ft(out, side: str) -> None:
 
 
 def run_ddp(out, backend: str) -> None:
-    """The floor: plain torch DDP across the replicas, no fault tolerance."""
+    """The floor: plain torch DDP across the replicas, no fault tolerance
+    (``<backend>-local``: no gradient all_reduce at all)."""
+    import contextlib
+
     import torch.distributed as dist
+
+    backend, _, local = backend.partition("-")
 
     if backend == "rally":
         import rallypoint.torch  # noqa: F401 - registers the backend
@@ -217,7 +224,8 @@ def run_ddp(out, backend: str) -> None:
     while step < limit_steps and time.monotonic() < deadline:
         x, y = next(batches)
         opt.zero_grad()
-        loss_fn(m(x), y).backward()
+        with m.no_sync() if local else contextlib.nullcontext():
+            loss_fn(m(x), y).backward()
         opt.step()
         step += 1
         _log(out, step=step, committed=True)
