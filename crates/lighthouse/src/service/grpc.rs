@@ -28,6 +28,11 @@ use crate::proto;
 /// managers always send one: their `quorum_timeout`, 60 s by default).
 pub const DEFAULT_QUORUM_WAIT: Duration = Duration::from_secs(60);
 
+/// How long a `Heartbeat` waits for a starting lighthouse's first campaign
+/// (`--state`) before it is refused; a `Quorum` call waits within its own
+/// deadline.
+const SETTLE_WAIT: Duration = Duration::from_secs(2);
+
 /// Longest replica id accepted, in bytes (torchft's are `name:uuid4`).
 pub const MAX_REPLICA_ID: usize = 1024;
 
@@ -68,6 +73,7 @@ impl proto::LighthouseService for Grpc {
         let conn = conn(&req)?;
         let replica_id = req.into_inner().replica_id;
         check_replica_id(&replica_id)?;
+        self.shared.settled(SETTLE_WAIT).await;
         self.shared
             .heartbeat(conn.session, replica_id.clone())
             .map_err(refused)?;
@@ -111,6 +117,9 @@ async fn join_and_wait(
     check_replica_id(&requester.replica_id)?;
     let member = wire::member(requester);
     let replica_id = member.replica_id.clone();
+    let started = tokio::time::Instant::now();
+    shared.settled(wait).await;
+    let wait = wait.saturating_sub(started.elapsed());
     let mut waiting = shared.join(conn.session, member).map_err(refused)?;
     match tokio::time::timeout(wait, &mut waiting.rx).await {
         Ok(Ok(Ok(issued))) => Ok(issued),

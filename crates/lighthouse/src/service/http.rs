@@ -191,6 +191,7 @@ fn status_json(shared: &Shared) -> String {
         .collect();
     let (role, leader, lost) = match shared.role() {
         Role::Leader { .. } => ("leader", None, None),
+        Role::Starting { campaign } => ("starting", Some(campaign), None),
         Role::Standby { leader } => ("standby", Some(leader), None),
         Role::Lost { why } => ("lost", None, Some(why)),
     };

@@ -103,6 +103,12 @@ pub enum Refused {
 pub enum Role {
     /// It leads: under this etcd lease (0 without `--state`).
     Leader { lease: i64 },
+    /// Its first campaign has not ended (`--state`): calls wait for it
+    /// ([`Shared::settled`]) rather than being refused, so that a manager
+    /// reaching a lighthouse restarted in place does not take a refusal
+    /// (torchft's then replaces its client, and the closed connection drops
+    /// it from the quorum).
+    Starting { campaign: String },
     /// Another lighthouse leads.
     Standby { leader: String },
     /// It led and lost its lease: it serves no more.
@@ -153,6 +159,9 @@ impl Inner {
     fn not_serving(&self) -> Option<Refused> {
         match &self.role {
             Role::Leader { .. } => None,
+            Role::Starting { campaign } => Some(Refused::Unavailable(format!(
+                "this lighthouse is starting: {campaign}"
+            ))),
             Role::Standby { leader } => Some(Refused::Unavailable(format!(
                 "this lighthouse stands by: {leader} leads; it takes over when that one's etcd lease expires"
             ))),
@@ -174,6 +183,8 @@ pub struct Shared {
     heals: Mutex<Heals>,
     /// Wakes the lead task: a quorum awaits its save.
     save_wake: Notify,
+    /// Past the first campaign (see [`Role::Starting`]).
+    settled: watch::Sender<bool>,
 }
 
 /// A `Quorum` call's place in line; leaving it (drop) removes the waiter.
@@ -211,13 +222,15 @@ impl Drop for Waiting {
 }
 
 impl Shared {
-    /// A service that serves at once (no `--state`), or, with `standby`,
-    /// one that refuses every call until [`Shared::lead`].
-    pub fn new(machine: Lighthouse, standby: Option<String>) -> Arc<Shared> {
-        let role = match standby {
-            Some(leader) => Role::Standby { leader },
+    /// A service that serves at once (no `--state`), or, with `campaign`
+    /// (what it is doing), one that is starting: calls wait until its
+    /// first campaign ends ([`Shared::lead`] or [`Shared::stand_by`]).
+    pub fn new(machine: Lighthouse, campaign: Option<String>) -> Arc<Shared> {
+        let role = match campaign {
+            Some(campaign) => Role::Starting { campaign },
             None => Role::Leader { lease: 0 },
         };
+        let settled = watch::Sender::new(!matches!(role, Role::Starting { .. }));
         Arc::new(Shared {
             inner: Mutex::new(Inner {
                 machine,
@@ -234,7 +247,21 @@ impl Shared {
             counters: Counters::default(),
             heals: Mutex::new(Heals::default()),
             save_wake: Notify::new(),
+            settled,
         })
+    }
+
+    /// Waits, at most `limit`, until this lighthouse is past its first
+    /// campaign (it leads or stands by); at once without `--state`.
+    pub async fn settled(&self, limit: Duration) {
+        let mut rx = self.settled.subscribe();
+        let _ = tokio::time::timeout(limit, rx.wait_for(|s| *s)).await;
+    }
+
+    /// Sets the role, and wakes the calls waiting for the first campaign.
+    fn set_role(&self, inner: &mut Inner, role: Role) {
+        inner.role = role;
+        self.settled.send_replace(true);
     }
 
     /// A `Quorum` request: the replica joins and waits for a quorum that
@@ -343,7 +370,8 @@ impl Shared {
 
     /// Another lighthouse leads (its etcd key names it).
     pub fn stand_by(&self, leader: String) {
-        self.inner.locked().role = Role::Standby { leader };
+        let mut inner = self.inner.locked();
+        self.set_role(&mut inner, Role::Standby { leader });
     }
 
     /// This lighthouse leads under `lease`, going on from what its
@@ -364,7 +392,7 @@ impl Shared {
             log_refusals(refusals);
         }
         inner.durable = inner.machine.status(Instant::now()).quorum_id;
-        inner.role = Role::Leader { lease };
+        self.set_role(&mut inner, Role::Leader { lease });
         inner.durable
     }
 
@@ -427,9 +455,12 @@ impl Shared {
     /// ends refused, and every request from now on is.
     pub fn lost(&self, why: &str) {
         let mut inner = self.inner.locked();
-        inner.role = Role::Lost {
-            why: why.to_owned(),
-        };
+        self.set_role(
+            &mut inner,
+            Role::Lost {
+                why: why.to_owned(),
+            },
+        );
         inner.pending.clear();
         let refused = inner
             .not_serving()
@@ -617,4 +648,45 @@ fn log_refusals(refusals: Vec<Refusal>) {
 
 fn earliest(a: Instant, b: Option<Instant>) -> Instant {
     b.map_or(a, |b| a.min(b))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quorum::Knobs;
+
+    /// A lighthouse with `--state` that is still in its first campaign holds
+    /// calls (they would be refused with UNAVAILABLE, and torchft's manager
+    /// replaces its client on a refusal, dropping itself from the quorum);
+    /// they go on the moment it leads.
+    #[tokio::test]
+    async fn calls_wait_for_the_first_campaign_then_go_on() {
+        let shared = Shared::new(
+            Lighthouse::new(Knobs::ours(1), 0),
+            Some("campaigning at etcd://x".into()),
+        );
+        assert!(matches!(
+            shared.heartbeat(1, "a".into()),
+            Err(Refused::Unavailable(why)) if why.contains("starting")
+        ));
+        let waiting = tokio::spawn({
+            let shared = shared.clone();
+            async move { shared.settled(Duration::from_secs(60)).await }
+        });
+        tokio::task::yield_now().await;
+        assert!(!waiting.is_finished(), "it waits while the campaign runs");
+        shared.lead(1, None);
+        tokio::time::timeout(Duration::from_secs(10), waiting)
+            .await
+            .expect("woken when it leads")
+            .unwrap();
+        assert!(shared.heartbeat(1, "a".into()).is_ok());
+        // Settled: at once from now on.
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            shared.settled(Duration::from_secs(60)),
+        )
+        .await
+        .expect("at once");
+    }
 }
