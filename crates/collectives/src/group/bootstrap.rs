@@ -38,6 +38,52 @@ pub(super) fn check_args(rank: usize, size: usize, opts: &Options) -> Result<()>
     Ok(())
 }
 
+/// What forming a group or a generation starts with: its arguments
+/// checked, the store under the group's prefix, and a listener on the
+/// address peers will reach (`opts.advertise`, else [`default_ip`]).
+pub(super) async fn set_up(
+    store: Arc<dyn Store>,
+    rank: usize,
+    size: usize,
+    opts: &Options,
+) -> Result<(Arc<dyn Store>, TcpListener)> {
+    check_args(rank, size, opts)?;
+    let name = &opts.prefix;
+    let store: Arc<dyn Store> = Arc::new(PrefixStore::new(
+        format!("rallypoint/collectives/{name}"),
+        store,
+    ));
+    let ip = opts.advertise.unwrap_or_else(default_ip);
+    let listener = TcpListener::bind((ip, 0))
+        .await
+        .map_err(|e| setup_err(name.clone())(format!("listening on {ip}: {e}")))?;
+    Ok((store, listener))
+}
+
+/// A transport's settings: `rank` of `world`, the instance's `nonce`, and
+/// the rest from `opts`.
+pub(super) fn transport_config(
+    opts: &Options,
+    name: String,
+    rank: usize,
+    world: usize,
+    nonce: u64,
+) -> Config {
+    Config {
+        name,
+        rank,
+        world,
+        nonce,
+        layout: opts.layout_hash(),
+        streams: opts.streams_per_peer.max(1),
+        probe_after: opts.probe_after,
+        handshake_timeout: opts.handshake_timeout,
+        peer_timeout: opts.peer_timeout,
+        segment_bytes: opts.segment_bytes,
+        receive_window: opts.receive_window as u64,
+    }
+}
+
 /// The local address on the route to `host`.
 pub fn route_ip(host: &str) -> Option<IpAddr> {
     let to = (host, 9).to_socket_addrs().ok()?.next()?;
@@ -74,17 +120,9 @@ impl ProcessGroup {
         size: usize,
         opts: Options,
     ) -> Result<ProcessGroup> {
-        check_args(rank, size, &opts)?;
+        let (store, listener) = set_up(store, rank, size, &opts).await?;
         let name = opts.prefix.clone();
         let err = setup_err(name.clone());
-        let store: Arc<dyn Store> = Arc::new(PrefixStore::new(
-            format!("rallypoint/collectives/{name}"),
-            store,
-        ));
-        let ip = opts.advertise.unwrap_or_else(default_ip);
-        let listener = TcpListener::bind((ip, 0))
-            .await
-            .map_err(|e| err(format!("listening on {ip}: {e}")))?;
         let addr = listener.local_addr().map_err(|e| err(e.to_string()))?;
         let store_err = |what: &str, e: rallypoint_store::StoreError| err(format!("{what}: {e}"));
 
@@ -128,19 +166,7 @@ impl ProcessGroup {
                 String::from_utf8_lossy(&now)
             )));
         }
-        let cfg = Config {
-            name: name.clone(),
-            rank,
-            world: size,
-            nonce,
-            layout: opts.layout_hash(),
-            streams: opts.streams_per_peer.max(1),
-            probe_after: opts.probe_after,
-            handshake_timeout: opts.handshake_timeout,
-            peer_timeout: opts.peer_timeout,
-            segment_bytes: opts.segment_bytes,
-            receive_window: opts.receive_window as u64,
-        };
+        let cfg = transport_config(&opts, name.clone(), rank, size, nonce);
         let t = Transport::start(cfg, store, listener).map_err(|e| err(e.to_string()))?;
         let members = Members {
             name,

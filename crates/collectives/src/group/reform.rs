@@ -26,10 +26,9 @@
 
 use std::sync::Arc;
 
-use rallypoint_store::{PrefixStore, Store, StoreError};
-use tokio::net::TcpListener;
+use rallypoint_store::{Store, StoreError};
 
-use super::bootstrap::{check_args, default_ip, setup_err};
+use super::bootstrap::{set_up, setup_err, transport_config};
 use super::lineage::{decide, Entry, Held, MAX_GONE};
 use super::ProcessGroup;
 use crate::error::Result;
@@ -37,7 +36,7 @@ use crate::hash::{fnv1a, stable_hash};
 use crate::op::Comm;
 use crate::options::Options;
 use crate::plan;
-use crate::transport::{Config, Members, Transport};
+use crate::transport::{Members, Transport};
 
 /// The world of a transport a lineage's generations share: every link id
 /// (32 bits, drawn at random) is below it, and the hello says it, so that
@@ -74,17 +73,9 @@ impl ProcessGroup {
         size: usize,
         opts: Options,
     ) -> Result<ProcessGroup> {
-        check_args(rank, size, &opts)?;
+        let (store, spare) = set_up(store, rank, size, &opts).await?;
         let name = opts.prefix.clone();
         let err = setup_err(name.clone());
-        let store: Arc<dyn Store> = Arc::new(PrefixStore::new(
-            format!("rallypoint/collectives/{name}"),
-            store,
-        ));
-        let ip = opts.advertise.unwrap_or_else(default_ip);
-        let spare = TcpListener::bind((ip, 0))
-            .await
-            .map_err(|e| err(format!("listening on {ip}: {e}")))?;
         let prev = prev
             .map(|p| p.comm.t.clone())
             .filter(|t| t.shared.cfg.world == LINK_SPACE && !t.shared.is_dead());
@@ -115,19 +106,8 @@ impl ProcessGroup {
                 t
             }
             None => {
-                let cfg = Config {
-                    name: d.name.clone(),
-                    rank: me.link as usize,
-                    world: LINK_SPACE,
-                    nonce: d.nonce,
-                    layout: opts.layout_hash(),
-                    streams: opts.streams_per_peer.max(1),
-                    probe_after: opts.probe_after,
-                    handshake_timeout: opts.handshake_timeout,
-                    peer_timeout: opts.peer_timeout,
-                    segment_bytes: opts.segment_bytes,
-                    receive_window: opts.receive_window as u64,
-                };
+                let cfg =
+                    transport_config(&opts, d.name.clone(), me.link as usize, LINK_SPACE, d.nonce);
                 Arc::new(Transport::start(cfg, store, spare).map_err(|e| err(e.to_string()))?)
             }
         };
