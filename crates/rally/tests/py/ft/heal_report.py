@@ -19,14 +19,13 @@ Rust test then reads ``/status`` and ``/metrics``.
 """
 
 import os
-import select
-import subprocess
 import sys
 import tempfile
 import time
 from datetime import timedelta
 
 import torch
+from transport_common import Replica
 
 TOGETHER = 3
 LIMIT = 120.0
@@ -98,44 +97,6 @@ def replica(rid: int, out: str) -> None:
     pg.shutdown()
 
 
-class Replica:
-    def __init__(self, rid: int, out: str) -> None:
-        self.rid = rid
-        self.log = os.path.join(out, f"r{rid}.log")
-        self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "replica", str(rid), out],
-            stdout=subprocess.PIPE,
-            stderr=open(self.log, "w"),
-            text=True,
-        )
-        self.lines = []
-
-    def until(self, prefix: str, deadline: float) -> str:
-        """Reads stdout until a line starting with ``prefix`` (or the deadline)."""
-        while True:
-            left = deadline - time.monotonic()
-            ready, _, _ = select.select([self.proc.stdout], [], [], max(left, 0))
-            if not ready:
-                raise TimeoutError(f"replica {self.rid} printed no {prefix!r} within {LIMIT}s; log:\n{self.tail()}")
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"replica {self.rid} ended before {prefix!r}; log:\n{self.tail()}")
-            self.lines.append(line.strip())
-            if line.startswith(prefix):
-                return line.strip()
-
-    def finish(self, deadline: float) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line.strip())
-        code = self.proc.wait(max(deadline - time.monotonic(), 0))
-        assert code == 0, f"replica {self.rid} exited {code}; log:\n{self.tail()}"
-
-    def tail(self) -> str:
-        return "".join(open(self.log).readlines()[-40:])
-
-    def value(self, prefix: str) -> str:
-        return next(l for l in self.lines if l.startswith(prefix)).split()[1]
-
 
 def torchfts_lighthouse_is_logged_once() -> None:
     """torchft's own lighthouse has no heal endpoint: the first report is
@@ -167,10 +128,10 @@ def main() -> None:
     torchfts_lighthouse_is_logged_once()
     deadline = time.monotonic() + LIMIT
     with tempfile.TemporaryDirectory() as out:
-        r0 = Replica(0, out)
+        r0 = Replica(__file__, 0, [out], out)
         try:
             r0.until("COMMITTED 2 ", deadline)
-            r1 = Replica(1, out)
+            r1 = Replica(__file__, 1, [out], out)
             try:
                 healed = int(r1.until("HEALED", deadline).split()[1])
                 r1.finish(deadline)

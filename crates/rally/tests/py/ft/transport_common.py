@@ -3,8 +3,11 @@ Manager sends (model, AdamW state, non-tensor leaves, several dtypes), a
 bitwise comparison, and a scripted fake source for malformed streams."""
 
 import json
+import os
+import select
 import socket
 import threading
+import time
 
 import torch
 from torch.utils._pytree import keystr, tree_flatten_with_path
@@ -136,3 +139,48 @@ def drain(conn: socket.socket) -> None:
     while conn.recv(1 << 16):
         pass
 
+
+class Replica:
+    """Replica ``rid``: ``script replica <rid> <args...>`` in its own process,
+    its stdout read line by line (the scripts print ``KEY value`` lines), its
+    stderr in ``<out>/r<rid>.log``."""
+
+    def __init__(self, script: str, rid: int, args: list, out: str) -> None:
+        import subprocess
+        import sys
+
+        self.rid = rid
+        self.log = os.path.join(out, f"r{rid}.log")
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(script), "replica", str(rid), *args],
+            stdout=subprocess.PIPE,
+            stderr=open(self.log, "w"),
+            text=True,
+        )
+        self.lines = []
+
+    def until(self, prefix: str, deadline: float) -> str:
+        """Reads stdout until a line starting with ``prefix`` (or the deadline)."""
+        while True:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(left, 0))
+            if not ready:
+                raise TimeoutError(f"replica {self.rid} printed no {prefix!r} by the deadline; log:\n{self.tail()}")
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"replica {self.rid} ended before {prefix!r}; log:\n{self.tail()}")
+            self.lines.append(line.strip())
+            if line.startswith(prefix):
+                return line.strip()
+
+    def finish(self, deadline: float) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.strip())
+        code = self.proc.wait(max(deadline - time.monotonic(), 0))
+        assert code == 0, f"replica {self.rid} exited {code}; log:\n{self.tail()}"
+
+    def tail(self) -> str:
+        return "".join(open(self.log).readlines()[-40:])
+
+    def value(self, prefix: str) -> str:
+        return next(l for l in self.lines if l.startswith(prefix)).split()[1]
