@@ -8,3 +8,4 @@
 //! | one group rank's view of an issued quorum, pure | `results` |
 
 pub mod results;
+pub mod wire;
