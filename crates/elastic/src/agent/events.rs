@@ -107,6 +107,13 @@ pub enum AgentEvent {
         state: &'static str,
         exit_code: i32,
     },
+    /// An event of the program that embeds the agent (`rally run --ft`'s
+    /// quorum, joins, drops, heals), sent through the same sinks: its
+    /// `area.what` name and its fields (a JSON object).
+    Embedder {
+        name: &'static str,
+        fields: Value,
+    },
 }
 
 impl AgentEvent {
@@ -131,6 +138,7 @@ impl AgentEvent {
             AgentEvent::HostLingering { .. } => "host.lingering",
             AgentEvent::CleanupFailed { .. } => "agent.cleanup_failed",
             AgentEvent::Finished { .. } => "agent.finished",
+            AgentEvent::Embedder { name, .. } => name,
         }
     }
 
@@ -222,6 +230,10 @@ impl AgentEvent {
             AgentEvent::Finished { state, exit_code } => {
                 json!({ "state": state, "exit_code": exit_code })
             }
+            AgentEvent::Embedder { fields, .. } => match fields {
+                Value::Object(_) => fields.clone(),
+                other => json!({ "value": other }),
+            },
         };
         if let Value::Object(m) = &mut v {
             m.insert("event".into(), self.name().into());
@@ -238,6 +250,25 @@ impl AgentEvent {
 mod tests {
     use super::*;
     use crate::agent::run_store::FailureRecord;
+
+    #[test]
+    fn an_embedders_event_carries_its_name_and_fields() {
+        let e = AgentEvent::Embedder {
+            name: "ft.quorum",
+            fields: json!({ "quorum_id": 3, "members": ["0", "1"] }),
+        };
+        let v = e.to_json();
+        assert_eq!(v["event"], "ft.quorum");
+        assert_eq!(v["quorum_id"], 3);
+        assert_eq!(v["members"][1], "1");
+        assert!(v["time"].as_f64().unwrap() > 0.0);
+        let odd = AgentEvent::Embedder {
+            name: "x.y",
+            fields: json!(5),
+        }
+        .to_json();
+        assert_eq!(odd["value"], 5);
+    }
 
     #[test]
     fn a_worker_failure_event_keeps_the_time_the_worker_failed() {

@@ -4,6 +4,10 @@
 //!
 //! The server is a few lines on tokio: one request per connection, answered from
 //! the latest snapshot the agent published on its `watch` channel.
+//!
+//! A program embedding the agent can add its own [`Section`]s (`rally run
+//! --ft` adds its replica group's quorum): each is one more key of the JSON
+//! object and more lines of the Prometheus text, read when a request comes.
 
 use std::net::SocketAddr;
 
@@ -149,11 +153,32 @@ fn esc(s: &str) -> String {
         .replace('\n', "\\n")
 }
 
+/// More status beside the agent's, from the program that embeds it.
+pub trait Section: Send + Sync {
+    /// Its key in the `/status` JSON object.
+    fn name(&self) -> &str;
+    /// Its value in the `/status` JSON object, as of now.
+    fn to_json(&self) -> Value;
+    /// Its lines of the `/metrics` Prometheus text, as of now (each metric
+    /// with its `# HELP` and `# TYPE` lines).
+    fn to_prometheus(&self) -> String;
+}
+
 /// Serves `status` on `addr` until the runtime ends. Returns the bound address.
 pub async fn serve(
     addr: SocketAddr,
     status: tokio::sync::watch::Receiver<Status>,
 ) -> std::io::Result<SocketAddr> {
+    serve_with(addr, status, Vec::new()).await
+}
+
+/// [`serve`], with `sections` added to both endpoints.
+pub async fn serve_with(
+    addr: SocketAddr,
+    status: tokio::sync::watch::Receiver<Status>,
+    sections: Vec<std::sync::Arc<dyn Section>>,
+) -> std::io::Result<SocketAddr> {
+    let sections = std::sync::Arc::new(sections);
     let listener = TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
     tokio::spawn(async move {
@@ -162,6 +187,7 @@ pub async fn serve(
                 continue;
             };
             let status = status.clone();
+            let sections = sections.clone();
             tokio::spawn(async move {
                 // Up to the end of the headers: a client may send the request
                 // line in several writes, and answering (then closing) early
@@ -187,13 +213,19 @@ pub async fn serve(
                 let snapshot = status.borrow().clone();
                 let (code, kind, body) = match path {
                     "/" | "/status" => {
-                        ("200 OK", "application/json", snapshot.to_json().to_string())
+                        let mut v = snapshot.to_json();
+                        for s in sections.iter() {
+                            v[s.name()] = s.to_json();
+                        }
+                        ("200 OK", "application/json", v.to_string())
                     }
-                    "/metrics" => (
-                        "200 OK",
-                        "text/plain; version=0.0.4",
-                        snapshot.to_prometheus(),
-                    ),
+                    "/metrics" => {
+                        let mut text = snapshot.to_prometheus();
+                        for s in sections.iter() {
+                            text.push_str(&s.to_prometheus());
+                        }
+                        ("200 OK", "text/plain; version=0.0.4", text)
+                    }
                     _ => (
                         "404 Not Found",
                         "text/plain",
@@ -210,4 +242,49 @@ pub async fn serve(
         }
     });
     Ok(bound)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    struct Quorum;
+
+    impl Section for Quorum {
+        fn name(&self) -> &str {
+            "ft"
+        }
+        fn to_json(&self) -> Value {
+            json!({ "quorum_id": 7 })
+        }
+        fn to_prometheus(&self) -> String {
+            "# HELP rally_ft_quorum_id q\n# TYPE rally_ft_quorum_id gauge\nrally_ft_quorum_id 7\n"
+                .into()
+        }
+    }
+
+    async fn get(addr: SocketAddr, path: &str) -> String {
+        let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+        c.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
+            .await
+            .unwrap();
+        let mut out = String::new();
+        c.read_to_string(&mut out).await.unwrap();
+        out.split_once("\r\n\r\n").unwrap().1.to_owned()
+    }
+
+    #[tokio::test]
+    async fn sections_are_served_beside_the_agents_status() {
+        let (_tx, rx) = tokio::sync::watch::channel(Status::new("job", "trainer", 3));
+        let addr = serve_with("127.0.0.1:0".parse().unwrap(), rx, vec![Arc::new(Quorum)])
+            .await
+            .unwrap();
+        let status: Value = serde_json::from_str(&get(addr, "/status").await).unwrap();
+        assert_eq!(status["run_id"], "job");
+        assert_eq!(status["ft"]["quorum_id"], 7);
+        let metrics = get(addr, "/metrics").await;
+        assert!(metrics.contains("rally_max_restarts{"), "{metrics}");
+        assert!(metrics.ends_with("rally_ft_quorum_id 7\n"), "{metrics}");
+    }
 }
