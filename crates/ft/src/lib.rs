@@ -9,3 +9,4 @@
 
 pub mod results;
 pub mod wire;
+pub mod round;

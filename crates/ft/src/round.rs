@@ -1,0 +1,433 @@
+//! The round of one replica group, as a state machine: events in, actions
+//! out. No I/O and no clock: the server feeds [`Round::handle`] what
+//! happened with the time it happened, carries out the [`Action`]s, and
+//! sends a [`Event::Tick`] at [`Round::next_deadline`].
+//!
+//! * **Hello**: a connection claims a group rank. It is refused if the
+//!   rank is out of range, held by a live connection, or the world size it
+//!   names is not the manager's. The first accepted hello while the
+//!   lighthouse connection is down asks for one ([`Action::Connect`]).
+//! * **Quorum**: each rank's call waits; when all W ranks have called (and
+//!   no lighthouse call is in flight), one lighthouse call is made
+//!   ([`Action::CallLighthouse`]) for the group: the max of the steps, any
+//!   `shrink_only`, the max of the commit failures, the ranks' metadata in
+//!   `data`. Its answer gives each waiting rank its own result
+//!   ([`crate::results::compute`]); its failure fails them. A call's
+//!   answer that comes after the round was stopped is ignored (calls are
+//!   numbered).
+//! * **should_commit**: a barrier of the W ranks for one step; the
+//!   decision is the AND of the votes. Votes for different steps fail
+//!   every voter, naming the steps.
+//! * **Deadlines**: a quorum call past its deadline fails naming what it
+//!   waited for: the group ranks that never called, or the lighthouse and
+//!   its address; a vote past its deadline fails naming the ranks that
+//!   never voted.
+//! * **Stop**: a rank whose connection ended ([`Event::RankGone`]) or the
+//!   agent's [`Event::WorkersStopped`] fails every waiting call with the
+//!   reason and drops the lighthouse connection at once
+//!   ([`Action::DropConnection`]), so the lighthouse drops this group from
+//!   the quorum and tells the survivors; the next hello reconnects.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use rallypoint_lighthouse::proto::{Quorum, QuorumMember};
+
+use crate::results::{self, QuorumResult};
+
+/// A group rank (0..W).
+pub type Rank = usize;
+
+/// What the round needs to know of its manager.
+#[derive(Clone, Debug)]
+pub struct Setup {
+    pub replica_id: String,
+    /// The manager's `host:port` (its `QuorumMember.address`).
+    pub address: String,
+    /// The manager's store `host:port`.
+    pub store_address: String,
+    /// The lighthouse's address, for errors.
+    pub lighthouse: String,
+    /// W, the group's number of ranks.
+    pub world_size: usize,
+}
+
+/// One rank's `quorum` call.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QuorumCall {
+    pub step: i64,
+    pub metadata: String,
+    pub shrink_only: bool,
+    pub init_sync: bool,
+    pub commit_failures: i64,
+    pub timeout: Duration,
+}
+
+/// What happened.
+#[derive(Clone, Debug)]
+pub enum Event {
+    /// A connection's `hello`.
+    Hello { rank: u64, world_size: u64 },
+    /// The connection of a rank that said hello ended.
+    RankGone { rank: Rank },
+    /// A rank's `quorum` call, made at `now`.
+    Quorum {
+        rank: Rank,
+        call: QuorumCall,
+        now: Instant,
+    },
+    /// The lighthouse answered call number `call`.
+    LighthouseAnswered { call: u64, quorum: Quorum },
+    /// Lighthouse call number `call` failed (after its retries).
+    LighthouseFailed { call: u64, error: String },
+    /// A rank's `should_commit` vote, made at `now`.
+    Vote {
+        rank: Rank,
+        step: i64,
+        vote: bool,
+        timeout: Duration,
+        now: Instant,
+    },
+    /// Time passed.
+    Tick { now: Instant },
+    /// The agent says the group's workers stopped.
+    WorkersStopped { reason: String },
+    /// The group's number of ranks changed (for the next hellos).
+    SetWorldSize(usize),
+}
+
+/// What to do.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Action {
+    /// Accept the hello.
+    Welcome { rank: Rank },
+    /// Refuse the hello with this error.
+    HelloRefused { error: String },
+    /// (Re)connect to the lighthouse and heartbeat.
+    Connect,
+    /// Ask the lighthouse for a quorum with this member, until `deadline`.
+    CallLighthouse {
+        call: u64,
+        member: QuorumMember,
+        deadline: Instant,
+    },
+    /// Answer rank's `quorum` call.
+    AnswerQuorum { rank: Rank, result: QuorumResult },
+    /// Answer rank's `should_commit` call.
+    AnswerCommit { rank: Rank, commit: bool },
+    /// Fail rank's waiting call with this error.
+    Fail { rank: Rank, error: String },
+    /// Close the lighthouse connection at once and stop heartbeating.
+    DropConnection { reason: String },
+}
+
+#[derive(Clone, Debug)]
+struct Waiting {
+    call: QuorumCall,
+    deadline: Instant,
+}
+
+#[derive(Clone, Debug)]
+struct Ballot {
+    step: i64,
+    vote: bool,
+    timeout: Duration,
+    deadline: Instant,
+}
+
+#[derive(Clone, Debug)]
+struct InFlight {
+    id: u64,
+    ranks: BTreeSet<Rank>,
+}
+
+/// The round's state.
+#[derive(Debug)]
+pub struct Round {
+    setup: Setup,
+    held: BTreeSet<Rank>,
+    connected: bool,
+    waiting: BTreeMap<Rank, Waiting>,
+    in_flight: Option<InFlight>,
+    calls: u64,
+    ballots: BTreeMap<Rank, Ballot>,
+}
+
+impl Round {
+    /// A round with no rank and no lighthouse connection.
+    pub fn new(setup: Setup) -> Round {
+        Round {
+            setup,
+            held: BTreeSet::new(),
+            connected: false,
+            waiting: BTreeMap::new(),
+            in_flight: None,
+            calls: 0,
+            ballots: BTreeMap::new(),
+        }
+    }
+
+    /// The setup (with the current world size).
+    pub fn setup(&self) -> &Setup {
+        &self.setup
+    }
+
+    /// When the next [`Event::Tick`] is due, if any call waits.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        let q = self.waiting.values().map(|w| w.deadline);
+        let v = self.ballots.values().map(|b| b.deadline);
+        q.chain(v).min()
+    }
+
+    /// Handles one event; the actions to carry out, in order.
+    pub fn handle(&mut self, event: Event) -> Vec<Action> {
+        let mut out = Vec::new();
+        match event {
+            Event::Hello { rank, world_size } => self.hello(rank, world_size, &mut out),
+            Event::RankGone { rank } => {
+                if self.held.remove(&rank) {
+                    let why = format!("group rank {rank}'s connection to the manager ended");
+                    self.stop(&why, &mut out);
+                }
+            }
+            Event::Quorum { rank, call, now } => self.quorum(rank, call, now, &mut out),
+            Event::LighthouseAnswered { call, quorum } => {
+                if let Some(f) = self.take_in_flight(call) {
+                    for rank in f.ranks {
+                        if let Some(w) = self.waiting.remove(&rank) {
+                            out.push(self.result(rank, &w, &quorum));
+                        }
+                    }
+                }
+            }
+            Event::LighthouseFailed { call, error } => {
+                if let Some(f) = self.take_in_flight(call) {
+                    for rank in f.ranks {
+                        if self.waiting.remove(&rank).is_some() {
+                            let error = error.clone();
+                            out.push(Action::Fail { rank, error });
+                        }
+                    }
+                }
+            }
+            Event::Vote {
+                rank,
+                step,
+                vote,
+                timeout,
+                now,
+            } => self.vote(rank, step, vote, timeout, now, &mut out),
+            Event::Tick { now } => self.tick(now, &mut out),
+            Event::WorkersStopped { reason } => self.stop(&reason, &mut out),
+            Event::SetWorldSize(n) => self.setup.world_size = n,
+        }
+        out
+    }
+
+    fn hello(&mut self, rank: u64, world_size: u64, out: &mut Vec<Action>) {
+        let w = self.setup.world_size;
+        let error = if world_size != w as u64 {
+            format!(
+                "this replica group has {w} ranks; the hello names group_world_size {world_size}"
+            )
+        } else if rank >= w as u64 {
+            format!("group rank {rank} is out of range: this replica group has {w} ranks")
+        } else if self.held.contains(&(rank as Rank)) {
+            format!("group rank {rank} is already held by a live connection to this manager")
+        } else {
+            self.held.insert(rank as Rank);
+            out.push(Action::Welcome { rank: rank as Rank });
+            if !self.connected {
+                self.connected = true;
+                out.push(Action::Connect);
+            }
+            return;
+        };
+        out.push(Action::HelloRefused { error });
+    }
+
+    fn quorum(&mut self, rank: Rank, call: QuorumCall, now: Instant, out: &mut Vec<Action>) {
+        if let Some(error) = self.refuse_call(rank, self.waiting.contains_key(&rank), "quorum") {
+            out.push(Action::Fail { rank, error });
+            return;
+        }
+        let deadline = now + call.timeout;
+        self.waiting.insert(rank, Waiting { call, deadline });
+        if self.in_flight.is_some() || self.waiting.len() < self.setup.world_size {
+            return;
+        }
+        let member = self.member();
+        let deadline = self.waiting.values().map(|w| w.deadline).min();
+        let deadline = deadline.expect("W > 0 calls wait");
+        self.calls += 1;
+        self.in_flight = Some(InFlight {
+            id: self.calls,
+            ranks: self.waiting.keys().copied().collect(),
+        });
+        if !self.connected {
+            self.connected = true;
+            out.push(Action::Connect);
+        }
+        out.push(Action::CallLighthouse {
+            call: self.calls,
+            member,
+            deadline,
+        });
+    }
+
+    /// Why a rank's call is refused: it never said hello, or it already
+    /// has a call of this kind waiting.
+    fn refuse_call(&self, rank: Rank, busy: bool, op: &str) -> Option<String> {
+        if !self.held.contains(&rank) {
+            Some(format!("group rank {rank} called {op} without a hello"))
+        } else if busy {
+            Some(format!("group rank {rank} already has a {op} call waiting"))
+        } else {
+            None
+        }
+    }
+
+    /// The group's member for the lighthouse, from every waiting call.
+    fn member(&self) -> QuorumMember {
+        let calls = || self.waiting.values().map(|w| &w.call);
+        let metadata: Vec<String> = calls().map(|c| c.metadata.clone()).collect();
+        QuorumMember {
+            replica_id: self.setup.replica_id.clone(),
+            address: self.setup.address.clone(),
+            store_address: self.setup.store_address.clone(),
+            step: calls().map(|c| c.step).max().unwrap_or(0),
+            world_size: self.setup.world_size as u64,
+            shrink_only: calls().any(|c| c.shrink_only),
+            commit_failures: calls().map(|c| c.commit_failures).max().unwrap_or(0),
+            data: results::member_data(&metadata),
+        }
+    }
+
+    fn take_in_flight(&mut self, call: u64) -> Option<InFlight> {
+        match &self.in_flight {
+            Some(f) if f.id == call => self.in_flight.take(),
+            _ => None,
+        }
+    }
+
+    fn result(&self, rank: Rank, w: &Waiting, quorum: &Quorum) -> Action {
+        let id = &self.setup.replica_id;
+        match results::compute(id, rank, quorum, w.call.init_sync) {
+            Ok(result) => Action::AnswerQuorum { rank, result },
+            Err(e) => Action::Fail {
+                rank,
+                error: format!("the lighthouse's quorum {}: {e}", quorum.quorum_id),
+            },
+        }
+    }
+
+    fn vote(
+        &mut self,
+        rank: Rank,
+        step: i64,
+        vote: bool,
+        timeout: Duration,
+        now: Instant,
+        out: &mut Vec<Action>,
+    ) {
+        let busy = self.ballots.contains_key(&rank);
+        if let Some(error) = self.refuse_call(rank, busy, "should_commit") {
+            out.push(Action::Fail { rank, error });
+            return;
+        }
+        let deadline = now + timeout;
+        let b = Ballot {
+            step,
+            vote,
+            timeout,
+            deadline,
+        };
+        self.ballots.insert(rank, b);
+        if self.ballots.len() < self.setup.world_size {
+            return;
+        }
+        let ballots = std::mem::take(&mut self.ballots);
+        let steps: BTreeSet<i64> = ballots.values().map(|b| b.step).collect();
+        let commit = ballots.values().all(|b| b.vote);
+        for (&rank, _) in ballots.iter() {
+            if steps.len() == 1 {
+                out.push(Action::AnswerCommit { rank, commit });
+            } else {
+                let by_rank: Vec<(Rank, i64)> = ballots.iter().map(|(&r, b)| (r, b.step)).collect();
+                let error =
+                    format!("should_commit: the group ranks voted on different steps (rank, step): {by_rank:?}");
+                out.push(Action::Fail { rank, error });
+            }
+        }
+    }
+
+    fn tick(&mut self, now: Instant, out: &mut Vec<Action>) {
+        let late: Vec<Rank> = self
+            .waiting
+            .iter()
+            .filter(|(_, w)| w.deadline <= now)
+            .map(|(&r, _)| r)
+            .collect();
+        for rank in late {
+            let w = self.waiting.remove(&rank).expect("late");
+            let in_call = self
+                .in_flight
+                .as_ref()
+                .is_some_and(|f| f.ranks.contains(&rank));
+            let waited = if in_call {
+                format!(
+                    "the lighthouse at {} to issue a quorum",
+                    self.setup.lighthouse
+                )
+            } else {
+                let never: Vec<Rank> = (0..self.setup.world_size)
+                    .filter(|r| *r != rank && !self.waiting.contains_key(r))
+                    .collect();
+                format!("group ranks {never:?} to call quorum")
+            };
+            let error = format!(
+                "quorum (step {}) timed out after {:?} waiting for {waited}",
+                w.call.step, w.call.timeout
+            );
+            out.push(Action::Fail { rank, error });
+        }
+        let late: Vec<Rank> = self
+            .ballots
+            .iter()
+            .filter(|(_, b)| b.deadline <= now)
+            .map(|(&r, _)| r)
+            .collect();
+        for rank in late {
+            let b = self.ballots.remove(&rank).expect("late");
+            let never: Vec<Rank> = (0..self.setup.world_size)
+                .filter(|r| *r != rank && !self.ballots.contains_key(r))
+                .collect();
+            let error = format!(
+                "should_commit (step {}) timed out after {:?}: group ranks {never:?} never voted",
+                b.step, b.timeout
+            );
+            out.push(Action::Fail { rank, error });
+        }
+    }
+
+    fn stop(&mut self, reason: &str, out: &mut Vec<Action>) {
+        for rank in std::mem::take(&mut self.waiting).into_keys() {
+            let error = format!("quorum stopped: {reason}");
+            out.push(Action::Fail { rank, error });
+        }
+        for rank in std::mem::take(&mut self.ballots).into_keys() {
+            let error = format!("should_commit stopped: {reason}");
+            out.push(Action::Fail { rank, error });
+        }
+        self.in_flight = None;
+        if self.connected {
+            self.connected = false;
+            let reason = reason.to_owned();
+            out.push(Action::DropConnection { reason });
+        }
+    }
+}
+
+#[cfg(test)]
+#[path = "round/tests.rs"]
+mod tests;
