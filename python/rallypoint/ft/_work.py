@@ -9,6 +9,9 @@ record of a generation's first error they report to.
   fault, the future carries the op's tensors.
 - :class:`_Failed`: a send or recv refused at once; ``wait()`` raises.
 - :class:`_All`: the Works of a coalesced call as one.
+- :class:`_Done`: a Work already complete with a result (torchft's
+  ``_DummyWork``, without torchft): what a collective returns when the
+  generation has failed or there is none.
 
 Nothing here imports torchft.
 """
@@ -102,3 +105,19 @@ class _All(dist._Work):
     def get_future(self):
         result = self._result
         return torch.futures.collect_all([w.get_future() for w in self._works]).then(lambda _: result)
+
+
+class _Done(dist._Work):
+    """A Work already complete: ``wait()`` returns, the future holds ``result``."""
+
+    def __init__(self, result):
+        super().__init__()
+        self._result = result
+        self._fut = torch.futures.Future()
+        self._fut.set_result(result)
+
+    def wait(self, timeout=None):
+        return True
+
+    def get_future(self):
+        return self._fut

@@ -6,212 +6,28 @@ runs torchft's own loop on rallypoint's collectives, nothing else changed::
     pg = ProcessGroupRally(timeout=timedelta(seconds=5))
     manager = Manager(pg=pg, ...)                 # torchft's, unchanged
 
-This is the only module of ``rallypoint.ft`` that imports torchft.
-
-# Generations
-
-Each ``configure(store_addr, replica_id, rank, world_size, quorum_id, ...)``
-(torchft's Manager calls it when the quorum changes, with a fresh
-``host:port/torchft/<quorum id>/<group rank>``) forms the next generation:
-a ``rally`` backend (:class:`rallypoint.torch.RallyBackend`, whose op code
-every op here goes through) over ``PrefixStore(prefix, TCPStore(host,
-port))``, formed as the next generation of the last one
-(``ProcessGroup::next_generation``, one store round: every member
-publishes an entry and waits, the store's wait, for every other's). A
-member that took part in the last generation keeps its connections to the
-others that did: only a newcomer connects, once to each member, at the
-first op that needs it. Shared memory (every member on this host) is laid
-out per generation.
-
-A configure first checks its arguments (a rank outside the world, a world
-of 0, a prefix that a live generation of this process uses, a malformed
-address): bad input raises ``ValueError`` and leaves the current generation
-**as it was, usable**. Any later failure (the store not answering, forming
-failing, a member that never joins within the timeout, named) does **not**
-raise: torchft's Manager would record it and then hand its DDP hook a Work
-the hook asserts on, crashing ``backward()``. The failure is logged once
-and becomes the error of a group with no generation: :meth:`errored`
-reports it, collectives return completed Works, send/recv fail, torchft's
-``should_commit`` votes no and its next quorum configures again. The
-current generation is retired either way (the quorum has moved on); no
-backend is formed unless every member published its entry.
-
-The generation's collectives listen on the route to the store's host
-(every member reaches the quorum's store), or, when that route is
-loopback, on the collectives' own choice (the route to ``MASTER_ADDR``).
-
-# Errors
-
-torchft's DDP comm hook asserts on the future of a failed all_reduce
-(``torchft/ddp.py``: its ``_ManagedWork.wait`` swallows the error before the
-future chain exists), so a failure reaching it crashes ``backward()``.
-Here a failed **collective's** Work completes without raising (``wait()``
-returns, its future carries the op's tensors), and the error is reported by
-:meth:`errored`: the generation's first error, recorded the moment the op
-fails (not when it is waited for). torchft's Manager reads it in
-``should_commit``, votes no, and reconfigures at the next quorum. After an
-error every collective returns at once, without communicating, a completed
-Work, until the next configure.
-
-**recv** (torchft's ``PGTransport`` heals through send and recv) is the
-exception: its Work fails (``wait()`` raises), and after an error it fails
-at once. A swallowed failed receive would hand the checkpoint transport
-garbage lengths and tensors, which torchft would load. (torchft then
-records the failure before backward, and its DDP hook crashes on the Work
-its Manager hands out: a failed heal of the receiver is fatal to torchft's
-loop over any group.) A **send** is swallowed as a collective is: the
-sender's state is untouched, the receiver's recv fails on its side, and a
-failing send would crash the sender's loop the same way.
-
-:meth:`abort` (from any thread) aborts the generation: every op in flight
-fails at once here and on every member, each told which replica aborted and
-why. A member that dies fails every survivor's op at once (the collectives
-see its connection end, or its pid go, within a few ms).
-
-# Push abort from the lighthouse
-
-With ``lighthouse=URL`` (or ``TORCHFT_LIGHTHOUSE`` set) each generation
-long-polls ``rally lighthouse``'s ``GET /v1/watch?quorum_id=Q`` on a daemon
-thread (``_watch.py``): when the lighthouse drops a member of quorum Q the
-generation is aborted at once, naming the replica and the lighthouse's
-reason, so no survivor waits for an op to notice. torchft's own lighthouse
-has no such endpoint (a 404: logged once, the watch ends).
-
-# Exit
-
-:meth:`shutdown` ends the watch and the generation. A process that exits
-with a generation configured exits normally: ``rallypoint.torch``'s atexit
-hook aborts what is in flight and keeps the extension's threads out of the
-finalizing interpreter (``crates/torch/src/life.rs``).
+This module and ``transport.py`` are the only ones of ``rallypoint.ft`` that
+import torchft. The work is done by :class:`rallypoint.ft._generations.Generations`
+(the generations, their errors, aborts, the lighthouse watch and exit: its
+module doc); this class adapts it to torchft's ``ProcessGroup`` contract:
+torchft's base class, its ``_DummyWork`` for a collective with no usable
+generation, and one method per op.
 """
 
-import ipaddress
-import logging
-import os
-import threading
-import time
 from datetime import timedelta
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
-import torch.distributed as dist
-from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, BarrierOptions, ReduceOp
 from torchft.process_group import ProcessGroup
 from torchft.work import _DummyWork
 
-from rallypoint import torch as _rally
 from rallypoint.ft import _registry
-from rallypoint.ft._watch import Watch, parse_lighthouse
-from rallypoint.ft._work import _All, _Failed, _Fault, _Swallowing
+from rallypoint.ft._generations import Generations, check_membership, listen_ip, parse_store_addr
+from rallypoint.ft._work import _All
 
-__all__ = ["ProcessGroupRally"]
-
-log = logging.getLogger(__name__)
+__all__ = ["ProcessGroupRally", "check_membership", "listen_ip", "parse_store_addr"]
 
 NAME = "torchft-rally"
-
-# Store addresses ("host:port/prefix") of this process's live generations,
-# by every ProcessGroupRally: a second generation under one prefix would
-# find the first one's keys.
-_live: Dict[str, str] = {}
-_live_lock = threading.Lock()
-
-
-def parse_store_addr(store_addr: str) -> Tuple[str, int, str]:
-    """(host, port, prefix) of torchft's ``host:port/prefix`` (``[v6]:port/...``
-    too), or ValueError."""
-    if not isinstance(store_addr, str):
-        raise ValueError(f"rallypoint.ft: store_addr must be 'host:port/prefix', not {store_addr!r}")
-    addr, _, prefix = store_addr.partition("/")
-    host, _, port = addr.rpartition(":")
-    host = host.strip("[]")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"rallypoint.ft: store_addr {store_addr!r} is not 'host:port/prefix'")
-    if not prefix:
-        raise ValueError(
-            f"rallypoint.ft: store_addr {store_addr!r} has no prefix; each configure needs a fresh one"
-            " (torchft's Manager passes host:port/torchft/<quorum id>/<group rank>)"
-        )
-    return host, int(port), prefix
-
-
-def check_membership(rank, world_size) -> None:
-    """ValueError unless ``0 <= rank < world_size``."""
-    for what, v in (("rank", rank), ("world_size", world_size)):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ValueError(f"rallypoint.ft: configure's {what} must be an int, not {v!r}")
-    if world_size < 1:
-        raise ValueError(f"rallypoint.ft: configure's world_size is {world_size}; a group has at least one member")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rallypoint.ft: configure's rank {rank} is outside a world of {world_size} (0..{world_size - 1})")
-
-
-def listen_ip(store_host: str) -> Optional[str]:
-    """The address a generation's collectives listen on: the route to the
-    quorum's store (every member reaches it), or None (the collectives'
-    own rule: the route to ``MASTER_ADDR``) when that route is loopback or
-    there is none."""
-    ip = _registry._route_to(store_host)
-    if ip is None or ipaddress.ip_address(ip).is_loopback:
-        return None
-    return ip
-
-
-def _within(deadline: float, call):
-    """(True, call()) if it returns by ``deadline`` (monotonic), else (False,
-    the exception it raised, or None if it is still running). It runs on a
-    daemon thread, abandoned at the deadline."""
-    box = {}
-
-    def run():
-        try:
-            box["ok"] = call()
-        except Exception as e:  # noqa: BLE001 - torch raises several kinds
-            box["error"] = e
-
-    th = threading.Thread(target=run, name="rally-store-connect", daemon=True)
-    th.start()
-    th.join(max(deadline - time.monotonic(), 0))
-    if "ok" in box:
-        return True, box["ok"]
-    return False, box.get("error")
-
-
-class _Generation:
-    """One configure's group: its backend, store address, quorum and watch."""
-
-    def __init__(self, backend, addr: str, quorum_id, replica_id: str, fault: _Fault):
-        self.backend = backend
-        self.addr = addr
-        self.quorum_id = quorum_id
-        self.replica_id = replica_id
-        self.fault = fault
-        self.watch: Optional[Watch] = None
-
-    @property
-    def group(self):
-        return self.backend._group
-
-    def who(self) -> str:
-        q = f" of quorum {self.quorum_id}" if self.quorum_id is not None else ""
-        return f"replica {self.replica_id} (rank {self.backend.rank()} of {self.backend.size()}{q})"
-
-    def abort(self, reason: str) -> None:
-        """Fails every op in flight at once, here and on every member."""
-        self.group.abort(reason)
-        why = self.group.aborted()
-        self.fault.record(dist.DistBackendError(why or reason))
-
-    def close(self, reason: str) -> None:
-        """Ends the watch, aborts ops still in flight, and releases the prefix;
-        the group's connections close when its last op has ended."""
-        if self.watch is not None:
-            self.watch.stop()
-        if self.group.in_flight():
-            self.abort(reason)
-        self.fault.record(RuntimeError(f"rallypoint.ft: generation {self.addr} was closed: {reason}"))
-        with _live_lock:
-            _live.pop(self.addr, None)
 
 
 class ProcessGroupRally(ProcessGroup):
@@ -225,41 +41,22 @@ class ProcessGroupRally(ProcessGroup):
 
     def __init__(self, timeout: timedelta = timedelta(seconds=60), lighthouse: Optional[str] = None):
         super().__init__(0, 1)
-        if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
-            raise ValueError(f"rallypoint.ft: ProcessGroupRally's timeout must be a positive timedelta, not {timeout!r}")
-        self._timeout = timeout
-        url = os.environ.get("TORCHFT_LIGHTHOUSE", "") if lighthouse is None else lighthouse
-        if url:
-            parse_lighthouse(url)
-        self._lighthouse = url or None
-        self._configure_lock = threading.Lock()
-        # The native group of the last generation formed: the next one keeps
-        # its connections to the members that stay (even after a failed
-        # configure in between).
-        self._lineage = None
-        # The TCPStore client of the last generation, by (host, port).
-        self._stores: Dict[Tuple[str, int], TCPStore] = {}
-        # (the current fault, the current generation), swapped as one: an
-        # op on another thread never pairs a generation with another's fault.
-        self._state: Tuple[_Fault, Optional[_Generation]] = (
-            _Fault(RuntimeError("rallypoint.ft: ProcessGroupRally is not configured yet")),
-            None,
-        )
+        self._core = Generations(timeout, lighthouse, done_work=_DummyWork, owner="ProcessGroupRally")
         _registry.set_current(self)
 
     @property
     def lighthouse(self) -> Optional[str]:
         """The lighthouse this group watches (``http://host:port``), or None."""
-        return self._lighthouse
+        return self._core.lighthouse
 
     @property
     def membership(self) -> Tuple[Optional[str], Optional[int]]:
-        """(replica id, quorum id) of the current generation, as torchft's
-        Manager passed them to ``configure``; (None, None) before one."""
-        gen = self._gen
-        if gen is None:
-            return None, None
-        return gen.replica_id, gen.quorum_id
+        """(replica id, quorum id) of the current generation; (None, None) before one."""
+        return self._core.membership
+
+    @property
+    def _gen(self):
+        return self._core._gen
 
     # -- torchft's contract ----------------------------------------------
 
@@ -277,203 +74,49 @@ class ProcessGroupRally(ProcessGroup):
         group_world_size: Optional[int] = None,
         global_ranks: Optional[List[int]] = None,
     ) -> None:
-        """Forms the next generation (see the module's doc for what a failure
-        leaves). ``group_rank``, ``group_world_size`` and ``global_ranks`` are
-        torchft's bookkeeping and unused here."""
-        host, port, prefix = parse_store_addr(store_addr)
-        check_membership(rank, world_size)
-        with self._configure_lock:
-            self._claim(store_addr, quorum_id)
-            try:
-                gen = self._form(store_addr, host, port, prefix, rank, world_size, quorum_id, str(replica_id))
-            except Exception as e:  # noqa: BLE001 - recorded, see the module doc
-                with _live_lock:
-                    _live.pop(store_addr, None)
-                self._retire(f"the configure at {store_addr} failed")
-                self._state = (_Fault(e), None)
-                log.error("%s", e)
-                return
-            self._state = (gen.fault, gen)
-
-    def _form(self, store_addr: str, host: str, port: int, prefix: str, rank: int, world_size: int, quorum_id, replica_id: str):
-        """The next generation: the store reached, the current generation
-        retired, the backend formed and every member seen; raises otherwise
-        (the backend formed is then aborted and dropped)."""
-        store = self._connect(host, port, prefix)
-        # The point of no return: the current generation goes.
-        self._retire(f"replaced by the generation at {store_addr}")
-        fault = _Fault()
-        try:
-            # Over the last generation's connections to the members that
-            # stay; forming waits for every member (one store round).
-            backend = _rally.RallyBackend(
-                store,
-                rank,
-                world_size,
-                self._timeout,
-                prefix,
-                done=fault.done,
-                fresh_prefix=True,
-                advertise=listen_ip(host),
-                lineage=True,
-                prev=self._lineage,
-            )
-        except Exception as e:
-            raise RuntimeError(f"rallypoint.ft: forming the generation at {store_addr} as rank {rank} of {world_size} failed: {e}") from e
-        self._lineage = backend._group
-        gen = _Generation(backend, store_addr, quorum_id, replica_id, fault)
-        if self._lighthouse and quorum_id is not None:
-            gen.watch = Watch(self._lighthouse, int(quorum_id), gen.abort)
-        return gen
-
-    def _claim(self, store_addr: str, quorum_id) -> None:
-        with _live_lock:
-            held = _live.get(store_addr)
-            if held is not None:
-                raise ValueError(
-                    f"rallypoint.ft: the prefix {store_addr!r} is used by a live generation ({held});"
-                    " each configure needs a fresh prefix (torchft's quorum id makes one)"
-                )
-            _live[store_addr] = f"quorum {quorum_id}" if quorum_id is not None else "a configure without a quorum id"
-
-    def _connect(self, host: str, port: int, prefix: str):
-        """A client of the store at host:port, answering within the timeout.
-
-        The client of the last generation is kept and reused when the store
-        is the same (torchft's Manager keeps using one replica's store while
-        it lives): one round to see that it still answers instead of a new
-        connection. (torch 2.15's TCPStore client takes 5 s for one
-        connection in 26 on loopback, every 26th, measured; a fresh client
-        per configure, as torchft's ProcessGroupGloo makes, pays it.)
-
-        Each attempt runs on a daemon thread given up at the deadline: torch's
-        client retries for up to about three times its timeout (a listener
-        that never answers: two tries and a backoff); torch ends the attempt
-        on its own, and its result is dropped."""
-        t = self._timeout
-        deadline = time.monotonic() + t.total_seconds()
-        key = (host, port)
-        cached = self._stores.get(key)
-        if cached is not None:
-            ok, _ = _within(deadline, lambda: cached.check(["rallypoint/ft/alive"]))
-            if ok:
-                return PrefixStore(prefix, cached)
-            self._stores.pop(key, None)
-
-        def connect():
-            return TCPStore(host_name=host, port=port, is_master=False, wait_for_workers=False, timeout=t)
-
-        ok, got = _within(deadline, connect)
-        if ok:
-            self._stores = {key: got}
-            return PrefixStore(prefix, got)
-        why = f"{type(got).__name__}: {got}" if got is not None else "no answer"
-        raise TimeoutError(
-            f"rallypoint.ft: configure could not reach the store at {host}:{port} within"
-            f" {t.total_seconds():g} s ({why})"
-        )
-
-    def _retire(self, reason: str) -> None:
-        """Closes the current generation, then publishes that there is none:
-        its fault records the closing first, so an op racing this one finds
-        either the generation (failing with its abort) or its error."""
-        fault, gen = self._state
-        if gen is not None:
-            gen.close(reason)
-        self._state = (fault, None)
-
-    @property
-    def _gen(self) -> Optional[_Generation]:
-        return self._state[1]
+        """Forms the next generation (``Generations.configure``)."""
+        self._core.configure(store_addr, replica_id, rank, world_size, quorum_id)
 
     def abort(self, reason: Optional[str] = None) -> None:
-        """Aborts the current generation from any thread: every op in flight
-        fails at once on every member, naming this replica and ``reason``.
-        Ops then fail at once until the next configure."""
-        gen = self._gen
-        if gen is None:
-            return
-        gen.abort(f"{gen.who()} called abort(){': ' + reason if reason else ''}")
+        """Aborts the current generation from any thread (``Generations.abort``)."""
+        self._core.abort(reason)
 
     def shutdown(self) -> None:
         """Ends the watch and the generation; ops then fail at once. Idempotent."""
-        with self._configure_lock:
-            self._retire("ProcessGroupRally.shutdown()")
-            self._state = (_Fault(RuntimeError("rallypoint.ft: ProcessGroupRally was shut down")), None)
+        self._core.shutdown()
 
     def errored(self) -> Optional[Exception]:
-        """The first error of the current generation (an op's failure, an
-        abort here or by a member or the lighthouse), or None."""
-        fault, gen = self._state
-        if fault.error is None and gen is not None:
-            why = gen.group.aborted()
-            if why:
-                fault.record(dist.DistBackendError(why))
-        return fault.error
+        """The first error of the current generation, or None."""
+        return self._core.errored()
 
     def set_timeout(self, timeout: timedelta) -> None:
         """The timeout of the next generations (the current one keeps its own)."""
-        self._timeout = timeout
+        self._core.set_timeout(timeout)
 
     def size(self) -> int:
-        gen = self._gen
-        return gen.backend.size() if gen is not None else 1
+        return self._core.size()
 
     def rank(self) -> int:
-        gen = self._gen
-        return gen.backend.rank() if gen is not None else 0
+        return self._core.rank()
 
     def listen_host(self) -> Optional[str]:
         """The address this rank's collectives listen on (for RallyTransport)."""
-        gen = self._gen
-        if gen is None:
-            return None
-        host, _, _ = gen.group.local_addr().rpartition(":")
-        return host.strip("[]") or None
+        return self._core.listen_host()
 
     @property
     def quorum_id(self):
-        gen = self._gen
-        return gen.quorum_id if gen is not None else None
+        return self._core.quorum_id
 
     def __repr__(self) -> str:
-        gen = self._gen
-        return f"ProcessGroupRally({gen.addr if gen is not None else 'not configured'})"
+        return repr(self._core)
 
     # -- ops ---------------------------------------------------------------
-
-    def _collective(self, result, call):
-        """Runs ``call(backend)``; a failure, now or later, is recorded and
-        its Work completes without raising."""
-        fault, gen = self._state
-        if fault.error is not None:
-            return _DummyWork(result)
-        if gen is None:
-            return _DummyWork(result)
-        try:
-            return _Swallowing(call(gen.backend), fault, result)
-        except Exception as e:  # noqa: BLE001 - reported by errored()
-            fault.record(e)
-            return _DummyWork(result)
-
-    def _message(self, call):
-        """Runs a send or recv: its Work fails on failure (see the module doc)."""
-        fault, gen = self._state
-        if fault.error is not None:
-            return _Failed(RuntimeError(f"rallypoint.ft: the generation has failed: {fault.error}"))
-        if gen is None:
-            return _Failed(RuntimeError("rallypoint.ft: no generation is configured"))
-        try:
-            return call(gen.backend)
-        except Exception as e:  # noqa: BLE001
-            fault.record(e)
-            return _Failed(e)
 
     def allreduce(self, tensors, opts):
         if isinstance(opts, (ReduceOp, ReduceOp.RedOpType)):
             op, opts = opts, AllreduceOptions()
             opts.reduceOp = op
-        return self._collective(tensors, lambda b: b.allreduce(tensors, opts))
+        return self._core.collective(tensors, lambda b: b.allreduce(tensors, opts))
 
     def allreduce_coalesced(self, tensors, opts):
         def each(b):
@@ -485,52 +128,52 @@ class ProcessGroupRally(ProcessGroup):
                 works.append(b.allreduce([t], o))
             return _All(works, tensors)
 
-        return self._collective(tensors, each)
+        return self._core.collective(tensors, each)
 
     def allgather(self, output_tensors, input_tensor, opts=None):
         opts = opts or AllgatherOptions()
-        return self._collective(output_tensors, lambda b: b.allgather(output_tensors, input_tensor, opts))
+        return self._core.collective(output_tensors, lambda b: b.allgather(output_tensors, input_tensor, opts))
 
     def allgather_into_tensor_coalesced(self, output_tensors, input_tensors, opts=None):
         opts = opts or AllgatherOptions()
-        return self._collective(
+        return self._core.collective(
             output_tensors,
             lambda b: _All([b.all_gather_single(o, i, opts) for o, i in zip(output_tensors, input_tensors)], output_tensors),
         )
 
     def alltoall_base(self, output_buffer, input_buffer, output_split_sizes, input_split_sizes, opts):
-        return self._collective(
+        return self._core.collective(
             output_buffer,
             lambda b: b.all_to_all_single(output_buffer, input_buffer, output_split_sizes, input_split_sizes, opts),
         )
 
     def barrier(self, opts=None):
         opts = opts or BarrierOptions()
-        return self._collective(None, lambda b: b.barrier(opts))
+        return self._core.collective(None, lambda b: b.barrier(opts))
 
     def broadcast(self, tensor_list, opts):
-        return self._collective(tensor_list, lambda b: b.broadcast(tensor_list, opts))
+        return self._core.collective(tensor_list, lambda b: b.broadcast(tensor_list, opts))
 
     def reduce(self, tensors, opts):
-        return self._collective(tensors, lambda b: b.reduce(tensors, opts))
+        return self._core.collective(tensors, lambda b: b.reduce(tensors, opts))
 
     def gather(self, output_tensors, input_tensors, opts):
-        return self._collective(output_tensors, lambda b: b.gather(output_tensors, input_tensors, opts))
+        return self._core.collective(output_tensors, lambda b: b.gather(output_tensors, input_tensors, opts))
 
     def scatter(self, output_tensors, input_tensors, opts):
-        return self._collective(output_tensors, lambda b: b.scatter(output_tensors, input_tensors, opts))
+        return self._core.collective(output_tensors, lambda b: b.scatter(output_tensors, input_tensors, opts))
 
     def reduce_scatter(self, output_tensors, input_tensors, opts):
-        return self._collective(output_tensors, lambda b: b.reduce_scatter(output_tensors, input_tensors, opts))
+        return self._core.collective(output_tensors, lambda b: b.reduce_scatter(output_tensors, input_tensors, opts))
 
     def reduce_scatter_tensor_coalesced(self, output_tensors, input_tensors, opts):
-        return self._collective(
+        return self._core.collective(
             output_tensors,
             lambda b: _All([b.reduce_scatter_single(o, i, opts) for o, i in zip(output_tensors, input_tensors)], output_tensors),
         )
 
     def send(self, tensors, dst_rank: int, tag: int = 0):
-        return self._collective(tensors, lambda b: b.send(tensors, dst_rank, tag))
+        return self._core.collective(tensors, lambda b: b.send(tensors, dst_rank, tag))
 
     def recv(self, tensors, src_rank: int, tag: int = 0):
-        return self._message(lambda b: b.recv(tensors, src_rank, tag))
+        return self._core.message(lambda b: b.recv(tensors, src_rank, tag))
