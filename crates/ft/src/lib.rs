@@ -10,3 +10,4 @@
 pub mod results;
 pub mod wire;
 pub mod round;
+pub mod lighthouse;

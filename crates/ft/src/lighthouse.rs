@@ -1,0 +1,395 @@
+//! The manager's client of the lighthouse (torchft's `LighthouseService`).
+//!
+//! One HTTP/2 (tonic) channel over **one TCP connection we make
+//! ourselves**: its connector hands out that socket once, so the channel
+//! never reconnects behind our back, and [`Lighthouse::drop_connection`]
+//! shuts the socket down at once, which is how the lighthouse learns that
+//! this group stopped (it drops the replica and pushes an abort to the
+//! survivors). The lighthouse counts one session per connection, so
+//! heartbeats and quorum calls share it.
+//!
+//! * **Connecting** ([`Lighthouse::connect`]) is wanted from the first
+//!   hello on: a heartbeat task dials (retrying with a backoff up to 1 s)
+//!   and heartbeats every `heartbeat_interval`. HTTP/2 keep-alive and a
+//!   deadline on every heartbeat notice a lighthouse that was cut off; a
+//!   failed heartbeat drops the connection and the task dials again (a
+//!   restarted lighthouse is ridden out), reporting [`Link::Lost`] and
+//!   [`Link::Up`] to the server.
+//! * **A quorum call** ([`Lighthouse::quorum`]) waits for a connection (up
+//!   to the connect timeout: then an error naming the address), and is
+//!   retried on a new connection when the connection fails, until the
+//!   caller's deadline. A refusal (`ALREADY_EXISTS`: the replica id is held
+//!   by another live group; a bad request) is returned at once.
+//! * **Dropping** stops the heartbeats and fails the call in flight; the
+//!   next [`Lighthouse::connect`] starts over.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rallypoint_lighthouse::proto::{
+    LighthouseHeartbeatRequest, LighthouseQuorumRequest, LighthouseServiceClient, Quorum,
+    QuorumMember,
+};
+use tokio::sync::{mpsc, Notify};
+use tokio::time::Instant;
+use tonic::transport::{Channel, Endpoint};
+use tonic::Code;
+
+/// The longest pause between two dials.
+const MAX_BACKOFF: Duration = Duration::from_secs(1);
+
+/// A change of the connection's health, for the manager's status.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Link {
+    /// A heartbeat got through.
+    Up,
+    /// The connection failed (not dropped on purpose), or cannot be made.
+    Lost(String),
+}
+
+/// What the client was made with.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// `http://host:port` or `host:port`.
+    pub lighthouse: String,
+    pub replica_id: String,
+    pub heartbeat_interval: Duration,
+    pub connect_timeout: Duration,
+}
+
+/// The lighthouse client of one manager.
+pub struct Lighthouse {
+    shared: Arc<Shared>,
+    heartbeats: tokio::task::JoinHandle<()>,
+}
+
+struct Shared {
+    /// `http://host:port`, for the channel and for errors.
+    url: String,
+    /// `host:port`, to dial.
+    target: String,
+    options: Options,
+    state: Mutex<State>,
+    wake: Notify,
+    link: mpsc::UnboundedSender<Link>,
+}
+
+#[derive(Default)]
+struct State {
+    /// Connecting is wanted (a hello came and no drop since).
+    wanted: bool,
+    /// Why it is not wanted, for the errors of calls after a drop.
+    dropped: Option<String>,
+    conn: Option<Conn>,
+    /// Numbers connections, so a failure of an old one leaves a new one be.
+    epoch: u64,
+    /// The last heartbeat got through.
+    up: bool,
+}
+
+#[derive(Clone)]
+struct Conn {
+    rpc: LighthouseServiceClient<Channel>,
+    socket: Arc<std::net::TcpStream>,
+    epoch: u64,
+}
+
+impl Conn {
+    fn close(&self) {
+        let _ = self.socket.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+/// `host:port` of a lighthouse address (`http://host:port[/]` or
+/// `host:port`); an error naming it otherwise.
+pub fn target_of(lighthouse: &str) -> Result<String, String> {
+    let rest = lighthouse.strip_prefix("http://").unwrap_or(lighthouse);
+    let rest = rest.trim_end_matches('/');
+    let bad = || format!("the lighthouse address {lighthouse:?} is not http://HOST:PORT");
+    if rest.contains("://") || rest.contains('/') {
+        return Err(bad());
+    }
+    let (host, port) = rest.rsplit_once(':').ok_or_else(bad)?;
+    if host.is_empty() || port.parse::<u16>().is_err() {
+        return Err(bad());
+    }
+    Ok(rest.to_owned())
+}
+
+impl Lighthouse {
+    /// A client, not connected yet; link changes go to `link`. Must be
+    /// called inside a tokio runtime (it spawns the heartbeat task).
+    pub fn new(options: Options, link: mpsc::UnboundedSender<Link>) -> Result<Lighthouse, String> {
+        let target = target_of(&options.lighthouse)?;
+        let shared = Arc::new(Shared {
+            url: format!("http://{target}"),
+            target,
+            options,
+            state: Mutex::default(),
+            wake: Notify::new(),
+            link,
+        });
+        let heartbeats = tokio::spawn(shared.clone().heartbeats());
+        Ok(Lighthouse { shared, heartbeats })
+    }
+
+    /// The lighthouse's `http://host:port`.
+    pub fn url(&self) -> &str {
+        &self.shared.url
+    }
+
+    /// Wants a connection: the heartbeat task dials and heartbeats.
+    pub fn connect(&self) {
+        let mut s = self.shared.state.lock().expect("lock");
+        s.wanted = true;
+        s.dropped = None;
+        drop(s);
+        self.shared.wake.notify_one();
+    }
+
+    /// Closes the connection at once and stops heartbeating until the next
+    /// [`Lighthouse::connect`]; a call in flight fails with `reason`.
+    pub fn drop_connection(&self, reason: &str) {
+        let mut s = self.shared.state.lock().expect("lock");
+        s.wanted = false;
+        s.dropped = Some(reason.to_owned());
+        s.up = false;
+        if let Some(c) = s.conn.take() {
+            c.close();
+        }
+    }
+
+    /// Asks for a quorum with `member`, until `deadline`.
+    pub async fn quorum(&self, member: QuorumMember, deadline: Instant) -> Result<Quorum, String> {
+        self.shared.quorum(member, deadline).await
+    }
+}
+
+impl Drop for Lighthouse {
+    fn drop(&mut self) {
+        self.heartbeats.abort();
+        self.drop_connection("the manager shut down");
+    }
+}
+
+impl Shared {
+    async fn heartbeats(self: Arc<Self>) {
+        let interval = self.options.heartbeat_interval;
+        let beat_limit = (interval * 5).max(Duration::from_secs(1));
+        loop {
+            let wanted = self.state.lock().expect("lock").wanted;
+            if !wanted {
+                self.wake.notified().await;
+                continue;
+            }
+            let until = Instant::now() + self.options.connect_timeout;
+            let conn = match self.ensure(until).await {
+                Ok(c) => c,
+                Err(e) => {
+                    self.report(Link::Lost(e), None);
+                    continue;
+                }
+            };
+            let req = LighthouseHeartbeatRequest {
+                replica_id: self.options.replica_id.clone(),
+            };
+            let mut rpc = conn.rpc.clone();
+            match tokio::time::timeout(beat_limit, rpc.heartbeat(req)).await {
+                Ok(Ok(_)) => self.report(Link::Up, None),
+                Ok(Err(status)) => {
+                    let e = format!(
+                        "a heartbeat to the lighthouse at {} failed: {status}",
+                        self.url
+                    );
+                    self.report(Link::Lost(e), Some(conn.epoch));
+                }
+                Err(_) => {
+                    let e = format!(
+                        "a heartbeat to the lighthouse at {} had no answer within {beat_limit:?}",
+                        self.url
+                    );
+                    self.report(Link::Lost(e), Some(conn.epoch));
+                }
+            }
+            tokio::time::sleep(interval).await;
+        }
+    }
+
+    /// Notes a link change; `Lost` with an epoch also drops that
+    /// connection (if still current) so the next use dials again.
+    fn report(&self, link: Link, failed: Option<u64>) {
+        let mut s = self.state.lock().expect("lock");
+        if let Some(epoch) = failed {
+            if s.conn.as_ref().is_some_and(|c| c.epoch == epoch) {
+                s.conn.take().expect("conn").close();
+            }
+        }
+        if !s.wanted {
+            return;
+        }
+        let up = link == Link::Up;
+        if s.up != up || (failed.is_none() && !up) {
+            s.up = up;
+            let _ = self.link.send(link);
+        }
+    }
+
+    /// The current connection, dialing until `until` if there is none.
+    async fn ensure(&self, until: Instant) -> Result<Conn, String> {
+        let mut backoff = Duration::from_millis(20);
+        loop {
+            {
+                let s = self.state.lock().expect("lock");
+                if !s.wanted {
+                    let why = s.dropped.as_deref().unwrap_or("not connected yet");
+                    return Err(format!("the lighthouse connection was dropped: {why}"));
+                }
+                if let Some(c) = &s.conn {
+                    return Ok(c.clone());
+                }
+            }
+            let left = until.saturating_duration_since(Instant::now());
+            let err = match tokio::time::timeout(left, self.dial()).await {
+                Ok(Ok((rpc, socket))) => {
+                    let mut s = self.state.lock().expect("lock");
+                    if s.wanted && s.conn.is_none() {
+                        s.epoch += 1;
+                        let socket = Arc::new(socket);
+                        let epoch = s.epoch;
+                        s.conn = Some(Conn { rpc, socket, epoch });
+                    } else {
+                        let _ = socket.shutdown(std::net::Shutdown::Both);
+                    }
+                    continue;
+                }
+                Ok(Err(e)) => e,
+                Err(_) => "no answer".to_owned(),
+            };
+            if Instant::now() + backoff >= until {
+                return Err(format!(
+                    "could not reach the lighthouse at {} within {:?}: {err}",
+                    self.url, self.options.connect_timeout
+                ));
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(MAX_BACKOFF);
+        }
+    }
+
+    /// One connection: TCP, then the HTTP/2 handshake over it.
+    async fn dial(
+        &self,
+    ) -> Result<(LighthouseServiceClient<Channel>, std::net::TcpStream), String> {
+        let tcp = tokio::net::TcpStream::connect(&self.target)
+            .await
+            .map_err(|e| e.to_string())?;
+        let _ = tcp.set_nodelay(true);
+        let std = tcp.into_std().map_err(|e| e.to_string())?;
+        let kept = std.try_clone().map_err(|e| e.to_string())?;
+        let once = Arc::new(Mutex::new(Some(std)));
+        let connector = tower::service_fn(move |_uri| {
+            let sock = once.lock().expect("lock").take();
+            async move {
+                let sock = sock.ok_or_else(|| {
+                    std::io::Error::new(
+                        std::io::ErrorKind::NotConnected,
+                        "this lighthouse connection was closed",
+                    )
+                })?;
+                let tcp = tokio::net::TcpStream::from_std(sock)?;
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tcp))
+            }
+        });
+        let channel = Endpoint::from_shared(self.url.clone())
+            .map_err(|e| e.to_string())?
+            .http2_keep_alive_interval(Duration::from_secs(1))
+            .keep_alive_timeout(Duration::from_secs(2))
+            .keep_alive_while_idle(true)
+            .connect_with_connector(connector)
+            .await
+            .map_err(|e| format!("{e}: {}", source_chain(&e)))?;
+        Ok((LighthouseServiceClient::new(channel), kept))
+    }
+
+    async fn quorum(&self, member: QuorumMember, deadline: Instant) -> Result<Quorum, String> {
+        loop {
+            let until = deadline.min(Instant::now() + self.options.connect_timeout);
+            let conn = self.ensure(until).await?;
+            let left = deadline.saturating_duration_since(Instant::now());
+            let timed_out = || {
+                format!(
+                    "the lighthouse at {} issued no quorum before the caller's deadline",
+                    self.url
+                )
+            };
+            let mut req = tonic::Request::new(LighthouseQuorumRequest {
+                requester: Some(member.clone()),
+            });
+            req.set_timeout(left);
+            let mut rpc = conn.rpc.clone();
+            let status = match tokio::time::timeout(left, rpc.quorum(req)).await {
+                Err(_) => return Err(timed_out()),
+                Ok(Ok(r)) => {
+                    let q = r.into_inner().quorum;
+                    return q.ok_or_else(|| {
+                        format!("the lighthouse at {} answered without a quorum", self.url)
+                    });
+                }
+                Ok(Err(status)) => status,
+            };
+            match status.code() {
+                Code::AlreadyExists
+                | Code::InvalidArgument
+                | Code::FailedPrecondition
+                | Code::PermissionDenied => {
+                    return Err(format!(
+                        "the lighthouse at {} refused the quorum request: {}",
+                        self.url,
+                        status.message()
+                    ));
+                }
+                Code::DeadlineExceeded => return Err(timed_out()),
+                _ => {}
+            }
+            if std::error::Error::source(&status).is_some() {
+                // The connection failed: dial again.
+                let e = format!("the lighthouse at {} was lost: {status}", self.url);
+                self.report(Link::Lost(e), Some(conn.epoch));
+            }
+            let pause = Duration::from_millis(100);
+            if Instant::now() + pause >= deadline {
+                return Err(format!(
+                    "the lighthouse at {} issued no quorum before the caller's deadline (last error: {status})",
+                    self.url
+                ));
+            }
+            tokio::time::sleep(pause).await;
+        }
+    }
+}
+
+fn source_chain(e: &dyn std::error::Error) -> String {
+    let mut out = Vec::new();
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        out.push(s.to_string());
+        cur = s.source();
+    }
+    out.join(": ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_are_parsed_or_refused_naming_them() {
+        assert_eq!(target_of("http://h:1").unwrap(), "h:1");
+        assert_eq!(target_of("http://h:1/").unwrap(), "h:1");
+        assert_eq!(target_of("10.0.0.1:29510").unwrap(), "10.0.0.1:29510");
+        for bad in ["https://h:1", "h", "http://h:x", ":1", "http://h:1/path"] {
+            let e = target_of(bad).unwrap_err();
+            assert!(e.contains(bad), "{e}");
+        }
+    }
+}
