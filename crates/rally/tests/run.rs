@@ -792,6 +792,8 @@ mod ft_hosts;
 mod ft_process_group;
 #[path = "run/ft_transport.rs"]
 mod ft_transport;
+#[path = "run/ft_api.rs"]
+mod ft_api;
 #[path = "run/hosts.rs"]
 mod hosts;
 #[path = "run/lighthouse.rs"]
