@@ -108,6 +108,7 @@ class Client:
         self._lock = threading.Lock()
         self._sock: Optional[socket.socket] = None
         self._buf = b""
+        self._closed = False
         #: The manager's hello answer (replica_id, store_address, lighthouse).
         self.hello: dict = {}
 
@@ -121,6 +122,8 @@ class Client:
             return self.hello
 
     def _ensure(self) -> None:
+        if self._closed:
+            raise ManagerError(f"rallypoint.ft: the connection to the replica group's manager at {self.address} was closed (shutdown)")
         if self._sock is not None:
             return
         deadline = time.monotonic() + self.connect_timeout
@@ -145,7 +148,15 @@ class Client:
         self.hello = self._exchange(hello, max(deadline - time.monotonic(), 1.0))
 
     def close(self) -> None:
-        """Closes the connection (the manager sees this worker leave)."""
+        """Closes the connection (the manager sees this worker leave); a call
+        in flight on another thread fails at once. Later calls fail."""
+        self._closed = True
+        sock = self._sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         with self._lock:
             self._drop()
 

@@ -55,6 +55,7 @@ manager cannot be reached); CPU tensors only; no ``WorldSizeMode`` (always
 torchft's ``DYNAMIC``), no quantised all_reduce.
 """
 
+import ipaddress
 import logging
 import os
 import re
@@ -75,6 +76,7 @@ from rallypoint.ft._fetch import recv_striped
 from rallypoint.ft._generations import Generations
 from rallypoint.ft._locate import manager_address
 from rallypoint.ft._serve import Server, stage
+from rallypoint.ft._watch import parse_lighthouse
 from rallypoint.ft._work import _Done
 
 __all__ = ["Manager"]
@@ -84,10 +86,10 @@ log = logging.getLogger(__name__)
 Seconds = Union[float, int, timedelta]
 
 
-def _seconds(name: str, value: Seconds, env: str) -> float:
+def _seconds(name: str, value: Seconds, env: Optional[str] = None) -> float:
     """``value`` in seconds, unless the environment variable ``env`` is set
     (torchft's rule: whole seconds)."""
-    raw = os.environ.get(env)
+    raw = os.environ.get(env) if env else None
     if raw is not None:
         try:
             value = float(int(raw))
@@ -108,6 +110,21 @@ def _group() -> "tuple[int, int]":
         return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     except ValueError:
         raise ValueError(f"rallypoint.ft: RANK={os.environ.get('RANK')!r} / WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} are not integers") from None
+
+
+def _transport_host(lighthouse: str) -> str:
+    """The address this process serves its state on: the route to the
+    lighthouse's host (every replica reaches the lighthouse) unless that is
+    loopback, else the transport's rule (the route to ``MASTER_ADDR``)."""
+    if lighthouse:
+        try:
+            host, _ = parse_lighthouse(lighthouse)
+        except ValueError:
+            host = None
+        ip = _registry._route_to(host) if host else None
+        if ip and not ipaddress.ip_address(ip).is_loopback:
+            return ip
+    return _registry.advertise_host()
 
 
 class _Averaged(dist._Work):
@@ -205,7 +222,7 @@ class Manager:
         self._lighthouse = lighthouse or hello.get("lighthouse") or self._located.lighthouse or ""
         self._pg = Generations(timedelta(seconds=self._timeout), self._lighthouse, owner="Manager")
         _registry.set_current(self._pg)
-        self._server = Server(_registry.advertise_host(), self._timeout)
+        self._server = Server(_transport_host(self._lighthouse), self._timeout)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rally-ft-quorum")
         log.info(
             "rallypoint.ft: replica group %s, group rank %d of %d, manager at %s, transport at %s",
@@ -246,7 +263,7 @@ class Manager:
             self._quorum_future.result()
         self._errored = None
         self._healing = False
-        t = self._quorum_timeout if timeout is None else _seconds("timeout", timeout, "")
+        t = self._quorum_timeout if timeout is None else _seconds("timeout", timeout)
         self._quorum_future = self._executor.submit(self._async_quorum, allow_heal, shrink_only, t)
         if not self._use_async_quorum:
             self.wait_quorum()
@@ -370,7 +387,7 @@ class Manager:
         n = self.num_participants()
         enough = n >= self._min_replicas
         vote = enough and self._errored is None
-        t = self._timeout if timeout is None else _seconds("timeout", timeout, "")
+        t = self._timeout if timeout is None else _seconds("timeout", timeout)
         try:
             commit = self._client.should_commit(self._step, vote, t)
         except ManagerError as e:
@@ -455,8 +472,8 @@ class Manager:
         """Ends the quorum thread, the cross-replica group, the transport, the
         connection to the replica group manager (and the manager, if this
         process started it). Idempotent."""
+        self._client.close()  # first: a quorum call in flight ends at once
         self._executor.shutdown(wait=wait)
         self._pg.shutdown()
         self._server.close(wait)
-        self._client.close()
         self._located.close()
