@@ -208,6 +208,7 @@ class Manager:
         self._errored: Optional[Exception] = None
         self._healing = False
         self._pending_state: Optional[dict] = None
+        self._pending_step = 0
         self._participating_rank: Optional[int] = None
         self._participating_world_size = 0
         #: Steps not committed, and how many times each reason (numbers aside) was seen.
@@ -320,8 +321,7 @@ class Manager:
         if not isinstance(got, dict) or "user" not in got or "manager" not in got:
             raise ManagerError(f"rallypoint.ft: the state healed from {q.recover_src_metadata} is not a Manager's (no 'user'/'manager')")
         self._pending_state = got
-        self.load_state_dict(got["manager"])
-        self._step = q.max_step
+        self._pending_step = q.max_step
         self.heals += 1
         nbytes = sum(t.numel() * t.element_size() for t in tree_leaves(got) if isinstance(t, torch.Tensor))
         log.info("rallypoint.ft: healed step %d from %s: %d bytes in %.3f s", q.max_step, q.recover_src_metadata, nbytes, seconds)
@@ -331,7 +331,10 @@ class Manager:
             log.warning("rallypoint.ft: the heal of step %d was not reported: %s", q.max_step, e)
 
     def _apply_pending_state(self) -> None:
-        """Loads a healed state into the registered objects (training thread)."""
+        """Loads a healed state into the registered objects, then takes its
+        step (training thread). A state that fails to load is an error of
+        the step, and the step stays behind, so the next quorum heals this
+        replica again."""
         self.wait_quorum()
         pending, self._pending_state = self._pending_state, None
         if pending is None:
@@ -341,8 +344,14 @@ class Manager:
         if missing:
             self.report_error(ManagerError(f"rallypoint.ft: the healed state lacks {missing} (the source registered {sorted(user)})"))
             return
-        for key, load in self._load_fns.items():
-            load(user[key])
+        try:
+            for key, load in self._load_fns.items():
+                load(user[key])
+            self.load_state_dict(pending["manager"])
+        except Exception as e:  # noqa: BLE001 - the step is not committed
+            self.report_error(RuntimeError(f"rallypoint.ft: loading the state healed at step {self._pending_step} failed: {type(e).__name__}: {e}"))
+            return
+        self._step = self._pending_step
 
     def allreduce(self, tensor: torch.Tensor, reduce_op: ReduceOp = ReduceOp.AVG):
         """Sums ``tensor`` in place across the quorum's replicas and, for
