@@ -1,0 +1,572 @@
+//! The manager against a real lighthouse (`rally lighthouse`'s service,
+//! in-process on loopback), with workers speaking the JSON-lines protocol
+//! over their own TCP connections: a healthy round of two groups; a group
+//! whose worker connection ends is dropped from the next quorum at once and
+//! its quorum's watchers are told; a replica id held by a live group is
+//! refused naming it; a lighthouse that is not there, or restarted;
+//! should_commit's AND and its timeout; healing fields.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use rallypoint_ft::{Config, Manager};
+use rallypoint_lighthouse::quorum::Knobs;
+use rallypoint_lighthouse::service::{Config as LhConfig, Server};
+use serde_json::{json, Value};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpStream;
+use tokio::sync::oneshot;
+
+/// Every wait of these tests; far above what any step needs.
+const LIMIT: Duration = Duration::from_secs(30);
+
+struct Lh {
+    addr: SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl Lh {
+    async fn start_at(addr: SocketAddr, min_replicas: u64, heartbeat_timeout: Duration) -> Lh {
+        let knobs = Knobs {
+            min_replicas,
+            join_timeout: Duration::from_secs(60),
+            quorum_tick: Duration::from_millis(50),
+            heartbeat_timeout,
+        };
+        let server = Server::bind(addr, LhConfig::new(knobs)).await.unwrap();
+        let addr = server.local_addr().unwrap();
+        let (tx, rx) = oneshot::channel::<()>();
+        let task = tokio::spawn(server.run(async move {
+            let _ = rx.await;
+        }));
+        Lh {
+            addr,
+            stop: Some(tx),
+            task,
+        }
+    }
+
+    async fn start(min_replicas: u64) -> Lh {
+        let any = "127.0.0.1:0".parse().unwrap();
+        Lh::start_at(any, min_replicas, Duration::from_secs(5)).await
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    async fn stop(mut self) {
+        self.stop.take().unwrap().send(()).unwrap();
+        self.task.await.unwrap().unwrap();
+    }
+}
+
+async fn manager(id: &str, lh: &str, w: usize) -> Manager {
+    let mut c = Config::new(id, lh, w);
+    c.bind = "127.0.0.1:0".parse().unwrap();
+    c.connect_timeout = Duration::from_secs(10);
+    Manager::start(c).await.unwrap()
+}
+
+/// A worker process's connection.
+struct Worker {
+    rd: BufReader<tokio::net::tcp::OwnedReadHalf>,
+    wr: tokio::net::tcp::OwnedWriteHalf,
+}
+
+impl Worker {
+    async fn connect(m: &Manager) -> Worker {
+        let s = TcpStream::connect(m.address()).await.unwrap();
+        let (rd, wr) = s.into_split();
+        Worker {
+            rd: BufReader::new(rd),
+            wr,
+        }
+    }
+
+    /// Connects and says hello as `rank` of `w`.
+    async fn hello(m: &Manager, rank: u64, w: u64) -> Worker {
+        let mut c = Worker::connect(m).await;
+        let a = c
+            .call(json!({"op": "hello", "group_rank": rank, "group_world_size": w, "pid": 1}))
+            .await;
+        assert_eq!(a["ok"], true, "{a}");
+        assert_eq!(a["store_address"], m.store_address());
+        c
+    }
+
+    async fn send_raw(&mut self, bytes: &[u8]) {
+        self.wr.write_all(bytes).await.unwrap();
+    }
+
+    async fn answer(&mut self) -> Value {
+        let mut line = String::new();
+        let n = tokio::time::timeout(LIMIT, self.rd.read_line(&mut line))
+            .await
+            .expect("an answer within the limit")
+            .unwrap();
+        assert!(n > 0, "the manager closed the connection without an answer");
+        serde_json::from_str(&line).unwrap()
+    }
+
+    async fn call(&mut self, req: Value) -> Value {
+        let mut line = req.to_string();
+        line.push('\n');
+        self.send_raw(line.as_bytes()).await;
+        self.answer().await
+    }
+
+    async fn quorum(&mut self, step: i64, metadata: &str, timeout_ms: u64) -> Value {
+        self.call(json!({"op": "quorum", "step": step, "metadata": metadata,
+            "init_sync": true, "timeout_ms": timeout_ms}))
+            .await
+    }
+
+    async fn vote(&mut self, step: i64, vote: bool, timeout_ms: u64) -> Value {
+        self.call(
+            json!({"op": "should_commit", "step": step, "vote": vote, "timeout_ms": timeout_ms}),
+        )
+        .await
+    }
+
+    /// Waits for the manager to close the connection.
+    async fn closed(&mut self) {
+        let mut rest = Vec::new();
+        tokio::time::timeout(LIMIT, self.rd.read_to_end(&mut rest))
+            .await
+            .expect("closed within the limit")
+            .unwrap();
+    }
+}
+
+/// Every worker of `groups` calls quorum at `steps[g]` at once; the answers
+/// by group then rank.
+async fn quorum_all(groups: &mut [Vec<Worker>], steps: &[i64]) -> Vec<Vec<Value>> {
+    let sizes: Vec<usize> = groups.iter().map(Vec::len).collect();
+    let mut calls = Vec::new();
+    for (g, ws) in groups.iter_mut().enumerate() {
+        let step = steps[g];
+        for (r, w) in ws.iter_mut().enumerate() {
+            calls.push(async move {
+                w.quorum(step, &format!("g{g}r{r}:1"), LIMIT.as_millis() as u64)
+                    .await
+            });
+        }
+    }
+    let mut flat = futures_join(calls).await.into_iter();
+    sizes
+        .iter()
+        .map(|&n| flat.by_ref().take(n).collect())
+        .collect()
+}
+
+/// Runs futures concurrently; their outputs in order.
+async fn futures_join<F: std::future::Future<Output = Value>>(fs: Vec<F>) -> Vec<Value> {
+    let mut pinned: Vec<_> = fs.into_iter().map(Box::pin).collect();
+    let mut out: Vec<Option<Value>> = vec![None; pinned.len()];
+    std::future::poll_fn(|cx| {
+        let mut done = true;
+        for (i, f) in pinned.iter_mut().enumerate() {
+            if out[i].is_none() {
+                match f.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => out[i] = Some(v),
+                    std::task::Poll::Pending => done = false,
+                }
+            }
+        }
+        if done {
+            std::task::Poll::Ready(())
+        } else {
+            std::task::Poll::Pending
+        }
+    })
+    .await;
+    out.into_iter().map(Option::unwrap).collect()
+}
+
+/// `quorum_all` with two groups of every worker: the answers, all ok.
+async fn ok_quorums(groups: &mut [Vec<Worker>], steps: &[i64]) -> Vec<Vec<Value>> {
+    let a = Box::pin(quorum_all(groups, steps)).await;
+    for g in &a {
+        for r in g {
+            assert_eq!(r["ok"], true, "{r}");
+        }
+    }
+    a
+}
+
+/// Polls the lighthouse's `/status` until `ok` holds (or the limit).
+async fn wait_status(addr: SocketAddr, ok: impl Fn(&Value) -> bool) {
+    let deadline = tokio::time::Instant::now() + LIMIT;
+    loop {
+        let (_, s) = http_get(addr, "/status".into()).await;
+        if ok(&s) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the lighthouse's status never got there: {s}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn http_get(addr: SocketAddr, path: String) -> (u16, Value) {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let req = format!("GET {path} HTTP/1.1\r\nHost: lh\r\nConnection: close\r\n\r\n");
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut out = String::new();
+    tokio::time::timeout(LIMIT, s.read_to_string(&mut out))
+        .await
+        .expect("an HTTP answer within the limit")
+        .unwrap();
+    let status = out[9..12].parse().unwrap();
+    let body = out.split_once("\r\n\r\n").map_or("", |p| p.1);
+    let v = serde_json::from_str(body).unwrap_or(Value::Null);
+    (status, v)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_healthy_round_of_two_groups_of_two() {
+    let lh = Lh::start(2).await;
+    let (m0, m1) = (
+        manager("g0", &lh.url(), 2).await,
+        manager("g1", &lh.url(), 2).await,
+    );
+    let mut groups = vec![
+        vec![
+            Worker::hello(&m0, 0, 2).await,
+            Worker::hello(&m0, 1, 2).await,
+        ],
+        vec![
+            Worker::hello(&m1, 0, 2).await,
+            Worker::hello(&m1, 1, 2).await,
+        ],
+    ];
+    let a = ok_quorums(&mut groups, &[0, 0]).await;
+    let q = |g: usize, r: usize| &a[g][r]["quorum"];
+    let id = q(0, 0)["quorum_id"].clone();
+    for (g, r) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
+        assert_eq!(q(g, r)["quorum_id"], id, "one quorum id");
+        assert_eq!(q(g, r)["replica_ids"], json!(["g0", "g1"]));
+        assert_eq!(q(g, r)["replica_rank"], g);
+        assert_eq!(q(g, r)["replica_id"], format!("g{g}"));
+        assert_eq!(q(g, r)["replica_world_size"], 2);
+        assert_eq!(q(g, r)["max_step"], 0);
+        // Group rank r's store: max_participants[r % 2]'s.
+        let store = if r == 0 {
+            m0.store_address()
+        } else {
+            m1.store_address()
+        };
+        assert_eq!(q(g, r)["store_address"], store);
+    }
+    // init_sync at step 0: group rank r's primary is group r % 2; the other
+    // heals from it, reading the source's metadata for rank r.
+    assert_eq!(q(0, 0)["heal"], false);
+    assert_eq!(q(1, 0)["heal"], true);
+    assert_eq!(q(1, 0)["recover_src_metadata"], "g0r0:1");
+    assert_eq!(q(0, 0)["recover_dst_replica_ranks"], json!([1]));
+    assert_eq!(q(0, 1)["heal"], true);
+    assert_eq!(q(0, 1)["recover_src_metadata"], "g1r1:1");
+
+    let mut votes = Vec::new();
+    for ws in groups.iter_mut() {
+        let [w0, w1] = &mut ws[..] else { panic!() };
+        let (a, b) = tokio::join!(w0.vote(0, true, 10_000), w1.vote(0, true, 10_000));
+        votes.extend([a, b]);
+    }
+    for v in votes {
+        assert_eq!(v, json!({"ok": true, "commit": true}));
+    }
+    let s = m0.status().borrow().clone();
+    assert_eq!(s.quorum_id, id.as_i64());
+    assert_eq!(s.members, ["g0", "g1"]);
+    assert_eq!(s.commits, 1);
+    assert!(s.connected);
+    m0.shutdown().await;
+    m1.shutdown().await;
+    lh.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_whose_worker_connection_ends_is_dropped_at_once() {
+    // A heartbeat timeout of a minute: only the dropped connection can
+    // explain a drop within the test's limit.
+    let lh = Lh::start_at("127.0.0.1:0".parse().unwrap(), 1, Duration::from_secs(60)).await;
+    let (m0, m1) = (
+        manager("g0", &lh.url(), 2).await,
+        manager("g1", &lh.url(), 2).await,
+    );
+    let mut events = m0.events();
+    let mut groups = vec![
+        vec![
+            Worker::hello(&m0, 0, 2).await,
+            Worker::hello(&m0, 1, 2).await,
+        ],
+        vec![
+            Worker::hello(&m1, 0, 2).await,
+            Worker::hello(&m1, 1, 2).await,
+        ],
+    ];
+    let a = ok_quorums(&mut groups, &[1, 1]).await;
+    let id = a[0][0]["quorum"]["quorum_id"].as_i64().unwrap();
+    assert_eq!(a[0][0]["quorum"]["replica_ids"], json!(["g0", "g1"]));
+
+    // Both of g1's ranks call: g1 waits at the lighthouse (g0 does not
+    // call); then rank 1's connection ends.
+    let path = format!("/v1/watch?quorum_id={id}&timeout_ms={}", LIMIT.as_millis());
+    let watcher = tokio::spawn(http_get(lh.addr, path));
+    let mut g1 = groups.pop().unwrap();
+    let mut survivor = g1.remove(0);
+    let waiting = tokio::spawn(async move { survivor.quorum(2, "g1r0:1", 20_000).await });
+    let mut dying = g1.remove(0);
+    dying
+        .send_raw(b"{\"op\":\"quorum\",\"step\":2,\"metadata\":\"g1r1:1\"}\n")
+        .await;
+    wait_status(lh.addr, |s| s["waiting"] == json!(["g1"])).await;
+    drop(dying);
+    let (code, v) = watcher.await.unwrap();
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["event"], "dropped", "{v}");
+    assert_eq!(v["replica_id"], "g1", "{v}");
+    let failed = waiting.await.unwrap();
+    assert_eq!(failed["ok"], false);
+    let e = failed["error"].as_str().unwrap();
+    assert!(
+        e.contains("group rank 1's connection to the manager ended"),
+        "{e}"
+    );
+
+    // g0's next quorum is g0 alone, within a deadline far under the
+    // heartbeat timeout.
+    let a = ok_quorums(&mut groups, &[2]).await;
+    let next = &a[0][0]["quorum"];
+    assert_eq!(next["replica_ids"], json!(["g0"]));
+    assert!(next["quorum_id"].as_i64().unwrap() > id);
+    let mut seen = Vec::new();
+    while let Ok(e) = events.try_recv() {
+        seen.push(e);
+    }
+    assert!(
+        seen.contains(&rallypoint_ft::FtEvent::Dropped {
+            replica: "g1".into()
+        }),
+        "{seen:?}"
+    );
+    assert_eq!(m0.status().borrow().drops, 1);
+    m0.shutdown().await;
+    m1.shutdown().await;
+    lh.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_id_held_by_a_live_group_is_refused_naming_it() {
+    let lh = Lh::start(1).await;
+    let first = manager("same", &lh.url(), 1).await;
+    let mut w = Worker::hello(&first, 0, 1).await;
+    let a = w.quorum(0, "a:1", LIMIT.as_millis() as u64).await;
+    assert_eq!(a["ok"], true, "{a}");
+
+    let second = manager("same", &lh.url(), 1).await;
+    let mut w2 = Worker::hello(&second, 0, 1).await;
+    let a = w2.quorum(0, "b:1", LIMIT.as_millis() as u64).await;
+    assert_eq!(a["ok"], false, "{a}");
+    let e = a["error"].as_str().unwrap();
+    assert!(e.contains("\"same\"") && e.contains("refused"), "{e}");
+    assert!(e.contains(&lh.url()), "names the lighthouse: {e}");
+    // The holder goes on.
+    let a = w.quorum(1, "a:1", LIMIT.as_millis() as u64).await;
+    assert_eq!(a["ok"], true, "{a}");
+    first.shutdown().await;
+    second.shutdown().await;
+    lh.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lighthouse_that_is_not_there_is_named_after_the_connect_timeout() {
+    let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = free.local_addr().unwrap();
+    drop(free);
+    let mut c = Config::new("g0", &format!("http://{addr}"), 1);
+    c.bind = "127.0.0.1:0".parse().unwrap();
+    c.connect_timeout = Duration::from_secs(1);
+    let m = Manager::start(c).await.unwrap();
+    let mut status = m.status();
+    let mut w = Worker::hello(&m, 0, 1).await;
+    let a = w.quorum(0, "a:1", LIMIT.as_millis() as u64).await;
+    assert_eq!(a["ok"], false, "{a}");
+    let e = a["error"].as_str().unwrap();
+    assert!(
+        e.contains(&format!(
+            "could not reach the lighthouse at http://{addr} within 1s"
+        )),
+        "{e}"
+    );
+    let s = tokio::time::timeout(LIMIT, status.wait_for(|s| s.last_error.is_some()))
+        .await
+        .unwrap()
+        .unwrap()
+        .clone();
+    assert!(!s.connected);
+    assert!(s.last_error.unwrap().contains(&addr.to_string()));
+    m.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_lighthouse_is_reconnected() {
+    let lh = Lh::start(1).await;
+    let addr = lh.addr;
+    let m = manager("g0", &lh.url(), 1).await;
+    let mut status = m.status();
+    let mut w = Worker::hello(&m, 0, 1).await;
+    let a = w.quorum(0, "a:1", LIMIT.as_millis() as u64).await;
+    assert_eq!(a["ok"], true, "{a}");
+    tokio::time::timeout(LIMIT, status.wait_for(|s| s.connected))
+        .await
+        .unwrap()
+        .unwrap();
+    lh.stop().await;
+    tokio::time::timeout(LIMIT, status.wait_for(|s| !s.connected))
+        .await
+        .expect("the lost lighthouse is noticed")
+        .unwrap();
+
+    let lh = Lh::start_at(addr, 1, Duration::from_secs(5)).await;
+    tokio::time::timeout(LIMIT, status.wait_for(|s| s.connected))
+        .await
+        .expect("reconnected")
+        .unwrap();
+    let a = w.quorum(1, "a:1", LIMIT.as_millis() as u64).await;
+    assert_eq!(a["ok"], true, "{a}");
+    assert_eq!(a["quorum"]["replica_ids"], json!(["g0"]));
+    m.shutdown().await;
+    lh.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn should_commit_is_the_and_of_the_ranks_and_its_timeout_names_who_never_voted() {
+    let lh = Lh::start(1).await;
+    let m = manager("g0", &lh.url(), 3).await;
+    let mut ws = Vec::new();
+    for r in 0..3 {
+        ws.push(Worker::hello(&m, r, 3).await);
+    }
+    let [a, b, c] = &mut ws[..] else { panic!() };
+    let (x, y, z) = tokio::join!(
+        a.vote(4, true, 10_000),
+        b.vote(4, false, 10_000),
+        c.vote(4, true, 10_000)
+    );
+    for v in [x, y, z] {
+        assert_eq!(v, json!({"ok": true, "commit": false}));
+    }
+    let (x, y, z) = tokio::join!(
+        a.vote(5, true, 10_000),
+        b.vote(5, true, 10_000),
+        c.vote(5, true, 10_000)
+    );
+    for v in [x, y, z] {
+        assert_eq!(v, json!({"ok": true, "commit": true}));
+    }
+    let v = b.vote(6, true, 300).await;
+    assert_eq!(v["ok"], false);
+    let e = v["error"].as_str().unwrap();
+    assert!(e.contains("group ranks [0, 2] never voted"), "{e}");
+    assert_eq!(m.status().borrow().commits, 1);
+    m.shutdown().await;
+    lh.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_at_step_zero_heals_from_the_groups_at_step_five() {
+    let lh = Lh::start(3).await;
+    let mut ms = Vec::new();
+    let mut groups = Vec::new();
+    for g in 0..3 {
+        let m = manager(&format!("g{g}"), &lh.url(), 2).await;
+        groups.push(vec![
+            Worker::hello(&m, 0, 2).await,
+            Worker::hello(&m, 1, 2).await,
+        ]);
+        ms.push(m);
+    }
+    let a = ok_quorums(&mut groups, &[5, 5, 0]).await;
+    let q = |g: usize, r: usize| &a[g][r]["quorum"];
+    for r in 0..2 {
+        assert_eq!(q(2, r)["heal"], true);
+        assert_eq!(q(2, r)["max_step"], 5);
+        assert_eq!(q(2, r)["max_replica_rank"], Value::Null);
+        assert_eq!(q(2, r)["max_world_size"], 2);
+        // Round robin over the up-to-date groups, offset by group rank.
+        assert_eq!(q(2, r)["recover_src_replica_rank"], r);
+        assert_eq!(q(2, r)["recover_src_metadata"], format!("g{r}r{r}:1"));
+        assert_eq!(q(r, r)["recover_dst_replica_ranks"], json!([2]));
+        assert_eq!(q(1 - r, r)["recover_dst_replica_ranks"], json!([]));
+        for g in 0..2 {
+            assert_eq!(q(g, r)["heal"], false);
+            assert_eq!(q(g, r)["max_replica_rank"], g);
+        }
+    }
+    // The healed rank reports; the manager counts it.
+    let w = &mut groups[2][0];
+    let a = w
+        .call(
+            json!({"op": "report", "kind": "heal", "step": 5, "bytes": 1000,
+            "seconds": 0.25, "sources": ["g0r0:1"]}),
+        )
+        .await;
+    assert_eq!(a, json!({"ok": true}));
+    let s = ms[2].status().borrow().clone();
+    assert_eq!((s.heals, s.heal_bytes, s.heal_seconds), (1, 1000, 0.25));
+    for m in ms {
+        m.shutdown().await;
+    }
+    lh.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_is_answered_and_closes_only_that_connection() {
+    let lh = Lh::start(1).await;
+    let m = manager("g0", &lh.url(), 2).await;
+    let mut good = Worker::hello(&m, 0, 2).await;
+    for (bad, want) in [
+        (&b"not json\n"[..], "not valid"),
+        (&b"{\"op\":\"fly\"}\n"[..], "fly"),
+        (
+            &b"{\"op\":\"quorum\",\"step\":0,\"metadata\":\"x\"}\n"[..],
+            "must be hello",
+        ),
+    ] {
+        let mut w = Worker::connect(&m).await;
+        w.send_raw(bad).await;
+        let a = w.answer().await;
+        assert_eq!(a["ok"], false);
+        assert!(a["error"].as_str().unwrap().contains(want), "{a}");
+        w.closed().await;
+    }
+    let mut w = Worker::connect(&m).await;
+    w.send_raw(&vec![b'x'; (1 << 20) + 10]).await;
+    let a = w.answer().await;
+    assert!(a["error"].as_str().unwrap().contains("longer than"), "{a}");
+    // A rank held, or a wrong world size: refused.
+    let mut w = Worker::connect(&m).await;
+    let a = w
+        .call(json!({"op": "hello", "group_rank": 0, "group_world_size": 2}))
+        .await;
+    assert!(a["error"].as_str().unwrap().contains("already held"), "{a}");
+    let mut w = Worker::connect(&m).await;
+    let a = w
+        .call(json!({"op": "hello", "group_rank": 1, "group_world_size": 3}))
+        .await;
+    assert!(a["error"].as_str().unwrap().contains("has 2 ranks"), "{a}");
+    // The good connection goes on (its vote waits for rank 1, then times out).
+    let v = good.vote(0, true, 200).await;
+    assert!(
+        v["error"].as_str().unwrap().contains("[1] never voted"),
+        "{v}"
+    );
+    m.shutdown().await;
+    lh.stop().await;
+}
