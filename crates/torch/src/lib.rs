@@ -14,6 +14,10 @@
 //! dist.all_reduce(t)
 //! ```
 //!
+//! It also carries `FtManager`, the replica group's manager of
+//! `rallypoint.ft` (crate `rallypoint-ft`) for a job started without
+//! `rally run --ft`, on a runtime of its own (see `ft.rs`).
+//!
 //! # How a call goes
 //!
 //! torch calls the Python backend's method (`allreduce`, ...) through its
@@ -45,6 +49,7 @@
 //! the groups that still have ops in flight and waits for our threads to leave
 //! Python (see `life.rs`).
 
+mod ft;
 mod life;
 mod store;
 
@@ -794,6 +799,7 @@ fn shutdown(py: Python<'_>) {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Group>()?;
+    m.add_class::<ft::FtManager>()?;
     m.add_function(wrap_pyfunction!(shutdown, m)?)?;
     Ok(())
 }

@@ -164,7 +164,7 @@ fn the_lighthouse_is_called_once_all_ranks_called_with_the_group_member() {
     // A late duplicate of the answer is ignored.
     let a = r.handle(Event::LighthouseAnswered {
         call: 1,
-        quorum: issued(&[member.clone()]),
+        quorum: issued(std::slice::from_ref(member)),
     });
     assert!(a.is_empty());
 }
@@ -499,7 +499,7 @@ proptest! {
                 }
                 Step::Answer => match m.calls.last() {
                     Some((call, member)) => {
-                        Event::LighthouseAnswered { call: *call, quorum: issued(&[member.clone()]) }
+                        Event::LighthouseAnswered { call: *call, quorum: issued(std::slice::from_ref(member)) }
                     }
                     None => continue,
                 },
