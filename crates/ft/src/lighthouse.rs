@@ -10,11 +10,14 @@
 //!
 //! * **Connecting** ([`Lighthouse::connect`]) is wanted from the first
 //!   hello on: a heartbeat task dials (retrying with a backoff up to 1 s)
-//!   and heartbeats every `heartbeat_interval`. HTTP/2 keep-alive and a
-//!   deadline on every heartbeat notice a lighthouse that was cut off; a
-//!   failed heartbeat drops the connection and the task dials again (a
-//!   restarted lighthouse is ridden out), reporting [`Link::Lost`] and
-//!   [`Link::Up`] to the server.
+//!   and heartbeats every `heartbeat_interval`, reporting [`Link::Up`] and
+//!   [`Link::Lost`] to the server. A heartbeat without an answer (a cut)
+//!   keeps the connection: a cut shorter than the lighthouse's keep-alive
+//!   must lose nothing, and closing would end our session there. HTTP/2
+//!   keep-alive (a ping every second, 2 s to answer) ends a connection
+//!   whose lighthouse is gone; a heartbeat that fails on a broken
+//!   connection drops it and the task dials again (a restarted lighthouse
+//!   is ridden out).
 //! * **A quorum call** ([`Lighthouse::quorum`]) waits for a connection (up
 //!   to the connect timeout: then an error naming the address), and is
 //!   retried on a new connection when the connection fails, until the
@@ -186,7 +189,7 @@ impl Shared {
             let conn = match self.ensure(until).await {
                 Ok(c) => c,
                 Err(e) => {
-                    self.report(Link::Lost(e), None);
+                    self.unreachable(e);
                     continue;
                 }
             };
@@ -201,36 +204,50 @@ impl Shared {
                         "a heartbeat to the lighthouse at {} failed: {status}",
                         self.url
                     );
-                    self.report(Link::Lost(e), Some(conn.epoch));
+                    // A broken connection is dialed again; a refusal from a
+                    // live lighthouse (a standby) keeps it.
+                    let broken = std::error::Error::source(&status).is_some();
+                    self.report(Link::Lost(e), broken.then_some(conn.epoch));
                 }
                 Err(_) => {
+                    // Silence: the connection stays, so a cut shorter than
+                    // the lighthouse's keep-alive loses nothing; HTTP/2
+                    // keep-alive ends it if the lighthouse is gone.
                     let e = format!(
                         "a heartbeat to the lighthouse at {} had no answer within {beat_limit:?}",
                         self.url
                     );
-                    self.report(Link::Lost(e), Some(conn.epoch));
+                    self.report(Link::Lost(e), None);
                 }
             }
             tokio::time::sleep(interval).await;
         }
     }
 
-    /// Notes a link change; `Lost` with an epoch also drops that
-    /// connection (if still current) so the next use dials again.
-    fn report(&self, link: Link, failed: Option<u64>) {
+    /// Notes a link change (reported when it changes); `Lost` with an
+    /// epoch also drops that connection (if still current) so the next use
+    /// dials again.
+    fn report(&self, link: Link, broken: Option<u64>) {
         let mut s = self.state.lock().expect("lock");
-        if let Some(epoch) = failed {
+        if let Some(epoch) = broken {
             if s.conn.as_ref().is_some_and(|c| c.epoch == epoch) {
                 s.conn.take().expect("conn").close();
             }
         }
-        if !s.wanted {
-            return;
-        }
         let up = link == Link::Up;
-        if s.up != up || (failed.is_none() && !up) {
+        if s.wanted && s.up != up {
             s.up = up;
             let _ = self.link.send(link);
+        }
+    }
+
+    /// No connection could be made within the connect timeout: reported
+    /// every time (the error names the address).
+    fn unreachable(&self, error: String) {
+        let mut s = self.state.lock().expect("lock");
+        if s.wanted {
+            s.up = false;
+            let _ = self.link.send(Link::Lost(error));
         }
     }
 

@@ -38,6 +38,10 @@ use crate::results::{self, QuorumResult};
 /// A group rank (0..W).
 pub type Rank = usize;
 
+/// The longest wait a call may ask for (a longer `timeout_ms` is cut to
+/// it): a week.
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(7 * 24 * 3600);
+
 /// What the round needs to know of its manager.
 #[derive(Clone, Debug)]
 pub struct Setup {
@@ -251,7 +255,7 @@ impl Round {
             out.push(Action::Fail { rank, error });
             return;
         }
-        let deadline = now + call.timeout;
+        let deadline = now + call.timeout.min(MAX_TIMEOUT);
         self.waiting.insert(rank, Waiting { call, deadline });
         if self.in_flight.is_some() || self.waiting.len() < self.setup.world_size {
             return;
@@ -335,7 +339,7 @@ impl Round {
             out.push(Action::Fail { rank, error });
             return;
         }
-        let deadline = now + timeout;
+        let deadline = now + timeout.min(MAX_TIMEOUT);
         let b = Ballot {
             step,
             vote,

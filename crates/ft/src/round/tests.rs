@@ -386,6 +386,28 @@ fn a_new_world_size_applies_to_the_next_hellos() {
     assert_eq!(r.setup().world_size, 3);
 }
 
+#[test]
+fn a_timeout_beyond_a_week_is_cut_to_a_week() {
+    let now = Instant::now();
+    let mut r = round(2);
+    let mut c = call(0, 0);
+    c.timeout = Duration::from_millis(u64::MAX);
+    r.handle(Event::Quorum {
+        rank: 0,
+        call: c,
+        now,
+    });
+    let v = Event::Vote {
+        rank: 1,
+        step: 0,
+        vote: true,
+        timeout: Duration::from_millis(u64::MAX),
+        now,
+    };
+    r.handle(v);
+    assert_eq!(r.next_deadline(), Some(now + MAX_TIMEOUT));
+}
+
 /// One step of the property test's schedule.
 #[derive(Clone, Debug)]
 enum Step {
