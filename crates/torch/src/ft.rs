@@ -35,9 +35,12 @@ impl FtManager {
     /// Starts a manager for replica group `replica_id` of `world_size`
     /// ranks, talking to the lighthouse at `lighthouse`
     /// (`http://host:port`); binds `bind` for the workers and the same IP,
-    /// any port, for the store.
+    /// any port, for the store. `connect_timeout` is another name of
+    /// `connect_timeout_s` (`rallypoint.ft` passes it by that name); it
+    /// wins when both are given.
     #[new]
-    #[pyo3(signature = (replica_id, lighthouse, world_size, bind="0.0.0.0:0", connect_timeout_s=60.0, heartbeat_ms=100))]
+    #[pyo3(signature = (replica_id, lighthouse, world_size, bind="0.0.0.0:0", connect_timeout_s=60.0, heartbeat_ms=100, connect_timeout=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         replica_id: String,
@@ -46,7 +49,9 @@ impl FtManager {
         bind: &str,
         connect_timeout_s: f64,
         heartbeat_ms: u64,
+        connect_timeout: Option<f64>,
     ) -> PyResult<FtManager> {
+        let connect_timeout_s = connect_timeout.unwrap_or(connect_timeout_s);
         let bind: SocketAddr = bind.parse().map_err(|e| {
             PyValueError::new_err(format!("bind {bind:?} is not an IP:PORT address: {e}"))
         })?;

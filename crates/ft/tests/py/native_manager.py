@@ -76,7 +76,17 @@ def main():
     except RuntimeError as e:
         assert "ftp://x" in str(e), e
 
-    ms = [FtManager(f"g{g}", url, 2, bind="127.0.0.1:0", connect_timeout_s=10.0) for g in range(2)]
+    try:
+        FtManager("g", url, 1, bind="127.0.0.1:0", connect_timeout=-1.0)
+        raise AssertionError("a negative connect timeout was accepted")
+    except ValueError as e:
+        assert "-1" in str(e), e
+
+    # connect_timeout (rallypoint.ft's keyword) and connect_timeout_s.
+    ms = [
+        FtManager("g0", url, 2, bind="127.0.0.1:0", connect_timeout_s=10.0),
+        FtManager(replica_id="g1", lighthouse=url, world_size=2, bind="127.0.0.1:0", connect_timeout=10.0),
+    ]
     ws = [[Worker(m.address(), r, 2) for r in range(2)] for m in ms]
     steps = [3, 0]
     calls = [
