@@ -71,7 +71,7 @@ def _start(replica_id: str, lighthouse: str, world_size: int, connect_timeout: f
             "rallypoint.ft: no RALLY_FT_MANAGER, and this build of rallypoint._native has no FtManager to start one"
             " in-process: run under `rally run --ft`, or set RALLY_FT_MANAGER to a running manager"
         )
-    return cls(replica_id=replica_id, lighthouse=lighthouse, world_size=world_size, connect_timeout=connect_timeout)
+    return cls(replica_id=replica_id, lighthouse=lighthouse, world_size=world_size, connect_timeout_s=connect_timeout)
 
 
 def manager_address(replica_group: Optional[str], lighthouse: Optional[str], group_rank: int, world_size: int, connect_timeout: float) -> Located:

@@ -32,7 +32,10 @@ fn case(name: &str) -> String {
     let status = job.wait(LIMIT);
     let out = job.output();
     assert!(status.success(), "{name}: {status}\n{out}");
-    assert!(out.contains(&format!("PASS {name}")), "{name} did not pass:\n{out}");
+    assert!(
+        out.contains(&format!("PASS {name}")),
+        "{name} did not pass:\n{out}"
+    );
     out
 }
 
@@ -54,4 +57,118 @@ fn the_manager_client_frames_lines_with_deadlines_and_reconnects() {
 #[test]
 fn the_api_loads_and_runs_with_torchft_hidden() {
     case("no_torchft");
+}
+
+/// `rally lighthouse --min_replicas 2` on loopback, once it listens.
+fn lighthouse(dir: &std::path::Path, port: u16) -> Job {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_rally"));
+    c.args(["lighthouse", "--min_replicas", "2", "--bind"])
+        .arg(format!("127.0.0.1:{port}"));
+    let j = Job::spawn(c, dir, "lighthouse");
+    let t0 = std::time::Instant::now();
+    while !j.output().contains("listening on") {
+        assert!(
+            t0.elapsed() < LIMIT,
+            "no lighthouse within {LIMIT:?}: {}",
+            j.output()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    j
+}
+
+fn result(dir: &std::path::Path, group: usize) -> serde_json::Value {
+    let p = dir.join(format!("{group}.json"));
+    serde_json::from_str(&std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{p:?}: {e}")))
+        .unwrap()
+}
+
+/// A complete CPU training loop on `rallypoint.ft` alone
+/// (`tests/py/ft/manager_loop.py`), 2 replica groups of one process, each
+/// its own `rally run --ft` (the group's manager in the agent), started from
+/// different seeds: both commit every one of 20 steps, `init_sync` makes one
+/// replica take the other's state at the first step (one heal in all), and
+/// after every step the parameters are bitwise equal across the groups.
+#[test]
+fn two_replica_groups_from_different_seeds_train_one_model_under_rally_run_ft() {
+    let dir = tempfile::tempdir().unwrap();
+    let site = package(dir.path());
+    let out = dir.path().join("results");
+    std::fs::create_dir(&out).unwrap();
+    let port = super::free_port();
+    let mut lh = lighthouse(dir.path(), port);
+    let mut groups: Vec<Job> = (0..2)
+        .map(|i| {
+            let mut c = Command::new(env!("CARGO_BIN_EXE_rally"));
+            c.args(["run", "--ft", "--standalone", "--nproc-per-node", "1"])
+                .args(["--ft-replica-group", &i.to_string()])
+                .args(["--ft-lighthouse", &format!("127.0.0.1:{port}")])
+                .arg(python())
+                .arg(script("ft/manager_loop.py"))
+                .env("PYTHONPATH", &site)
+                .env("RESULT_DIR", &out)
+                .env("STEPS", "20")
+                .env("OMP_NUM_THREADS", "1")
+                .env("PYTHONUNBUFFERED", "1");
+            Job::spawn(c, dir.path(), &format!("group{i}"))
+        })
+        .collect();
+    let logs = |groups: &[Job]| {
+        groups
+            .iter()
+            .map(|g| g.output())
+            .collect::<Vec<_>>()
+            .join("\n----\n")
+    };
+    let statuses: Vec<_> = groups.iter_mut().map(|g| g.wait(LIMIT)).collect();
+    for (i, status) in statuses.iter().enumerate() {
+        assert!(status.success(), "group {i}: {status}\n{}", logs(&groups));
+    }
+    let _ = lh.child.kill();
+    let _ = lh.child.wait();
+    let (a, b) = (result(&out, 0), result(&out, 1));
+    assert_ne!(
+        a["initial"], b["initial"],
+        "the seeds gave one model: init_sync is untested"
+    );
+    for v in [&a, &b] {
+        assert_eq!(v["commits"], 20, "{v}\n{}", logs(&groups));
+        assert_eq!(
+            v["not_committed"], 0,
+            "a healthy run left steps uncommitted: {v}"
+        );
+    }
+    assert_eq!(
+        a["digests"], b["digests"],
+        "the parameters differ after some step:\n{a}\n{b}"
+    );
+    let heals = a["heals"].as_u64().unwrap() + b["heals"].as_u64().unwrap();
+    assert_eq!(
+        heals, 1,
+        "init_sync: one replica heals at the first step: {a}\n{b}"
+    );
+}
+
+/// The same loop without `rally run`: each group's rank 0 starts its
+/// group's manager in-process (`rallypoint._native.FtManager`), against
+/// torchft's own lighthouse (`manager_loop.py drive`, which checks the same
+/// as above and that no worker imported torchft).
+#[test]
+fn two_replica_groups_with_in_process_managers_train_one_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = Command::new(python());
+    c.arg(script("ft/manager_loop.py"))
+        .arg("drive")
+        .env("PYTHONPATH", package(dir.path()))
+        .env("PYTHONUNBUFFERED", "1")
+        .env("OMP_NUM_THREADS", "1")
+        .env("STEPS", "20")
+        .env_remove("RALLY_FT_MANAGER");
+    let mut job = Job::spawn(c, dir.path(), "drive");
+    let status = job.wait(LIMIT);
+    let out = job.output();
+    assert!(
+        status.success() && out.contains("PASS drive"),
+        "{status}\n{out}"
+    );
 }

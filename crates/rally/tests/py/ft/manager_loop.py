@@ -19,13 +19,23 @@ The manager is found as the Manager finds it: ``RALLY_FT_MANAGER`` (under
 Environment: ``RESULT_DIR``, ``STEPS`` (default 20), ``MIN_REPLICAS``
 (default 2), ``NUM_REPLICA_GROUPS`` (default 2), ``FT_TIMEOUT`` (seconds,
 default 30).
+
+``python manager_loop.py drive`` runs the whole test without ``rally run``:
+torchft's own lighthouse (``torchft.coordination.LighthouseServer``, in the
+driver only), and ``NUM_REPLICA_GROUPS`` workers of one process each, each
+starting its group's manager in-process (``_native.FtManager``); it checks
+what :func:`check` says and prints ``PASS drive``. The workers run with
+torchft made unimportable.
 """
 
 import hashlib
 import json
 import logging
 import os
+import subprocess
 import sys
+import tempfile
+import time
 from datetime import timedelta
 
 import torch
@@ -48,7 +58,17 @@ def group_id() -> str:
     raise SystemExit("manager_loop.py: no RALLY_FT_REPLICA_GROUP nor REPLICA_GROUP_ID")
 
 
+class _NoTorchft:
+    """Makes torchft unimportable in a worker: the loop must not need it."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "torchft" or name.startswith("torchft."):
+            raise ImportError(f"manager_loop.py hides torchft ({name})")
+        return None
+
+
 def main() -> None:
+    sys.meta_path.insert(0, _NoTorchft())
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import rallypoint.ft as ft
 
@@ -104,6 +124,7 @@ def main() -> None:
         "heals": manager.heals,
         "steps_run": run,
         "losses": losses,
+        "torchft_imported": any(k == "torchft" or k.startswith("torchft.") for k in sys.modules),
     }
     manager.shutdown()
     with open(os.path.join(os.environ["RESULT_DIR"], f"{group}.json"), "w") as f:
@@ -111,5 +132,58 @@ def main() -> None:
     print(f"manager_loop: group {group} done: {len(digests)} commits in {run} steps", flush=True)
 
 
+def check(results: list, steps: int) -> None:
+    """Every group committed every step and none other, from different
+    initial parameters to bitwise-equal ones after each step, with one heal
+    in all (init_sync at the first step), and never imported torchft."""
+    initial = {r["initial"] for r in results}
+    assert len(initial) == len(results), f"the seeds gave equal models: init_sync is untested: {initial}"
+    for r in results:
+        assert r["commits"] == steps and r["not_committed"] == 0, f"group {r['group']}: {r['commits']} commits, {r['not_committed']} not committed: {r['reasons']}"
+        assert not r["torchft_imported"], f"group {r['group']} imported torchft"
+        assert r["digests"] == results[0]["digests"], f"groups {results[0]['group']} and {r['group']} differ after some step"
+    heals = sum(r["heals"] for r in results)
+    assert heals == len(results) - 1, f"init_sync: every replica but one heals once at the first step; {heals} heals"
+
+
+def drive() -> None:
+    """The whole test without rally run (module doc)."""
+    from torchft.coordination import LighthouseServer
+
+    groups = int(os.environ.get("NUM_REPLICA_GROUPS", "2"))
+    steps = int(os.environ.get("STEPS", "20"))
+    limit = float(os.environ.get("DRIVE_LIMIT_S", "240"))
+    lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=groups, join_timeout_ms=60000)
+    url = "http://127.0.0.1:" + lh.address().rsplit(":", 1)[1]
+    with tempfile.TemporaryDirectory() as d:
+        procs = []
+        for g in range(groups):
+            env = dict(os.environ, RESULT_DIR=d, REPLICA_GROUP_ID=str(g), TORCHFT_LIGHTHOUSE=url, RANK="0", WORLD_SIZE="1")
+            env.pop("RALLY_FT_MANAGER", None)
+            log = open(os.path.join(d, f"group{g}.log"), "w")
+            procs.append((subprocess.Popen([sys.executable, __file__], env=env, stdout=log, stderr=subprocess.STDOUT), log))
+        deadline = time.monotonic() + limit
+        codes = []
+        for p, log in procs:
+            try:
+                codes.append(p.wait(timeout=max(deadline - time.monotonic(), 0.1)))
+            except subprocess.TimeoutExpired:
+                for q, _ in procs:
+                    q.kill()
+                codes.append("timeout")
+            log.close()
+        logs = "\n".join(f"---- group {g}\n" + open(os.path.join(d, f"group{g}.log")).read()[-6000:] for g in range(groups))
+        assert codes == [0] * groups, f"workers ended with {codes} (limit {limit:g} s)\n{logs}"
+        results = [json.load(open(os.path.join(d, f"{g}.json"))) for g in range(groups)]
+    lh.shutdown()
+    check(results, steps)
+    first_loss, last_loss = results[0]["losses"][0], results[0]["losses"][-1]
+    print(f"drive: {groups} groups x {steps} steps, loss {first_loss:.3f} -> {last_loss:.3f}")
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["drive"]:
+        drive()
+        print("PASS drive")
+    else:
+        main()
