@@ -14,7 +14,7 @@
 //!   [`Link::Lost`] to the server. A heartbeat without an answer (a cut)
 //!   keeps the connection: a cut shorter than the lighthouse's keep-alive
 //!   must lose nothing, and closing would end our session there. HTTP/2
-//!   keep-alive (a ping every second, 2 s to answer) ends a connection
+//!   keep-alive (a ping every second, 5 s to answer) ends a connection
 //!   whose lighthouse is gone; a heartbeat that fails on a broken
 //!   connection drops it and the task dials again (a restarted lighthouse
 //!   is ridden out).
@@ -320,7 +320,7 @@ impl Shared {
         let channel = Endpoint::from_shared(self.url.clone())
             .map_err(|e| e.to_string())?
             .http2_keep_alive_interval(Duration::from_secs(1))
-            .keep_alive_timeout(Duration::from_secs(2))
+            .keep_alive_timeout(Duration::from_secs(5))
             .keep_alive_while_idle(true)
             .connect_with_connector(connector)
             .await

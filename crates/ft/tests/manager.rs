@@ -570,3 +570,99 @@ async fn bad_input_is_answered_and_closes_only_that_connection() {
     m.shutdown().await;
     lh.stop().await;
 }
+
+/// A TCP proxy to `to` that a test can pause (bytes wait, as on a cut
+/// link); counts the connections it accepted.
+struct Proxy {
+    addr: SocketAddr,
+    paused: tokio::sync::watch::Sender<bool>,
+    accepted: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Proxy {
+    async fn start(to: SocketAddr) -> Proxy {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (paused, _) = tokio::sync::watch::channel(false);
+        let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (p, n) = (paused.clone(), accepted.clone());
+        tokio::spawn(async move {
+            loop {
+                let (a, _) = listener.accept().await.unwrap();
+                n.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let b = TcpStream::connect(to).await.unwrap();
+                let (ar, aw) = a.into_split();
+                let (br, bw) = b.into_split();
+                tokio::spawn(pipe(ar, bw, p.subscribe()));
+                tokio::spawn(pipe(br, aw, p.subscribe()));
+            }
+        });
+        Proxy {
+            addr,
+            paused,
+            accepted,
+        }
+    }
+}
+
+async fn pipe(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    mut paused: tokio::sync::watch::Receiver<bool>,
+) {
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        if paused.wait_for(|p| !*p).await.is_err() {
+            return;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_shorter_than_the_keep_alive_keeps_the_session() {
+    // The lighthouse's keep-alive is a minute: only our closing the
+    // connection could drop the group within the test.
+    let lh = Lh::start_at("127.0.0.1:0".parse().unwrap(), 1, Duration::from_secs(60)).await;
+    let proxy = Proxy::start(lh.addr).await;
+    let m = manager("g0", &format!("http://{}", proxy.addr), 1).await;
+    let mut status = m.status();
+    let mut w = Worker::hello(&m, 0, 1).await;
+    let a = w.quorum(0, "a:1", LIMIT.as_millis() as u64).await;
+    assert_eq!(a["ok"], true, "{a}");
+    let id = a["quorum"]["quorum_id"].clone();
+    tokio::time::timeout(LIMIT, status.wait_for(|s| s.connected))
+        .await
+        .unwrap()
+        .unwrap();
+
+    // Cut: the heartbeats go unanswered and the status says so.
+    proxy.paused.send_replace(true);
+    let s = tokio::time::timeout(LIMIT, status.wait_for(|s| !s.connected))
+        .await
+        .expect("the silence is noticed")
+        .unwrap()
+        .clone();
+    assert!(s.last_error.unwrap().contains("had no answer"));
+    // Healed: the same connection answers again, the group was never
+    // dropped, and its next quorum keeps the id.
+    proxy.paused.send_replace(false);
+    tokio::time::timeout(LIMIT, status.wait_for(|s| s.connected))
+        .await
+        .expect("heartbeats answered again")
+        .unwrap();
+    let a = w.quorum(1, "a:1", LIMIT.as_millis() as u64).await;
+    assert_eq!(a["ok"], true, "{a}");
+    assert_eq!(a["quorum"]["quorum_id"], id, "no drop, no new quorum");
+    assert_eq!(proxy.accepted.load(std::sync::atomic::Ordering::SeqCst), 1);
+    let (_, st) = http_get(lh.addr, "/status".into()).await;
+    assert_eq!(st["counters"]["drops"], 0, "{st}");
+    m.shutdown().await;
+    lh.stop().await;
+}
