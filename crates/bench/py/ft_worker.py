@@ -7,6 +7,12 @@ wrappers, unchanged, with one of two sets of parts (issue 47):
 - ``FT_SIDE=rally``: ``rallypoint.ft.ProcessGroupRally`` and
   ``rallypoint.ft.RallyTransport``, against ``rally lighthouse``;
 
+or rallypoint's own loop with no torchft at all (issue 48):
+
+- ``FT_SIDE=ft``: ``rallypoint.ft``'s ``Manager``, ``DistributedDataParallel``
+  and ``Optimizer``, run by ``rally run --ft`` (the group's manager and store
+  in the agent; its environment names the group and the lighthouse);
+
 and, for the floor without fault tolerance, plain torch DDP across the
 replicas (``FT_SIDE=ddp-rally`` or ``ddp-gloo``: one process group of
 ``NUM_REPLICA_GROUPS`` ranks through replica 0's store; ``ddp-gloo-local``:
@@ -39,7 +45,9 @@ Environment (besides torchft's ``TORCHFT_LIGHTHOUSE``):
 - ``FT_FAULT`` at ``FT_FAULT_STEP``: ``kill-between`` (SIGKILL after that
   step's commit is recorded), ``kill-allreduce`` or ``stop-allreduce`` (SIGKILL
   or SIGSTOP just after the step's gradient all_reduce has started); the
-  moment is recorded first (``{"event": "fault", "signal", "t"}``).
+  moment is recorded first (``{"event": "fault", "signal", "t"}``). Under
+  ``rally run`` only the first incarnation faults
+  (``TORCHELASTIC_RESTART_COUNT`` 0): the restarted worker trains.
 """
 
 import datetime
@@ -94,10 +102,18 @@ def _fault(out, sig) -> None:
     os.kill(os.getpid(), sig)
 
 
+def _fault_kind() -> str:
+    """``FT_FAULT``, on the first incarnation only."""
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return ""
+    return os.environ.get("FT_FAULT", "")
+
+
 def _fault_hook(out, pg, step_of):
-    """Wraps ``pg.allreduce`` so that at ``FT_FAULT_STEP`` this process kills
-    or stops itself right after its all_reduce has started."""
-    fault = os.environ.get("FT_FAULT", "")
+    """Wraps ``pg.allreduce`` (an object with one) so that at
+    ``FT_FAULT_STEP`` this process kills or stops itself right after its
+    all_reduce has started."""
+    fault = _fault_kind()
     if fault not in ("kill-allreduce", "stop-allreduce"):
         return
     at = int(os.environ["FT_FAULT_STEP"])
@@ -166,15 +182,49 @@ def run_ft(out, side: str) -> None:
     _fault_hook(out, pg, manager.current_step)
     m = DistributedDataParallel(manager, model)
     opt = Optimizer(manager, inner)
-    loss_fn = nn.CrossEntropyLoss()
     _log(out, event="ready")
-    steps, commits = 0, 0
     limit_steps = int(os.environ.get("FT_STEPS", "1000000"))
     deadline = time.monotonic() + float(os.environ.get("FT_SECONDS", "1e9"))
     digest = os.environ.get("FT_DIGEST") == "1"
-    kill_between = int(os.environ["FT_FAULT_STEP"]) if os.environ.get("FT_FAULT") == "kill-between" else None
+    kill_between = int(os.environ["FT_FAULT_STEP"]) if _fault_kind() == "kill-between" else None
     batches = _batches(1000 + manager.current_step(), int(os.environ.get("FT_BATCH", "32")), width)
     stop_file = os.environ.get("FT_STOP_FILE")
+    _loop(out, manager, m, opt, inner, model, batches, limit_steps, deadline, digest, kill_between, stop_file)
+    manager.shutdown(wait=False)
+
+
+def run_rally_ft(out) -> None:
+    """rallypoint's own loop (``FT_SIDE=ft``): ``rallypoint.ft`` alone, no
+    torchft, under ``rally run --ft`` (which names the group, the lighthouse
+    and the group's manager in the environment)."""
+    import rallypoint.ft as ft
+
+    model = _model(os.environ.get("FT_MODEL", "small"))
+    width = model[0].in_features
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    manager = ft.Manager(
+        min_replicas=int(os.environ.get("FT_MIN_REPLICAS", "1")),
+        state={"model": model, "optim": inner},
+        timeout=datetime.timedelta(seconds=float(os.environ.get("FT_PG_TIMEOUT", "30"))),
+    )
+    _fault_hook(out, manager, manager.current_step)
+    m = ft.DistributedDataParallel(manager, model)
+    opt = ft.Optimizer(manager, inner)
+    _log(out, event="ready", restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    limit_steps = int(os.environ.get("FT_STEPS", "1000000"))
+    deadline = time.monotonic() + float(os.environ.get("FT_SECONDS", "1e9"))
+    digest = os.environ.get("FT_DIGEST") == "1"
+    kill_between = int(os.environ["FT_FAULT_STEP"]) if _fault_kind() == "kill-between" else None
+    batches = _batches(1000 + manager.current_step(), int(os.environ.get("FT_BATCH", "32")), width)
+    stop_file = os.environ.get("FT_STOP_FILE")
+    _loop(out, manager, m, opt, inner, model, batches, limit_steps, deadline, digest, kill_between, stop_file)
+    manager.shutdown()
+
+
+def _loop(out, manager, m, opt, inner, model, batches, limit_steps, deadline, digest, kill_between, stop_file) -> None:
+    """The training loop both fault-tolerant sides run, and its records."""
+    loss_fn = nn.CrossEntropyLoss()
+    steps, commits = 0, 0
     while commits < limit_steps and time.monotonic() < deadline:
         if stop_file and os.path.exists(stop_file):
             break
@@ -194,7 +244,6 @@ def run_ft(out, side: str) -> None:
             kill_between = None
             _fault(out, signal.SIGKILL)
     _log(out, event="done", steps=steps, commits=commits)
-    manager.shutdown(wait=False)
 
 
 def run_ddp(out, backend: str) -> None:
@@ -238,6 +287,8 @@ def main() -> None:
     with open(os.environ["FT_OUT"], "a") as out:
         if side.startswith("ddp-"):
             run_ddp(out, side[4:])
+        elif side == "ft":
+            run_rally_ft(out)
         else:
             run_ft(out, side)
 

@@ -788,6 +788,8 @@ mod collectives;
 mod dropin;
 #[path = "run/ft_hosts.rs"]
 mod ft_hosts;
+#[path = "run/ft_run.rs"]
+mod ft_run;
 #[path = "run/ft_process_group.rs"]
 mod ft_process_group;
 #[path = "run/ft_transport.rs"]

@@ -229,6 +229,53 @@ pub struct RunArgs {
     /// (rallypoint) Serve /status (JSON) and /metrics (Prometheus) on this port.
     #[arg(long = "status-port", env = "RALLY_STATUS_PORT")]
     pub(super) status_port: Option<u16>,
+    /// (rallypoint) Per-step fault tolerance: this run is one replica group
+    /// of a job that never restarts. A failure restarts only this group's
+    /// workers (they rejoin through the quorum and heal); other groups keep
+    /// training. Needs --ft-replica-group and --ft-lighthouse (or
+    /// --ft-serve-lighthouse). See docs/ft.md.
+    #[arg(long = "ft")]
+    pub(super) ft: bool,
+    /// (rallypoint, --ft) This replica group's id, unique among the job's
+    /// live groups.
+    #[arg(
+        long = "ft-replica-group",
+        env = "RALLY_FT_REPLICA_GROUP",
+        value_name = "ID"
+    )]
+    pub(super) ft_replica_group: Option<String>,
+    /// (rallypoint, --ft) The quorum service, `HOST:PORT` (`rally
+    /// lighthouse`, or torchft's `torchft_lighthouse`).
+    #[arg(
+        long = "ft-lighthouse",
+        env = "RALLY_FT_LIGHTHOUSE",
+        value_name = "HOST:PORT"
+    )]
+    pub(super) ft_lighthouse: Option<String>,
+    /// (rallypoint, --ft) Run `rally lighthouse` inside this `rally run`,
+    /// on BIND (default `[::]:29510`): one command per host. Other groups
+    /// point --ft-lighthouse at this host; the lighthouse goes when this
+    /// run ends.
+    #[arg(
+        long = "ft-serve-lighthouse",
+        value_name = "BIND",
+        num_args = 0..=1,
+        default_missing_value = "[::]:29510"
+    )]
+    pub(super) ft_serve_lighthouse: Option<std::net::SocketAddr>,
+    /// (rallypoint, --ft-serve-lighthouse) The fewest replica groups a new
+    /// quorum may have (`rally lighthouse --min_replicas`).
+    #[arg(long = "ft-min-replicas", default_value_t = 1)]
+    pub(super) ft_min_replicas: u64,
+    /// (rallypoint, --ft) Seconds to keep trying an unreachable lighthouse,
+    /// at start and whenever this group rejoins (a lighthouse that is
+    /// itself restarting is ridden out), before failing with its address.
+    #[arg(
+        long = "ft-connect-timeout",
+        env = "RALLY_FT_CONNECT_TIMEOUT",
+        default_value_t = 60.0
+    )]
+    pub(super) ft_connect_timeout: f64,
     /// Print a completion script for `rally` to stdout and exit: bash, zsh,
     /// tcsh (as torchrun), fish, elvish or powershell.
     #[arg(long = "print-completion", visible_alias = "print_completion",

@@ -13,6 +13,8 @@
 //! the rendezvous handler is created; the agent runs the workers while the
 //! [`console`] prints its events; at the end the [`report`] says how it
 //! went, and the [`error_file`] is written for a scheduler that asked.
+//! With `--ft` the run is one replica group of a fault-tolerant job: the
+//! group's manager (and, if asked, the lighthouse) runs here ([`ft`]).
 //!
 //! [`AgentSpec`]: rallypoint_elastic::agent::AgentSpec
 
@@ -20,6 +22,7 @@ mod args;
 mod console;
 mod entrypoint;
 mod error_file;
+mod ft;
 mod numa_binding;
 mod plan;
 mod rendezvous;
@@ -30,6 +33,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use rallypoint_elastic::agent::events::{EventSink, Fanout};
 use rallypoint_elastic::agent::{status, Agent, Outcome};
 use rallypoint_elastic::multiprocessing::watchdog;
 use rallypoint_rendezvous::registry::Registry;
@@ -42,6 +46,7 @@ use plan::Plan;
 /// Runs the job; returns the process exit code.
 pub fn run(a: RunArgs) -> anyhow::Result<i32> {
     let plan = plan::plan(&a)?;
+    let ft_plan = ft::plan(&a, plan.max_nodes)?;
     set_worker_environment(&a, &plan);
     // Kills every descendant of the workers if this process dies, SIGKILL
     // included (see the watchdog module). Released once the agent has swept;
@@ -70,9 +75,27 @@ pub fn run(a: RunArgs) -> anyhow::Result<i32> {
     };
     console::announce(&plan);
     let events = console::sinks(&a)?;
+    let ft = match ft_plan {
+        Some(p) => match ft::Ft::start(&rt, p, plan.spec.local_world_size) {
+            Ok(ft) => Some(ft),
+            Err(e) => {
+                say!("rally run: {e:#}");
+                return Ok(Outcome::Error(format!("{e:#}")).exit_code());
+            }
+        },
+        None => None,
+    };
+    let events = match &ft {
+        Some(ft) => {
+            ft.forward_events(&rt, events.clone());
+            Arc::new(Fanout(vec![ft.stop_teller(), events])) as Arc<dyn EventSink>
+        }
+        None => events,
+    };
     let agent = Agent::new(plan.spec, handler).with_events(events);
     if let Some(port) = a.status_port {
-        serve_status(&rt, port, &agent)?;
+        let sections = ft.iter().map(ft::Ft::section).collect();
+        serve_status(&rt, port, &agent, sections)?;
     }
     // On this thread: the workers' parent-death signal follows it.
     let outcome = rt.block_on(agent.run());
@@ -84,6 +107,10 @@ pub fn run(a: RunArgs) -> anyhow::Result<i32> {
         }
     }
     finish(&outcome, &a);
+    if let Some(ft) = ft {
+        say!("{}", ft.summary());
+        ft.shutdown(&rt);
+    }
     let code = outcome.exit_code();
     // Do not wait for background tasks (heartbeats, the hosted store).
     rt.shutdown_timeout(Duration::from_millis(100));
@@ -109,11 +136,17 @@ fn create_handler(
         .map(Arc::<dyn RendezvousHandler>::from)
 }
 
-/// `--status-port`: /status and /metrics of the agent, said on the console.
-fn serve_status(rt: &Runtime, port: u16, agent: &Agent) -> anyhow::Result<()> {
+/// `--status-port`: /status and /metrics of the agent (and `sections`),
+/// said on the console.
+fn serve_status(
+    rt: &Runtime,
+    port: u16,
+    agent: &Agent,
+    sections: Vec<Arc<dyn status::Section>>,
+) -> anyhow::Result<()> {
     let addr = SocketAddr::from(([0, 0, 0, 0], port));
     let bound = rt
-        .block_on(status::serve(addr, agent.status()))
+        .block_on(status::serve_with(addr, agent.status(), sections))
         .with_context(|| format!("--status-port {port}"))?;
     say!("rally run: status at http://{bound}/status, metrics at /metrics");
     Ok(())

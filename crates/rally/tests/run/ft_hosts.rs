@@ -30,7 +30,7 @@ use super::{python, Job, LIMIT};
 /// The group's timeout in these tests: far above every bound below.
 const PG_TIMEOUT: &str = "30";
 /// The margin on a bound (the project's rule for tests across hosts).
-const MARGIN: Duration = Duration::from_secs(5);
+pub(super) const MARGIN: Duration = Duration::from_secs(5);
 /// Where the lighthouse listens on node1.
 const LH_PORT: u16 = 29710;
 
@@ -39,7 +39,7 @@ fn worker() -> PathBuf {
 }
 
 /// `rally lighthouse` on `host`, its keep-alive `heartbeat_ms`.
-fn lighthouse_on(host: &Host, dir: &Path, heartbeat_ms: u64) -> Job {
+pub(super) fn lighthouse_on(host: &Host, dir: &Path, heartbeat_ms: u64) -> Job {
     let mut cmd = host.command(env!("CARGO_BIN_EXE_rally"));
     cmd.args(["lighthouse", "--min_replicas", "1", "--bind"])
         .arg(format!("{}:{LH_PORT}", host.addr))
@@ -53,22 +53,36 @@ fn lighthouse_on(host: &Host, dir: &Path, heartbeat_ms: u64) -> Job {
     j
 }
 
-fn unix_ms() -> u128 {
+pub(super) fn unix_ms() -> u128 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_millis()
 }
 
-/// The replicas' records, one file per process started.
-struct Replica {
-    job: Job,
+/// How each replica group is launched.
+#[derive(Clone, Copy, PartialEq)]
+pub(super) enum Launch {
+    /// One Python process per group, torchft's loop over our parts
+    /// (issue 47).
+    Torchft,
+    /// `rally run --ft --standalone` per group, `rallypoint.ft`'s loop
+    /// (issue 48): the group's manager and store in the agent, a failed
+    /// worker restarted by its own agent.
+    RallyRunFt,
+}
+
+/// The replicas' records, one file per process started (under `rally run`,
+/// one per group: a restarted worker appends to its predecessor's).
+pub(super) struct Replica {
+    pub(super) job: Job,
     out: PathBuf,
-    pid: u32,
+    /// The worker's pid when the test started it itself.
+    pid: Option<u32>,
 }
 
 impl Replica {
-    fn records(&self) -> Vec<Value> {
+    pub(super) fn records(&self) -> Vec<Value> {
         std::fs::read_to_string(&self.out)
             .unwrap_or_default()
             .lines()
@@ -77,14 +91,14 @@ impl Replica {
     }
 
     /// The time (unix seconds) of the first record matching `f`.
-    fn first(&self, f: impl Fn(&Value) -> bool) -> Option<f64> {
+    pub(super) fn first(&self, f: impl Fn(&Value) -> bool) -> Option<f64> {
         self.records()
             .into_iter()
             .find(|r| f(r))
             .and_then(|r| r["t"].as_f64())
     }
 
-    fn committed(&self) -> BTreeMap<u64, String> {
+    pub(super) fn committed(&self) -> BTreeMap<u64, String> {
         self.records()
             .into_iter()
             .filter(|r| r["committed"] == true)
@@ -96,16 +110,23 @@ impl Replica {
     }
 }
 
-struct FtJob {
-    c: Cluster,
-    dir: tempfile::TempDir,
+pub(super) struct FtJob {
+    pub(super) c: Cluster,
+    pub(super) dir: tempfile::TempDir,
     site: PathBuf,
-    lighthouse: Option<Job>,
-    replicas: Vec<Replica>,
+    pub(super) lighthouse: Option<Job>,
+    pub(super) replicas: Vec<Replica>,
+    launch: Launch,
 }
 
 impl FtJob {
     fn start(n: usize, heartbeat_ms: u64) -> FtJob {
+        FtJob::start_with(n, heartbeat_ms, Launch::Torchft)
+    }
+
+    /// `n` hosts, `rally lighthouse` on the first (its keep-alive
+    /// `heartbeat_ms`), no replica yet.
+    pub(super) fn start_with(n: usize, heartbeat_ms: u64, launch: Launch) -> FtJob {
         let c = cluster(n);
         let dir = tempfile::tempdir().unwrap();
         let site = super::torch_backend::package(dir.path());
@@ -116,29 +137,57 @@ impl FtJob {
             site,
             lighthouse,
             replicas: Vec::new(),
+            launch,
         }
     }
 
-    /// Starts replica group `i` on host `i`, with `env` on top of the common one.
-    fn replica(&mut self, i: usize, env: &[(&str, &str)]) -> usize {
+    /// The lighthouse's `host:port`.
+    pub(super) fn lighthouse_addr(&self) -> String {
+        format!("{}:{LH_PORT}", self.c.host(0).addr)
+    }
+
+    /// Starts replica group `i` on host `i`, with `env` on top of the common
+    /// one (and, under `rally run`, `args` before the script).
+    pub(super) fn replica(&mut self, i: usize, env: &[(&str, &str)]) -> usize {
+        self.replica_with(i, env, &[])
+    }
+
+    pub(super) fn replica_with(&mut self, i: usize, env: &[(&str, &str)], args: &[&str]) -> usize {
         let host = self.c.host(i);
         let k = self.replicas.len();
         let out = self.dir.path().join(format!("replica{i}.{k}.jsonl"));
-        let mut cmd: Command = host.command(python());
-        cmd.arg(worker())
-            .env("PYTHONPATH", &self.site)
-            .env("REPLICA_GROUP_ID", i.to_string())
+        let mut cmd: Command = match self.launch {
+            Launch::Torchft => {
+                let mut cmd = host.command(python());
+                cmd.arg(worker())
+                    .env("REPLICA_GROUP_ID", i.to_string())
+                    .env("MASTER_ADDR", host.addr.to_string())
+                    .env("MASTER_PORT", "29720")
+                    .env(
+                        "TORCHFT_LIGHTHOUSE",
+                        format!("http://{}", self.lighthouse_addr()),
+                    )
+                    // torchft's manager sleeps quorum_timeout / (retries + 1)
+                    // between tries of a failed quorum call: 60 s / 121, ~0.5 s.
+                    .env("TORCHFT_QUORUM_RETRIES", "120")
+                    .env("FT_SIDE", "rally");
+                cmd
+            }
+            Launch::RallyRunFt => {
+                let mut cmd = host.command(env!("CARGO_BIN_EXE_rally"));
+                cmd.args(["run", "--ft", "--standalone", "--nproc-per-node", "1"])
+                    .args(["--ft-replica-group", &i.to_string()])
+                    .args(["--ft-lighthouse", &self.lighthouse_addr()])
+                    .args(["--max-restarts", "3"])
+                    .args(args)
+                    .arg(python())
+                    .arg(worker())
+                    .env("FT_SIDE", "ft");
+                cmd
+            }
+        };
+        cmd.env("PYTHONPATH", &self.site)
             .env("NUM_REPLICA_GROUPS", self.c.hosts().len().to_string())
-            .env("MASTER_ADDR", host.addr.to_string())
-            .env("MASTER_PORT", "29720")
-            .env(
-                "TORCHFT_LIGHTHOUSE",
-                format!("http://{}:{LH_PORT}", self.c.host(0).addr),
-            )
-            // torchft's manager sleeps quorum_timeout / (retries + 1) between
-            // tries of a failed quorum call: 60 s / 121, ~0.5 s.
-            .env("TORCHFT_QUORUM_RETRIES", "120")
-            .env("FT_SIDE", "rally")
             .env("FT_MODEL", "small")
             .env("FT_DIGEST", "1")
             .env("FT_PG_TIMEOUT", PG_TIMEOUT)
@@ -150,7 +199,7 @@ impl FtJob {
             cmd.env(k, v);
         }
         let job = Job::spawn(cmd, self.dir.path(), &format!("replica{i}.{k}"));
-        let pid = job.child.id();
+        let pid = (self.launch == Launch::Torchft).then(|| job.child.id());
         self.replicas.push(Replica { job, out, pid });
         k
     }
@@ -161,11 +210,11 @@ impl FtJob {
     }
 
     /// Every replica ends normally after its current step.
-    fn stop(&self) {
+    pub(super) fn stop(&self) {
         std::fs::write(self.stop_file(), b"").unwrap();
     }
 
-    fn wait_for(&self, what: &str, limit: Duration, mut f: impl FnMut(&FtJob) -> bool) {
+    pub(super) fn wait_for(&self, what: &str, limit: Duration, mut f: impl FnMut(&FtJob) -> bool) {
         let t0 = Instant::now();
         while !f(self) {
             assert!(
@@ -177,7 +226,7 @@ impl FtJob {
         }
     }
 
-    fn logs(&self) -> String {
+    pub(super) fn logs(&self) -> String {
         let mut s = String::new();
         for j in self
             .lighthouse
@@ -197,7 +246,13 @@ impl FtJob {
     /// survivors' commit of that step reads `AT + 1` (the victim may have
     /// sent its part before it died); the first step begun after the fault
     /// reads `AT + 2`, past `AT + 1`.
-    fn survivors_commit_past(&self, ks: &[usize], step: u64, t0: f64, bound: Duration) -> f64 {
+    pub(super) fn survivors_commit_past(
+        &self,
+        ks: &[usize],
+        step: u64,
+        t0: f64,
+        bound: Duration,
+    ) -> f64 {
         self.wait_for("the survivors' next commit", bound + MARGIN + LIMIT, |j| {
             ks.iter()
                 .all(|&k| j.replicas[k].committed().keys().any(|s| *s > step))
@@ -222,7 +277,7 @@ impl FtJob {
 
     /// Every survivor `ks` ends normally, kept its one pid, and every step
     /// committed by several replicas has one digest.
-    fn finish(&mut self, ks: &[usize]) {
+    pub(super) fn finish(&mut self, ks: &[usize]) {
         self.stop();
         for &k in ks {
             let r = &mut self.replicas[k];
@@ -234,11 +289,13 @@ impl FtJob {
                 .iter()
                 .filter_map(|x| x["pid"].as_u64())
                 .collect();
-            assert_eq!(
-                pids.into_iter().collect::<Vec<_>>(),
-                vec![r.pid as u64],
-                "replica {k} was restarted"
-            );
+            assert_eq!(pids.len(), 1, "replica {k} was restarted: pids {pids:?}");
+            if let Some(pid) = r.pid {
+                assert!(
+                    pids.contains(&u64::from(pid)),
+                    "replica {k}: {pids:?} is not {pid}"
+                );
+            }
         }
         let mut by_step: BTreeMap<u64, Vec<(usize, String)>> = BTreeMap::new();
         for (k, r) in self.replicas.iter().enumerate() {
@@ -254,7 +311,7 @@ impl FtJob {
         }
     }
 
-    fn fault_time(&self, k: usize) -> f64 {
+    pub(super) fn fault_time(&self, k: usize) -> f64 {
         self.replicas[k]
             .first(|r| r["event"] == "fault")
             .expect("the fault's moment")
@@ -262,7 +319,7 @@ impl FtJob {
 }
 
 /// The step a fault comes at.
-const AT: u64 = 15;
+pub(super) const AT: u64 = 15;
 
 /// A replica SIGKILLed inside its gradient all_reduce: its connections reset,
 /// so the survivors' op fails at once and the lighthouse drops it at once
