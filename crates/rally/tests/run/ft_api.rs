@@ -149,16 +149,15 @@ fn two_replica_groups_from_different_seeds_train_one_model_under_rally_run_ft() 
     );
 }
 
-/// The same loop without `rally run`: each group's rank 0 starts its
-/// group's manager in-process (`rallypoint._native.FtManager`), against
-/// torchft's own lighthouse (`manager_loop.py drive`, which checks the same
-/// as above and that no worker imported torchft).
-#[test]
-fn two_replica_groups_with_in_process_managers_train_one_model() {
+/// `manager_loop.py drive SCENARIO`: the loop without `rally run`, each
+/// group's rank 0 starting its group's manager in-process
+/// (`rallypoint._native.FtManager`), against torchft's own lighthouse, the
+/// workers with torchft hidden; the script checks and prints `PASS`.
+fn drive(scenario: &str) -> String {
     let dir = tempfile::tempdir().unwrap();
     let mut c = Command::new(python());
     c.arg(script("ft/manager_loop.py"))
-        .arg("drive")
+        .args(["drive", scenario])
         .env("PYTHONPATH", package(dir.path()))
         .env("PYTHONUNBUFFERED", "1")
         .env("OMP_NUM_THREADS", "1")
@@ -168,7 +167,32 @@ fn two_replica_groups_with_in_process_managers_train_one_model() {
     let status = job.wait(LIMIT);
     let out = job.output();
     assert!(
-        status.success() && out.contains("PASS drive"),
+        status.success() && out.contains(&format!("PASS drive {scenario}")),
         "{status}\n{out}"
     );
+    out
+}
+
+/// Both groups commit all 20 steps, from different seeds to bitwise-equal
+/// parameters after every step, one heal in all (`init_sync`).
+#[test]
+fn two_replica_groups_with_in_process_managers_train_one_model() {
+    drive("plain");
+}
+
+/// Group 1 SIGKILLed between steps: group 0 commits on alone; group 1
+/// started again heals from it, and both commit 5 steps together with
+/// bitwise-equal parameters.
+#[test]
+fn a_replica_group_killed_between_steps_rejoins_healed() {
+    drive("kill");
+}
+
+/// Group 1 SIGKILLed as its gradient all_reduce is called: group 0's step
+/// is not committed (its all_reduce fails, nothing raises) and it goes on;
+/// group 1 started again heals and trains with it.
+#[test]
+fn a_replica_group_killed_in_the_backward_pass_fails_the_survivors_step_without_raising() {
+    let out = drive("kill-allreduce");
+    assert!(out.contains("is gone"), "{out}");
 }

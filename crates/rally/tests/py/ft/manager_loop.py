@@ -32,6 +32,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -67,6 +68,58 @@ class _NoTorchft:
         return None
 
 
+def done(manager, steps: int, joint: int) -> bool:
+    """The loop's end: ``STEPS`` reached and, with ``REJOIN_COMMITS``, that
+    many steps committed by every group after a step with fewer."""
+    return manager.current_step() >= steps and joint >= int(os.environ.get("REJOIN_COMMITS", "0"))
+
+
+def train(manager, m, opt, sampler, loader, group: str, steps: int, groups: int):
+    """The training loop: (digest after each commit by step, losses, joint
+    commits after a drop, steps run). With ``KILL_GROUP``/``KILL_AT``, that
+    group's first incarnation (``INCARNATION`` 0) SIGKILLs itself right after
+    committing step ``KILL_AT``, or with ``KILL_WHERE=allreduce`` in the
+    backward pass of the next step, as its gradient all_reduce is called (the
+    survivor's all_reduce of that step then fails: its peer never sends)."""
+    loss_fn = nn.CrossEntropyLoss()
+    kill = os.environ.get("KILL_GROUP") == group and os.environ.get("INCARNATION", "0") == "0"
+    kill_at = int(os.environ.get("KILL_AT", "-1"))
+    if kill and os.environ.get("KILL_WHERE") == "allreduce":
+        allreduce = manager.allreduce
+
+        def dying(tensor, *args, **kwargs):
+            if manager.current_step() == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return allreduce(tensor, *args, **kwargs)
+
+        manager.allreduce = dying
+        kill = False
+    digests, losses, run, epoch = {}, [], 0, 0
+    joint, dropped = 0, False
+    while not done(manager, steps, joint):
+        sampler.set_epoch(epoch)
+        for xb, yb in loader:
+            if done(manager, steps, joint):
+                break
+            before = manager.current_step()
+            opt.zero_grad()
+            loss = loss_fn(m(xb), yb)
+            loss.backward()
+            opt.step()
+            run += 1
+            if manager.current_step() > before:
+                digests[manager.current_step()] = digest(m.module)
+                losses.append(float(loss))
+                if manager.num_participants() < groups:
+                    dropped, joint = True, 0
+                elif dropped:
+                    joint += 1
+                if kill and manager.current_step() == kill_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+        epoch += 1
+    return digests, losses, joint, run
+
+
 def main() -> None:
     sys.meta_path.insert(0, _NoTorchft())
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -95,25 +148,8 @@ def main() -> None:
     )
     m = ft.DistributedDataParallel(manager, model)
     opt = ft.Optimizer(manager, inner)
-    loss_fn = nn.CrossEntropyLoss()
 
-    digests, losses, run = {}, [], 0
-    epoch = 0
-    while manager.current_step() < steps:
-        sampler.set_epoch(epoch)
-        for xb, yb in loader:
-            if manager.current_step() >= steps:
-                break
-            before = manager.current_step()
-            opt.zero_grad()
-            loss = loss_fn(m(xb), yb)
-            loss.backward()
-            opt.step()
-            run += 1
-            if manager.current_step() > before:
-                digests[manager.current_step()] = digest(model)
-                losses.append(float(loss))
-        epoch += 1
+    digests, losses, joint, run = train(manager, m, opt, sampler, loader, group, steps, groups)
     result = {
         "group": group,
         "initial": initial,
@@ -123,6 +159,7 @@ def main() -> None:
         "reasons": manager.reasons,
         "heals": manager.heals,
         "steps_run": run,
+        "joint": joint,
         "losses": losses,
         "torchft_imported": any(k == "torchft" or k.startswith("torchft.") for k in sys.modules),
     }
@@ -132,6 +169,11 @@ def main() -> None:
     print(f"manager_loop: group {group} done: {len(digests)} commits in {run} steps", flush=True)
 
 
+def summary(r: dict) -> dict:
+    """What an assertion shows of a worker's result."""
+    return {k: r[k] for k in ("group", "commits", "not_committed", "reasons", "heals", "joint", "steps_run")}
+
+
 def check(results: list, steps: int) -> None:
     """Every group committed every step and none other, from different
     initial parameters to bitwise-equal ones after each step, with one heal
@@ -139,51 +181,97 @@ def check(results: list, steps: int) -> None:
     initial = {r["initial"] for r in results}
     assert len(initial) == len(results), f"the seeds gave equal models: init_sync is untested: {initial}"
     for r in results:
-        assert r["commits"] == steps and r["not_committed"] == 0, f"group {r['group']}: {r['commits']} commits, {r['not_committed']} not committed: {r['reasons']}"
+        assert r["commits"] == steps and r["not_committed"] == 0, f"{summary(r)}"
         assert not r["torchft_imported"], f"group {r['group']} imported torchft"
         assert r["digests"] == results[0]["digests"], f"groups {results[0]['group']} and {r['group']} differ after some step"
     heals = sum(r["heals"] for r in results)
     assert heals == len(results) - 1, f"init_sync: every replica but one heals once at the first step; {heals} heals"
 
 
-def drive() -> None:
-    """The whole test without rally run (module doc)."""
+def _spawn(d: str, url: str, group: int, incarnation: int, env: dict):
+    env = dict(os.environ, **env, RESULT_DIR=d, REPLICA_GROUP_ID=str(group), TORCHFT_LIGHTHOUSE=url, RANK="0", WORLD_SIZE="1")
+    env["INCARNATION"] = str(incarnation)
+    env.pop("RALLY_FT_MANAGER", None)
+    log = open(os.path.join(d, f"group{group}.{incarnation}.log"), "w")
+    return subprocess.Popen([sys.executable, __file__], env=env, stdout=log, stderr=subprocess.STDOUT), log
+
+
+def _logs(d: str) -> str:
+    return "\n".join(f"---- {n}\n" + open(os.path.join(d, n)).read()[-6000:] for n in sorted(os.listdir(d)) if n.endswith(".log"))
+
+
+def _wait(procs, deadline: float, d: str) -> list:
+    """Each process's exit code, killing them all at the deadline."""
+    codes = []
+    for p, log in procs:
+        try:
+            codes.append(p.wait(timeout=max(deadline - time.monotonic(), 0.1)))
+        except subprocess.TimeoutExpired:
+            for q, _ in procs:
+                q.kill()
+                q.wait()
+            codes.append("timeout")
+        log.close()
+    return codes
+
+
+def drive(scenario: str) -> None:
+    """The whole test without rally run (module doc). ``plain``: every
+    group from the start. ``kill``: group 1 SIGKILLs itself after
+    committing step 5; group 0 keeps committing alone (MIN_REPLICAS 1);
+    group 1 is started again, heals from group 0 and both commit 5 steps
+    together with bitwise-equal parameters. ``kill-allreduce``: the same,
+    group 1 dying inside its all_reduce of step 5: the survivor's step is
+    not committed (its error never raises) and it goes on."""
     from torchft.coordination import LighthouseServer
 
     groups = int(os.environ.get("NUM_REPLICA_GROUPS", "2"))
     steps = int(os.environ.get("STEPS", "20"))
-    limit = float(os.environ.get("DRIVE_LIMIT_S", "240"))
-    lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=groups, join_timeout_ms=60000)
+    deadline = time.monotonic() + float(os.environ.get("DRIVE_LIMIT_S", "240"))
+    kill = scenario in ("kill", "kill-allreduce")
+    env = {"MIN_REPLICAS": "1", "REJOIN_COMMITS": "5", "KILL_GROUP": "1", "KILL_AT": "5"} if kill else {}
+    if scenario == "kill-allreduce":
+        env["KILL_WHERE"] = "allreduce"
+    lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=1 if kill else groups, join_timeout_ms=60000, heartbeat_timeout_ms=1000)
     url = "http://127.0.0.1:" + lh.address().rsplit(":", 1)[1]
     with tempfile.TemporaryDirectory() as d:
-        procs = []
-        for g in range(groups):
-            env = dict(os.environ, RESULT_DIR=d, REPLICA_GROUP_ID=str(g), TORCHFT_LIGHTHOUSE=url, RANK="0", WORLD_SIZE="1")
-            env.pop("RALLY_FT_MANAGER", None)
-            log = open(os.path.join(d, f"group{g}.log"), "w")
-            procs.append((subprocess.Popen([sys.executable, __file__], env=env, stdout=log, stderr=subprocess.STDOUT), log))
-        deadline = time.monotonic() + limit
-        codes = []
-        for p, log in procs:
-            try:
-                codes.append(p.wait(timeout=max(deadline - time.monotonic(), 0.1)))
-            except subprocess.TimeoutExpired:
-                for q, _ in procs:
-                    q.kill()
-                codes.append("timeout")
-            log.close()
-        logs = "\n".join(f"---- group {g}\n" + open(os.path.join(d, f"group{g}.log")).read()[-6000:] for g in range(groups))
-        assert codes == [0] * groups, f"workers ended with {codes} (limit {limit:g} s)\n{logs}"
+        procs = [_spawn(d, url, g, 0, env) for g in range(groups)]
+        if kill:
+            killed = _wait(procs[1:2], deadline, d)
+            assert killed == [-signal.SIGKILL], f"group 1 did not kill itself: {killed}\n{_logs(d)}"
+            procs[1] = _spawn(d, url, 1, 1, env)
+        codes = _wait(procs, deadline, d)
+        assert codes == [0] * groups, f"workers ended with {codes}\n{_logs(d)}"
         results = [json.load(open(os.path.join(d, f"{g}.json"))) for g in range(groups)]
     lh.shutdown()
-    check(results, steps)
-    first_loss, last_loss = results[0]["losses"][0], results[0]["losses"][-1]
-    print(f"drive: {groups} groups x {steps} steps, loss {first_loss:.3f} -> {last_loss:.3f}")
+    if kill:
+        check_rejoin(results, steps)
+        if scenario == "kill-allreduce":
+            assert results[0]["not_committed"] >= 1, f"the survivor committed the step its peer died in: {summary(results[0])}"
+    else:
+        check(results, steps)
+    print(f"drive {scenario}: {[summary(r) for r in results]}")
+
+
+def check_rejoin(results: list, steps: int) -> None:
+    """The survivor committed past ``steps`` and ended with 5 joint commits;
+    the restarted group healed and its parameters equal the survivor's
+    after every step it committed."""
+    survivor, back = results
+    for r in results:
+        assert not r["torchft_imported"], f"group {r['group']} imported torchft"
+        assert r["joint"] >= 5, f"{summary(r)}: fewer than 5 joint commits after the drop"
+    assert survivor["commits"] >= steps, f"the survivor: {summary(survivor)}"
+    assert back["heals"] >= 1, f"the restarted group never healed: {summary(back)}"
+    assert back["digests"], "the restarted group committed nothing"
+    for step, h in back["digests"].items():
+        assert survivor["digests"].get(step) == h, f"step {step}: the restarted group's parameters differ from the survivor's"
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["drive"]:
-        drive()
-        print("PASS drive")
+    if sys.argv[1:2] == ["drive"]:
+        scenario = sys.argv[2] if len(sys.argv) > 2 else "plain"
+        drive(scenario)
+        print(f"PASS drive {scenario}")
     else:
         main()
