@@ -6,7 +6,8 @@ Each replica group starts from its own seed (``100 + group id``), so only the
 Manager's ``init_sync`` (every replica takes the primary's state at the first
 step) makes the groups train one model. The worker trains until its
 manager's step reaches ``STEPS``, recording after every commit a digest of
-its parameters, and writes one JSON object to ``RESULT_DIR/<group>.json``:
+its parameters, and writes one JSON object to ``RESULT_DIR/<group>.json``
+(``<group>.<group rank>.json`` in a group of several processes):
 ``{"group", "initial", "digests": {step: sha256}, "commits",
 "not_committed", "reasons", "heals", "steps_run", "losses"}``. It exits
 normally.
@@ -138,7 +139,8 @@ def main() -> None:
     x = torch.randn(4096, 16, generator=g)
     y = (x[:, :4].sum(dim=1) > 0).long() + 2 * (x[:, 4:8].sum(dim=1) > 0).long()
     data = TensorDataset(x, y)
-    sampler = ft.DistributedSampler(data, replica_rank=int(group), num_replica_groups=groups, shuffle=True, seed=1)
+    rank, width = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    sampler = ft.DistributedSampler(data, replica_rank=int(group), num_replica_groups=groups, group_rank=rank, num_replicas=width, shuffle=True, seed=1)
     loader = DataLoader(data, batch_size=32, sampler=sampler)
 
     manager = ft.Manager(
@@ -164,7 +166,8 @@ def main() -> None:
         "torchft_imported": any(k == "torchft" or k.startswith("torchft.") for k in sys.modules),
     }
     manager.shutdown()
-    with open(os.path.join(os.environ["RESULT_DIR"], f"{group}.json"), "w") as f:
+    name = f"{group}.json" if width == 1 else f"{group}.{rank}.json"
+    with open(os.path.join(os.environ["RESULT_DIR"], name), "w") as f:
         json.dump(result, f)
     print(f"manager_loop: group {group} done: {len(digests)} commits in {run} steps", flush=True)
 
@@ -188,11 +191,12 @@ def check(results: list, steps: int) -> None:
     assert heals == len(results) - 1, f"init_sync: every replica but one heals once at the first step; {heals} heals"
 
 
-def _spawn(d: str, url: str, group: int, incarnation: int, env: dict):
-    env = dict(os.environ, **env, RESULT_DIR=d, REPLICA_GROUP_ID=str(group), TORCHFT_LIGHTHOUSE=url, RANK="0", WORLD_SIZE="1")
+def _spawn(d: str, url: str, group: int, incarnation: int, env: dict, rank: int = 0, width: int = 1, store_port: int = 0):
+    env = dict(os.environ, **env, RESULT_DIR=d, REPLICA_GROUP_ID=str(group), TORCHFT_LIGHTHOUSE=url, RANK=str(rank), WORLD_SIZE=str(width))
     env["INCARNATION"] = str(incarnation)
+    env["MASTER_ADDR"], env["MASTER_PORT"] = "127.0.0.1", str(store_port)
     env.pop("RALLY_FT_MANAGER", None)
-    log = open(os.path.join(d, f"group{group}.{incarnation}.log"), "w")
+    log = open(os.path.join(d, f"group{group}.{rank}.{incarnation}.log"), "w")
     return subprocess.Popen([sys.executable, __file__], env=env, stdout=log, stderr=subprocess.STDOUT), log
 
 
@@ -228,6 +232,8 @@ def drive(scenario: str) -> None:
     groups = int(os.environ.get("NUM_REPLICA_GROUPS", "2"))
     steps = int(os.environ.get("STEPS", "20"))
     deadline = time.monotonic() + float(os.environ.get("DRIVE_LIMIT_S", "240"))
+    if scenario == "wide":
+        return drive_wide(groups, steps, deadline)
     kill = scenario in ("kill", "kill-allreduce")
     env = {"MIN_REPLICAS": "1", "REJOIN_COMMITS": "5", "KILL_GROUP": "1", "KILL_AT": "5"} if kill else {}
     if scenario == "kill-allreduce":
@@ -251,6 +257,28 @@ def drive(scenario: str) -> None:
     else:
         check(results, steps)
     print(f"drive {scenario}: {[summary(r) for r in results]}")
+
+
+def drive_wide(groups: int, steps: int, deadline: float) -> None:
+    """``wide``: replica groups of 2 processes each (a group's store hosted
+    here, as torchrun's agent would): group rank 0 starts the manager and
+    publishes its address in the store, rank 1 reads it; each group rank
+    trains its own lane, averaged with the same group rank of the other
+    groups, so per group rank the groups end bitwise equal."""
+    from torch.distributed import TCPStore
+    from torchft.coordination import LighthouseServer
+
+    lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=groups, join_timeout_ms=60000)
+    url = "http://127.0.0.1:" + lh.address().rsplit(":", 1)[1]
+    stores = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)) for _ in range(groups)]
+    with tempfile.TemporaryDirectory() as d:
+        procs = [_spawn(d, url, g, 0, {}, rank=r, width=2, store_port=stores[g].port) for g in range(groups) for r in range(2)]
+        codes = _wait(procs, deadline, d)
+        assert codes == [0] * len(procs), f"workers ended with {codes}\n{_logs(d)}"
+        for r in range(2):
+            check([json.load(open(os.path.join(d, f"{g}.{r}.json"))) for g in range(groups)], steps)
+    lh.shutdown()
+    print(f"drive wide: {groups} groups x 2 processes, {steps} steps each")
 
 
 def check_rejoin(results: list, steps: int) -> None:
