@@ -309,6 +309,9 @@ async fn accept(listener: TcpListener, core: mpsc::UnboundedSender<Msg>) {
     }
 }
 
+/// The most requests one connection may send ahead of their answers.
+const MAX_QUEUED: usize = 64;
+
 /// A line from the reader task.
 type Line = Result<Vec<u8>, WireError>;
 
@@ -342,6 +345,11 @@ async fn serve(stream: TcpStream, core: mpsc::UnboundedSender<Msg>) {
             line = lines.recv() => match line {
                 None => break,
                 Some(Ok(l)) => match wire::decode(&l) {
+                    Ok(_) if queue.len() >= MAX_QUEUED => {
+                        let e = format!("more than {MAX_QUEUED} requests waiting on one connection (requests are answered one at a time, in order)");
+                        let _ = wr.write_all(wire::answer_error(&e).as_bytes()).await;
+                        break;
+                    }
                     Ok(req) => queue.push_back(req),
                     Err(e) => {
                         let _ = wr.write_all(wire::answer_error(&e.to_string()).as_bytes()).await;

@@ -550,6 +550,26 @@ async fn bad_input_is_answered_and_closes_only_that_connection() {
     w.send_raw(&vec![b'x'; (1 << 20) + 10]).await;
     let a = w.answer().await;
     assert!(a["error"].as_str().unwrap().contains("longer than"), "{a}");
+    // Requests sent ahead are answered in order, up to a bound.
+    let mut w = Worker::hello(&m, 1, 2).await;
+    let report = json!({"op": "report", "kind": "not_committed", "step": 0, "reason": "r"});
+    let ahead = format!("{report}\n").repeat(3);
+    w.send_raw(ahead.as_bytes()).await;
+    for _ in 0..3 {
+        assert_eq!(w.answer().await, json!({"ok": true}));
+    }
+    assert_eq!(m.status().borrow().not_committed, 3);
+    let vote = json!({"op": "should_commit", "step": 0, "vote": true, "timeout_ms": 60_000});
+    w.send_raw(format!("{vote}\n").repeat(70).as_bytes()).await;
+    let a = w.answer().await;
+    assert!(
+        a["error"]
+            .as_str()
+            .unwrap()
+            .contains("more than 64 requests"),
+        "{a}"
+    );
+    w.closed().await;
     // A rank held, or a wrong world size: refused.
     let mut w = Worker::connect(&m).await;
     let a = w
