@@ -645,3 +645,48 @@ async fn sleep_until(deadline: Option<tokio::time::Instant>) {
         None => std::future::pending().await,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn the_advertised_host_is_given_or_bound_or_on_the_route_to_the_lighthouse() {
+        let mut c = Config::new("g", "http://127.0.0.1:9", 1);
+        c.advertise_host = Some("node7".into());
+        assert_eq!(advertise_host(&c, "127.0.0.1:9").await.unwrap(), "node7");
+        c.advertise_host = None;
+        c.bind = "127.0.0.2:0".parse().unwrap();
+        assert_eq!(
+            advertise_host(&c, "127.0.0.1:9").await.unwrap(),
+            "127.0.0.2"
+        );
+        // Unspecified: the local address the kernel routes to the
+        // lighthouse from (a UDP connect sends nothing).
+        c.bind = "0.0.0.0:0".parse().unwrap();
+        assert_eq!(
+            advertise_host(&c, "127.0.0.1:9").await.unwrap(),
+            "127.0.0.1"
+        );
+    }
+
+    #[test]
+    fn ipv6_hosts_get_brackets() {
+        assert_eq!(join_host_port("::1", 5), "[::1]:5");
+        assert_eq!(join_host_port("[::1]", 5), "[::1]:5");
+        assert_eq!(join_host_port("h", 5), "h:5");
+    }
+
+    #[tokio::test]
+    async fn bad_configs_are_refused_naming_the_problem() {
+        let e = Manager::start(Config::new("g", "ftp://x", 1))
+            .await
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("ftp://x"), "{e}");
+        let mut c = Config::new("g", "http://127.0.0.1:9", 0);
+        c.bind = "127.0.0.1:0".parse().unwrap();
+        let e = Manager::start(c).await.err().unwrap();
+        assert!(e.to_string().contains("at least one rank"), "{e}");
+    }
+}
