@@ -79,9 +79,11 @@ def train(manager, m, opt, sampler, loader, group: str, steps: int, groups: int)
     """The training loop: (digest after each commit by step, losses, joint
     commits after a drop, steps run). With ``KILL_GROUP``/``KILL_AT``, that
     group's first incarnation (``INCARNATION`` 0) SIGKILLs itself right after
-    committing step ``KILL_AT``, or with ``KILL_WHERE=allreduce`` in the
-    backward pass of the next step, as its gradient all_reduce is called (the
-    survivor's all_reduce of that step then fails: its peer never sends)."""
+    committing a step at or past ``KILL_AT`` that every group took part in
+    (so the others see it go, whoever started first), or with
+    ``KILL_WHERE=allreduce`` in the backward pass of such a step, as its
+    gradient all_reduce is called (the survivors' all_reduce of that step
+    then fails: it never sends)."""
     loss_fn = nn.CrossEntropyLoss()
     kill = os.environ.get("KILL_GROUP") == group and os.environ.get("INCARNATION", "0") == "0"
     kill_at = int(os.environ.get("KILL_AT", "-1"))
@@ -89,7 +91,7 @@ def train(manager, m, opt, sampler, loader, group: str, steps: int, groups: int)
         allreduce = manager.allreduce
 
         def dying(tensor, *args, **kwargs):
-            if manager.current_step() == kill_at:
+            if manager.current_step() >= kill_at and manager.num_participants() == groups:
                 os.kill(os.getpid(), signal.SIGKILL)
             return allreduce(tensor, *args, **kwargs)
 
@@ -115,7 +117,7 @@ def train(manager, m, opt, sampler, loader, group: str, steps: int, groups: int)
                     dropped, joint = True, 0
                 elif dropped:
                     joint += 1
-                if kill and manager.current_step() == kill_at:
+                if kill and manager.current_step() >= kill_at and manager.num_participants() == groups:
                     os.kill(os.getpid(), signal.SIGKILL)
         epoch += 1
     return digests, losses, joint, run
@@ -222,11 +224,12 @@ def _wait(procs, deadline: float, d: str) -> list:
 def drive(scenario: str) -> None:
     """The whole test without rally run (module doc). ``plain``: every
     group from the start. ``kill``: group 1 SIGKILLs itself after
-    committing step 5; group 0 keeps committing alone (MIN_REPLICAS 1);
-    group 1 is started again, heals from group 0 and both commit 5 steps
-    together with bitwise-equal parameters. ``kill-allreduce``: the same,
-    group 1 dying inside its all_reduce of step 5: the survivor's step is
-    not committed (its error never raises) and it goes on."""
+    committing a step from 5 on that both groups took part in; group 0
+    keeps committing alone (MIN_REPLICAS 1); group 1 is started again, heals
+    from group 0 and both commit 5 steps together with bitwise-equal
+    parameters. ``kill-allreduce``: the same, group 1 dying as it calls its
+    gradient all_reduce: the survivor's step is not committed (its error
+    never raises) and it goes on."""
     from torchft.coordination import LighthouseServer
 
     groups = int(os.environ.get("NUM_REPLICA_GROUPS", "2"))
