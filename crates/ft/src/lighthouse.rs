@@ -23,8 +23,10 @@
 //!   retried on a new connection when the connection fails, until the
 //!   caller's deadline. A refusal (`ALREADY_EXISTS`: the replica id is held
 //!   by another live group; a bad request) is returned at once.
-//! * **Dropping** stops the heartbeats and fails the call in flight; the
-//!   next [`Lighthouse::connect`] starts over.
+//! * **Dropping** stops the heartbeats and fails the call in flight, which
+//!   never dials again (its round is over, even if a new hello already
+//!   asked for a new connection); the next [`Lighthouse::connect`] starts
+//!   over.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -81,13 +83,15 @@ struct Shared {
 struct State {
     /// Connecting is wanted (a hello came and no drop since).
     wanted: bool,
-    /// Why it is not wanted, for the errors of calls after a drop.
+    /// Why it was last dropped, for the errors of calls after a drop.
     dropped: Option<String>,
     conn: Option<Conn>,
     /// Numbers connections, so a failure of an old one leaves a new one be.
     epoch: u64,
     /// The last heartbeat got through.
     up: bool,
+    /// Counts drops: a quorum call made before a drop never dials again.
+    drops: u64,
 }
 
 #[derive(Clone)]
@@ -145,7 +149,6 @@ impl Lighthouse {
     pub fn connect(&self) {
         let mut s = self.shared.state.lock().expect("lock");
         s.wanted = true;
-        s.dropped = None;
         drop(s);
         self.shared.wake.notify_one();
     }
@@ -157,6 +160,7 @@ impl Lighthouse {
         s.wanted = false;
         s.dropped = Some(reason.to_owned());
         s.up = false;
+        s.drops += 1;
         if let Some(c) = s.conn.take() {
             c.close();
         }
@@ -186,7 +190,7 @@ impl Shared {
                 continue;
             }
             let until = Instant::now() + self.options.connect_timeout;
-            let conn = match self.ensure(until).await {
+            let conn = match self.ensure(until, None).await {
                 Ok(c) => c,
                 Err(e) => {
                     self.unreachable(e);
@@ -251,13 +255,15 @@ impl Shared {
         }
     }
 
-    /// The current connection, dialing until `until` if there is none.
-    async fn ensure(&self, until: Instant) -> Result<Conn, String> {
+    /// The current connection, dialing until `until` if there is none;
+    /// with `since`, an error if the connection was dropped since that
+    /// count of drops (a call of an earlier round must not dial).
+    async fn ensure(&self, until: Instant, since: Option<u64>) -> Result<Conn, String> {
         let mut backoff = Duration::from_millis(20);
         loop {
             {
                 let s = self.state.lock().expect("lock");
-                if !s.wanted {
+                if !s.wanted || since.is_some_and(|d| d != s.drops) {
                     let why = s.dropped.as_deref().unwrap_or("not connected yet");
                     return Err(format!("the lighthouse connection was dropped: {why}"));
                 }
@@ -329,9 +335,10 @@ impl Shared {
     }
 
     async fn quorum(&self, member: QuorumMember, deadline: Instant) -> Result<Quorum, String> {
+        let drops = self.state.lock().expect("lock").drops;
         loop {
             let until = deadline.min(Instant::now() + self.options.connect_timeout);
-            let conn = self.ensure(until).await?;
+            let conn = self.ensure(until, Some(drops)).await?;
             let left = deadline.saturating_duration_since(Instant::now());
             let timed_out = || {
                 format!(
@@ -398,6 +405,37 @@ fn source_chain(e: &dyn std::error::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_call_of_a_dropped_round_never_dials_again() {
+        // Nothing listens there: the call waits in its dial loop.
+        let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = free.local_addr().unwrap();
+        drop(free);
+        let (tx, _rx) = mpsc::unbounded_channel();
+        let options = Options {
+            lighthouse: format!("http://{addr}"),
+            replica_id: "g".into(),
+            heartbeat_interval: Duration::from_millis(100),
+            connect_timeout: Duration::from_secs(60),
+        };
+        let lh = Lighthouse::new(options, tx).unwrap();
+        lh.connect();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let call = lh.quorum(QuorumMember::default(), deadline);
+        tokio::pin!(call);
+        // Polled once: the call has started.
+        assert!(tokio::time::timeout(Duration::ZERO, &mut call)
+            .await
+            .is_err());
+        lh.drop_connection("the workers stopped");
+        lh.connect(); // a new round's hello
+        let e = tokio::time::timeout(Duration::from_secs(30), call)
+            .await
+            .expect("the call ends at its next dial")
+            .unwrap_err();
+        assert!(e.contains("dropped: the workers stopped"), "{e}");
+    }
 
     #[test]
     fn addresses_are_parsed_or_refused_naming_them() {
