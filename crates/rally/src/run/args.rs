@@ -253,13 +253,15 @@ pub struct RunArgs {
     )]
     pub(super) ft_lighthouse: Option<String>,
     /// (rallypoint, --ft) Run `rally lighthouse` inside this `rally run`,
-    /// on BIND (default `[::]:29510`): one command per host. Other groups
+    /// on BIND (`--ft-serve-lighthouse=BIND`; default `[::]:29510`): one
+    /// command per host. Other groups
     /// point --ft-lighthouse at this host; the lighthouse goes when this
     /// run ends.
     #[arg(
         long = "ft-serve-lighthouse",
         value_name = "BIND",
         num_args = 0..=1,
+        require_equals = true,
         default_missing_value = "[::]:29510"
     )]
     pub(super) ft_serve_lighthouse: Option<std::net::SocketAddr>,

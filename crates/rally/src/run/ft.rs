@@ -160,6 +160,7 @@ impl Ft {
             Lighthouse::At(at) => at,
         };
         rt.block_on(reach(&lighthouse, plan.connect_timeout))?;
+        rt.block_on(not_live_elsewhere(&lighthouse, &plan.replica_group))?;
         let config = Config {
             replica_id: plan.replica_group.clone(),
             lighthouse: lighthouse.clone(),
@@ -272,15 +273,76 @@ async fn reach(lighthouse: &str, timeout: Duration) -> anyhow::Result<()> {
                 Ok(Err(e)) => e.to_string(),
                 Err(_) => "no answer".to_owned(),
             };
-        if tokio::time::Instant::now() + pause >= deadline {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        if left.is_zero() {
             bail!(
                 "cannot reach the lighthouse at {lighthouse} within {:.1} s (--ft-connect-timeout): {error}",
                 timeout.as_secs_f64()
             );
         }
-        tokio::time::sleep(pause).await;
+        tokio::time::sleep(pause.min(left)).await;
         pause = (pause * 2).min(Duration::from_secs(1));
     }
+}
+
+/// How long a replica id seen live at the lighthouse may take to go before
+/// this group takes it for another live group's: above `rally lighthouse`'s
+/// default keep-alive (1 s), so a group restarted right after its host died
+/// is not refused.
+const LIVE_GRACE: Duration = Duration::from_millis(2500);
+
+/// Fails when the lighthouse (`rally lighthouse`'s `/status`) counts this
+/// replica group's id as a live replica for longer than [`LIVE_GRACE`]:
+/// another `rally run --ft` with the same `--ft-replica-group` is running.
+/// (Two groups started at the same moment both pass; the second's first
+/// quorum is then refused by the lighthouse, naming the id.) torchft's
+/// lighthouse has no JSON status: nothing is checked there.
+async fn not_live_elsewhere(lighthouse: &str, group: &str) -> anyhow::Result<()> {
+    let deadline = tokio::time::Instant::now() + LIVE_GRACE;
+    loop {
+        let healthy = match lighthouse_status(lighthouse).await {
+            Ok(v) => v["healthy"].as_array().cloned().unwrap_or_default(),
+            Err(e) => {
+                tracing::debug!(%lighthouse, error = %e, "no JSON status at the lighthouse: the group id is not checked");
+                return Ok(());
+            }
+        };
+        if !healthy.iter().any(|h| h == group) {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            bail!(
+                "replica group {group:?} is live at the lighthouse {lighthouse} already: another `rally run --ft` \
+                 has --ft-replica-group {group}; each live group needs its own id"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// `GET /status` of the lighthouse at `host:port`, as JSON (within 2 s).
+async fn lighthouse_status(lighthouse: &str) -> anyhow::Result<Value> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let get = async {
+        let mut c = tokio::net::TcpStream::connect(lighthouse).await?;
+        c.write_all(
+            format!("GET /status HTTP/1.1\r\nHost: {lighthouse}\r\nConnection: close\r\n\r\n")
+                .as_bytes(),
+        )
+        .await?;
+        let mut body = Vec::new();
+        c.take(4 << 20).read_to_end(&mut body).await?;
+        anyhow::Ok(body)
+    };
+    let raw = tokio::time::timeout(Duration::from_secs(2), get)
+        .await
+        .context("no answer within 2 s")??;
+    let text = String::from_utf8_lossy(&raw);
+    let (head, body) = text.split_once("\r\n\r\n").context("no HTTP head")?;
+    if !head.starts_with("HTTP/1.1 200") {
+        bail!("{}", head.lines().next().unwrap_or_default());
+    }
+    Ok(serde_json::from_str(body)?)
 }
 
 /// `rally lighthouse` inside this process, with its defaults but

@@ -34,7 +34,7 @@ pub(super) const MARGIN: Duration = Duration::from_secs(5);
 /// Where the lighthouse listens on node1.
 const LH_PORT: u16 = 29710;
 
-fn worker() -> PathBuf {
+pub(super) fn worker() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../bench/py/ft_worker.py")
 }
 
