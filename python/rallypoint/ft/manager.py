@@ -469,6 +469,12 @@ class Manager:
         """False while healing (asynchronous quorum) or outside the participants."""
         return self._participating_rank is not None and not self._healing
 
+    def group_manager_status(self) -> Optional[dict]:
+        """The status of the replica group's manager when this process runs
+        it (group rank 0 without ``RALLY_FT_MANAGER``), else None."""
+        owned = self._located.owned
+        return owned.status() if owned is not None else None
+
     @property
     def replica_id(self) -> str:
         return self._replica_id

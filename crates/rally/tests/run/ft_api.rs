@@ -205,3 +205,20 @@ fn a_replica_group_killed_in_the_backward_pass_fails_the_survivors_step_without_
 fn replica_groups_of_two_processes_share_one_in_process_manager() {
     drive("wide");
 }
+
+/// `use_async_quorum=False`: the healing replica loads its state at
+/// `start_quorum` and takes part in the first step; the same end as `plain`.
+#[test]
+fn a_synchronous_quorum_trains_one_model_too() {
+    drive("sync");
+}
+
+/// One group, `min_replicas=2`, a lighthouse forming quorums of one: no
+/// step commits and the parameters never change, the reason is counted and
+/// reported to the group's manager, and the step after `max_retries`
+/// failures in a row raises, naming the limit and the reason.
+#[test]
+fn min_replicas_unmet_commits_nothing_and_max_retries_raises() {
+    let out = drive("retries");
+    assert!(out.contains("logged once"), "{out}");
+}

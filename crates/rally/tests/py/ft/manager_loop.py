@@ -149,6 +149,7 @@ def main() -> None:
         min_replicas=int(os.environ.get("MIN_REPLICAS", "2")),
         state={"model": model, "optim": inner},
         timeout=timedelta(seconds=float(os.environ.get("FT_TIMEOUT", "30"))),
+        use_async_quorum=os.environ.get("SYNC_QUORUM") != "1",
     )
     m = ft.DistributedDataParallel(manager, model)
     opt = ft.Optimizer(manager, inner)
@@ -166,6 +167,7 @@ def main() -> None:
         "joint": joint,
         "losses": losses,
         "torchft_imported": any(k == "torchft" or k.startswith("torchft.") for k in sys.modules),
+        "manager_status": manager.group_manager_status(),
     }
     manager.shutdown()
     name = f"{group}.json" if width == 1 else f"{group}.{rank}.json"
@@ -191,6 +193,14 @@ def check(results: list, steps: int) -> None:
         assert r["digests"] == results[0]["digests"], f"groups {results[0]['group']} and {r['group']} differ after some step"
     heals = sum(r["heals"] for r in results)
     assert heals == len(results) - 1, f"init_sync: every replica but one heals once at the first step; {heals} heals"
+    for r in results:
+        st = r["manager_status"]
+        if st is None:
+            continue  # the manager is the agent's (rally run --ft)
+        # What the group's manager counted: the commits, and the heal this
+        # worker reported to it (contract op 4).
+        assert st["commits"] == steps and st["heals"] == r["heals"], f"group {r['group']}'s manager counted {st}"
+        assert (st["heal_bytes"] > 0) == (r["heals"] > 0), f"group {r['group']}'s manager counted {st}"
 
 
 def _spawn(d: str, url: str, group: int, incarnation: int, env: dict, rank: int = 0, width: int = 1, store_port: int = 0):
@@ -237,6 +247,10 @@ def drive(scenario: str) -> None:
     deadline = time.monotonic() + float(os.environ.get("DRIVE_LIMIT_S", "240"))
     if scenario == "wide":
         return drive_wide(groups, steps, deadline)
+    if scenario == "retries":
+        return drive_retries()
+    if scenario == "sync":
+        os.environ["SYNC_QUORUM"] = "1"
     kill = scenario in ("kill", "kill-allreduce")
     env = {"MIN_REPLICAS": "1", "REJOIN_COMMITS": "5", "KILL_GROUP": "1", "KILL_AT": "5"} if kill else {}
     if scenario == "kill-allreduce":
@@ -282,6 +296,43 @@ def drive_wide(groups: int, steps: int, deadline: float) -> None:
             check([json.load(open(os.path.join(d, f"{g}.{r}.json"))) for g in range(groups)], steps)
     lh.shutdown()
     print(f"drive wide: {groups} groups x 2 processes, {steps} steps each")
+
+
+def drive_retries() -> None:
+    """``retries``, in this process: one replica group under a lighthouse
+    that forms quorums of one, with ``min_replicas=2``: no step commits, the
+    parameters never change, each step's reason is counted (logged once) and
+    reported to the group's manager, and the step after ``max_retries``
+    failures in a row raises, naming it (torchft's rule)."""
+    import rallypoint.ft as ft
+    from torchft.coordination import LighthouseServer
+
+    lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=100)
+    url = "http://127.0.0.1:" + lh.address().rsplit(":", 1)[1]
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    manager = ft.Manager(min_replicas=2, state={"model": model}, replica_group="solo", lighthouse=url, max_retries=2, group_rank=0, group_world_size=1, timeout=10)
+    m = ft.DistributedDataParallel(manager, model)
+    opt = ft.Optimizer(manager, torch.optim.SGD(model.parameters(), lr=0.1))
+    before = digest(model)
+    raised = None
+    for _ in range(4):
+        opt.zero_grad()
+        m(torch.randn(8, 4)).sum().backward()
+        try:
+            opt.step()
+        except RuntimeError as e:
+            raised = str(e)
+            break
+    st = manager.group_manager_status()
+    manager.shutdown()
+    lh.shutdown()
+    assert raised is not None and "max_retries=2" in raised and "fewer than min_replicas=2" in raised, f"{raised}"
+    assert manager.not_committed == 3 and manager.current_step() == 0, f"{manager.not_committed} {manager.current_step()}"
+    assert list(manager.reasons.values()) == [3], f"one reason, three times: {manager.reasons}"
+    assert digest(model) == before, "a step not committed changed the parameters"
+    assert st["not_committed"] == 3 and "min_replicas=2" in (st["last_not_committed_reason"] or ""), f"the manager counted {st}"
+    print(f"drive retries: raised {raised!r}")
 
 
 def check_rejoin(results: list, steps: int) -> None:
