@@ -14,7 +14,7 @@
 //! live group. No process of another group restarts: each group is its own
 //! `rally run` with its own rendezvous. The manager tells the lighthouse
 //! the moment this group's workers stop (a worker's connection to it ends,
-//! or the agent reports a failure: [`StopTeller`]), so the other groups'
+//! or the agent reports a failure: [`AgentHook`]), so the other groups'
 //! quorum goes on without this one at once, their step in flight aborted by
 //! the lighthouse's push rather than by a timeout.
 //!
@@ -56,6 +56,10 @@ pub(super) struct FtPlan {
     lighthouse: Lighthouse,
     min_replicas: u64,
     connect_timeout: Duration,
+    /// The group may span several nodes: the manager of the node that
+    /// forms each round as group rank 0 (it hosts the round's job store)
+    /// serves the whole group.
+    multi_node: bool,
 }
 
 /// The `--ft` plan of `a` (`None` without `--ft`), or the flag that is wrong.
@@ -70,12 +74,6 @@ pub(super) fn plan(a: &RunArgs, max_nodes: usize) -> anyhow::Result<Option<FtPla
         bail!("--ft needs --ft-replica-group ID (this replica group's id, unique among the job's live groups)");
     };
     check_group_id(&group)?;
-    if max_nodes > 1 {
-        bail!(
-            "--ft with more than one node per replica group (--nnodes {max_nodes}) is not supported yet: \
-             run each replica group as one node (--standalone or --nnodes 1)"
-        );
-    }
     let lighthouse = match (&a.ft_lighthouse, a.ft_serve_lighthouse) {
         (Some(l), None) => Lighthouse::At(parse_lighthouse(l)?),
         (None, Some(bind)) => Lighthouse::Serve(bind),
@@ -100,6 +98,7 @@ pub(super) fn plan(a: &RunArgs, max_nodes: usize) -> anyhow::Result<Option<FtPla
         lighthouse,
         min_replicas: a.ft_min_replicas,
         connect_timeout: Duration::from_secs_f64(a.ft_connect_timeout),
+        multi_node: max_nodes > 1,
     }))
 }
 
@@ -141,7 +140,16 @@ pub(super) struct Ft {
     manager: Arc<Manager>,
     lighthouse: String,
     replica_group: String,
+    multi_node: bool,
 }
+
+/// `RALLY_FT_MANAGER`'s value that sends workers to the job store's
+/// [`MANAGER_KEY`].
+const STORE: &str = "store";
+
+/// The job store's key holding the group's manager `host:port` (the
+/// workers' `rallypoint.ft._locate.KEY`).
+const MANAGER_KEY: &str = "rally/ft/manager";
 
 impl Ft {
     /// Serves the lighthouse if asked, starts the manager (trying the
@@ -160,7 +168,10 @@ impl Ft {
             Lighthouse::At(at) => at,
         };
         rt.block_on(reach(&lighthouse, plan.connect_timeout))?;
-        rt.block_on(not_live_elsewhere(&lighthouse, &plan.replica_group))?;
+        if !plan.multi_node {
+            // A later node of a group of several would find its own group live.
+            rt.block_on(not_live_elsewhere(&lighthouse, &plan.replica_group))?;
+        }
         let config = Config {
             replica_id: plan.replica_group.clone(),
             lighthouse: lighthouse.clone(),
@@ -179,7 +190,15 @@ impl Ft {
             plan.replica_group,
             manager.address()
         );
-        std::env::set_var("RALLY_FT_MANAGER", manager.address());
+        // With several nodes the workers read the manager's address from
+        // the round's job store, where group rank 0's agent puts it
+        // ([`AgentHook`]).
+        let where_ = if plan.multi_node {
+            STORE
+        } else {
+            manager.address()
+        };
+        std::env::set_var("RALLY_FT_MANAGER", where_);
         std::env::set_var("RALLY_FT_REPLICA_GROUP", &plan.replica_group);
         std::env::set_var("REPLICA_GROUP_ID", &plan.replica_group);
         let url = format!("http://{lighthouse}");
@@ -189,13 +208,20 @@ impl Ft {
             manager,
             lighthouse,
             replica_group: plan.replica_group,
+            multi_node: plan.multi_node,
         })
     }
 
-    /// The sink that tells the manager when the agent stops this group's
-    /// workers (a failure, a restart, a signal).
-    pub(super) fn stop_teller(&self) -> Arc<dyn EventSink> {
-        Arc::new(StopTeller(self.manager.clone()))
+    /// The sink that tells the manager what the agent does: a round's
+    /// workers started (its world size; with several nodes, group rank 0
+    /// publishes the manager's address in the round's job store), or
+    /// stopped (a failure, a restart, a signal).
+    pub(super) fn agent_hook(&self, rt: &Runtime) -> Arc<dyn EventSink> {
+        Arc::new(AgentHook {
+            manager: self.manager.clone(),
+            multi_node: self.multi_node,
+            rt: rt.handle().clone(),
+        })
     }
 
     /// The manager's `/status` and `/metrics` section.
@@ -362,12 +388,35 @@ async fn serve_lighthouse(bind: SocketAddr, min_replicas: u64) -> anyhow::Result
     Ok(bound)
 }
 
-/// Tells the manager the moment the agent stops this group's workers.
-struct StopTeller(Arc<Manager>);
+/// Tells the manager what the agent does with this group's workers.
+struct AgentHook {
+    manager: Arc<Manager>,
+    multi_node: bool,
+    rt: tokio::runtime::Handle,
+}
 
-impl EventSink for StopTeller {
+impl EventSink for AgentHook {
     fn emit(&self, event: &AgentEvent) {
         let reason = match event {
+            AgentEvent::WorkersStarted {
+                group_rank,
+                world_size,
+                master_addr,
+                master_port,
+                ..
+            } => {
+                self.manager.set_world_size(*world_size);
+                if self.multi_node && *group_rank == 0 {
+                    let store = format!("{master_addr}:{master_port}");
+                    let address = self.manager.address().to_owned();
+                    self.rt.spawn(async move {
+                        if let Err(e) = publish(&store, &address).await {
+                            say!("rally run: cannot publish the ft manager's address in the job store at {store}: {e:#}");
+                        }
+                    });
+                }
+                return;
+            }
             AgentEvent::WorkerFailed(r) => {
                 format!("worker rank {} (pid {}) failed: {}", r.rank, r.pid, r.exit)
             }
@@ -381,8 +430,25 @@ impl EventSink for StopTeller {
             ),
             _ => return,
         };
-        self.0.workers_stopped(&reason);
+        self.manager.workers_stopped(&reason);
     }
+}
+
+/// Puts the manager's address under [`MANAGER_KEY`] of the round's job
+/// store at `store` (this node hosts it; one round trip, within 10 s).
+async fn publish(store: &str, address: &str) -> anyhow::Result<()> {
+    use rallypoint_store::Store as _;
+    let (host, port) = store.rsplit_once(':').context("job store address")?;
+    let put = async {
+        let s = rallypoint_store::TcpStore::builder(host, port.parse()?)
+            .connect()
+            .await?;
+        s.set(MANAGER_KEY, address.as_bytes()).await?;
+        anyhow::Ok(())
+    };
+    tokio::time::timeout(Duration::from_secs(10), put)
+        .await
+        .context("no answer within 10 s")?
 }
 
 /// The manager's status in `/status` (`"ft"`) and `/metrics` (`rally_ft_*`).

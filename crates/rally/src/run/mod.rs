@@ -88,7 +88,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<i32> {
     let events = match &ft {
         Some(ft) => {
             ft.forward_events(&rt, events.clone());
-            Arc::new(Fanout(vec![ft.stop_teller(), events])) as Arc<dyn EventSink>
+            Arc::new(Fanout(vec![ft.agent_hook(&rt), events])) as Arc<dyn EventSink>
         }
         None => events,
     };
