@@ -193,6 +193,8 @@ class Manager:
         self._state_fns: Dict[str, Callable[[], object]] = {}
         self._load_fns: Dict[str, Callable[[object], None]] = {}
         for name, obj in (state or {}).items():
+            if not callable(getattr(obj, "state_dict", None)) or not callable(getattr(obj, "load_state_dict", None)):
+                raise ValueError(f"rallypoint.ft: state {name!r} ({type(obj).__name__}) has no state_dict/load_state_dict")
             self.register_state_dict_fn(name, obj.load_state_dict, obj.state_dict)
         if (state_dict is None) != (load_state_dict is None):
             raise ValueError("rallypoint.ft: Manager needs both state_dict and load_state_dict, or neither")
@@ -218,7 +220,11 @@ class Manager:
 
         self._located = manager_address(replica_group, lighthouse, self._group_rank, self._group_world_size, self._connect_timeout)
         self._client = Client(self._located.address, self._group_rank, self._group_world_size, self._connect_timeout)
-        hello = self._client.connect()
+        try:
+            hello = self._client.connect()
+        except BaseException:
+            self._located.close()  # a manager this process started goes too
+            raise
         self._replica_id = str(hello.get("replica_id", replica_group or "0"))
         self._lighthouse = lighthouse or hello.get("lighthouse") or self._located.lighthouse or ""
         self._pg = Generations(timedelta(seconds=self._timeout), self._lighthouse, owner="Manager")

@@ -435,6 +435,7 @@ def case_no_torchft() -> None:
     expect(ValueError, lambda: ft.Manager(state={"model": m}, group_rank=0, group_world_size=1), "replica group id")
     expect(ValueError, lambda: ft.Manager(replica_group="0", group_rank=0, group_world_size=1), "lighthouse")
     expect(ValueError, lambda: ft.Manager(min_replicas=0), "min_replicas")
+    expect(ValueError, lambda: ft.Manager(state={"loader": object()}), "'loader'", "state_dict")
     expect(ValueError, lambda: ft.Manager(timeout=-1), "timeout")
     os.environ["TORCHFT_TIMEOUT_SEC"] = "soon"
     expect(ValueError, lambda: ft.Manager(), "TORCHFT_TIMEOUT_SEC")
