@@ -168,6 +168,7 @@ def main() -> None:
         "losses": losses,
         "torchft_imported": any(k == "torchft" or k.startswith("torchft.") for k in sys.modules),
         "manager_status": manager.group_manager_status(),
+        "width": width,
     }
     manager.shutdown()
     name = f"{group}.json" if width == 1 else f"{group}.{rank}.json"
@@ -195,8 +196,8 @@ def check(results: list, steps: int) -> None:
     assert heals == len(results) - 1, f"init_sync: every replica but one heals once at the first step; {heals} heals"
     for r in results:
         st = r["manager_status"]
-        if st is None:
-            continue  # the manager is the agent's (rally run --ft)
+        if st is None or r["width"] > 1:
+            continue  # the agent's manager (rally run --ft), or a group's (drive_wide checks it)
         # What the group's manager counted: the commits, and the heal this
         # worker reported to it (contract op 4).
         assert st["commits"] == steps and st["heals"] == r["heals"], f"group {r['group']}'s manager counted {st}"
@@ -292,8 +293,15 @@ def drive_wide(groups: int, steps: int, deadline: float) -> None:
         procs = [_spawn(d, url, g, 0, {}, rank=r, width=2, store_port=stores[g].port) for g in range(groups) for r in range(2)]
         codes = _wait(procs, deadline, d)
         assert codes == [0] * len(procs), f"workers ended with {codes}\n{_logs(d)}"
-        for r in range(2):
-            check([json.load(open(os.path.join(d, f"{g}.{r}.json"))) for g in range(groups)], steps)
+        results = [[json.load(open(os.path.join(d, f"{g}.{r}.json"))) for r in range(2)] for g in range(groups)]
+    for r in range(2):
+        check([results[g][r] for g in range(groups)], steps)
+    for g in range(groups):
+        # Group rank 0 runs the group's manager, which counted every rank's
+        # heal (init_sync picks the primary per group rank: each group may heal
+        # in some lanes).
+        st, heals = results[g][0]["manager_status"], sum(x["heals"] for x in results[g])
+        assert st["commits"] == steps and st["heals"] == heals and (st["heal_bytes"] > 0) == (heals > 0), f"group {g}: {heals} heals, its manager counted {st}"
     lh.shutdown()
     print(f"drive wide: {groups} groups x 2 processes, {steps} steps each")
 
