@@ -94,6 +94,7 @@ class Bench:
     net: object
     site: str
     steady_seconds: float = 20.0
+    chaos: object = None  # a Chaos, for the figure ``chaos``
 
 
 def lay_out_package(dest: Path, src: Path, native: Path) -> str:
@@ -150,7 +151,7 @@ class Lighthouse:
             # Its state (the last quorum) in etcd, on the same place.
             self.etcd = Etcd(b, workdir)
             extra = ("--state", f"etcd://{self.net.addr(0)}:{self.etcd.port}", *extra)
-        if side.startswith("rally"):
+        if side.startswith("rally") or side == "ft":
             cmd = [b.rally, "lighthouse", "--bind", bind, "--min_replicas", "1", *extra]
         else:
             hb = "1000" if side == "gloo-tuned" else "5000"
@@ -170,6 +171,10 @@ class Lighthouse:
     @property
     def url(self) -> str:
         return f"http://{self.net.addr(0)}:{self.port}"
+
+    @property
+    def hostport(self) -> str:
+        return f"{self.net.addr(0)}:{self.port}"
 
     def stop(self):
         if self.proc and self.proc.poll() is None:
@@ -207,33 +212,70 @@ class Etcd:
 
 
 class Replica:
-    """Replica group ``i`` of ``n`` (one process), on place ``i``."""
+    """Replica group ``i`` of ``n`` (one worker process), on place ``i``.
 
-    def __init__(self, workdir: Path, i: int, n: int, side: str, lighthouse, env: dict, b: Bench):
+    Side ``ft``: ``rally run --ft --standalone --nproc-per-node 1`` with
+    ``max_restarts`` (its agent restarts the worker; the group's manager and
+    store live in the agent), run in a session of its own so that
+    ``power_off`` takes the agent and its worker at once. Every other side:
+    the worker itself (``ip netns exec`` and ``nsenter`` exec the program,
+    so ``proc.pid`` is Python's). The records carry the worker's pid
+    (``worker_pid``), under ``rally run`` not ``proc.pid``."""
+
+    def __init__(self, workdir: Path, i: int, n: int, side: str, lighthouse, env: dict, b: Bench,
+                 max_restarts: int = 0):
         self.i = i
+        self.side = side
         self.out = workdir / f"replica{i}.{time.monotonic_ns()}.jsonl"
         self.log = open(workdir / f"replica{i}.log", "a")
         e = dict(os.environ)
         # torchft's Manager names itself by socket.gethostname(): the host's.
         e.pop("HOSTNAME", None)
         path = [b.site] + [p for p in os.environ.get("PYTHONPATH", "").split(":") if p]
+        if side == "ft":
+            ft_side = "ft"
+        else:
+            ft_side = "rally" if side.startswith("rally") else ("gloo" if side.startswith("gloo") else side)
         e.update(
             REPLICA_GROUP_ID=str(i), NUM_REPLICA_GROUPS=str(n), MASTER_ADDR=b.net.addr(i),
-            FT_SIDE="rally" if side.startswith("rally") else ("gloo" if side.startswith("gloo") else side),
-            FT_OUT=str(self.out), PYTHONPATH=":".join(path),
+            FT_SIDE=ft_side, FT_OUT=str(self.out), PYTHONPATH=":".join(path),
         )
         e["MASTER_PORT"] = str(env.pop("MASTER_PORT", free_port()))
         if lighthouse is not None:
             e["TORCHFT_LIGHTHOUSE"] = lighthouse.url
+        if side == "ft":
+            # Its Manager's timeout as torchft's train_ddp.py's gloo (5 s).
+            e["FT_PG_TIMEOUT"] = "5"
         e.update({k: str(v) for k, v in env.items()})
-        # ip netns exec and nsenter exec the program: proc.pid is Python's.
-        cmd = b.net.prefix(i) + [PY, str(WORKER)]
-        self.proc = subprocess.Popen(cmd, env=e, stdout=self.log, stderr=self.log)
+        if side == "ft":
+            # rally run sets the group's MASTER_ADDR/PORT (its own store).
+            e.pop("MASTER_ADDR")
+            e.pop("MASTER_PORT")
+            cmd = b.net.prefix(i) + [
+                b.rally, "run", "--ft", "--standalone", "--nproc-per-node", "1",
+                "--ft-replica-group", str(i), "--ft-lighthouse", lighthouse.hostport,
+                "--max-restarts", str(max_restarts), PY, str(WORKER),
+            ]
+        else:
+            cmd = b.net.prefix(i) + [PY, str(WORKER)]
+        self.proc = subprocess.Popen(cmd, env=e, stdout=self.log, stderr=self.log, start_new_session=True)
 
     def records(self):
         if not self.out.exists():
             return []
-        return [json.loads(line) for line in self.out.read_text().splitlines() if line.strip()]
+        out = []
+        for line in self.out.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass  # a line being written, or cut short by a kill
+        return out
+
+    def worker_pid(self):
+        """The pid of the worker that wrote the last record (None before
+        its first)."""
+        rs = self.records()
+        return rs[-1]["pid"] if rs else None
 
     def committed_step(self) -> int:
         """The last step it committed."""
@@ -243,18 +285,24 @@ class Replica:
         try:
             return self.proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            self.kill()
             return -999
 
     def kill(self):
-        if self.proc.poll() is None:
+        """The whole session (under ``rally run``, the agent and its
+        worker), continued first if stopped."""
+        pids = [self.worker_pid()] if self.side == "ft" else []
+        for sig in (signal.SIGCONT, signal.SIGKILL):
             try:
-                os.kill(self.proc.pid, signal.SIGCONT)
+                os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
                 pass
-            self.proc.kill()
-            self.proc.wait()
+            for pid in pids:  # its own session; PR_SET_PDEATHSIG too
+                try:
+                    os.kill(pid, sig)
+                except (ProcessLookupError, TypeError):
+                    pass
+        self.proc.wait()
 
 
 def _wait_for(pred, limit: float, what: str):
@@ -315,7 +363,8 @@ AT = 20  # the step a fault comes at
 def fault_figure(side: str, n: int, fault: str, b: Bench, model="small", restart=False):
     """From the victim's fault to the survivors' first commit without it
     (the slowest survivor), survivors crashed, and with ``restart`` the
-    victim's ready-to-first-commit after it is launched again."""
+    victim's ready-to-first-commit after it is launched again (side ``ft``:
+    after its group's agent restarted it)."""
     with workdir() as d:
         lh = Lighthouse(side, b, d)
         reps = []
@@ -323,13 +372,16 @@ def fault_figure(side: str, n: int, fault: str, b: Bench, model="small", restart
             common = {"FT_MODEL": model, "FT_STEPS": AT + 40}
             reps = [Replica(Path(d), i, n, side, lh, dict(common), b) for i in range(n - 1)]
             victim_env = dict(common, FT_FAULT=fault, FT_FAULT_STEP=AT)
-            reps.append(Replica(Path(d), n - 1, n, side, lh, victim_env, b))
+            reps.append(Replica(Path(d), n - 1, n, side, lh, victim_env, b,
+                                max_restarts=1 if restart else 0))
             victim = reps[-1]
             t_fault = _wait_for(lambda: _fault_time(victim), 120, f"{side}: the victim's fault at step {AT}")
             survivors = reps[:-1]
             gaps = _gaps(survivors, _without_victim(t_fault, n), t_fault, "a survivor's commit without the victim")
             heal = None
-            if restart:
+            if restart and side == "ft":
+                heal = _agent_restart_heal(victim)
+            elif restart:
                 victim.kill()
                 again = Replica(Path(d), n - 1, n, side, lh, dict(common, FT_STEPS=5), b)
                 reps.append(again)
@@ -343,6 +395,22 @@ def fault_figure(side: str, n: int, fault: str, b: Bench, model="small", restart
             for r in reps:
                 r.kill()
             lh.close()
+
+
+def _agent_restart_heal(victim: Replica) -> float:
+    """Under ``rally run --ft`` the group's agent restarts the killed
+    worker itself: from the new worker's ``ready`` record (a pid other than
+    the killed one's) to its first commit."""
+    first_pid = next(x["pid"] for x in victim.records())
+
+    def ready():
+        return next((x for x in victim.records() if x.get("event") == "ready" and x["pid"] != first_pid), None)
+
+    r = _wait_for(ready, 60, "the worker its agent restarted to be ready")
+    first = _wait_for(
+        lambda: next((x["t"] for x in victim.records() if x.get("committed") and x["pid"] == r["pid"]), None),
+        60, "the restarted worker's first commit")
+    return first - r["t"]
 
 
 def cut_figure(side: str, n: int, b: Bench, model="small"):
@@ -430,6 +498,205 @@ def steady_figure(side: str, n: int, b: Bench, model="10m"):
                 lh.close()
 
 
+CHAOS_FAULTS = ["kill", "stop", "lighthouse"]
+CHAOS_HOST_FAULTS = ["cut", "power-off"]
+OUTAGE = 3.0  # seconds a SIGSTOP, a cut and a power-off last
+MIN_ALIVE = 1  # the lighthouse's min_replicas: a fault never leaves fewer groups up
+
+
+@dataclass
+class Chaos:
+    seconds: float = 600.0
+    seed: int = 0
+    every: float = 10.0  # the mean interval between faults
+
+
+class ChaosRun:
+    """``n`` replica groups of ``side`` for ``c.seconds`` (``FT_STOP_FILE``
+    ends them), with a seeded random fault every ~``c.every`` seconds when
+    ``faults``, else none (the baseline). A group whose process ended is
+    launched again at once by this harness (torchft: as its users' Slurm
+    runner relaunches a replica; side ``ft``: only when its ``rally run``
+    itself ended, since its agent restarts the worker). A group is
+    *up* once it committed a step since its last fault; a fault on a group
+    comes only when it leaves at least ``MIN_ALIVE`` other groups up."""
+
+    def __init__(self, side: str, n: int, b: Bench, c: Chaos, faults: bool, d: Path):
+        import random
+
+        self.side, self.n, self.b, self.c, self.d = side, n, b, c, d
+        self.rng = random.Random(c.seed)
+        self.faults = faults
+        self.lh = Lighthouse(side, b, d)
+        self.stop_file = d / "stop"
+        self.env = {"FT_MODEL": "small", "FT_STEPS": 10**9, "FT_LOSS": 1, "FT_TEACHER": 1,
+                    "FT_STOP_FILE": str(self.stop_file), "TORCHFT_QUORUM_RETRIES": RETRIES}
+        self.groups = [[] for _ in range(n)]  # every incarnation of each group
+        self.last_fault = [0.0] * n
+        self.off = set()  # groups powered off (not relaunched)
+        self.pending = []  # (due, what, action): a fault's end
+        self.log = []  # the faults: {"t", "kind", "group"}
+        self.launches = [0] * n
+        self.deferred = 0
+        kinds = list(CHAOS_FAULTS) + (CHAOS_HOST_FAULTS if isinstance(b.net, Hosts) else [])
+        self.kinds = kinds
+
+    def launch(self, i: int):
+        r = Replica(self.d, i, self.n, self.side, self.lh, dict(self.env), self.b,
+                    max_restarts=10**6 if self.side == "ft" else 0)
+        self.groups[i].append(r)
+        self.launches[i] += 1
+
+    def up(self, i: int) -> bool:
+        if i in self.off or any(w == i for _, w, _ in self.pending):
+            return False
+        rs = self.groups[i][-1].records()
+        return bool(rs) and rs[-1].get("committed", False) and rs[-1]["t"] > self.last_fault[i]
+
+    def fault(self, now: float) -> bool:
+        """One fault, the kind and victim drawn; False when none may come
+        now (too few groups up, or a fault still lasting)."""
+        if self.pending:
+            return False
+        kind = self.rng.choice(self.kinds)
+        victim = self.rng.randrange(self.n)
+        if kind != "lighthouse":
+            up = [i for i in range(self.n) if self.up(i)]
+            if victim not in up or len(up) - 1 < MIN_ALIVE:
+                return False
+        r = self.groups[victim][-1]
+        pid = r.worker_pid()
+        if kind == "kill":
+            os.kill(pid, signal.SIGKILL)
+        elif kind == "stop":
+            os.kill(pid, signal.SIGSTOP)
+            self.pending.append((now + OUTAGE, victim, lambda: _signal(pid, signal.SIGCONT)))
+        elif kind == "cut":
+            self.b.net.cut(victim)
+            self.pending.append((now + OUTAGE, victim, lambda: self.b.net.heal(victim)))
+        elif kind == "power-off":
+            self.b.net.cut(victim)
+            r.kill()
+            self.off.add(victim)
+
+            def back():
+                self.b.net.heal(victim)
+                self.off.discard(victim)
+                self.launch(victim)
+
+            self.pending.append((now + OUTAGE, victim, back))
+        else:
+            self.lh.stop()
+            self.pending.append((now + 0.5, None, self.lh.start))
+        if kind != "lighthouse":
+            self.last_fault[victim] = now
+        self.log.append({"t": now, "kind": kind, "group": None if kind == "lighthouse" else victim})
+        return True
+
+    def run(self) -> dict:
+        try:
+            for i in range(self.n):
+                self.launch(i)
+            _wait_for(lambda: all(g[-1].committed_step() > 0 for g in self.groups), 120,
+                      f"{self.side}: every group's first commit")
+            t0 = time.time()
+            end = t0 + self.c.seconds
+            next_fault = t0 + self.rng.uniform(0.5, 1.5) * self.c.every
+            while time.time() < end:
+                now = time.time()
+                for due, w, action in [p for p in self.pending if p[0] <= now]:
+                    self.pending.remove((due, w, action))
+                    action()
+                for i in range(self.n):
+                    if i not in self.off and self.groups[i][-1].proc.poll() is not None:
+                        self.launch(i)
+                if self.faults and now >= next_fault:
+                    if self.fault(now):
+                        next_fault = now + self.rng.uniform(0.5, 1.5) * self.c.every
+                    else:
+                        self.deferred += 1
+                        next_fault = now + 0.5
+                time.sleep(0.05)  # the harness's poll, not a synchronisation
+            for _, _, action in self.pending:
+                action()
+            self.pending = []
+            self.stop_file.touch()
+            for g in self.groups:
+                g[-1].wait(60)
+            return self.figures(t0, end)
+        finally:
+            for g in self.groups:
+                for r in g:
+                    r.kill()
+            self.lh.close()
+
+    def figures(self, t0: float, end: float) -> dict:
+        commits, losses, top = [], [], 0
+        for g in self.groups:
+            recs = [x for r in g for x in r.records() if x.get("committed") and t0 <= x["t"] <= end]
+            commits.append(len(recs))
+            losses += [(x["step"], x["loss"]) for x in recs if "loss" in x]
+            top = max([top] + [x["step"] for x in recs])
+        kinds = {}
+        for f in self.log:
+            kinds[f["kind"]] = kinds.get(f["kind"], 0) + 1
+        return {"commits": commits, "max_step": top, "faults": kinds, "launches": self.launches,
+                "deferred": self.deferred, "losses": losses}
+
+
+def _signal(pid: int, sig):
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _loss_figures(chaos: list, free: list, windows: int = 10) -> dict:
+    """The chaos run's loss against the fault-free run's at the same steps:
+    over the last 10% of the steps both reached, each run's mean loss, and
+    the fault-free run's noise there (the min-max of its means over
+    ``windows`` equal windows of those steps); ``within`` when the chaos
+    run's mean lies inside that spread. Also each run's mean over the last
+    10% of its own steps."""
+    top = min(max((s for s, _ in chaos), default=0), max((s for s, _ in free), default=0))
+    lo = int(top * 0.9)
+
+    def mean(xs):
+        return statistics.fmean(xs) if xs else float("nan")
+
+    c = [v for s, v in chaos if lo < s <= top]
+    f = [(s, v) for s, v in free if lo < s <= top]
+    width = max(1, (top - lo) // windows)
+    means = [mean([v for s, v in f if lo + k * width < s <= lo + (k + 1) * width]) for k in range(windows)]
+    means = [m for m in means if m == m]
+    own = {}
+    for name, xs in (("chaos_own_end", chaos), ("free_own_end", free)):
+        last = max((s for s, _ in xs), default=0)
+        own[name] = mean([v for s, v in xs if s > last * 0.9])
+    return {"steps": [lo, top], "chaos": mean(c), "free": mean([v for _, v in f]),
+            "free_noise": [min(means, default=float("nan")), max(means, default=float("nan"))],
+            "within": bool(means) and min(means) <= mean(c) <= max(means), **own}
+
+
+def chaos_figure(side: str, n: int, b: Bench, c: Chaos) -> dict:
+    """The chaos run and the fault-free run of the same length, one after
+    the other: committed steps per group as a share of the fault-free
+    run's (goal >= 95%), and the loss at equal steps (``_loss_figures``)."""
+    runs = {}
+    for faults in (True, False):
+        with workdir() as d:
+            runs[faults] = ChaosRun(side, n, b, c, faults, Path(d)).run()
+    chaos, free = runs[True], runs[False]
+    share = [x / y if y else float("nan") for x, y in zip(chaos["commits"], free["commits"])]
+    return {
+        "share": min(share), "shares": share, "commits": chaos["commits"], "free_commits": free["commits"],
+        "max_step": chaos["max_step"], "free_max_step": free["max_step"], "faults": chaos["faults"],
+        "launches": chaos["launches"], "deferred": chaos["deferred"],
+        "loss": _loss_figures(chaos["losses"], free["losses"]),
+    }
+
+
+
 def spread(xs):
     xs = [x for x in xs if x is not None]
     if not xs:
@@ -447,6 +714,8 @@ def one_figure(fig: str, side: str, n: int, b: Bench):
         return fault_figure(side, n, "kill-between", b, restart=True)
     if fig == "cut":
         return cut_figure(side, n, b)
+    if fig == "chaos":
+        return chaos_figure(side, n, b, b.chaos)
     return fault_figure(side, n, fig, b)
 
 
@@ -464,6 +733,11 @@ def parse_args():
     ap.add_argument("--figures", nargs="+", default=None,
                     help="default: every loopback figure; with --hosts: " + " ".join(FAULTS + ["cut"]))
     ap.add_argument("--steady-seconds", type=float, default=20.0)
+    ap.add_argument("--chaos-seconds", type=float, default=600.0,
+                    help="figure chaos: how long each run (with faults, and fault-free) lasts")
+    ap.add_argument("--chaos-seed", type=int, default=0, help="figure chaos: the faults' random seed")
+    ap.add_argument("--chaos-every", type=float, default=10.0,
+                    help="figure chaos: the mean interval between faults, s (drawn from 0.5x-1.5x)")
     ap.add_argument("--rally", default=str(ROOT / "target/release/rally"))
     ap.add_argument("--native", default=str(ROOT / "target/release/lib_native.so"))
     ap.add_argument("--python-src", default=str(ROOT / "python/rallypoint"))
@@ -491,7 +765,8 @@ def main():
         site = lay_out_package(Path(site_dir), Path(a.python_src), Path(a.native))
         net = Hosts(a.hosts, a.hold) if a.hosts else Loopback()
         try:
-            b = Bench(rally=a.rally, net=net, site=site, steady_seconds=a.steady_seconds)
+            b = Bench(rally=a.rally, net=net, site=site, steady_seconds=a.steady_seconds,
+                      chaos=Chaos(seconds=a.chaos_seconds, seed=a.chaos_seed, every=a.chaos_every))
             print(json.dumps({"network": net.name, "python_src": a.python_src, "native": a.native, "rally": a.rally}), flush=True)
             for rep in range(a.reps):
                 for n in a.replicas:
@@ -520,6 +795,12 @@ def run_sides(results: dict, rep: int, n: int, fig: str, sides: list, b: Bench):
 
 
 def print_table(results: dict):
+    chaos = {k: v for k, v in results.items() if k[0] == "chaos"}
+    results = {k: v for k, v in results.items() if k[0] != "chaos"}
+    if chaos:
+        print_chaos(chaos)
+    if not results:
+        return
     print("\n| figure | replicas | side | median (min-max) | survivors crashed | runs that failed before the figure | step before the fault |")
     print("|---|---|---|---|---|---|---|")
     for (fig, n, side), rs in results.items():
@@ -531,6 +812,23 @@ def print_table(results: dict):
         step = spread([r.get("step") for r in ok if fig not in ("steady", "lighthouse")])
         unit = "" if step == "-" else " s"
         print(f"| {fig} | {n} | {side} | {spread([r[key] for r in ok])} s | {crashed} of {len(ok) * at_risk} | {failed} | {step}{unit} |")
+
+
+def print_chaos(results: dict):
+    print("\n| side | groups | committed steps / fault-free's, per group | steps reached (fault-free) | faults | launches per group | "
+          "loss at steps (fault-free; its window spread) | within |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (_, n, side), rs in results.items():
+        for r in rs:
+            if "error" in r:
+                print(f"| {side} | {n} | failed: {r['error'][:200]} |")
+                continue
+            lo = r["loss"]
+            shares = " ".join(f"{x:.3f}" for x in r["shares"])
+            faults = " ".join(f"{k} {v}" for k, v in sorted(r["faults"].items()))
+            print(f"| {side} | {n} | {shares} | {r['max_step']} ({r['free_max_step']}) | {faults} | "
+                  f"{' '.join(map(str, r['launches']))} | {lo['chaos']:.4f} ({lo['free']:.4f}; "
+                  f"{lo['free_noise'][0]:.4f}-{lo['free_noise'][1]:.4f}) at {lo['steps'][0]}-{lo['steps'][1]} | {lo['within']} |")
 
 
 if __name__ == "__main__":

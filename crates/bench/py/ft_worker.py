@@ -47,7 +47,12 @@ Environment (besides torchft's ``TORCHFT_LIGHTHOUSE``):
   or SIGSTOP just after the step's gradient all_reduce has started); the
   moment is recorded first (``{"event": "fault", "signal", "t"}``). Under
   ``rally run`` only the first incarnation faults
-  (``TORCHELASTIC_RESTART_COUNT`` 0): the restarted worker trains.
+  (``TORCHELASTIC_RESTART_COUNT`` 0): the restarted worker trains;
+- ``FT_LOSS=1``: each committed step's record carries ``loss``, this
+  replica's loss on its batch of that step (the chaos figure's loss curve);
+- ``FT_TEACHER=1``: labels from a fixed random linear teacher (the same in
+  every replica and incarnation) instead of random ones, so that the loss
+  falls and a loss curve means something.
 """
 
 import datetime
@@ -145,8 +150,15 @@ def _parts(side: str, timeout: datetime.timedelta):
 
 def _batches(seed: int, batch: int, width: int):
     g = torch.Generator().manual_seed(seed)
+    teacher = None
+    if os.environ.get("FT_TEACHER") == "1":
+        teacher = torch.randn(width, 10, generator=torch.Generator().manual_seed(1234))
     while True:
-        yield torch.randn(batch, width, generator=g), torch.randint(0, 10, (batch,), generator=g)
+        x = torch.randn(batch, width, generator=g)
+        if teacher is not None:
+            yield x, (x @ teacher).argmax(dim=1)
+        else:
+            yield x, torch.randint(0, 10, (batch,), generator=g)
 
 
 def run_ft(out, side: str) -> None:
@@ -224,6 +236,7 @@ def run_rally_ft(out) -> None:
 def _loop(out, manager, m, opt, inner, model, batches, limit_steps, deadline, digest, kill_between, stop_file) -> None:
     """The training loop both fault-tolerant sides run, and its records."""
     loss_fn = nn.CrossEntropyLoss()
+    record_loss = os.environ.get("FT_LOSS") == "1"
     steps, commits = 0, 0
     while commits < limit_steps and time.monotonic() < deadline:
         if stop_file and os.path.exists(stop_file):
@@ -231,12 +244,15 @@ def _loop(out, manager, m, opt, inner, model, batches, limit_steps, deadline, di
         x, y = next(batches)
         before = manager.current_step()
         opt.zero_grad()
-        loss_fn(m(x), y).backward()
+        loss = loss_fn(m(x), y)
+        loss.backward()
         opt.step()
         steps += 1
         committed = manager.current_step() > before
         commits += committed
         rec = {"step": manager.current_step(), "committed": committed, "participants": manager.num_participants()}
+        if record_loss and committed:
+            rec["loss"] = loss.item()
         if digest and committed:
             rec["digest"] = _digest(model, inner)
         _log(out, **rec)
