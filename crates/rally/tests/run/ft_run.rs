@@ -317,10 +317,19 @@ fn a_group_id_held_by_a_live_group_is_refused_at_once() {
         ("FT_OUT", out.as_os_str()),
         ("FT_STOP_FILE", stop.as_os_str()),
     ];
+    let status_port = super::free_port();
+    let sp = status_port.to_string();
     let mut first = run_ft_loopback(
         dir.path(),
         "first",
-        &["--ft-replica-group", "7", "--ft-lighthouse", &addr],
+        &[
+            "--ft-replica-group",
+            "7",
+            "--ft-lighthouse",
+            &addr,
+            "--status-port",
+            &sp,
+        ],
         &env,
     );
     let commits = || {
@@ -366,9 +375,35 @@ fn a_group_id_held_by_a_live_group_is_refused_at_once() {
         assert!(t2.elapsed() < LIMIT, "{}", first.output());
         std::thread::sleep(Duration::from_millis(20));
     }
+    // The group's quorum in the agent's /status and /metrics.
+    let body = |path| {
+        let r = super::http_get(status_port, path).unwrap();
+        r.split_once("\r\n\r\n").unwrap().1.to_owned()
+    };
+    let status: Value = serde_json::from_str(&body("/status")).unwrap();
+    let ft = &status["ft"];
+    assert_eq!(ft["replica_group"], "7", "{status}");
+    assert_eq!(ft["members"], serde_json::json!(["7"]), "{status}");
+    assert!(ft["quorum_id"].as_i64().is_some(), "{status}");
+    assert!(ft["commits"].as_u64() >= Some(3), "{status}");
+    assert_eq!(ft["connected"], true, "{status}");
+    let metrics = body("/metrics");
+    assert!(
+        metrics.contains("rally_ft_commits_total{replica_group=\"7\"}"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("rally_ft_quorum_members{replica_group=\"7\"} 1"),
+        "{metrics}"
+    );
     std::fs::write(&stop, b"").unwrap();
     let s = first.wait(LIMIT);
-    assert!(s.success(), "{}", first.output());
+    let out = first.output();
+    assert!(s.success(), "{out}");
+    assert!(
+        out.contains("rally run: replica group \"7\" (lighthouse 127.0.0.1:"),
+        "{out}"
+    );
 }
 
 /// `--ft`'s flags are checked before anything starts.
