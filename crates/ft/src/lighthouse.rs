@@ -75,6 +75,8 @@ struct Shared {
     target: String,
     options: Options,
     state: Mutex<State>,
+    /// Held while dialing (see `Shared::ensure`).
+    dialing: tokio::sync::Mutex<()>,
     wake: Notify,
     link: mpsc::UnboundedSender<Link>,
 }
@@ -133,6 +135,7 @@ impl Lighthouse {
             target,
             options,
             state: Mutex::default(),
+            dialing: tokio::sync::Mutex::new(()),
             wake: Notify::new(),
             link,
         });
@@ -255,12 +258,24 @@ impl Shared {
         }
     }
 
-    /// The current connection, dialing until `until` if there is none;
-    /// with `since`, an error if the connection was dropped since that
-    /// count of drops (a call of an earlier round must not dial).
+    /// The current connection, dialing until `until` if there is none (one
+    /// dial at a time: a concurrent caller waits for it and takes its
+    /// connection, so no extra session is opened); with `since`, an error
+    /// if the connection was dropped since that count of drops (a call of
+    /// an earlier round must not dial).
     async fn ensure(&self, until: Instant, since: Option<u64>) -> Result<Conn, String> {
         let mut backoff = Duration::from_millis(20);
+        let unreachable = |err: &str| {
+            format!(
+                "could not reach the lighthouse at {} within {:?}: {err}",
+                self.url, self.options.connect_timeout
+            )
+        };
         loop {
+            let left = until.saturating_duration_since(Instant::now());
+            let Ok(dialing) = tokio::time::timeout(left, self.dialing.lock()).await else {
+                return Err(unreachable("another dial was still under way"));
+            };
             {
                 let s = self.state.lock().expect("lock");
                 if !s.wanted || since.is_some_and(|d| d != s.drops) {
@@ -288,11 +303,9 @@ impl Shared {
                 Ok(Err(e)) => e,
                 Err(_) => "no answer".to_owned(),
             };
+            drop(dialing);
             if Instant::now() + backoff >= until {
-                return Err(format!(
-                    "could not reach the lighthouse at {} within {:?}: {err}",
-                    self.url, self.options.connect_timeout
-                ));
+                return Err(unreachable(&err));
             }
             tokio::time::sleep(backoff).await;
             backoff = (backoff * 2).min(MAX_BACKOFF);
