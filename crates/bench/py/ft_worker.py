@@ -108,8 +108,11 @@ def _fault(out, sig) -> None:
 
 
 def _fault_kind() -> str:
-    """``FT_FAULT``, on the first incarnation only."""
+    """``FT_FAULT``, on the first incarnation only, and (with
+    ``FT_FAULT_RANK``) on that group rank only."""
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return ""
+    if os.environ.get("FT_FAULT_RANK", os.environ.get("RANK", "0")) != os.environ.get("RANK", "0"):
         return ""
     return os.environ.get("FT_FAULT", "")
 
@@ -300,7 +303,8 @@ def run_ddp(out, backend: str) -> None:
 
 def main() -> None:
     side = os.environ.get("FT_SIDE", "gloo")
-    with open(os.environ["FT_OUT"], "a") as out:
+    # A group of several processes: one file per group rank.
+    with open(os.environ["FT_OUT"].replace("{rank}", os.environ.get("RANK", "0")), "a") as out:
         if side.startswith("ddp-"):
             run_ddp(out, side[4:])
         elif side == "ft":

@@ -77,11 +77,27 @@ pub(super) enum Launch {
 pub(super) struct Replica {
     pub(super) job: Job,
     out: PathBuf,
+    /// `out` with `{rank}` for the group rank.
+    pattern: PathBuf,
     /// The worker's pid when the test started it itself.
     pid: Option<u32>,
 }
 
 impl Replica {
+    /// Group rank `r`'s records.
+    pub(super) fn rank(&self, r: usize) -> Vec<Value> {
+        let p = self
+            .pattern
+            .to_str()
+            .unwrap()
+            .replace("{rank}", &r.to_string());
+        std::fs::read_to_string(p)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    }
+
     pub(super) fn records(&self) -> Vec<Value> {
         std::fs::read_to_string(&self.out)
             .unwrap_or_default()
@@ -117,6 +133,8 @@ pub(super) struct FtJob {
     pub(super) lighthouse: Option<Job>,
     pub(super) replicas: Vec<Replica>,
     launch: Launch,
+    /// Processes per group (`rally run --ft` only).
+    nproc: usize,
 }
 
 impl FtJob {
@@ -138,7 +156,17 @@ impl FtJob {
             lighthouse,
             replicas: Vec::new(),
             launch,
+            nproc: 1,
         }
+    }
+
+    /// Groups of `n` processes from now on (`rally run --ft` only): group
+    /// rank `r` writes its own records (`Replica::rank`); `records` and the
+    /// checks read group rank 0's.
+    pub(super) fn with_nproc(mut self, n: usize) -> FtJob {
+        assert!(self.launch == Launch::RallyRunFt);
+        self.nproc = n;
+        self
     }
 
     /// The lighthouse's `host:port`.
@@ -155,7 +183,18 @@ impl FtJob {
     pub(super) fn replica_with(&mut self, i: usize, env: &[(&str, &str)], args: &[&str]) -> usize {
         let host = self.c.host(i);
         let k = self.replicas.len();
-        let out = self.dir.path().join(format!("replica{i}.{k}.jsonl"));
+        let (out, pattern) = if self.nproc > 1 {
+            let p = self
+                .dir
+                .path()
+                .join(format!("replica{i}.{k}.rank{{rank}}.jsonl"));
+            let rank0 = PathBuf::from(p.to_str().unwrap().replace("{rank}", "0"));
+            (rank0, p)
+        } else {
+            let p = self.dir.path().join(format!("replica{i}.{k}.jsonl"));
+            (p.clone(), p)
+        };
+        let nproc = self.nproc.to_string();
         let mut cmd: Command = match self.launch {
             Launch::Torchft => {
                 let mut cmd = host.command(python());
@@ -175,7 +214,7 @@ impl FtJob {
             }
             Launch::RallyRunFt => {
                 let mut cmd = host.command(env!("CARGO_BIN_EXE_rally"));
-                cmd.args(["run", "--ft", "--standalone", "--nproc-per-node", "1"])
+                cmd.args(["run", "--ft", "--standalone", "--nproc-per-node", &nproc])
                     .args(["--ft-replica-group", &i.to_string()])
                     .args(["--ft-lighthouse", &self.lighthouse_addr()])
                     .args(["--max-restarts", "3"])
@@ -191,7 +230,7 @@ impl FtJob {
             .env("FT_MODEL", "small")
             .env("FT_DIGEST", "1")
             .env("FT_PG_TIMEOUT", PG_TIMEOUT)
-            .env("FT_OUT", &out)
+            .env("FT_OUT", &pattern)
             .env("FT_STEPS", "100000")
             .env("FT_STOP_FILE", self.stop_file())
             .env_remove("HOSTNAME");
@@ -200,7 +239,12 @@ impl FtJob {
         }
         let job = Job::spawn(cmd, self.dir.path(), &format!("replica{i}.{k}"));
         let pid = (self.launch == Launch::Torchft).then(|| job.child.id());
-        self.replicas.push(Replica { job, out, pid });
+        self.replicas.push(Replica {
+            job,
+            out,
+            pattern,
+            pid,
+        });
         k
     }
 

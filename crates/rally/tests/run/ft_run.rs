@@ -126,6 +126,76 @@ fn a_killed_worker_restarts_only_its_group_which_heals_and_rejoins() {
     assert!(dropped, "no survivor saw group 2 dropped\n{}", j.logs());
 }
 
+/// A group's rank 0 SIGKILLed between steps, in groups of two processes:
+/// the group's manager and its job store live in the agent, so the
+/// restarted ranks reconnect to the same manager (its address is in their
+/// environment, unchanged) and heal; only that group restarts, and every
+/// rank of every group keeps one state per step.
+#[test]
+fn a_killed_rank_0_takes_neither_the_manager_nor_the_store_away() {
+    let mut j = FtJob::start_with(3, 20_000, Launch::RallyRunFt).with_nproc(2);
+    let at = AT.to_string();
+    group(&mut j, 0, &[]);
+    group(&mut j, 1, &[]);
+    let victim = group(
+        &mut j,
+        2,
+        &[
+            ("FT_FAULT", "kill-between"),
+            ("FT_FAULT_STEP", &at),
+            ("FT_FAULT_RANK", "0"),
+        ],
+    );
+    j.wait_for("the victim's fault", LIMIT, |j| {
+        j.replicas[victim]
+            .first(|r| r["event"] == "fault")
+            .is_some()
+    });
+    let t0 = j.fault_time(victim);
+    let step = step_time(&j, &[0, 1], AT);
+    j.survivors_commit_past(&[0, 1], AT + 1, t0, step + Duration::from_millis(250));
+    j.wait_for("both restarted ranks' commits", LIMIT, |j| {
+        (0..2).all(|rank| {
+            let r = j.replicas[victim].rank(rank);
+            let Some(back) = r
+                .iter()
+                .position(|r| r["event"] == "ready" && r["restart"] == 1)
+            else {
+                return false;
+            };
+            r[back..].iter().filter(|r| r["committed"] == true).count() >= 3
+        })
+    });
+    j.finish(&[0, 1]);
+    let _ = j.replicas[victim].job.wait(LIMIT);
+    never_restarted(&j, &[0, 1]);
+    let out = j.replicas[victim].job.output();
+    assert_eq!(out.matches("manager at").count(), 1, "{out}");
+    // Rank 1 of every group: one pid on the survivors, one state per step
+    // across all groups.
+    let mut by_step: std::collections::BTreeMap<u64, Vec<String>> = Default::default();
+    for (k, r) in j.replicas.iter().enumerate() {
+        let recs = r.rank(1);
+        let pids: std::collections::BTreeSet<u64> =
+            recs.iter().filter_map(|x| x["pid"].as_u64()).collect();
+        if k != victim {
+            assert_eq!(pids.len(), 1, "group {k} rank 1 restarted: {pids:?}");
+        }
+        for x in recs.iter().filter(|x| x["committed"] == true) {
+            by_step
+                .entry(x["step"].as_u64().unwrap())
+                .or_default()
+                .push(x["digest"].as_str().unwrap_or("").to_owned());
+        }
+    }
+    for (s, ds) in &by_step {
+        assert!(
+            ds.windows(2).all(|w| w[0] == w[1]),
+            "rank 1's step {s}: {ds:?}"
+        );
+    }
+}
+
 /// A host powered off (cut, everything on it killed; no reset reaches
 /// anyone): dropped at the lighthouse's keep-alive (1 s), the survivors'
 /// step aborted by its push.
