@@ -632,8 +632,9 @@ impl Core {
             }
             Action::Fail { rank, error } => self.send(rank, wire::answer_error(&error)),
             Action::DropConnection { reason } => {
-                self.lighthouse.drop_connection(&reason);
+                // The status first: whoever sees the drop sees it there too.
                 self.books.connected(false);
+                self.lighthouse.drop_connection(&reason);
             }
         }
     }

@@ -686,3 +686,50 @@ async fn a_cut_shorter_than_the_keep_alive_keeps_the_session() {
     m.shutdown().await;
     lh.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_stopped_fails_the_waiting_calls_and_the_next_round_reconnects() {
+    // min_replicas 2: g0's call waits at the lighthouse while g1 does not
+    // call. A heartbeat timeout of a minute: only the dropped connection
+    // can explain a drop within the test's limit.
+    let lh = Lh::start_at("127.0.0.1:0".parse().unwrap(), 2, Duration::from_secs(60)).await;
+    let (m0, m1) = (
+        manager("g0", &lh.url(), 1).await,
+        manager("g1", &lh.url(), 1).await,
+    );
+    let mut groups = vec![
+        vec![Worker::hello(&m0, 0, 1).await],
+        vec![Worker::hello(&m1, 0, 1).await],
+    ];
+    let a = ok_quorums(&mut groups, &[1, 1]).await;
+    let id = a[0][0]["quorum"]["quorum_id"].as_i64().unwrap();
+
+    let path = format!("/v1/watch?quorum_id={id}&timeout_ms={}", LIMIT.as_millis());
+    let watcher = tokio::spawn(http_get(lh.addr, path));
+    let mut w0 = groups[0].pop().unwrap();
+    let waiting = tokio::spawn(async move {
+        let a = w0.quorum(2, "g0r0:1", 20_000).await;
+        (w0, a)
+    });
+    wait_status(lh.addr, |s| s["waiting"] == json!(["g0"])).await;
+    m0.workers_stopped("rank 1 exited with code 1");
+    let (code, v) = watcher.await.unwrap();
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["event"], "dropped", "{v}");
+    assert_eq!(v["replica_id"], "g0", "{v}");
+    let (w0, a) = waiting.await.unwrap();
+    assert_eq!(
+        a,
+        json!({"ok": false, "error": "quorum stopped: rank 1 exited with code 1"})
+    );
+    assert!(!m0.status().borrow().connected);
+
+    // The next round reconnects: a new quorum of both, a new id.
+    groups[0].push(w0);
+    let a = ok_quorums(&mut groups, &[2, 2]).await;
+    assert_eq!(a[0][0]["quorum"]["replica_ids"], json!(["g0", "g1"]));
+    assert!(a[0][0]["quorum"]["quorum_id"].as_i64().unwrap() > id);
+    m0.shutdown().await;
+    m1.shutdown().await;
+    lh.stop().await;
+}
