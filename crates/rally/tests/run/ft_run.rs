@@ -526,3 +526,68 @@ fn ft_flags_are_checked() {
         assert!(out.contains(says), "{args:?}: expected {says:?} in {out}");
     }
 }
+
+/// One command per host: group 0's `rally run` serves the lighthouse
+/// (`--ft-serve-lighthouse=BIND`), group 1 uses it; both train together
+/// (quorums of both groups) and end normally.
+#[test]
+fn a_group_serves_the_lighthouse_for_the_others() {
+    let dir = tempfile::tempdir().unwrap();
+    let site = super::torch_backend::package(dir.path());
+    let port = super::free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let stop = dir.path().join("stop");
+    let outs: Vec<_> = (0..2)
+        .map(|i| dir.path().join(format!("g{i}.jsonl")))
+        .collect();
+    let env = |i: usize| -> Vec<(&str, &std::ffi::OsStr)> {
+        vec![
+            ("PYTHONPATH", site.as_os_str()),
+            ("FT_OUT", outs[i].as_os_str()),
+            ("FT_STOP_FILE", stop.as_os_str()),
+            ("FT_MIN_REPLICAS", "2".as_ref()),
+        ]
+    };
+    let serve = format!("--ft-serve-lighthouse={addr}");
+    let mut g0 = run_ft_loopback(
+        dir.path(),
+        "g0",
+        &["--ft-replica-group", "0", &serve, "--ft-min-replicas", "2"],
+        &env(0),
+    );
+    let mut g1 = run_ft_loopback(
+        dir.path(),
+        "g1",
+        &["--ft-replica-group", "1", "--ft-lighthouse", &addr],
+        &env(1),
+    );
+    let both = |i: usize| {
+        std::fs::read_to_string(&outs[i])
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .filter(|r| r["committed"] == true && r["participants"] == 2)
+            .count()
+    };
+    let t0 = std::time::Instant::now();
+    while both(0) < 5 || both(1) < 5 {
+        assert!(t0.elapsed() < LIMIT, "{}\n{}", g0.output(), g1.output());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::fs::write(&stop, b"").unwrap();
+    // Group 1 first: the lighthouse goes with group 0's run.
+    let s1 = g1.wait(LIMIT);
+    let s0 = g0.wait(LIMIT);
+    assert!(
+        s0.success() && s1.success(),
+        "{}\n{}",
+        g0.output(),
+        g1.output()
+    );
+    assert!(
+        g0.output()
+            .contains(&format!("serving the lighthouse on {addr}")),
+        "{}",
+        g0.output()
+    );
+}
