@@ -1,7 +1,7 @@
 //! The manager as a service: the workers' endpoint, the store, the round
 //! and the lighthouse client, wired together.
 //!
-//! * One **core task** owns the [`Round`](crate::round::Round), the
+//! * One **core task** owns the [`crate::round::Round`], the
 //!   lighthouse client and the status books. Everything reaches it as a
 //!   message (a connection's hello, call or end; a lighthouse answer; a
 //!   link change; the agent's calls), it feeds the round, and it carries

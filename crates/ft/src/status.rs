@@ -1,6 +1,6 @@
 //! The manager's status and events, for `rally run`'s `/status`,
 //! `/metrics` and event log: [`Status`] on a `tokio::sync::watch`, and
-//! [`FtEvent`]s on a broadcast channel. [`Books`] keeps both from what the
+//! [`FtEvent`]s on a broadcast channel. `Books` keeps both from what the
 //! server saw (issued quorums, reports, votes, the lighthouse link).
 
 use serde::Serialize;
