@@ -33,7 +33,9 @@ the spread (min-max). Figures:
   ready to its first committed step;
 - ``lighthouse``: the lighthouse SIGKILLed and started again, from its
   return to every replica's next commit, and replicas crashed;
-- ``steady``: the median step (between commits) of the 10M-parameter MLP;
+- ``steady``: the median step (between commits) of the 10M-parameter MLP
+  (with ``FT_PROFILE=1`` in the environment, also the median of each part
+  of the step, ``ft_worker.py``'s ``prof``);
 - ``cut`` (across hosts only): the last replica's host taken off the bridge
   (silent loss both ways, no reset), from the moment it is off to the
   survivors' first commit of a step whose quorum left it out.
@@ -487,10 +489,15 @@ def steady_figure(side: str, n: int, b: Bench, model="10m"):
             reps = [Replica(Path(d), i, n, side, lh, dict(env), b) for i in range(n)]
             for r in reps:
                 r.wait(seconds + 120)
-            ts = sorted(x["t"] for x in reps[0].records() if x.get("committed"))
-            ts = ts[len(ts) // 4:]  # warm-up
+            recs = sorted((x for x in reps[0].records() if x.get("committed")), key=lambda x: x["t"])
+            recs = recs[len(recs) // 4:]  # warm-up
+            ts = [x["t"] for x in recs]
             gaps = [y - x for x, y in zip(ts, ts[1:])]
-            return {"step": statistics.median(gaps) if gaps else float("nan"), "steps": len(ts)}
+            r = {"step": statistics.median(gaps) if gaps else float("nan"), "steps": len(ts)}
+            profs = [x["prof"] for x in recs if "prof" in x]
+            if profs:  # FT_PROFILE=1: the median of each part of the step
+                r["prof"] = {k: round(statistics.median(p.get(k, 0.0) for p in profs), 4) for k in profs[-1]}
+            return r
         finally:
             for r in reps:
                 r.kill()
@@ -551,7 +558,13 @@ class ChaosRun:
         if i in self.off or any(w == i for _, w, _ in self.pending):
             return False
         rs = self.groups[i][-1].records()
-        return bool(rs) and rs[-1].get("committed", False) and rs[-1]["t"] > self.last_fault[i]
+        if not (rs and rs[-1].get("committed", False) and rs[-1]["t"] > self.last_fault[i]):
+            return False
+        try:
+            os.kill(rs[-1]["pid"], 0)
+        except ProcessLookupError:
+            return False
+        return True
 
     def fault(self, now: float) -> bool:
         """One fault, the kind and victim drawn; False when none may come
@@ -567,9 +580,9 @@ class ChaosRun:
         r = self.groups[victim][-1]
         pid = r.worker_pid()
         if kind == "kill":
-            os.kill(pid, signal.SIGKILL)
+            _signal(pid, signal.SIGKILL)
         elif kind == "stop":
-            os.kill(pid, signal.SIGSTOP)
+            _signal(pid, signal.SIGSTOP)
             self.pending.append((now + OUTAGE, victim, lambda: _signal(pid, signal.SIGCONT)))
         elif kind == "cut":
             self.b.net.cut(victim)
@@ -589,8 +602,12 @@ class ChaosRun:
             self.lh.stop()
             self.pending.append((now + 0.5, None, self.lh.start))
         if kind != "lighthouse":
-            self.last_fault[victim] = now
+            # After the fault: a record the victim wrote before it does not
+            # count as its recovery.
+            self.last_fault[victim] = time.time()
         self.log.append({"t": now, "kind": kind, "group": None if kind == "lighthouse" else victim})
+        with open(self.d / "faults.jsonl", "a") as f:  # kept with FT_BENCH_KEEP=1
+            f.write(json.dumps(self.log[-1]) + "\n")
         return True
 
     def run(self) -> dict:

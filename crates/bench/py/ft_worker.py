@@ -52,7 +52,16 @@ Environment (besides torchft's ``TORCHFT_LIGHTHOUSE``):
   replica's loss on its batch of that step (the chaos figure's loss curve);
 - ``FT_TEACHER=1``: labels from a fixed random linear teacher (the same in
   every replica and incarnation) instead of random ones, so that the loss
-  falls and a loss curve means something.
+  falls and a loss curve means something;
+- ``FT_PROFILE=1``: each step's record carries ``prof``, seconds spent in
+  ``zero_grad`` (which starts the quorum), the forward pass, the backward
+  pass (the DDP comm hook's all_reduce and its wait included) and
+  ``step`` (``should_commit`` and the optimizer), and on side ``ft`` also
+  ``quorum_wait`` (in ``Manager.wait_quorum``, from the comm hook) and
+  ``commit_rtt`` (the ``should_commit`` round trip to the group's manager);
+- ``FT_DDP_UNUSED=1`` (sides ``ddp-*``): torch DDP with
+  ``find_unused_parameters=True``, as the fault-tolerant sides' DDP has it,
+  to measure that traversal alone.
 """
 
 import datetime
@@ -236,26 +245,62 @@ def run_rally_ft(out) -> None:
     manager.shutdown()
 
 
+class _Timer:
+    """Seconds spent in the wrapped methods, per name, since the last
+    ``take`` (``FT_PROFILE``)."""
+
+    def __init__(self):
+        self.spent = {}
+
+    def wrap(self, obj, attr: str, name: str) -> None:
+        inner = getattr(obj, attr)
+
+        def timed(*args, **kw):
+            t = time.perf_counter()
+            try:
+                return inner(*args, **kw)
+            finally:
+                self.spent[name] = self.spent.get(name, 0.0) + time.perf_counter() - t
+
+        setattr(obj, attr, timed)
+
+    def take(self) -> dict:
+        spent, self.spent = self.spent, {}
+        return spent
+
+
 def _loop(out, manager, m, opt, inner, model, batches, limit_steps, deadline, digest, kill_between, stop_file) -> None:
     """The training loop both fault-tolerant sides run, and its records."""
     loss_fn = nn.CrossEntropyLoss()
     record_loss = os.environ.get("FT_LOSS") == "1"
+    timer = _Timer() if os.environ.get("FT_PROFILE") == "1" else None
+    if timer is not None and type(manager).__module__.startswith("rallypoint"):
+        timer.wrap(manager, "wait_quorum", "quorum_wait")
+        timer.wrap(manager._client, "should_commit", "commit_rtt")
+    clock = time.perf_counter
     steps, commits = 0, 0
     while commits < limit_steps and time.monotonic() < deadline:
         if stop_file and os.path.exists(stop_file):
             break
         x, y = next(batches)
         before = manager.current_step()
+        t0 = clock()
         opt.zero_grad()
+        t1 = clock()
         loss = loss_fn(m(x), y)
+        t2 = clock()
         loss.backward()
+        t3 = clock()
         opt.step()
+        t4 = clock()
         steps += 1
         committed = manager.current_step() > before
         commits += committed
         rec = {"step": manager.current_step(), "committed": committed, "participants": manager.num_participants()}
         if record_loss and committed:
             rec["loss"] = loss.item()
+        if timer is not None:
+            rec["prof"] = {"zero_grad": t1 - t0, "forward": t2 - t1, "backward": t3 - t2, "step": t4 - t3, **timer.take()}
         if digest and committed:
             rec["digest"] = _digest(model, inner)
         _log(out, **rec)
@@ -281,22 +326,33 @@ def run_ddp(out, backend: str) -> None:
     n = int(os.environ["NUM_REPLICA_GROUPS"])
     dist.init_process_group(backend, rank=rid, world_size=n, timeout=datetime.timedelta(seconds=30))
     model = _model(os.environ.get("FT_MODEL", "small"))
-    m = nn.parallel.DistributedDataParallel(model)
+    m = nn.parallel.DistributedDataParallel(model, find_unused_parameters=os.environ.get("FT_DDP_UNUSED") == "1")
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     loss_fn = nn.CrossEntropyLoss()
     _log(out, event="ready")
     limit_steps = int(os.environ.get("FT_STEPS", "1000000"))
     deadline = time.monotonic() + float(os.environ.get("FT_SECONDS", "1e9"))
     batches = _batches(1000, int(os.environ.get("FT_BATCH", "32")), model[0].in_features)
+    profile = os.environ.get("FT_PROFILE") == "1"
+    clock = time.perf_counter
     step = 0
     while step < limit_steps and time.monotonic() < deadline:
         x, y = next(batches)
+        t0 = clock()
         opt.zero_grad()
+        t1 = clock()
         with m.no_sync() if local else contextlib.nullcontext():
-            loss_fn(m(x), y).backward()
+            loss = loss_fn(m(x), y)
+            t2 = clock()
+            loss.backward()
+        t3 = clock()
         opt.step()
+        t4 = clock()
         step += 1
-        _log(out, step=step, committed=True)
+        rec = {"step": step, "committed": True}
+        if profile:
+            rec["prof"] = {"zero_grad": t1 - t0, "forward": t2 - t1, "backward": t3 - t2, "step": t4 - t3}
+        _log(out, **rec)
     _log(out, event="done", steps=step, commits=step)
     dist.destroy_process_group()
 
