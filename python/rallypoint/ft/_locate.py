@@ -8,10 +8,13 @@ issue 48, "Environment a worker sees").
   ``lighthouse=``, else ``RALLY_FT_LIGHTHOUSE``, else ``TORCHFT_LIGHTHOUSE``.
   Group rank 0 starts a manager in this process
   (``rallypoint._native.FtManager``); in a group of several processes it
-  publishes the manager's address under :data:`KEY` of the group's store
-  (``MASTER_ADDR:MASTER_PORT``, a TCPStore client), which the other ranks
-  read, waiting up to the connect timeout. A group of one process needs no
-  store.
+  publishes the manager's address under :data:`KEY` ``/<restart count>`` of
+  the group's store (``MASTER_ADDR:MASTER_PORT``, a TCPStore client), which
+  the other ranks read, waiting up to the connect timeout. The restart count
+  (``TORCHELASTIC_RESTART_COUNT``, the same for every worker of one
+  incarnation) keeps a restarted group from reading the address of the
+  manager that died with its last rank 0 (the launcher's store outlives its
+  workers). A group of one process needs no store.
 
 Needs neither torchft nor, unless a manager is started, the extension.
 """
@@ -24,8 +27,13 @@ from typing import Optional
 
 log = logging.getLogger(__name__)
 
-#: The group store's key holding the in-process manager's ``host:port``.
+#: The group store's key holding the in-process manager's ``host:port``
+#: (followed by ``/<restart count>``).
 KEY = "rally/ft/manager"
+
+
+def _key() -> str:
+    return f"{KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 @dataclass
@@ -96,15 +104,15 @@ def manager_address(replica_group: Optional[str], lighthouse: Optional[str], gro
         addr = owned.address() if callable(getattr(owned, "address", None)) else owned.address
         if world_size > 1:
             store, where = _group_store(connect_timeout)
-            store.set(KEY, addr)
-            log.info("rallypoint.ft: replica group %s's manager at %s, published under %s of %s", rid, addr, KEY, where)
+            store.set(_key(), addr)
+            log.info("rallypoint.ft: replica group %s's manager at %s, published under %s of %s", rid, addr, _key(), where)
         return Located(addr, lh, owned)
     store, where = _group_store(connect_timeout)
     try:
-        addr = store.get(KEY).decode()
+        addr = store.get(_key()).decode()
     except Exception as e:  # noqa: BLE001 - torch raises several kinds
         raise TimeoutError(
             f"rallypoint.ft: group rank {group_rank} waited {connect_timeout:g} s for group rank 0 to publish its"
-            f" replica group manager's address under {KEY} of the store at {where}: {e}"
+            f" replica group manager's address under {_key()} of the store at {where}: {e}"
         ) from e
     return Located(addr, lh)

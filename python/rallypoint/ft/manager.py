@@ -36,7 +36,7 @@ protocol). Each step:
 Where the replica group manager is: ``RALLY_FT_MANAGER`` (``host:port``: set
 by ``rally run --ft``, whose agent runs it). Without it, group rank 0 starts
 one in this process (``rallypoint._native.FtManager``) and, in a group of
-several processes, publishes its address under the key ``rally/ft/manager``
+several processes, publishes its address under the key ``rally/ft/manager/<restart count>``
 of the group's store (``MASTER_ADDR:MASTER_PORT``), which the other ranks
 read (waiting up to the connect timeout).
 

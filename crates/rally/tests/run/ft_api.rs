@@ -198,7 +198,7 @@ fn a_replica_group_killed_in_the_backward_pass_fails_the_survivors_step_without_
 }
 
 /// Replica groups of 2 processes: group rank 0 starts the manager and
-/// publishes its address under `rally/ft/manager` of the group's store, rank
+/// publishes its address under `rally/ft/manager/0` of the group's store, rank
 /// 1 finds it there; the quorum and `should_commit` span both ranks, and per
 /// group rank the groups end every step bitwise equal.
 #[test]
