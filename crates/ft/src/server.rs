@@ -51,6 +51,11 @@ pub struct Config {
     pub heartbeat_interval: Duration,
     /// How long a (re)connection to the lighthouse is retried.
     pub connect_timeout: Duration,
+    /// A worker connection that has beaten ([`wire::Request::Beat`]) and
+    /// then says nothing for this long is closed, as if the worker died:
+    /// a stopped or hung worker takes its group out of the quorum within
+    /// this (the manager's own heartbeats would otherwise keep it in).
+    pub worker_keep_alive: Duration,
 }
 
 impl Config {
@@ -65,6 +70,7 @@ impl Config {
             world_size,
             heartbeat_interval: Duration::from_millis(100),
             connect_timeout: Duration::from_secs(60),
+            worker_keep_alive: WORKER_KEEP_ALIVE,
         }
     }
 }
@@ -194,7 +200,7 @@ impl Manager {
             tx: core_tx.clone(),
         };
         let core_task = tokio::spawn(core.run(core_rx));
-        let accept = tokio::spawn(accept(listener, core_tx.clone()));
+        let accept = tokio::spawn(accept(listener, core_tx.clone(), config.worker_keep_alive));
         tracing::info!(replica_id = %config.replica_id, %address, %store_address, "ft manager started");
         Ok(Manager {
             address,
@@ -290,14 +296,14 @@ async fn advertise_host(config: &Config, target: &str) -> Result<String, Error> 
     Ok(udp.local_addr().map_err(route)?.ip().to_string())
 }
 
-async fn accept(listener: TcpListener, core: mpsc::UnboundedSender<Msg>) {
+async fn accept(listener: TcpListener, core: mpsc::UnboundedSender<Msg>, keep_alive: Duration) {
     let mut conns = tokio::task::JoinSet::new();
     loop {
         tokio::select! {
             r = listener.accept() => match r {
                 Ok((stream, _)) => {
                     let _ = stream.set_nodelay(true);
-                    conns.spawn(serve(stream, core.clone()));
+                    conns.spawn(serve(stream, core.clone(), keep_alive));
                 }
                 Err(e) => {
                     tracing::warn!("accepting a worker connection: {e}");
@@ -308,6 +314,11 @@ async fn accept(listener: TcpListener, core: mpsc::UnboundedSender<Msg>) {
         }
     }
 }
+
+/// The default [`Config::worker_keep_alive`]: `rally lighthouse`'s default
+/// keep-alive, so a stopped worker's group goes as fast as a stopped
+/// manager's would.
+pub const WORKER_KEEP_ALIVE: Duration = Duration::from_secs(1);
 
 /// The most requests one connection may send ahead of their answers.
 const MAX_QUEUED: usize = 64;
@@ -331,8 +342,10 @@ async fn read_lines(rd: tokio::net::tcp::OwnedReadHalf, lines: mpsc::Sender<Line
     }
 }
 
-/// One worker connection: requests answered in order, one at a time.
-async fn serve(stream: TcpStream, core: mpsc::UnboundedSender<Msg>) {
+/// One worker connection: requests answered in order, one at a time; a
+/// connection that has beaten and then goes silent for `keep_alive` is
+/// closed.
+async fn serve(stream: TcpStream, core: mpsc::UnboundedSender<Msg>, keep_alive: Duration) {
     let (rd, mut wr) = stream.into_split();
     let (line_tx, mut lines) = mpsc::channel(4);
     let reader = tokio::spawn(read_lines(rd, line_tx));
@@ -340,17 +353,35 @@ async fn serve(stream: TcpStream, core: mpsc::UnboundedSender<Msg>) {
     let mut rank: Option<Rank> = None;
     let mut queue: VecDeque<Request> = VecDeque::new();
     let mut busy = false;
+    // Set by the first beat: from then on, silence is a stop.
+    let mut beating = false;
+    let silence = tokio::time::sleep(keep_alive);
+    tokio::pin!(silence);
     'conn: loop {
         tokio::select! {
+            () = &mut silence, if beating => {
+                tracing::warn!(
+                    ?rank,
+                    "a worker said nothing for {keep_alive:?} (stopped or hung): closing its connection, so its group leaves the quorum"
+                );
+                break;
+            }
             line = lines.recv() => match line {
                 None => break,
                 Some(Ok(l)) => match wire::decode(&l) {
+                    Ok(Request::Beat) => {
+                        beating = true;
+                        silence.as_mut().reset(tokio::time::Instant::now() + keep_alive);
+                    }
                     Ok(_) if queue.len() >= MAX_QUEUED => {
                         let e = format!("more than {MAX_QUEUED} requests waiting on one connection (requests are answered one at a time, in order)");
                         let _ = wr.write_all(wire::answer_error(&e).as_bytes()).await;
                         break;
                     }
-                    Ok(req) => queue.push_back(req),
+                    Ok(req) => {
+                        silence.as_mut().reset(tokio::time::Instant::now() + keep_alive);
+                        queue.push_back(req);
+                    }
                     Err(e) => {
                         let _ = wr.write_all(wire::answer_error(&e.to_string()).as_bytes()).await;
                         break;
@@ -582,6 +613,7 @@ impl Core {
                 return;
             }
             Request::Hello { .. } => unreachable!("hello is the connection's"),
+            Request::Beat => unreachable!("beats are the connection's"),
         };
         self.feed(event);
     }

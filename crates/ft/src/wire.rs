@@ -55,6 +55,11 @@ pub enum Request {
     },
     /// Something the manager counts in its status.
     Report(Report),
+    /// "This worker is alive", every 100 ms or so from a thread of its
+    /// own; never answered. Once a connection has beaten, a silence of
+    /// the manager's worker keep-alive closes it: the worker is stopped
+    /// (SIGSTOP) or hung, and its group leaves the quorum.
+    Beat,
 }
 
 /// A `report` request's content.
@@ -80,7 +85,7 @@ pub enum WireError {
     TooLong,
     #[error("a request line that is not UTF-8")]
     NotUtf8,
-    #[error("a request that is not valid: {0} (a request is one JSON object with \"op\": hello, quorum, should_commit or report)")]
+    #[error("a request that is not valid: {0} (a request is one JSON object with \"op\": hello, quorum, should_commit, report or beat)")]
     Invalid(String),
     #[error("reading the connection: {0}")]
     Io(#[from] std::io::Error),

@@ -733,3 +733,58 @@ async fn workers_stopped_fails_the_waiting_calls_and_the_next_round_reconnects()
     m1.shutdown().await;
     lh.stop().await;
 }
+
+/// A worker that beat and then went silent (stopped, hung) is taken for
+/// gone after the worker keep-alive: its connection is closed and its group
+/// leaves the quorum, although the manager itself heartbeats on (the
+/// lighthouse's heartbeat timeout is a minute here). A worker that never
+/// beats is never closed for silence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_silent_past_the_keep_alive_after_beating_takes_its_group_out() {
+    let lh = Lh::start_at("127.0.0.1:0".parse().unwrap(), 1, Duration::from_secs(60)).await;
+    let keep_alive = Duration::from_millis(300);
+    let start = |id: &'static str| {
+        let url = lh.url();
+        async move {
+            let mut c = Config::new(id, &url, 1);
+            c.bind = "127.0.0.1:0".parse().unwrap();
+            c.worker_keep_alive = keep_alive;
+            Manager::start(c).await.unwrap()
+        }
+    };
+    let (m0, m1) = (start("g0").await, start("g1").await);
+    let mut groups = vec![
+        vec![Worker::hello(&m0, 0, 1).await],
+        vec![Worker::hello(&m1, 0, 1).await],
+    ];
+    let a = ok_quorums(&mut groups, &[1, 1]).await;
+    let id = a[0][0]["quorum"]["quorum_id"].as_i64().unwrap();
+    assert_eq!(a[0][0]["quorum"]["replica_ids"], json!(["g0", "g1"]));
+
+    // g0 never beats: silent for three keep-alives, still there.
+    tokio::time::sleep(keep_alive * 3).await;
+    // g1 beats, then goes silent inside its next quorum call.
+    let path = format!("/v1/watch?quorum_id={id}&timeout_ms={}", LIMIT.as_millis());
+    let watcher = tokio::spawn(http_get(lh.addr, path));
+    let mut g1 = groups.pop().unwrap().remove(0);
+    let t0 = tokio::time::Instant::now();
+    g1.send_raw(b"{\"op\":\"beat\"}\n").await;
+    g1.send_raw(b"{\"op\":\"quorum\",\"step\":2,\"metadata\":\"g1:1\",\"timeout_ms\":20000}\n")
+        .await;
+    let (code, v) = watcher.await.unwrap();
+    let took = t0.elapsed();
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["event"], "dropped", "{v}");
+    assert_eq!(v["replica_id"], "g1", "{v}");
+    assert!(
+        took >= keep_alive,
+        "dropped after {took:?}, before the keep-alive"
+    );
+    g1.closed().await;
+    // g0 goes on alone.
+    let a = ok_quorums(&mut groups, &[2]).await;
+    assert_eq!(a[0][0]["quorum"]["replica_ids"], json!(["g0"]));
+    m0.shutdown().await;
+    m1.shutdown().await;
+    lh.stop().await;
+}

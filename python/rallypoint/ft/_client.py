@@ -18,6 +18,13 @@ again. Every failure raises :class:`ManagerError` naming the manager's
 address, the op and what was waited for. Calls are serialised by a lock (the
 quorum thread and the training thread share the connection).
 
+Liveness: once hello is answered, a daemon thread writes ``{"op":"beat"}``
+every :data:`BEAT_INTERVAL` seconds (never answered; writes share a second
+lock with the calls, so lines never interleave). The manager closes a
+connection that beat and then fell silent for its worker keep-alive (1 s):
+a worker that is stopped (SIGSTOP) or hung with the GIL held takes its group
+out of the quorum, although the manager, in the agent, heartbeats on.
+
 Needs neither torch nor torchft.
 """
 
@@ -35,6 +42,9 @@ MAX_LINE = 1 << 20
 MARGIN = 5.0
 #: Deadline of a ``report`` call, in seconds (it is answered at once).
 REPORT_TIMEOUT = 5.0
+#: Seconds between two beats (a tenth of the manager's default keep-alive).
+BEAT_INTERVAL = 0.1
+_BEAT = b'{"op":"beat"}\n'
 
 
 class ManagerError(RuntimeError):
@@ -106,6 +116,10 @@ class Client:
         self.group_world_size = group_world_size
         self.connect_timeout = float(connect_timeout)
         self._lock = threading.Lock()
+        #: Held while writing a line (a call's or a beat), never while waiting.
+        self._send_lock = threading.Lock()
+        self._beating = False
+        self._beat_thread: Optional[threading.Thread] = None
         self._sock: Optional[socket.socket] = None
         self._buf = b""
         self._closed = False
@@ -146,6 +160,23 @@ class Client:
         self._sock, self._buf = sock, b""
         hello = {"op": "hello", "group_rank": self.group_rank, "group_world_size": self.group_world_size, "pid": os.getpid()}
         self.hello = self._exchange(hello, max(deadline - time.monotonic(), 1.0))
+        self._beating = True
+        if self._beat_thread is None:
+            self._beat_thread = threading.Thread(target=self._beat, name="rallypoint-ft-beat", daemon=True)
+            self._beat_thread.start()
+
+    def _beat(self) -> None:
+        """Tells the manager this process is alive, until the client closes."""
+        while not self._closed:
+            time.sleep(BEAT_INTERVAL)
+            with self._send_lock:
+                sock = self._sock if self._beating else None
+                if sock is None:
+                    continue
+                try:
+                    sock.sendall(_BEAT)
+                except OSError:
+                    pass  # the next call finds the connection broken and reconnects
 
     def close(self) -> None:
         """Closes the connection (the manager sees this worker leave); a call
@@ -161,7 +192,9 @@ class Client:
             self._drop()
 
     def _drop(self) -> None:
-        sock, self._sock, self._buf = self._sock, None, b""
+        with self._send_lock:
+            self._beating = False
+            sock, self._sock, self._buf = self._sock, None, b""
         if sock is not None:
             try:
                 sock.close()
@@ -186,7 +219,8 @@ class Client:
         try:
             assert self._sock is not None
             self._sock.settimeout(max(timeout, 0.001))
-            self._sock.sendall(line)
+            with self._send_lock:
+                self._sock.sendall(line)
             answer = self._read_line(deadline, op)
         except (OSError, ManagerError) as e:
             self._drop()

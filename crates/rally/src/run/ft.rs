@@ -172,15 +172,10 @@ impl Ft {
             // A later node of a group of several would find its own group live.
             rt.block_on(not_live_elsewhere(&lighthouse, &plan.replica_group))?;
         }
-        let config = Config {
-            replica_id: plan.replica_group.clone(),
-            lighthouse: lighthouse.clone(),
-            bind: SocketAddr::from(([0, 0, 0, 0], 0)),
-            advertise_host: None,
-            world_size,
-            heartbeat_interval: Duration::from_millis(100),
-            connect_timeout: plan.connect_timeout,
-        };
+        // Every interface, port 0, heartbeats every 100 ms, a worker silent
+        // for 1 s after beating taken for stopped.
+        let mut config = Config::new(&plan.replica_group, &lighthouse, world_size);
+        config.connect_timeout = plan.connect_timeout;
         let manager = rt
             .block_on(Manager::start(config))
             .with_context(|| format!("--ft: replica group {:?}", plan.replica_group))?;

@@ -126,6 +126,46 @@ fn a_killed_worker_restarts_only_its_group_which_heals_and_rejoins() {
     assert!(dropped, "no survivor saw group 2 dropped\n{}", j.logs());
 }
 
+/// A worker SIGSTOPped inside its all_reduce: the manager (in the agent)
+/// heartbeats on, but the worker's beats stop, so after the worker
+/// keep-alive (1 s) the manager closes its connection and takes the group
+/// out; the lighthouse's push frees the survivors, who commit again within
+/// the keep-alive + 250 ms. Resumed, the worker reconnects, heals and takes
+/// part again, and no group restarted.
+#[test]
+fn a_stopped_worker_takes_its_group_out_within_the_keep_alive_and_rejoins() {
+    let mut j = FtJob::start_with(3, 1000, Launch::RallyRunFt);
+    let at = AT.to_string();
+    group(&mut j, 0, &[]);
+    group(&mut j, 1, &[]);
+    let victim = group(
+        &mut j,
+        2,
+        &[("FT_FAULT", "stop-allreduce"), ("FT_FAULT_STEP", &at)],
+    );
+    j.wait_for("the victim's fault", LIMIT, |j| {
+        j.replicas[victim]
+            .first(|r| r["event"] == "fault")
+            .is_some()
+    });
+    let t0 = j.fault_time(victim);
+    j.survivors_commit_past(&[0, 1], AT + 1, t0, Duration::from_millis(1250));
+    let pid = j.replicas[victim]
+        .records()
+        .iter()
+        .find(|r| r["event"] == "fault")
+        .and_then(|r| r["pid"].as_i64())
+        .unwrap();
+    // SAFETY: a signal to the stopped worker (it is ours: its pid is in its records).
+    unsafe { libc::kill(pid as i32, libc::SIGCONT) };
+    let before = j.replicas[victim].committed().len();
+    j.wait_for("the resumed worker's commits", LIMIT, |j| {
+        j.replicas[victim].committed().len() >= before + 3
+    });
+    j.finish(&[0, 1, victim]);
+    never_restarted(&j, &[0, 1, victim]);
+}
+
 /// A group's rank 0 SIGKILLed between steps, in groups of two processes:
 /// the group's manager and its job store live in the agent, so the
 /// restarted ranks reconnect to the same manager (its address is in their
