@@ -10,9 +10,9 @@ CASE`` runs one case and prints ``PASS CASE``.
   divided by the participants, a non-participant's zeros not counted, and
   a failed generation's Work completing without raising.
 - ``client``: the JSON-lines client (``_client.py``) against a small
-  in-test server that only speaks the framing: hello first, answers in
-  order, an answer split across segments, refusals, a silent server (the
-  deadline, naming the op and address), a closed connection and the
+  in-test server that only speaks the framing: hello first, beats (never
+  answered) after it, answers in order, an answer split across segments,
+  refusals, a silent server (the deadline, naming the op and address), a closed connection and the
   reconnect that follows, an oversized line, connecting before the server
   listens, and the connect timeout.
 - ``no_torchft``: with torchft made unimportable, ``import rallypoint.ft``
@@ -174,6 +174,7 @@ class LineServer:
         self.script = script
         self.port = port
         self.requests = []
+        self.beats = 0
         self.connections = 0
         self._sock = None
         if listen:
@@ -211,6 +212,9 @@ class LineServer:
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)
                     req = json.loads(line)
+                    if req.get("op") == "beat":
+                        self.beats += 1
+                        continue  # liveness, never answered
                     self.requests.append((index, req))
                     answer = self.script(index, req)
                     if answer == "close":
@@ -275,6 +279,10 @@ def case_client() -> None:
     c.report_not_committed(5, "why")
     check(srv.requests[-1][1] == {"op": "report", "kind": "not_committed", "step": 5, "reason": "why"}, f"{srv.requests[-1]}")
     expect(ManagerError, lambda: c.call({"op": "nope"}, 3), "refused nope", "unknown op 'nope'", f"127.0.0.1:{srv.port}")
+    deadline = time.monotonic() + 10
+    while srv.beats < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    check(srv.beats >= 3, f"{srv.beats} beats within 10 s of the hello")
     c.close()
 
     srv3 = LineServer(lambda i, r: None)
@@ -290,17 +298,24 @@ def case_client() -> None:
         s.bind(("127.0.0.1", 0))
         s.listen()
 
+        def request(f) -> bytes:
+            """The next line that is not a beat (b"" at EOF)."""
+            while True:
+                line = f.readline()
+                if not line or json.loads(line).get("op") != "beat":
+                    return line
+
         def run():
             conn, _ = s.accept()
             f = conn.makefile("rb")
-            f.readline()
+            request(f)
             for b in ok(**hello):
                 conn.sendall(bytes([b]))
-            f.readline()
+            request(f)
             conn.sendall(ok(commit=True)[:5])
             conn.sendall(ok(commit=True)[5:])
-            f.readline()  # a should_commit never answered: the client's deadline
-            f.readline()  # the client closes: EOF
+            request(f)  # a should_commit never answered: the client's deadline
+            request(f)  # the client closes: EOF
             conn.close()
 
         threading.Thread(target=run, daemon=True).start()
