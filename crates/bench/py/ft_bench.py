@@ -256,7 +256,8 @@ class Replica:
             cmd = b.net.prefix(i) + [
                 b.rally, "run", "--ft", "--standalone", "--nproc-per-node", "1",
                 "--ft-replica-group", str(i), "--ft-lighthouse", lighthouse.hostport,
-                "--max-restarts", str(max_restarts), PY, str(WORKER),
+                "--max-restarts", str(max_restarts), "--events", str(self.out.with_suffix(".events")),
+                PY, str(WORKER),
             ]
         else:
             cmd = b.net.prefix(i) + [PY, str(WORKER)]

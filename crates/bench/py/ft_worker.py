@@ -52,7 +52,8 @@ Environment (besides torchft's ``TORCHFT_LIGHTHOUSE``):
   replica's loss on its batch of that step (the chaos figure's loss curve);
 - ``FT_TEACHER=1``: labels from a fixed random linear teacher (the same in
   every replica and incarnation) instead of random ones, so that the loss
-  falls and a loss curve means something;
+  falls and a loss curve means something; each replica group's process
+  draws its own inputs (seeded with its group id and pid);
 - ``FT_PROFILE=1``: each step's record carries ``prof``, seconds spent in
   ``zero_grad`` (which starts the quorum), the forward pass, the backward
   pass (the DDP comm hook's all_reduce and its wait included) and
@@ -161,10 +162,15 @@ def _parts(side: str, timeout: datetime.timedelta):
 
 
 def _batches(seed: int, batch: int, width: int):
-    g = torch.Generator().manual_seed(seed)
     teacher = None
     if os.environ.get("FT_TEACHER") == "1":
         teacher = torch.randn(width, 10, generator=torch.Generator().manual_seed(1234))
+        # Each replica group (and each incarnation of one) its own data, as
+        # a DistributedSampler would give it: with one seed for all, the
+        # groups of a fault-free run would train on the same batches and a
+        # restarted one on others, making the runs' losses unlike.
+        seed = seed * 1009 + int(os.environ.get("REPLICA_GROUP_ID", "0")) * 7919 + os.getpid()
+    g = torch.Generator().manual_seed(seed)
     while True:
         x = torch.randn(batch, width, generator=g)
         if teacher is not None:
