@@ -1,0 +1,264 @@
+//! A seeded simulator of the whole per-step protocol, at the level of its
+//! decisions: N replica groups (2 to 5) of W ranks (1 to 3), each group
+//! its manager's [`rallypoint_ft::round::Round`] and W simulated workers,
+//! and one [`rallypoint_lighthouse::machine::Lighthouse`] serving every
+//! manager. A simulated clock (ms) and an event queue; no sleeping.
+//!
+//! **The parts** (`sim/world.rs`), as the real ones behave:
+//!
+//! * a **worker** runs the Python `Manager`'s loop reduced to its
+//!   decisions: hello; a quorum call with its step (`init_sync`); when
+//!   told to heal, it reads the source's checkpoint (the source's worker
+//!   of the same group rank, alive, answered the same quorum, at its max
+//!   step) and takes its step and state; a step's compute; the
+//!   cross-replica allreduce of group rank `r` among the quorum's
+//!   participants (done when every participant's rank `r` arrived; failed
+//!   when one of them dies, the lighthouse aborts the quorum, or at its
+//!   timeout); a `should_commit` vote (false if anything failed); on a
+//!   commit, step + 1 and the allreduce's new state. A model's state is a
+//!   hash: a fresh process's random init, then hash(state, step) at each
+//!   commit, so a group that skipped a heal (or `init_sync`) diverges;
+//! * a **manager** carries out its round's actions as `server.rs` and
+//!   `lighthouse.rs` do: `Connect` dials (backoff 100 ms doubling to 1 s
+//!   while the lighthouse is down) and heartbeats every 100 ms over the
+//!   session; `CallLighthouse` joins over the open session (again over a
+//!   new one after a restart) until its deadline, when the call fails and
+//!   the lighthouse hears `Left`; `DropConnection` closes the session (the
+//!   lighthouse's `Closed`); a tick at the round's next deadline;
+//! * the **lighthouse** ticks every 100 ms and at its next deadline; an
+//!   issued quorum answers each member's call over its session; an abort
+//!   fails that quorum's allreduces (the process groups watch it).
+//!
+//! **Faults** (`sim/scenario.rs`; each counted when it fires, in a
+//! [`Tally`] held to floors): `kill` (a worker dies: the round's
+//! `RankGone`; the agent stops the group's other workers 20 ms later and
+//! restarts all W at step 0, so they must heal), `stop` (the agent's
+//! `workers_stopped`, then the same), `stall` (a worker frozen past its
+//! calls' deadlines, then resumed), `delay` / `lose` (the lighthouse's next
+//! answer to a group comes late, or is lost: the call fails), `restart`
+//! (the lighthouse dies, every session with it, and a new one starts after
+//! a pause, its ids above the old ones), `cut` (a manager cut from the
+//! lighthouse both ways, its connection kept: silent, the lighthouse drops
+//! it at the heartbeat timeout; the cut heals later).
+//!
+//! **Invariants** (`sim/check.rs`), checked at every event:
+//!
+//! 1. `SameQuorum`: within one quorum id, every rank of every group that
+//!    got an answer got the participants the lighthouse issued, the same
+//!    max step, and a replica rank that names its own group;
+//! 2. `AnsweredOnce`: a rank's call is answered at most once (and a
+//!    worker is never handed an answer to no call of its);
+//! 3. `AllRanksCalled`: no lighthouse call is made for a group before all
+//!    its W ranks called quorum in that round;
+//! 4. `SameState`: the participants of an allreduce enter it at one step
+//!    in one state, and a commit at step s is the same state as every
+//!    other group's commit at step s (healing and `init_sync` are right).
+//!    Commits above a quorum's max step are forgotten when it is issued:
+//!    every group that made them is gone, and their line with them;
+//! 5. `StopCloses`: after a stop (`RankGone`, `WorkersStopped`) no call of
+//!    the group still waits and its session is closed, and no later
+//!    lighthouse call goes over a session open at the stop;
+//! 6. `Liveness`: after the last fault settled, every group commits within
+//!    [`scenario::Scenario::bound`]: two rounds that fail at their
+//!    timeouts (a call, an allreduce, a vote), the dial backoff, a
+//!    restarted lighthouse's grace, the heartbeat timeout, the join
+//!    timeout, a heal and two steps, four lighthouse ticks.
+//!
+//! **Proof that it tests something**: besides the tally's floors, each
+//! invariant has a test breaking one rule on purpose ([`Sabotage`]: a
+//! shifted replica rank, answers sent twice, a manager one rank short,
+//! a worker that skips its heal, no `init_sync`, a stop that keeps the
+//! session or the calls, a failed lighthouse call never reported to the
+//! round), which some seed among the first few hundred must catch.
+//!
+//! The default run plays [`SEEDS`] seeds. `RALLY_SIM_SEEDS=n` /
+//! `RALLY_SIM_FIRST=s` run others; `RALLY_SIM_SEED=s` replays one with its
+//! trace (the command a failing seed prints); `RALLY_SIM_CENSUS=n` counts
+//! failures by invariant.
+
+#[path = "sim/check.rs"]
+mod check;
+#[path = "sim/scenario.rs"]
+mod scenario;
+#[path = "sim/world.rs"]
+mod world;
+
+use std::collections::BTreeMap;
+
+use rallypoint_simkit::{Mode, Tally};
+
+use check::{Broken, Invariant};
+use scenario::{Fault, Scenario};
+use world::{Sabotage, Sim};
+
+/// Seeds of the default run (CI).
+const SEEDS: u64 = 200;
+
+/// Every kind of fault must fire in at least one seed in this many.
+const FLOOR_ONE_IN: u64 = 20;
+
+/// Seeds tried for a broken rule to be caught.
+const SABOTAGE_SEEDS: u64 = 300;
+
+/// Lines of trace a failing seed prints.
+const TRACE_LINES: usize = 60;
+
+fn one(seed: u64, sabotage: Sabotage, tracing: bool) -> (Sim, Result<(), Broken>) {
+    let mut sim = Sim::new(seed, sabotage, tracing);
+    let r = sim.run();
+    (sim, r)
+}
+
+fn replay_command(seed: u64) -> String {
+    rallypoint_simkit::replay_command(
+        "rallypoint-ft",
+        "--test sim",
+        "seeded_schedules_keep_the_invariants",
+        seed,
+    )
+}
+
+/// Every invariant over the seeds of the run.
+#[test]
+fn seeded_schedules_keep_the_invariants() {
+    let (first, n, census) = match rallypoint_simkit::mode(SEEDS, true) {
+        Mode::Replay(seed) => return replay(seed),
+        Mode::Seeds { first, n, census } => (first, n, census),
+    };
+    let mut tally = Tally::default();
+    let mut failed = Vec::new();
+    let mut by_invariant: BTreeMap<Invariant, u64> = BTreeMap::new();
+    let mut slowest = (0.0, 0, 0, 0);
+    let mut lost = 0;
+    for seed in first..first + n {
+        let (sim, r) = one(seed, Sabotage::None, false);
+        let share = sim.slowest as f64 / sim.sc.bound() as f64;
+        if share > slowest.0 {
+            slowest = (share, sim.slowest, sim.sc.bound(), seed);
+        }
+        lost += u64::from(sim.lost_history > 0);
+        tally.add(Fault::ALL.iter().zip(sim.fired).map(|(k, n)| (k.name(), n)));
+        if let Err(b) = r {
+            *by_invariant.entry(b.invariant).or_default() += 1;
+            if !census || failed.len() < 5 {
+                let (sim, _) = one(seed, Sabotage::None, true);
+                let tail = sim.trace.len().saturating_sub(TRACE_LINES);
+                eprintln!(
+                    "seed {seed} FAILED, {:?}: {}\n  {}\n  trace (last {TRACE_LINES} lines):\n{}\n  replay: {}",
+                    b.invariant,
+                    b.what,
+                    sim.summary(),
+                    sim.trace[tail..].join("\n"),
+                    replay_command(seed)
+                );
+            }
+            failed.push(seed);
+        }
+    }
+    eprintln!("{}", tally.summary());
+    eprintln!(
+        "liveness: at worst a group committed {} ms after the last fault settled, {:.0}% of its bound of {} ms (seed {}); seeds where a line of commits was lost: {lost}",
+        slowest.1,
+        slowest.0 * 100.0,
+        slowest.2,
+        slowest.3
+    );
+    if census {
+        eprintln!(
+            "census: {n} seeds from {first}: {} failed {by_invariant:?}",
+            failed.len()
+        );
+    }
+    assert!(failed.is_empty(), "seeds {failed:?} failed (see above)");
+    tally.assert_floors(FLOOR_ONE_IN);
+}
+
+/// Seed `seed` alone, with its scenario and whole trace.
+fn replay(seed: u64) {
+    let (sim, r) = one(seed, Sabotage::None, true);
+    eprintln!("{}\ntrace:\n{}", sim.summary(), sim.trace.join("\n"));
+    if let Err(b) = r {
+        panic!("seed {seed} broke {:?}: {}", b.invariant, b.what);
+    }
+    eprintln!(
+        "seed {seed} kept every invariant; faults fired: {:?}",
+        sim.fired
+    );
+}
+
+/// Runs the first seeds whose scenario `fits` with `sabotage` until one
+/// breaks `invariant`.
+fn caught_where(sabotage: Sabotage, invariant: Invariant, fits: impl Fn(&Scenario) -> bool) {
+    let seeds = (0..SABOTAGE_SEEDS * 100).filter(|s| fits(&Scenario::draw(*s)));
+    for seed in seeds.take(SABOTAGE_SEEDS as usize) {
+        if let (_, Err(b)) = one(seed, sabotage, false) {
+            if b.invariant == invariant {
+                eprintln!("{sabotage:?}: seed {seed} broke {invariant:?}: {}", b.what);
+                return;
+            }
+        }
+    }
+    panic!(
+        "{sabotage:?} broke no {invariant:?} in {SABOTAGE_SEEDS} seeds: the invariant cannot fail"
+    );
+}
+
+#[test]
+fn a_shifted_replica_rank_is_seen() {
+    caught_where(Sabotage::ShiftedReplicaRank, Invariant::SameQuorum, |sc| {
+        sc.ranks > 1
+    });
+}
+
+#[test]
+fn an_answer_sent_twice_is_seen() {
+    caught_where(Sabotage::AnswerTwice, Invariant::AnsweredOnce, |_| true);
+}
+
+#[test]
+fn a_lighthouse_call_before_every_rank_called_is_seen() {
+    caught_where(Sabotage::WorldSizeShort, Invariant::AllRanksCalled, |sc| {
+        sc.ranks > 1
+    });
+}
+
+#[test]
+fn a_worker_that_skips_its_heal_diverges() {
+    let restarts = |sc: &Scenario| {
+        sc.faults
+            .iter()
+            .any(|f| matches!(f.kind, Fault::Kill | Fault::Stop))
+    };
+    caught_where(Sabotage::SkipHeal, Invariant::SameState, restarts);
+}
+
+#[test]
+fn without_init_sync_the_groups_diverge_from_step_0() {
+    caught_where(Sabotage::NoInitSync, Invariant::SameState, |_| true);
+}
+
+#[test]
+fn a_stop_that_keeps_the_session_is_seen() {
+    let stops = |sc: &Scenario| {
+        sc.faults
+            .iter()
+            .any(|f| matches!(f.kind, Fault::Kill | Fault::Stop))
+    };
+    caught_where(Sabotage::StopKeepsConnection, Invariant::StopCloses, stops);
+}
+
+#[test]
+fn a_stop_that_keeps_the_calls_waiting_is_seen() {
+    let stops = |sc: &Scenario| {
+        sc.faults
+            .iter()
+            .any(|f| matches!(f.kind, Fault::Kill | Fault::Stop))
+    };
+    caught_where(Sabotage::StopKeepsCalls, Invariant::StopCloses, stops);
+}
+
+#[test]
+fn a_lost_call_failure_stalls_the_group() {
+    let loses = |sc: &Scenario| sc.faults.iter().any(|f| f.kind == Fault::Lose);
+    caught_where(Sabotage::LoseCallFailure, Invariant::Liveness, loses);
+}
