@@ -2,7 +2,10 @@
 issue 48, "Environment a worker sees").
 
 - ``RALLY_FT_MANAGER=host:port`` (``rally run --ft`` sets it: the agent runs
-  the manager): that one.
+  the manager): that one. ``RALLY_FT_MANAGER=store`` (``rally run --ft``
+  with several nodes per group): the address under :data:`AGENT_KEY` of the
+  round's job store (``MASTER_ADDR:MASTER_PORT``), which the agent of the
+  round's group rank 0 puts there, waited for up to the connect timeout.
 - Otherwise the replica group id is ``replica_group=``, else
   ``RALLY_FT_REPLICA_GROUP``, else ``REPLICA_GROUP_ID``; the lighthouse
   ``lighthouse=``, else ``RALLY_FT_LIGHTHOUSE``, else ``TORCHFT_LIGHTHOUSE``.
@@ -26,6 +29,13 @@ from datetime import timedelta
 from typing import Optional
 
 log = logging.getLogger(__name__)
+
+#: ``RALLY_FT_MANAGER``'s value under ``rally run --ft`` with several nodes
+#: per group: read :data:`AGENT_KEY` of the round's job store.
+STORE = "store"
+#: The job store's key where ``rally run --ft``'s agent (the round's group
+#: rank 0) puts the manager's ``host:port``.
+AGENT_KEY = "rally/ft/manager"
 
 #: The group store's key holding the in-process manager's ``host:port``
 #: (followed by ``/<restart count>``).
@@ -86,6 +96,18 @@ def manager_address(replica_group: Optional[str], lighthouse: Optional[str], gro
     """Finds (or, as group rank 0, starts) this replica group's manager (module doc)."""
     lh = _first(lighthouse, os.environ.get("RALLY_FT_LIGHTHOUSE"), os.environ.get("TORCHFT_LIGHTHOUSE"))
     env = os.environ.get("RALLY_FT_MANAGER")
+    if env == STORE:
+        # `rally run --ft` with several nodes per group: the agent of the
+        # round's group rank 0 puts its manager's address in the round's
+        # job store (a fresh store every round: no stale address).
+        store, where = _group_store(connect_timeout)
+        try:
+            return Located(store.get(AGENT_KEY).decode(), lh)
+        except Exception as e:  # noqa: BLE001 - torch raises several kinds
+            raise TimeoutError(
+                f"rallypoint.ft: group rank {group_rank} waited {connect_timeout:g} s for rally run to publish its"
+                f" replica group manager's address under {AGENT_KEY} of the job store at {where}: {e}"
+            ) from e
     if env:
         return Located(env, lh)
     rid = _first(replica_group, os.environ.get("RALLY_FT_REPLICA_GROUP"), os.environ.get("REPLICA_GROUP_ID"))

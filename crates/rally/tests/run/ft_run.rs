@@ -631,3 +631,139 @@ fn a_group_serves_the_lighthouse_for_the_others() {
         g0.output()
     );
 }
+
+/// Replica groups of two nodes each (`--nnodes 2`, a c10d rendezvous per
+/// group, on loopback): the manager of the node that forms each round as
+/// group rank 0 serves the group, its address published in the round's job
+/// store. A worker killed on group 1's second node restarts group 1 on both
+/// its nodes; group 0 trains on without a restart, and group 1 heals and
+/// takes part again.
+#[test]
+fn groups_of_two_nodes_restart_only_the_failed_group() {
+    let dir = tempfile::tempdir().unwrap();
+    let site = super::torch_backend::package(dir.path());
+    let lh_port = super::free_port();
+    let mut lh = std::process::Command::new(env!("CARGO_BIN_EXE_rally"));
+    lh.args(["lighthouse", "--min_replicas", "1", "--bind"])
+        .arg(format!("127.0.0.1:{lh_port}"));
+    let lh = super::Job::spawn(lh, dir.path(), "lighthouse");
+    let t0 = std::time::Instant::now();
+    while !lh.output().contains("listening on") {
+        assert!(t0.elapsed() < LIMIT, "{}", lh.output());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let lighthouse = format!("127.0.0.1:{lh_port}");
+    let stop = dir.path().join("stop");
+    let at = AT.to_string();
+    let mut nodes = Vec::new();
+    for g in 0..2 {
+        let endpoint = format!("127.0.0.1:{}", super::free_port());
+        for node in 0..2 {
+            let out = dir.path().join(format!("g{g}.rank{{rank}}.jsonl"));
+            let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_rally"));
+            cmd.args(["run", "--ft", "--nnodes", "2", "--nproc-per-node", "1"])
+                .args(["--rdzv-backend", "c10d", "--rdzv-endpoint", &endpoint])
+                .args(["--rdzv-id", &format!("group{g}"), "--max-restarts", "3"])
+                .args([
+                    "--ft-replica-group",
+                    &g.to_string(),
+                    "--ft-lighthouse",
+                    &lighthouse,
+                ])
+                .args([
+                    "--events",
+                    dir.path()
+                        .join(format!("ev{g}.{node}.jsonl"))
+                        .to_str()
+                        .unwrap(),
+                ])
+                .arg(super::python())
+                .arg(super::ft_hosts::worker())
+                .env("PYTHONPATH", &site)
+                .env("FT_SIDE", "ft")
+                .env("FT_MODEL", "small")
+                .env("FT_DIGEST", "1")
+                .env("FT_OUT", &out)
+                .env("FT_STOP_FILE", &stop);
+            if g == 1 {
+                cmd.env("FT_FAULT", "kill-between")
+                    .env("FT_FAULT_STEP", &at)
+                    .env("FT_FAULT_RANK", "1");
+            }
+            nodes.push(super::Job::spawn(cmd, dir.path(), &format!("g{g}n{node}")));
+        }
+    }
+    let records = |g: usize, rank: usize| -> Vec<Value> {
+        std::fs::read_to_string(dir.path().join(format!("g{g}.rank{rank}.jsonl")))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    };
+    let logs = |nodes: &[super::Job]| {
+        nodes
+            .iter()
+            .map(|n| n.output())
+            .collect::<Vec<_>>()
+            .join("\n----\n")
+    };
+    // Group 1 restarted, and both its ranks committed three steps after.
+    let t0 = std::time::Instant::now();
+    loop {
+        let done = (0..2).all(|rank| {
+            let r = records(1, rank);
+            match r
+                .iter()
+                .position(|x| x["event"] == "ready" && x["restart"] == 1)
+            {
+                Some(b) => r[b..].iter().filter(|x| x["committed"] == true).count() >= 3,
+                None => false,
+            }
+        });
+        if done {
+            break;
+        }
+        assert!(t0.elapsed() < LIMIT * 2, "{}", logs(&nodes));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::fs::write(&stop, b"").unwrap();
+    for n in nodes.iter_mut() {
+        let s = n.wait(LIMIT);
+        assert!(s.success(), "{}", n.output());
+    }
+    for rank in 0..2 {
+        let pids: std::collections::BTreeSet<u64> = records(0, rank)
+            .iter()
+            .filter_map(|x| x["pid"].as_u64())
+            .collect();
+        assert_eq!(pids.len(), 1, "group 0 rank {rank} restarted: {pids:?}");
+        // Every step both groups committed has one state per group rank.
+        let mut by_step: std::collections::BTreeMap<u64, Vec<String>> = Default::default();
+        for g in 0..2 {
+            for x in records(g, rank).iter().filter(|x| x["committed"] == true) {
+                by_step
+                    .entry(x["step"].as_u64().unwrap())
+                    .or_default()
+                    .push(x["digest"].as_str().unwrap_or("").to_owned());
+            }
+        }
+        for (s, ds) in &by_step {
+            assert!(
+                ds.windows(2).all(|w| w[0] == w[1]),
+                "rank {rank} step {s}: {ds:?}"
+            );
+        }
+        let both = by_step.values().filter(|ds| ds.len() == 2).count();
+        assert!(
+            both >= 3,
+            "rank {rank}: only {both} steps committed by both groups"
+        );
+    }
+    for node in 0..2 {
+        let ev = std::fs::read_to_string(dir.path().join(format!("ev0.{node}.jsonl"))).unwrap();
+        assert!(
+            !ev.contains("group.restarting"),
+            "group 0 node {node} restarted: {ev}"
+        );
+    }
+}
