@@ -790,6 +790,8 @@ mod dropin;
 mod ft_hosts;
 #[path = "run/ft_run.rs"]
 mod ft_run;
+#[path = "run/ft_run_hosts.rs"]
+mod ft_run_hosts;
 #[path = "run/ft_process_group.rs"]
 mod ft_process_group;
 #[path = "run/ft_transport.rs"]
