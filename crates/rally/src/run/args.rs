@@ -266,9 +266,9 @@ pub struct RunArgs {
     )]
     pub(super) ft_serve_lighthouse: Option<std::net::SocketAddr>,
     /// (rallypoint, --ft-serve-lighthouse) The fewest replica groups a new
-    /// quorum may have (`rally lighthouse --min_replicas`).
-    #[arg(long = "ft-min-replicas", default_value_t = 1)]
-    pub(super) ft_min_replicas: u64,
+    /// quorum may have (`rally lighthouse --min_replicas`; default 1).
+    #[arg(long = "ft-min-replicas")]
+    pub(super) ft_min_replicas: Option<u64>,
     /// (rallypoint, --ft) Seconds to keep trying an unreachable lighthouse,
     /// at start and whenever this group rejoins (a lighthouse that is
     /// itself restarting is ridden out), before failing with its address.

@@ -90,13 +90,18 @@ pub(super) fn plan(a: &RunArgs, max_nodes: usize) -> anyhow::Result<Option<FtPla
             a.ft_connect_timeout
         );
     }
-    if a.ft_min_replicas == 0 {
-        bail!("--ft-min-replicas 0: a quorum needs at least one replica group");
-    }
+    let min_replicas = match (a.ft_min_replicas, &lighthouse) {
+        (None, _) => 1,
+        (Some(0), _) => bail!("--ft-min-replicas 0: a quorum needs at least one replica group"),
+        (Some(n), Lighthouse::Serve(_)) => n,
+        (Some(_), Lighthouse::At(_)) => bail!(
+            "--ft-min-replicas is the served lighthouse's (--ft-serve-lighthouse); with --ft-lighthouse set it where that lighthouse runs (rally lighthouse --min_replicas)"
+        ),
+    };
     Ok(Some(FtPlan {
         replica_group: group,
         lighthouse,
-        min_replicas: a.ft_min_replicas,
+        min_replicas,
         connect_timeout: Duration::from_secs_f64(a.ft_connect_timeout),
         multi_node: max_nodes > 1,
     }))

@@ -228,6 +228,17 @@ fn ft_flags_are_checked() {
             ],
             "--ft-connect-timeout 0",
         ),
+        (
+            vec![
+                "--ft-replica-group",
+                "0",
+                "--ft-lighthouse",
+                "h:1",
+                "--ft-min-replicas",
+                "2",
+            ],
+            "--ft-min-replicas is the served lighthouse's",
+        ),
     ] {
         let mut j = run_ft_loopback(dir.path(), "flags", &args, &[]);
         let s = j.wait(LIMIT);
