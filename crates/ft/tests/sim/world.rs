@@ -109,6 +109,9 @@ pub struct Group {
     /// The next answer of the lighthouse is delayed by / lost.
     pub delay_next: Option<u64>,
     pub lose_next: bool,
+    /// The `Join` the lighthouse holds for this group: its session and
+    /// the manager's call it came from (an issued quorum answers it).
+    pub lh_join: Option<(Session, u64)>,
     /// Sessions up to this one were open at a stop: no call may use them.
     pub stop_mark: Session,
     /// Commits (ms) of group rank 0.
@@ -181,6 +184,8 @@ pub enum Ev {
     ToLh {
         g: usize,
         ev: lhm::Event,
+        /// The manager's call a `Join` carries.
+        call: Option<u64>,
     },
     Dial {
         g: usize,
@@ -252,6 +257,9 @@ pub struct Sim {
     /// By (quorum id, max step, group rank): a quorum id is issued again
     /// at every step while nothing changes.
     pub allreduces: BTreeMap<(i64, i64, usize), Allreduce>,
+    /// Quorum ids the lighthouse aborted: their generation is dead, an
+    /// allreduce in it fails at once (the process group heard the abort).
+    pub aborted: BTreeSet<i64>,
     /// Issued quorums: id -> sorted replica ids (across restarts).
     pub issued: BTreeMap<i64, Vec<String>>,
     /// The participants the first rank answered within a quorum id was
@@ -330,6 +338,7 @@ impl Sim {
             next_session: 1,
             groups: Vec::new(),
             allreduces: BTreeMap::new(),
+            aborted: BTreeSet::new(),
             issued: BTreeMap::new(),
             told: BTreeMap::new(),
             committed: BTreeMap::new(),
@@ -367,6 +376,7 @@ impl Sim {
                 held: Vec::new(),
                 delay_next: None,
                 lose_next: false,
+                lh_join: None,
                 stop_mark: 0,
                 commits: Vec::new(),
                 pending: BTreeMap::new(),
@@ -445,7 +455,7 @@ impl Sim {
                 quorum,
                 error,
             } => self.lh_answer(g, call, session, quorum, error),
-            Ev::ToLh { g, ev } => self.to_lh(g, ev),
+            Ev::ToLh { g, ev, call } => self.to_lh_call(g, ev, call),
             Ev::Dial { g, gen } => self.dial(g, gen),
             Ev::Beat { g, session } => {
                 if self.groups[g].session == Some(session) {
@@ -769,8 +779,9 @@ impl Sim {
             .iter()
             .map(|id| id.parse().expect("group ids are numbers"))
             .collect();
+        let dead = self.aborted.contains(&q);
         let ar = self.allreduces.entry(key).or_default();
-        if ar.over {
+        if ar.over || dead {
             self.at(
                 self.t,
                 Ev::AllreduceDone {
@@ -1099,9 +1110,9 @@ impl Sim {
             return Ok(());
         }
         call.joined_on = Some(session);
-        let member = to_member(call.member.clone());
+        let (id, member) = (call.id, to_member(call.member.clone()));
         self.check_join(g, session)?;
-        self.to_lh(g, lhm::Event::Join { session, member })
+        self.to_lh_call(g, lhm::Event::Join { session, member }, Some(id))
     }
 
     fn dial(&mut self, g: usize, gen: u64) -> Result<(), Broken> {
@@ -1110,6 +1121,14 @@ impl Sim {
             return Ok(());
         }
         if self.lh.is_none() {
+            grp.backoff = (grp.backoff * 2).min(BACKOFF_MS);
+            let at = self.t + grp.backoff;
+            self.at(at, Ev::Dial { g, gen });
+            return Ok(());
+        }
+        if self.groups[g].cut_until.is_some() {
+            // The dial cannot get through the cut: retried.
+            let grp = &mut self.groups[g];
             grp.backoff = (grp.backoff * 2).min(BACKOFF_MS);
             let at = self.t + grp.backoff;
             self.at(at, Ev::Dial { g, gen });
@@ -1211,11 +1230,19 @@ impl Sim {
 
     /// A manager's message to the lighthouse (held while cut).
     fn to_lh(&mut self, g: usize, ev: lhm::Event) -> Result<(), Broken> {
+        self.to_lh_call(g, ev, None)
+    }
+
+    /// [`Sim::to_lh`] of a `Join` carrying the manager's `call`.
+    fn to_lh_call(&mut self, g: usize, ev: lhm::Event, call: Option<u64>) -> Result<(), Broken> {
         if self.groups[g].cut_until.is_some() {
             if !matches!(ev, lhm::Event::Heartbeat { .. }) {
-                self.groups[g].held.push(Ev::ToLh { g, ev });
+                self.groups[g].held.push(Ev::ToLh { g, ev, call });
             }
             return Ok(());
+        }
+        if let (lhm::Event::Join { session, .. }, Some(call)) = (&ev, call) {
+            self.groups[g].lh_join = Some((*session, call));
         }
         self.lh_send(ev)
     }
@@ -1273,6 +1300,7 @@ impl Sim {
                     }
                 }
                 lhm::Action::Abort { quorum_id, .. } => {
+                    self.aborted.insert(quorum_id);
                     self.fail_allreduces(|key, _| key.0 == quorum_id);
                 }
                 lhm::Action::Dropped { .. } => {}
@@ -1291,11 +1319,11 @@ impl Sim {
         self.check_issue(&q, &ids)?;
         for id in ids {
             let g: usize = id.parse().expect("group ids are numbers");
-            let Some(c) = self.groups[g].call.as_ref() else {
+            // The call whose `Join` the lighthouse holds, wherever the
+            // manager is now.
+            let Some((session, call)) = self.groups[g].lh_join.take() else {
                 continue;
             };
-            let Some(session) = c.joined_on else { continue };
-            let call = c.id;
             let delay = self.groups[g]
                 .delay_next
                 .take()
