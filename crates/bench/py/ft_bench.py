@@ -15,6 +15,15 @@ replica group, on loopback:
   (``--state etcd://``), so a restarted lighthouse re-issues the saved
   quorum as soon as its members are back instead of waiting its startup
   grace (figure ``lighthouse``);
+- ``ft``: rallypoint's own loop with no torchft (issue 48): each replica
+  group is ``rally run --ft --standalone --nproc-per-node 1
+  --ft-replica-group I --ft-lighthouse HOST:PORT --max-restarts R`` running
+  ``ft_worker.py`` with ``FT_SIDE=ft`` (``rallypoint.ft``'s ``Manager``,
+  ``DistributedDataParallel``, ``Optimizer``; its timeout 5 s, as the gloo
+  side's), against ``rally lighthouse`` at its defaults; ``R`` is 0, 1 for
+  the figure ``restart`` (the group's agent restarts the worker itself),
+  10^6 in the chaos run. Its records carry the worker's pid, not ``rally
+  run``'s; its ``--events`` go beside them;
 - ``ddp-rally`` / ``ddp-gloo``: plain torch DDP across the replicas, no fault
   tolerance (the floor of the steady state).
 - ``ddp-gloo-local``: the same over gloo with every step under DDP's
@@ -29,13 +38,24 @@ the spread (min-max). Figures:
   (the victim records the moment, then signals itself) to the survivors'
   first commit of a step whose quorum left the victim out (the slowest
   survivor's), and how many survivors crashed;
-- ``restart``: a killed replica launched again, from its Manager being
-  ready to its first committed step;
+- ``restart``: a killed replica launched again (side ``ft``: restarted by
+  its own agent), from its Manager being ready to its first committed step;
 - ``lighthouse``: the lighthouse SIGKILLed and started again, from its
   return to every replica's next commit, and replicas crashed;
 - ``steady``: the median step (between commits) of the 10M-parameter MLP
   (with ``FT_PROFILE=1`` in the environment, also the median of each part
   of the step, ``ft_worker.py``'s ``prof``);
+- ``chaos`` (only when named; ``ChaosRun``): 3 (``--replicas``) groups for
+  ``--chaos-seconds`` with a seeded random fault every ~``--chaos-every``
+  seconds (SIGKILL of a worker, SIGSTOP for 3 s, the lighthouse killed and
+  back after 0.5 s; across hosts also a 3 s cut and a power-off), then the
+  fault-free run of the same length: committed steps per group as a share
+  of the fault-free run's, the steps reached, and the loss at equal steps
+  against the fault-free run's noise (``FT_LOSS``, ``FT_TEACHER``). A
+  replica whose process ended is launched again by the harness (torchft's
+  as its users' Slurm runner would; side ``ft`` only if ``rally run``
+  itself ended). With ``FT_BENCH_KEEP=1`` the faults are in
+  ``faults.jsonl`` of the kept directory;
 - ``cut`` (across hosts only): the last replica's host taken off the bridge
   (silent loss both ways, no reset), from the moment it is off to the
   survivors' first commit of a step whose quorum left it out.
@@ -57,6 +77,8 @@ Usage on loopback::
 
     .venv/bin/python crates/bench/py/ft_bench.py --reps 5 --replicas 2 3
     .venv/bin/python crates/bench/py/ft_bench.py --figures steady --reps 3
+    .venv/bin/python crates/bench/py/ft_bench.py --figures steady --sides ft gloo --replicas 2 --reps 3
+    .venv/bin/python crates/bench/py/ft_bench.py --figures chaos --chaos-seconds 600 --sides ft gloo --replicas 3
 
 The ``rallypoint`` package the workers import is laid out for the run from
 ``--python-src`` (default: the checkout's ``python/rallypoint``) with
