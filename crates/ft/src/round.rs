@@ -17,7 +17,12 @@
 //!   numbered).
 //! * **should_commit**: a barrier of the W ranks for one step; the
 //!   decision is the AND of the votes. Votes for different steps fail
-//!   every voter, naming the steps.
+//!   every voter, naming the steps. A rank that calls quorum has left its
+//!   step: the votes still waiting fail at once, and a vote while ranks
+//!   wait in quorum fails at once, so ranks split between the two
+//!   barriers (one stalled past a deadline) meet in the next quorum
+//!   instead of timing out on each other forever (found by
+//!   `tests/sim.rs`).
 //! * **Deadlines**: a quorum call past its deadline fails naming what it
 //!   waited for: the group ranks that never called, or the lighthouse and
 //!   its address; a vote past its deadline fails naming the ranks that
@@ -255,6 +260,16 @@ impl Round {
             out.push(Action::Fail { rank, error });
             return;
         }
+        // This rank left its step: the votes still waiting for that step
+        // can never be matched (else the ranks, split between the two
+        // barriers, time out waiting for each other forever).
+        for (r, b) in std::mem::take(&mut self.ballots) {
+            let error = format!(
+                "should_commit (step {}) failed: group ranks [{rank}] left step {} (called quorum)",
+                b.step, b.step
+            );
+            out.push(Action::Fail { rank: r, error });
+        }
         let deadline = now + call.timeout.min(MAX_TIMEOUT);
         self.waiting.insert(rank, Waiting { call, deadline });
         if self.in_flight.is_some() || self.waiting.len() < self.setup.world_size {
@@ -336,6 +351,16 @@ impl Round {
     ) {
         let busy = self.ballots.contains_key(&rank);
         if let Some(error) = self.refuse_call(rank, busy, "should_commit") {
+            out.push(Action::Fail { rank, error });
+            return;
+        }
+        if !self.waiting.is_empty() {
+            // Ranks already left this step for the next quorum: this vote
+            // can never be matched; its rank follows them into the quorum.
+            let ahead: Vec<Rank> = self.waiting.keys().copied().collect();
+            let error = format!(
+                "should_commit (step {step}) failed: group ranks {ahead:?} already wait in quorum (they left the step)"
+            );
             out.push(Action::Fail { rank, error });
             return;
         }

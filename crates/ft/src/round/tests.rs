@@ -221,6 +221,8 @@ fn calls_without_hello_or_twice_are_refused() {
     r.handle(q(0, 0, now));
     let f = fails(&r.handle(q(0, 0, now)));
     assert!(f[0].1.contains("already has a quorum call"), "{f:?}");
+    // (A vote while a rank waits in quorum fails at once: a new round.)
+    let mut r = round(2);
     r.handle(vote(1, 0, true, now));
     let f = fails(&r.handle(vote(1, 0, true, now)));
     assert!(f[0].1.contains("already has a should_commit call"), "{f:?}");
@@ -308,14 +310,68 @@ fn a_vote_timeout_names_the_ranks_that_never_voted() {
     );
 }
 
+/// Found by `tests/sim.rs` (seeds 302, 354 of its first 1000): a stalled
+/// rank left the group's ranks split between the two barriers (one in
+/// `quorum`, one in `should_commit`), each timing out waiting for a rank
+/// that was in the other one, round after round, forever. A rank that
+/// calls quorum has left its step: the votes still waiting for that step
+/// fail at once; a vote while ranks wait in quorum (they left the step)
+/// fails at once. The ranks then meet in the next quorum.
+#[test]
+fn ranks_split_between_quorum_and_should_commit_meet_again() {
+    let t0 = Instant::now();
+    let mut r = round(2);
+    // Rank 0 gave up its quorum (timeout) and votes; rank 1, resumed,
+    // calls quorum: rank 0's vote can never be matched.
+    assert!(r.handle(vote(0, 3, false, t0)).is_empty());
+    let a = r.handle(q(1, 3, t0));
+    let f = fails(&a);
+    assert_eq!(f.len(), 1, "{a:?}");
+    assert_eq!(f[0].0, 0);
+    assert!(f[0].1.contains("group ranks [1] left step 3"), "{}", f[0].1);
+    // Rank 0 follows into the quorum: the lighthouse is called.
+    let a = r.handle(q(0, 3, t0));
+    assert!(
+        matches!(a.last(), Some(Action::CallLighthouse { .. })),
+        "{a:?}"
+    );
+
+    // The other way round: rank 0 waits in quorum, rank 1's late vote.
+    let mut r = round(2);
+    assert!(r.handle(q(0, 4, t0)).is_empty());
+    let a = r.handle(vote(1, 3, true, t0));
+    let f = fails(&a);
+    assert_eq!(f.len(), 1, "{a:?}");
+    assert_eq!(f[0].0, 1);
+    assert!(
+        f[0].1.contains("group ranks [0] already wait in quorum"),
+        "{}",
+        f[0].1
+    );
+    let a = r.handle(q(1, 4, t0));
+    assert!(
+        matches!(a.last(), Some(Action::CallLighthouse { .. })),
+        "{a:?}"
+    );
+}
+
 #[test]
 fn a_rank_gone_fails_every_waiting_call_and_drops_the_connection() {
     let now = Instant::now();
+    let why = "group rank 2's connection to the manager ended";
+    // Votes waiting (no rank in quorum: a vote then would fail at once).
     let mut r = round(3);
-    r.handle(q(0, 0, now));
+    r.handle(vote(0, 0, true, now));
     r.handle(vote(1, 0, true, now));
     let a = r.handle(Event::RankGone { rank: 2 });
-    let why = "group rank 2's connection to the manager ended";
+    assert_eq!(
+        fails(&a),
+        [0, 1].map(|rank| (rank, format!("should_commit stopped: {why}")))
+    );
+    let mut r = round(3);
+    r.handle(q(0, 0, now));
+    r.handle(q(1, 0, now));
+    let a = r.handle(Event::RankGone { rank: 2 });
     assert_eq!(
         a,
         [
@@ -325,7 +381,7 @@ fn a_rank_gone_fails_every_waiting_call_and_drops_the_connection() {
             },
             Action::Fail {
                 rank: 1,
-                error: format!("should_commit stopped: {why}")
+                error: format!("quorum stopped: {why}")
             },
             Action::DropConnection { reason: why.into() },
         ]
