@@ -41,7 +41,7 @@ impl Sim {
     }
 
     /// Breaks the manager's actions on purpose (the sabotage tests).
-    pub fn sabotage_actions(&mut self, g: usize, stop: bool, actions: &mut Vec<round::Action>) {
+    pub fn sabotage_actions(&mut self, stop: bool, actions: &mut Vec<round::Action>) {
         match self.sabotage {
             Sabotage::ShiftedReplicaRank => {
                 for a in actions.iter_mut() {
@@ -60,9 +60,6 @@ impl Sim {
             }
             Sabotage::StopKeepsConnection if stop => {
                 actions.retain(|a| !matches!(a, round::Action::DropConnection { .. }));
-                // The manager still thinks it dropped it: a new hello
-                // asks for a connection, which the client already has.
-                let _ = g;
             }
             Sabotage::StopKeepsCalls if stop => {
                 actions.retain(|a| !matches!(a, round::Action::Fail { .. }));

@@ -993,7 +993,7 @@ impl Sim {
             String::new()
         };
         let mut actions = self.groups[g].round.handle(ev);
-        self.sabotage_actions(g, stop, &mut actions);
+        self.sabotage_actions(stop, &mut actions);
         if let Some(d) = self.groups[g].round.next_deadline() {
             let at = self.ms(d);
             if self.round_ticks.insert((g, at)) {
@@ -1183,7 +1183,8 @@ impl Sim {
         quorum: Option<Quorum>,
         error: Option<String>,
     ) -> Result<(), Broken> {
-        if let Some(until) = self.groups[g].cut_until {
+        if self.groups[g].cut_until.is_some() {
+            // Held by the cut, delivered when it heals.
             let ev = Ev::LhAnswer {
                 g,
                 call,
@@ -1191,7 +1192,6 @@ impl Sim {
                 quorum,
                 error,
             };
-            let _ = until;
             self.groups[g].held.push(ev);
             return Ok(());
         }
