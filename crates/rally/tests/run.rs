@@ -786,18 +786,18 @@ mod agent_failures;
 mod collectives;
 #[path = "run/dropin.rs"]
 mod dropin;
+#[path = "run/ft_api.rs"]
+mod ft_api;
 #[path = "run/ft_hosts.rs"]
 mod ft_hosts;
+#[path = "run/ft_process_group.rs"]
+mod ft_process_group;
 #[path = "run/ft_run.rs"]
 mod ft_run;
 #[path = "run/ft_run_hosts.rs"]
 mod ft_run_hosts;
-#[path = "run/ft_process_group.rs"]
-mod ft_process_group;
 #[path = "run/ft_transport.rs"]
 mod ft_transport;
-#[path = "run/ft_api.rs"]
-mod ft_api;
 #[path = "run/hosts.rs"]
 mod hosts;
 #[path = "run/lighthouse.rs"]
