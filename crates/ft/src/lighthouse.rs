@@ -160,6 +160,7 @@ impl Lighthouse {
     /// [`Lighthouse::connect`]; a call in flight fails with `reason`.
     pub fn drop_connection(&self, reason: &str) {
         let mut s = self.shared.state.lock().expect("lock");
+        tracing::debug!(replica_id = %self.shared.options.replica_id, reason, "dropping the lighthouse connection");
         s.wanted = false;
         s.dropped = Some(reason.to_owned());
         s.up = false;
@@ -291,6 +292,7 @@ impl Shared {
                 Ok(Ok((rpc, socket))) => {
                     let mut s = self.state.lock().expect("lock");
                     if s.wanted && s.conn.is_none() {
+                        tracing::debug!(replica_id = %self.options.replica_id, "connected to the lighthouse");
                         s.epoch += 1;
                         let socket = Arc::new(socket);
                         let epoch = s.epoch;

@@ -26,8 +26,18 @@ struct Lh {
     task: tokio::task::JoinHandle<std::io::Result<()>>,
 }
 
+/// The manager's and the lighthouse's logs in the test's output, filtered
+/// by `RUST_LOG` (none without it); once per test binary.
+fn logs() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+}
+
 impl Lh {
     async fn start_at(addr: SocketAddr, min_replicas: u64, heartbeat_timeout: Duration) -> Lh {
+        logs();
         let knobs = Knobs {
             min_replicas,
             join_timeout: Duration::from_secs(60),

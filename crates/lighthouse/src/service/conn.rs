@@ -10,7 +10,11 @@
 //! per quorum: [`super::wire`]), any other to [`super::http`]. torchft's manager keeps one HTTP/2
 //! channel to the lighthouse for its heartbeats and quorum calls, so when
 //! its process dies the kernel resets that connection, hyper's connection
-//! future ends, and the machine drops the replica at that moment.
+//! future ends, and the machine drops the replica at that moment. hyper
+//! runs each request as a task of its own, which may be handled after that
+//! end: the session is open from [`super::state::Shared::opened`] to
+//! [`super::state::Shared::closed`], and a request of a closed session is
+//! refused (it would speak for its dropped replica again).
 //!
 //! Every refusal is logged here, once, with the peer's address, and counted:
 //! a gRPC error status (a bad request, a replica id held elsewhere, a
@@ -80,6 +84,7 @@ impl Conns {
         Counters::add(&c.sessions);
         c.open.fetch_add(1, Ordering::Relaxed);
         let _ = stream.set_nodelay(true);
+        self.shared.opened(session);
         let conn = Conn { session, peer };
         let me = self.clone();
         let svc = hyper::service::service_fn(move |req: Request<Incoming>| {

@@ -129,6 +129,14 @@ struct Inner {
     next_record: u64,
     /// The last quorum issued (or restored), for an abort's record.
     last_quorum: Option<Quorum>,
+    /// The sessions whose connection is open ([`Shared::opened`] to
+    /// [`Shared::closed`]). hyper runs each request as a task of its own,
+    /// so a request read just before its connection ended may reach us
+    /// after the machine's `Closed`: it is refused, else it would speak for
+    /// its replica again over a session that no longer exists (a heartbeat
+    /// made a dropped replica healthy, and not joined, until its heartbeat
+    /// timeout: every other group's quorum waited the join timeout for it).
+    open: HashSet<Session>,
 }
 
 /// What waits for its save in etcd before anyone hears of it.
@@ -155,6 +163,17 @@ impl Pending {
 }
 
 impl Inner {
+    /// A refusal if `session`'s connection has ended (see `open`).
+    fn gone(&self, session: Session) -> Option<Refused> {
+        if self.open.contains(&session) {
+            return None;
+        }
+        tracing::debug!(session, "refused a request of a closed session");
+        Some(Refused::Unavailable(format!(
+            "this request's connection (session {session}) has closed"
+        )))
+    }
+
     /// Why this lighthouse refuses requests now, if it does.
     fn not_serving(&self) -> Option<Refused> {
         match &self.role {
@@ -241,6 +260,7 @@ impl Shared {
                 pending: VecDeque::new(),
                 next_record: 0,
                 last_quorum: None,
+                open: HashSet::new(),
             }),
             wake_ticker: Notify::new(),
             board: watch::Sender::new(Board::default()),
@@ -270,7 +290,7 @@ impl Shared {
         let (tx, rx) = oneshot::channel();
         let replica_id = member.replica_id.clone();
         let mut inner = self.inner.locked();
-        if let Some(r) = inner.not_serving() {
+        if let Some(r) = inner.not_serving().or_else(|| inner.gone(session)) {
             return Err(r);
         }
         let id = inner.next_waiter;
@@ -299,9 +319,10 @@ impl Shared {
     /// A `Heartbeat` request.
     pub fn heartbeat(&self, session: Session, replica_id: String) -> Result<(), Refused> {
         let mut inner = self.inner.locked();
-        if let Some(r) = inner.not_serving() {
+        if let Some(r) = inner.not_serving().or_else(|| inner.gone(session)) {
             return Err(r);
         }
+        tracing::trace!(session, replica_id, "heartbeat");
         let refusals = self.step(
             &mut inner,
             Event::Heartbeat {
@@ -315,9 +336,18 @@ impl Shared {
         }
     }
 
-    /// A connection ended: the machine drops every replica it carried.
+    /// A connection was accepted: its requests may speak for replicas
+    /// until [`Shared::closed`].
+    pub fn opened(&self, session: Session) {
+        self.inner.locked().open.insert(session);
+    }
+
+    /// A connection ended: the machine drops every replica it carried, and
+    /// a request of it handled from now on is refused.
     pub fn closed(&self, session: Session) {
         let mut inner = self.inner.locked();
+        inner.open.remove(&session);
+        tracing::debug!(session, "session closed");
         let refusals = self.step(&mut inner, Event::Closed { session });
         log_refusals(refusals);
     }
@@ -665,6 +695,7 @@ mod tests {
             Lighthouse::new(Knobs::ours(1), 0),
             Some("campaigning at etcd://x".into()),
         );
+        shared.opened(1);
         assert!(matches!(
             shared.heartbeat(1, "a".into()),
             Err(Refused::Unavailable(why)) if why.contains("starting")
@@ -688,5 +719,44 @@ mod tests {
         )
         .await
         .expect("at once");
+    }
+
+    /// hyper runs each request as a task of its own: a heartbeat read just
+    /// before its connection ended may be handled after the session closed.
+    /// It must not make its replica live again (it would count as healthy
+    /// and not joined until its heartbeat timeout, and every other
+    /// replica's quorum would wait the join timeout for it); nor may a
+    /// `Quorum` request join over it.
+    #[tokio::test]
+    async fn a_request_handled_after_its_connection_closed_is_refused() {
+        let shared = Shared::new(Lighthouse::new(Knobs::ours(1), 0), None);
+        shared.opened(1);
+        shared.heartbeat(1, "a".into()).unwrap();
+        let live = |s: &Shared| s.inner.locked().machine.status(Instant::now()).healthy;
+        assert_eq!(live(&shared), ["a".to_owned()]);
+        shared.closed(1);
+        assert!(live(&shared).is_empty());
+
+        let late = shared.heartbeat(1, "a".into());
+        assert!(
+            matches!(&late, Err(Refused::Unavailable(why)) if why.contains("session 1) has closed")),
+            "{late:?}"
+        );
+        let member = Member {
+            replica_id: "a".into(),
+            address: "m:1".into(),
+            store_address: "s:1".into(),
+            step: 0,
+            world_size: 1,
+            shrink_only: false,
+            commit_failures: 0,
+            data: String::new(),
+        };
+        assert!(shared.join(1, member).is_err());
+        assert!(
+            live(&shared).is_empty(),
+            "no replica speaks over a closed session"
+        );
+        assert!(shared.inner.locked().waiters.is_empty());
     }
 }
