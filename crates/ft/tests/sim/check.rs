@@ -139,12 +139,11 @@ impl Sim {
                 "participants {ids:?}, the lighthouse issued {:?}",
                 self.issued.get(&q)
             ))
-        } else if let Some(seen) = self.told.get(&q).filter(|s| *s != ids) {
-            Some(format!(
-                "participants {ids:?}, another rank was told {seen:?}"
-            ))
         } else {
-            None
+            self.told
+                .get(&q)
+                .filter(|s| *s != ids)
+                .map(|seen| format!("participants {ids:?}, another rank was told {seen:?}"))
         };
         if let Some(bad) = bad {
             return self.broken(

@@ -409,7 +409,7 @@ impl Sim {
 
     fn ms(&self, i: Instant) -> u64 {
         let d = i.saturating_duration_since(self.base);
-        d.as_millis() as u64 + u64::from(d.subsec_nanos() % 1_000_000 != 0)
+        d.as_millis() as u64 + u64::from(!d.subsec_nanos().is_multiple_of(1_000_000))
     }
 
     /// Runs to the end; the first broken invariant.
@@ -455,13 +455,13 @@ impl Sim {
                 quorum,
                 error,
             } => self.lh_answer(g, call, session, quorum, error),
-            Ev::ToLh { g, ev, call } => self.to_lh_call(g, ev, call),
+            Ev::ToLh { g, ev, call } => self.send_lh_call(g, ev, call),
             Ev::Dial { g, gen } => self.dial(g, gen),
             Ev::Beat { g, session } => {
                 if self.groups[g].session == Some(session) {
                     self.at(self.t + BEAT_MS, Ev::Beat { g, session });
                     let replica_id = self.groups[g].id.clone();
-                    self.to_lh(
+                    self.send_lh(
                         g,
                         lhm::Event::Heartbeat {
                             session,
@@ -1092,7 +1092,7 @@ impl Sim {
                     grp.call = None;
                     if let Some(session) = grp.session.take() {
                         self.log(|| format!("g{g} drops s{session}: {reason}"));
-                        self.to_lh(g, lhm::Event::Closed { session })?;
+                        self.send_lh(g, lhm::Event::Closed { session })?;
                     }
                 }
             }
@@ -1112,7 +1112,7 @@ impl Sim {
         call.joined_on = Some(session);
         let (id, member) = (call.id, to_member(call.member.clone()));
         self.check_join(g, session)?;
-        self.to_lh_call(g, lhm::Event::Join { session, member }, Some(id))
+        self.send_lh_call(g, lhm::Event::Join { session, member }, Some(id))
     }
 
     fn dial(&mut self, g: usize, gen: u64) -> Result<(), Broken> {
@@ -1141,7 +1141,7 @@ impl Sim {
         grp.backoff = 100;
         self.log(|| format!("g{g} connected s{session}"));
         let replica_id = self.groups[g].id.clone();
-        self.to_lh(
+        self.send_lh(
             g,
             lhm::Event::Heartbeat {
                 session,
@@ -1160,7 +1160,7 @@ impl Sim {
         self.groups[g].call = None;
         if let Some(session) = c.joined_on.filter(|s| self.groups[g].session == Some(*s)) {
             let replica_id = self.groups[g].id.clone();
-            self.to_lh(
+            self.send_lh(
                 g,
                 lhm::Event::Left {
                     session,
@@ -1229,12 +1229,12 @@ impl Sim {
     }
 
     /// A manager's message to the lighthouse (held while cut).
-    fn to_lh(&mut self, g: usize, ev: lhm::Event) -> Result<(), Broken> {
-        self.to_lh_call(g, ev, None)
+    fn send_lh(&mut self, g: usize, ev: lhm::Event) -> Result<(), Broken> {
+        self.send_lh_call(g, ev, None)
     }
 
     /// [`Sim::to_lh`] of a `Join` carrying the manager's `call`.
-    fn to_lh_call(&mut self, g: usize, ev: lhm::Event, call: Option<u64>) -> Result<(), Broken> {
+    fn send_lh_call(&mut self, g: usize, ev: lhm::Event, call: Option<u64>) -> Result<(), Broken> {
         if self.groups[g].cut_until.is_some() {
             if !matches!(ev, lhm::Event::Heartbeat { .. }) {
                 self.groups[g].held.push(Ev::ToLh { g, ev, call });
