@@ -270,6 +270,28 @@ impl FtJob {
         }
     }
 
+    /// Waits until every replica committed one same step at or past
+    /// `from`, and returns the first such step. (A replica that joined
+    /// late heals to its peers' step, past `from` maybe, and never commits
+    /// the steps before it.)
+    pub(super) fn all_in(&self, from: u64) -> u64 {
+        let first = |j: &FtJob| {
+            let mut sets = j.replicas.iter().map(|r| r.committed());
+            let head = sets.next()?;
+            let rest: Vec<_> = sets.collect();
+            head.keys()
+                .copied()
+                .filter(|s| *s >= from)
+                .find(|s| rest.iter().all(|c| c.contains_key(s)))
+        };
+        self.wait_for(
+            &format!("a step at or past {from} committed by every replica"),
+            LIMIT,
+            |j| first(j).is_some(),
+        );
+        first(self).unwrap()
+    }
+
     pub(super) fn logs(&self) -> String {
         let mut s = String::new();
         for j in self
@@ -428,9 +450,7 @@ fn a_host_cut_off_for_good_is_dropped_at_the_keep_alive() {
     for i in 0..3 {
         j.replica(i, &[]);
     }
-    j.wait_for("step 10 everywhere", LIMIT, |j| {
-        j.replicas.iter().all(|r| r.committed().contains_key(&10))
-    });
+    j.all_in(10);
     let t0 = unix_ms() as f64 / 1000.0;
     j.c.host(2).cut();
     let step = j.replicas[0].committed().keys().max().copied().unwrap() + 1;
@@ -448,9 +468,7 @@ fn a_host_cut_off_for_less_than_the_keep_alive_is_ridden_out() {
     for i in 0..3 {
         j.replica(i, &[]);
     }
-    j.wait_for("step 10 everywhere", LIMIT, |j| {
-        j.replicas.iter().all(|r| r.committed().contains_key(&10))
-    });
+    let first = j.all_in(10);
     j.c.host(2).cut();
     std::thread::sleep(Duration::from_millis(1500));
     j.c.host(2).heal();
@@ -467,11 +485,11 @@ fn a_host_cut_off_for_less_than_the_keep_alive_is_ridden_out() {
             .all(|r| r.committed().contains_key(&until))
     });
     j.finish(&[0, 1, 2]);
-    // From step 10 (before the cut) to five steps past it, every replica
-    // committed every step: none was dropped.
+    // From the first step all took part in (before the cut) to five steps
+    // past it, every replica committed every step: none was dropped.
     for (k, r) in j.replicas.iter().enumerate() {
         let c = r.committed();
-        let missed: Vec<u64> = (10..=until).filter(|s| !c.contains_key(s)).collect();
+        let missed: Vec<u64> = (first..=until).filter(|s| !c.contains_key(s)).collect();
         assert!(
             missed.is_empty(),
             "replica {k} missed steps {missed:?} around the cut\n{}",
@@ -489,9 +507,7 @@ fn the_lighthouse_killed_and_restarted_stops_no_replica() {
     for i in 0..3 {
         j.replica(i, &[]);
     }
-    j.wait_for("step 10 everywhere", LIMIT, |j| {
-        j.replicas.iter().all(|r| r.committed().contains_key(&10))
-    });
+    j.all_in(10);
     drop(j.lighthouse.take());
     std::thread::sleep(Duration::from_millis(500));
     let dir = j.dir.path().to_owned();

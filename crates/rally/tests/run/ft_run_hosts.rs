@@ -245,9 +245,7 @@ fn a_host_powered_off_is_dropped_at_the_keep_alive() {
     for i in 0..3 {
         group(&mut j, i, &[]);
     }
-    j.wait_for("step 10 everywhere", LIMIT, |j| {
-        j.replicas.iter().all(|r| r.committed().contains_key(&10))
-    });
+    j.all_in(10);
     let t0 = unix_ms() as f64 / 1000.0;
     j.c.hosts_mut()[2].power_off();
     let step = j.replicas[0].committed().keys().max().copied().unwrap() + 1;
@@ -263,9 +261,7 @@ fn a_host_cut_off_for_good_is_dropped_at_the_keep_alive() {
     for i in 0..3 {
         group(&mut j, i, &[]);
     }
-    j.wait_for("step 10 everywhere", LIMIT, |j| {
-        j.replicas.iter().all(|r| r.committed().contains_key(&10))
-    });
+    j.all_in(10);
     let t0 = unix_ms() as f64 / 1000.0;
     j.c.host(2).cut();
     let step = j.replicas[0].committed().keys().max().copied().unwrap() + 1;
@@ -283,9 +279,7 @@ fn a_host_cut_off_for_less_than_the_keep_alive_misses_no_step() {
     for i in 0..3 {
         group(&mut j, i, &[]);
     }
-    j.wait_for("step 10 everywhere", LIMIT, |j| {
-        j.replicas.iter().all(|r| r.committed().contains_key(&10))
-    });
+    let first = j.all_in(10);
     j.c.host(2).cut();
     std::thread::sleep(Duration::from_millis(1500));
     j.c.host(2).heal();
@@ -305,7 +299,7 @@ fn a_host_cut_off_for_less_than_the_keep_alive_misses_no_step() {
     never_restarted(&j, &[0, 1, 2]);
     for (k, r) in j.replicas.iter().enumerate() {
         let c = r.committed();
-        let missed: Vec<u64> = (10..=until).filter(|s| !c.contains_key(s)).collect();
+        let missed: Vec<u64> = (first..=until).filter(|s| !c.contains_key(s)).collect();
         assert!(
             missed.is_empty(),
             "group {k} missed steps {missed:?} around the cut\n{}",
@@ -323,9 +317,7 @@ fn the_lighthouse_killed_and_restarted_restarts_no_group() {
     for i in 0..3 {
         group(&mut j, i, &[]);
     }
-    j.wait_for("step 10 everywhere", LIMIT, |j| {
-        j.replicas.iter().all(|r| r.committed().contains_key(&10))
-    });
+    j.all_in(10);
     drop(j.lighthouse.take());
     std::thread::sleep(Duration::from_millis(500));
     let dir = j.dir.path().to_owned();
