@@ -286,14 +286,15 @@ async fn advertise_host(config: &Config, target: &str) -> Result<String, Error> 
         .map_err(route)?
         .next()
         .ok_or_else(|| route(std::io::Error::other("the name resolves to no address")))?;
-    let any: SocketAddr = if to.is_ipv4() {
-        ([0, 0, 0, 0], 0).into()
-    } else {
-        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
-    };
-    let udp = tokio::net::UdpSocket::bind(any).await.map_err(route)?;
-    udp.connect(to).await.map_err(route)?;
-    Ok(udp.local_addr().map_err(route)?.ip().to_string())
+    let ip = rallypoint_store::host::source_addr_towards(to)
+        .ok_or_else(|| route(std::io::Error::other("no route to it")))?;
+    // A lighthouse on this host (`rally run --ft-serve-lighthouse`) is
+    // reached over loopback, which other hosts cannot use to reach this
+    // manager's store: advertise this host's own address then.
+    if ip.is_loopback() {
+        return Ok(rallypoint_store::host::advertised_addr());
+    }
+    Ok(ip.to_string())
 }
 
 async fn accept(listener: TcpListener, core: mpsc::UnboundedSender<Msg>, keep_alive: Duration) {
@@ -695,12 +696,13 @@ mod tests {
             "127.0.0.2"
         );
         // Unspecified: the local address the kernel routes to the
-        // lighthouse from (a UDP connect sends nothing).
+        // lighthouse from (a UDP connect sends nothing); for a lighthouse
+        // on loopback (served on this host) that would be loopback, which
+        // other hosts cannot reach the store at: this host's address.
         c.bind = "0.0.0.0:0".parse().unwrap();
-        assert_eq!(
-            advertise_host(&c, "127.0.0.1:9").await.unwrap(),
-            "127.0.0.1"
-        );
+        let here = rallypoint_store::host::advertised_addr();
+        assert_eq!(advertise_host(&c, "127.0.0.1:9").await.unwrap(), here);
+        assert_ne!(here, "127.0.0.1");
     }
 
     #[test]

@@ -298,13 +298,15 @@ class Manager:
             self._participating_rank, self._participating_world_size = q.replica_rank, q.replica_world_size
         if q.quorum_id != self._quorum_id:
             addr = f"{q.store_address}/rally/ft/{q.quorum_id}/{self._group_rank}"
-            self._quorum_id = q.quorum_id
             try:
                 # A runtime failure is recorded by the group (errored()), not raised.
                 self._pg.configure(addr, self._replica_id, q.replica_rank, q.replica_world_size, q.quorum_id)
             except Exception as e:  # noqa: BLE001 - bad input from the quorum
+                # The id stays the old one, so the next step configures again
+                # rather than running on the last quorum's members.
                 self.report_error(e)
                 return
+            self._quorum_id = q.quorum_id
         if allow_heal:
             try:
                 self._recover(q)
@@ -339,8 +341,10 @@ class Manager:
     def _apply_pending_state(self) -> None:
         """Loads a healed state into the registered objects, then takes its
         step (training thread). A state that fails to load is an error of
-        the step, and the step stays behind, so the next quorum heals this
-        replica again."""
+        the step, and this rank's step stays behind. (Within a group of
+        several ranks the group's member carries the highest of its ranks'
+        steps, so a rank left behind alone is not sent to heal again: an
+        open bug, issue 48's note.)"""
         self.wait_quorum()
         pending, self._pending_state = self._pending_state, None
         if pending is None:
@@ -359,9 +363,13 @@ class Manager:
             return
         self._step = self._pending_step
 
-    def allreduce(self, tensor: torch.Tensor, reduce_op: ReduceOp = ReduceOp.AVG):
+    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op: ReduceOp = ReduceOp.AVG):
         """Sums ``tensor`` in place across the quorum's replicas and, for
-        ``AVG``, divides by the participants; a Work that never raises."""
+        ``AVG``, divides by the participants; a Work that never raises.
+        torchft's signature: ``should_quantize`` (torchft's FP8 path) is not
+        provided and must be false."""
+        if should_quantize:
+            raise ValueError("rallypoint.ft: Manager.allreduce has no quantized path (should_quantize=True)")
         if self._errored is not None:
             return _Done(tensor)
         self.wait_quorum()

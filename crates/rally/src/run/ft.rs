@@ -277,6 +277,8 @@ impl Ft {
 
     /// Tells the lighthouse this group is gone and stops serving.
     pub(super) fn shutdown(self, rt: &Runtime) {
+        // At once, whoever else still holds the manager (the status server).
+        self.manager.workers_stopped("rally run ended");
         if let Ok(m) = Arc::try_unwrap(self.manager) {
             rt.block_on(async {
                 let _ = tokio::time::timeout(Duration::from_secs(2), m.shutdown()).await;
