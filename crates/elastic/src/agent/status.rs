@@ -147,7 +147,8 @@ impl Status {
     }
 }
 
-fn esc(s: &str) -> String {
+/// A Prometheus label value, escaped (for a [`Section`]'s labels too).
+pub fn esc(s: &str) -> String {
     s.replace('\\', "\\\\")
         .replace('"', "\\\"")
         .replace('\n', "\\n")

@@ -477,7 +477,10 @@ impl Section for FtSection {
 
     fn to_prometheus(&self) -> String {
         let s = self.0.status().borrow().clone();
-        let labels = format!("replica_group=\"{}\"", esc(&s.replica_id));
+        let labels = format!(
+            "replica_group=\"{}\"",
+            rallypoint_elastic::agent::status::esc(&s.replica_id)
+        );
         let mut out = String::new();
         for (name, kind, help, value) in [
             (
@@ -553,12 +556,6 @@ impl Section for FtSection {
         }
         out
     }
-}
-
-fn esc(s: &str) -> String {
-    s.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
 }
 
 /// One console line per event.
