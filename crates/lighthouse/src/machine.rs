@@ -25,7 +25,20 @@
 //!   is alive, and a first caller alone would pass the majority guard.
 //!
 //! * A session (one client connection) that ends drops every replica it
-//!   carried at once ([`Event::Closed`]).
+//!   carried at once ([`Event::Closed`]), with one exception: torchft's
+//!   manager replaces its client after any failed call (a lighthouse that
+//!   restarted, a blip) by connecting anew and then dropping the old
+//!   connection, so the old one may end before the new one has carried a
+//!   request (a CI run caught it: a live replica dropped, its quorum
+//!   aborted, at a lighthouse restart). So when a replica's last session
+//!   ends while a *fresh* session from the same peer address is open (one
+//!   that has not spoken yet, [`Event::Opened`]), the replica is orphaned,
+//!   not dropped: it is adopted by the first of those sessions that speaks
+//!   for it, and dropped (reason: its session closed) as soon as no fresh
+//!   session from that address is left (each spoke for another replica or
+//!   for none, [`Event::Spoke`], or closed), or at its heartbeat timeout,
+//!   whichever comes first. A killed process leaves no fresh session
+//!   behind, so its drop stays immediate.
 //! * A replica silent for `heartbeat_timeout` is dropped at the `Tick` that
 //!   sees it ([`Lighthouse::next_deadline`] says when that is). Its session
 //!   may still be open (a stopped process): its claim on the replica id is
@@ -65,6 +78,7 @@
 //! are bounded in length by the service.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
 use std::time::{Instant, SystemTime};
 
 use crate::quorum::{self, Knobs, Member, Quorum, Roster, Rules, Verdict};
@@ -95,6 +109,12 @@ pub enum Event {
     },
     /// That connection ended (process killed, host reset).
     Closed { session: Session },
+    /// A connection from `peer` was accepted; it is *fresh* until its first
+    /// request. Optional: a session never opened is simply never fresh.
+    Opened { session: Session, peer: IpAddr },
+    /// A request over `session` that speaks for no replica (HTTP `/status`,
+    /// `/metrics`, a heal report): the session is not fresh any more.
+    Spoke { session: Session },
     /// Time passed (the service sends it every `quorum_tick` and at
     /// [`Lighthouse::next_deadline`]).
     Tick,
@@ -191,6 +211,10 @@ pub enum Sabotage {
     IgnoreFirstId,
     /// Do nothing when a session closes.
     IgnoreClosed,
+    /// Drop a replica when its last session closes even while a fresh
+    /// session from its host is open (no orphans): torchft's client
+    /// replacement then drops a live replica.
+    NoOrphans,
     /// Drop members of the current quorum without an abort.
     NoAbort,
     /// Forget the waiting call of a replica dropped for silence when it
@@ -259,6 +283,14 @@ pub struct Lighthouse {
     /// Sessions whose replica id another process took while they were
     /// silent: they no longer speak for it.
     displaced: BTreeSet<(Session, String)>,
+    /// The peer address of each open session that said so ([`Event::Opened`]).
+    peers: BTreeMap<Session, IpAddr>,
+    /// Open sessions that have not spoken yet.
+    fresh: BTreeSet<Session>,
+    /// Replicas whose last session closed while a fresh session from the
+    /// same peer was open: kept until one speaks for them (adopted) or none
+    /// is left (dropped). The address, and the session that closed.
+    orphans: BTreeMap<String, (IpAddr, Session)>,
     /// The last quorum issued.
     current: Option<Quorum>,
     /// Whether `current` was aborted: the next quorum issued gets a new id
@@ -289,6 +321,9 @@ impl Lighthouse {
             sessions: BTreeMap::new(),
             stalled: BTreeMap::new(),
             displaced: BTreeSet::new(),
+            peers: BTreeMap::new(),
+            fresh: BTreeSet::new(),
+            orphans: BTreeMap::new(),
             current: None,
             aborted: false,
             started: None,
@@ -325,7 +360,15 @@ impl Lighthouse {
             self.graced = true;
         }
         let mut out = Vec::new();
-        let attempt = match ev {
+        // A session's first request ends its freshness, whatever it says.
+        let spoke = match &ev {
+            Event::Join { session, .. }
+            | Event::Heartbeat { session, .. }
+            | Event::Left { session, .. }
+            | Event::Spoke { session } => self.fresh.remove(session),
+            _ => false,
+        };
+        let mut attempt = match ev {
             Event::Join { session, member } => self.join(now, session, member, &mut out),
             Event::Heartbeat {
                 session,
@@ -336,6 +379,12 @@ impl Lighthouse {
                 replica_id,
             } => self.left(session, &replica_id),
             Event::Closed { session } => self.closed(session, &mut out),
+            Event::Opened { session, peer } => {
+                self.peers.insert(session, peer);
+                self.fresh.insert(session);
+                false
+            }
+            Event::Spoke { .. } => false,
             Event::Tick => {
                 self.expire(now, &mut out);
                 true
@@ -346,6 +395,9 @@ impl Lighthouse {
                 aborted,
             } => self.restore(now, last_id, quorum, aborted),
         };
+        if spoke {
+            attempt |= self.settle_orphans(&mut out);
+        }
         if attempt {
             self.attempt(now, &mut out);
         }
@@ -661,24 +713,62 @@ impl Lighthouse {
             return false;
         }
         self.displaced.retain(|(s, _)| *s != session);
+        let peer = self.peers.remove(&session);
+        let mut any = self.fresh.remove(&session) && self.settle_orphans(out);
         let Some(ids) = self.sessions.remove(&session) else {
-            return false;
+            return any;
         };
-        let mut any = false;
         for id in ids {
             if let Some(h) = self.holders.get_mut(&id) {
                 h.sessions.remove(&session);
-                if h.sessions.is_empty() {
-                    self.holders.remove(&id);
-                    self.drop_replica(&id, format!("its session ({session}) closed"), out);
-                    any = true;
+                if !h.sessions.is_empty() {
+                    continue;
                 }
+                if let Some(ip) = peer.filter(|ip| self.fresh_from(*ip)) {
+                    // Perhaps its process's new connection (see the module
+                    // docs): kept until that one speaks.
+                    self.orphans.insert(id, (ip, session));
+                    continue;
+                }
+                self.holders.remove(&id);
+                self.drop_replica(&id, format!("its session ({session}) closed"), out);
+                any = true;
             } else if let Some(st) = self.stalled.get_mut(&id) {
                 st.holder.sessions.remove(&session);
                 if st.holder.sessions.is_empty() {
                     self.stalled.remove(&id);
                 }
             }
+        }
+        any
+    }
+
+    /// Whether a fresh session from `ip` is open.
+    fn fresh_from(&self, ip: IpAddr) -> bool {
+        self.sabotage != Sabotage::NoOrphans
+            && self.fresh.iter().any(|s| self.peers.get(s) == Some(&ip))
+    }
+
+    /// Settles the orphans after a fresh session spoke or closed: adopted
+    /// if a session speaks for them again, dropped if no fresh session from
+    /// their peer is left; whether any was dropped.
+    fn settle_orphans(&mut self, out: &mut Vec<Action>) -> bool {
+        let orphans = std::mem::take(&mut self.orphans);
+        let mut any = false;
+        for (id, (ip, closed)) in orphans {
+            let Some(h) = self.holders.get(&id) else {
+                continue; // dropped for silence meanwhile
+            };
+            if !h.sessions.is_empty() {
+                continue; // adopted
+            }
+            if self.fresh_from(ip) {
+                self.orphans.insert(id, (ip, closed));
+                continue;
+            }
+            self.holders.remove(&id);
+            self.drop_replica(&id, format!("its session ({closed}) closed"), out);
+            any = true;
         }
         any
     }
@@ -697,7 +787,9 @@ impl Lighthouse {
             })
             .collect();
         for (id, last, waiting) in silent {
-            if let Some(holder) = self.holders.remove(&id) {
+            self.orphans.remove(&id);
+            // An orphan has no open session to resume over.
+            if let Some(holder) = self.holders.remove(&id).filter(|h| !h.sessions.is_empty()) {
                 self.stalled.insert(id.clone(), Stalled { holder, waiting });
             }
             let ms = now.saturating_duration_since(last).as_millis();

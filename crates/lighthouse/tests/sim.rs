@@ -45,6 +45,11 @@
 //! * `give up`: a member's waiting `Quorum` call ends unanswered (its
 //!   deadline, a cancel: the service sends `Left`); it asks again a little
 //!   later, as torchft's next step does;
+//! * `replace`: torchft's client replacement after a failed call: the
+//!   process opens a new connection, drops the old one and speaks over the
+//!   new, the old one's end and the new one's first request reaching the
+//!   service in either order (each member is on a host of its own, and
+//!   every session says its peer, [`Event::Opened`]);
 //! * `shrink`: a join with `shrink_only`.
 //!
 //! **Invariants**, checked after every event ([`Invariant`]):
@@ -64,7 +69,9 @@
 //!    commit by a minority.
 //! 4. `closed drops at once`: a session's end drops each live replica it
 //!    held in that same step, and no later quorum names it; an impostor's
-//!    session is refused and its end drops nothing.
+//!    session is refused and its end drops nothing (its fresh session on its
+//!    victim's host keeps no one alive); a live process that replaces its
+//!    connection is never dropped for it.
 //! 5. `drop aborts`: every drop of a member of the current quorum comes
 //!    with an abort of that quorum in the same step.
 //! 6. `liveness`: every member alive at the end is in a quorum issued
@@ -87,7 +94,7 @@
 //! **Proof that it tests something**: besides the tally's floors, each
 //! invariant has a test that breaks one rule on purpose ([`Sabotage`]:
 //! no majority guard, no `min_replicas`, ids from 0 after a restart,
-//! `Closed` ignored, no aborts, no revival of a stalled member, an aborted
+//! `Closed` ignored, no orphans (a replacing process dropped), no aborts, no revival of a stalled member, an aborted
 //! id reused, `Left` ignored, a restored machine that re-issues the saved
 //! id with other members or ignores the saved id) and requires that some seed among the first
 //! few hundred breaks that invariant (for the aborted id and the restored
@@ -183,11 +190,12 @@ enum Fault {
     Takeover,
     Impostor,
     GiveUp,
+    Replace,
     Shrink,
 }
 
 impl Fault {
-    const ALL: [Fault; 11] = [
+    const ALL: [Fault; 12] = [
         Fault::Kill,
         Fault::Vanish,
         Fault::Stall,
@@ -198,6 +206,7 @@ impl Fault {
         Fault::Takeover,
         Fault::Impostor,
         Fault::GiveUp,
+        Fault::Replace,
         Fault::Shrink,
     ];
     fn name(self) -> &'static str {
@@ -212,6 +221,7 @@ impl Fault {
             Fault::Takeover => "takeover",
             Fault::Impostor => "impostor",
             Fault::GiveUp => "give up",
+            Fault::Replace => "replace",
             Fault::Shrink => "shrink",
         }
     }
@@ -268,7 +278,7 @@ impl Scenario {
         let mut faults = Vec::new();
         for _ in 0..n_faults {
             // Every kind but shrink (drawn per scenario, below).
-            let kind = rng.pick(&Fault::ALL[..10]);
+            let kind = rng.pick(&Fault::ALL[..11]);
             let at = rng.range(300, fault_phase_ms);
             let slot = rng.range(0, members as u64 - 1) as usize;
             faults.push((at, kind, slot));
@@ -360,6 +370,9 @@ struct Ledger {
     /// It has joined this service (the service knows its manager's
     /// address).
     joined: bool,
+    /// A new connection its process opened to replace `session` (torchft's
+    /// client replacement), not used yet: the process's own.
+    replacing: Option<Session>,
 }
 
 /// Events of the simulation.
@@ -406,7 +419,7 @@ struct Sim {
     saved: Option<(Quorum, bool)>,
     /// Replica ids whose process died (fresh ids are never reused).
     dead: BTreeSet<String>,
-    fired: [u64; 11],
+    fired: [u64; 12],
     /// Kinds drawn that never fired (their member was not there).
     never: BTreeSet<&'static str>,
     /// Deadline ticks scheduled.
@@ -439,7 +452,7 @@ impl Sim {
             dead: BTreeSet::new(),
             aborted: BTreeSet::new(),
             saved: None,
-            fired: [0; 11],
+            fired: [0; 12],
             never: BTreeSet::new(),
             deadlines: BTreeSet::new(),
             settled: 0,
@@ -670,6 +683,10 @@ impl Sim {
         let session = self.new_session();
         self.procs[slot].session = Some(session);
         let replica_id = self.procs[slot].replica_id.clone();
+        self.send(Event::Opened {
+            session,
+            peer: host(slot),
+        })?;
         self.send(Event::Heartbeat {
             session,
             replica_id,
@@ -783,6 +800,13 @@ impl Sim {
         let eligible = match kind {
             Fault::Restart | Fault::RestartSaved | Fault::Takeover => self.lh.is_some(),
             Fault::GiveUp => runs && p.waiting && p.session.is_some(),
+            Fault::Replace => {
+                runs && p.session.is_some_and(|s| {
+                    self.ledger
+                        .get(&p.replica_id)
+                        .is_some_and(|l| l.session == s && !l.dropped)
+                })
+            }
             Fault::Impostor => {
                 runs && p.session.is_some_and(|s| {
                     self.ledger
@@ -852,8 +876,15 @@ impl Sim {
                 let up = self.t + self.rng.range(pause.0, pause.1);
                 self.at(up, SimEv::Up(how));
             }
+            Fault::Replace => self.replace(slot)?,
             Fault::Impostor => {
                 let s2 = self.new_session();
+                // From its victim's host: a fresh session there must not
+                // keep anyone alive.
+                self.send(Event::Opened {
+                    session: s2,
+                    peer: host(slot),
+                })?;
                 let member = Member {
                     replica_id: id.clone(),
                     address: "impostor".into(),
@@ -890,6 +921,52 @@ impl Sim {
         Ok(())
     }
 
+    /// torchft's client replacement after a failed call: the process opens
+    /// a new connection, drops the old one and speaks over the new, the old
+    /// one's end and the new one's first request reaching the service in
+    /// either order; its waiting `Quorum` call, if any, ends with the old
+    /// connection (`Left`) and is made again over the new one.
+    fn replace(&mut self, slot: usize) -> Result<(), Broken> {
+        let (old, id) = (
+            self.procs[slot].session,
+            self.procs[slot].replica_id.clone(),
+        );
+        let Some(old) = old else { return Ok(()) };
+        let new = self.new_session();
+        if let Some(l) = self.ledger.get_mut(&id) {
+            l.replacing = Some(new);
+        }
+        self.send(Event::Opened {
+            session: new,
+            peer: host(slot),
+        })?;
+        let close_first = self.rng.one_in(2);
+        let beat = Event::Heartbeat {
+            session: new,
+            replica_id: id.clone(),
+        };
+        if !close_first {
+            self.send(beat.clone())?;
+        }
+        self.send(Event::Closed { session: old })?;
+        let waiting = self.procs[slot].waiting;
+        if waiting {
+            self.send(Event::Left {
+                session: old,
+                replica_id: id,
+            })?;
+        }
+        if close_first {
+            self.send(beat)?;
+        }
+        self.procs[slot].session = Some(new);
+        if waiting {
+            self.procs[slot].waiting = false;
+            self.join(slot)?;
+        }
+        Ok(())
+    }
+
     /// Delivers `ev` to the service (if it is up), checks the invariants on
     /// its actions and lets the members react.
     fn send(&mut self, ev: Event) -> Result<(), Broken> {
@@ -913,9 +990,11 @@ impl Sim {
                     .ledger
                     .iter()
                     .filter(|(_, l)| l.session == *session && !l.dropped)
+                    .filter(|(_, l)| l.replacing.is_none())
                     .map(|(id, _)| id.clone())
                     .collect();
-                self.ledger.retain(|_, l| l.session != *session);
+                self.ledger
+                    .retain(|_, l| l.session != *session || l.replacing.is_some());
             }
             Event::Left {
                 session,
@@ -929,7 +1008,7 @@ impl Sim {
             }
             // A service with state is fed `Restored` before anyone reaches
             // it (etcd itself is tested in tests/state.rs).
-            Event::Tick | Event::Restored { .. } => {}
+            Event::Tick | Event::Restored { .. } | Event::Opened { .. } | Event::Spoke { .. } => {}
         }
         let now = self.base + Duration::from_millis(self.t);
         let Some(lh) = self.lh.as_mut() else {
@@ -969,6 +1048,14 @@ impl Sim {
     fn deliver(&mut self, session: Session, id: &str, join: bool) -> Option<String> {
         let t = self.t;
         match self.ledger.get_mut(id) {
+            Some(l) if l.replacing == Some(session) => {
+                // The process speaks over its new connection.
+                l.replacing = None;
+                l.session = session;
+                l.heard = t;
+                l.waiting |= join;
+                l.joined |= join;
+            }
             Some(l) if l.session != session && !l.dropped => return Some(id.to_owned()),
             Some(l) => {
                 if l.session != session {
@@ -990,6 +1077,7 @@ impl Sim {
                         waiting: join,
                         dropped: false,
                         joined: join,
+                        replacing: None,
                     },
                 );
             }
@@ -1026,6 +1114,16 @@ impl Sim {
         for a in actions {
             match a {
                 Action::Dropped { replica_id, .. } => {
+                    if self
+                        .ledger
+                        .get(replica_id)
+                        .is_some_and(|l| l.replacing.is_some())
+                    {
+                        return self.broken(
+                            Invariant::Sessions,
+                            format!("{replica_id} dropped while its live process replaced its connection"),
+                        );
+                    }
                     if matches!(ev, Event::Closed { .. }) && !closing.contains(replica_id) {
                         return self.broken(
                             Invariant::Sessions,
@@ -1260,6 +1358,11 @@ impl Sim {
     }
 }
 
+/// The address of the host of member `slot` (one member per host).
+fn host(slot: usize) -> std::net::IpAddr {
+    std::net::Ipv4Addr::new(10, 0, 0, slot as u8 + 1).into()
+}
+
 fn short_event(ev: &Event) -> String {
     match ev {
         Event::Join { session, member } => format!(
@@ -1286,6 +1389,8 @@ fn short_event(ev: &Event) -> String {
             replica_id,
         } => format!("left s{session} {replica_id}"),
         Event::Closed { session } => format!("closed s{session}"),
+        Event::Opened { session, peer } => format!("opened s{session} from {peer}"),
+        Event::Spoke { session } => format!("spoke s{session}"),
         Event::Tick => "tick".into(),
         Event::Restored { last_id, .. } => format!("restored {}", last_id - EPOCH_MS),
     }
@@ -1449,6 +1554,11 @@ fn ids_from_zero_after_a_restart_are_reused() {
 #[test]
 fn ignoring_closed_sessions_keeps_the_dead() {
     caught(Sabotage::IgnoreClosed, Invariant::Sessions);
+}
+
+#[test]
+fn dropping_a_process_that_replaced_its_connection_is_seen() {
+    caught(Sabotage::NoOrphans, Invariant::Sessions);
 }
 
 #[test]

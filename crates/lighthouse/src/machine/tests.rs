@@ -26,6 +26,10 @@ enum Ev {
     /// (the client gave up: a cancelled call, its deadline).
     Left(Session, &'static str),
     Closed(Session),
+    /// A connection `.0` accepted from host `10.0.0..1`.
+    Opened(Session, u8),
+    /// A request over `.0` that speaks for no replica (HTTP).
+    Spoke(Session),
     Tick,
 }
 
@@ -49,6 +53,11 @@ fn event(ev: Ev) -> Event {
             replica_id: id.to_owned(),
         },
         Ev::Closed(session) => Event::Closed { session },
+        Ev::Opened(session, host) => Event::Opened {
+            session,
+            peer: std::net::Ipv4Addr::new(10, 0, 0, host).into(),
+        },
+        Ev::Spoke(session) => Event::Spoke { session },
         Ev::Tick => Event::Tick,
     }
 }
@@ -130,6 +139,79 @@ const CASES: &[Case] = &[
             (30, Ev::Closed(1), &[]),
             (40, Ev::Beat(2, "a"), &[]),
             (50, Ev::Closed(2), &["abort 101 a", "dropped a"]),
+        ],
+    },
+    Case {
+        // torchft's manager, after a failed call, connects anew and then
+        // drops its old client: the old connection may end first.
+        name: "a replica whose process replaced its connection is adopted by the new one",
+        min_replicas: 1,
+        join_timeout_ms: 60_000,
+        steps: &[
+            (0, Ev::Opened(1, 1), &[]),
+            (0, Ev::Join(1, "a"), &["issue 101 [a]"]),
+            (10, Ev::Opened(2, 1), &[]),
+            (20, Ev::Closed(1), &[]),
+            (30, Ev::Beat(2, "a"), &[]),
+            (40, Ev::Join(2, "a"), &["issue 101 [a]"]),
+            (1030, Ev::Tick, &[]),
+            (1050, Ev::Closed(2), &["abort 101 a", "dropped a"]),
+        ],
+    },
+    Case {
+        name: "an orphan is dropped when the fresh session from its host speaks for another",
+        min_replicas: 1,
+        join_timeout_ms: 60_000,
+        steps: &[
+            (0, Ev::Opened(1, 1), &[]),
+            (0, Ev::Join(1, "a"), &["issue 101 [a]"]),
+            (10, Ev::Opened(2, 1), &[]),
+            (10, Ev::Opened(3, 1), &[]),
+            (20, Ev::Closed(1), &[]),
+            (30, Ev::Beat(2, "b"), &[]),
+            (40, Ev::Spoke(3), &["abort 101 a", "dropped a"]),
+            (50, Ev::Join(2, "b"), &["issue 102 [b]"]),
+        ],
+    },
+    Case {
+        name: "an orphan is dropped when the fresh session from its host closes unspoken",
+        min_replicas: 1,
+        join_timeout_ms: 60_000,
+        steps: &[
+            (0, Ev::Opened(1, 1), &[]),
+            (0, Ev::Join(1, "a"), &["issue 101 [a]"]),
+            (10, Ev::Opened(2, 1), &[]),
+            (20, Ev::Closed(1), &[]),
+            (30, Ev::Closed(2), &["abort 101 a", "dropped a"]),
+        ],
+    },
+    Case {
+        name: "an orphan whose fresh session stays silent goes at its heartbeat timeout",
+        min_replicas: 1,
+        join_timeout_ms: 60_000,
+        steps: &[
+            (0, Ev::Opened(1, 1), &[]),
+            (0, Ev::Join(1, "a"), &["issue 101 [a]"]),
+            (10, Ev::Opened(2, 1), &[]),
+            (20, Ev::Closed(1), &[]),
+            (999, Ev::Tick, &[]),
+            (1000, Ev::Tick, &["abort 101 a", "dropped a"]),
+            // Not a stalled process: a heartbeat later is a new holder.
+            (1010, Ev::Beat(2, "a"), &[]),
+            (1020, Ev::Closed(2), &["abort 101 a", "dropped a"]),
+        ],
+    },
+    Case {
+        name: "a fresh session from another host, or an old one, delays no drop",
+        min_replicas: 1,
+        join_timeout_ms: 60_000,
+        steps: &[
+            (0, Ev::Opened(1, 1), &[]),
+            (0, Ev::Opened(2, 2), &[]),
+            (0, Ev::Opened(3, 1), &[]),
+            (0, Ev::Spoke(3), &[]),
+            (0, Ev::Join(1, "a"), &["issue 101 [a]"]),
+            (20, Ev::Closed(1), &["abort 101 a", "dropped a"]),
         ],
     },
     Case {

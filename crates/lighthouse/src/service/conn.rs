@@ -84,7 +84,8 @@ impl Conns {
         Counters::add(&c.sessions);
         c.open.fetch_add(1, Ordering::Relaxed);
         let _ = stream.set_nodelay(true);
-        self.shared.opened(session);
+        self.shared.opened(session, peer.ip());
+        tracing::debug!(session, %peer, "session opened");
         let conn = Conn { session, peer };
         let me = self.clone();
         let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
@@ -120,6 +121,7 @@ impl Conns {
             .get(http::header::CONTENT_TYPE)
             .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"));
         if !is_grpc {
+            self.shared.spoke(conn.session);
             let resp = super::http::serve(self.shared.clone(), req).await;
             if resp.status().is_client_error() {
                 self.refused(conn, &path, &format!("HTTP {}", resp.status()));

@@ -32,6 +32,7 @@
 //! gone on with their aborted generation).
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -293,6 +294,7 @@ impl Shared {
         if let Some(r) = inner.not_serving().or_else(|| inner.gone(session)) {
             return Err(r);
         }
+        tracing::trace!(session, replica_id, "join");
         let id = inner.next_waiter;
         inner.next_waiter += 1;
         inner.waiters.insert(
@@ -338,8 +340,18 @@ impl Shared {
 
     /// A connection was accepted: its requests may speak for replicas
     /// until [`Shared::closed`].
-    pub fn opened(&self, session: Session) {
-        self.inner.locked().open.insert(session);
+    pub fn opened(&self, session: Session, peer: IpAddr) {
+        let mut inner = self.inner.locked();
+        inner.open.insert(session);
+        self.step(&mut inner, Event::Opened { session, peer });
+    }
+
+    /// A request over `session` that speaks for no replica (HTTP).
+    pub fn spoke(&self, session: Session) {
+        let mut inner = self.inner.locked();
+        if inner.open.contains(&session) {
+            self.step(&mut inner, Event::Spoke { session });
+        }
     }
 
     /// A connection ended: the machine drops every replica it carried, and
@@ -695,7 +707,7 @@ mod tests {
             Lighthouse::new(Knobs::ours(1), 0),
             Some("campaigning at etcd://x".into()),
         );
-        shared.opened(1);
+        shared.opened(1, std::net::Ipv4Addr::LOCALHOST.into());
         assert!(matches!(
             shared.heartbeat(1, "a".into()),
             Err(Refused::Unavailable(why)) if why.contains("starting")
@@ -730,7 +742,7 @@ mod tests {
     #[tokio::test]
     async fn a_request_handled_after_its_connection_closed_is_refused() {
         let shared = Shared::new(Lighthouse::new(Knobs::ours(1), 0), None);
-        shared.opened(1);
+        shared.opened(1, std::net::Ipv4Addr::LOCALHOST.into());
         shared.heartbeat(1, "a".into()).unwrap();
         let live = |s: &Shared| s.inner.locked().machine.status(Instant::now()).healthy;
         assert_eq!(live(&shared), ["a".to_owned()]);
