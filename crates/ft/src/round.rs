@@ -31,7 +31,11 @@
 //!   agent's [`Event::WorkersStopped`] fails every waiting call with the
 //!   reason and drops the lighthouse connection at once
 //!   ([`Action::DropConnection`]), so the lighthouse drops this group from
-//!   the quorum and tells the survivors; the next hello reconnects.
+//!   the quorum and tells the survivors; the next hello reconnects. A
+//!   `WorkersStopped` also releases every rank: the stopped workers' calls
+//!   (they may still run until the agent's signal lands) are refused, so
+//!   the dying group never rejoins the quorum, and the new workers' hellos
+//!   are welcome at once, before the old connections end.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -227,7 +231,10 @@ impl Round {
                 now,
             } => self.vote(rank, step, vote, timeout, now, &mut out),
             Event::Tick { now } => self.tick(now, &mut out),
-            Event::WorkersStopped { reason } => self.stop(&reason, &mut out),
+            Event::WorkersStopped { reason } => {
+                self.stop(&reason, &mut out);
+                self.held.clear();
+            }
             Event::SetWorldSize(n) => self.setup.world_size = n,
         }
         out

@@ -117,6 +117,8 @@ enum Msg {
     Call {
         rank: Rank,
         req: Request,
+        /// The calling connection's answers (which connection it is).
+        answers: mpsc::UnboundedSender<String>,
     },
     Gone {
         rank: Rank,
@@ -445,7 +447,12 @@ async fn serve(stream: TcpStream, core: mpsc::UnboundedSender<Msg>, keep_alive: 
                 }
                 (Some(r), req) => {
                     busy = true;
-                    if core.send(Msg::Call { rank: r, req }).is_err() {
+                    let call = Msg::Call {
+                        rank: r,
+                        req,
+                        answers: answers_tx.clone(),
+                    };
+                    if core.send(call).is_err() {
                         break 'conn;
                     }
                 }
@@ -509,7 +516,21 @@ impl Core {
                 answers,
                 reply,
             } => self.hello(rank, world_size, answers, reply),
-            Msg::Call { rank, req } => self.call(rank, req),
+            Msg::Call { rank, req, answers } => {
+                // Only the connection that holds the rank speaks for it: a
+                // stopped worker's rank was released (and may be held by
+                // its replacement already).
+                if self
+                    .answers
+                    .get(&rank)
+                    .is_some_and(|a| a.same_channel(&answers))
+                {
+                    self.call(rank, req);
+                } else {
+                    let e = format!("this connection no longer holds group rank {rank}: the group's workers were stopped");
+                    let _ = answers.send(wire::answer_error(&e));
+                }
+            }
             Msg::Gone { rank, answers } => {
                 // Only the connection that holds the rank speaks for it.
                 if self
@@ -536,7 +557,12 @@ impl Core {
             },
             Msg::Link(Link::Up) => self.books.connected(true),
             Msg::Link(Link::Lost(e)) => self.books.lost(e),
-            Msg::WorkersStopped(reason) => self.feed(Event::WorkersStopped { reason }),
+            Msg::WorkersStopped(reason) => {
+                self.feed(Event::WorkersStopped { reason });
+                // Every rank is released (see `round`): the old
+                // connections no longer speak for the group.
+                self.answers.clear();
+            }
             Msg::SetWorldSize(n) => self.feed(Event::SetWorldSize(n)),
             Msg::Shutdown(_) => unreachable!("handled by run"),
         }

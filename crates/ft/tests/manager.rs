@@ -698,7 +698,8 @@ async fn a_cut_shorter_than_the_keep_alive_keeps_the_session() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn workers_stopped_fails_the_waiting_calls_and_the_next_round_reconnects() {
+async fn workers_stopped_fails_the_waiting_calls_releases_the_ranks_and_the_next_round_reconnects()
+{
     // min_replicas 2: g0's call waits at the lighthouse while g1 does not
     // call. A heartbeat timeout of a minute: only the dropped connection
     // can explain a drop within the test's limit.
@@ -734,9 +735,20 @@ async fn workers_stopped_fails_the_waiting_calls_and_the_next_round_reconnects()
     );
     assert!(!m0.status().borrow().connected);
 
-    // The next round reconnects: a new quorum of both, a new id.
-    groups[0].push(w0);
+    // The stop lasts: the stopped worker, still connected (its signal has
+    // not landed), is refused, and the manager does not reconnect for it.
+    let mut w0 = w0;
+    let a = w0.quorum(2, "g0r0:1", 20_000).await;
+    assert_eq!(
+        a,
+        json!({"ok": false, "error": "this connection no longer holds group rank 0: the group's workers were stopped"})
+    );
+    assert!(!m0.status().borrow().connected);
+    // Its replacement's hello is welcome while the old connection is open,
+    // and the next round reconnects: a new quorum of both, a new id.
+    groups[0].push(Worker::hello(&m0, 0, 1).await);
     let a = ok_quorums(&mut groups, &[2, 2]).await;
+    drop(w0);
     assert_eq!(a[0][0]["quorum"]["replica_ids"], json!(["g0", "g1"]));
     assert!(a[0][0]["quorum"]["quorum_id"].as_i64().unwrap() > id);
     m0.shutdown().await;

@@ -420,10 +420,23 @@ fn workers_stopped_while_the_lighthouse_call_is_in_flight() {
         quorum: issued(&[member]),
     });
     assert!(a.is_empty());
-    // A new round (the workers still connected) reconnects first.
+    // The stop lasts: the stopped worker's next call is refused, nothing
+    // reconnects (the dying group would rejoin the quorum once).
     let a = r.handle(q(0, 1, now));
-    assert_eq!(a[0], Action::Connect);
-    assert!(matches!(a[1], Action::CallLighthouse { call: 2, .. }));
+    assert_eq!(
+        fails(&a),
+        [(0, "group rank 0 called quorum without a hello".into())]
+    );
+    assert_eq!(a.len(), 1, "{a:?}");
+    // Its replacement's hello is welcome before the old connection ends,
+    // and its round reconnects first.
+    let a = r.handle(Event::Hello {
+        rank: 0,
+        world_size: 1,
+    });
+    assert_eq!(a, [Action::Welcome { rank: 0 }, Action::Connect]);
+    let a = r.handle(q(0, 1, now));
+    assert!(matches!(a[0], Action::CallLighthouse { call: 2, .. }));
     // Stopping twice drops the connection once.
     r.handle(Event::WorkersStopped { reason: "x".into() });
     let a = r.handle(Event::WorkersStopped { reason: "x".into() });
@@ -589,7 +602,12 @@ proptest! {
                     now += Duration::from_secs(s);
                     Event::Tick { now }
                 }
-                Step::Stop => Event::WorkersStopped { reason: "stopped".into() },
+                Step::Stop => {
+                    // Every rank is released: the server forgets the old
+                    // connections.
+                    m.held.clear();
+                    Event::WorkersStopped { reason: "stopped".into() }
+                }
             };
             let stop = matches!(ev, Event::WorkersStopped { .. } | Event::RankGone { .. });
             let was_connected = m.connected;
