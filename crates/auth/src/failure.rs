@@ -55,7 +55,8 @@ pub enum TransportError {
         /// From the handshake's start to its deadline.
         within: Duration,
     },
-    /// The peer closed the connection.
+    /// The peer closed the connection (or reset it, as a listener does that closes with our
+    /// bytes unread).
     #[error("the connection was closed during the job-secret handshake ({waiting})")]
     Closed {
         /// What was awaited.
@@ -152,13 +153,16 @@ pub(crate) struct Secs(pub Duration);
 
 impl fmt::Display for Secs {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let ms = self.0.as_millis();
+        // Rounded to the nearest unit shown: a deadline set a moment before it was measured
+        // still reads as the round figure it was set to.
+        let ms = (self.0.as_micros() + 500) / 1000;
         if ms < 1000 {
-            write!(f, "{ms} ms")
-        } else if ms % 1000 == 0 {
-            write!(f, "{} s", ms / 1000)
-        } else {
-            write!(f, "{:.1} s", self.0.as_secs_f64())
+            return write!(f, "{ms} ms");
+        }
+        let tenths = (ms + 50) / 100;
+        match tenths % 10 {
+            0 => write!(f, "{} s", tenths / 10),
+            t => write!(f, "{}.{t} s", tenths / 10),
         }
     }
 }
@@ -172,6 +176,9 @@ mod tests {
         assert_eq!(Secs(Duration::from_secs(2)).to_string(), "2 s");
         assert_eq!(Secs(Duration::from_millis(1500)).to_string(), "1.5 s");
         assert_eq!(Secs(Duration::from_millis(250)).to_string(), "250 ms");
+        assert_eq!(Secs(Duration::from_micros(29_990)).to_string(), "30 ms");
+        assert_eq!(Secs(Duration::from_micros(1_999_990)).to_string(), "2 s");
+        assert_eq!(Secs(Duration::from_millis(1_449)).to_string(), "1.4 s");
     }
 
     #[test]

@@ -10,7 +10,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
-use super::{client_error, refusal, DriveError, Machine, READ_BUF};
+use super::{client_error, failed, refusal, DriveError, Machine, READ_BUF};
 use crate::failure::{ClientError, TransportError, Waiting};
 use crate::handshake::{ClientHandshake, Message, Progress, ServerHandshake, Service, Step};
 use crate::metrics::Refusal;
@@ -134,7 +134,7 @@ impl Clock {
     }
 
     fn io(&self, waiting: Waiting, source: io::Error) -> TransportError {
-        TransportError::Io { waiting, source }
+        failed(waiting, source)
     }
 }
 

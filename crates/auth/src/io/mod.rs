@@ -79,5 +79,20 @@ fn client_error(server: std::net::SocketAddr, e: DriveError<ServerMismatch>) -> 
     ClientError { server, reason }
 }
 
+/// A read or write failed: a peer that reset the connection (as a listener does that closes
+/// with our bytes unread) or is gone reads as closed; anything else as an I/O error.
+fn failed(waiting: crate::failure::Waiting, source: std::io::Error) -> TransportError {
+    use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset, UnexpectedEof};
+    match source.kind() {
+        BrokenPipe | ConnectionAborted | ConnectionReset | UnexpectedEof => {
+            TransportError::Closed { waiting }
+        }
+        _ => TransportError::Io { waiting, source },
+    }
+}
+
 /// The largest message (a HELLO with a 32-byte label): the adapters' read buffer.
 const READ_BUF: usize = 8 + 1 + 32 + 32;
+
+#[cfg(test)]
+mod tests;

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use ::tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use ::tokio::time::{timeout_at, Instant as TokioInstant};
 
-use super::{client_error, refusal, DriveError, Machine, READ_BUF};
+use super::{client_error, failed, refusal, DriveError, Machine, READ_BUF};
 use crate::failure::{ClientError, TransportError, Waiting};
 use crate::handshake::{ClientHandshake, Message, Progress, ServerHandshake, Service, Step};
 use crate::metrics::Refusal;
@@ -96,7 +96,7 @@ async fn read_some<S: AsyncRead + Unpin>(
         Err(_elapsed) => Err(clock.timed_out(waiting)),
         Ok(Ok(0)) => Err(TransportError::Closed { waiting }),
         Ok(Ok(n)) => Ok(n),
-        Ok(Err(source)) => Err(TransportError::Io { waiting, source }),
+        Ok(Err(source)) => Err(failed(waiting, source)),
     }
 }
 
@@ -121,20 +121,12 @@ async fn write_all<S: AsyncWrite + Unpin>(
                 })
             }
             Ok(Ok(n)) => sent += n,
-            Ok(Err(source)) => {
-                return Err(TransportError::Io {
-                    waiting: waiting(sent),
-                    source,
-                })
-            }
+            Ok(Err(source)) => return Err(failed(waiting(sent), source)),
         }
     }
     match timeout_at(clock.deadline, stream.flush()).await {
         Err(_elapsed) => Err(clock.timed_out(waiting(sent))),
         Ok(Ok(())) => Ok(()),
-        Ok(Err(source)) => Err(TransportError::Io {
-            waiting: waiting(sent),
-            source,
-        }),
+        Ok(Err(source)) => Err(failed(waiting(sent), source)),
     }
 }
