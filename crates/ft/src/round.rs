@@ -14,7 +14,9 @@
 //!   `data`. Its answer gives each waiting rank its own result
 //!   ([`crate::results::compute`]); its failure fails them. A call's
 //!   answer that comes after the round was stopped is ignored (calls are
-//!   numbered).
+//!   numbered), and it answers only the ranks' calls it was made for: a
+//!   rank whose call timed out and that called again waits for the next
+//!   lighthouse call, made once the one in flight ends.
 //! * **should_commit**: a barrier of the W ranks for one step; the
 //!   decision is the AND of the votes. Votes for different steps fail
 //!   every voter, naming the steps. A rank that calls quorum has left its
@@ -138,6 +140,9 @@ pub enum Action {
 struct Waiting {
     call: QuorumCall,
     deadline: Instant,
+    /// Which of the rank's calls this is (a lighthouse call answers only
+    /// the calls it was made for).
+    seq: u64,
 }
 
 #[derive(Clone, Debug)]
@@ -151,7 +156,8 @@ struct Ballot {
 #[derive(Clone, Debug)]
 struct InFlight {
     id: u64,
-    ranks: BTreeSet<Rank>,
+    /// The ranks' calls it was made for: (rank, call seq).
+    ranks: BTreeMap<Rank, u64>,
 }
 
 /// The round's state.
@@ -163,6 +169,8 @@ pub struct Round {
     waiting: BTreeMap<Rank, Waiting>,
     in_flight: Option<InFlight>,
     calls: u64,
+    /// Numbers the ranks' quorum calls.
+    seq: u64,
     ballots: BTreeMap<Rank, Ballot>,
 }
 
@@ -176,6 +184,7 @@ impl Round {
             waiting: BTreeMap::new(),
             in_flight: None,
             calls: 0,
+            seq: 0,
             ballots: BTreeMap::new(),
         }
     }
@@ -205,23 +214,17 @@ impl Round {
             }
             Event::Quorum { rank, call, now } => self.quorum(rank, call, now, &mut out),
             Event::LighthouseAnswered { call, quorum } => {
-                if let Some(f) = self.take_in_flight(call) {
-                    for rank in f.ranks {
-                        if let Some(w) = self.waiting.remove(&rank) {
-                            out.push(self.result(rank, &w, &quorum));
-                        }
-                    }
+                for (rank, w) in self.take_in_flight(call) {
+                    out.push(self.result(rank, &w, &quorum));
                 }
+                self.call_if_ready(&mut out);
             }
             Event::LighthouseFailed { call, error } => {
-                if let Some(f) = self.take_in_flight(call) {
-                    for rank in f.ranks {
-                        if self.waiting.remove(&rank).is_some() {
-                            let error = error.clone();
-                            out.push(Action::Fail { rank, error });
-                        }
-                    }
+                for (rank, _) in self.take_in_flight(call) {
+                    let error = error.clone();
+                    out.push(Action::Fail { rank, error });
                 }
+                self.call_if_ready(&mut out);
             }
             Event::Vote {
                 rank,
@@ -278,7 +281,22 @@ impl Round {
             out.push(Action::Fail { rank: r, error });
         }
         let deadline = now + call.timeout.min(MAX_TIMEOUT);
-        self.waiting.insert(rank, Waiting { call, deadline });
+        self.seq += 1;
+        let seq = self.seq;
+        self.waiting.insert(
+            rank,
+            Waiting {
+                call,
+                deadline,
+                seq,
+            },
+        );
+        self.call_if_ready(out);
+    }
+
+    /// Makes the group's lighthouse call once every rank's call waits and
+    /// none is in flight.
+    fn call_if_ready(&mut self, out: &mut Vec<Action>) {
         if self.in_flight.is_some() || self.waiting.len() < self.setup.world_size {
             return;
         }
@@ -288,7 +306,7 @@ impl Round {
         self.calls += 1;
         self.in_flight = Some(InFlight {
             id: self.calls,
-            ranks: self.waiting.keys().copied().collect(),
+            ranks: self.waiting.iter().map(|(r, w)| (*r, w.seq)).collect(),
         });
         if !self.connected {
             self.connected = true;
@@ -329,11 +347,20 @@ impl Round {
         }
     }
 
-    fn take_in_flight(&mut self, call: u64) -> Option<InFlight> {
-        match &self.in_flight {
-            Some(f) if f.id == call => self.in_flight.take(),
-            _ => None,
+    /// Ends lighthouse call `call` if it is the one in flight: the calls
+    /// it was made for that still wait (a rank that timed out and called
+    /// again waits in a new call, which this answer is not for).
+    fn take_in_flight(&mut self, call: u64) -> Vec<(Rank, Waiting)> {
+        let Some(f) = self.in_flight.take_if(|f| f.id == call) else {
+            return Vec::new();
+        };
+        let mut mine = Vec::new();
+        for (rank, seq) in f.ranks {
+            if self.waiting.get(&rank).is_some_and(|w| w.seq == seq) {
+                mine.push((rank, self.waiting.remove(&rank).expect("waits")));
+            }
         }
+        mine
     }
 
     fn result(&self, rank: Rank, w: &Waiting, quorum: &Quorum) -> Action {
@@ -409,7 +436,7 @@ impl Round {
             let in_call = self
                 .in_flight
                 .as_ref()
-                .is_some_and(|f| f.ranks.contains(&rank));
+                .is_some_and(|f| f.ranks.get(&rank) == Some(&w.seq));
             let waited = if in_call {
                 format!(
                     "the lighthouse at {} to issue a quorum",

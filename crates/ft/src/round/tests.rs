@@ -444,6 +444,59 @@ fn workers_stopped_while_the_lighthouse_call_is_in_flight() {
 }
 
 #[test]
+fn a_lighthouse_call_answers_only_the_calls_it_was_made_for() {
+    let now = Instant::now();
+    let mut r = round(2);
+    let mut short = call(3, 0);
+    short.timeout = Duration::from_secs(1);
+    r.handle(Event::Quorum {
+        rank: 0,
+        call: short,
+        now,
+    });
+    let a = r.handle(q(1, 3, now));
+    assert!(
+        matches!(a[..], [Action::CallLighthouse { call: 1, .. }]),
+        "{a:?}"
+    );
+    // Rank 0's call times out while the lighthouse call is in flight, and
+    // rank 0 calls again.
+    let a = r.handle(Event::Tick {
+        now: now + Duration::from_secs(1),
+    });
+    assert_eq!(fails(&a).len(), 1);
+    assert!(
+        fails(&a)[0].1.contains("waiting for the lighthouse"),
+        "{a:?}"
+    );
+    let later = now + Duration::from_secs(2);
+    assert!(r.handle(q(0, 3, later)).is_empty());
+    // The old call's failure fails rank 1's call only.
+    let a = r.handle(Event::LighthouseFailed {
+        call: 1,
+        error: "deadline".into(),
+    });
+    assert_eq!(fails(&a), [(1, "deadline".into())]);
+    // Rank 1 calls again: one new lighthouse call for both.
+    let a = r.handle(q(1, 3, later));
+    let Some(Action::CallLighthouse { call, member, .. }) = a.first() else {
+        panic!("{a:?}")
+    };
+    assert_eq!(*call, 2);
+    // Its answer answers both new calls.
+    let quorum = issued(std::slice::from_ref(member));
+    let a = r.handle(Event::LighthouseAnswered { call: 2, quorum });
+    let answered: Vec<Rank> = a
+        .iter()
+        .filter_map(|a| match a {
+            Action::AnswerQuorum { rank, .. } => Some(*rank),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(answered, [0, 1], "{a:?}");
+}
+
+#[test]
 fn a_new_world_size_applies_to_the_next_hellos() {
     let mut r = round(2);
     r.handle(Event::SetWorldSize(3));
