@@ -124,7 +124,7 @@ impl ClientHandshake {
 
     /// What to do next: write, read, or done (admitted). `Err` once the bytes still owed to the
     /// server, if any, have been asked to be written.
-    pub fn next(&mut self) -> Result<Step, ServerMismatch> {
+    pub fn step(&mut self) -> Result<Step, ServerMismatch> {
         loop {
             if let Some((message, bytes)) = self.outbox.take() {
                 return Ok(Step::Write { message, bytes });

@@ -27,7 +27,7 @@
 //! A replayed CHALLENGE fails the same way on the client's side, against its new Nc.
 //!
 //! [`ServerHandshake`] and [`ClientHandshake`] are machines: `receive` the bytes read, ask
-//! `next` for a [`Step`] (write these bytes, read at most this many, or done), until done or an
+//! `step` for a [`Step`] (write these bytes, read at most this many, or done), until done or an
 //! error. They never see a socket or a clock; `crate::io` runs them over a stream with a
 //! deadline.
 

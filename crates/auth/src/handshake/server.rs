@@ -109,7 +109,7 @@ impl ServerHandshake {
 
     /// What to do next: write, read, or done (admitted). `Err` once a refusal's bytes, if any,
     /// have been asked to be written.
-    pub fn next(&mut self) -> Result<Step, Rejection> {
+    pub fn step(&mut self) -> Result<Step, Rejection> {
         loop {
             if let Some((message, bytes)) = self.outbox.take() {
                 return Ok(Step::Write { message, bytes });

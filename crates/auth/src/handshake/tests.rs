@@ -27,14 +27,14 @@ struct Exchange {
 /// One side as the exchange drives it.
 trait Side {
     type Error;
-    fn next(&mut self) -> Result<Step, Self::Error>;
+    fn step(&mut self) -> Result<Step, Self::Error>;
     fn receive(&mut self, bytes: &[u8]);
 }
 
 impl Side for ClientHandshake {
     type Error = ServerMismatch;
-    fn next(&mut self) -> Result<Step, ServerMismatch> {
-        ClientHandshake::next(self)
+    fn step(&mut self) -> Result<Step, ServerMismatch> {
+        ClientHandshake::step(self)
     }
     fn receive(&mut self, bytes: &[u8]) {
         ClientHandshake::receive(self, bytes)
@@ -43,8 +43,8 @@ impl Side for ClientHandshake {
 
 impl Side for ServerHandshake {
     type Error = Rejection;
-    fn next(&mut self) -> Result<Step, Rejection> {
-        ServerHandshake::next(self)
+    fn step(&mut self) -> Result<Step, Rejection> {
+        ServerHandshake::step(self)
     }
     fn receive(&mut self, bytes: &[u8]) {
         ServerHandshake::receive(self, bytes)
@@ -64,7 +64,7 @@ fn turn<S: Side>(
         moved = true;
     }
     if outcome.is_none() {
-        match side.next() {
+        match side.step() {
             Ok(Step::Write { bytes, .. }) => {
                 wrote.push(bytes);
                 return true;
@@ -138,8 +138,8 @@ fn the_same_secret_admits_in_four_messages() {
     assert_eq!(x.to_client[1], [wire::ADMITTED]);
     assert!(c.leftover().is_empty() && s.leftover().is_empty());
     // Done stays done.
-    assert_eq!(c.next(), Ok(Step::Done));
-    assert_eq!(s.next(), Ok(Step::Done));
+    assert_eq!(c.step(), Ok(Step::Done));
+    assert_eq!(s.step(), Ok(Step::Done));
 }
 
 #[test]
@@ -214,16 +214,16 @@ fn a_recorded_proof_replayed_against_a_new_challenge_is_refused() {
     s2.receive(&recorded.to_server[0]);
     let Ok(Step::Write {
         bytes: challenge, ..
-    }) = s2.next()
+    }) = s2.step()
     else {
         panic!("no challenge")
     };
     assert_ne!(challenge, recorded.to_client[0], "a fresh Ns");
     s2.receive(&recorded.to_server[1]);
-    assert!(matches!(s2.next(), Ok(Step::Write { bytes, .. }) if bytes == [wire::REFUSED]));
+    assert!(matches!(s2.step(), Ok(Step::Write { bytes, .. }) if bytes == [wire::REFUSED]));
     let id = k.key_id();
     assert_eq!(
-        s2.next(),
+        s2.step(),
         Err(Rejection::WrongProof {
             theirs: id,
             ours: id
@@ -231,10 +231,10 @@ fn a_recorded_proof_replayed_against_a_new_challenge_is_refused() {
     );
     // And a recorded CHALLENGE replayed to a new client (a fresh Nc) fails there.
     let mut c2 = ClientHandshake::new(&k, Service::STORE).unwrap();
-    assert!(matches!(c2.next(), Ok(Step::Write { .. })));
+    assert!(matches!(c2.step(), Ok(Step::Write { .. })));
     c2.receive(&recorded.to_client[0]);
-    assert!(matches!(c2.next(), Ok(Step::Write { .. })));
-    let err = c2.next().unwrap_err();
+    assert!(matches!(c2.step(), Ok(Step::Write { .. })));
+    let err = c2.step().unwrap_err();
     assert_eq!(
         err,
         ServerMismatch::DifferentSecret {
@@ -304,7 +304,7 @@ fn every_truncation_of_every_message_is_incomplete_not_invalid() {
     let (challenge, verdict) = (&x.to_client[0], &x.to_client[1]);
     let ns = || ServerHandshake::new(&k, Service::STORE).unwrap();
     let server_next = |m: &mut ServerHandshake| loop {
-        match m.next() {
+        match m.step() {
             Ok(Step::Write { .. }) => continue,
             other => return other.ok(),
         }
@@ -320,7 +320,7 @@ fn every_truncation_of_every_message_is_incomplete_not_invalid() {
     });
     // The client's side: a CHALLENGE cut short; then the verdict (after a real challenge).
     let client_next = |m: &mut ClientHandshake| loop {
-        match m.next() {
+        match m.step() {
             Ok(Step::Write { .. }) => continue,
             other => return other.ok(),
         }
@@ -332,26 +332,26 @@ fn every_truncation_of_every_message_is_incomplete_not_invalid() {
     assert_eq!(verdict, &[wire::ADMITTED]);
     let mut c = ClientHandshake::new(&k, Service::STORE).unwrap();
     let mut s = ServerHandshake::new(&k, Service::STORE).unwrap();
-    let Ok(Step::Write { bytes: hello, .. }) = c.next() else {
+    let Ok(Step::Write { bytes: hello, .. }) = c.step() else {
         panic!()
     };
     s.receive(&hello);
     let Ok(Step::Write {
         bytes: challenge, ..
-    }) = s.next()
+    }) = s.step()
     else {
         panic!()
     };
     c.receive(&challenge);
     assert!(matches!(
-        c.next(),
+        c.step(),
         Ok(Step::Write {
             message: Message::Proof,
             ..
         })
     ));
     assert!(
-        matches!(c.next(), Ok(Step::Read(p)) if p.message == Message::Verdict && p.missing() == 1)
+        matches!(c.step(), Ok(Step::Read(p)) if p.message == Message::Verdict && p.missing() == 1)
     );
 }
 
@@ -365,7 +365,7 @@ fn pytorch_tcpstore_and_http_clients_are_refused_at_once_with_nothing_sent_back(
         for bytes in [&first[..1], first] {
             let mut s = ServerHandshake::new(&k, Service::STORE).unwrap();
             s.receive(bytes);
-            match s.next() {
+            match s.step() {
                 Err(Rejection::NotOurProtocol(wire::DecodeError::BadMagic { got })) => {
                     assert_eq!(got, bytes)
                 }
@@ -376,9 +376,9 @@ fn pytorch_tcpstore_and_http_clients_are_refused_at_once_with_nothing_sent_back(
     // And a client that reaches a plain PyTorch TCPStore server gets no reply it could take for
     // a challenge: the server's answers begin with a 0 or 1 byte.
     let mut c = ClientHandshake::new(&k, Service::STORE).unwrap();
-    let _hello = c.next();
+    let _hello = c.step();
     c.receive(&[1, 0, 0, 0, 0, 0, 0, 0]);
-    assert!(matches!(c.next(), Err(ServerMismatch::NotOurProtocol(_))));
+    assert!(matches!(c.step(), Err(ServerMismatch::NotOurProtocol(_))));
 }
 
 /// Messages cut into chunks at the given points.
@@ -404,12 +404,12 @@ proptest! {
         let mut s = ServerHandshake::new(&k, Service::STORE).unwrap();
         if valid_hello {
             let mut c = ClientHandshake::new(&k, Service::STORE).unwrap();
-            let Ok(Step::Write { bytes: hello, .. }) = c.next() else { panic!() };
+            let Ok(Step::Write { bytes: hello, .. }) = c.step() else { panic!() };
             s.receive(&hello);
         }
         s.receive(&bytes);
         for _ in 0..4 {
-            match s.next() {
+            match s.step() {
                 Ok(Step::Done) => prop_assert!(false, "admitted {bytes:?}"),
                 Ok(Step::Write { .. }) => continue,
                 Ok(Step::Read(_)) | Err(_) => break,
@@ -429,7 +429,7 @@ proptest! {
         }
         c.receive(&bytes);
         for _ in 0..4 {
-            match c.next() {
+            match c.step() {
                 Ok(Step::Done) => prop_assert!(false, "admitted by {bytes:?}"),
                 Ok(Step::Write { .. }) => continue,
                 Ok(Step::Read(_)) | Err(_) => break,

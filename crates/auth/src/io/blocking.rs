@@ -103,7 +103,7 @@ fn run<S: TimeoutStream, M: Machine>(
 ) -> Result<(), DriveError<M::Error>> {
     let mut buf = [0; READ_BUF];
     loop {
-        match machine.next().map_err(DriveError::Machine)? {
+        match machine.step().map_err(DriveError::Machine)? {
             Step::Done => return Ok(()),
             Step::Write { message, bytes } => write_all(stream, message, &bytes, clock)?,
             Step::Read(progress) => {

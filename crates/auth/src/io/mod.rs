@@ -27,14 +27,14 @@ pub const CLIENT_DEADLINE: Duration = Duration::from_secs(10);
 /// A side of the handshake, as the adapters drive it.
 trait Machine {
     type Error;
-    fn next(&mut self) -> Result<Step, Self::Error>;
+    fn step(&mut self) -> Result<Step, Self::Error>;
     fn receive(&mut self, bytes: &[u8]);
 }
 
 impl Machine for ServerHandshake {
     type Error = Rejection;
-    fn next(&mut self) -> Result<Step, Rejection> {
-        ServerHandshake::next(self)
+    fn step(&mut self) -> Result<Step, Rejection> {
+        ServerHandshake::step(self)
     }
     fn receive(&mut self, bytes: &[u8]) {
         ServerHandshake::receive(self, bytes)
@@ -43,8 +43,8 @@ impl Machine for ServerHandshake {
 
 impl Machine for ClientHandshake {
     type Error = ServerMismatch;
-    fn next(&mut self) -> Result<Step, ServerMismatch> {
-        ClientHandshake::next(self)
+    fn step(&mut self) -> Result<Step, ServerMismatch> {
+        ClientHandshake::step(self)
     }
     fn receive(&mut self, bytes: &[u8]) {
         ClientHandshake::receive(self, bytes)

@@ -59,7 +59,7 @@ async fn drive<S: AsyncRead + AsyncWrite + Unpin, M: Machine>(
     };
     let mut buf = [0; READ_BUF];
     loop {
-        match machine.next().map_err(DriveError::Machine)? {
+        match machine.step().map_err(DriveError::Machine)? {
             Step::Done => return Ok(()),
             Step::Write { message, bytes } => write_all(stream, message, &bytes, &clock).await?,
             Step::Read(progress) => {
