@@ -1,5 +1,5 @@
 //! The handshake over a stream, with a deadline: blocking ([`blocking`]) and tokio
-//! ([`tokio`](self::tokio)).
+//! ([`tokio`]).
 //!
 //! Both adapters drive a handshake machine the same way: write what it asks written, read at
 //! most the bytes it still needs (so no byte of the service's own protocol is read here), and
