@@ -88,6 +88,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use tokio::net::TcpListener;
+use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
 pub use conn::MAX_MESSAGE;
@@ -182,6 +183,16 @@ impl Server {
             lead.spawn(lead::lead(etcd, shared.clone(), me));
         }
         let mut next_session = 0;
+        let (close_tx, mut closes) = mpsc::unbounded_channel();
+        let mut open = |stream, peer: SocketAddr, tasks: &mut JoinSet<()>| {
+            next_session += 1;
+            shared.opened(next_session, peer.ip());
+            tracing::debug!(session = next_session, %peer, "session opened");
+            let serve = conns
+                .clone()
+                .serve(next_session, stream, peer, close_tx.clone());
+            tasks.spawn(serve);
+        };
         tokio::pin!(shutdown);
         let mut stopped = None;
         loop {
@@ -192,15 +203,20 @@ impl Server {
                     break;
                 }
                 accepted = self.listener.accept() => match accepted {
-                    Ok((stream, peer)) => {
-                        next_session += 1;
-                        tasks.spawn(conns.clone().serve(next_session, stream, peer));
-                    }
+                    Ok((stream, peer)) => open(stream, peer, &mut tasks),
                     Err(e) => {
                         tracing::warn!("accept failed: {e}; retrying in 100 ms");
                         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
                     }
                 },
+                Some(session) = closes.recv() => {
+                    // The connections its client may have made before
+                    // dropping it are known first (`conn::backlog`).
+                    for (stream, peer) in conn::backlog(&self.listener) {
+                        open(stream, peer, &mut tasks);
+                    }
+                    shared.closed(session);
+                }
                 // Reap finished connections so the set does not grow.
                 Some(_) = tasks.join_next(), if tasks.len() > 1 => {}
             }

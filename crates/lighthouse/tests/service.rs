@@ -249,6 +249,33 @@ async fn a_killed_clients_connection_drops_it_at_once_and_pushes_the_abort() {
     );
 }
 
+/// torchft's manager, after a failed call, connects anew and then drops
+/// its old client: the old connection ends before the new one has carried
+/// a request. Its replica is kept, and the quorum goes on under its id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_replaces_its_connection_keeps_its_replica_and_quorum() {
+    let (addr, _) = start(knobs(1, Duration::from_secs(60))).await;
+    let (mut a, mut b) = (Client::connect(addr).await, Client::connect(addr).await);
+    let q = quorum_of(&mut a, &mut b).await;
+    let mut a2 = Client::connect(addr).await;
+    a.kill();
+    drop(a);
+    a2.heartbeat("a").await.unwrap();
+    let next = quorum_of(&mut a2, &mut b).await;
+    assert_eq!(ids(&next), ["a", "b"]);
+    assert_eq!(next.quorum_id, q.quorum_id, "nobody was dropped");
+    let (_, metrics) = http(addr, "GET", "/metrics").await;
+    assert!(
+        metrics.contains("rally_lighthouse_drops_total 0\n"),
+        "{metrics}"
+    );
+    // Its new connection's end drops it at once.
+    let watcher = tokio::spawn(watch(addr, q.quorum_id, LIMIT.as_millis() as u64));
+    a2.kill();
+    let (code, v) = watcher.await.unwrap();
+    assert_eq!((code, &v["replica_id"]), (200, &Value::from("a")), "{v}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_killed_while_its_quorum_call_waits_is_dropped_at_once() {
     // min_replicas 2 and one member: its call waits; a heartbeat timeout of

@@ -2,6 +2,13 @@
 //! HTTP/1.1 on each, and the connection's end as the machine's
 //! `Event::Closed`.
 //!
+//! Sessions open and close in the accept loop only (`service.rs`): a
+//! connection's end is handed back to it, and it takes every connection
+//! waiting in the listen backlog ([`backlog`]) before it closes that
+//! session, so a client's new connection, made before it dropped its old
+//! one, is always known (and *fresh*, see [`crate::machine`]) when the old
+//! one's end is handled.
+//!
 //! Every accepted connection gets the next [`Session`] number and is served
 //! by hyper's auto builder (it tells an HTTP/2 preface from HTTP/1.1). Each
 //! request carries its [`Conn`] in its extensions; one whose `content-type`
@@ -31,7 +38,8 @@ use std::time::Duration;
 use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use tokio::net::TcpStream;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
 use tonic::codegen::Service as _;
 
 use super::grpc::{Conn, Grpc, QuorumCall};
@@ -48,6 +56,51 @@ pub const MAX_MESSAGE: usize = 1 << 20;
 
 /// Largest HTTP/1.1 head or HTTP/2 header list accepted, in bytes.
 const MAX_HEADERS: u32 = 64 << 10;
+
+/// Hands a served connection's session to the accept loop when dropped.
+struct CloseOnDrop {
+    session: Session,
+    closes: mpsc::UnboundedSender<Session>,
+}
+
+impl Drop for CloseOnDrop {
+    fn drop(&mut self) {
+        let _ = self.closes.send(self.session);
+    }
+}
+
+/// Accepts every connection already waiting in `listener`'s backlog
+/// without waiting (the socket is non-blocking): `(stream, peer)` each.
+/// The accept loop calls it before it closes a session, because a client
+/// that replaces its connection (torchft's manager) connects anew *before*
+/// it drops the old one: the kernel has the new connection by the time the
+/// old one's end reaches us, but the runtime may not have woken the accept
+/// loop for it yet.
+pub fn backlog(listener: &TcpListener) -> Vec<(TcpStream, SocketAddr)> {
+    let mut out = Vec::new();
+    let sock = socket2::SockRef::from(listener);
+    loop {
+        match sock.accept() {
+            Ok((s, peer)) => {
+                let Some(peer) = peer.as_socket() else {
+                    continue;
+                };
+                let std: std::net::TcpStream = s.into();
+                let stream = std
+                    .set_nonblocking(true)
+                    .and_then(|()| TcpStream::from_std(std));
+                match stream {
+                    Ok(stream) => out.push((stream, peer)),
+                    Err(e) => tracing::warn!(%peer, "could not serve a connection: {e}"),
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            // WouldBlock (nothing waits), or an error the accept loop's own
+            // accept will meet and report.
+            Err(_) => return out,
+        }
+    }
+}
 
 /// What every connection of one server shares.
 pub struct Conns {
@@ -78,14 +131,21 @@ impl Conns {
         }
     }
 
-    /// Serves one connection to its end, then closes its session.
-    pub async fn serve(self: Arc<Self>, session: Session, stream: TcpStream, peer: SocketAddr) {
+    /// Serves one connection (its session opened by the accept loop) to its
+    /// end, then hands the session to `closes`: the accept loop closes it.
+    pub async fn serve(
+        self: Arc<Self>,
+        session: Session,
+        stream: TcpStream,
+        peer: SocketAddr,
+        closes: mpsc::UnboundedSender<Session>,
+    ) {
+        // Even if this task panics or is cancelled.
+        let _close = CloseOnDrop { session, closes };
         let c = &self.shared.counters;
         Counters::add(&c.sessions);
         c.open.fetch_add(1, Ordering::Relaxed);
         let _ = stream.set_nodelay(true);
-        self.shared.opened(session, peer.ip());
-        tracing::debug!(session, %peer, "session opened");
         let conn = Conn { session, peer };
         let me = self.clone();
         let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
@@ -110,7 +170,6 @@ impl Conns {
             }
         }
         c.open.fetch_sub(1, Ordering::Relaxed);
-        self.shared.closed(session);
     }
 
     async fn request(&self, conn: Conn, mut req: Request<Incoming>) -> Response<tonic::body::Body> {
@@ -182,4 +241,26 @@ fn is_goodbye(e: &(dyn StdError + 'static)) -> bool {
         cur = e.source();
     }
     false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Connections the runtime has not accepted yet are in the backlog.
+    #[tokio::test]
+    async fn the_backlog_gives_every_waiting_connection_without_waiting() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        assert!(backlog(&listener).is_empty());
+        let clients: Vec<std::net::TcpStream> = (0..3)
+            .map(|_| std::net::TcpStream::connect(addr).unwrap())
+            .collect();
+        let mut peers: Vec<SocketAddr> = backlog(&listener).into_iter().map(|(_, p)| p).collect();
+        let mut want: Vec<SocketAddr> = clients.iter().map(|c| c.local_addr().unwrap()).collect();
+        peers.sort();
+        want.sort();
+        assert_eq!(peers, want);
+        assert!(backlog(&listener).is_empty());
+    }
 }
