@@ -156,7 +156,13 @@ impl Manager {
             source,
         })?;
         let store_bind = SocketAddr::new(config.bind.ip(), 0);
-        let store = StoreServer::bind(store_bind, ServerConfig::default())
+        // Without the job secret: the workers reach it with PyTorch's own
+        // TCPStore (an open item of issue 49's).
+        let store_config = ServerConfig {
+            secret: None,
+            ..ServerConfig::default()
+        };
+        let store = StoreServer::bind(store_bind, store_config)
             .await
             .map_err(Error::Store)?;
         let store_port = store.local_addr().port();

@@ -134,6 +134,15 @@ pub enum StoreError {
     /// The store (or its server) was shut down.
     #[error("the store is shut down")]
     Shutdown,
+
+    /// The server holds a different job secret (or refused our proof):
+    /// final, never retried.
+    #[error("the store at {addr}: {detail}")]
+    WrongSecret { addr: String, detail: String },
+
+    /// The server requires a job secret and this client has none: final.
+    #[error("the store at {addr} requires the job's secret, and this process has none (rally: --job-secret-file PATH, or RALLY_JOB_SECRET_FILE)")]
+    SecretRequired { addr: String },
 }
 
 impl StoreError {

@@ -50,9 +50,9 @@
 //!
 //! | layer | modules |
 //! |---|---|
-//! | wire format, keys, errors | `protocol`, `keyspace`, `timeout`, `host`, `error` |
+//! | wire format, keys, errors, the job secret | `protocol`, `keyspace`, `timeout`, `host`, `error`, `secret` |
 //! | the server and the in-process stores | `server`, `file`, `memory`, `prefix` |
-//! | the TCP client | `tcp` |
+//! | the TCP client, the loopback proxy | `tcp`, `proxy` |
 //! | over any store | `util`, `blocking`, `conformance` |
 
 pub mod blocking;
@@ -65,6 +65,8 @@ pub mod keyspace;
 pub mod memory;
 pub mod prefix;
 pub mod protocol;
+pub mod proxy;
+pub mod secret;
 pub mod server;
 pub mod tcp;
 mod timeout;

@@ -27,6 +27,9 @@ use crate::protocol::{
     decode_reply, Decoded, Reply, ReplyKind, Request, CHECK_READY, STOP_WAITING, VALIDATE_MAGIC,
     WAIT_CANCELED, WORKER_COUNT_KEY,
 };
+use rallypoint_auth::{JobSecret, Service};
+
+use crate::secret::REFUSAL_ECHO;
 use crate::server::{Server, ServerConfig, ServerHandle};
 use crate::{owned, Result, Store, StoreError, TimeoutCell};
 
@@ -49,9 +52,19 @@ pub struct TcpStoreBuilder {
     is_master: bool,
     server_config: ServerConfig,
     max_reply_len: u64,
+    secret: Option<JobSecret>,
 }
 
 impl TcpStoreBuilder {
+    /// The job secret to prove on every connection ([`crate::secret`]);
+    /// `None` for a server without one. Defaults to the process's. A master
+    /// hosts its server with the same.
+    pub fn secret(mut self, secret: Option<JobSecret>) -> Self {
+        self.server_config.secret = secret.clone();
+        self.secret = secret;
+        self
+    }
+
     /// Store timeout: bounds connecting, waits, and every reply (default 300 s).
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
@@ -104,6 +117,7 @@ impl TcpStoreBuilder {
             timeout: TimeoutCell::new(self.timeout),
             max_reply_len: self.max_reply_len,
             server,
+            secret: self.secret.clone(),
         };
         store.reconnect(started + self.timeout).await?;
         if let (Some(n), true) = (self.world_size, self.wait_for_workers) {
@@ -188,6 +202,7 @@ pub struct TcpStore {
     timeout: TimeoutCell,
     max_reply_len: u64,
     server: Option<ServerHandle>,
+    secret: Option<JobSecret>,
 }
 
 impl std::fmt::Debug for TcpStore {
@@ -235,6 +250,7 @@ impl TcpStore {
             is_master: false,
             server_config: ServerConfig::default(),
             max_reply_len: 1 << 32,
+            secret: crate::secret::process_secret(),
         }
     }
 
@@ -264,6 +280,7 @@ impl TcpStore {
             timeout: TimeoutCell::new(self.timeout.get()),
             max_reply_len: self.max_reply_len,
             server: None,
+            secret: self.secret.clone(),
         };
         store
             .reconnect(Instant::now() + store.timeout.get())
@@ -379,6 +396,9 @@ impl TcpStore {
         loop {
             let err = match self.try_open(deadline).await {
                 Ok(conn) => return Ok(conn),
+                Err(OpenError::Store(
+                    e @ (StoreError::WrongSecret { .. } | StoreError::SecretRequired { .. }),
+                )) => return Err(e),
                 Err(e) => e,
             };
             let now = Instant::now();
@@ -411,8 +431,11 @@ impl TcpStore {
             std::io::Error::new(std::io::ErrorKind::NotFound, "host resolved to no address");
         for addr in addrs {
             match tokio::time::timeout_at(deadline, TcpStream::connect(addr)).await {
-                Ok(Ok(stream)) => {
+                Ok(Ok(mut stream)) => {
                     let _ = stream.set_nodelay(true);
+                    if let Some(secret) = &self.secret {
+                        self.prove(&mut stream, addr, secret, deadline).await?;
+                    }
                     let mut conn = Conn {
                         stream,
                         rbuf: Vec::new(),
@@ -425,6 +448,32 @@ impl TcpStore {
             }
         }
         Err(OpenError::Io(last))
+    }
+
+    /// The job-secret handshake, before PyTorch's: a wrong secret is final.
+    async fn prove(
+        &self,
+        stream: &mut TcpStream,
+        addr: std::net::SocketAddr,
+        secret: &JobSecret,
+        deadline: Instant,
+    ) -> Result<(), OpenError> {
+        let deadline = deadline.into_std();
+        let proof = rallypoint_auth::io::tokio::client_handshake(
+            stream,
+            addr,
+            secret,
+            Service::STORE,
+            deadline,
+        );
+        match proof.await {
+            Ok(()) => Ok(()),
+            Err(e) if e.is_wrong_secret() => Err(OpenError::Store(StoreError::WrongSecret {
+                addr: self.addr.clone(),
+                detail: e.to_string(),
+            })),
+            Err(e) => Err(OpenError::Io(std::io::Error::other(e.to_string()))),
+        }
     }
 
     async fn handshake(&self, conn: &mut Conn, deadline: Instant) -> Result<(), OpenError> {
@@ -444,6 +493,11 @@ impl TcpStore {
             })?;
         match reply {
             Some(Reply::Nonce(got)) if got == sent => Ok(()),
+            Some(Reply::Nonce(got)) if got.to_le_bytes() == REFUSAL_ECHO[..4] => {
+                Err(OpenError::Store(StoreError::SecretRequired {
+                    addr: self.addr.clone(),
+                }))
+            }
             Some(Reply::Nonce(got)) => Err(OpenError::Store(StoreError::PingMismatch {
                 addr: self.addr.clone(),
                 sent,

@@ -1,4 +1,5 @@
-//! One client connection: handshake, request loop, waits, and clean-up.
+//! One client connection: the job-secret handshake (when the server has a
+//! secret), PyTorch's handshake, request loop, waits, and clean-up.
 //!
 //! Reads go into a per-thread scratch buffer; only the tail of a request split across
 //! reads is copied into the connection's own buffer, so an idle connection owns no
@@ -17,6 +18,8 @@ use tokio::io::{AsyncWriteExt, Interest};
 use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 
+use rallypoint_auth::{RefusalKind, Service};
+
 use super::Shared;
 use crate::keyspace::{Keyspace, Signal, WaitStart, WaiterId};
 use crate::protocol::reply::{put_byte, put_int, put_nonce, put_value};
@@ -24,6 +27,7 @@ use crate::protocol::{
     decode_request, Command, DecodeError, Decoded, Request, CHECK_NOT_READY, CHECK_READY,
     STOP_WAITING, VALIDATE_MAGIC, WAIT_CANCELED,
 };
+use crate::secret::REFUSAL_ECHO;
 
 const SCRATCH_LEN: usize = 64 * 1024;
 /// Buffers above this are released after use so idle connections stay small.
@@ -67,6 +71,35 @@ pub(super) async fn serve(
     shared: Arc<Shared>,
     cancel: CancellationToken,
 ) {
+    if let Some(secret) = &shared.secret {
+        let deadline = std::time::Instant::now() + shared.handshake_deadline;
+        let proof = rallypoint_auth::io::tokio::server_handshake(
+            &mut stream,
+            peer,
+            secret,
+            Service::STORE,
+            deadline,
+        );
+        let refused = tokio::select! {
+            r = proof => r.err(),
+            () = cancel.cancelled() => None,
+        };
+        if let Some(refusal) = refused {
+            shared.refusals.count(&refusal);
+            tracing::warn!("store: {refusal}");
+            if refusal.kind() == RefusalKind::NotOurProtocol {
+                // A client without the secret: our own reads this where it
+                // expects its ping's echo and says a secret is needed.
+                let _ = stream.write_all(&REFUSAL_ECHO).await;
+            }
+            shared.stats.closed.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        if cancel.is_cancelled() {
+            shared.stats.closed.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+    }
     let mut conn = Connection {
         shared,
         signal: Signal::new(),

@@ -35,6 +35,8 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use rallypoint_auth::{JobSecret, RefusalCounts, Refusals};
+
 use crate::keyspace::Keyspace;
 use crate::protocol::Limits;
 use crate::{Result, StoreError};
@@ -56,6 +58,12 @@ pub struct ServerConfig {
     /// server (an agent keeps its job store up while it has any). `None`:
     /// the system's default (usually none: such a connection stays open).
     pub keepalive: Option<Duration>,
+    /// The job secret every connection must prove it holds before its first
+    /// request ([`crate::secret`]); `None` serves PyTorch's clients as they
+    /// are. Defaults to the process's ([`crate::secret::process_secret`]).
+    pub secret: Option<JobSecret>,
+    /// How long a connection has to finish that proof.
+    pub handshake_deadline: Duration,
 }
 
 impl Default for ServerConfig {
@@ -64,6 +72,8 @@ impl Default for ServerConfig {
             limits: Limits::default(),
             shutdown_grace: Duration::from_secs(5),
             keepalive: Some(Duration::from_secs(30)),
+            secret: crate::secret::process_secret(),
+            handshake_deadline: rallypoint_auth::io::SERVER_DEADLINE,
         }
     }
 }
@@ -86,10 +96,12 @@ pub struct StatsSnapshot {
     pub protocol_errors: u64,
     /// Requests handled (after the handshake), over all connections.
     pub requests: u64,
+    /// Connections refused by the job-secret handshake, by reason.
+    pub refused: RefusalCounts,
 }
 
 impl Stats {
-    fn snapshot(&self) -> StatsSnapshot {
+    fn snapshot(&self, refusals: &Refusals) -> StatsSnapshot {
         let accepted = self.accepted.load(Ordering::Relaxed);
         let closed = self.closed.load(Ordering::Relaxed);
         StatsSnapshot {
@@ -97,6 +109,7 @@ impl Stats {
             open: accepted.saturating_sub(closed),
             protocol_errors: self.protocol_errors.load(Ordering::Relaxed),
             requests: self.requests.load(Ordering::Relaxed),
+            refused: refusals.snapshot(),
         }
     }
 }
@@ -106,6 +119,9 @@ pub(crate) struct Shared {
     keyspace: Mutex<Keyspace>,
     limits: Limits,
     stats: Stats,
+    secret: Option<JobSecret>,
+    handshake_deadline: Duration,
+    refusals: Refusals,
 }
 
 impl Shared {
@@ -193,6 +209,9 @@ impl Server {
             keyspace: Mutex::new(Keyspace::new()),
             limits: self.config.limits,
             stats: Stats::default(),
+            secret: self.config.secret.clone(),
+            handshake_deadline: self.config.handshake_deadline,
+            refusals: Refusals::new(),
         });
         let cancel = CancellationToken::new();
         let tracker = TaskTracker::new();
@@ -234,7 +253,7 @@ impl ServerHandle {
 
     /// What the server has done so far.
     pub fn stats(&self) -> StatsSnapshot {
-        self.shared.stats.snapshot()
+        self.shared.stats.snapshot(&self.shared.refusals)
     }
 
     /// Number of waits registered and not yet completed, over all connections.

@@ -20,6 +20,7 @@ mod client;
 mod conformance;
 mod protocol;
 mod race;
+mod secret;
 mod support;
 mod torch;
 mod utils;

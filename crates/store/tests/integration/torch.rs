@@ -103,6 +103,49 @@ fn pytorch_client_against_our_server() {
     }
 }
 
+/// PyTorch's own client, which cannot prove a job secret, through the
+/// loopback proxy to a server that requires one (what `rally run
+/// --job-secret-file` gives unchanged workers); directly, it is refused.
+#[test]
+fn pytorch_client_through_the_proxy_to_a_server_with_a_secret() {
+    let secret = rallypoint_store::secret::JobSecret::from_bytes(vec![7; 32]).unwrap();
+    let config = rallypoint_store::server::ServerConfig {
+        secret: Some(secret.clone()),
+        ..Default::default()
+    };
+    let server = blocking::serve("127.0.0.1:0".parse().unwrap(), config).unwrap();
+    let upstream = server.local_addr().to_string();
+    let proxy =
+        blocking::block_on(rallypoint_store::proxy::Proxy::start(&upstream, secret)).unwrap();
+    let port = proxy.local_addr().port().to_string();
+    let out = run_py(&["torch_client.py", "127.0.0.1", &port], &[]);
+    assert!(out.contains("OK"), "{out}");
+    let stats = server.stats();
+    assert_eq!(
+        (stats.protocol_errors, stats.refused.total()),
+        (0, 0),
+        "{stats:?}"
+    );
+    assert!(proxy.stats().admitted >= 2, "{:?}", proxy.stats());
+
+    // Directly, PyTorch's client is refused at once (its timeout is 10 s).
+    let direct = server.local_addr().port().to_string();
+    let py = python();
+    let t0 = Instant::now();
+    let out = Command::new(&py)
+        .arg(script("torch_client.py"))
+        .args(["127.0.0.1", &direct])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(t0.elapsed() < Duration::from_secs(60), "{:?}", t0.elapsed());
+    assert!(
+        server.stats().refused.not_our_protocol >= 1,
+        "{:?}",
+        server.stats()
+    );
+}
+
 async fn our_client_against(kind: &str, queues: Queues) {
     let torch = TorchServer::start(kind);
     let store = TcpStore::builder("127.0.0.1", torch.port)
