@@ -10,6 +10,7 @@ macro_rules! say {
 
 mod lighthouse;
 mod run;
+mod secret;
 mod serve;
 mod stacks;
 

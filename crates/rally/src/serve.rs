@@ -27,10 +27,13 @@ pub struct ServeArgs {
     /// Worker threads (default: one per core).
     #[arg(long)]
     threads: Option<usize>,
+    #[command(flatten)]
+    secret: crate::secret::SecretArgs,
 }
 
 /// Serves until Ctrl-C or SIGTERM.
 pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    args.secret.apply("rally store serve")?;
     // One thread means one thread: a current-thread runtime keeps the I/O driver
     // and the connection tasks together, with no hand-off between threads.
     let mut rt = match args.threads {

@@ -808,6 +808,8 @@ mod numa;
 mod rendezvous_failures;
 #[path = "run/rpc.rs"]
 mod rpc;
+#[path = "run/secret.rs"]
+mod secret;
 #[path = "run/stacks.rs"]
 mod stacks;
 #[path = "run/torch_backend.rs"]

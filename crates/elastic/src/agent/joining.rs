@@ -123,6 +123,7 @@ impl Agent {
                     info,
                     ranks: ranks::NodeRanks::default(),
                     server: None,
+                    proxy: None,
                     workers: None,
                     started: Instant::now(),
                     failures: Vec::new(),

@@ -254,6 +254,10 @@ struct Round {
     /// Kept until the run ends or the round is left: other nodes' workers may
     /// still use it after this node's workers finished.
     server: Option<ServerHandle>,
+    /// With a job secret on and an agent store: the loopback proxy through
+    /// which this node's workers (PyTorch's client, which cannot prove the
+    /// secret) reach the job store, for the round.
+    proxy: Option<rallypoint_store::proxy::Proxy>,
     workers: Option<ProcessContext>,
     started: Instant,
     /// Failures of the last stopped group, to record and report.

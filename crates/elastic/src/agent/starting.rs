@@ -67,11 +67,16 @@ impl Agent {
         r.ranks = ranks;
         let hosts_job_store = server.is_some();
         r.server = server;
-        let event =
-            match self.spawn_workers(r, run_logs, &master_addr, master_port, run.failed_rounds) {
-                Ok(()) => Event::Started { hosts_job_store },
-                Err(e) => Event::StartFailed(policy::StartError::Local(e)),
-            };
+        let event = match self.proxy(r, &master_addr, master_port).await {
+            Ok(()) => {
+                match self.spawn_workers(r, run_logs, &master_addr, master_port, run.failed_rounds)
+                {
+                    Ok(()) => Event::Started { hosts_job_store },
+                    Err(e) => Event::StartFailed(policy::StartError::Local(e)),
+                }
+            }
+            Err(e) => Event::StartFailed(policy::StartError::Local(e)),
+        };
         if let Event::StartFailed(policy::StartError::Local(e)) = &event {
             // The failure others read as the root cause.
             r.failures = vec![self.start_failure(r, e)];
@@ -125,6 +130,27 @@ impl Agent {
         Ok((addr, port, None))
     }
 
+    /// With a job secret on and an agent store, the loopback proxy to the job
+    /// store at `addr:port` for this round's workers
+    /// ([`rallypoint_store::proxy`]): they get its address as their
+    /// `MASTER_ADDR`/`MASTER_PORT`.
+    async fn proxy(&self, r: &mut Round, addr: &str, port: u16) -> Result<(), String> {
+        r.proxy = None;
+        let secret = rallypoint_store::secret::process_secret();
+        let (Some(secret), true) = (secret, self.handler.use_agent_store()) else {
+            return Ok(());
+        };
+        let upstream = match addr.contains(':') && !addr.starts_with('[') {
+            true => format!("[{addr}]:{port}"),
+            false => format!("{addr}:{port}"),
+        };
+        let proxy = rallypoint_store::proxy::Proxy::start(&upstream, secret)
+            .await
+            .map_err(|e| format!("cannot serve the workers' store proxy: {e}"))?;
+        r.proxy = Some(proxy);
+        Ok(())
+    }
+
     /// Starts the local workers with torchrun's environment.
     pub(super) fn spawn_workers(
         &self,
@@ -136,14 +162,20 @@ impl Agent {
     ) -> Result<(), String> {
         let spec = &self.spec;
         let info = &r.info;
+        // Behind the job secret, the workers reach the job store through
+        // this node's proxy; events and logs still name the store itself.
+        let (store_addr, store_port) = match &r.proxy {
+            Some(p) => (p.local_addr().ip().to_string(), p.local_addr().port()),
+            None => (master_addr.to_owned(), master_port),
+        };
         let ctx = ranks::WorkerContext {
             role: &spec.role,
             local_world_size: spec.local_world_size,
             group_rank: info.rank,
             group_world_size: info.world_size,
             ranks: r.ranks,
-            master_addr,
-            master_port,
+            master_addr: &store_addr,
+            master_port: store_port,
             restart_count: info.round,
             max_restarts: spec.max_restarts,
             run_id: self.handler.run_id(),

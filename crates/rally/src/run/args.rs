@@ -229,6 +229,8 @@ pub struct RunArgs {
     /// (rallypoint) Serve /status (JSON) and /metrics (Prometheus) on this port.
     #[arg(long = "status-port", env = "RALLY_STATUS_PORT")]
     pub(super) status_port: Option<u16>,
+    #[command(flatten)]
+    pub(super) secret: crate::secret::SecretArgs,
     /// (rallypoint) Per-step fault tolerance: this run is one replica group
     /// of a job that never restarts. A failure restarts only this group's
     /// workers (they rejoin through the quorum and heal); other groups keep

@@ -47,6 +47,7 @@ use plan::Plan;
 pub fn run(a: RunArgs) -> anyhow::Result<i32> {
     let plan = plan::plan(&a)?;
     let ft_plan = ft::plan(&a, plan.max_nodes)?;
+    a.secret.apply("rally run")?;
     set_worker_environment(&a, &plan);
     // Kills every descendant of the workers if this process dies, SIGKILL
     // included (see the watchdog module). Released once the agent has swept;
