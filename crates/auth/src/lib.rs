@@ -67,4 +67,4 @@ pub mod secret;
 pub use failure::{ClientError, ClientFailure, TransportError, Waiting};
 pub use handshake::{ClientHandshake, Rejection, ServerHandshake, ServerMismatch, Service};
 pub use metrics::{Refusal, RefusalCounts, RefusalKind, RefusalReason, Refusals};
-pub use secret::{JobSecret, KeyId, SecretError};
+pub use secret::{job_secret, process_secret, set_process_secret, JobSecret, KeyId, SecretError};

@@ -30,7 +30,12 @@ pub struct SecretArgs {
 
 impl SecretArgs {
     /// Reads the secret (if asked for) and makes it the process's; says so
-    /// on stderr with its key id, prefixed by `who`.
+    /// on stderr with its key id, prefixed by `who`. The file's absolute
+    /// path is put in this process's environment as `RALLY_JOB_SECRET_FILE`,
+    /// for the workers it starts: the collectives, RPC and fault-tolerance
+    /// endpoints they serve prove the secret too (their PyTorch store client
+    /// cannot, and goes through the agent's proxy). Call it before any
+    /// thread starts.
     pub fn apply(&self, who: &str) -> anyhow::Result<Option<JobSecret>> {
         let Some(path) = self
             .job_secret_file
@@ -43,6 +48,8 @@ impl SecretArgs {
         if !secret::set_process_secret(s.clone()) {
             anyhow::bail!("--job-secret-file: this process already has another job secret");
         }
+        let path = std::fs::canonicalize(path).unwrap_or_else(|_| path.clone());
+        std::env::set_var(rallypoint_auth::secret::ENV_VAR, &path);
         say!(
             "{who}: job secret on (key id {}, from {}): only connections that prove it are admitted",
             s.key_id(),

@@ -22,24 +22,7 @@
 //! ([`StoreError::SecretRequired`](crate::StoreError::SecretRequired)),
 //! instead of retrying until its timeout.
 
-use std::sync::OnceLock;
-
-pub use rallypoint_auth::{JobSecret, Service};
-
-static PROCESS_SECRET: OnceLock<JobSecret> = OnceLock::new();
-
-/// Sets this process's job secret, the default of every store server and
-/// client made from now on. Once per process: a second call keeps the
-/// first and returns `false` unless it is the same secret.
-pub fn set_process_secret(secret: JobSecret) -> bool {
-    let key = secret.key_id();
-    PROCESS_SECRET.get_or_init(|| secret).key_id() == key
-}
-
-/// This process's job secret, if one was set.
-pub fn process_secret() -> Option<JobSecret> {
-    PROCESS_SECRET.get().cloned()
-}
+pub use rallypoint_auth::{process_secret, set_process_secret, JobSecret, Service};
 
 /// The ping echo a rallypoint client reads from a server that requires a
 /// job secret it did not send: the first bytes of the handshake's magic.
