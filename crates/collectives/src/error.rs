@@ -108,6 +108,15 @@ pub enum Error {
         rank: usize,
         reason: String,
     },
+    /// The job-secret handshake with a peer failed (see
+    /// [`crate::Options::secret`]): it holds another secret, or one of the
+    /// two holds none. The job is misconfigured; trying again cannot help.
+    #[error("group {group:?}: no connection with rank {rank}: {reason}")]
+    JobSecret {
+        group: String,
+        rank: usize,
+        reason: String,
+    },
     /// The caller's arguments are wrong (checked before anything is sent).
     #[error("{0}")]
     Invalid(String),

@@ -14,6 +14,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use rallypoint_auth::RefusalCounts;
 use rallypoint_sync::MutexExt;
 
 use crate::algorithms as algo;
@@ -89,9 +90,19 @@ impl ProcessGroup {
         self.comm.sh().local_addr
     }
 
-    /// Connections this rank's listener refused (bad handshakes).
+    /// Connections this rank's listener refused: bad hellos, and those the
+    /// job-secret handshake refused ([`ProcessGroup::secret_refusals`]).
     pub fn refused_connections(&self) -> u64 {
         self.comm.sh().refused()
+    }
+
+    /// Connections this rank's listener refused at the job-secret handshake
+    /// ([`crate::Options::secret`]), by kind: a wrong proof, not the
+    /// handshake at all (no secret, junk), unfinished (stalled past its
+    /// deadline, closed). Each was also logged, naming the peer. Zero
+    /// without a secret. Shared by every group over this rank's transport.
+    pub fn secret_refusals(&self) -> RefusalCounts {
+        self.comm.sh().secret_refusals()
     }
 
     /// This group with another operation timeout (the rest is shared).

@@ -134,6 +134,7 @@ pub use error::{Error, Result, DIVERGED_GRACE};
 pub use group::{route_ip, ProcessGroup, Work};
 pub use half::{bf16, f16};
 pub use options::{AllReduceAlgorithm, BroadcastAlgorithm, Options, DEFAULT_TIMEOUT};
+pub use rallypoint_auth::{JobSecret, RefusalCounts};
 pub use shm::ops::{split_round_bytes, SHARED_CORE_ROUND};
 
 /// The wire format, public for fuzzing and for tools that inspect traffic.

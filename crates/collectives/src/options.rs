@@ -3,6 +3,8 @@
 use std::net::IpAddr;
 use std::time::Duration;
 
+use rallypoint_auth::JobSecret;
+
 use crate::hash::stable_hash;
 
 /// gloo's default operation timeout.
@@ -80,6 +82,14 @@ pub struct Options {
     /// generations, `next_generation`): a member that cannot be told (cut
     /// off, its connection stalled) then costs nothing.
     pub tell_before_failing: bool,
+    /// The job secret every connection between ranks proves before its
+    /// hello (see `transport/conn.rs`): `Ok(None)` runs without one, as
+    /// PyTorch's gloo does. Default: [`rallypoint_auth::job_secret`], the
+    /// process's secret, else the file `RALLY_JOB_SECRET_FILE` names (`rally
+    /// run --job-secret-file` sets it for its workers); an `Err` (that file
+    /// unreadable, readable by others, too short) fails forming the group,
+    /// with its text. Every rank must hold the same.
+    pub secret: Result<Option<JobSecret>, String>,
 }
 
 impl Default for Options {
@@ -100,6 +110,7 @@ impl Default for Options {
             receive_window: 32 << 20,
             host_id: None,
             tell_before_failing: true,
+            secret: rallypoint_auth::job_secret(),
         }
     }
 }

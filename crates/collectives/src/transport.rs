@@ -66,6 +66,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use rallypoint_auth::{JobSecret, RefusalCounts, Refusals};
 use rallypoint_store::Store;
 use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::TcpListener;
@@ -218,6 +219,9 @@ pub(crate) struct Config {
     /// Bytes a peer may send this rank that its operations have not taken,
     /// before the peer sends only frames asked for (0: no bound).
     pub receive_window: u64,
+    /// The job secret each connection proves, both ways, before its hello
+    /// (`None`: none, the hello comes first as ever).
+    pub secret: Option<JobSecret>,
 }
 
 /// The state a transport's tasks share.
@@ -271,6 +275,8 @@ pub(crate) struct Shared {
     /// host), from which each group decides on shared memory (see `shm`).
     pub hosts: Ordered<HashMap<usize, (u32, String)>>,
     refused: AtomicU64,
+    /// Connections the job-secret handshake refused, by kind.
+    refusals: Refusals,
     /// Connections established (opened or accepted), for
     /// [`crate::ProcessGroup::handshakes`].
     handshakes: AtomicU64,
@@ -383,6 +389,7 @@ impl Transport {
             hosts: Ordered::with_default(lock_order::HOSTS),
             unpublished: Ordered::with_default(lock_order::UNPUBLISHED),
             refused: AtomicU64::new(0),
+            refusals: Refusals::new(),
             handshakes: AtomicU64::new(0),
             landed_bytes: AtomicU64::new(0),
             next_conn: AtomicU64::new(0),
@@ -412,8 +419,14 @@ impl Transport {
 }
 
 impl Shared {
+    /// Connections refused: at the hello, or by the job-secret handshake.
     pub fn refused(&self) -> u64 {
-        self.refused.load(Ordering::Relaxed)
+        self.refused.load(Ordering::Relaxed) + self.refusals.snapshot().total()
+    }
+
+    /// Connections the job-secret handshake refused, by kind.
+    pub fn secret_refusals(&self) -> RefusalCounts {
+        self.refusals.snapshot()
     }
 
     /// The size of every per-group table here, for tests that check that

@@ -4,6 +4,7 @@
 use std::net::{IpAddr, Ipv4Addr, ToSocketAddrs};
 use std::sync::Arc;
 
+use rallypoint_auth::JobSecret;
 use rallypoint_store::{PrefixStore, Store};
 use tokio::net::TcpListener;
 
@@ -39,15 +40,17 @@ pub(super) fn check_args(rank: usize, size: usize, opts: &Options) -> Result<()>
 }
 
 /// What forming a group or a generation starts with: its arguments
-/// checked, the store under the group's prefix, and a listener on the
-/// address peers will reach (`opts.advertise`, else [`default_ip`]).
+/// checked (the job secret read), the store under the group's prefix, and
+/// a listener on the address peers will reach (`opts.advertise`, else
+/// [`default_ip`]).
 pub(super) async fn set_up(
     store: Arc<dyn Store>,
     rank: usize,
     size: usize,
     opts: &Options,
-) -> Result<(Arc<dyn Store>, TcpListener)> {
+) -> Result<(Arc<dyn Store>, TcpListener, Option<JobSecret>)> {
     check_args(rank, size, opts)?;
+    let secret = job_secret(opts)?;
     let name = &opts.prefix;
     let store: Arc<dyn Store> = Arc::new(PrefixStore::new(
         format!("rallypoint/collectives/{name}"),
@@ -57,13 +60,23 @@ pub(super) async fn set_up(
     let listener = TcpListener::bind((ip, 0))
         .await
         .map_err(|e| setup_err(name.clone())(format!("listening on {ip}: {e}")))?;
-    Ok((store, listener))
+    Ok((store, listener, secret))
 }
 
-/// A transport's settings: `rank` of `world`, the instance's `nonce`, and
-/// the rest from `opts`.
+/// The job secret `opts` name, or why there is none to be had (a bad
+/// `RALLY_JOB_SECRET_FILE`).
+fn job_secret(opts: &Options) -> Result<Option<JobSecret>> {
+    opts.secret.clone().map_err(|e| Error::Setup {
+        group: opts.prefix.clone(),
+        reason: format!("reading the job secret: {e}"),
+    })
+}
+
+/// A transport's settings: `rank` of `world`, the instance's `nonce`, the
+/// job secret `set_up` read, and the rest from `opts`.
 pub(super) fn transport_config(
     opts: &Options,
+    secret: Option<JobSecret>,
     name: String,
     rank: usize,
     world: usize,
@@ -81,6 +94,45 @@ pub(super) fn transport_config(
         peer_timeout: opts.peer_timeout,
         segment_bytes: opts.segment_bytes,
         receive_window: opts.receive_window as u64,
+        secret,
+    }
+}
+
+/// The generation record rank 0 publishes: the group's nonce (16 hex
+/// digits, as ever without a secret), and with a job secret its key id (a
+/// public fingerprint, the one logs show), so that a rank holding another
+/// secret, or none where rank 0 holds one, fails forming the group at once
+/// and says so, rather than at its first connection. A hint only: the
+/// handshake on every connection is what keeps the secret's outsiders out.
+fn generation_record(nonce: u64, secret: Option<&JobSecret>) -> String {
+    match secret {
+        None => format!("{nonce:016x}"),
+        Some(s) => format!("{nonce:016x} key {}", s.key_id()),
+    }
+}
+
+/// The nonce of rank 0's generation record, if this rank's job secret
+/// (`secret`) agrees with the one the record names; else why not.
+fn read_generation(record: &str, secret: Option<&JobSecret>) -> std::result::Result<u64, String> {
+    let (nonce, theirs) = match record.split_once(" key ") {
+        Some((nonce, key)) => (nonce, Some(key)),
+        None => (record, None),
+    };
+    let nonce = u64::from_str_radix(nonce, 16)
+        .map_err(|_| format!("bad generation {record:?} in the store"))?;
+    let ours = secret.map(|s| s.key_id().to_string());
+    match (theirs, ours.as_deref()) {
+        (None, None) => Ok(nonce),
+        (Some(theirs), Some(ours)) if theirs == ours => Ok(nonce),
+        (Some(theirs), Some(ours)) => Err(format!(
+            "rank 0 holds a different job secret (its key id {theirs}, ours {ours}): every rank of the job must read the same secret file"
+        )),
+        (Some(theirs), None) => Err(format!(
+            "rank 0 holds a job secret (key id {theirs}) and this rank none: give every rank the job's secret file (RALLY_JOB_SECRET_FILE)"
+        )),
+        (None, Some(ours)) => Err(format!(
+            "this rank holds a job secret (key id {ours}) and rank 0 none: give every rank the same secret file, or none"
+        )),
     }
 }
 
@@ -120,14 +172,14 @@ impl ProcessGroup {
         size: usize,
         opts: Options,
     ) -> Result<ProcessGroup> {
-        let (store, listener) = set_up(store, rank, size, &opts).await?;
+        let (store, listener, secret) = set_up(store, rank, size, &opts).await?;
         let name = opts.prefix.clone();
         let err = setup_err(name.clone());
         let addr = listener.local_addr().map_err(|e| err(e.to_string()))?;
         let store_err = |what: &str, e: rallypoint_store::StoreError| err(format!("{what}: {e}"));
 
         let nonce = if rank == 0 {
-            let mine = format!("{:016x}", fastrand::u64(1..));
+            let mine = generation_record(fastrand::u64(1..), secret.as_ref());
             let now = store
                 .compare_set("generation", b"", mine.as_bytes())
                 .await
@@ -152,8 +204,7 @@ impl ProcessGroup {
             )
             .into_owned()
         };
-        let nonce = u64::from_str_radix(&nonce, 16)
-            .map_err(|_| err(format!("bad generation {nonce:?} in the store")))?;
+        let nonce = read_generation(&nonce, secret.as_ref()).map_err(&err)?;
         let me = addr.to_string();
         let key = format!("addr/{rank}");
         let now = store
@@ -166,7 +217,7 @@ impl ProcessGroup {
                 String::from_utf8_lossy(&now)
             )));
         }
-        let cfg = transport_config(&opts, name.clone(), rank, size, nonce);
+        let cfg = transport_config(&opts, secret, name.clone(), rank, size, nonce);
         let t = Transport::start(cfg, store, listener).map_err(|e| err(e.to_string()))?;
         let members = Members {
             name,
@@ -233,6 +284,49 @@ impl ProcessGroup {
             plan: Arc::default(),
             all_reduce_algo: None,
             broadcast_algo: None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn secret(byte: u8) -> JobSecret {
+        JobSecret::from_bytes(vec![byte; 32]).unwrap()
+    }
+
+    #[test]
+    fn without_a_secret_the_generation_record_is_as_it_was() {
+        assert_eq!(generation_record(0xab, None), "00000000000000ab");
+        assert_eq!(read_generation("00000000000000ab", None), Ok(0xab));
+        let bad = read_generation("zz", None).unwrap_err();
+        assert_eq!(bad, "bad generation \"zz\" in the store");
+    }
+
+    #[test]
+    fn the_generation_record_tells_a_rank_with_another_secret_or_none() {
+        let (a, b) = (secret(1), secret(2));
+        let (ka, kb) = (a.key_id(), b.key_id());
+        let record = generation_record(7, Some(&a));
+        assert_eq!(record, format!("0000000000000007 key {ka}"));
+        assert_eq!(read_generation(&record, Some(&a)), Ok(7));
+        let cases = [
+            (
+                read_generation(&record, Some(&b)),
+                format!("rank 0 holds a different job secret (its key id {ka}, ours {kb}): every rank of the job must read the same secret file"),
+            ),
+            (
+                read_generation(&record, None),
+                format!("rank 0 holds a job secret (key id {ka}) and this rank none: give every rank the job's secret file (RALLY_JOB_SECRET_FILE)"),
+            ),
+            (
+                read_generation(&generation_record(7, None), Some(&b)),
+                format!("this rank holds a job secret (key id {kb}) and rank 0 none: give every rank the same secret file, or none"),
+            ),
+        ];
+        for (got, want) in cases {
+            assert_eq!(got, Err(want));
         }
     }
 }

@@ -73,7 +73,7 @@ impl ProcessGroup {
         size: usize,
         opts: Options,
     ) -> Result<ProcessGroup> {
-        let (store, spare) = set_up(store, rank, size, &opts).await?;
+        let (store, spare, secret) = set_up(store, rank, size, &opts).await?;
         let name = opts.prefix.clone();
         let err = setup_err(name.clone());
         let prev = prev
@@ -106,8 +106,14 @@ impl ProcessGroup {
                 t
             }
             None => {
-                let cfg =
-                    transport_config(&opts, d.name.clone(), me.link as usize, LINK_SPACE, d.nonce);
+                let cfg = transport_config(
+                    &opts,
+                    secret,
+                    d.name.clone(),
+                    me.link as usize,
+                    LINK_SPACE,
+                    d.nonce,
+                );
                 Arc::new(Transport::start(cfg, store, spare).map_err(|e| err(e.to_string()))?)
             }
         };

@@ -321,6 +321,11 @@ impl OpCtx {
                 rank: self.comm.members.group_rank(rank),
                 reason,
             },
+            Fail::Secret { rank, reason } => Error::JobSecret {
+                group,
+                rank: self.comm.members.group_rank(rank),
+                reason,
+            },
             Fail::Lost { rank, reason } => Error::ConnectionLost {
                 group,
                 op: self.name(),

@@ -8,6 +8,11 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use rallypoint_auth::io::tokio::{client_handshake, server_handshake};
+use rallypoint_auth::io::SERVER_DEADLINE;
+use rallypoint_auth::{
+    ClientFailure, JobSecret, RefusalKind, ServerMismatch, Service, TransportError,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::{sleep, timeout, timeout_at, Instant};
@@ -185,6 +190,10 @@ impl Shared {
             .map_err(gone)?;
         s.set_nodelay(true).map_err(gone)?;
         watch_liveness(&s, self.cfg.peer_timeout);
+        let answer_by = deadline.min(Instant::now() + self.cfg.handshake_timeout);
+        if let Some(secret) = &self.cfg.secret {
+            prove(&mut s, dst, addr, secret, answer_by, deadline).await?;
+        }
         let hello = Hello {
             nonce: self.cfg.nonce,
             layout: self.cfg.layout,
@@ -205,7 +214,6 @@ impl Shared {
             let why = String::from_utf8_lossy(&why).into_owned();
             Ok::<_, std::io::Error>(Some((status, why)))
         };
-        let answer_by = deadline.min(Instant::now() + self.cfg.handshake_timeout);
         match timeout_at(answer_by, shake).await {
             Err(_) if answer_by < deadline => Err(Fail::Unanswered {
                 rank: dst,
@@ -360,6 +368,24 @@ pub(super) async fn accept_one(shared: Arc<Shared>, mut s: TcpStream, from: Sock
     }
     shared.handshaking.fetch_add(1, Ordering::AcqRel);
     let mut shaking = Handshaking(&shared, true);
+    // Counted from its accept, its job-secret handshake too: the peer's
+    // other connection may be in it (a stranger delays `handshakes_settled`
+    // by `SETTLE_MAX` at most, as ever).
+    if let Some(secret) = &shared.cfg.secret {
+        if let Err(kind) = admit(&shared, &mut s, from, secret).await {
+            shaking.settle();
+            if kind == RefusalKind::NotOurProtocol {
+                // A rank without the secret sent its hello: told why, so
+                // that it fails saying so.
+                let _ = timeout(
+                    Duration::from_secs(1),
+                    linger_refusal(&mut s, REFUSED, NO_PROOF),
+                )
+                .await;
+            }
+            return;
+        }
+    }
     let verdict = match timeout(HANDSHAKE_TIMEOUT, read_hello(&mut s)).await {
         Err(_) => Err((REFUSED, format!("no hello within {HANDSHAKE_TIMEOUT:?}"))),
         Ok(Err(e)) => Err((REFUSED, e)),
@@ -382,13 +408,97 @@ pub(super) async fn accept_one(shared: Arc<Shared>, mut s: TcpStream, from: Sock
             } else {
                 tracing::warn!(%from, "refused a connection: {why}");
             }
-            let why = &why.as_bytes()[..why.len().min(4096)];
-            let mut reply = vec![status];
-            reply.extend_from_slice(&(why.len() as u16).to_le_bytes());
-            reply.extend_from_slice(why);
-            let _ = timeout(Duration::from_secs(1), s.write_all(&reply)).await;
+            let _ = timeout(Duration::from_secs(1), s.write_all(&refusal(status, &why))).await;
         }
     }
+}
+
+/// The dialling side of the job-secret handshake with `dst` at `addr`, on
+/// a connection just opened, before its hello; the peer must answer by
+/// `answer_by` (the handshake timeout), within the op's `deadline`.
+async fn prove(
+    s: &mut TcpStream,
+    dst: usize,
+    addr: SocketAddr,
+    secret: &JobSecret,
+    answer_by: Instant,
+    deadline: Instant,
+) -> Result<(), Fail> {
+    let proof = client_handshake(s, addr, secret, Service::COLLECTIVES, answer_by.into_std());
+    let Err(e) = proof.await else {
+        return Ok(());
+    };
+    match &e.reason {
+        // Another secret, or a listener without one (it answered our HELLO
+        // with its hello's refusal): final, and said at once.
+        ClientFailure::Mismatch(m) => {
+            let hint = match m {
+                ServerMismatch::NotOurProtocol(_) => ": does that rank run without the job secret?",
+                _ => "",
+            };
+            Err(Fail::Secret {
+                rank: dst,
+                reason: format!("{e}{hint}"),
+            })
+        }
+        ClientFailure::Transport(TransportError::TimedOut { .. }) if answer_by < deadline => {
+            Err(Fail::Unanswered {
+                rank: dst,
+                reason: format!("{e}: the process is stopped or hung"),
+            })
+        }
+        ClientFailure::Transport(TransportError::TimedOut { .. }) => Err(Fail::Timeout),
+        ClientFailure::Transport(_) => Err(Fail::Gone {
+            rank: dst,
+            reason: format!("connecting to {addr} failed: {e}"),
+        }),
+    }
+}
+
+/// The accepting side of the job-secret handshake, before anything of the
+/// collectives' protocol is read: `Ok` if the peer proved the secret, else
+/// the refusal's kind, logged (naming the peer) and counted. Runs in the
+/// connection's own task: a stalled peer holds only its own connection,
+/// until [`SERVER_DEADLINE`].
+async fn admit(
+    shared: &Shared,
+    s: &mut TcpStream,
+    from: SocketAddr,
+    secret: &JobSecret,
+) -> Result<(), RefusalKind> {
+    let deadline = std::time::Instant::now() + SERVER_DEADLINE;
+    let proof = server_handshake(s, from, secret, Service::COLLECTIVES, deadline);
+    proof.await.map_err(|refusal| {
+        shared.refusals.count(&refusal);
+        tracing::warn!("collectives: {refusal}");
+        refusal.kind()
+    })
+}
+
+/// What a rank with the job secret answers a hello that proved none.
+const NO_PROOF: &str = "this rank admits only connections that prove the job secret \
+                        (RALLY_JOB_SECRET_FILE), and this one proved none";
+
+/// Answers a hello with `status` and `why`, then reads (and drops) what the
+/// peer still sends until it closes, so that our close does not reset the
+/// connection under the answer before the peer has read it. The caller
+/// bounds it.
+async fn linger_refusal(s: &mut TcpStream, status: u8, why: &str) {
+    if s.write_all(&refusal(status, why)).await.is_err() || s.shutdown().await.is_err() {
+        return;
+    }
+    let mut sink = [0u8; 1024];
+    while matches!(s.read(&mut sink).await, Ok(n) if n > 0) {}
+}
+
+/// A refused hello's answer: its status, the reason's length (`u16` LE,
+/// at most 4096) and the reason.
+fn refusal(status: u8, why: &str) -> Vec<u8> {
+    let why = &why.as_bytes()[..why.len().min(4096)];
+    let mut reply = vec![status];
+    reply.extend_from_slice(&(why.len() as u16).to_le_bytes());
+    reply.extend_from_slice(why);
+    reply
 }
 
 pub(super) async fn read_hello(s: &mut TcpStream) -> Result<Hello, String> {

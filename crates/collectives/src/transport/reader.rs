@@ -162,8 +162,9 @@ impl Shared {
                             None => Ok(()),
                         };
                         // A peer that is gone has failed us already; one that
-                        // does not answer fails only this receive.
-                        if let Err(f @ Fail::Unanswered { .. }) = asked {
+                        // does not answer, or holds another job secret, fails
+                        // only this receive.
+                        if let Err(f @ (Fail::Unanswered { .. } | Fail::Secret { .. })) = asked {
                             lock(&me.router).fail_recv(key, f);
                         }
                     });

@@ -107,6 +107,10 @@ pub(crate) enum Fail {
     Aborted(Error),
     /// The peer refused the handshake or broke the protocol.
     Refused { rank: usize, reason: String },
+    /// The job-secret handshake with the peer failed: it holds another
+    /// secret, or none where this rank holds one (or the other way round).
+    /// Final: the job is misconfigured, and trying again cannot help.
+    Secret { rank: usize, reason: String },
     /// The peer accepted a connection but did not answer its handshake in
     /// time (stopped or hung): fails this operation, without marking the peer
     /// gone for the others (it may only be slow).

@@ -294,7 +294,7 @@ impl Drop for WholeFrame<'_> {
 /// 1 s (`attempt` counts this frame's failures, from 0).
 pub(super) fn control_retry(f: &Fail, attempt: u32) -> Option<Duration> {
     match f {
-        Fail::Gone { .. } | Fail::Refused { .. } | Fail::Aborted(_) => None,
+        Fail::Gone { .. } | Fail::Refused { .. } | Fail::Secret { .. } | Fail::Aborted(_) => None,
         Fail::Unanswered { .. } | Fail::Lost { .. } | Fail::Timeout => Some(
             Duration::from_millis(10)
                 .saturating_mul(1 << attempt.min(7))
@@ -323,7 +323,7 @@ pub(super) async fn control_loop(
                 break;
             };
             let Some(wait) = control_retry(&f, attempt) else {
-                if let Fail::Refused { reason, .. } = &f {
+                if let Fail::Refused { reason, .. } | Fail::Secret { reason, .. } = &f {
                     tracing::warn!(
                         peer,
                         "a flow-control frame was dropped: the peer refused it: {reason}"
