@@ -248,6 +248,38 @@ impl fmt::Debug for KeyId {
     }
 }
 
+static PROCESS_SECRET: std::sync::OnceLock<JobSecret> = std::sync::OnceLock::new();
+
+/// Sets this process's job secret (`rally` does so from `--job-secret-file`):
+/// the default of every listener and client rallypoint makes in it from now
+/// on. Once per process: a second call keeps the first and returns `false`
+/// unless it is the same secret.
+pub fn set_process_secret(secret: JobSecret) -> bool {
+    let key = secret.key_id();
+    PROCESS_SECRET.get_or_init(|| secret).key_id() == key
+}
+
+/// This process's job secret, if [`set_process_secret`] set one.
+pub fn process_secret() -> Option<JobSecret> {
+    PROCESS_SECRET.get().cloned()
+}
+
+/// The secret of a job's worker process: the process's ([`process_secret`])
+/// if set, else the one in the file [`ENV_VAR`] names (read once; `rally
+/// run --job-secret-file` gives its workers that variable, so the
+/// collectives, RPC and fault-tolerance endpoints they serve and dial prove
+/// it). A bad file is an error saying why, every time it is asked.
+pub fn job_secret() -> Result<Option<JobSecret>, String> {
+    static FROM_ENV: std::sync::OnceLock<Result<Option<JobSecret>, String>> =
+        std::sync::OnceLock::new();
+    if let Some(s) = process_secret() {
+        return Ok(Some(s));
+    }
+    FROM_ENV
+        .get_or_init(|| JobSecret::from_env().map_err(|e| format!("{ENV_VAR}: {e}")))
+        .clone()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -391,36 +423,4 @@ mod tests {
         assert!(JobSecret::from_env().is_err());
         std::env::remove_var(ENV_VAR);
     }
-}
-
-static PROCESS_SECRET: std::sync::OnceLock<JobSecret> = std::sync::OnceLock::new();
-
-/// Sets this process's job secret (`rally` does so from `--job-secret-file`):
-/// the default of every listener and client rallypoint makes in it from now
-/// on. Once per process: a second call keeps the first and returns `false`
-/// unless it is the same secret.
-pub fn set_process_secret(secret: JobSecret) -> bool {
-    let key = secret.key_id();
-    PROCESS_SECRET.get_or_init(|| secret).key_id() == key
-}
-
-/// This process's job secret, if [`set_process_secret`] set one.
-pub fn process_secret() -> Option<JobSecret> {
-    PROCESS_SECRET.get().cloned()
-}
-
-/// The secret of a job's worker process: the process's ([`process_secret`])
-/// if set, else the one in the file [`ENV_VAR`] names (read once; `rally
-/// run --job-secret-file` gives its workers that variable, so the
-/// collectives, RPC and fault-tolerance endpoints they serve and dial prove
-/// it). A bad file is an error saying why, every time it is asked.
-pub fn job_secret() -> Result<Option<JobSecret>, String> {
-    static FROM_ENV: std::sync::OnceLock<Result<Option<JobSecret>, String>> =
-        std::sync::OnceLock::new();
-    if let Some(s) = process_secret() {
-        return Ok(Some(s));
-    }
-    FROM_ENV
-        .get_or_init(|| JobSecret::from_env().map_err(|e| format!("{ENV_VAR}: {e}")))
-        .clone()
 }

@@ -60,7 +60,13 @@ pub struct Options {
     pub replica_id: String,
     pub heartbeat_interval: Duration,
     pub connect_timeout: Duration,
+    /// The job secret to prove on every connection (`rally lighthouse
+    /// --job-secret-file`); a lighthouse with another is a final error.
+    pub secret: Option<rallypoint_auth::JobSecret>,
 }
+
+/// Begins a dial error that no retry can cure (a different job secret).
+const FINAL: &str = "final: ";
 
 /// The lighthouse client of one manager.
 pub struct Lighthouse {
@@ -289,6 +295,7 @@ impl Shared {
             }
             let left = until.saturating_duration_since(Instant::now());
             let err = match tokio::time::timeout(left, self.dial()).await {
+                Ok(Err(e)) if e.starts_with(FINAL) => return Err(e[FINAL.len()..].to_owned()),
                 Ok(Ok((rpc, socket))) => {
                     let mut s = self.state.lock().expect("lock");
                     if s.wanted && s.conn.is_none() {
@@ -318,10 +325,23 @@ impl Shared {
     async fn dial(
         &self,
     ) -> Result<(LighthouseServiceClient<Channel>, std::net::TcpStream), String> {
-        let tcp = tokio::net::TcpStream::connect(&self.target)
+        let mut tcp = tokio::net::TcpStream::connect(&self.target)
             .await
             .map_err(|e| e.to_string())?;
         let _ = tcp.set_nodelay(true);
+        if let Some(secret) = &self.options.secret {
+            let server = tcp.peer_addr().map_err(|e| e.to_string())?;
+            let deadline = std::time::Instant::now() + rallypoint_auth::io::CLIENT_DEADLINE;
+            let service = rallypoint_auth::Service::LIGHTHOUSE;
+            let proof = rallypoint_auth::io::tokio::client_handshake(
+                &mut tcp, server, secret, service, deadline,
+            );
+            match proof.await {
+                Ok(()) => {}
+                Err(e) if e.is_wrong_secret() => return Err(format!("{FINAL}{e}")),
+                Err(e) => return Err(e.to_string()),
+            }
+        }
         let std = tcp.into_std().map_err(|e| e.to_string())?;
         let kept = std.try_clone().map_err(|e| e.to_string())?;
         let once = Arc::new(Mutex::new(Some(std)));
@@ -433,6 +453,7 @@ mod tests {
             replica_id: "g".into(),
             heartbeat_interval: Duration::from_millis(100),
             connect_timeout: Duration::from_secs(60),
+            secret: None,
         };
         let lh = Lighthouse::new(options, tx).unwrap();
         lh.connect();

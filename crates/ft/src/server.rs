@@ -20,6 +20,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use rallypoint_auth::{JobSecret, RefusalCounts, Refusals, Service};
 use rallypoint_lighthouse::proto::Quorum;
 use rallypoint_store::server::{Server as StoreServer, ServerConfig, ServerHandle};
 use tokio::io::{AsyncWriteExt, BufReader};
@@ -56,6 +57,10 @@ pub struct Config {
     /// a stopped or hung worker takes its group out of the quorum within
     /// this (the manager's own heartbeats would otherwise keep it in).
     pub worker_keep_alive: Duration,
+    /// The job secret (issue 49): proven to the lighthouse, and asked of
+    /// every worker connection before its hello. By default the process's,
+    /// else `RALLY_JOB_SECRET_FILE`'s ([`rallypoint_auth::job_secret`]).
+    pub secret: Option<rallypoint_auth::JobSecret>,
 }
 
 impl Config {
@@ -71,6 +76,7 @@ impl Config {
             heartbeat_interval: Duration::from_millis(100),
             connect_timeout: Duration::from_secs(60),
             worker_keep_alive: WORKER_KEEP_ALIVE,
+            secret: rallypoint_auth::job_secret().ok().flatten(),
         }
     }
 }
@@ -105,6 +111,7 @@ pub struct Manager {
     accept: JoinHandle<()>,
     core_task: JoinHandle<()>,
     store: ServerHandle,
+    refusals: Arc<Refusals>,
 }
 
 enum Msg {
@@ -186,6 +193,7 @@ impl Manager {
                 replica_id: config.replica_id.clone(),
                 heartbeat_interval: config.heartbeat_interval,
                 connect_timeout: config.connect_timeout,
+                secret: config.secret.clone(),
             },
             link_tx,
         )
@@ -208,7 +216,17 @@ impl Manager {
             tx: core_tx.clone(),
         };
         let core_task = tokio::spawn(core.run(core_rx));
-        let accept = tokio::spawn(accept(listener, core_tx.clone(), config.worker_keep_alive));
+        let refusals = Arc::new(Refusals::new());
+        let guard = Guard {
+            secret: config.secret.clone(),
+            refusals: refusals.clone(),
+        };
+        let accept = tokio::spawn(accept(
+            listener,
+            core_tx.clone(),
+            config.worker_keep_alive,
+            guard,
+        ));
         tracing::info!(replica_id = %config.replica_id, %address, %store_address, "ft manager started");
         Ok(Manager {
             address,
@@ -219,6 +237,7 @@ impl Manager {
             accept,
             core_task,
             store,
+            refusals,
         })
     }
 
@@ -226,6 +245,11 @@ impl Manager {
     /// lighthouse sees).
     pub fn address(&self) -> &str {
         &self.address
+    }
+
+    /// Worker connections refused by the job-secret handshake, by reason.
+    pub fn secret_refusals(&self) -> RefusalCounts {
+        self.refusals.snapshot()
     }
 
     /// The store of the cross-replica process groups, `host:port`.
@@ -305,14 +329,54 @@ async fn advertise_host(config: &Config, target: &str) -> Result<String, Error> 
     Ok(ip.to_string())
 }
 
-async fn accept(listener: TcpListener, core: mpsc::UnboundedSender<Msg>, keep_alive: Duration) {
+/// The label workers and the manager prove the job secret under.
+pub const SERVICE: Service = Service::new("ft-manager");
+
+/// What the accept loop asks of a worker connection before its hello.
+#[derive(Clone)]
+struct Guard {
+    secret: Option<JobSecret>,
+    refusals: Arc<Refusals>,
+}
+
+impl Guard {
+    /// Whether the connection from `peer` proved the secret (or none is asked).
+    async fn admits(&self, stream: &mut TcpStream, peer: SocketAddr) -> bool {
+        let Some(secret) = &self.secret else {
+            return true;
+        };
+        let deadline = std::time::Instant::now() + rallypoint_auth::io::SERVER_DEADLINE;
+        let proof =
+            rallypoint_auth::io::tokio::server_handshake(stream, peer, secret, SERVICE, deadline);
+        match proof.await {
+            Ok(()) => true,
+            Err(refusal) => {
+                self.refusals.count(&refusal);
+                tracing::warn!("ft manager: {refusal}");
+                false
+            }
+        }
+    }
+}
+
+async fn accept(
+    listener: TcpListener,
+    core: mpsc::UnboundedSender<Msg>,
+    keep_alive: Duration,
+    guard: Guard,
+) {
     let mut conns = tokio::task::JoinSet::new();
     loop {
         tokio::select! {
             r = listener.accept() => match r {
-                Ok((stream, _)) => {
+                Ok((mut stream, peer)) => {
                     let _ = stream.set_nodelay(true);
-                    conns.spawn(serve(stream, core.clone(), keep_alive));
+                    let (core, guard) = (core.clone(), guard.clone());
+                    conns.spawn(async move {
+                        if guard.admits(&mut stream, peer).await {
+                            serve(stream, core, keep_alive).await;
+                        }
+                    });
                 }
                 Err(e) => {
                     tracing::warn!("accepting a worker connection: {e}");

@@ -7,8 +7,9 @@
 //! should_commit's AND and its timeout; healing fields.
 
 use std::net::SocketAddr;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use rallypoint_auth::JobSecret;
 use rallypoint_ft::{Config, Manager};
 use rallypoint_lighthouse::quorum::Knobs;
 use rallypoint_lighthouse::service::{Config as LhConfig, Server};
@@ -37,6 +38,15 @@ fn logs() {
 
 impl Lh {
     async fn start_at(addr: SocketAddr, min_replicas: u64, heartbeat_timeout: Duration) -> Lh {
+        Lh::start_with(addr, min_replicas, heartbeat_timeout, None).await
+    }
+
+    async fn start_with(
+        addr: SocketAddr,
+        min_replicas: u64,
+        heartbeat_timeout: Duration,
+        secret: Option<JobSecret>,
+    ) -> Lh {
         logs();
         let knobs = Knobs {
             min_replicas,
@@ -44,7 +54,9 @@ impl Lh {
             quorum_tick: Duration::from_millis(50),
             heartbeat_timeout,
         };
-        let server = Server::bind(addr, LhConfig::new(knobs)).await.unwrap();
+        let mut config = LhConfig::new(knobs);
+        config.secret = secret;
+        let server = Server::bind(addr, config).await.unwrap();
         let addr = server.local_addr().unwrap();
         let (tx, rx) = oneshot::channel::<()>();
         let task = tokio::spawn(server.run(async move {
@@ -87,12 +99,27 @@ struct Worker {
 
 impl Worker {
     async fn connect(m: &Manager) -> Worker {
-        let s = TcpStream::connect(m.address()).await.unwrap();
+        Worker::connect_with(m, None).await.unwrap()
+    }
+
+    /// Connects, proving `secret` first if given.
+    async fn connect_with(
+        m: &Manager,
+        secret: Option<&JobSecret>,
+    ) -> Result<Worker, rallypoint_auth::ClientError> {
+        let mut s = TcpStream::connect(m.address()).await.unwrap();
+        if let Some(secret) = secret {
+            let server = s.peer_addr().unwrap();
+            let deadline = Instant::now() + LIMIT;
+            let service = rallypoint_ft::server::SERVICE;
+            rallypoint_auth::io::tokio::client_handshake(&mut s, server, secret, service, deadline)
+                .await?;
+        }
         let (rd, wr) = s.into_split();
-        Worker {
+        Ok(Worker {
             rd: BufReader::new(rd),
             wr,
-        }
+        })
     }
 
     /// Connects and says hello as `rank` of `w`.
@@ -808,5 +835,77 @@ async fn a_worker_silent_past_the_keep_alive_after_beating_takes_its_group_out()
     assert_eq!(a[0][0]["quorum"]["replica_ids"], json!(["g0"]));
     m0.shutdown().await;
     m1.shutdown().await;
+    lh.stop().await;
+}
+
+/// With a job secret (issue 49): the manager proves it to the lighthouse and
+/// asks it of every worker connection; a worker without it, or with another,
+/// and a manager with another are refused at once, naming why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_job_secret_only_its_holders_get_in() {
+    let secret = JobSecret::from_bytes(vec![3; 32]).unwrap();
+    let other = JobSecret::from_bytes(vec![4; 32]).unwrap();
+    let any = "127.0.0.1:0".parse().unwrap();
+    let lh = Lh::start_with(any, 1, Duration::from_secs(5), Some(secret.clone())).await;
+    let start = |id: &str, s: &JobSecret| {
+        let mut c = Config::new(id, &lh.url(), 1);
+        c.bind = "127.0.0.1:0".parse().unwrap();
+        c.connect_timeout = Duration::from_secs(20);
+        c.secret = Some(s.clone());
+        Manager::start(c)
+    };
+    let m = start("g0", &secret).await.unwrap();
+    let mut w = Worker::connect_with(&m, Some(&secret)).await.unwrap();
+    let a = w
+        .call(json!({"op": "hello", "group_rank": 0, "group_world_size": 1, "pid": 1}))
+        .await;
+    assert_eq!(a["ok"], true, "{a}");
+    let a = w.quorum(1, "g0r0:1", 20_000).await;
+    assert_eq!(a["ok"], true, "{a}");
+
+    // A worker with no secret: its hello is never read.
+    let mut plain = Worker::connect(&m).await;
+    plain
+        .send_raw(b"{\"op\": \"hello\", \"group_rank\": 0, \"group_world_size\": 1, \"pid\": 2}\n")
+        .await;
+    // Closed (a reset: its bytes were never read) without an answer.
+    let mut rest = Vec::new();
+    let read = tokio::time::timeout(LIMIT, plain.rd.read_to_end(&mut rest));
+    let _ = read.await.expect("closed within the limit");
+    assert!(rest.is_empty(), "{}", String::from_utf8_lossy(&rest));
+    // Another secret: told at once.
+    let err = Worker::connect_with(&m, Some(&other)).await.err().unwrap();
+    assert!(err.is_wrong_secret(), "{err}");
+    let refused = m.secret_refusals();
+    assert_eq!(
+        (refused.not_our_protocol, refused.wrong_proof),
+        (1, 1),
+        "{refused:?}"
+    );
+    // The admitted worker goes on.
+    let a = w.quorum(2, "g0r0:1", 20_000).await;
+    assert_eq!(a["ok"], true, "{a}");
+
+    // A manager with another secret: its first quorum fails at once (well
+    // inside its 20 s connect timeout), naming the different secret.
+    let m2 = start("g1", &other).await.unwrap();
+    let mut w2 = Worker::connect_with(&m2, Some(&other)).await.unwrap();
+    let a = w2
+        .call(json!({"op": "hello", "group_rank": 0, "group_world_size": 1, "pid": 3}))
+        .await;
+    assert_eq!(a["ok"], true, "{a}");
+    let t0 = Instant::now();
+    let a = w2.quorum(1, "g1r0:1", 20_000).await;
+    assert_eq!(a["ok"], false, "{a}");
+    assert!(
+        a["error"]
+            .as_str()
+            .unwrap()
+            .contains("different job secret"),
+        "{a}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    m.shutdown().await;
+    m2.shutdown().await;
     lh.stop().await;
 }

@@ -109,6 +109,10 @@ pub struct Config {
     pub max_message: usize,
     /// `--state etcd://...`: lead (or stand by) through this etcd.
     pub state: Option<etcd::Etcd>,
+    /// The job secret a connection must prove before its first request
+    /// (issue 49; `--job-secret-file`); the process's by default. torchft's
+    /// own managers cannot prove it.
+    pub secret: Option<rallypoint_auth::JobSecret>,
 }
 
 impl Config {
@@ -120,6 +124,7 @@ impl Config {
             first_id: unix_millis(),
             max_message: MAX_MESSAGE,
             state: None,
+            secret: rallypoint_auth::process_secret(),
         }
     }
 }
@@ -161,6 +166,7 @@ impl Server {
             first_id,
             max_message,
             state,
+            secret,
         } = self.config;
         let quorum_tick = knobs.quorum_tick;
         let keep_alive = knobs.heartbeat_timeout;
@@ -168,7 +174,9 @@ impl Server {
             .as_ref()
             .map(|e| format!("(nobody yet: campaigning at {})", e.url));
         let shared = state::Shared::new(Lighthouse::new(knobs, first_id), standby);
-        let conns = Arc::new(conn::Conns::new(shared.clone(), max_message, keep_alive));
+        let mut conns = conn::Conns::new(shared.clone(), max_message, keep_alive);
+        conns.secret = secret;
+        let conns = Arc::new(conns);
         let mut tasks = JoinSet::new();
         tasks.spawn(shared.clone().ticker(quorum_tick));
         let mut lead = JoinSet::new();

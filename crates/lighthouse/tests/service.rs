@@ -35,7 +35,10 @@ fn knobs(min_replicas: u64, heartbeat_timeout: Duration) -> Knobs {
 }
 
 async fn start(knobs: Knobs) -> (SocketAddr, i64) {
-    let config = Config::new(knobs);
+    start_with(Config::new(knobs)).await
+}
+
+async fn start_with(config: Config) -> (SocketAddr, i64) {
     let first_id = config.first_id;
     let server = Server::bind("127.0.0.1:0".parse().unwrap(), config)
         .await
@@ -127,7 +130,25 @@ async fn http_with(
     path: &str,
     body: Option<&[u8]>,
 ) -> (u16, String) {
+    http_proven(addr, method, path, body, None).await
+}
+
+/// [`http_with`], proving a job secret first if given.
+async fn http_proven(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: Option<&[u8]>,
+    secret: Option<&rallypoint_auth::JobSecret>,
+) -> (u16, String) {
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    if let Some(secret) = secret {
+        let deadline = Instant::now() + LIMIT;
+        let service = rallypoint_auth::Service::LIGHTHOUSE;
+        rallypoint_auth::io::tokio::client_handshake(&mut s, addr, secret, service, deadline)
+            .await
+            .unwrap();
+    }
     let mut req = format!("{method} {path} HTTP/1.1\r\nHost: lh\r\nConnection: close\r\n");
     if let Some(b) = body {
         req.push_str(&format!(
@@ -670,4 +691,47 @@ async fn heal_reports_show_in_status_and_metrics_and_bad_ones_are_refused() {
     // The member goes on.
     let next = a.quorum(member("heal_1:0b4f")).await.unwrap();
     assert_eq!(next.quorum_id, q.quorum_id);
+}
+
+/// With a job secret (issue 49, `--job-secret-file`): a client that does not
+/// prove it (torchft's manager, curl) gets nothing, not even `/status`; one
+/// that does is served; refusals are counted in `/metrics`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_job_secret_only_connections_that_prove_it_are_served() {
+    let secret = rallypoint_auth::JobSecret::from_bytes(vec![5; 32]).unwrap();
+    let mut config = Config::new(knobs(1, Duration::from_secs(5)));
+    config.secret = Some(secret.clone());
+    let (addr, _) = start_with(config).await;
+    let mut plain = Client::connect(addr).await;
+    let t0 = Instant::now();
+    assert!(plain.heartbeat("a").await.is_err());
+    let mut raw = tokio::net::TcpStream::connect(addr).await.unwrap();
+    raw.write_all(b"GET /status HTTP/1.1\r\nHost: lh\r\n\r\n")
+        .await
+        .unwrap();
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(LIMIT, raw.read_to_end(&mut out))
+        .await
+        .unwrap();
+    assert!(
+        !out.windows(4).any(|w| w == b"HTTP"),
+        "{}",
+        String::from_utf8_lossy(&out)
+    );
+    assert!(
+        t0.elapsed() < LIMIT / 2,
+        "refused at once: {:?}",
+        t0.elapsed()
+    );
+    let (code, status) = http_proven(addr, "GET", "/status", None, Some(&secret)).await;
+    assert_eq!(code, 200, "{status}");
+    let (_, metrics) = http_proven(addr, "GET", "/metrics", None, Some(&secret)).await;
+    // The raw client, and the gRPC one (tonic may dial again after the
+    // refusal).
+    let refused: u64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("rally_lighthouse_secret_refusals_total "))
+        .and_then(|n| n.parse().ok())
+        .expect("the counter");
+    assert!(refused >= 2, "{metrics}");
 }

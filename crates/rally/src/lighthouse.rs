@@ -81,10 +81,13 @@ pub struct LighthouseArgs {
     /// standby takes over this long after the leader dies.
     #[arg(long = "state_lease_s", alias = "state-lease-s", default_value_t = 2)]
     state_lease_s: u64,
+    #[command(flatten)]
+    secret: crate::secret::SecretArgs,
 }
 
 /// Serves until Ctrl-C or SIGTERM.
 pub fn run(args: LighthouseArgs) -> anyhow::Result<()> {
+    args.secret.apply("rally lighthouse")?;
     if args.quorum_tick_ms == 0 || args.heartbeat_timeout_ms == 0 {
         anyhow::bail!("--quorum_tick_ms and --heartbeat_timeout_ms must be above 0");
     }

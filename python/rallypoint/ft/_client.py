@@ -36,6 +36,8 @@ import time
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
+from rallypoint import _auth
+
 #: Longest line either side sends (the contract's limit).
 MAX_LINE = 1 << 20
 #: Seconds a call waits beyond the timeout it sends to the manager.
@@ -157,6 +159,13 @@ class Client:
                 # The manager may not listen yet: retry, at most until the deadline.
                 time.sleep(min(0.05, max(deadline - time.monotonic(), 0)))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        secret = _auth.job_secret()
+        if secret is not None:
+            try:
+                _auth.prove(sock, secret, "ft-manager", self.address, max(deadline - time.monotonic(), 1.0))
+            except (_auth.AuthError, OSError) as e:
+                sock.close()
+                raise ManagerError(f"rallypoint.ft: the replica group's manager at {self.address}: {e}") from e
         self._sock, self._buf = sock, b""
         hello = {"op": "hello", "group_rank": self.group_rank, "group_world_size": self.group_world_size, "pid": os.getpid()}
         self.hello = self._exchange(hello, max(deadline - time.monotonic(), 1.0))

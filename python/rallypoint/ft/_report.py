@@ -24,6 +24,7 @@ import logging
 import threading
 from typing import Dict, List, Optional, Sequence
 
+from rallypoint import _auth
 from rallypoint.ft._watch import parse_lighthouse
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ def heal(lighthouse: str, replica_id: str, step: int, nbytes: int, seconds: floa
 
 
 def _post(url: str, host: str, port: int, body: bytes) -> None:
-    conn = http.client.HTTPConnection(host, port, timeout=TIMEOUT)
+    conn = _auth.HTTPConnection(host, port, label="lighthouse", timeout=TIMEOUT)
     try:
         conn.request("POST", "/v1/heal", body=body, headers={"Content-Type": "application/json"})
         r = conn.getresponse()

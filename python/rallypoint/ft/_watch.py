@@ -32,6 +32,8 @@ import threading
 from typing import Callable, Optional
 from urllib.parse import urlparse
 
+from rallypoint import _auth
+
 log = logging.getLogger(__name__)
 
 POLL_MS = 5000
@@ -156,7 +158,7 @@ class Watch:
         return False
 
     def _poll(self):
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.poll_ms / 1000 + MARGIN)
+        conn = _auth.HTTPConnection(self.host, self.port, label="lighthouse", timeout=self.poll_ms / 1000 + MARGIN)
         with self._lock:
             if self._stop.is_set():
                 raise OSError("stopped")

@@ -112,6 +112,9 @@ pub struct Conns {
     /// HTTP/2 pings on an idle connection this often, and drop it if one
     /// goes unanswered this long (a host cut off leaves no reset behind).
     pub keep_alive: Duration,
+    /// With a job secret, a connection proves it before its first byte of
+    /// HTTP ([`rallypoint_auth`]); refused ones are logged and counted.
+    pub secret: Option<rallypoint_auth::JobSecret>,
 }
 
 impl Conns {
@@ -128,6 +131,7 @@ impl Conns {
             grpc,
             max_message,
             keep_alive,
+            secret: None,
         }
     }
 
@@ -144,8 +148,25 @@ impl Conns {
         let _close = CloseOnDrop { session, closes };
         let c = &self.shared.counters;
         Counters::add(&c.sessions);
-        c.open.fetch_add(1, Ordering::Relaxed);
+        let mut stream = stream;
         let _ = stream.set_nodelay(true);
+        if let Some(secret) = &self.secret {
+            let deadline = std::time::Instant::now() + rallypoint_auth::io::SERVER_DEADLINE;
+            let service = rallypoint_auth::Service::LIGHTHOUSE;
+            let proof = rallypoint_auth::io::tokio::server_handshake(
+                &mut stream,
+                peer,
+                secret,
+                service,
+                deadline,
+            );
+            if let Err(refusal) = proof.await {
+                c.secret_refusals.count(&refusal);
+                tracing::warn!(session, "lighthouse: {refusal}");
+                return;
+            }
+        }
+        c.open.fetch_add(1, Ordering::Relaxed);
         let conn = Conn { session, peer };
         let me = self.clone();
         let svc = hyper::service::service_fn(move |req: Request<Incoming>| {

@@ -215,6 +215,7 @@ fn status_json(shared: &Shared) -> String {
             "aborts_pushed": c.aborts_pushed.load(Ordering::Relaxed),
             "refused_requests": c.refused.load(Ordering::Relaxed),
             "bad_connections": c.bad_connections.load(Ordering::Relaxed),
+            "secret_refusals": c.secret_refusals.snapshot().total(),
             "quorum_timeouts": c.timeouts.load(Ordering::Relaxed),
             "sessions": c.sessions.load(Ordering::Relaxed),
             "sessions_open": c.open.load(Ordering::Relaxed),
@@ -230,7 +231,7 @@ pub fn metrics(shared: &Shared) -> String {
     let c = &shared.counters;
     let participants = s.quorum.as_ref().map_or(0, |q| q.participants.len());
     let leading = matches!(shared.role(), Role::Leader { .. });
-    let rows: [(&str, &str, &str, u64); 15] = [
+    let rows: [(&str, &str, &str, u64); 16] = [
         (
             "leader",
             "gauge",
@@ -308,6 +309,12 @@ pub fn metrics(shared: &Shared) -> String {
             "counter",
             "requests refused (bad input, replica id held elsewhere, protocol errors)",
             c.refused.load(Ordering::Relaxed) + c.bad_connections.load(Ordering::Relaxed),
+        ),
+        (
+            "secret_refusals_total",
+            "counter",
+            "connections refused by the job-secret handshake (no secret, a wrong one, unfinished)",
+            c.secret_refusals.snapshot().total(),
         ),
         (
             "quorum_timeouts_total",

@@ -63,6 +63,8 @@ pub struct Counters {
     pub timeouts: AtomicU64,
     /// `/v1/watch` polls answered `dropped` (aborts pushed to survivors).
     pub aborts_pushed: AtomicU64,
+    /// Connections refused by the job-secret handshake, by reason.
+    pub secret_refusals: rallypoint_auth::Refusals,
 }
 
 impl Counters {

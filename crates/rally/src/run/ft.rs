@@ -353,6 +353,15 @@ async fn lighthouse_status(lighthouse: &str) -> anyhow::Result<Value> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let get = async {
         let mut c = tokio::net::TcpStream::connect(lighthouse).await?;
+        if let Some(secret) = rallypoint_auth::process_secret() {
+            let server = c.peer_addr()?;
+            let deadline = std::time::Instant::now() + Duration::from_secs(2);
+            let service = rallypoint_auth::Service::LIGHTHOUSE;
+            rallypoint_auth::io::tokio::client_handshake(
+                &mut c, server, &secret, service, deadline,
+            )
+            .await?;
+        }
         c.write_all(
             format!("GET /status HTTP/1.1\r\nHost: {lighthouse}\r\nConnection: close\r\n\r\n")
                 .as_bytes(),
