@@ -253,11 +253,28 @@ fn ft_flags_are_checked() {
 /// (quorums of both groups) and end normally.
 #[test]
 fn a_group_serves_the_lighthouse_for_the_others() {
+    serve_for_the_others(false);
+}
+
+/// The same with a job secret (issue 49): the lighthouse, the managers and
+/// the workers' `rallypoint.ft` clients (Python) all prove it, and a plain
+/// HTTP client gets nothing from the lighthouse.
+#[test]
+fn with_a_job_secret_a_group_serves_the_lighthouse_for_the_others() {
+    serve_for_the_others(true);
+}
+
+fn serve_for_the_others(with_secret: bool) {
+    use std::os::unix::fs::PermissionsExt;
     let dir = tempfile::tempdir().unwrap();
     let site = super::torch_backend::package(dir.path());
     let port = super::free_port();
     let addr = format!("127.0.0.1:{port}");
     let stop = dir.path().join("stop");
+    let secret = dir.path().join("secret");
+    std::fs::write(&secret, [9u8; 32]).unwrap();
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let secret = secret.display().to_string();
     let outs: Vec<_> = (0..2)
         .map(|i| dir.path().join(format!("g{i}.jsonl")))
         .collect();
@@ -270,18 +287,14 @@ fn a_group_serves_the_lighthouse_for_the_others() {
         ]
     };
     let serve = format!("--ft-serve-lighthouse={addr}");
-    let mut g0 = run_ft_loopback(
-        dir.path(),
-        "g0",
-        &["--ft-replica-group", "0", &serve, "--ft-min-replicas", "2"],
-        &env(0),
-    );
-    let mut g1 = run_ft_loopback(
-        dir.path(),
-        "g1",
-        &["--ft-replica-group", "1", "--ft-lighthouse", &addr],
-        &env(1),
-    );
+    let mut args0 = vec!["--ft-replica-group", "0", &serve, "--ft-min-replicas", "2"];
+    let mut args1 = vec!["--ft-replica-group", "1", "--ft-lighthouse", &addr];
+    if with_secret {
+        args0.extend(["--job-secret-file", &secret]);
+        args1.extend(["--job-secret-file", &secret]);
+    }
+    let mut g0 = run_ft_loopback(dir.path(), "g0", &args0, &env(0));
+    let mut g1 = run_ft_loopback(dir.path(), "g1", &args1, &env(1));
     let both = |i: usize| {
         std::fs::read_to_string(&outs[i])
             .unwrap_or_default()
@@ -294,6 +307,21 @@ fn a_group_serves_the_lighthouse_for_the_others() {
     while both(0) < 5 || both(1) < 5 {
         assert!(t0.elapsed() < LIMIT, "{}\n{}", g0.output(), g1.output());
         std::thread::sleep(Duration::from_millis(20));
+    }
+    if with_secret {
+        // A plain HTTP client: closed without an answer.
+        use std::io::{Read, Write};
+        let mut c = std::net::TcpStream::connect(&addr).unwrap();
+        c.set_read_timeout(Some(LIMIT)).unwrap();
+        c.write_all(b"GET /status HTTP/1.1\r\nHost: lh\r\n\r\n")
+            .unwrap();
+        let mut out = Vec::new();
+        let _ = c.read_to_end(&mut out);
+        assert!(
+            !out.starts_with(b"HTTP"),
+            "{}",
+            String::from_utf8_lossy(&out)
+        );
     }
     std::fs::write(&stop, b"").unwrap();
     // Group 1 first: the lighthouse goes with group 0's run.
@@ -311,14 +339,15 @@ fn a_group_serves_the_lighthouse_for_the_others() {
         "{}",
         g0.output()
     );
+    if with_secret {
+        assert!(
+            g0.output().contains("job secret on (key id"),
+            "{}",
+            g0.output()
+        );
+    }
 }
 
-/// Replica groups of two nodes each (`--nnodes 2`, a c10d rendezvous per
-/// group, on loopback): the manager of the node that forms each round as
-/// group rank 0 serves the group, its address published in the round's job
-/// store. A worker killed on group 1's second node restarts group 1 on both
-/// its nodes; group 0 trains on without a restart, and group 1 heals and
-/// takes part again.
 #[test]
 fn groups_of_two_nodes_restart_only_the_failed_group() {
     let dir = tempfile::tempdir().unwrap();
