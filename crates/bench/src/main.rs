@@ -19,7 +19,7 @@
 //! | layer | modules |
 //! |---|---|
 //! | what measurements share | `fixtures`, `ceilings`, `targets` |
-//! | one benchmark each | `agent`, `collectives`, `etcd`, `hosts`, `idle`, `launch`, `partitions`, `reduce`, `rendezvous`, `rpc`, `store`, `torch` |
+//! | one benchmark each | `agent`, `collectives`, `etcd`, `hosts`, `idle`, `launch`, `partitions`, `reduce`, `rendezvous`, `rpc`, `secret`, `store`, `torch` |
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -36,6 +36,7 @@ mod partitions;
 mod reduce;
 mod rendezvous;
 mod rpc;
+mod secret;
 mod store;
 mod targets;
 mod torch;
@@ -52,6 +53,8 @@ struct Cli {
 enum Cmd {
     /// Store server benchmarks: ours and PyTorch's in the same run.
     Store(store::StoreArgs),
+    /// What the job secret costs the store: with and without, same run.
+    Secret(secret::SecretArgs),
     /// Launcher benchmarks: ours and PyTorch's start_processes in the same run.
     Launch(LaunchArgs),
     /// `rally run` against torchrun: launch-to-exit, agent memory, restart time.
@@ -129,6 +132,7 @@ fn main() -> Result<()> {
     rallypoint_store::server::raise_fd_limit();
     match cli.command {
         Cmd::Store(args) => store::run(args),
+        Cmd::Secret(args) => secret::run(args),
         Cmd::Launch(args) => launch::run(args),
         Cmd::Agent(args) => agent::run(args),
         Cmd::Rendezvous(args) => rendezvous::run(args),
