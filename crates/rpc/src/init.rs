@@ -9,6 +9,15 @@
 //! shutdown's barrier and its count of calls in flight.
 //!
 //! Dynamic groups (`world_size: None`) join through `membership.rs`.
+//!
+//! With a job secret (`RpcBackendOptions::secret`), a static group's worker
+//! proves it to the next rank before the closing barrier, and a joining
+//! worker to each member before it tells them: a worker started with
+//! another secret fails here at once, saying so, rather than at its first
+//! call. A worker without a secret opens nothing early in a static group
+//! (as before), so among workers with one it fails at the barrier, which
+//! the worker before it leaves when it finds it without the secret; one
+//! joining a dynamic group is refused by the first member, saying why.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -110,6 +119,11 @@ pub async fn init_rpc_with_store(
             return Err(err(format!("rank {rank} is not in a group of {w}")));
         }
     }
+    if options.secret.is_none() {
+        // The default is the process's secret; a file named but unreadable
+        // (or unsafe) must not quietly leave the listener open.
+        rallypoint_auth::job_secret().map_err(|e| err(format!("the job secret: {e}")))?;
+    }
     let serr = |what: &str, e: rallypoint_store::StoreError| err(format!("{what}: {e}"));
 
     let want: &[u8] = if world_size.is_some() { b"1" } else { b"0" };
@@ -162,6 +176,7 @@ pub async fn init_rpc_with_store(
     });
     let timeout = init_timeout(options.rpc_timeout);
     let backend_name = backend.0.clone();
+    let prove = options.secret.is_some();
     let transport = registry::init_backend(
         &backend,
         BackendContext {
@@ -178,7 +193,7 @@ pub async fn init_rpc_with_store(
     let addr = transport.address();
     let _ = agent.transport.set(transport.clone());
     let result = match world_size {
-        Some(world) => init_static(&agent, store, world, &addr, &info, timeout).await,
+        Some(world) => init_static(&agent, store, world, &addr, &info, timeout, prove).await,
         None => crate::membership::init_dynamic(&agent, store, &addr, &info, timeout).await,
     };
     if let Err(e) = result {
@@ -201,6 +216,7 @@ async fn init_static(
     addr: &str,
     info: &DeviceInfo,
     timeout: Duration,
+    prove: bool,
 ) -> Result<()> {
     let name = &agent.me.name;
     let err = |m: String| Error::Init {
@@ -243,6 +259,15 @@ async fn init_static(
             id: r as u32,
         });
         t.add_peer(r as u32, a);
+    }
+    if world > 1 && prove {
+        let next = (agent.me.id + 1) % world;
+        t.connect_now(next).await.map_err(|e| {
+            err(format!(
+                "proving the job secret to worker {:?} (rank {next}): {e}",
+                all[next as usize].0
+            ))
+        })?;
     }
     pg.barrier()
         .await

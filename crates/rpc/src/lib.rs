@@ -39,6 +39,9 @@
 //!    context applying the protocol's effects (`rrefs.rs`), the heartbeat
 //!    (`heartbeat.rs`), the count of work in flight and shutdown's gate
 //!    (`gate.rs`), and the program's [`Rpc`] handle (`api.rs`).
+//!    With a job secret (opt-in, [`RpcBackendOptions::secret`]), the TCP
+//!    backend's connections prove it before anything else, both ways:
+//!    `tcp/admission.rs` says what that covers and costs.
 //! 4. **Lifecycle**: [`registry`] (backends by name: options and an
 //!    initialiser; a third-party backend registers the same way and gets
 //!    everything above the transport for free), [`init`] (`init_rpc` with
@@ -78,6 +81,7 @@ pub use device::{Device, DeviceMap, Inventory};
 pub use error::{Error, Mismatch, Result};
 pub use init::{init_rpc, init_rpc_with_store};
 pub use payload::Payload;
+pub use rallypoint_auth::{JobSecret, RefusalCounts};
 pub use registry::{
     backend_registered, backends, construct_rpc_backend_options, init_backend, register_backend,
     BackendContext, BackendType, RpcBackendOptions,

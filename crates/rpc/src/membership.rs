@@ -213,6 +213,17 @@ pub(crate) async fn init_dynamic(
         for m in &members {
             agent.join_peer(m.info.clone(), &m.addr, &m.devices);
         }
+        // The connections the requests below open, opened first: a worker
+        // of another secret (or none, or the members none) is told so
+        // before any member is told of it, and prunes none.
+        for m in &members {
+            t.connect_now(m.info.id).await.map_err(|e| {
+                Error::Invalid(format!(
+                    "connecting to member {:?} (rank {}): {e}",
+                    m.info.name, m.info.id
+                ))
+            })?;
+        }
         // Tell each member. One found gone (it died without leaving) is
         // pruned from the list; any other failure undoes the join at those
         // already told, so none keeps a member that never joined.

@@ -10,6 +10,7 @@ use std::fmt;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
+use rallypoint_auth::JobSecret;
 use rallypoint_store::Store;
 use rallypoint_sync::MutexExt;
 
@@ -90,6 +91,14 @@ pub struct RpcBackendOptions {
     pub max_requests: usize,
     /// Backend-specific options of third-party backends.
     pub extra: BTreeMap<String, String>,
+    /// The job secret: with one, the TCP backend admits a connection only
+    /// once it proved the secret, and proves it to every peer it dials
+    /// (`tcp/admission.rs`); `None`: connections as PyTorch's. Defaults to
+    /// the process's ([`rallypoint_auth::job_secret`]: the one `rally` set,
+    /// else the file `RALLY_JOB_SECRET_FILE` names). A bad file fails
+    /// `init_rpc` with its error (even with this set to `None` by hand:
+    /// unset the variable to run without).
+    pub secret: Option<JobSecret>,
 }
 
 impl Default for RpcBackendOptions {
@@ -107,6 +116,8 @@ impl Default for RpcBackendOptions {
             heartbeat: DEFAULT_HEARTBEAT,
             max_requests: 4096,
             extra: BTreeMap::new(),
+            // A bad file: `None` here, and `init_rpc` fails with its error.
+            secret: rallypoint_auth::job_secret().ok().flatten(),
         }
     }
 }
@@ -123,6 +134,7 @@ impl fmt::Debug for RpcBackendOptions {
             .field("num_worker_threads", &self.num_worker_threads)
             .field("pg_send_recv_threads", &self.pg_send_recv_threads)
             .field("extra", &self.extra)
+            .field("secret", &self.secret.as_ref().map(JobSecret::key_id))
             .finish_non_exhaustive()
     }
 }
@@ -333,7 +345,8 @@ async fn init_tcp(cx: BackendContext) -> Result<Arc<dyn Transport>> {
     if opts.listen.is_none() {
         opts.listen = std::env::var("MASTER_ADDR").ok().and_then(|h| route_ip(&h));
     }
-    let t = Tcp::start(cx.rank, cx.generation, opts, cx.deliver)
+    let secret = cx.options.secret.clone();
+    let t = Tcp::start(cx.rank, cx.generation, opts, secret, cx.deliver)
         .await
         .map_err(|e| Error::Init {
             worker: cx.name.clone(),

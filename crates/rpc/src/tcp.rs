@@ -19,6 +19,10 @@
 //! says. Messages on different streams may overtake each other: nothing in
 //! the agent assumes an order between messages.
 //!
+//! With a job secret (`RpcBackendOptions::secret`, opt-in), every
+//! connection proves it before its hello, both ways (`admission.rs`: what
+//! it covers and what it costs).
+//!
 //! # Who owns a connection
 //!
 //! Each outgoing connection belongs to a `line::Line` (one per peer and
@@ -54,6 +58,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
+use rallypoint_auth::{JobSecret, RefusalCounts, Refusals};
 use rallypoint_sync::MutexExt;
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -61,6 +66,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+mod admission;
 mod buffers;
 mod line;
 
@@ -81,6 +87,9 @@ pub struct TcpOptions {
     /// Address to listen on and publish (default: loopback, or the address
     /// that routes to `MASTER_ADDR`).
     pub listen: Option<std::net::IpAddr>,
+    /// With a job secret: how long a connecting peer has to prove it before
+    /// its connection is refused (default [`rallypoint_auth::io::SERVER_DEADLINE`], 2 s).
+    pub secret_deadline: Duration,
 }
 
 impl Default for TcpOptions {
@@ -90,6 +99,7 @@ impl Default for TcpOptions {
             split_bytes: 16 << 20,
             max_message_bytes: 8 << 30,
             listen: None,
+            secret_deadline: rallypoint_auth::io::SERVER_DEADLINE,
         }
     }
 }
@@ -209,6 +219,11 @@ struct Shared {
     partials: Mutex<Partials>,
     next_msg: AtomicU64,
     refused: AtomicU64,
+    /// The job secret every connection proves first, both ways; `None`:
+    /// none (`admission.rs`).
+    secret: Option<JobSecret>,
+    /// Connections refused by the job-secret handshake, by reason.
+    refusals: Refusals,
     tasks: Mutex<Vec<JoinHandle<()>>>,
     writers: Mutex<Vec<JoinHandle<()>>>,
 }
@@ -220,11 +235,13 @@ pub struct Tcp {
 }
 
 impl Tcp {
-    /// Binds the listener and starts accepting.
+    /// Binds the listener and starts accepting. With `secret`, every
+    /// connection, accepted or dialled, proves it first.
     pub async fn start(
         me: u32,
         generation: u64,
         opts: TcpOptions,
+        secret: Option<JobSecret>,
         deliver: Deliver,
     ) -> std::io::Result<Tcp> {
         let ip = opts.listen.unwrap_or(std::net::Ipv4Addr::LOCALHOST.into());
@@ -246,6 +263,8 @@ impl Tcp {
             partials: Mutex::default(),
             next_msg: AtomicU64::new(1),
             refused: AtomicU64::new(0),
+            secret,
+            refusals: Refusals::new(),
             tasks: Mutex::default(),
             writers: Mutex::default(),
         });
@@ -254,9 +273,16 @@ impl Tcp {
         Ok(Tcp { sh, addr })
     }
 
-    /// Connections refused at the handshake so far.
+    /// Connections refused at RPC's hello so far (an earlier group, another
+    /// worker, bytes that are no hello).
     pub fn refused(&self) -> u64 {
         self.sh.refused.load(Ordering::Relaxed)
+    }
+
+    /// Connections refused by the job-secret handshake so far, by reason
+    /// (all zero without a secret).
+    pub fn refusals(&self) -> RefusalCounts {
+        self.sh.refusals.snapshot()
     }
 }
 
@@ -272,12 +298,17 @@ fn track(sh: &Arc<Shared>, h: JoinHandle<()>) {
 
 async fn accept_loop(sh: Arc<Shared>, listener: TcpListener) {
     loop {
-        let Ok((s, _)) = listener.accept().await else {
+        let Ok((mut s, peer)) = listener.accept().await else {
             tokio::time::sleep(Duration::from_millis(10)).await;
             continue;
         };
         let sh2 = sh.clone();
+        // Each connection in a task of its own, its job-secret handshake
+        // too: a slow peer holds only its own connection.
         spawn_tracked(&sh, async move {
+            if !admission::admit(&sh2, &mut s, peer).await {
+                return;
+            }
             match tokio::time::timeout(Duration::from_secs(10), handshake_in(&sh2, s)).await {
                 Ok(Ok((from, 0, rd))) => read_loop(sh2, from, 0, rd).await,
                 Ok(Ok((from, stream, rd))) => {
@@ -341,10 +372,7 @@ async fn handshake_in(
             Ok((h.from, h.stream, BufReader::with_capacity(64 << 10, s)))
         }
         Err(e) => {
-            let mut m = vec![1u8];
-            m.extend_from_slice(&(e.len() as u16).to_le_bytes());
-            m.extend_from_slice(e.as_bytes());
-            let _ = s.write_all(&m).await;
+            let _ = s.write_all(&admission::refusal_bytes(1, &e)).await;
             Err(e)
         }
     }
@@ -548,6 +576,7 @@ async fn connect(
         .await
         .map_err(|_| ConnectFailed {
             refused: false,
+            secret: false,
             why: format!(
                 "connecting to {addr} did not complete within {} s",
                 CONNECT_TIMEOUT.as_secs()
@@ -561,10 +590,12 @@ async fn connect(
 
 /// Why a connection could not be made. `refused`: nothing listens at the
 /// peer's address, or what does refused the handshake (another process
-/// holds the port): the peer is gone, not slow.
+/// holds the port): the peer is gone, not slow. `secret`: the job-secret
+/// handshake failed (`admission::prove`).
 #[derive(Debug)]
 struct ConnectFailed {
     refused: bool,
+    secret: bool,
     why: String,
 }
 
@@ -586,13 +617,16 @@ async fn handshake_out(
 ) -> Result<TcpStream, ConnectFailed> {
     let other = |why: String| ConnectFailed {
         refused: false,
+        secret: false,
         why,
     };
     let mut s = TcpStream::connect(addr).await.map_err(|e| ConnectFailed {
         refused: e.kind() == std::io::ErrorKind::ConnectionRefused,
+        secret: false,
         why: format!("connecting to {addr}: {e}"),
     })?;
     let _ = s.set_nodelay(true);
+    admission::prove(sh.secret.as_ref(), &mut s, addr).await?;
     let hello = Hello {
         generation: sh.generation,
         from: sh.me,
@@ -607,12 +641,16 @@ async fn handshake_out(
         .await
         .map_err(|e| other(format!("waiting for {addr} to accept: {e}")))?;
     if v[0] != 0 {
+        // `admission::SECRET_REQUIRED`: the peer admits only holders of the
+        // job secret, and we have none.
+        let secret = v[0] == admission::SECRET_REQUIRED;
         let mut l = [0u8; 2];
         let _ = s.read_exact(&mut l).await;
         let mut m = vec![0u8; u16::from_le_bytes(l) as usize];
         let _ = s.read_exact(&mut m).await;
         return Err(ConnectFailed {
             refused: true,
+            secret,
             why: format!(
                 "{addr} refused the connection: {}",
                 String::from_utf8_lossy(&m)
@@ -848,6 +886,21 @@ impl Transport for Tcp {
 
     fn heard_from(&self, peer: u32) -> Option<std::time::Instant> {
         self.sh.alive.last(peer)
+    }
+
+    fn connect_now(&self, to: u32) -> BoxFuture<'_, Result<(), String>> {
+        Box::pin(async move {
+            // Stream 0's own connection: the one a first call would open.
+            let peer = self.sh.peer(to)?;
+            match peer.line(&self.sh, to, 0).open().await {
+                Err(e) if e.secret => Err(e.why),
+                _ => Ok(()),
+            }
+        })
+    }
+
+    fn refusals(&self) -> Option<RefusalCounts> {
+        Some(self.refusals())
     }
 }
 

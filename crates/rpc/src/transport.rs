@@ -66,4 +66,19 @@ pub trait Transport: Send + Sync + 'static {
     fn heard_from(&self, _peer: u32) -> Option<std::time::Instant> {
         None
     }
+    /// Opens the connection to `peer` now, unless it is open: `init_rpc`
+    /// does so where a job secret is to be proven, and where a connection
+    /// opens anyway (a joining worker, before it tells a member). `Err`
+    /// only when the job-secret handshake failed (the peer holds another
+    /// secret, or one of the two has none): `init_rpc` fails with it. Any
+    /// other failure is left to the calls that follow. Default, for a
+    /// transport that proves nothing itself: `Ok` at once.
+    fn connect_now(&self, _peer: u32) -> BoxFuture<'_, Result<(), String>> {
+        Box::pin(async { Ok(()) })
+    }
+    /// Connections refused by the job-secret handshake so far, by reason, if
+    /// the transport runs it.
+    fn refusals(&self) -> Option<rallypoint_auth::RefusalCounts> {
+        None
+    }
 }

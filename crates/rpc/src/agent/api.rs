@@ -97,6 +97,17 @@ impl Rpc {
             .unwrap_or_default()
     }
 
+    /// Connections this worker's listener refused at the job-secret
+    /// handshake, by reason (all zero without a secret, or with a backend
+    /// that does not run it).
+    pub fn refusals(&self) -> rallypoint_auth::RefusalCounts {
+        self.0
+            .transport
+            .get()
+            .and_then(|t| t.refusals())
+            .unwrap_or_default()
+    }
+
     /// The default timeout for calls.
     pub fn default_timeout(&self) -> Duration {
         self.0.default_timeout

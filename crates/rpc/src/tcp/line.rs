@@ -107,6 +107,8 @@ impl Frame {
 enum Job {
     Frame(Frame),
     Probe(String),
+    /// Open the connection now if there is none, and say how that went.
+    Open(oneshot::Sender<Result<(), ConnectFailed>>),
 }
 
 struct State {
@@ -232,6 +234,30 @@ impl Line {
         }
     }
 
+    /// Opens the line's connection now, unless it has one (`init_rpc`
+    /// proves the job secret on it early). A failure is only reported here:
+    /// the frames that follow try again, and find the peer gone if it is.
+    pub async fn open(&self) -> Result<(), ConnectFailed> {
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut st = self.state.locked();
+            if st.conn.is_some() {
+                return Ok(());
+            }
+            st.busy += 1;
+            if self.tx.send(Job::Open(tx)).is_err() {
+                st.busy -= 1;
+            }
+        }
+        rx.await.unwrap_or_else(|_| {
+            Err(ConnectFailed {
+                refused: false,
+                secret: false,
+                why: "the connection was closed (the peer left, or shutdown)".into(),
+            })
+        })
+    }
+
     /// The connection ended on the other side: reconnect, or report the peer
     /// gone.
     pub fn probe(&self, why: String) {
@@ -260,6 +286,7 @@ async fn writer(
     let open = || async {
         let a = (*addr.locked()).ok_or_else(|| ConnectFailed {
             refused: false,
+            secret: false,
             why: format!("worker {to} has left"),
         })?;
         connect(&sh, to, a, stream).await
@@ -288,6 +315,23 @@ async fn writer(
                         (sh.deliver)(Event::Gone { peer: to, reason });
                     }
                 }
+                continue;
+            }
+            Job::Open(reply) => {
+                let has = state.locked().conn.is_some();
+                let fresh = if has { None } else { Some(open().await) };
+                let mut st = state.locked();
+                st.busy -= 1;
+                let r = match fresh {
+                    None => Ok(()),
+                    Some(Ok(w)) => {
+                        st.conn = Some(w);
+                        Ok(())
+                    }
+                    Some(Err(e)) => Err(e),
+                };
+                drop(st);
+                let _ = reply.send(r);
                 continue;
             }
             Job::Frame(f) => f,
@@ -339,8 +383,8 @@ async fn writer(
                                 state.locked().busy -= 1;
                             }
                         }
-                        Ok(probe) => {
-                            stashed = Some(probe);
+                        Ok(other) => {
+                            stashed = Some(other);
                             break;
                         }
                         Err(_) => break,

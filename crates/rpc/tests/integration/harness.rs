@@ -100,6 +100,16 @@ pub async fn group_with(
     adjust: impl Fn(usize, &mut RpcBackendOptions),
 ) -> Vec<Result<Rpc>> {
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    group_on(store, n, backend, adjust).await
+}
+
+/// As [`group_with`], on `store`.
+pub async fn group_on(
+    store: Arc<dyn Store>,
+    n: usize,
+    backend: BackendType,
+    adjust: impl Fn(usize, &mut RpcBackendOptions),
+) -> Vec<Result<Rpc>> {
     let tasks: Vec<_> = (0..n)
         .map(|r| {
             let mut o = options();

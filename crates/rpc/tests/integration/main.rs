@@ -7,4 +7,5 @@ mod devices;
 mod faults;
 mod groups;
 mod rrefs;
+mod secret;
 mod shutdown;
