@@ -770,6 +770,8 @@ fn role() {
         rpc::worker
     } else if std::env::var_os(rpc::MID_CALL).is_some() {
         rpc::mid_call_worker
+    } else if std::env::var_os(secret_hosts::OUTSIDER).is_some() {
+        secret_hosts::outsider
     } else {
         return;
     };
@@ -810,6 +812,8 @@ mod rendezvous_failures;
 mod rpc;
 #[path = "run/secret.rs"]
 mod secret;
+#[path = "run/secret_hosts.rs"]
+mod secret_hosts;
 #[path = "run/stacks.rs"]
 mod stacks;
 #[path = "run/torch_backend.rs"]

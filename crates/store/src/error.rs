@@ -135,8 +135,8 @@ pub enum StoreError {
     #[error("the store is shut down")]
     Shutdown,
 
-    /// The server holds a different job secret (or refused our proof):
-    /// final, never retried.
+    /// The server holds a different job secret (or refused our proof, or
+    /// is another rallypoint service): final, never retried.
     #[error("the store at {addr}: {detail}")]
     WrongSecret { addr: String, detail: String },
 

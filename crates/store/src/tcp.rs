@@ -468,10 +468,13 @@ impl TcpStore {
         );
         match proof.await {
             Ok(()) => Ok(()),
-            Err(e) if e.is_wrong_secret() => Err(OpenError::Store(StoreError::WrongSecret {
-                addr: self.addr.clone(),
-                detail: e.to_string(),
-            })),
+            // Another secret, or not a store at all: final either way.
+            Err(e) if matches!(e.reason, rallypoint_auth::ClientFailure::Mismatch(_)) => {
+                Err(OpenError::Store(StoreError::WrongSecret {
+                    addr: self.addr.clone(),
+                    detail: e.to_string(),
+                }))
+            }
             Err(e) => Err(OpenError::Io(std::io::Error::other(e.to_string()))),
         }
     }

@@ -151,9 +151,12 @@ pub(super) fn host_of(authority: &str) -> &str {
 }
 
 pub(super) fn default_ip() -> IpAddr {
-    std::env::var("MASTER_ADDR")
+    // Behind a job secret, `MASTER_ADDR` is the agent's loopback proxy to
+    // the job store, and `RALLY_JOB_STORE_HOST` the store's own host.
+    std::env::var("RALLY_JOB_STORE_HOST")
         .ok()
         .and_then(|h| route_ip(&h))
+        .or_else(|| std::env::var("MASTER_ADDR").ok().and_then(|h| route_ip(&h)))
         .or_else(|| route_ip(&rallypoint_store::host::advertised_addr()))
         .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST))
 }

@@ -3,6 +3,12 @@
 
 use super::*;
 
+/// Set in the workers' environment when they reach the job store through
+/// this node's proxy (a job secret): the store's own host, which
+/// `MASTER_ADDR` (the proxy, on loopback) no longer is. Backends that pick
+/// their interface by the route to the store (the `rally` backend) use it.
+pub const JOB_STORE_HOST: &str = "RALLY_JOB_STORE_HOST";
+
 impl Agent {
     /// Ranks, the job store, then the workers; the rendezvous is watched
     /// meanwhile, so a member lost after the round formed re-forms the group at
@@ -205,6 +211,11 @@ impl Agent {
             envs: (0..n)
                 .map(|lr| {
                     let mut env = ranks::worker_env(&ctx, lr);
+                    if r.proxy.is_some() {
+                        // MASTER_ADDR names the proxy: where the store
+                        // really is, for choosing an interface.
+                        env.insert(JOB_STORE_HOST.into(), master_addr.to_owned());
+                    }
                     if let Some(mark) = &spec.mark {
                         env.insert(
                             crate::multiprocessing::watchdog::MARK_ENV.into(),

@@ -15,7 +15,7 @@ use super::{python, results, script, with_results, Job, LIMIT};
 
 /// `rally run` on `host`, with no `HOSTNAME` in its environment (a shell does
 /// not export it).
-fn rally_on(host: &Host, args: &[&str]) -> Command {
+pub(super) fn rally_on(host: &Host, args: &[&str]) -> Command {
     let mut c = host.command(env!("CARGO_BIN_EXE_rally"));
     c.arg("run")
         .args(args)
@@ -231,7 +231,7 @@ fn steps(dir: &Path, ranks: usize) -> Option<Vec<u64>> {
 }
 
 /// Waits until every rank has done `step` (the job trains across hosts).
-fn wait_for_step(dir: &Path, ranks: usize, step: u64, jobs: &mut [Job]) {
+pub(super) fn wait_for_step(dir: &Path, ranks: usize, step: u64, jobs: &mut [Job]) {
     let t0 = Instant::now();
     while !steps(dir, ranks).is_some_and(|s| s.iter().all(|k| *k >= step)) {
         let out: Vec<String> = jobs.iter().map(Job::output).collect();
