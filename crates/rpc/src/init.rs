@@ -10,14 +10,14 @@
 //!
 //! Dynamic groups (`world_size: None`) join through `membership.rs`.
 //!
-//! With a job secret (`RpcBackendOptions::secret`), a static group's worker
-//! proves it to the next rank before the closing barrier, and a joining
-//! worker to each member before it tells them: a worker started with
-//! another secret fails here at once, saying so, rather than at its first
-//! call. A worker without a secret opens nothing early in a static group
-//! (as before), so among workers with one it fails at the barrier, which
-//! the worker before it leaves when it finds it without the secret; one
-//! joining a dynamic group is refused by the first member, saying why.
+//! With a job secret (`RpcBackendOptions::secret`), a static group's process
+//! group is given it too (its connections are the collectives', which prove
+//! it), so a worker started with another secret, or none among workers
+//! with one, fails forming that group, at once, saying so, rather than at
+//! its first call; the others wait for it as for any rank that never came,
+//! until the set-up timeout. A worker joining a dynamic group opens its
+//! connection to each member before it tells any (`membership.rs`), and
+//! fails there the same way.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -176,7 +176,7 @@ pub async fn init_rpc_with_store(
     });
     let timeout = init_timeout(options.rpc_timeout);
     let backend_name = backend.0.clone();
-    let prove = options.secret.is_some();
+    let secret = options.secret.clone();
     let transport = registry::init_backend(
         &backend,
         BackendContext {
@@ -193,7 +193,7 @@ pub async fn init_rpc_with_store(
     let addr = transport.address();
     let _ = agent.transport.set(transport.clone());
     let result = match world_size {
-        Some(world) => init_static(&agent, store, world, &addr, &info, timeout, prove).await,
+        Some(world) => init_static(&agent, store, world, &addr, &info, timeout, secret).await,
         None => crate::membership::init_dynamic(&agent, store, &addr, &info, timeout).await,
     };
     if let Err(e) = result {
@@ -216,16 +216,18 @@ async fn init_static(
     addr: &str,
     info: &DeviceInfo,
     timeout: Duration,
-    prove: bool,
+    secret: Option<rallypoint_auth::JobSecret>,
 ) -> Result<()> {
     let name = &agent.me.name;
     let err = |m: String| Error::Init {
         worker: name.clone(),
         message: m,
     };
+    // The group's own connections prove the same secret as RPC's.
     let opts = rallypoint_collectives::Options {
         prefix: "rpc_group".into(),
         timeout,
+        secret: Ok(secret),
         ..Default::default()
     };
     let pg = rallypoint_collectives::ProcessGroup::new(
@@ -259,15 +261,6 @@ async fn init_static(
             id: r as u32,
         });
         t.add_peer(r as u32, a);
-    }
-    if world > 1 && prove {
-        let next = (agent.me.id + 1) % world;
-        t.connect_now(next).await.map_err(|e| {
-            err(format!(
-                "proving the job secret to worker {:?} (rank {next}): {e}",
-                all[next as usize].0
-            ))
-        })?;
     }
     pg.barrier()
         .await

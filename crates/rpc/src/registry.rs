@@ -343,7 +343,10 @@ fn construct_tcp(a: OptionsArgs) -> Result<RpcBackendOptions> {
 async fn init_tcp(cx: BackendContext) -> Result<Arc<dyn Transport>> {
     let mut opts = cx.options.tcp.clone();
     if opts.listen.is_none() {
-        opts.listen = std::env::var("MASTER_ADDR").ok().and_then(|h| route_ip(&h));
+        // Behind a job secret `MASTER_ADDR` names the agent's loopback
+        // proxy; `RALLY_JOB_STORE_HOST` the store's own host.
+        let toward = |var| std::env::var(var).ok().and_then(|h| route_ip(&h));
+        opts.listen = toward("RALLY_JOB_STORE_HOST").or_else(|| toward("MASTER_ADDR"));
     }
     let secret = cx.options.secret.clone();
     let t = Tcp::start(cx.rank, cx.generation, opts, secret, cx.deliver)
@@ -366,6 +369,8 @@ async fn init_pg(cx: BackendContext) -> Result<Arc<dyn Transport>> {
     let opts = rallypoint_collectives::Options {
         prefix: "rpc_backend_pg".into(),
         timeout: init_timeout(cx.options.rpc_timeout),
+        // Its connections are this backend's: they prove RPC's secret.
+        secret: Ok(cx.options.secret.clone()),
         ..Default::default()
     };
     let pg = rallypoint_collectives::ProcessGroup::new(

@@ -66,9 +66,9 @@ pub trait Transport: Send + Sync + 'static {
     fn heard_from(&self, _peer: u32) -> Option<std::time::Instant> {
         None
     }
-    /// Opens the connection to `peer` now, unless it is open: `init_rpc`
-    /// does so where a job secret is to be proven, and where a connection
-    /// opens anyway (a joining worker, before it tells a member). `Err`
+    /// Opens the connection to `peer` now, unless it is open: a worker
+    /// joining a dynamic group does so before it tells a member (its request
+    /// would open it anyway). `Err`
     /// only when the job-secret handshake failed (the peer holds another
     /// secret, or one of the two has none): `init_rpc` fails with it. Any
     /// other failure is left to the calls that follow. Default, for a

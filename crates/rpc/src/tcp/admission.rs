@@ -13,22 +13,23 @@
 //! Every TCP backend connection, stream 0 and the bulk streams alike: a
 //! process that cannot prove the secret gets the handshake's challenge and
 //! nothing else (no hello is read from it, no frame, so no call of it is
-//! ever run, and it learns nothing of the group). It does not cover the
-//! `PROCESS_GROUP` backend, nor the process group a static group forms for
-//! its set-up and shutdown: those connections are the collectives', which
-//! run their own handshake. Nor does it authenticate or encrypt the
-//! traffic after the handshake (see [`rallypoint_auth`]'s docs).
+//! ever run, and it learns nothing of the group). The `PROCESS_GROUP`
+//! backend's connections, and those of the process group a static group
+//! forms for its set-up and shutdown, are the collectives': they are given
+//! the same secret, and run the collectives' own handshake
+//! (`rallypoint_collectives::Options::secret`). The handshake does not
+//! authenticate or encrypt the traffic after it (see [`rallypoint_auth`]'s
+//! docs).
 //!
 //! # What it costs
 //!
 //! One round trip and two HMAC-SHA256s per connection, when the connection
 //! is opened (connections are long-lived: one per peer and stream, opened on
-//! first use); nothing per message or call. At init, each worker of a
-//! static group opens its stream 0 to the next rank at once (the connection
-//! its first call there would open anyway), and a worker joining a dynamic
-//! group to each member it is about to tell: so a worker started with
-//! another secret fails `init_rpc` at once, saying so, instead of when it
-//! first calls.
+//! first use); nothing per message or call. A worker joining a dynamic
+//! group opens its stream 0 to each member before it tells them (the
+//! connection its request opens anyway), so that one started with another
+//! secret fails `init_rpc` at once, saying so, and tells nobody. (A static
+//! group's worker with another secret fails forming its process group.)
 //!
 //! # A connection that fails it
 //!

@@ -358,38 +358,43 @@ fn all_failed(rs: Vec<rallypoint_rpc::Result<Rpc>>) -> Vec<String> {
         .collect()
 }
 
-/// A static group where w2 holds another secret: every worker fails
-/// `init_rpc` at once (each proves the secret to the next rank before the
-/// closing barrier, and a worker that fails there leaves the barrier).
-/// w2's own error names the secret's handshake; which of w1 and w2 reads
-/// the other's wrong proof first depends on timing (the other may find the
-/// connection closed as its peer exits), but one of them does, and says so
-/// with both key ids.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_static_worker_with_another_secret_fails_init_at_once() {
-    let (ours, theirs) = (secret(7), secret(8));
+/// A static group where w2 holds `odd` (another secret, or none): w2 fails
+/// `init_rpc` at once, saying so (forming the group's process group, whose
+/// connections prove RPC's secret), while the others wait for it as for
+/// any rank that never came: until their set-up timeout, short here, and
+/// w2's long, so that the whole finishing well before w2's proves w2 did
+/// not wait for one.
+async fn static_worker_fails_at_once(odd: Option<JobSecret>, says: &str) {
+    let ours = secret(7);
     let t0 = Instant::now();
     let rs = group_with(3, BackendType::tcp(), |r, o| {
-        // Set-up steps wait this long: failing well before it is no timeout.
-        o.rpc_timeout = Duration::from_secs(600);
-        o.secret = Some(if r == 2 { theirs.clone() } else { ours.clone() });
+        if r == 2 {
+            o.rpc_timeout = Duration::from_secs(600);
+            o.secret = odd.clone();
+        } else {
+            o.rpc_timeout = Duration::from_secs(3);
+            o.secret = Some(ours.clone());
+        }
     })
     .await;
     let es = all_failed(rs);
     assert!(
         t0.elapsed() < Duration::from_secs(300),
-        "not at a timeout: {es:?}"
+        "w2 did not wait: {es:?}"
     );
-    assert!(
-        es[2].contains("w2") && es[2].contains("job secret"),
-        "{es:?}"
+    assert!(es[2].contains("\"w2\"") && es[2].contains(says), "{es:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_static_worker_with_another_secret_or_none_fails_init_at_once() {
+    let theirs = secret(8);
+    let ids = format!(
+        "holds a different job secret (its key id {}, ours {})",
+        secret(7).key_id(),
+        theirs.key_id()
     );
-    let ids = format!("its key id {}, ours {}", theirs.key_id(), ours.key_id());
-    let ids_back = format!("its key id {}, ours {}", ours.key_id(), theirs.key_id());
-    assert!(
-        es[1].contains(&ids) || es[2].contains(&ids_back),
-        "one of them names the other's secret: {es:?}"
-    );
+    static_worker_fails_at_once(Some(theirs), &ids).await;
+    static_worker_fails_at_once(None, "job secret").await;
 }
 
 /// A worker joining a dynamic group with another secret (or none) fails at
