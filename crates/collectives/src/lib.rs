@@ -90,6 +90,36 @@
 //! the telling is done (bounded), so a rank may exit on its error. A new group
 //! can be formed on the same store under a new prefix ([`Options::prefix`]).
 //!
+//! # The job secret
+//!
+//! With a job secret ([`Options::secret`]: by default the process's, else
+//! the file `RALLY_JOB_SECRET_FILE` names, which `rally run
+//! --job-secret-file` gives its workers), every TCP connection between
+//! ranks starts with the job-secret handshake of `rallypoint-auth`
+//! (service `collectives`), before the hello: the dialling rank proves the
+//! secret right after it connects, the accepting one before it reads a
+//! byte of the collectives' own protocol, and each checks the other's
+//! proof. That covers every connection the transport opens or accepts:
+//! a group's, its subgroups' (they share its connections), each
+//! generation's of [`ProcessGroup::next_generation`] (a newcomer's
+//! transport listens on the spare listener its round bound), probes and
+//! aborts. A connection that fails it is closed, logged (one warning
+//! naming the peer) and counted ([`ProcessGroup::secret_refusals`]), and
+//! harms nothing: each accepted connection runs its handshake in its own
+//! task, so a peer that stalls holds only its own connection, 2 s at most.
+//! A rank that holds another secret, or none, fails at once and says so:
+//! [`ProcessGroup::new`] compares its key id with the one rank 0 publishes
+//! beside the generation (a public fingerprint), and an op's connection
+//! with such a peer fails with [`Error::JobSecret`], never retried.
+//!
+//! It costs each connection two round trips and four HMAC-SHA256s when it
+//! opens (tens of microseconds on loopback), and nothing per op: frames go
+//! as before. Without a secret nothing changes, byte for byte. Shared
+//! memory needs nothing: it uses no socket, and a rank opens another's
+//! memory file through `/proc/<pid>/fd`, which the OS allows the same user
+//! only (whom a secret in a file that user reads could not keep out
+//! anyway).
+//!
 //! # Layers
 //!
 //! The first row is the lowest layer; each module imports only from its own

@@ -88,7 +88,9 @@ pub struct Options {
     /// process's secret, else the file `RALLY_JOB_SECRET_FILE` names (`rally
     /// run --job-secret-file` sets it for its workers); an `Err` (that file
     /// unreadable, readable by others, too short) fails forming the group,
-    /// with its text. Every rank must hold the same.
+    /// with its text. Every rank must hold the same. A lineage's transport
+    /// ([`crate::ProcessGroup::next_generation`]) keeps the secret of the
+    /// generation that started it.
     pub secret: Result<Option<JobSecret>, String>,
 }
 

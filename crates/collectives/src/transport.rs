@@ -48,7 +48,7 @@
 //!
 //! | file | what it owns |
 //! |---|---|
-//! | `conn.rs` | opening, accepting and checking connections; liveness; probes |
+//! | `conn.rs` | opening, accepting and checking connections (the job-secret handshake first, if any); liveness; probes |
 //! | `reader.rs` | the reader task per connection; receives |
 //! | `send.rs` | sending frames whole, within credit; the control frames' task |
 //! | `abort.rs` | aborts (marked, passed down, recorded, told) and peers gone |

@@ -2,6 +2,21 @@
 //! send; connecting is the transport's own task, never cut short by the op
 //! that asked), accepting them (the hello and its checks), the liveness
 //! settings on each, and probing a peer that may be gone.
+//!
+//! With a job secret ([`Config::secret`]) a connection proves it both ways
+//! before its hello: [`Shared::open`] runs the client's side of the
+//! handshake right after connecting (within the handshake timeout, like
+//! the hello's answer), and each accepted connection's task runs the
+//! server's side before it reads the hello (within `SERVER_DEADLINE`, 2 s).
+//! Every dial and accept between ranks passes here, so nothing else needs
+//! to know. The dialler's failures map to [`Fail`]s: another secret, or a
+//! listener that answered our HELLO with its hello's refusal (it has no
+//! secret), is [`Fail::Secret`], final; a listener that does not answer
+//! is unanswered, as for the hello; a closed connection is a peer gone. A
+//! listener refuses a connection that fails with one warning naming the
+//! peer, counts it, and answers a peer that sent a hello instead (a rank
+//! without the secret) with the hello's refusal ([`NO_PROOF`]), so that
+//! rank fails saying why.
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
@@ -232,6 +247,11 @@ impl Shared {
                 reason: format!(
                     "it no longer listens at {addr}, another group's process does (it refused us: {why}): it exited, or the address is wrong"
                 ),
+            }),
+            // A rank with the job secret, and this one has none.
+            Ok(Ok(Some((REFUSED, why)))) if why == NO_PROOF => Err(Fail::Secret {
+                rank: dst,
+                reason: format!("{addr} refused the connection: {why}"),
             }),
             Ok(Ok(Some((_, why)))) => Err(Fail::Refused {
                 rank: dst,
@@ -476,8 +496,8 @@ async fn admit(
 }
 
 /// What a rank with the job secret answers a hello that proved none.
-const NO_PROOF: &str = "this rank admits only connections that prove the job secret \
-                        (RALLY_JOB_SECRET_FILE), and this one proved none";
+const NO_PROOF: &str = "its listener admits only connections that prove the job secret, \
+                        and this one proved none (is RALLY_JOB_SECRET_FILE set for every rank?)";
 
 /// Answers a hello with `status` and `why`, then reads (and drops) what the
 /// peer still sends until it closes, so that our close does not reset the

@@ -11,5 +11,6 @@ mod hosts;
 mod ops;
 mod props;
 mod scale;
+mod secret;
 #[cfg(feature = "faults")]
 mod sim;
