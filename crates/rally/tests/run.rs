@@ -772,6 +772,8 @@ fn role() {
         rpc::mid_call_worker
     } else if std::env::var_os(secret_hosts::OUTSIDER).is_some() {
         secret_hosts::outsider
+    } else if std::env::var_os(secret_hosts::RPC_WORKER).is_some() {
+        secret_hosts::rpc_worker
     } else {
         return;
     };

@@ -6,6 +6,10 @@
 //! writes the stores, and tries to join the rendezvous with `rally run`;
 //! each is refused, quickly, and the job finishes with the right result.
 //!
+//! The same for an RPC job (our `rallypoint-rpc`, the workers this test
+//! binary with [`RPC_WORKER`] set): its listeners refuse the outsider and
+//! its calls go on.
+//!
 //! The outsider is this test binary on node3 with [`OUTSIDER`] set (see
 //! `role` in `run.rs`); it prints one line per attempt, `refused ...` or
 //! `ADMITTED ...`.
@@ -31,6 +35,41 @@ const LABELS: [&str; 5] = ["store", "rendezvous", "collectives", "rpc", "lightho
 /// How long a refusal may take: the listeners' 2 s handshake deadline, and
 /// a wide margin.
 const REFUSED_WITHIN: Duration = Duration::from_secs(10);
+
+/// The RPC worker role: names the progress directory.
+pub(crate) const RPC_WORKER: &str = "RALLY_SECRET_RPC";
+
+/// The RPC worker role: w0 calls w1's `answer` (42) until the file `stop`
+/// appears in [`RPC_WORKER`]'s directory, writing its count of calls to
+/// `calls` after each; both then shut down together.
+pub(crate) fn rpc_worker() {
+    use rallypoint_rpc::{init_rpc, Rpc, RpcBackendOptions};
+    let dir = std::path::PathBuf::from(std::env::var(RPC_WORKER).unwrap());
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let rank: u32 = std::env::var("RANK").unwrap().parse().unwrap();
+        let opts = RpcBackendOptions::default();
+        opts.functions
+            .register_async("answer", |_rpc: Rpc, (): ()| async move {
+                Ok::<i64, String>(42)
+            })
+            .unwrap();
+        let rpc = init_rpc(&format!("w{rank}"), None, None, Some(2), Some(opts))
+            .await
+            .expect("init_rpc");
+        if rank == 0 {
+            let mut n = 0u64;
+            while !dir.join("stop").exists() {
+                let v: i64 = rpc.rpc_sync("w1", "answer", &()).await.expect("a call");
+                assert_eq!(v, 42);
+                n += 1;
+                std::fs::write(dir.join("calls"), n.to_string()).unwrap();
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        rpc.shutdown(true, Some(LIMIT)).await.expect("shutdown");
+    });
+}
 
 /// The outsider role (see the module docs).
 pub(crate) fn outsider() {
@@ -169,23 +208,13 @@ fn an_outsider_on_another_host_is_refused_by_every_listener_and_the_job_finishes
     // 0's collectives), from node3.
     let targets = listeners(c.host(0));
     assert!(targets.len() >= 3, "{targets:?}");
-    let list: Vec<String> = targets.iter().map(ToString::to_string).collect();
-    let o = c
-        .host(2)
-        .command(std::env::current_exe().unwrap())
-        .env(OUTSIDER, list.join(","))
-        .env(WRONG, &wrong)
-        .output()
-        .unwrap();
-    let said = String::from_utf8_lossy(&o.stdout);
-    assert!(
-        o.status.success(),
-        "{said}\n{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    assert!(!said.contains("ADMITTED"), "{said}");
-    let attempts = said.lines().filter(|l| l.starts_with("refused")).count();
-    assert_eq!(attempts, targets.len() * (1 + LABELS.len() + 2), "{said}");
+    let said = outsider_refused(c.host(2), &targets, &wrong);
+    for service in ["store", "collectives"] {
+        assert!(
+            proved_to(&said, service),
+            "no {service} listener among {targets:?}:\n{said}"
+        );
+    }
 
     // A rally run on node3 joining the rendezvous: without a secret, and
     // with the wrong one, refused at once.
@@ -220,4 +249,98 @@ fn an_outsider_on_another_host_is_refused_by_every_listener_and_the_job_finishes
     );
     // The workers reached the job store through their agent's loopback proxy.
     assert!(r.values().all(|v| v["master_addr"] == "127.0.0.1"), "{r:?}");
+}
+
+/// Whether some listener the outsider tried was a `service` one (it told a
+/// wrong secret apart from a wrong service).
+fn proved_to(said: &str, service: &str) -> bool {
+    said.lines().any(|l| {
+        l.starts_with(&format!("refused wrong-secret {service} ")) && l.contains("DifferentSecret")
+    })
+}
+
+/// Runs the outsider on `from` against `targets`; asserts every attempt was
+/// refused and returns what it said.
+fn outsider_refused(from: &Host, targets: &[SocketAddr], wrong: &str) -> String {
+    let list: Vec<String> = targets.iter().map(ToString::to_string).collect();
+    let o = from
+        .command(std::env::current_exe().unwrap())
+        .env(OUTSIDER, list.join(","))
+        .env(WRONG, wrong)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(
+        o.status.success(),
+        "{said}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(!said.contains("ADMITTED"), "{said}");
+    let attempts = said.lines().filter(|l| l.starts_with("refused")).count();
+    assert_eq!(attempts, targets.len() * (1 + LABELS.len() + 2), "{said}");
+    said
+}
+
+#[test]
+fn an_rpc_job_refuses_an_outsider_on_another_host_and_its_calls_go_on() {
+    let c = cluster(3);
+    let dir = tempfile::tempdir().unwrap();
+    let good = secret_file(dir.path(), "secret", 1);
+    let wrong = secret_file(dir.path(), "wrong", 2);
+    let endpoint = format!("{}:29400", c.host(0).addr);
+    let mut jobs: Vec<Job> = c.hosts()[..2]
+        .iter()
+        .map(|h| {
+            let args = [
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "1",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                &endpoint,
+                "--rdzv-id",
+                "rpc",
+                "--no-python",
+                "--job-secret-file",
+                &good,
+            ];
+            let mut cmd = super::hosts::rally_on(h, &args);
+            cmd.arg(std::env::current_exe().unwrap())
+                .env(RPC_WORKER, dir.path());
+            Job::spawn(cmd, dir.path(), &h.name)
+        })
+        .collect();
+    let calls = || -> u64 {
+        std::fs::read_to_string(dir.path().join("calls"))
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    let t0 = Instant::now();
+    while calls() < 5 {
+        let out: Vec<String> = jobs.iter().map(Job::output).collect();
+        assert!(t0.elapsed() < LIMIT, "no calls: {out:#?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let targets = listeners(c.host(0));
+    assert!(targets.len() >= 3, "{targets:?}");
+    let said = outsider_refused(c.host(2), &targets, &wrong);
+    assert!(
+        proved_to(&said, "rpc"),
+        "no RPC listener among {targets:?}:\n{said}"
+    );
+    // The calls went on meanwhile, and go on.
+    let after = calls();
+    let t0 = Instant::now();
+    while calls() < after + 5 {
+        assert!(t0.elapsed() < LIMIT, "the calls stopped at {after}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::fs::write(dir.path().join("stop"), b"").unwrap();
+    for (h, j) in c.hosts().iter().zip(&mut jobs) {
+        let s = j.wait(LIMIT);
+        assert!(s.success(), "{}: {s}\n{}", h.name, j.output());
+    }
 }
