@@ -24,7 +24,7 @@ use tokio::time::Instant;
 use crate::agent::{AgentInner, Group};
 use crate::device::{self, DeviceInfo};
 use crate::error::{Error, Result};
-use crate::transport::BoxFuture;
+use crate::transport::{BoxFuture, ConnectError};
 use crate::wire::Request;
 use crate::worker_info::WorkerInfo;
 
@@ -215,21 +215,30 @@ pub(crate) async fn init_dynamic(
         }
         // The connections the requests below open, opened first: a worker
         // of another secret (or none, or the members none) is told so
-        // before any member is told of it, and prunes none.
+        // before any member is told of it, and prunes none. One that cannot
+        // be reached otherwise is found gone, as its request would find it.
+        let mut dead = Vec::new();
         for m in &members {
-            t.connect_now(m.info.id).await.map_err(|e| {
-                Error::Invalid(format!(
-                    "connecting to member {:?} (rank {}): {e}",
-                    m.info.name, m.info.id
-                ))
-            })?;
+            match t.connect_now(m.info.id).await {
+                Ok(()) => {}
+                Err(ConnectError::Secret(e)) => {
+                    return Err(Error::Invalid(format!(
+                        "connecting to member {:?} (rank {}): {e}",
+                        m.info.name, m.info.id
+                    )))
+                }
+                Err(ConnectError::Unreachable(e)) => {
+                    tracing::warn!(worker = %me.name, "pruning member {:?} from the group: it is unreachable: {e}", m.info.name);
+                    dead.push(m.info.id);
+                }
+            }
         }
         // Tell each member. One found gone (it died without leaving) is
         // pruned from the list; any other failure undoes the join at those
         // already told, so none keeps a member that never joined.
         let mut told = Vec::new();
-        let mut dead = Vec::new();
-        for m in &members {
+        let unreached = dead.clone();
+        for m in members.iter().filter(|m| !unreached.contains(&m.info.id)) {
             let join = Request::Join {
                 info: me.clone(),
                 addr: addr.to_owned(),

@@ -70,7 +70,7 @@ mod admission;
 mod buffers;
 mod line;
 
-use crate::transport::{BoxFuture, Deliver, Event, Outgoing, Transport};
+use crate::transport::{BoxFuture, ConnectError, Deliver, Event, Outgoing, Transport};
 use crate::wire::{part_range, FrameHead, Hello, HEAD_LEN, HELLO_LEN, MAX_PARTS};
 use buffers::{Pieces, Pool};
 use line::{Commit, Frame, Line, Submitted};
@@ -888,13 +888,14 @@ impl Transport for Tcp {
         self.sh.alive.last(peer)
     }
 
-    fn connect_now(&self, to: u32) -> BoxFuture<'_, Result<(), String>> {
+    fn connect_now(&self, to: u32) -> BoxFuture<'_, Result<(), ConnectError>> {
         Box::pin(async move {
             // Stream 0's own connection: the one a first call would open.
-            let peer = self.sh.peer(to)?;
+            let peer = self.sh.peer(to).map_err(ConnectError::Unreachable)?;
             match peer.line(&self.sh, to, 0).open().await {
-                Err(e) if e.secret => Err(e.why),
-                _ => Ok(()),
+                Ok(()) => Ok(()),
+                Err(e) if e.secret => Err(ConnectError::Secret(e.why)),
+                Err(e) => Err(ConnectError::Unreachable(e.why)),
             }
         })
     }

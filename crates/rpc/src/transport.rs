@@ -46,6 +46,26 @@ pub enum Event {
 /// The agent's entry point for events; transports call it from their tasks.
 pub type Deliver = Arc<dyn Fn(Event) + Send + Sync>;
 
+/// Why [`Transport::connect_now`] could not connect.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConnectError {
+    /// The job-secret handshake failed: the peer holds another secret, or
+    /// one of the two holds none. The job is misconfigured; trying again
+    /// cannot help.
+    Secret(String),
+    /// Anything else (nothing listens there, no answer in time), as a
+    /// message to the peer would have failed.
+    Unreachable(String),
+}
+
+impl std::fmt::Display for ConnectError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ConnectError::Secret(why) | ConnectError::Unreachable(why) => f.write_str(why),
+        }
+    }
+}
+
 /// Moves messages between workers.
 pub trait Transport: Send + Sync + 'static {
     /// Where peers reach this worker (published at init; may be empty for
@@ -68,12 +88,10 @@ pub trait Transport: Send + Sync + 'static {
     }
     /// Opens the connection to `peer` now, unless it is open: a worker
     /// joining a dynamic group does so before it tells a member (its request
-    /// would open it anyway). `Err`
-    /// only when the job-secret handshake failed (the peer holds another
-    /// secret, or one of the two has none): `init_rpc` fails with it. Any
-    /// other failure is left to the calls that follow. Default, for a
-    /// transport that proves nothing itself: `Ok` at once.
-    fn connect_now(&self, _peer: u32) -> BoxFuture<'_, Result<(), String>> {
+    /// would open it anyway), to fail at once, telling nobody, if the
+    /// job-secret handshake fails. Default, for a transport that opens
+    /// nothing ahead and proves nothing itself: `Ok` at once.
+    fn connect_now(&self, _peer: u32) -> BoxFuture<'_, Result<(), ConnectError>> {
         Box::pin(async { Ok(()) })
     }
     /// Connections refused by the job-secret handshake so far, by reason, if

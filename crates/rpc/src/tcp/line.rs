@@ -20,6 +20,10 @@
 //! gone. Probes and frames share the queue, and the inline path is open only
 //! when nothing is queued, so a frame begun inline is always finished on the
 //! connection it began on.
+//!
+//! An *open* (a worker joining a dynamic group, before it tells a member)
+//! makes the writer open the connection now, if it has none, and report
+//! how that went; the frames that follow use it.
 
 use std::io::IoSlice;
 use std::net::SocketAddr;
@@ -269,6 +273,31 @@ impl Line {
     }
 }
 
+/// [`Job::Open`]: opens the connection unless the line has one, and says
+/// how that went.
+async fn open_now<F>(
+    state: &Mutex<State>,
+    open: impl FnOnce() -> F,
+    reply: oneshot::Sender<Result<(), ConnectFailed>>,
+) where
+    F: std::future::Future<Output = Result<OwnedWriteHalf, ConnectFailed>>,
+{
+    let has = state.locked().conn.is_some();
+    let fresh = if has { None } else { Some(open().await) };
+    let mut st = state.locked();
+    st.busy -= 1;
+    let r = match fresh {
+        None => Ok(()),
+        Some(Ok(w)) => {
+            st.conn = Some(w);
+            Ok(())
+        }
+        Some(Err(e)) => Err(e),
+    };
+    drop(st);
+    let _ = reply.send(r);
+}
+
 /// Most slices (`writev`'s limit is 1024) and bytes one batched write takes.
 const BATCH_SLICES: usize = 512;
 const BATCH_BYTES: usize = 1 << 20;
@@ -318,20 +347,7 @@ async fn writer(
                 continue;
             }
             Job::Open(reply) => {
-                let has = state.locked().conn.is_some();
-                let fresh = if has { None } else { Some(open().await) };
-                let mut st = state.locked();
-                st.busy -= 1;
-                let r = match fresh {
-                    None => Ok(()),
-                    Some(Ok(w)) => {
-                        st.conn = Some(w);
-                        Ok(())
-                    }
-                    Some(Err(e)) => Err(e),
-                };
-                drop(st);
-                let _ = reply.send(r);
+                open_now(&state, &open, reply).await;
                 continue;
             }
             Job::Frame(f) => f,
