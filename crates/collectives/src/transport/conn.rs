@@ -207,7 +207,21 @@ impl Shared {
         watch_liveness(&s, self.cfg.peer_timeout);
         let answer_by = deadline.min(Instant::now() + self.cfg.handshake_timeout);
         if let Some(secret) = &self.cfg.secret {
-            prove(&mut s, dst, addr, secret, answer_by, deadline).await?;
+            match prove(&mut s, dst, addr, secret, answer_by, deadline).await {
+                // A peer that proved the secret before (it has an entry
+                // since its first connection) and now does not: the
+                // process at its address is another, as `NOT_HERE` says
+                // below without a secret.
+                Err(Fail::Secret { reason, .. }) if lock(&self.peers).contains_key(&dst) => {
+                    return Err(Fail::Gone {
+                        rank: dst,
+                        reason: format!(
+                            "it no longer listens at {addr}, a process without our job secret does ({reason}): it exited"
+                        ),
+                    });
+                }
+                r => r?,
+            }
         }
         let hello = Hello {
             nonce: self.cfg.nonce,
