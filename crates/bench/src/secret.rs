@@ -210,22 +210,34 @@ pub fn run(a: SecretArgs) -> Result<()> {
         [vec![], vec![]],
         [vec![], vec![]],
     );
-    for _ in 0..a.rounds {
+    for round in 0..a.rounds {
+        // Odd rounds measure the side with the secret first: an effect of
+        // the order shows as a difference between rounds, not as a ratio.
+        let order: [usize; 2] = if round % 2 == 0 { [0, 1] } else { [1, 0] };
         rt.block_on(async {
-            let (m, p) = connects(plain, None, a.connects).await?;
-            c50[0].push(m);
-            c99[0].push(p);
-            let (m, p) = connects(guarded, s, a.connects).await?;
-            c50[1].push(m);
-            c99[1].push(p);
-            rt_[0].push(round_trips(plain, None, a.round_trips).await?);
-            rt_[1].push(round_trips(guarded, s, a.round_trips).await?);
-            tp[0].push(throughput(plain, None, a.connections, a.seconds).await?);
-            tp[1].push(throughput(guarded, s, a.connections, a.seconds).await?);
-            px[0].push(round_trips(plain, None, a.round_trips).await?);
-            px[1].push(round_trips(proxy, None, a.round_trips).await?);
+            for &i in &order {
+                let (port, secret) = if i == 0 { (plain, None) } else { (guarded, s) };
+                let (m, p) = connects(port, secret, a.connects).await?;
+                c50[i].push(m);
+                c99[i].push(p);
+            }
+            for &i in &order {
+                let (port, secret) = if i == 0 { (plain, None) } else { (guarded, s) };
+                rt_[i].push(round_trips(port, secret, a.round_trips).await?);
+            }
+            for &i in &order {
+                let (port, secret) = if i == 0 { (plain, None) } else { (guarded, s) };
+                tp[i].push(throughput(port, secret, a.connections, a.seconds).await?);
+            }
+            for &i in &order {
+                let port = if i == 0 { plain } else { proxy };
+                px[i].push(round_trips(port, None, a.round_trips).await?);
+            }
             anyhow::Ok(())
         })?;
+    }
+    for (name, v) in [("throughput", &tp), ("round trip", &rt_)] {
+        eprintln!("# {name} by round, without / with: {:?} / {:?}", v[0], v[1]);
     }
     println!(
         "# job secret: our store without and with it, same run, median of {} rounds",
