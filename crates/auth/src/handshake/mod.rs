@@ -22,7 +22,8 @@
 //!
 //! The bytes of each message are in [`wire`]; the hashes in `proof`. A peer that sends
 //! anything else (PyTorch's TCPStore client, an HTTP request, a TLS hello) fails the magic at
-//! its first byte and is dropped at once with nothing sent back. A replayed PROOF fails: it
+//! its first byte and is dropped at once; this crate sends it nothing (a listener may still
+//! tell it why in its own protocol, as the store and the collectives do). A replayed PROOF fails: it
 //! covers the Ns of the exchange it was recorded from, and every CHALLENGE carries a new one.
 //! A replayed CHALLENGE fails the same way on the client's side, against its new Nc.
 //!

@@ -3,7 +3,8 @@
 //! It awaits a HELLO; answers a wrong service with a WRONG SERVICE reply, or else with a
 //! CHALLENGE (a fresh Ns, Ps and its key id); awaits the PROOF; and answers with a VERDICT.
 //! Whatever it refuses ends in a [`Rejection`], after the bytes that tell the client why.
-//! Bytes that are not this protocol end it at once, with nothing sent back.
+//! Bytes that are not this protocol end it at once; the machine sends nothing back (the
+//! listener may, in its own protocol).
 
 use std::fmt;
 
