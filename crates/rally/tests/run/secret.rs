@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use super::*;
 
 /// A secret file of `fill` bytes, readable by its owner only.
-fn secret_file(dir: &Path, name: &str, fill: u8) -> PathBuf {
+pub(super) fn secret_file(dir: &Path, name: &str, fill: u8) -> PathBuf {
     let p = dir.join(name);
     std::fs::write(&p, [fill; 32]).unwrap();
     std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();

@@ -16,7 +16,6 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -152,10 +151,9 @@ fn listeners(host: &Host) -> Vec<SocketAddr> {
 }
 
 fn secret_file(dir: &Path, name: &str, fill: u8) -> String {
-    let p = dir.join(name);
-    std::fs::write(&p, [fill; 32]).unwrap();
-    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
-    p.display().to_string()
+    super::secret::secret_file(dir, name, fill)
+        .display()
+        .to_string()
 }
 
 #[test]
