@@ -50,6 +50,9 @@ pub enum Link {
     Up,
     /// The connection failed (not dropped on purpose), or cannot be made.
     Lost(String),
+    /// A quorum call was refused: another live process holds this
+    /// replica id (the lighthouse's message). Sent at every such refusal.
+    IdHeld(String),
 }
 
 /// What the client was made with.
@@ -396,6 +399,9 @@ impl Shared {
                 }
                 Ok(Err(status)) => status,
             };
+            if status.code() == Code::AlreadyExists {
+                let _ = self.link.send(Link::IdHeld(status.message().to_owned()));
+            }
             match status.code() {
                 Code::AlreadyExists
                 | Code::InvalidArgument

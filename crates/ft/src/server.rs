@@ -627,6 +627,7 @@ impl Core {
             },
             Msg::Link(Link::Up) => self.books.connected(true),
             Msg::Link(Link::Lost(e)) => self.books.lost(e),
+            Msg::Link(Link::IdHeld(e)) => self.books.id_held(&e, std::time::Instant::now()),
             Msg::WorkersStopped(reason) => {
                 self.feed(Event::WorkersStopped { reason });
                 // Every rank is released (see `round`): the old

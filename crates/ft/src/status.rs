@@ -34,7 +34,18 @@ pub struct Status {
     pub heal_bytes: u64,
     pub heal_seconds: f64,
     pub last_error: Option<String>,
+    /// Set once the lighthouse has refused this group's id for
+    /// [`ID_HELD_GRACE`] on end: another live group has it. Fatal for the
+    /// run (`rally run --ft` stops on it).
+    pub id_refused: Option<String>,
 }
+
+/// How long the lighthouse may refuse this group's id ("held by another
+/// live process") before the group takes it for another live group's.
+/// Above `rally lighthouse`'s default keep-alive (1 s): when a group's
+/// manager moves to another node, or its host died and the group came
+/// back at once, the old holder's session may outlive it that long.
+pub const ID_HELD_GRACE: std::time::Duration = std::time::Duration::from_millis(2500);
 
 /// Something the agent shows.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -63,12 +74,19 @@ pub enum FtEvent {
     LighthouseLost {
         error: String,
     },
+    /// The lighthouse refused this group's id for [`ID_HELD_GRACE`]:
+    /// another live group has it.
+    IdRefused {
+        reason: String,
+    },
 }
 
 /// The status's writer and the events' sender.
 pub(crate) struct Books {
     status: watch::Sender<Status>,
     events: broadcast::Sender<FtEvent>,
+    /// Since when every quorum call was refused "held" (none issued since).
+    held_since: std::cell::Cell<Option<std::time::Instant>>,
 }
 
 impl Books {
@@ -81,6 +99,7 @@ impl Books {
         Books {
             status: watch::Sender::new(status),
             events: broadcast::Sender::new(1024),
+            held_since: std::cell::Cell::new(None),
         }
     }
 
@@ -100,6 +119,7 @@ impl Books {
     /// An issued quorum: its id, members and max step; joins and drops
     /// against the previous one.
     pub(crate) fn quorum(&self, id: i64, mut members: Vec<String>, max_step: i64) {
+        self.held_since.set(None);
         members.sort();
         let mut events = Vec::new();
         self.status.send_modify(|s| {
@@ -178,6 +198,33 @@ impl Books {
             .send_if_modified(|s| std::mem::replace(&mut s.connected, up) != up);
     }
 
+    /// A quorum call refused at `now`: another live process holds the id.
+    /// Once that has lasted [`ID_HELD_GRACE`] without a quorum issued in
+    /// between, the id is taken for another live group's, for good.
+    pub(crate) fn id_held(&self, message: &str, now: std::time::Instant) {
+        let since = self.held_since.get().unwrap_or(now);
+        self.held_since.set(Some(since));
+        if now.duration_since(since) < ID_HELD_GRACE {
+            return;
+        }
+        let reason = {
+            let s = self.status.borrow();
+            if s.id_refused.is_some() {
+                return;
+            }
+            format!(
+                "the lighthouse {} refused replica group {:?} for {:.1} s: {message}; \
+                 another live group has this id (each live group needs its own)",
+                s.lighthouse,
+                s.replica_id,
+                now.duration_since(since).as_secs_f64()
+            )
+        };
+        self.status
+            .send_modify(|s| s.id_refused = Some(reason.clone()));
+        self.emit(FtEvent::IdRefused { reason });
+    }
+
     pub(crate) fn lost(&self, error: String) {
         self.status.send_modify(|s| {
             s.connected = false;
@@ -190,6 +237,35 @@ impl Books {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_id_refused_for_the_grace_is_fatal_once_and_a_quorum_between_resets_it() {
+        let b = Books::new("g7", "http://lh:1");
+        let st = b.status();
+        let mut ev = b.events().subscribe();
+        let t0 = std::time::Instant::now();
+        b.id_held("held by manager m:1", t0);
+        b.id_held("held by manager m:1", t0 + ID_HELD_GRACE / 2);
+        // A quorum issued in between: the refusals were a passing race.
+        b.quorum(1, vec!["g7".into()], 0);
+        b.id_held("held by manager m:1", t0 + ID_HELD_GRACE);
+        assert_eq!(st.borrow().id_refused, None);
+        b.id_held("held by manager m:1", t0 + ID_HELD_GRACE * 2);
+        let reason = st.borrow().id_refused.clone().expect("fatal");
+        assert!(
+            reason.contains("\"g7\"")
+                && reason.contains("held by manager m:1")
+                && reason.contains("http://lh:1"),
+            "{reason}"
+        );
+        b.id_held("held by manager m:1", t0 + ID_HELD_GRACE * 3);
+        let events: Vec<FtEvent> = std::iter::from_fn(|| ev.try_recv().ok()).collect();
+        let refused = events
+            .iter()
+            .filter(|e| matches!(e, FtEvent::IdRefused { .. }))
+            .count();
+        assert_eq!(refused, 1, "{events:?}");
+    }
 
     #[test]
     fn joins_and_drops_are_counted_between_quorums() {

@@ -61,6 +61,11 @@ impl Job {
         })
     }
 
+    /// The exit status if the job has ended.
+    fn try_wait(&mut self) -> Option<ExitStatus> {
+        self.child.try_wait().unwrap()
+    }
+
     fn signal(&self, sig: i32) {
         // SAFETY: signalling our own child.
         unsafe { libc::kill(self.child.id() as i32, sig) };

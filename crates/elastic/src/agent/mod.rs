@@ -113,7 +113,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use rallypoint_rendezvous::{RendezvousError, RendezvousHandler, RendezvousInfo};
 use rallypoint_store::server::{Server, ServerConfig, ServerHandle};
 use rallypoint_store::{Store, StoreError};
-use tokio::sync::{watch, Notify};
+use tokio::sync::{mpsc, watch, Notify};
 
 use crate::multiprocessing::stacks::WorkerStacks;
 use crate::multiprocessing::{
@@ -244,6 +244,26 @@ pub struct Agent {
     handler: Arc<dyn RendezvousHandler>,
     events: Arc<dyn EventSink>,
     status: watch::Sender<Status>,
+    /// What [`Stopper`]s send: taken into the run's [`Signals`].
+    stops: (
+        mpsc::UnboundedSender<i32>,
+        std::sync::Mutex<Option<mpsc::UnboundedReceiver<i32>>>,
+    ),
+}
+
+/// Stops a running [`Agent`] from inside the process, exactly as if
+/// `signal` had been trapped (the policy's stop, in whatever phase the
+/// agent is): an embedder's way to end the run, e.g. `rally run --ft` when
+/// the quorum service refuses its replica group's id for good. The
+/// outcome is [`Outcome::Signaled`]; the embedder says why.
+#[derive(Clone, Debug)]
+pub struct Stopper(mpsc::UnboundedSender<i32>);
+
+impl Stopper {
+    /// Asks the agent to stop as on `signal` (nothing if it has ended).
+    pub fn stop(&self, signal: i32) {
+        let _ = self.0.send(signal);
+    }
 }
 
 /// The round in progress.
@@ -270,12 +290,19 @@ struct Round {
 impl Agent {
     pub fn new(spec: AgentSpec, handler: Arc<dyn RendezvousHandler>) -> Agent {
         let status = Status::new(handler.run_id(), &spec.role, spec.max_restarts);
+        let (tx, rx) = mpsc::unbounded_channel();
         Agent {
             spec,
             handler,
             events: Arc::new(Discard),
             status: watch::channel(status).0,
+            stops: (tx, std::sync::Mutex::new(Some(rx))),
         }
+    }
+
+    /// A handle that stops this agent's run as a trapped signal would.
+    pub fn stopper(&self) -> Stopper {
+        Stopper(self.stops.0.clone())
     }
 
     /// Sends every [`AgentEvent`] to `sink` (default: dropped).
@@ -303,6 +330,7 @@ impl Agent {
             Ok(s) => s,
             Err(e) => return Outcome::Error(format!("cannot trap signals: {e}")),
         };
+        signals.stops = self.stops.1.lock().expect("lock").take();
         let run_logs = match RunLogs::create(&self.spec.logs, self.handler.run_id()) {
             Ok(l) => l,
             Err(e) => return Outcome::Error(e.to_string()),
@@ -508,9 +536,11 @@ struct Run<'s> {
     last_run_store: Option<Arc<dyn Store>>,
 }
 
-/// The trapped signals, as one stream (armed for the agent's whole life).
+/// The trapped signals, as one stream (armed for the agent's whole life),
+/// and the agent's [`Stopper`]s' requests.
 pub struct Signals {
     streams: Vec<(i32, tokio::signal::unix::Signal)>,
+    stops: Option<mpsc::UnboundedReceiver<i32>>,
 }
 
 impl Signals {
@@ -525,7 +555,10 @@ impl Signals {
                 ))
             })
             .collect::<std::io::Result<_>>()?;
-        Ok(Signals { streams })
+        Ok(Signals {
+            streams,
+            stops: None,
+        })
     }
 
     /// The next trapped signal. Cancel-safe: a signal is never lost.
@@ -535,6 +568,11 @@ impl Signals {
                 if s.poll_recv(cx).is_ready() {
                     return std::task::Poll::Ready(*n);
                 }
+            }
+            if let Some(std::task::Poll::Ready(Some(n))) =
+                self.stops.as_mut().map(|rx| rx.poll_recv(cx))
+            {
+                return std::task::Poll::Ready(n);
             }
             std::task::Poll::Pending
         })
@@ -546,4 +584,27 @@ pub(crate) fn now_secs() -> f64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64())
+}
+
+#[cfg(test)]
+mod stopper_tests {
+    use super::*;
+
+    /// A [`Stopper`]'s request arrives as the signal it names, among the
+    /// trapped ones; a trapped signal still arrives beside it.
+    #[tokio::test]
+    async fn a_stop_request_arrives_as_its_signal() {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut signals = Signals::trap(&[libc::SIGUSR2]).unwrap();
+        signals.stops = Some(rx);
+        let stopper = Stopper(tx);
+        let idle = tokio::time::timeout(Duration::from_millis(50), signals.recv()).await;
+        assert!(idle.is_err(), "nothing asked yet");
+        stopper.stop(libc::SIGTERM);
+        assert_eq!(signals.recv().await, libc::SIGTERM);
+        // SAFETY: raising a signal this process traps.
+        unsafe { libc::raise(libc::SIGUSR2) };
+        let got = tokio::time::timeout(Duration::from_secs(10), signals.recv()).await;
+        assert_eq!(got.expect("the trapped signal arrives"), libc::SIGUSR2);
+    }
 }

@@ -35,6 +35,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use rallypoint_elastic::agent::events::{AgentEvent, EventSink};
 use rallypoint_elastic::agent::status::Section;
+use rallypoint_elastic::agent::Stopper;
 use rallypoint_ft::{Config, FtEvent, Manager};
 use serde_json::{json, Value};
 use tokio::runtime::Runtime;
@@ -222,6 +223,24 @@ impl Ft {
             multi_node: self.multi_node,
             rt: rt.handle().clone(),
         })
+    }
+
+    /// Stops the run (as SIGTERM would) once the lighthouse has refused
+    /// this group's id for good: two groups with one id started at the
+    /// same moment both passed the check at start, and this one lost.
+    /// [`Ft::refused`] then says why.
+    pub(super) fn stop_when_refused(&self, rt: &Runtime, stopper: Stopper) {
+        let mut status = self.manager.status();
+        rt.spawn(async move {
+            if status.wait_for(|s| s.id_refused.is_some()).await.is_ok() {
+                stopper.stop(libc::SIGTERM);
+            }
+        });
+    }
+
+    /// Why the lighthouse refused this group's id for good, if it did.
+    pub(super) fn refused(&self) -> Option<String> {
+        self.manager.status().borrow().id_refused.clone()
     }
 
     /// The manager's `/status` and `/metrics` section.
@@ -584,6 +603,9 @@ fn say_event(group: &str, e: &FtEvent) {
         FtEvent::LighthouseLost { error } => {
             say!("rally run: replica group {group:?}: lost the lighthouse: {error}")
         }
+        FtEvent::IdRefused { reason } => {
+            say!("rally run: replica group {group:?}: stopping: {reason}")
+        }
     }
 }
 
@@ -607,6 +629,7 @@ fn event_json(e: &FtEvent) -> (&'static str, Value) {
             ("ft.not_committed", json!({"step": step, "reason": reason}))
         }
         FtEvent::LighthouseLost { error } => ("ft.lighthouse_lost", json!({"error": error})),
+        FtEvent::IdRefused { reason } => ("ft.id_refused", json!({"reason": reason})),
     }
 }
 

@@ -94,12 +94,19 @@ pub fn run(a: RunArgs) -> anyhow::Result<i32> {
         None => events,
     };
     let agent = Agent::new(plan.spec, handler).with_events(events);
+    if let Some(ft) = &ft {
+        ft.stop_when_refused(&rt, agent.stopper());
+    }
     if let Some(port) = a.status_port {
         let sections = ft.iter().map(ft::Ft::section).collect();
         serve_status(&rt, port, &agent, sections)?;
     }
     // On this thread: the workers' parent-death signal follows it.
-    let outcome = rt.block_on(agent.run());
+    let mut outcome = rt.block_on(agent.run());
+    if let Some(reason) = ft.as_ref().and_then(ft::Ft::refused) {
+        // The stop was ours (a SIGTERM of the agent's own), not a user's.
+        outcome = Outcome::Error(format!("--ft: {reason}"));
+    }
     match watchdog {
         // The agent swept its marked processes at the end of its last round.
         Ok(w) => w.release(),

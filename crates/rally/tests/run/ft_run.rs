@@ -186,6 +186,97 @@ fn a_group_id_held_by_a_live_group_is_refused_at_once() {
     );
 }
 
+/// Two `rally run --ft` with one replica group id started at the same
+/// moment: both pass the check at start (neither is live yet). The
+/// lighthouse takes the first join; the other's joins are refused, and
+/// once that has lasted the grace (2.5 s) that run stops its workers and
+/// fails, naming the id (exit 4). The winner trains on, unharmed.
+#[test]
+fn two_groups_started_with_one_id_at_once_one_stops_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let site = super::torch_backend::package(dir.path());
+    let mut lh = std::process::Command::new(env!("CARGO_BIN_EXE_rally"));
+    let port = super::free_port();
+    lh.args(["lighthouse", "--min_replicas", "1", "--bind"])
+        .arg(format!("127.0.0.1:{port}"));
+    let lh = super::Job::spawn(lh, dir.path(), "lighthouse");
+    let t0 = std::time::Instant::now();
+    while !lh.output().contains("listening on") {
+        assert!(t0.elapsed() < LIMIT, "{}", lh.output());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let addr = format!("127.0.0.1:{port}");
+    let stop = dir.path().join("stop");
+    let outs = [dir.path().join("a.jsonl"), dir.path().join("b.jsonl")];
+    let mut jobs: Vec<super::Job> = ["a", "b"]
+        .iter()
+        .zip(&outs)
+        .map(|(name, out)| {
+            let env: Vec<(&str, &std::ffi::OsStr)> = vec![
+                ("PYTHONPATH", site.as_os_str()),
+                ("FT_OUT", out.as_os_str()),
+                ("FT_STOP_FILE", stop.as_os_str()),
+            ];
+            run_ft_loopback(
+                dir.path(),
+                name,
+                &["--ft-replica-group", "7", "--ft-lighthouse", &addr],
+                &env,
+            )
+        })
+        .collect();
+    let commits = |i: usize| {
+        std::fs::read_to_string(&outs[i])
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.contains("\"committed\": true"))
+            .count()
+    };
+    // One of them ends on its own.
+    let t1 = std::time::Instant::now();
+    let (loser, status) = loop {
+        if let Some((i, s)) = (0..2).find_map(|i| jobs[i].try_wait().map(|s| (i, s))) {
+            break (i, s);
+        }
+        assert!(
+            t1.elapsed() < LIMIT,
+            "neither stopped:\n{}\n{}",
+            jobs[0].output(),
+            jobs[1].output()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let winner = 1 - loser;
+    let text = jobs[loser].output();
+    assert_eq!(status.code(), Some(4), "{text}");
+    assert!(
+        text.contains("refused replica group \"7\"")
+            && text.contains("another live group has this id"),
+        "{text}"
+    );
+    assert!(text.contains("held by another live process"), "{text}");
+    assert_eq!(
+        commits(loser),
+        0,
+        "the refused group never took part: {text}"
+    );
+    // The winner trains on after the loser is gone.
+    let before = commits(winner);
+    let t2 = std::time::Instant::now();
+    while commits(winner) < before + 3 {
+        assert!(t2.elapsed() < LIMIT, "{}", jobs[winner].output());
+        assert!(
+            jobs[winner].try_wait().is_none(),
+            "{}",
+            jobs[winner].output()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::fs::write(&stop, b"").unwrap();
+    let s = jobs[winner].wait(LIMIT);
+    assert!(s.success(), "{}", jobs[winner].output());
+}
+
 /// `--ft`'s flags are checked before anything starts.
 #[test]
 fn ft_flags_are_checked() {
