@@ -17,10 +17,29 @@
 //!   group reads from a different source when there are several, so the
 //!   healing load spreads.
 //!
-//! Our one change: the source's checkpoint metadata is not asked of its
-//! manager (torchft's `CheckpointMetadata` RPC) but read from the source
-//! participant's `data`, `{"metadata": [m0, ..., m(W-1)]}`, which its
-//! manager put in its `QuorumMember` ([`member_data`]).
+//! Our two changes, both carried in each participant's `data`,
+//! `{"metadata": [m0, ..., m(W-1)], "steps": [s0, ..., s(W-1)]}`, which
+//! its manager puts in its `QuorumMember` ([`member_data`]):
+//!
+//! * the source's checkpoint metadata is not asked of its manager
+//!   (torchft's `CheckpointMetadata` RPC) but read from the source's
+//!   `data`;
+//! * **a participant is up to date only if it is whole**: all its ranks
+//!   at one step (`steps` all equal). A heal can succeed for some ranks of
+//!   a group and fail for others (its source died or answered late): the
+//!   group's ranks are then at different steps, and its member's `step` is
+//!   the lowest of them ([`member_step`]). Such a group heals every rank
+//!   from a whole participant at `max_step`, the max over the whole
+//!   participants, even a rank that is ahead: a rank's state at a step is
+//!   only worth keeping with its group's other ranks at the same step.
+//!   With the max of the ranks' steps (as before), the lagging rank counted
+//!   as up to date and took part in its rank's allreduce from an older
+//!   state; with per-rank rules, a group whose rank 0 lost its only source
+//!   stayed at different steps and never committed again (both found by
+//!   `tests/sim.rs`). torchft's manager has the hole: it reports one
+//!   rank's step (a `TODO check step`). With no whole participant (a
+//!   lone group whose partial heal lost its source) nothing can make the
+//!   group whole: its votes fail naming the ranks' steps, every step.
 
 use std::collections::BTreeSet;
 
@@ -68,15 +87,40 @@ pub enum ResultError {
     },
 }
 
-/// The `data` of a group's `QuorumMember`: its ranks' checkpoint metadata.
-pub fn member_data(metadata: &[String]) -> String {
-    serde_json::json!({ "metadata": metadata }).to_string()
+/// The `data` of a group's `QuorumMember`: its ranks' checkpoint metadata
+/// and steps, in group-rank order.
+pub fn member_data(metadata: &[String], steps: &[i64]) -> String {
+    serde_json::json!({ "metadata": metadata, "steps": steps }).to_string()
 }
 
 /// Rank `rank`'s checkpoint metadata in a participant's `data`.
 pub fn metadata_of(member: &QuorumMember, rank: usize) -> Option<String> {
     let v: serde_json::Value = serde_json::from_str(&member.data).ok()?;
     v.get("metadata")?.get(rank)?.as_str().map(str::to_owned)
+}
+
+/// The `step` of a group's `QuorumMember`: its ranks' step when they are
+/// all at one, else the lowest of them (the group is not whole).
+pub fn member_step(steps: &[i64]) -> i64 {
+    steps.iter().copied().min().unwrap_or(0)
+}
+
+/// The step all of a participant's ranks are at, or `None` when they are
+/// at different steps (`data` without steps: the member's step).
+pub fn whole_step(member: &QuorumMember) -> Option<i64> {
+    let steps: Option<Vec<i64>> = serde_json::from_str::<serde_json::Value>(&member.data)
+        .ok()
+        .and_then(|v| {
+            v.get("steps")?
+                .as_array()?
+                .iter()
+                .map(serde_json::Value::as_i64)
+                .collect()
+        });
+    match steps.as_deref() {
+        None | Some([]) => Some(member.step),
+        Some([first, rest @ ..]) => rest.iter().all(|s| s == first).then_some(*first),
+    }
 }
 
 /// Group rank `group_rank`'s result of `quorum` for the replica `replica_id`.
@@ -94,15 +138,25 @@ pub fn compute(
         .position(|p| p.replica_id == replica_id)
         .ok_or_else(not_in)?;
 
-    let max_step = participants
-        .iter()
-        .map(|p| p.step)
+    // Only a whole participant is a source; with none, each counts at
+    // its member's step (nothing can make a group whole then).
+    let whole: Vec<Option<i64>> = participants.iter().map(|p| whole_step(p)).collect();
+    let none_whole = whole.iter().all(Option::is_none);
+    let step = |i: usize| {
+        if none_whole {
+            Some(participants[i].step)
+        } else {
+            whole[i]
+        }
+    };
+    let max_step = (0..participants.len())
+        .filter_map(step)
         .max()
         .ok_or_else(not_in)?;
-    let max_participants: Vec<&QuorumMember> = participants
-        .iter()
-        .copied()
-        .filter(|p| p.step == max_step)
+    let at_max = |i: usize| step(i) == Some(max_step);
+    let max_participants: Vec<&QuorumMember> = (0..participants.len())
+        .filter(|&i| at_max(i))
+        .map(|i| participants[i])
         .collect();
     let max_replica_rank = max_participants
         .iter()
@@ -113,8 +167,7 @@ pub fn compute(
     let force_recover = init_sync && max_step == 0;
     let recovering: Vec<usize> = (0..participants.len())
         .filter(|&i| {
-            let p = participants[i];
-            p.step != max_step || (force_recover && p.replica_id != primary.replica_id)
+            !at_max(i) || (force_recover && participants[i].replica_id != primary.replica_id)
         })
         .collect();
     let recovering_set: BTreeSet<usize> = recovering.iter().copied().collect();
@@ -175,14 +228,19 @@ mod tests {
 
     /// A participant `replica_i` at `step`, its ranks' metadata `m_i_r`.
     fn member(i: usize, step: i64) -> QuorumMember {
-        let md: Vec<String> = (0..4).map(|r| format!("m_{i}_{r}")).collect();
+        mixed(i, &[step; 4])
+    }
+
+    /// A participant `replica_i` whose rank `r` is at `steps[r]`.
+    fn mixed(i: usize, steps: &[i64]) -> QuorumMember {
+        let md: Vec<String> = (0..steps.len()).map(|r| format!("m_{i}_{r}")).collect();
         QuorumMember {
             replica_id: format!("replica_{i}"),
             address: format!("addr_{i}"),
             store_address: format!("store_addr_{i}"),
-            step,
+            step: member_step(steps),
             world_size: 1,
-            data: member_data(&md),
+            data: member_data(&md, steps),
             ..Default::default()
         }
     }
@@ -267,7 +325,7 @@ mod tests {
         assert!(!r(&q, "replica_0", 0, true).heal);
         assert!(r(&q, "replica_1", 0, true).heal);
         assert!(!r(&q, "replica_1", 0, false).heal);
-        q.participants[0].step = 1;
+        q.participants[0] = member(0, 1);
         assert!(r(&q, "replica_1", 0, false).heal);
     }
 
@@ -299,7 +357,7 @@ mod tests {
     #[test]
     fn a_source_without_metadata_for_the_rank_is_an_error_naming_it() {
         let mut q = quorum(&[5, 0]);
-        q.participants[0].data = member_data(&["only_rank_0".into()]);
+        q.participants[0].data = member_data(&["only_rank_0".into()], &[5]);
         assert_eq!(
             r(&q, "replica_1", 0, true).recover_src_metadata.as_deref(),
             Some("only_rank_0")
@@ -310,17 +368,95 @@ mod tests {
         assert!(compute("replica_1", 0, &q, true).is_err());
     }
 
+    /// A heal that succeeded for rank 0 of replica_1 and failed for its
+    /// rank 1 (found by `tests/sim.rs`): its ranks are at 7 and 4, its
+    /// member's step 4. Both its ranks heal from replica_0, the whole one.
+    #[test]
+    fn a_group_whose_ranks_are_at_different_steps_heals_whole() {
+        let q = Quorum {
+            quorum_id: 1,
+            participants: vec![mixed(0, &[7, 7]), mixed(1, &[7, 4])],
+            created: None,
+        };
+        assert_eq!(q.participants[1].step, 4);
+        for rank in 0..2 {
+            let res = r(&q, "replica_1", rank, true);
+            assert!(res.heal, "rank {rank}: {res:?}");
+            assert_eq!(res.recover_src_replica_rank, Some(0));
+            let md = format!("m_0_{rank}");
+            assert_eq!(res.recover_src_metadata.as_deref(), Some(md.as_str()));
+            assert_eq!(
+                (res.max_step, res.max_world_size, res.max_replica_rank),
+                (7, 1, None)
+            );
+            let src = r(&q, "replica_0", rank, true);
+            assert!(!src.heal);
+            assert_eq!(src.recover_dst_replica_ranks, vec![1]);
+        }
+        // Without steps in its data, a member's ranks are all at its step.
+        let mut old = q.clone();
+        old.participants[1].data = member_data(&["a".into(), "b".into()], &[]);
+        old.participants[1].step = 7;
+        assert!(!r(&old, "replica_1", 1, true).heal);
+    }
+
+    /// A partial heal whose source then died (found by `tests/sim.rs`):
+    /// replica_1's rank 1 reached step 2, its rank 0 stayed at 0, and the
+    /// only step-2 rank 0 is gone; replica_0 came back at step 0. The
+    /// whole one wins: replica_1 goes back to step 0 on both ranks (its
+    /// rank 1's step-2 state is worth nothing without a rank 0 at step
+    /// 2). Per-rank rules left its ranks at 0 and 2 for good.
+    #[test]
+    fn a_rank_ahead_of_every_whole_participant_goes_back_to_them() {
+        let q = Quorum {
+            quorum_id: 1,
+            participants: vec![mixed(0, &[0, 0]), mixed(1, &[0, 2])],
+            created: None,
+        };
+        for rank in 0..2 {
+            let res = r(&q, "replica_1", rank, false);
+            assert!(res.heal, "rank {rank}: {res:?}");
+            assert_eq!(res.max_step, 0);
+            assert_eq!(res.recover_src_replica_rank, Some(0));
+        }
+        // No whole participant: each counts at its member's step.
+        let lone = Quorum {
+            quorum_id: 1,
+            participants: vec![mixed(1, &[0, 2])],
+            created: None,
+        };
+        let res = r(&lone, "replica_1", 1, true);
+        assert!(!res.heal);
+        assert_eq!(res.max_step, 0);
+    }
+
     proptest! {
-        /// Every recovering replica gets an up-to-date source whose
-        /// metadata is its own rank's, every source lists it, and the
-        /// sources of one group rank are spread evenly.
+        /// Every recovering replica gets a source whose same group rank is
+        /// up to date and whose metadata is its own rank's, every source
+        /// lists it, and the sources of one group rank are spread evenly;
+        /// the ranks of one participant may be at different steps.
         #[test]
         fn every_recovering_replica_gets_an_up_to_date_source(
-            steps in proptest::collection::vec(0i64..3, 1..7),
+            by_rank in proptest::collection::vec(proptest::collection::vec(0i64..3, 4), 1..7),
             group_rank in 0usize..4,
             init_sync in any::<bool>(),
         ) {
-            let q = quorum(&steps);
+            let q = Quorum {
+                quorum_id: 1,
+                participants: by_rank.iter().enumerate().map(|(i, s)| mixed(i, s)).collect(),
+                created: None,
+            };
+            // Each participant's step if whole (all its ranks at one).
+            let whole: Vec<Option<i64>> = by_rank
+                .iter()
+                .map(|s| s.iter().all(|x| *x == s[0]).then_some(s[0]))
+                .collect();
+            let none_whole = whole.iter().all(Option::is_none);
+            let steps: Vec<i64> = by_rank
+                .iter()
+                .zip(&whole)
+                .map(|(s, w)| if none_whole { *s.iter().min().unwrap() } else { w.unwrap_or(-1) })
+                .collect();
             let all: Vec<QuorumResult> = (0..steps.len())
                 .map(|i| r(&q, &format!("replica_{i}"), group_rank, init_sync))
                 .collect();
@@ -349,6 +485,17 @@ mod tests {
                 sources.iter().map(|&s| load[s]).max().unwrap(),
             );
             prop_assert!(hi - lo <= 1, "sources spread: {:?}", load);
+            // Unless no participant is whole, every participant's ranks
+            // end the heal at one step, the max.
+            if !none_whole {
+                for (i, s) in by_rank.iter().enumerate() {
+                    for (rank, own) in s.iter().enumerate() {
+                        let res = r(&q, &format!("replica_{i}"), rank, init_sync);
+                        let after = if res.heal { res.max_step } else { *own };
+                        prop_assert_eq!(after, max, "replica_{} rank {}: {:?}", i, rank, by_rank);
+                    }
+                }
+            }
         }
     }
 }

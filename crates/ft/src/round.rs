@@ -9,9 +9,10 @@
 //!   lighthouse connection is down asks for one ([`Action::Connect`]).
 //! * **Quorum**: each rank's call waits; when all W ranks have called (and
 //!   no lighthouse call is in flight), one lighthouse call is made
-//!   ([`Action::CallLighthouse`]) for the group: the max of the steps, any
-//!   `shrink_only`, the max of the commit failures, the ranks' metadata in
-//!   `data`. Its answer gives each waiting rank its own result
+//!   ([`Action::CallLighthouse`]) for the group: its step, any
+//!   `shrink_only`, the max of the commit failures, the ranks' metadata
+//!   and steps in `data`; its step is the ranks' (the lowest when they
+//!   differ: see [`crate::results`]). Its answer gives each waiting rank its own result
 //!   ([`crate::results::compute`]); its failure fails them. A call's
 //!   answer that comes after the round was stopped is ignored (calls are
 //!   numbered), and it answers only the ranks' calls it was made for: a
@@ -335,15 +336,16 @@ impl Round {
     fn member(&self) -> QuorumMember {
         let calls = || self.waiting.values().map(|w| &w.call);
         let metadata: Vec<String> = calls().map(|c| c.metadata.clone()).collect();
+        let steps: Vec<i64> = calls().map(|c| c.step).collect();
         QuorumMember {
             replica_id: self.setup.replica_id.clone(),
             address: self.setup.address.clone(),
             store_address: self.setup.store_address.clone(),
-            step: calls().map(|c| c.step).max().unwrap_or(0),
+            step: results::member_step(&steps),
             world_size: self.setup.world_size as u64,
             shrink_only: calls().any(|c| c.shrink_only),
             commit_failures: calls().map(|c| c.commit_failures).max().unwrap_or(0),
-            data: results::member_data(&metadata),
+            data: results::member_data(&metadata, &steps),
         }
     }
 

@@ -341,10 +341,9 @@ class Manager:
     def _apply_pending_state(self) -> None:
         """Loads a healed state into the registered objects, then takes its
         step (training thread). A state that fails to load is an error of
-        the step, and this rank's step stays behind. (Within a group of
-        several ranks the group's member carries the highest of its ranks'
-        steps, so a rank left behind alone is not sent to heal again: an
-        open bug, issue 48's note.)"""
+        the step, and this rank's step stays behind. (The group's manager
+        then counts the group as not whole, and every rank of it heals from
+        a whole group at the next quorum: ``crates/ft/src/results.rs``.)"""
         self.wait_quorum()
         pending, self._pending_state = self._pending_state, None
         if pending is None:

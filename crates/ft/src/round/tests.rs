@@ -137,11 +137,14 @@ fn the_lighthouse_is_called_once_all_ranks_called_with_the_group_member() {
     assert_eq!(member.replica_id, "g0");
     assert_eq!(member.address, "mgr:1");
     assert_eq!(member.store_address, "store:2");
-    assert_eq!(member.step, 5);
+    assert_eq!(member.step, 3, "the lowest of the ranks' steps (5, 3, 4)");
     assert_eq!(member.world_size, 3);
     assert!(member.shrink_only);
     assert_eq!(member.commit_failures, 2);
-    assert_eq!(member.data, r#"{"metadata":["t0:9","t1:9","t2:9"]}"#);
+    assert_eq!(
+        member.data, r#"{"metadata":["t0:9","t1:9","t2:9"],"steps":[5,3,4]}"#,
+        "each rank's metadata and step, in rank order"
+    );
 
     let mut other = member.clone();
     other.replica_id = "g1".into();
