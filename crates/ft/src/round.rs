@@ -195,6 +195,13 @@ impl Round {
         &self.setup
     }
 
+    /// Whether lighthouse call `call` is the one in flight: an answer to
+    /// any other is stale (the round was stopped, or the call's ranks
+    /// moved on) and is ignored.
+    pub fn awaits(&self, call: u64) -> bool {
+        self.in_flight.as_ref().is_some_and(|f| f.id == call)
+    }
+
     /// When the next [`Event::Tick`] is due, if any call waits.
     pub fn next_deadline(&self) -> Option<Instant> {
         let q = self.waiting.values().map(|w| w.deadline);

@@ -613,17 +613,21 @@ impl Core {
                 }
             }
             Msg::Lighthouse { call, result } => match result {
-                Ok(quorum) => {
+                // A stale answer (the round was stopped since) does not
+                // change what the status shows.
+                Ok(quorum) if self.round.awaits(call) => {
                     let members = quorum.participants.iter().map(|p| p.replica_id.clone());
                     let max_step = quorum.participants.iter().map(|p| p.step).max();
                     self.books
                         .quorum(quorum.quorum_id, members.collect(), max_step.unwrap_or(0));
                     self.feed(Event::LighthouseAnswered { call, quorum });
                 }
-                Err(error) => {
+                Ok(_) => {}
+                Err(error) if self.round.awaits(call) => {
                     self.books.error(&error);
                     self.feed(Event::LighthouseFailed { call, error });
                 }
+                Err(_) => {}
             },
             Msg::Link(Link::Up) => self.books.connected(true),
             Msg::Link(Link::Lost(e)) => self.books.lost(e),
@@ -706,7 +710,7 @@ impl Core {
                 now,
             },
             Request::Report(r) => {
-                self.books.report(&r);
+                self.books.report(rank, &r);
                 self.send(rank, wire::answer_ok(serde_json::json!({})));
                 return;
             }

@@ -67,7 +67,9 @@ pub enum FtEvent {
         bytes: u64,
         seconds: f64,
     },
+    /// A rank's step not committed (each rank reports its own reason).
     NotCommitted {
+        rank: usize,
         step: i64,
         reason: String,
     },
@@ -152,7 +154,9 @@ impl Books {
         }
     }
 
-    pub(crate) fn report(&self, r: &Report) {
+    /// Group rank `rank`'s report. A step not committed is counted once,
+    /// at rank 0's report (as commits are), every rank's reason kept.
+    pub(crate) fn report(&self, rank: usize, r: &Report) {
         match r {
             Report::Heal {
                 step,
@@ -173,10 +177,11 @@ impl Books {
             }
             Report::NotCommitted { step, reason } => {
                 self.status.send_modify(|s| {
-                    s.not_committed += 1;
+                    s.not_committed += u64::from(rank == 0);
                     s.last_not_committed_reason = Some(reason.clone());
                 });
                 self.emit(FtEvent::NotCommitted {
+                    rank,
                     step: *step,
                     reason: reason.clone(),
                 });
@@ -307,20 +312,29 @@ mod tests {
     fn reports_are_counted() {
         let b = Books::new("a", "http://lh:1");
         let st = b.status();
-        b.report(&Report::Heal {
-            step: 3,
-            bytes: 10,
-            seconds: 0.5,
-            sources: vec![],
-        });
-        b.report(&Report::NotCommitted {
-            step: 4,
-            reason: "nan".into(),
-        });
+        b.report(
+            0,
+            &Report::Heal {
+                step: 3,
+                bytes: 10,
+                seconds: 0.5,
+                sources: vec![],
+            },
+        );
+        // A group of two: both ranks report the step; it counts once.
+        for (rank, reason) in [(1, "rank 1's nan"), (0, "nan")] {
+            b.report(
+                rank,
+                &Report::NotCommitted {
+                    step: 4,
+                    reason: reason.into(),
+                },
+            );
+        }
         b.committed();
         let s = st.borrow().clone();
         assert_eq!((s.heals, s.heal_bytes, s.heal_seconds), (1, 10, 0.5));
-        assert_eq!(s.not_committed, 1);
+        assert_eq!(s.not_committed, 1, "one step, counted once");
         assert_eq!(s.last_not_committed_reason.as_deref(), Some("nan"));
         assert_eq!(s.commits, 1);
     }

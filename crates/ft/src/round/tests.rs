@@ -133,6 +133,7 @@ fn the_lighthouse_is_called_once_all_ranks_called_with_the_group_member() {
         panic!("{a:?}")
     };
     assert_eq!(*call, 1);
+    assert!(r.awaits(1) && !r.awaits(0) && !r.awaits(2));
     assert_eq!(*deadline, now + T, "the earliest caller's deadline");
     assert_eq!(member.replica_id, "g0");
     assert_eq!(member.address, "mgr:1");
@@ -417,7 +418,9 @@ fn workers_stopped_while_the_lighthouse_call_is_in_flight() {
         [(0, "quorum stopped: rank 0 exited with 1".into())]
     );
     assert!(matches!(a.last(), Some(Action::DropConnection { .. })));
-    // The call's answer comes after the stop: nobody is answered.
+    // The call's answer comes after the stop: stale (the server keeps it
+    // out of the status), and nobody is answered.
+    assert!(!r.awaits(1));
     let a = r.handle(Event::LighthouseAnswered {
         call: 1,
         quorum: issued(&[member]),
@@ -539,7 +542,7 @@ enum Step {
     Hello(u64),
     Gone(Rank),
     Quorum(Rank, i64),
-    Vote(Rank, bool),
+    Vote(Rank, i64, bool),
     Answer,
     Fail,
     Tick(u64),
@@ -551,7 +554,7 @@ fn step() -> impl Strategy<Value = Step> {
         (0u64..4).prop_map(Step::Hello),
         (0usize..3).prop_map(Step::Gone),
         (0usize..3, 0i64..3).prop_map(|(r, s)| Step::Quorum(r, s)),
-        (0usize..3, any::<bool>()).prop_map(|(r, v)| Step::Vote(r, v)),
+        (0usize..3, 0i64..2, any::<bool>()).prop_map(|(r, s, v)| Step::Vote(r, s, v)),
         Just(Step::Answer),
         Just(Step::Fail),
         (0u64..15).prop_map(Step::Tick),
@@ -567,6 +570,8 @@ struct Model {
     waiting: BTreeMap<Rank, &'static str>,
     connected: bool,
     calls: Vec<(u64, QuorumMember)>,
+    /// The waiting votes: step and vote.
+    votes: BTreeMap<Rank, (i64, bool)>,
 }
 
 impl Model {
@@ -595,11 +600,27 @@ impl Model {
                 Action::AnswerQuorum { rank, .. } => {
                     prop_assert_eq!(self.waiting.remove(rank), Some("q"), "answered twice");
                 }
-                Action::AnswerCommit { rank, .. } => {
+                Action::AnswerCommit { rank, commit } => {
+                    if *commit {
+                        let steps: BTreeSet<i64> = self.votes.values().map(|v| v.0).collect();
+                        prop_assert_eq!(self.votes.len(), w, "a commit before all W voted");
+                        prop_assert_eq!(
+                            steps.len(),
+                            1,
+                            "a commit of votes on different steps: {:?}",
+                            self.votes
+                        );
+                        prop_assert!(
+                            self.votes.values().all(|v| v.1),
+                            "a commit with a false vote"
+                        );
+                    }
                     prop_assert_eq!(self.waiting.remove(rank), Some("v"), "answered twice");
+                    self.votes.remove(rank);
                 }
                 Action::Fail { rank, .. } => {
                     prop_assert!(self.waiting.remove(rank).is_some(), "failed twice");
+                    self.votes.remove(rank);
                 }
             }
         }
@@ -637,12 +658,13 @@ proptest! {
                     m.waiting.insert(rank, "q");
                     Event::Quorum { rank, call: call(step, rank), now }
                 }
-                Step::Vote(rank, v) => {
+                Step::Vote(rank, step, v) => {
                     if !m.held.contains(&rank) || m.waiting.contains_key(&rank) {
                         continue;
                     }
                     m.waiting.insert(rank, "v");
-                    Event::Vote { rank, step: 0, vote: v, timeout: T, now }
+                    m.votes.insert(rank, (step, v));
+                    Event::Vote { rank, step, vote: v, timeout: T, now }
                 }
                 Step::Answer => match m.calls.last() {
                     Some((call, member)) => {

@@ -597,8 +597,8 @@ fn say_event(group: &str, e: &FtEvent) {
         FtEvent::Heal { step, bytes, seconds } => say!(
             "rally run: replica group {group:?}: healed to step {step} ({bytes} bytes in {seconds:.3} s)"
         ),
-        FtEvent::NotCommitted { step, reason } => {
-            say!("rally run: replica group {group:?}: step {step} not committed: {reason}")
+        FtEvent::NotCommitted { rank, step, reason } => {
+            say!("rally run: replica group {group:?}: step {step} not committed (group rank {rank}): {reason}")
         }
         FtEvent::LighthouseLost { error } => {
             say!("rally run: replica group {group:?}: lost the lighthouse: {error}")
@@ -625,9 +625,10 @@ fn event_json(e: &FtEvent) -> (&'static str, Value) {
             "ft.heal",
             json!({"step": step, "bytes": bytes, "seconds": seconds}),
         ),
-        FtEvent::NotCommitted { step, reason } => {
-            ("ft.not_committed", json!({"step": step, "reason": reason}))
-        }
+        FtEvent::NotCommitted { rank, step, reason } => (
+            "ft.not_committed",
+            json!({"group_rank": rank, "step": step, "reason": reason}),
+        ),
         FtEvent::LighthouseLost { error } => ("ft.lighthouse_lost", json!({"error": error})),
         FtEvent::IdRefused { reason } => ("ft.id_refused", json!({"reason": reason})),
     }
