@@ -38,8 +38,10 @@
 //!   stayed at different steps and never committed again (both found by
 //!   `tests/sim.rs`). torchft's manager has the hole: it reports one
 //!   rank's step (a `TODO check step`). With no whole participant (a
-//!   lone group whose partial heal lost its source) nothing can make the
-//!   group whole: its votes fail naming the ranks' steps, every step.
+//!   lone group whose partial heal lost its source) nobody heals, as no
+//!   source is sound: the group's votes fail naming the ranks' steps,
+//!   every step. (The Python `Manager` loads a heal only on a commit, so
+//!   a partial heal needs a state that failed to load after the vote.)
 
 use std::collections::BTreeSet;
 
@@ -123,6 +125,13 @@ pub fn whole_step(member: &QuorumMember) -> Option<i64> {
     }
 }
 
+/// The quorum's max step: the highest whole participant's, or with none
+/// whole, the highest member step (`None` for no participant).
+pub fn max_step(participants: &[QuorumMember]) -> Option<i64> {
+    let whole = participants.iter().filter_map(whole_step).max();
+    whole.or_else(|| participants.iter().map(|p| p.step).max())
+}
+
 /// Group rank `group_rank`'s result of `quorum` for the replica `replica_id`.
 pub fn compute(
     replica_id: &str,
@@ -139,7 +148,7 @@ pub fn compute(
         .ok_or_else(not_in)?;
 
     // Only a whole participant is a source; with none, each counts at
-    // its member's step (nothing can make a group whole then).
+    // its member's step and nobody heals.
     let whole: Vec<Option<i64>> = participants.iter().map(|p| whole_step(p)).collect();
     let none_whole = whole.iter().all(Option::is_none);
     let step = |i: usize| {
@@ -149,10 +158,7 @@ pub fn compute(
             whole[i]
         }
     };
-    let max_step = (0..participants.len())
-        .filter_map(step)
-        .max()
-        .ok_or_else(not_in)?;
+    let max_step = max_step(&quorum.participants).ok_or_else(not_in)?;
     let at_max = |i: usize| step(i) == Some(max_step);
     let max_participants: Vec<&QuorumMember> = (0..participants.len())
         .filter(|&i| at_max(i))
@@ -165,9 +171,13 @@ pub fn compute(
     let primary = max_participants[group_rank % max_participants.len()];
 
     let force_recover = init_sync && max_step == 0;
+    // With no whole participant there is no sound source: nobody heals
+    // (a heal from a group whose ranks differ would mislabel a state).
     let recovering: Vec<usize> = (0..participants.len())
         .filter(|&i| {
-            !at_max(i) || (force_recover && participants[i].replica_id != primary.replica_id)
+            !none_whole
+                && (!at_max(i)
+                    || (force_recover && participants[i].replica_id != primary.replica_id))
         })
         .collect();
     let recovering_set: BTreeSet<usize> = recovering.iter().copied().collect();
@@ -419,7 +429,9 @@ mod tests {
             assert_eq!(res.max_step, 0);
             assert_eq!(res.recover_src_replica_rank, Some(0));
         }
-        // No whole participant: each counts at its member's step.
+        // No whole participant: each counts at its member's step, and
+        // nobody heals (from the review: A = [3, 5] healing from B = [4, 6]
+        // at "step 4" would take B's rank 1 at step 6 and call it 4).
         let lone = Quorum {
             quorum_id: 1,
             participants: vec![mixed(1, &[0, 2])],
@@ -428,6 +440,21 @@ mod tests {
         let res = r(&lone, "replica_1", 1, true);
         assert!(!res.heal);
         assert_eq!(res.max_step, 0);
+        let two = Quorum {
+            quorum_id: 1,
+            participants: vec![mixed(0, &[3, 5]), mixed(1, &[4, 6])],
+            created: None,
+        };
+        for (id, rank) in [
+            ("replica_0", 0),
+            ("replica_0", 1),
+            ("replica_1", 0),
+            ("replica_1", 1),
+        ] {
+            let res = r(&two, id, rank, true);
+            assert!(!res.heal, "{id} rank {rank}: {res:?}");
+            assert!(res.recover_dst_replica_ranks.is_empty());
+        }
     }
 
     proptest! {
@@ -437,7 +464,14 @@ mod tests {
         /// the ranks of one participant may be at different steps.
         #[test]
         fn every_recovering_replica_gets_an_up_to_date_source(
-            by_rank in proptest::collection::vec(proptest::collection::vec(0i64..3, 4), 1..7),
+            // Half the participants whole (all ranks at one step).
+            by_rank in proptest::collection::vec(
+                prop_oneof![
+                    (0i64..3).prop_map(|s| vec![s; 4]),
+                    proptest::collection::vec(0i64..3, 4),
+                ],
+                1..7,
+            ),
             group_rank in 0usize..4,
             init_sync in any::<bool>(),
         ) {
@@ -464,7 +498,9 @@ mod tests {
             let mut load = vec![0usize; steps.len()];
             for (i, res) in all.iter().enumerate() {
                 prop_assert_eq!(res.max_step, max);
-                if steps[i] != max {
+                if none_whole {
+                    prop_assert!(!res.heal, "no sound source: nobody heals");
+                } else if steps[i] != max {
                     prop_assert!(res.heal);
                 }
                 if let Some(src) = res.recover_src_replica_rank {

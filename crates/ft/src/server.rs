@@ -61,6 +61,11 @@ pub struct Config {
     /// every worker connection before its hello. By default the process's,
     /// else `RALLY_JOB_SECRET_FILE`'s ([`rallypoint_auth::job_secret`]).
     pub secret: Option<rallypoint_auth::JobSecret>,
+    /// How long the lighthouse may refuse this group's id as held by
+    /// another live process before [`Status::id_refused`] says so for
+    /// good: above the lighthouse's heartbeat timeout
+    /// ([`crate::status::ID_HELD_GRACE`] by default).
+    pub id_held_grace: Duration,
 }
 
 impl Config {
@@ -77,6 +82,7 @@ impl Config {
             connect_timeout: Duration::from_secs(60),
             worker_keep_alive: WORKER_KEEP_ALIVE,
             secret: rallypoint_auth::job_secret().ok().flatten(),
+            id_held_grace: crate::status::ID_HELD_GRACE,
         }
     }
 }
@@ -198,7 +204,7 @@ impl Manager {
             link_tx,
         )
         .map_err(Error::Config)?;
-        let books = Books::new(&config.replica_id, client.url());
+        let books = Books::new(&config.replica_id, client.url(), config.id_held_grace);
         let status = books.status();
         let events = books.events();
         let setup = Setup {
@@ -617,7 +623,7 @@ impl Core {
                 // change what the status shows.
                 Ok(quorum) if self.round.awaits(call) => {
                     let members = quorum.participants.iter().map(|p| p.replica_id.clone());
-                    let max_step = quorum.participants.iter().map(|p| p.step).max();
+                    let max_step = crate::results::max_step(&quorum.participants);
                     self.books
                         .quorum(quorum.quorum_id, members.collect(), max_step.unwrap_or(0));
                     self.feed(Event::LighthouseAnswered { call, quorum });
@@ -633,6 +639,9 @@ impl Core {
             Msg::Link(Link::Lost(e)) => self.books.lost(e),
             Msg::Link(Link::IdHeld(e)) => self.books.id_held(&e, std::time::Instant::now()),
             Msg::WorkersStopped(reason) => {
+                // Refusals of the id before the stop do not count towards
+                // the next workers' (a restart takes a while).
+                self.books.id_not_held();
                 self.feed(Event::WorkersStopped { reason });
                 // Every rank is released (see `round`): the old
                 // connections no longer speak for the group.

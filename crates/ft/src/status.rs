@@ -34,17 +34,18 @@ pub struct Status {
     pub heal_bytes: u64,
     pub heal_seconds: f64,
     pub last_error: Option<String>,
-    /// Set once the lighthouse has refused this group's id for
-    /// [`ID_HELD_GRACE`] on end: another live group has it. Fatal for the
-    /// run (`rally run --ft` stops on it).
+    /// Set once the lighthouse has refused this group's id for its grace
+    /// (`Config::id_held_grace`) on end: another live group has it. Fatal
+    /// for the run (`rally run --ft` stops on it).
     pub id_refused: Option<String>,
 }
 
-/// How long the lighthouse may refuse this group's id ("held by another
-/// live process") before the group takes it for another live group's.
-/// Above `rally lighthouse`'s default keep-alive (1 s): when a group's
-/// manager moves to another node, or its host died and the group came
-/// back at once, the old holder's session may outlive it that long.
+/// The default of how long the lighthouse may refuse this group's id
+/// ("held by another live process") before the group takes it for another
+/// live group's: above `rally lighthouse`'s default heartbeat timeout
+/// (1 s), since when a group's host died and the group came back at once,
+/// the old holder counts as live that long (`rally run` sets it from the
+/// lighthouse's own timeout).
 pub const ID_HELD_GRACE: std::time::Duration = std::time::Duration::from_millis(2500);
 
 /// Something the agent shows.
@@ -76,8 +77,8 @@ pub enum FtEvent {
     LighthouseLost {
         error: String,
     },
-    /// The lighthouse refused this group's id for [`ID_HELD_GRACE`]:
-    /// another live group has it.
+    /// The lighthouse refused this group's id for its grace
+    /// (`Config::id_held_grace`): another live group has it.
     IdRefused {
         reason: String,
     },
@@ -89,10 +90,15 @@ pub(crate) struct Books {
     events: broadcast::Sender<FtEvent>,
     /// Since when every quorum call was refused "held" (none issued since).
     held_since: std::cell::Cell<Option<std::time::Instant>>,
+    held_grace: std::time::Duration,
 }
 
 impl Books {
-    pub(crate) fn new(replica_id: &str, lighthouse: &str) -> Books {
+    pub(crate) fn new(
+        replica_id: &str,
+        lighthouse: &str,
+        held_grace: std::time::Duration,
+    ) -> Books {
         let status = Status {
             replica_id: replica_id.to_owned(),
             lighthouse: lighthouse.to_owned(),
@@ -102,6 +108,7 @@ impl Books {
             status: watch::Sender::new(status),
             events: broadcast::Sender::new(1024),
             held_since: std::cell::Cell::new(None),
+            held_grace,
         }
     }
 
@@ -204,12 +211,13 @@ impl Books {
     }
 
     /// A quorum call refused at `now`: another live process holds the id.
-    /// Once that has lasted [`ID_HELD_GRACE`] without a quorum issued in
-    /// between, the id is taken for another live group's, for good.
+    /// Once that has lasted the grace without a quorum issued or the
+    /// workers stopped in between, the id is taken for another live
+    /// group's, for good.
     pub(crate) fn id_held(&self, message: &str, now: std::time::Instant) {
         let since = self.held_since.get().unwrap_or(now);
         self.held_since.set(Some(since));
-        if now.duration_since(since) < ID_HELD_GRACE {
+        if now.duration_since(since) < self.held_grace {
             return;
         }
         let reason = {
@@ -230,6 +238,11 @@ impl Books {
         self.emit(FtEvent::IdRefused { reason });
     }
 
+    /// The workers stopped: refusals so far do not count.
+    pub(crate) fn id_not_held(&self) {
+        self.held_since.set(None);
+    }
+
     pub(crate) fn lost(&self, error: String) {
         self.status.send_modify(|s| {
             s.connected = false;
@@ -245,14 +258,17 @@ mod tests {
 
     #[test]
     fn an_id_refused_for_the_grace_is_fatal_once_and_a_quorum_between_resets_it() {
-        let b = Books::new("g7", "http://lh:1");
+        let b = Books::new("g7", "http://lh:1", ID_HELD_GRACE);
         let st = b.status();
         let mut ev = b.events().subscribe();
         let t0 = std::time::Instant::now();
         b.id_held("held by manager m:1", t0);
         b.id_held("held by manager m:1", t0 + ID_HELD_GRACE / 2);
-        // A quorum issued in between: the refusals were a passing race.
+        // A quorum issued in between: the refusals were a passing race;
+        // so are refusals before the workers stopped.
         b.quorum(1, vec!["g7".into()], 0);
+        b.id_held("held by manager m:1", t0);
+        b.id_not_held();
         b.id_held("held by manager m:1", t0 + ID_HELD_GRACE);
         assert_eq!(st.borrow().id_refused, None);
         b.id_held("held by manager m:1", t0 + ID_HELD_GRACE * 2);
@@ -274,7 +290,7 @@ mod tests {
 
     #[test]
     fn joins_and_drops_are_counted_between_quorums() {
-        let b = Books::new("a", "http://lh:1");
+        let b = Books::new("a", "http://lh:1", ID_HELD_GRACE);
         let st = b.status();
         let mut ev = b.events().subscribe();
         b.quorum(1, vec!["b".into(), "a".into()], 3);
@@ -310,7 +326,7 @@ mod tests {
 
     #[test]
     fn reports_are_counted() {
-        let b = Books::new("a", "http://lh:1");
+        let b = Books::new("a", "http://lh:1", ID_HELD_GRACE);
         let st = b.status();
         b.report(
             0,

@@ -10,7 +10,8 @@
 //!   decisions: hello; a quorum call with its step (`init_sync`); when
 //!   told to heal, it reads the source's checkpoint (the source's worker
 //!   of the same group rank, alive, answered the same quorum, at its max
-//!   step) and takes its step and state; a step's compute; the
+//!   step) and parks its step and state, loaded only on a commit (the
+//!   Python `Manager` does the same); a step's compute; the
 //!   cross-replica allreduce of group rank `r` among the quorum's
 //!   participants (done when every participant's rank `r` arrived; failed
 //!   when one of them dies, the lighthouse aborts the quorum, or at its
@@ -84,9 +85,11 @@
 //! state diverged (seeds 42, 44, 208, 251, 296, 360, 482, 944); and when
 //! the source died, per-rank rules left a group at two steps for good,
 //! its votes failing every step (seeds 6773, 8655). Each rank's step is
-//! now in the member's `data`, and a group is a source only when whole
-//! (`crate::results`'s module docs; `results.rs` tests). (c) fixed in
-//! the simulator: a participant that gave up an allreduce at its timeout
+//! now in the member's `data`, a group is a source only when whole
+//! (`crate::results`'s module docs; `results.rs` tests), and a heal is
+//! loaded only on the group's commit, so a heal that failed on one rank
+//! is dropped on all (the Python `Manager`, and the workers here). (c)
+//! fixed in the simulator: a participant that gave up an allreduce at its timeout
 //! left it open, so a late peer completed it afterwards and handed the
 //! first a result of a step it had left (seed 360); a real collective
 //! fails for all. A worker the agent stopped before its hello said hello

@@ -23,13 +23,15 @@ protocol). Each step:
    sums the tensor across the replicas of the quorum and divides by the
    number that take part. A replica that is healing (asynchronous quorum)
    takes part with zeros and does not count. Its Work never raises.
-3. ``should_commit()`` (from ``Optimizer.step``) loads a parked healed state,
-   votes yes if nothing failed in the step and at least ``min_replicas``
-   take part, and returns the replica group's decision (the AND of its
-   ranks' votes). It then freezes the staged state (the optimizer is about
-   to change those tensors). A commit counts the step; a step not committed
-   counts a failure, its reason logged once per distinct reason (numbers
-   aside), counted in :attr:`not_committed` and reported to the manager.
+3. ``should_commit()`` (from ``Optimizer.step``) votes yes if nothing
+   failed in the step and at least ``min_replicas`` take part, and returns
+   the replica group's decision (the AND of its ranks' votes). A parked
+   healed state is loaded only on a commit, so a heal that failed on one
+   rank of a group is dropped on all of them. It then freezes the staged
+   state (the optimizer is about to change those tensors). A commit counts
+   the step; a step not committed counts a failure, its reason logged once
+   per distinct reason (numbers aside), counted in :attr:`not_committed`
+   and reported to the manager.
    After more than ``max_retries`` failures in a row it raises (torchft's
    rule against live locks); otherwise nothing in a step ever raises.
 
@@ -321,6 +323,8 @@ class Manager:
         if not q.heal:
             return
         self._healing = True
+        # The step it heals to, what its vote names even if the heal fails.
+        self._pending_step = q.max_step
         if not q.recover_src_metadata:
             raise ManagerError(f"rallypoint.ft: quorum {q.quorum_id} says heal but names no source's metadata")
         t0 = time.perf_counter()
@@ -329,7 +333,6 @@ class Manager:
         if not isinstance(got, dict) or "user" not in got or "manager" not in got:
             raise ManagerError(f"rallypoint.ft: the state healed from {q.recover_src_metadata} is not a Manager's (no 'user'/'manager')")
         self._pending_state = got
-        self._pending_step = q.max_step
         self.heals += 1
         nbytes = sum(t.numel() * t.element_size() for t in tree_leaves(got) if isinstance(t, torch.Tensor))
         log.info("rallypoint.ft: healed step %d from %s: %d bytes in %.3f s", q.max_step, q.recover_src_metadata, nbytes, seconds)
@@ -338,29 +341,31 @@ class Manager:
         except ManagerError as e:
             log.warning("rallypoint.ft: the heal of step %d was not reported: %s", q.max_step, e)
 
-    def _apply_pending_state(self) -> None:
+    def _apply_pending_state(self) -> bool:
         """Loads a healed state into the registered objects, then takes its
-        step (training thread). A state that fails to load is an error of
-        the step, and this rank's step stays behind. (The group's manager
-        then counts the group as not whole, and every rank of it heals from
-        a whole group at the next quorum: ``crates/ft/src/results.rs``.)"""
+        step (training thread); whether it did. A state that fails to load
+        is an error of the step, and this rank's step stays behind: the
+        group's manager then counts the group as not whole, and every rank
+        of it heals from a whole group at the next quorum
+        (``crates/ft/src/results.rs``)."""
         self.wait_quorum()
         pending, self._pending_state = self._pending_state, None
         if pending is None:
-            return  # the heal failed: the error is recorded
+            return False  # the heal failed: the error is recorded
         user = pending["user"]
         missing = [k for k in self._load_fns if k not in user]
         if missing:
             self.report_error(ManagerError(f"rallypoint.ft: the healed state lacks {missing} (the source registered {sorted(user)})"))
-            return
+            return False
         try:
             for key, load in self._load_fns.items():
                 load(user[key])
             self.load_state_dict(pending["manager"])
         except Exception as e:  # noqa: BLE001 - the step is not committed
             self.report_error(RuntimeError(f"rallypoint.ft: loading the state healed at step {self._pending_step} failed: {type(e).__name__}: {e}"))
-            return
+            return False
         self._step = self._pending_step
+        return True
 
     def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op: ReduceOp = ReduceOp.AVG):
         """Sums ``tensor`` in place across the quorum's replicas and, for
@@ -404,18 +409,27 @@ class Manager:
         err = self._pg.errored() if self._quorum_id is not None else None
         if err is not None:
             self.report_error(err)
-        if self._healing:
-            self._apply_pending_state()
         n = self.num_participants()
         enough = n >= self._min_replicas
         vote = enough and self._errored is None
         t = self._timeout if timeout is None else _seconds("timeout", timeout)
+        # A healing rank (asynchronous quorum; the synchronous one loaded
+        # its heal in start_quorum) votes on the step it heals to, and loads
+        # the healed state only once its whole group voted to commit: a heal
+        # that failed on another rank of the group is dropped on every rank,
+        # so the group's ranks stay at one step (torchft loads it first).
+        healing = self._healing
         try:
-            commit = self._client.should_commit(self._step, vote, t)
+            commit = self._client.should_commit(self._pending_step if healing else self._step, vote, t)
         except ManagerError as e:
             self.report_error(e)
             commit = False
         self._server.freeze()
+        if healing:
+            if commit:
+                commit = self._apply_pending_state()
+            else:
+                self._pending_state = None
         if commit:
             self._step += 1
             self._batches_committed += n

@@ -3,6 +3,7 @@
 
 use super::*;
 use proptest::prelude::*;
+use proptest::strategy::ValueTree;
 
 const T: Duration = Duration::from_secs(10);
 
@@ -550,15 +551,17 @@ enum Step {
 }
 
 fn step() -> impl Strategy<Value = Step> {
+    // Votes often and mostly true, so that W true votes on one step (a
+    // commit) happen in many orders.
     prop_oneof![
-        (0u64..4).prop_map(Step::Hello),
-        (0usize..3).prop_map(Step::Gone),
-        (0usize..3, 0i64..3).prop_map(|(r, s)| Step::Quorum(r, s)),
-        (0usize..3, 0i64..2, any::<bool>()).prop_map(|(r, s, v)| Step::Vote(r, s, v)),
-        Just(Step::Answer),
-        Just(Step::Fail),
-        (0u64..15).prop_map(Step::Tick),
-        Just(Step::Stop),
+        2 => (0u64..4).prop_map(Step::Hello),
+        1 => (0usize..3).prop_map(Step::Gone),
+        2 => (0usize..3, 0i64..3).prop_map(|(r, s)| Step::Quorum(r, s)),
+        4 => (0usize..3, 0i64..2, proptest::bool::weighted(0.8)).prop_map(|(r, s, v)| Step::Vote(r, s, v)),
+        1 => Just(Step::Answer),
+        1 => Just(Step::Fail),
+        1 => (0u64..15).prop_map(Step::Tick),
+        1 => Just(Step::Stop),
     ]
 }
 
@@ -572,11 +575,16 @@ struct Model {
     calls: Vec<(u64, QuorumMember)>,
     /// The waiting votes: step and vote.
     votes: BTreeMap<Rank, (i64, bool)>,
+    /// Commits answered (rank by rank).
+    commits: u64,
 }
 
 impl Model {
     /// Applies the actions, checking the invariants.
     fn apply(&mut self, actions: &[Action], w: usize) -> Result<(), TestCaseError> {
+        // The votes as they were before this batch (one vote's answers
+        // come together, one per rank).
+        let votes = self.votes.clone();
         for a in actions {
             match a {
                 Action::Welcome { rank } => {
@@ -602,18 +610,16 @@ impl Model {
                 }
                 Action::AnswerCommit { rank, commit } => {
                     if *commit {
-                        let steps: BTreeSet<i64> = self.votes.values().map(|v| v.0).collect();
-                        prop_assert_eq!(self.votes.len(), w, "a commit before all W voted");
+                        let steps: BTreeSet<i64> = votes.values().map(|v| v.0).collect();
+                        prop_assert_eq!(votes.len(), w, "a commit before all W voted");
                         prop_assert_eq!(
                             steps.len(),
                             1,
                             "a commit of votes on different steps: {:?}",
-                            self.votes
+                            votes
                         );
-                        prop_assert!(
-                            self.votes.values().all(|v| v.1),
-                            "a commit with a false vote"
-                        );
+                        prop_assert!(votes.values().all(|v| v.1), "a commit with a false vote");
+                        self.commits += 1;
                     }
                     prop_assert_eq!(self.waiting.remove(rank), Some("v"), "answered twice");
                     self.votes.remove(rank);
@@ -628,79 +634,122 @@ impl Model {
     }
 }
 
+/// One random order (below): the invariants after every event; the
+/// commits answered.
+fn run_order(steps: Vec<Step>) -> Result<u64, TestCaseError> {
+    let w = 2;
+    let start = Instant::now();
+    let mut now = start;
+    let mut r = Round::new(setup(w));
+    let mut m = Model::default();
+    for s in steps {
+        let ev = match s {
+            Step::Hello(rank) => Event::Hello {
+                rank,
+                world_size: w as u64,
+            },
+            Step::Gone(rank) => {
+                // The server reports only held ranks' connections.
+                if !m.held.remove(&rank) {
+                    continue;
+                }
+                Event::RankGone { rank }
+            }
+            Step::Quorum(rank, step) => {
+                if !m.held.contains(&rank) || m.waiting.contains_key(&rank) {
+                    continue;
+                }
+                m.waiting.insert(rank, "q");
+                Event::Quorum {
+                    rank,
+                    call: call(step, rank),
+                    now,
+                }
+            }
+            Step::Vote(rank, step, v) => {
+                if !m.held.contains(&rank) || m.waiting.contains_key(&rank) {
+                    continue;
+                }
+                m.waiting.insert(rank, "v");
+                m.votes.insert(rank, (step, v));
+                Event::Vote {
+                    rank,
+                    step,
+                    vote: v,
+                    timeout: T,
+                    now,
+                }
+            }
+            Step::Answer => match m.calls.last() {
+                Some((call, member)) => Event::LighthouseAnswered {
+                    call: *call,
+                    quorum: issued(std::slice::from_ref(member)),
+                },
+                None => continue,
+            },
+            Step::Fail => match m.calls.last() {
+                Some((call, _)) => Event::LighthouseFailed {
+                    call: *call,
+                    error: "x".into(),
+                },
+                None => continue,
+            },
+            Step::Tick(s) => {
+                now += Duration::from_secs(s);
+                Event::Tick { now }
+            }
+            Step::Stop => {
+                // Every rank is released: the server forgets the old
+                // connections.
+                m.held.clear();
+                Event::WorkersStopped {
+                    reason: "stopped".into(),
+                }
+            }
+        };
+        let stop = matches!(ev, Event::WorkersStopped { .. } | Event::RankGone { .. });
+        let was_connected = m.connected;
+        let actions = r.handle(ev);
+        m.apply(&actions, w)?;
+        if stop {
+            prop_assert!(m.waiting.is_empty(), "a stop fails every waiting call");
+            prop_assert!(!m.connected, "a stop drops the connection");
+            let dropped = actions
+                .iter()
+                .any(|a| matches!(a, Action::DropConnection { .. }));
+            prop_assert_eq!(dropped, was_connected);
+            prop_assert_eq!(r.next_deadline(), None);
+        }
+        if let Some(d) = r.next_deadline() {
+            prop_assert!(d > now, "a deadline passed without its tick");
+        }
+    }
+    Ok(m.commits)
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
 
-    /// Random orders of hellos, calls, answers, deadlines and stops: a
-    /// call is answered at most once; no lighthouse call before all W
-    /// arrived; a stop fails every waiting call and drops the connection.
+    /// Random orders of hellos, calls, answers, votes on random steps,
+    /// deadlines and stops: a call is answered at most once; no lighthouse
+    /// call before all W arrived; a commit only of W true votes on one
+    /// step; a stop fails every waiting call and drops the connection.
     #[test]
     fn invariants_hold_over_random_orders(steps in proptest::collection::vec(step(), 1..60)) {
-        let w = 2;
-        let start = Instant::now();
-        let mut now = start;
-        let mut r = Round::new(setup(w));
-        let mut m = Model::default();
-        for s in steps {
-            let ev = match s {
-                Step::Hello(rank) => Event::Hello { rank, world_size: w as u64 },
-                Step::Gone(rank) => {
-                    // The server reports only held ranks' connections.
-                    if !m.held.remove(&rank) {
-                        continue;
-                    }
-                    Event::RankGone { rank }
-                }
-                Step::Quorum(rank, step) => {
-                    if !m.held.contains(&rank) || m.waiting.contains_key(&rank) {
-                        continue;
-                    }
-                    m.waiting.insert(rank, "q");
-                    Event::Quorum { rank, call: call(step, rank), now }
-                }
-                Step::Vote(rank, step, v) => {
-                    if !m.held.contains(&rank) || m.waiting.contains_key(&rank) {
-                        continue;
-                    }
-                    m.waiting.insert(rank, "v");
-                    m.votes.insert(rank, (step, v));
-                    Event::Vote { rank, step, vote: v, timeout: T, now }
-                }
-                Step::Answer => match m.calls.last() {
-                    Some((call, member)) => {
-                        Event::LighthouseAnswered { call: *call, quorum: issued(std::slice::from_ref(member)) }
-                    }
-                    None => continue,
-                },
-                Step::Fail => match m.calls.last() {
-                    Some((call, _)) => Event::LighthouseFailed { call: *call, error: "x".into() },
-                    None => continue,
-                },
-                Step::Tick(s) => {
-                    now += Duration::from_secs(s);
-                    Event::Tick { now }
-                }
-                Step::Stop => {
-                    // Every rank is released: the server forgets the old
-                    // connections.
-                    m.held.clear();
-                    Event::WorkersStopped { reason: "stopped".into() }
-                }
-            };
-            let stop = matches!(ev, Event::WorkersStopped { .. } | Event::RankGone { .. });
-            let was_connected = m.connected;
-            let actions = r.handle(ev);
-            m.apply(&actions, w)?;
-            if stop {
-                prop_assert!(m.waiting.is_empty(), "a stop fails every waiting call");
-                prop_assert!(!m.connected, "a stop drops the connection");
-                let dropped = actions.iter().any(|a| matches!(a, Action::DropConnection { .. }));
-                prop_assert_eq!(dropped, was_connected);
-                prop_assert_eq!(r.next_deadline(), None);
-            }
-            if let Some(d) = r.next_deadline() {
-                prop_assert!(d > now, "a deadline passed without its tick");
-            }
-        }
+        run_order(steps)?;
     }
+}
+
+/// The random orders do reach commits (else the commit rule above is
+/// never checked).
+#[test]
+fn random_orders_reach_commits() {
+    let mut runner = proptest::test_runner::TestRunner::deterministic();
+    let strategy = proptest::collection::vec(step(), 1..60);
+    let mut commits = 0;
+    for _ in 0..512 {
+        let steps = strategy.new_tree(&mut runner).unwrap().current();
+        commits += run_order(steps).unwrap();
+    }
+    assert!(commits > 0, "no commit in 512 random orders");
 }

@@ -76,6 +76,12 @@ pub struct Worker {
     pub ok: bool,
     /// The state after this step, once the allreduce is done.
     pub next_state: Option<u64>,
+    /// A healed step and state, loaded only on a commit (the Python
+    /// `Manager`'s `should_commit`): a heal that failed on another rank
+    /// of the group is dropped on every rank.
+    pub pending: Option<(i64, u64)>,
+    /// Counts this worker's allreduces: a timeout is for one of them.
+    pub allreduces: u64,
     pub stalled_until: Option<u64>,
 }
 
@@ -164,6 +170,8 @@ pub enum Ev {
         r: usize,
         inc: u64,
         q: i64,
+        /// The worker's allreduce it is for ([`Worker::allreduces`]).
+        n: u64,
     },
     RoundTick {
         g: usize,
@@ -544,6 +552,8 @@ impl Sim {
                 cur: None,
                 ok: true,
                 next_state: None,
+                pending: None,
+                allreduces: 0,
                 stalled_until: None,
             })
             .collect();
@@ -604,6 +614,7 @@ impl Sim {
         w.cur = None;
         w.ok = true;
         w.next_state = None;
+        w.pending = None;
         let call = QuorumCall {
             step: w.step,
             metadata: format!("transport-{g}-{r}"),
@@ -620,7 +631,8 @@ impl Sim {
     fn vote(&mut self, g: usize, r: usize) -> Result<(), Broken> {
         let w = &mut self.groups[g].workers[r];
         w.phase = Phase::Voting;
-        let (step, vote) = (w.step, w.ok && w.next_state.is_some());
+        let step = w.pending.map_or(w.step, |p| p.0);
+        let vote = w.ok && w.next_state.is_some();
         self.groups[g].pending.insert(r, "should_commit");
         let now = self.now();
         let timeout = Duration::from_millis(self.sc.timing.call);
@@ -661,16 +673,26 @@ impl Sim {
                     .as_ref()
                     .expect("answered")
                     .quorum_id;
-                self.groups[g].workers[r].phase = Phase::Allreduce { q };
-                self.at(self.t + t.allreduce, Ev::AllreduceTimeout { g, r, inc, q });
+                let w = &mut self.groups[g].workers[r];
+                w.phase = Phase::Allreduce { q };
+                w.allreduces += 1;
+                let n = w.allreduces;
+                self.at(
+                    self.t + t.allreduce,
+                    Ev::AllreduceTimeout { g, r, inc, q, n },
+                );
                 self.arrive(g, r, q)
             }
             Ev::AllreduceDone { q, ok, .. } => self.allreduce_over(g, r, q, ok),
-            Ev::AllreduceTimeout { q, .. } => {
+            Ev::AllreduceTimeout { q, n, .. } => {
+                let w = &self.groups[g].workers[r];
+                if w.phase != (Phase::Allreduce { q }) || w.allreduces != n {
+                    return Ok(()); // a timer of an allreduce that ended
+                }
                 // As a real collective: one participant giving up fails it
                 // for all (a late peer must not complete it afterwards and
                 // hand the others a result of a step they have left).
-                let max_step = self.groups[g].workers[r].cur.as_ref().map(|c| c.max_step);
+                let max_step = w.cur.as_ref().map(|c| c.max_step);
                 self.fail_allreduces(|k, _| (k.0, Some(k.1), k.2) == (q, max_step, r));
                 self.allreduce_over(g, r, q, false)
             }
@@ -712,9 +734,11 @@ impl Sim {
             }
             (Phase::Voting, Ans::Commit(c)) => {
                 let w = &mut self.groups[g].workers[r];
+                let pending = w.pending.take();
                 match w.next_state.filter(|_| c) {
                     Some(state) => {
-                        w.step += 1;
+                        // A heal is loaded on the commit only.
+                        w.step = pending.map_or(w.step, |p| p.0) + 1;
                         w.state = state;
                         w.commit_failures = 0;
                         let step = w.step;
@@ -763,9 +787,7 @@ impl Sim {
             && sw.step == res.max_step;
         if ready {
             let (step, state) = (sw.step, sw.state);
-            let w = &mut self.groups[g].workers[r];
-            w.step = step;
-            w.state = state;
+            self.groups[g].workers[r].pending = Some((step, state));
             self.log(|| format!("g{g}r{r} healed from g{sg} to step {step}"));
             self.compute(g, r, inc);
             Ok(())
@@ -782,7 +804,9 @@ impl Sim {
     /// Group `g`'s rank `r` arrives at quorum `q`'s allreduce.
     fn arrive(&mut self, g: usize, r: usize, q: i64) -> Result<(), Broken> {
         let w = &self.groups[g].workers[r];
-        let (inc, step, state) = (self.groups[g].inc, w.step, w.state);
+        // A healing worker takes part as it will be once its heal loads.
+        let (step, state) = w.pending.unwrap_or((w.step, w.state));
+        let inc = self.groups[g].inc;
         let cur = w.cur.as_ref().expect("answered");
         let key = (q, cur.max_step, r);
         let participants: Vec<usize> = cur

@@ -203,6 +203,7 @@ fn status_json(shared: &Shared) -> String {
         "participants": participants,
         "waiting": s.waiting,
         "healthy": s.healthy,
+        "heartbeat_timeout_ms": shared.heartbeat_timeout().as_millis() as u64,
         "reason": s.reason,
         "counters": {
             "joins": s.counters.joins,

@@ -524,6 +524,12 @@ impl Shared {
         self.inner.locked().machine.status(Instant::now())
     }
 
+    /// The heartbeat timeout: how long a silent replica still counts as
+    /// live (and holds its id).
+    pub fn heartbeat_timeout(&self) -> Duration {
+        self.inner.locked().machine.knobs().heartbeat_timeout
+    }
+
     /// A receiver of the watch board.
     pub fn board(&self) -> watch::Receiver<Board> {
         self.board.subscribe()

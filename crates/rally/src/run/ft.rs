@@ -174,14 +174,17 @@ impl Ft {
             Lighthouse::At(at) => at,
         };
         rt.block_on(reach(&lighthouse, plan.connect_timeout))?;
-        if !plan.multi_node {
-            // A later node of a group of several would find its own group live.
-            rt.block_on(not_live_elsewhere(&lighthouse, &plan.replica_group))?;
-        }
+        // A later node of a group of several would find its own group live.
+        let grace = if plan.multi_node {
+            rallypoint_ft::status::ID_HELD_GRACE
+        } else {
+            rt.block_on(not_live_elsewhere(&lighthouse, &plan.replica_group))?
+        };
         // Every interface, port 0, heartbeats every 100 ms, a worker silent
         // for 1 s after beating taken for stopped.
         let mut config = Config::new(&plan.replica_group, &lighthouse, world_size);
         config.connect_timeout = plan.connect_timeout;
+        config.id_held_grace = grace;
         let manager = rt
             .block_on(Manager::start(config))
             .with_context(|| format!("--ft: replica group {:?}", plan.replica_group))?;
@@ -228,8 +231,14 @@ impl Ft {
     /// Stops the run (as SIGTERM would) once the lighthouse has refused
     /// this group's id for good: two groups with one id started at the
     /// same moment both passed the check at start, and this one lost.
-    /// [`Ft::refused`] then says why.
+    /// [`Ft::refused`] then says why. Not for a group of several nodes:
+    /// its manager moves to the node that forms a round as group rank 0,
+    /// and the old node's session may hold the id a while (it is not
+    /// checked at start either).
     pub(super) fn stop_when_refused(&self, rt: &Runtime, stopper: Stopper) {
+        if self.multi_node {
+            return;
+        }
         let mut status = self.manager.status();
         rt.spawn(async move {
             if status.wait_for(|s| s.id_refused.is_some()).await.is_ok() {
@@ -333,34 +342,48 @@ async fn reach(lighthouse: &str, timeout: Duration) -> anyhow::Result<()> {
 }
 
 /// How long a replica id seen live at the lighthouse may take to go before
-/// this group takes it for another live group's: above `rally lighthouse`'s
-/// default keep-alive (1 s), so a group restarted right after its host died
-/// is not refused.
-const LIVE_GRACE: Duration = Duration::from_millis(2500);
+/// this group takes it for another live group's: the lighthouse's heartbeat
+/// timeout (a host that died and came back at once finds its old holder
+/// live that long) plus this margin, and at least
+/// [`rallypoint_ft::status::ID_HELD_GRACE`].
+const LIVE_MARGIN: Duration = Duration::from_millis(1500);
 
 /// Fails when the lighthouse (`rally lighthouse`'s `/status`) counts this
-/// replica group's id as a live replica for longer than [`LIVE_GRACE`]:
-/// another `rally run --ft` with the same `--ft-replica-group` is running.
-/// (Two groups started at the same moment both pass; the second's first
-/// quorum is then refused by the lighthouse, naming the id.) torchft's
-/// lighthouse has no JSON status: nothing is checked there.
-async fn not_live_elsewhere(lighthouse: &str, group: &str) -> anyhow::Result<()> {
-    let deadline = tokio::time::Instant::now() + LIVE_GRACE;
+/// replica group's id as a live replica for longer than its grace (see
+/// [`LIVE_MARGIN`]): another `rally run --ft` with the same
+/// `--ft-replica-group` is running. Returns that grace, which also bounds
+/// how long the manager lets the lighthouse refuse the id later (two groups
+/// started at the same moment both pass here). torchft's lighthouse has no
+/// JSON status (and takes a second join of an id as the first's): nothing
+/// is checked there.
+async fn not_live_elsewhere(lighthouse: &str, group: &str) -> anyhow::Result<Duration> {
+    let default = rallypoint_ft::status::ID_HELD_GRACE;
+    let mut grace = None;
+    let start = tokio::time::Instant::now();
     loop {
-        let healthy = match lighthouse_status(lighthouse).await {
-            Ok(v) => v["healthy"].as_array().cloned().unwrap_or_default(),
+        let status = match lighthouse_status(lighthouse).await {
+            Ok(v) => v,
             Err(e) => {
                 tracing::debug!(%lighthouse, error = %e, "no JSON status at the lighthouse: the group id is not checked");
-                return Ok(());
+                return Ok(default);
             }
         };
+        let grace = *grace.get_or_insert_with(|| {
+            let hb = status["heartbeat_timeout_ms"]
+                .as_u64()
+                .map(Duration::from_millis);
+            hb.map_or(default, |hb| (hb + LIVE_MARGIN).max(default))
+        });
+        let healthy = status["healthy"].as_array().cloned().unwrap_or_default();
         if !healthy.iter().any(|h| h == group) {
-            return Ok(());
+            return Ok(grace);
         }
+        let deadline = start + grace;
         if tokio::time::Instant::now() >= deadline {
             bail!(
-                "replica group {group:?} is live at the lighthouse {lighthouse} already: another `rally run --ft` \
-                 has --ft-replica-group {group}; each live group needs its own id"
+                "replica group {group:?} is live at the lighthouse {lighthouse} already (for {:.1} s): another \
+                 `rally run --ft` has --ft-replica-group {group}; each live group needs its own id",
+                grace.as_secs_f64()
             );
         }
         tokio::time::sleep(Duration::from_millis(250)).await;

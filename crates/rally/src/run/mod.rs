@@ -103,8 +103,10 @@ pub fn run(a: RunArgs) -> anyhow::Result<i32> {
     }
     // On this thread: the workers' parent-death signal follows it.
     let mut outcome = rt.block_on(agent.run());
-    if let Some(reason) = ft.as_ref().and_then(ft::Ft::refused) {
-        // The stop was ours (a SIGTERM of the agent's own), not a user's.
+    if let (Some(reason), Outcome::Signaled { .. }) =
+        (ft.as_ref().and_then(ft::Ft::refused), &outcome)
+    {
+        // The stop was ours (the agent's Stopper), not a user's signal.
         outcome = Outcome::Error(format!("--ft: {reason}"));
     }
     match watchdog {

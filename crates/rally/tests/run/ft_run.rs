@@ -187,7 +187,8 @@ fn a_group_id_held_by_a_live_group_is_refused_at_once() {
 }
 
 /// Two `rally run --ft` with one replica group id started at the same
-/// moment: both pass the check at start (neither is live yet). The
+/// moment: both pass the check at start (neither is live yet: a worker's
+/// hello, seconds away behind torch's import, makes a group live). The
 /// lighthouse takes the first join; the other's joins are refused, and
 /// once that has lasted the grace (2.5 s) that run stops its workers and
 /// fails, naming the id (exit 4). The winner trains on, unharmed.
@@ -249,12 +250,21 @@ fn two_groups_started_with_one_id_at_once_one_stops_naming_it() {
     let winner = 1 - loser;
     let text = jobs[loser].output();
     assert_eq!(status.code(), Some(4), "{text}");
-    assert!(
-        text.contains("refused replica group \"7\"")
-            && text.contains("another live group has this id"),
-        "{text}"
+    // Its joins refused (the case this test is for), or, if its start was
+    // slower than the winner's first hello, the check at start.
+    let refused = text.contains("refused replica group \"7\"")
+        && text.contains("another live group has this id")
+        && text.contains("held by another live process");
+    let at_start = text.contains("replica group \"7\" is live at the lighthouse");
+    assert!(refused || at_start, "{text}");
+    eprintln!(
+        "the loser stopped {}",
+        if refused {
+            "on its refused joins"
+        } else {
+            "at the check at start"
+        }
     );
-    assert!(text.contains("held by another live process"), "{text}");
     assert_eq!(
         commits(loser),
         0,
