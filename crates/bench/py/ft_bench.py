@@ -671,17 +671,39 @@ class ChaosRun:
             self.lh.close()
 
     def figures(self, t0: float, end: float) -> dict:
-        commits, losses, top = [], [], 0
+        commits, losses, top, times = [], [], 0, []
         for g in self.groups:
             recs = [x for r in g for x in r.records() if x.get("committed") and t0 <= x["t"] <= end]
             commits.append(len(recs))
             losses += [(x["step"], x["loss"]) for x in recs if "loss" in x]
             top = max([top] + [x["step"] for x in recs])
+            times.append(sorted(x["t"] for x in recs))
         kinds = {}
         for f in self.log:
             kinds[f["kind"]] = kinds.get(f["kind"], 0) + 1
         return {"commits": commits, "max_step": top, "faults": kinds, "launches": self.launches,
-                "deferred": self.deferred, "losses": losses}
+                "deferred": self.deferred, "losses": losses, "idle": _idle(times, end - t0)}
+
+
+def _idle(times: list, span: float) -> dict:
+    """Where the job went without commits, a figure the CPU does not sway:
+    the gaps between consecutive commits of any group (all merged) longer
+    than ten median steps (each group's own steps), summed, as a share of
+    the run; and each group's own. On a machine with a core per group, the
+    job commits about ``1 - job`` of a fault-free run's steps (faults free
+    CPU for the others on fewer cores, which the share of commits counts)."""
+    steps = [b - a for t in times for a, b in zip(t, t[1:])]
+    if not steps or span <= 0:
+        return {}
+    limit = max(10 * statistics.median(steps), 0.1)
+
+    def idle(t):
+        return sum(g for g in (b - a for a, b in zip(t, t[1:])) if g > limit)
+
+    merged = sorted(x for t in times for x in t)
+    gaps = [b - a for a, b in zip(merged, merged[1:])]
+    return {"limit_s": limit, "job": idle(merged) / span, "longest_s": max(gaps, default=0.0),
+            "groups": [idle(t) / span for t in times]}
 
 
 def _signal(pid: int, sig):
@@ -733,6 +755,7 @@ def chaos_figure(side: str, n: int, b: Bench, c: Chaos) -> dict:
         "max_step": chaos["max_step"], "free_max_step": free["max_step"], "faults": chaos["faults"],
         "launches": chaos["launches"], "deferred": chaos["deferred"],
         "loss": _loss_figures(chaos["losses"], free["losses"]),
+        "idle": chaos["idle"], "free_idle": free["idle"],
     }
 
 
@@ -856,8 +879,8 @@ def print_table(results: dict):
 
 def print_chaos(results: dict):
     print("\n| side | groups | committed steps / fault-free's, per group | steps reached (fault-free) | faults | launches per group | "
-          "loss at steps (fault-free; its window spread) | within |")
-    print("|---|---|---|---|---|---|---|---|")
+          "loss at steps (fault-free; its window spread) | within | job without commits (fault-free), per group |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for (_, n, side), rs in results.items():
         for r in rs:
             if "error" in r:
@@ -868,7 +891,15 @@ def print_chaos(results: dict):
             faults = " ".join(f"{k} {v}" for k, v in sorted(r["faults"].items()))
             print(f"| {side} | {n} | {shares} | {r['max_step']} ({r['free_max_step']}) | {faults} | "
                   f"{' '.join(map(str, r['launches']))} | {lo['chaos']:.4f} ({lo['free']:.4f}; "
-                  f"{lo['free_noise'][0]:.4f}-{lo['free_noise'][1]:.4f}) at {lo['steps'][0]}-{lo['steps'][1]} | {lo['within']} |")
+                  f"{lo['free_noise'][0]:.4f}-{lo['free_noise'][1]:.4f}) at {lo['steps'][0]}-{lo['steps'][1]} | {lo['within']} | "
+                  f"{_idle_cell(r.get('idle', {}), r.get('free_idle', {}))} |")
+
+
+def _idle_cell(idle: dict, free: dict) -> str:
+    if not idle:
+        return "-"
+    groups = " ".join(f"{x:.1%}" for x in idle["groups"])
+    return f"{idle['job']:.1%} ({free.get('job', float('nan')):.1%}), longest {idle['longest_s']:.2f} s; {groups}"
 
 
 if __name__ == "__main__":

@@ -96,6 +96,36 @@ impl Drop for Job {
     }
 }
 
+/// `rally lighthouse ARGS` on a port it picks itself (a port picked for
+/// it could be taken before it binds: `free_port` races), once it listens:
+/// its job and `127.0.0.1:PORT`. A lighthouse that ends before listening
+/// fails the test at once, with its output.
+fn rally_lighthouse(dir: &Path, args: &[&str]) -> (Job, String) {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_rally"));
+    c.arg("lighthouse")
+        .args(args)
+        .args(["--bind", "127.0.0.1:0"]);
+    let mut j = Job::spawn(c, dir, "lighthouse");
+    let t0 = Instant::now();
+    loop {
+        let out = j.output();
+        let addr = out
+            .lines()
+            .find_map(|l| l.strip_prefix("rally lighthouse: listening on "));
+        if let Some(addr) = addr {
+            return (j, addr.trim().to_owned());
+        }
+        if let Some(s) = j.try_wait() {
+            panic!("rally lighthouse ended ({s}) before listening:\n{out}");
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "rally lighthouse not listening within 60 s:\n{out}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 fn rally(args: &[&str]) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_rally"));
     c.arg("run")

@@ -60,21 +60,9 @@ fn the_api_loads_and_runs_with_torchft_hidden() {
 }
 
 /// `rally lighthouse --min_replicas 2` on loopback, once it listens.
-fn lighthouse(dir: &std::path::Path, port: u16) -> Job {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_rally"));
-    c.args(["lighthouse", "--min_replicas", "2", "--bind"])
-        .arg(format!("127.0.0.1:{port}"));
-    let j = Job::spawn(c, dir, "lighthouse");
-    let t0 = std::time::Instant::now();
-    while !j.output().contains("listening on") {
-        assert!(
-            t0.elapsed() < LIMIT,
-            "no lighthouse within {LIMIT:?}: {}",
-            j.output()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    j
+/// `rally lighthouse --min_replicas 2`: its job and `host:port`.
+fn lighthouse(dir: &std::path::Path) -> (Job, String) {
+    super::rally_lighthouse(dir, &["--min_replicas", "2"])
 }
 
 fn result(dir: &std::path::Path, group: usize) -> serde_json::Value {
@@ -95,14 +83,13 @@ fn two_replica_groups_from_different_seeds_train_one_model_under_rally_run_ft() 
     let site = package(dir.path());
     let out = dir.path().join("results");
     std::fs::create_dir(&out).unwrap();
-    let port = super::free_port();
-    let mut lh = lighthouse(dir.path(), port);
+    let (mut lh, lh_addr) = lighthouse(dir.path());
     let mut groups: Vec<Job> = (0..2)
         .map(|i| {
             let mut c = Command::new(env!("CARGO_BIN_EXE_rally"));
             c.args(["run", "--ft", "--standalone", "--nproc-per-node", "1"])
                 .args(["--ft-replica-group", &i.to_string()])
-                .args(["--ft-lighthouse", &format!("127.0.0.1:{port}")])
+                .args(["--ft-lighthouse", &lh_addr])
                 .arg(python())
                 .arg(script("ft/manager_loop.py"))
                 .env("PYTHONPATH", &site)

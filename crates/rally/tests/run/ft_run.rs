@@ -79,17 +79,7 @@ fn an_unreachable_lighthouse_fails_the_run_after_the_connect_timeout_naming_it()
 fn a_group_id_held_by_a_live_group_is_refused_at_once() {
     let dir = tempfile::tempdir().unwrap();
     let site = super::torch_backend::package(dir.path());
-    let mut lh = std::process::Command::new(env!("CARGO_BIN_EXE_rally"));
-    let port = super::free_port();
-    lh.args(["lighthouse", "--min_replicas", "1", "--bind"])
-        .arg(format!("127.0.0.1:{port}"));
-    let lh = super::Job::spawn(lh, dir.path(), "lighthouse");
-    let t0 = std::time::Instant::now();
-    while !lh.output().contains("listening on") {
-        assert!(t0.elapsed() < LIMIT, "{}", lh.output());
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let addr = format!("127.0.0.1:{port}");
+    let (_lh, addr) = super::rally_lighthouse(dir.path(), &["--min_replicas", "1"]);
     let out = dir.path().join("first.jsonl");
     let stop = dir.path().join("stop");
     let env: Vec<(&str, &std::ffi::OsStr)> = vec![
@@ -196,17 +186,7 @@ fn a_group_id_held_by_a_live_group_is_refused_at_once() {
 fn two_groups_started_with_one_id_at_once_one_stops_naming_it() {
     let dir = tempfile::tempdir().unwrap();
     let site = super::torch_backend::package(dir.path());
-    let mut lh = std::process::Command::new(env!("CARGO_BIN_EXE_rally"));
-    let port = super::free_port();
-    lh.args(["lighthouse", "--min_replicas", "1", "--bind"])
-        .arg(format!("127.0.0.1:{port}"));
-    let lh = super::Job::spawn(lh, dir.path(), "lighthouse");
-    let t0 = std::time::Instant::now();
-    while !lh.output().contains("listening on") {
-        assert!(t0.elapsed() < LIMIT, "{}", lh.output());
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let addr = format!("127.0.0.1:{port}");
+    let (_lh, addr) = super::rally_lighthouse(dir.path(), &["--min_replicas", "1"]);
     let stop = dir.path().join("stop");
     let outs = [dir.path().join("a.jsonl"), dir.path().join("b.jsonl")];
     let mut jobs: Vec<super::Job> = ["a", "b"]
@@ -453,17 +433,7 @@ fn serve_for_the_others(with_secret: bool) {
 fn groups_of_two_nodes_restart_only_the_failed_group() {
     let dir = tempfile::tempdir().unwrap();
     let site = super::torch_backend::package(dir.path());
-    let lh_port = super::free_port();
-    let mut lh = std::process::Command::new(env!("CARGO_BIN_EXE_rally"));
-    lh.args(["lighthouse", "--min_replicas", "1", "--bind"])
-        .arg(format!("127.0.0.1:{lh_port}"));
-    let lh = super::Job::spawn(lh, dir.path(), "lighthouse");
-    let t0 = std::time::Instant::now();
-    while !lh.output().contains("listening on") {
-        assert!(t0.elapsed() < LIMIT, "{}", lh.output());
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let lighthouse = format!("127.0.0.1:{lh_port}");
+    let (_lh, lighthouse) = super::rally_lighthouse(dir.path(), &["--min_replicas", "1"]);
     let stop = dir.path().join("stop");
     let at = AT.to_string();
     let mut nodes = Vec::new();
