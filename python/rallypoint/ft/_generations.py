@@ -195,6 +195,18 @@ class _Generation:
         why = self.group.aborted()
         self.fault.record(dist.DistBackendError(why or reason))
 
+    def member_dropped(self, reason: str) -> None:
+        """The lighthouse dropped a member (the watch): ops in flight fail at
+        once, here and on every member, and so do later ones; but a step
+        whose ops had all completed keeps its result (an error only if an
+        op was in flight: a group that ended after its last commit must not
+        fail the others' step, whose all_reduce it had finished)."""
+        in_flight = self.group.in_flight()
+        self.group.abort(reason)
+        if in_flight:
+            why = self.group.aborted()
+            self.fault.record(dist.DistBackendError(why or reason))
+
     def close(self, reason: str) -> None:
         """Ends the watch, aborts ops still in flight, and releases the prefix;
         the group's connections close when its last op has ended."""
@@ -314,7 +326,7 @@ class Generations:
         self._lineage = backend._group
         gen = _Generation(backend, store_addr, quorum_id, replica_id, fault)
         if self._lighthouse and quorum_id is not None:
-            gen.watch = Watch(self._lighthouse, int(quorum_id), gen.abort)
+            gen.watch = Watch(self._lighthouse, int(quorum_id), gen.member_dropped)
         return gen
 
     def _claim(self, store_addr: str, quorum_id) -> None:
@@ -394,13 +406,11 @@ class Generations:
 
     def errored(self) -> Optional[Exception]:
         """The first error of the current generation (an op's failure, an
-        abort here or by a member or the lighthouse), or None."""
-        fault, gen = self._state
-        if fault.error is None and gen is not None:
-            why = gen.group.aborted()
-            if why:
-                fault.record(dist.DistBackendError(why))
-        return fault.error
+        ``abort()`` here, a member dropped by the lighthouse while an op was
+        in flight), or None. A member's abort, or a drop, when no op of
+        this rank was in flight is not an error of the step: its ops had
+        completed, and the next op fails (and is recorded)."""
+        return self._state[0].error
 
     def set_timeout(self, timeout: timedelta) -> None:
         """The timeout of the next generations (the current one keeps its own)."""

@@ -433,7 +433,8 @@ def watch():
     pg.configure(addr("w/7"), f"r{RANK}", RANK, WORLD, 7)
     all_reduce(pg, 1)
     # The lighthouse drops a member of quorum 7 while rank 0 waits in an
-    # all_reduce that rank 1 never joins: both generations are aborted.
+    # all_reduce that rank 1 never joins: both generations are aborted; rank
+    # 0's op fails, rank 1's next op does.
     if RANK == 0:
         t = torch.ones(1000)
         w = pg.allreduce([t], AllreduceOptions())
@@ -443,8 +444,13 @@ def watch():
         result["drop_to_done_ms"] = (time.monotonic() - t0) * 1000
     else:
         deadline = time.monotonic() + DEADLINE.total_seconds()
-        while pg.errored() is None and time.monotonic() < deadline:
+        while not pg._gen.group.aborted() and time.monotonic() < deadline:
             time.sleep(0.005)
+        # Nothing of rank 1's was in flight: the drop is not an error of its
+        # step (its ops had completed: a group that ends after its last
+        # commit must not fail the others'); its next op fails, and is one.
+        check("watch", pg.errored() is None, f"a drop with nothing in flight failed the step: {pg.errored()!r}")
+        pg.allreduce([torch.ones(10)], AllreduceOptions()).wait()
     err = str(pg.errored())
     check("watch", "dropped replica r9:uuid from quorum 7: its session closed" in err and url in err, f"errored() is {err!r}")
     sync("w/aborted")
