@@ -95,6 +95,7 @@ fn two_replica_groups_from_different_seeds_train_one_model_under_rally_run_ft() 
                 .env("PYTHONPATH", &site)
                 .env("RESULT_DIR", &out)
                 .env("STEPS", "20")
+                .env("END_BARRIER", "1")
                 .env("OMP_NUM_THREADS", "1")
                 .env("PYTHONUNBUFFERED", "1");
             Job::spawn(c, dir.path(), &format!("group{i}"))

@@ -19,7 +19,7 @@ The manager is found as the Manager finds it: ``RALLY_FT_MANAGER`` (under
 
 Environment: ``RESULT_DIR``, ``STEPS`` (default 20), ``MIN_REPLICAS``
 (default 2), ``NUM_REPLICA_GROUPS`` (default 2), ``FT_TIMEOUT`` (seconds,
-default 30).
+default 30), ``END_BARRIER=1`` (the groups end together: :func:`end_barrier`).
 
 ``python manager_loop.py drive`` runs the whole test without ``rally run``:
 torchft's own lighthouse (``torchft.coordination.LighthouseServer``, in the
@@ -155,6 +155,8 @@ def main() -> None:
     opt = ft.Optimizer(manager, inner)
 
     digests, losses, joint, run = train(manager, m, opt, sampler, loader, group, steps, groups)
+    if os.environ.get("END_BARRIER") == "1":
+        end_barrier(f"{group}.{rank}", groups * width)
     result = {
         "group": group,
         "initial": initial,
@@ -175,6 +177,21 @@ def main() -> None:
     with open(os.path.join(os.environ["RESULT_DIR"], name), "w") as f:
         json.dump(result, f)
     print(f"manager_loop: group {group} done: {len(digests)} commits in {run} steps", flush=True)
+
+
+def end_barrier(me: str, everyone: int, deadline: float = 120.0) -> None:
+    """Stays in the quorum until every worker of every group has trained
+    its steps (``RESULT_DIR/*.trained``), as a job's groups end together: a
+    group that left right after its last commit would abort the others'
+    last step in flight (the lighthouse drops it), and under
+    ``min_replicas=2`` they would then wait for a quorum for ever."""
+    d = os.environ["RESULT_DIR"]
+    open(os.path.join(d, f"{me}.trained"), "w").close()
+    end = time.monotonic() + deadline
+    while sum(f.endswith(".trained") for f in os.listdir(d)) < everyone:
+        if time.monotonic() > end:
+            raise SystemExit(f"manager_loop: {me}: the other groups did not finish within {deadline} s")
+        time.sleep(0.05)
 
 
 def summary(r: dict) -> dict:
