@@ -595,7 +595,13 @@ async fn bad_input_is_answered_and_closes_only_that_connection() {
     for _ in 0..3 {
         assert_eq!(w.answer().await, json!({"ok": true}));
     }
-    assert_eq!(m.status().borrow().not_committed, 3);
+    // Group rank 1's reports: the group's steps count at rank 0's; the
+    // reason is kept.
+    assert_eq!(m.status().borrow().not_committed, 0);
+    assert_eq!(
+        m.status().borrow().last_not_committed_reason.as_deref(),
+        Some("r")
+    );
     let vote = json!({"op": "should_commit", "step": 0, "vote": true, "timeout_ms": 60_000});
     w.send_raw(format!("{vote}\n").repeat(70).as_bytes()).await;
     let a = w.answer().await;
