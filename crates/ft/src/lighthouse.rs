@@ -9,7 +9,9 @@
 //! heartbeats and quorum calls share it.
 //!
 //! * **Connecting** ([`Lighthouse::connect`]) is wanted from the first
-//!   hello on: a heartbeat task dials (retrying with a backoff up to 1 s)
+//!   hello on: a heartbeat task dials (retrying with a backoff from 20 ms
+//!   up to 250 ms: a restarted lighthouse is back within a few hundred ms,
+//!   and a dial that is refused costs nothing)
 //!   and heartbeats every `heartbeat_interval`, reporting [`Link::Up`] and
 //!   [`Link::Lost`] to the server. A heartbeat without an answer (a cut)
 //!   keeps the connection: a cut shorter than the lighthouse's keep-alive
@@ -23,6 +25,16 @@
 //!   retried on a new connection when the connection fails, until the
 //!   caller's deadline. A refusal (`ALREADY_EXISTS`: the replica id is held
 //!   by another live group; a bad request) is returned at once.
+//! * **The last quorum** this group was issued is remembered and sent with
+//!   every quorum call (`last_quorum`, our extension of torchft's request),
+//!   so that a restarted `rally lighthouse` can issue its first quorum as
+//!   soon as that quorum's members are all back, instead of after its
+//!   startup grace (see `rallypoint_lighthouse::machine`). It is forgotten
+//!   when a memory could be stale: when the connection is dropped (the
+//!   lighthouse drops this replica and the quorum goes on without it), and
+//!   when a heartbeat has no answer (a cut: the lighthouse may drop this
+//!   replica for its silence while this side still holds the connection).
+//!   A lighthouse that died closes the connection, which keeps the memory.
 //! * **Dropping** stops the heartbeats and fails the call in flight, which
 //!   never dials again (its round is over, even if a new hello already
 //!   asked for a new connection); the next [`Lighthouse::connect`] starts
@@ -32,16 +44,17 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rallypoint_lighthouse::proto::{
-    LighthouseHeartbeatRequest, LighthouseQuorumRequest, LighthouseServiceClient, Quorum,
-    QuorumMember,
+    LastQuorum, LighthouseHeartbeatRequest, LighthouseQuorumRequest, LighthouseServiceClient,
+    Quorum, QuorumMember,
 };
 use tokio::sync::{mpsc, Notify};
 use tokio::time::Instant;
 use tonic::transport::{Channel, Endpoint};
 use tonic::Code;
 
-/// The longest pause between two dials.
-const MAX_BACKOFF: Duration = Duration::from_secs(1);
+/// The longest pause between two dials: a lighthouse back from a restart
+/// is reached within this.
+const MAX_BACKOFF: Duration = Duration::from_millis(250);
 
 /// A change of the connection's health, for the manager's status.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -103,6 +116,9 @@ struct State {
     up: bool,
     /// Counts drops: a quorum call made before a drop never dials again.
     drops: u64,
+    /// The last quorum issued to this replica, while it cannot be stale
+    /// (see the module docs).
+    remembered: Option<LastQuorum>,
 }
 
 #[derive(Clone)]
@@ -174,6 +190,7 @@ impl Lighthouse {
         s.dropped = Some(reason.to_owned());
         s.up = false;
         s.drops += 1;
+        s.remembered = None;
         if let Some(c) = s.conn.take() {
             c.close();
         }
@@ -234,6 +251,7 @@ impl Shared {
                         "a heartbeat to the lighthouse at {} had no answer within {beat_limit:?}",
                         self.url
                     );
+                    self.state.lock().expect("lock").remembered = None;
                     self.report(Link::Lost(e), None);
                 }
             }
@@ -324,6 +342,22 @@ impl Shared {
         }
     }
 
+    /// Remembers `q`, issued to a call made after `drops` drops (a call of
+    /// a dropped round leaves the memory forgotten).
+    fn remember(&self, q: &Quorum, drops: u64) {
+        let mut s = self.state.lock().expect("lock");
+        if s.drops == drops {
+            s.remembered = Some(LastQuorum {
+                quorum_id: q.quorum_id,
+                replica_ids: q
+                    .participants
+                    .iter()
+                    .map(|m| m.replica_id.clone())
+                    .collect(),
+            });
+        }
+    }
+
     /// One connection: TCP, then the HTTP/2 handshake over it.
     async fn dial(
         &self,
@@ -375,6 +409,7 @@ impl Shared {
     async fn quorum(&self, member: QuorumMember, deadline: Instant) -> Result<Quorum, String> {
         let drops = self.state.lock().expect("lock").drops;
         loop {
+            let last_quorum = self.state.lock().expect("lock").remembered.clone();
             let until = deadline.min(Instant::now() + self.options.connect_timeout);
             let conn = self.ensure(until, Some(drops)).await?;
             let left = deadline.saturating_duration_since(Instant::now());
@@ -386,16 +421,18 @@ impl Shared {
             };
             let mut req = tonic::Request::new(LighthouseQuorumRequest {
                 requester: Some(member.clone()),
+                last_quorum,
             });
             req.set_timeout(left);
             let mut rpc = conn.rpc.clone();
             let status = match tokio::time::timeout(left, rpc.quorum(req)).await {
                 Err(_) => return Err(timed_out()),
                 Ok(Ok(r)) => {
-                    let q = r.into_inner().quorum;
-                    return q.ok_or_else(|| {
+                    let q = r.into_inner().quorum.ok_or_else(|| {
                         format!("the lighthouse at {} answered without a quorum", self.url)
-                    });
+                    })?;
+                    self.remember(&q, drops);
+                    return Ok(q);
                 }
                 Ok(Err(status)) => status,
             };

@@ -451,6 +451,24 @@ async fn a_lighthouse_that_is_not_there_is_named_after_the_connect_timeout() {
     m.shutdown().await;
 }
 
+/// The lighthouse's `/status`.
+async fn lh_status(addr: SocketAddr) -> Value {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(b"GET /status HTTP/1.1\r\nHost: lh\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut out = String::new();
+    tokio::time::timeout(LIMIT, s.read_to_string(&mut out))
+        .await
+        .expect("an HTTP answer within the limit")
+        .unwrap();
+    let body = out.split_once("\r\n\r\n").map_or("", |p| p.1);
+    serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {out}"))
+}
+
+/// The lighthouse restarts on its address: the manager dials it again, and
+/// since it remembers its last quorum (of itself), the new lighthouse
+/// issues its first quorum without its startup grace.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_lighthouse_is_reconnected() {
     let lh = Lh::start(1).await;
@@ -478,6 +496,8 @@ async fn a_restarted_lighthouse_is_reconnected() {
     let a = w.quorum(1, "a:1", LIMIT.as_millis() as u64).await;
     assert_eq!(a["ok"], true, "{a}");
     assert_eq!(a["quorum"]["replica_ids"], json!(["g0"]));
+    let s = lh_status(lh.addr).await;
+    assert_eq!(s["counters"]["recalled"], 1, "{s}");
     m.shutdown().await;
     lh.stop().await;
 }

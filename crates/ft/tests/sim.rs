@@ -25,7 +25,11 @@
 //!   session; `CallLighthouse` joins over the open session (again over a
 //!   new one after a restart) until its deadline, when the call fails and
 //!   the lighthouse hears `Left`; `DropConnection` closes the session (the
-//!   lighthouse's `Closed`); a tick at the round's next deadline;
+//!   lighthouse's `Closed`); a tick at the round's next deadline. Each
+//!   `Join` carries the last quorum the client was issued, forgotten at a
+//!   `DropConnection` and when a heartbeat sent during a cut has had no
+//!   answer for 1 s (the client's limit), so a restarted lighthouse may
+//!   issue its first quorum before its grace;
 //! * the **lighthouse** ticks every 100 ms and at its next deadline; an
 //!   issued quorum answers each member's call over its session; an abort
 //!   fails that quorum's allreduces (the process groups watch it).
@@ -70,7 +74,9 @@
 //! shifted replica rank, answers sent twice, a manager one rank short,
 //! a worker that skips its heal, no `init_sync`, a stop that keeps the
 //! session or the calls, a failed lighthouse call never reported to the
-//! round), which some seed among the first few hundred must catch.
+//! round, a restarted lighthouse that ends its grace when any remembered
+//! member is back), which some seed among the first few hundred must
+//! catch (known divergent seeds do not count).
 //!
 //! **Found by it**: (a) fixed: a stalled rank could leave a group's ranks
 //! split between the quorum and the should_commit barriers, each timing
@@ -108,7 +114,10 @@
 //! them: 102); every fault kind fired in 29% to 31% of the seeds; the
 //! slowest group committed 10.6 s after the last fault settled, 55% of its
 //! bound; a line of commits was lost (a group's line dropped for a longer
-//! one) in 240 seeds.
+//! one) in 240 seeds. After the managers' memory of their last quorum
+//! (a restarted lighthouse may skip its grace), 10,000 seeds (release,
+//! 450 s): the same 3 failed; of 3,471 lighthouse restarts, 2,165 issued
+//! their first quorum on the memory; the slowest group, 10.6 s, 55%.
 //!
 //! The default run plays [`SEEDS`] seeds. `RALLY_SIM_SEEDS=n` /
 //! `RALLY_SIM_FIRST=s` run others; `RALLY_SIM_SEED=s` replays one with its
@@ -176,6 +185,7 @@ fn seeded_schedules_keep_the_invariants() {
     let mut by_invariant: BTreeMap<Invariant, u64> = BTreeMap::new();
     let mut slowest = (0.0, 0, 0, 0);
     let mut lost = 0;
+    let (mut restarts, mut recalled) = (0, 0);
     let mut skipped = Vec::new();
     for seed in first..first + n {
         if !census && KNOWN_DIVERGENT.contains(&seed) {
@@ -188,6 +198,8 @@ fn seeded_schedules_keep_the_invariants() {
             slowest = (share, sim.slowest, sim.sc.bound(), seed);
         }
         lost += u64::from(sim.lost_history > 0);
+        restarts += sim.fired[Fault::Restart.index()];
+        recalled += sim.recalled();
         tally.add(Fault::ALL.iter().zip(sim.fired).map(|(k, n)| (k.name(), n)));
         if let Err(b) = r {
             *by_invariant.entry(b.invariant).or_default() += 1;
@@ -214,6 +226,7 @@ fn seeded_schedules_keep_the_invariants() {
         slowest.2,
         slowest.3
     );
+    eprintln!("lighthouse restarts: {restarts}; of them, {recalled} issued their first quorum before the startup grace, every member of the last quorum back (the managers' memory)");
     if !skipped.is_empty() {
         eprintln!("skipped the known divergent seeds {skipped:?} (see KNOWN_DIVERGENT)");
     }
@@ -243,7 +256,11 @@ fn replay(seed: u64) {
 /// Runs the first seeds whose scenario `fits` with `sabotage` until one
 /// breaks `invariant`.
 fn caught_where(sabotage: Sabotage, invariant: Invariant, fits: impl Fn(&Scenario) -> bool) {
-    let seeds = (0..SABOTAGE_SEEDS * 100).filter(|s| fits(&Scenario::draw(*s)));
+    // A known divergent seed breaks an invariant without any sabotage: a
+    // catch there would prove nothing.
+    let seeds = (0..SABOTAGE_SEEDS * 100)
+        .filter(|s| !KNOWN_DIVERGENT.contains(s))
+        .filter(|s| fits(&Scenario::draw(*s)));
     for seed in seeds.take(SABOTAGE_SEEDS as usize) {
         if let (_, Err(b)) = one(seed, sabotage, false) {
             if b.invariant == invariant {
@@ -329,4 +346,21 @@ fn known_divergent_seeds_still_diverge() {
         ));
         assert_eq!(b.invariant, Invariant::SameState, "seed {seed}: {}", b.what);
     }
+}
+
+/// A restarted lighthouse that ends its startup grace when any member of
+/// the quorum the managers remember is back (not every member) issues a
+/// quorum of the first callers while the others are still reconnecting:
+/// two lines of history, which meet at one step with different states.
+/// It shows where many groups reconnect and the lighthouse does not wait
+/// for stragglers (every such catch in 2,000 seeds with a restart had 5
+/// groups and a join timeout of 0).
+#[test]
+fn sabotage_recalled_any_back_is_caught() {
+    let fits = |sc: &Scenario| {
+        sc.groups >= 5
+            && sc.knobs.join_timeout.is_zero()
+            && sc.faults.iter().any(|f| f.kind == Fault::Restart)
+    };
+    caught_where(Sabotage::RecalledAnyBack, Invariant::SameState, fits);
 }

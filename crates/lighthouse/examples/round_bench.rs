@@ -82,6 +82,7 @@ async fn main() {
                             world_size: 1,
                             ..Default::default()
                         }),
+                        last_quorum: None,
                     });
                     req.set_timeout(ROUND_LIMIT);
                     if i == 0 {

@@ -24,6 +24,24 @@
 //!   first heard anyone: until then it cannot know every replica that
 //!   is alive, and a first caller alone would pass the majority guard.
 //!
+//!   *A restart without the grace.* rallypoint's managers say, in each
+//!   `Join`, which quorum they were last issued ([`Remembered`]; torchft's
+//!   say nothing, and get the grace). Before its first quorum, a service
+//!   with nothing restored keeps the remembered quorum of the highest id
+//!   (a member remembers only a quorum it was in; one that missed the
+//!   predecessor's last quorum remembers an older one, and the newest
+//!   wins). When every member of it is waiting again, the grace ends: the
+//!   live replicas are then known as well as the predecessor knew them,
+//!   and the rules run with that quorum as the previous one, so its
+//!   members come back as a fast quorum. Its id is never reused: ids go
+//!   on from this service's own `first_id`, so every member reconfigures
+//!   once. A replica of the predecessor's last quorum that has not
+//!   reconnected keeps the grace in force, so a first caller alone still
+//!   cannot pass the majority guard; a stale memory (a member dropped
+//!   since, the newer quorum without it not reaching anyone) can only name
+//!   more members to wait for, or fewer than `min_replicas`, which the
+//!   rules still refuse.
+//!
 //! * A session (one client connection) that ends drops every replica it
 //!   carried at once ([`Event::Closed`]), with one exception: torchft's
 //!   manager replaces its client after any failed call (a lighthouse that
@@ -93,8 +111,13 @@ pub type Session = u64;
 /// What happened.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Event {
-    /// A `Quorum` request arrived (also a heartbeat).
-    Join { session: Session, member: Member },
+    /// A `Quorum` request arrived (also a heartbeat), with the last quorum
+    /// its requester says it was issued, if it says (see [`Remembered`]).
+    Join {
+        session: Session,
+        member: Member,
+        remembered: Option<Remembered>,
+    },
     /// A heartbeat arrived.
     Heartbeat {
         session: Session,
@@ -133,6 +156,16 @@ pub enum Event {
         /// is never issued again, and its members, once back, get the next.
         aborted: bool,
     },
+}
+
+/// The last quorum a requester was issued, as it remembers it
+/// (`LighthouseQuorumRequest.last_quorum`, our extension: rallypoint's
+/// managers send it, torchft's never do). See the module docs, "A restart
+/// without the grace".
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Remembered {
+    pub quorum_id: i64,
+    pub replica_ids: Vec<String>,
 }
 
 /// What the service must do.
@@ -177,6 +210,9 @@ pub struct Counters {
     /// `Quorum` calls that ended unanswered and stopped being participants
     /// ([`Event::Left`]).
     pub left: u64,
+    /// First quorums issued before the startup grace's end because every
+    /// member of the remembered quorum was back ([`Remembered`]).
+    pub recalled: u64,
 }
 
 /// The machine's state, for `/status` and `/metrics`.
@@ -234,6 +270,9 @@ pub enum Sabotage {
     /// service's own `first_id` (its clock), below the saved one if that
     /// clock is behind.
     RestoredIdIgnored,
+    /// End the startup grace as soon as any member of the recalled quorum
+    /// is back (not every member).
+    RecalledAnyBack,
 }
 
 /// The process that speaks for a live replica id.
@@ -304,6 +343,10 @@ pub struct Lighthouse {
     /// Whether `current` is a quorum restored from a predecessor
     /// ([`Event::Restored`]) that this service has not issued yet.
     restored: bool,
+    /// Before the first quorum, with nothing restored: the remembered
+    /// quorum of the highest id that the requesters told of (members by
+    /// replica id only), the previous quorum as far as the rules go.
+    recalled: Option<Quorum>,
     counters: Counters,
     sabotage: Sabotage,
 }
@@ -329,6 +372,7 @@ impl Lighthouse {
             started: None,
             graced: false,
             restored: false,
+            recalled: None,
             counters: Counters::default(),
             sabotage: Sabotage::None,
         }
@@ -346,6 +390,11 @@ impl Lighthouse {
     /// The knobs it runs with.
     pub fn knobs(&self) -> &Knobs {
         &self.knobs
+    }
+
+    /// Counts since the service started.
+    pub fn counters(&self) -> Counters {
+        self.counters
     }
 
     /// The last quorum issued.
@@ -369,7 +418,11 @@ impl Lighthouse {
             _ => false,
         };
         let mut attempt = match ev {
-            Event::Join { session, member } => self.join(now, session, member, &mut out),
+            Event::Join {
+                session,
+                member,
+                remembered,
+            } => self.join(now, session, member, remembered, &mut out),
             Event::Heartbeat {
                 session,
                 replica_id,
@@ -530,6 +583,62 @@ impl Lighthouse {
         true
     }
 
+    /// A requester's [`Remembered`] quorum: kept if nothing was issued or
+    /// restored yet, the requester was a member of it, and its id is the
+    /// highest told of so far (a member that missed the predecessor's last
+    /// quorum remembers an older one; the newest wins).
+    fn recall(&mut self, requester: &str, r: Remembered) {
+        if self.counters.quorums_issued > 0 || self.current.is_some() {
+            return;
+        }
+        if !r.replica_ids.iter().any(|m| m == requester) {
+            return;
+        }
+        if self.recalled.as_ref().is_some_and(|q| q.id >= r.quorum_id) {
+            return;
+        }
+        let mut ids = r.replica_ids;
+        ids.sort();
+        ids.dedup();
+        let participants = ids
+            .into_iter()
+            .map(|replica_id| Member {
+                replica_id,
+                address: String::new(),
+                store_address: String::new(),
+                step: 0,
+                world_size: 0,
+                shrink_only: false,
+                commit_failures: 0,
+                data: String::new(),
+            })
+            .collect();
+        self.recalled = Some(Quorum {
+            id: r.quorum_id,
+            participants,
+            created: SystemTime::UNIX_EPOCH,
+        });
+    }
+
+    /// Whether every member of the recalled quorum is waiting again: the
+    /// replicas alive are known as well as after the grace (see the module
+    /// docs, "A restart without the grace").
+    fn recalled_back(&self) -> bool {
+        let Some(q) = &self.recalled else {
+            return false;
+        };
+        let back = |m: &Member| {
+            self.roster
+                .replicas
+                .get(&m.replica_id)
+                .is_some_and(|r| r.waiting.is_some())
+        };
+        if self.sabotage == Sabotage::RecalledAnyBack {
+            return q.participants.iter().any(back);
+        }
+        q.participants.iter().all(back)
+    }
+
     /// Whether every member of a restored quorum is waiting again: it may
     /// then be re-issued before the startup grace, since the replicas it
     /// waits for are all known.
@@ -551,11 +660,15 @@ impl Lighthouse {
         now: Instant,
         session: Session,
         member: Member,
+        remembered: Option<Remembered>,
         out: &mut Vec<Action>,
     ) -> bool {
         let id = member.replica_id.clone();
         if !self.claim(now, session, &id, Some(&member.address), out) {
             return false;
+        }
+        if let Some(r) = remembered {
+            self.recall(&id, r);
         }
         self.counters.joins += 1;
         self.roster.join(member, now);
@@ -837,11 +950,13 @@ impl Lighthouse {
         }
     }
 
+    /// The previous quorum as the rules see it: the last one issued (or
+    /// restored), else the recalled one.
     fn verdict(&self, now: Instant) -> Verdict {
         quorum::compute_with(
             now,
             &self.roster,
-            self.current.as_ref(),
+            self.current.as_ref().or(self.recalled.as_ref()),
             &self.knobs,
             self.rules(),
         )
@@ -852,8 +967,10 @@ impl Lighthouse {
         if self.roster.waiting().next().is_none() {
             return;
         }
+        let mut by_memory = false;
         if !self.graced {
-            if !self.restored_back() {
+            by_memory = !self.restored_back() && self.recalled_back();
+            if !self.restored_back() && !by_memory {
                 return;
             }
             // Every member of the predecessor's last quorum is back: the
@@ -892,7 +1009,9 @@ impl Lighthouse {
             created: SystemTime::now(),
         };
         self.counters.quorums_issued += 1;
+        self.counters.recalled += u64::from(by_memory);
         self.restored = false;
+        self.recalled = None;
         self.current = Some(q.clone());
         out.push(Action::Issue(q));
     }

@@ -87,7 +87,10 @@ impl Client {
     }
 
     async fn quorum(&mut self, m: proto::QuorumMember) -> Result<proto::Quorum, tonic::Status> {
-        let mut r = Request::new(proto::LighthouseQuorumRequest { requester: Some(m) });
+        let mut r = Request::new(proto::LighthouseQuorumRequest {
+            requester: Some(m),
+            last_quorum: None,
+        });
         r.set_timeout(LIMIT);
         let q = self.rpc.quorum(r).await?.into_inner().quorum;
         Ok(q.expect("a quorum in the answer"))
@@ -455,11 +458,28 @@ async fn bad_input_is_refused_clearly_and_harms_no_one() {
     );
 
     // Requests it cannot place.
-    let mut r = Request::new(proto::LighthouseQuorumRequest { requester: None });
+    let mut r = Request::new(proto::LighthouseQuorumRequest {
+        requester: None,
+        last_quorum: None,
+    });
     r.set_timeout(LIMIT);
     let e = impostor.rpc.quorum(r).await.unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
     assert!(e.message().contains("without a requester"), "{e:?}");
+    let mut r = Request::new(proto::LighthouseQuorumRequest {
+        requester: Some(member("b")),
+        last_quorum: Some(proto::LastQuorum {
+            quorum_id: 7,
+            replica_ids: vec!["b".into(), String::new()],
+        }),
+    });
+    r.set_timeout(LIMIT);
+    let e = impostor.rpc.quorum(r).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    assert!(
+        e.message().contains("last_quorum: empty replica_id"),
+        "{e:?}"
+    );
     let e = impostor.heartbeat("").await.unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
 
@@ -505,12 +525,12 @@ async fn bad_input_is_refused_clearly_and_harms_no_one() {
     // follow the answer); the member and a newcomer go on.
     wait_status(addr, |s| {
         let c = &s["counters"];
-        c["refused_requests"].as_u64().unwrap() == 5 && c["bad_connections"] == 1
+        c["refused_requests"].as_u64().unwrap() == 6 && c["bad_connections"] == 1
     })
     .await;
     let (_, metrics) = http(addr, "GET", "/metrics").await;
     assert!(
-        metrics.contains("\nrally_lighthouse_refused_requests_total 6\n"),
+        metrics.contains("\nrally_lighthouse_refused_requests_total 7\n"),
         "{metrics}"
     );
     a.heartbeat("a").await.unwrap();
@@ -580,6 +600,7 @@ async fn a_quorum_call_that_ends_unanswered_is_no_participant() {
     let call = tokio::spawn(async move {
         let r = Request::new(proto::LighthouseQuorumRequest {
             requester: Some(member("a")),
+            last_quorum: None,
         });
         rpc.quorum(r).await
     });
@@ -596,6 +617,7 @@ async fn a_quorum_call_that_ends_unanswered_is_no_participant() {
     //    stream reset), the service's call ends unanswered.
     let mut r = Request::new(proto::LighthouseQuorumRequest {
         requester: Some(member("a")),
+        last_quorum: None,
     });
     r.set_timeout(Duration::from_millis(200));
     let e = a.rpc.quorum(r).await.unwrap_err();

@@ -732,7 +732,11 @@ impl Sim {
             commit_failures: p.commit_failures,
             data: String::new(),
         };
-        self.send(Event::Join { session, member })
+        self.send(Event::Join {
+            session,
+            member,
+            remembered: None,
+        })
     }
 
     fn resume(&mut self, slot: usize) -> Result<(), Broken> {
@@ -898,6 +902,7 @@ impl Sim {
                 self.send(Event::Join {
                     session: s2,
                     member,
+                    remembered: None,
                 })?;
                 self.send(Event::Closed { session: s2 })?;
             }
@@ -978,7 +983,9 @@ impl Sim {
         let mut refused_expected = None;
         let mut closing = Vec::new();
         match &ev {
-            Event::Join { session, member } => {
+            Event::Join {
+                session, member, ..
+            } => {
                 refused_expected = self.deliver(*session, &member.replica_id, true);
             }
             Event::Heartbeat {
@@ -1365,7 +1372,9 @@ fn host(slot: usize) -> std::net::IpAddr {
 
 fn short_event(ev: &Event) -> String {
     match ev {
-        Event::Join { session, member } => format!(
+        Event::Join {
+            session, member, ..
+        } => format!(
             "join s{session} {} step {}{}{}",
             member.replica_id,
             member.step,

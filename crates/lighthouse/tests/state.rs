@@ -134,6 +134,7 @@ async fn quorum(
 ) -> Result<proto::Quorum, tonic::Status> {
     let mut r = Request::new(proto::LighthouseQuorumRequest {
         requester: Some(member(id)),
+        last_quorum: None,
     });
     r.set_timeout(LIMIT);
     Ok(c.quorum(r).await?.into_inner().quorum.unwrap())
@@ -217,6 +218,7 @@ async fn a_restarted_lighthouse_reissues_the_saved_quorum_at_once_and_ids_go_on_
     };
     let mut r = Request::new(proto::LighthouseQuorumRequest {
         requester: Some(failed),
+        last_quorum: None,
     });
     r.set_timeout(LIMIT);
     let (qa, qb) = tokio::join!(a.quorum(r), quorum(&mut b, "b"));

@@ -117,6 +117,10 @@ pub struct Scenario {
 
 /// Heartbeats every 100 ms (the manager's default).
 pub const BEAT_MS: u64 = 100;
+
+/// How long the manager's client waits for a heartbeat's answer (five
+/// beats, at least 1 s) before it forgets its last quorum.
+pub const BEAT_LIMIT_MS: u64 = 1000;
 /// The lighthouse client's longest pause between dials.
 pub const BACKOFF_MS: u64 = 1000;
 /// The longest startup grace of a (re)started lighthouse.

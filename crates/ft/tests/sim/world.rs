@@ -16,7 +16,7 @@ use rallypoint_lighthouse::proto::{Quorum, QuorumMember};
 use rallypoint_lighthouse::quorum::{self as lq, Member};
 
 use super::check::{Broken, Invariant};
-use super::scenario::{Fault, Rng, Scenario, BACKOFF_MS, BEAT_MS};
+use super::scenario::{Fault, Rng, Scenario, BACKOFF_MS, BEAT_LIMIT_MS, BEAT_MS};
 
 /// A rule broken on purpose, so that a test can show an invariant
 /// catches it. Each breaks the manager (its actions, as `server.rs` would
@@ -41,6 +41,9 @@ pub enum Sabotage {
     /// Invariant 6: a failed lighthouse call is never reported to the
     /// round (the call task's result is lost).
     LoseCallFailure,
+    /// Invariant 4: a restarted lighthouse ends its startup grace when any
+    /// member of the remembered quorum is back.
+    RecalledAnyBack,
 }
 
 /// Where a worker is in its loop.
@@ -126,6 +129,12 @@ pub struct Group {
     pub pending: BTreeMap<usize, &'static str>,
     /// A restart of the workers is scheduled.
     pub restarting: bool,
+    /// The last quorum the manager's client was issued, sent with its
+    /// `Join`s; forgotten as the client forgets it (a drop of the
+    /// connection, a heartbeat without an answer).
+    pub remembered: Option<lhm::Remembered>,
+    /// When the current cut began.
+    pub cut_started: u64,
 }
 
 /// Events of the simulation.
@@ -202,6 +211,12 @@ pub enum Ev {
     Beat {
         g: usize,
         session: Session,
+    },
+    /// A heartbeat sent at `sent` during a cut has had no answer for the
+    /// client's limit: if that cut still lasts, the memory is forgotten.
+    BeatUnanswered {
+        g: usize,
+        sent: u64,
     },
     LhTick {
         service: u64,
@@ -284,6 +299,9 @@ pub struct Sim {
     pub slowest: u64,
     /// Lineages lost: quorums issued below an earlier commit's step.
     pub lost_history: u64,
+    /// Lighthouses that a restart ended whose first quorum came on the
+    /// managers' memory of the last one, before the startup grace.
+    recalled: u64,
     pub trace: Vec<String>,
     pub tracing: bool,
 }
@@ -356,6 +374,7 @@ impl Sim {
             settled: 0,
             slowest: 0,
             lost_history: 0,
+            recalled: 0,
             trace: Vec::new(),
             tracing,
             sc,
@@ -389,6 +408,8 @@ impl Sim {
                 commits: Vec::new(),
                 pending: BTreeMap::new(),
                 restarting: false,
+                remembered: None,
+                cut_started: 0,
             });
             sim.start_workers(g);
         }
@@ -409,6 +430,17 @@ impl Sim {
             let line = line();
             self.trace.push(format!("{:>6} ms  {line}", self.t));
         }
+    }
+
+    /// Lighthouses whose first quorum came on the managers' memory of the
+    /// last one, before the startup grace.
+    pub fn recalled(&self) -> u64 {
+        let now = self.now();
+        self.recalled
+            + self
+                .lh
+                .as_ref()
+                .map_or(0, |l| l.status(now).counters.recalled)
     }
 
     pub fn now(&self) -> Instant {
@@ -468,6 +500,10 @@ impl Sim {
             Ev::Beat { g, session } => {
                 if self.groups[g].session == Some(session) {
                     self.at(self.t + BEAT_MS, Ev::Beat { g, session });
+                    if self.groups[g].cut_until.is_some() {
+                        let sent = self.t;
+                        self.at(self.t + BEAT_LIMIT_MS, Ev::BeatUnanswered { g, sent });
+                    }
                     let replica_id = self.groups[g].id.clone();
                     self.send_lh(
                         g,
@@ -495,6 +531,14 @@ impl Sim {
             }
             Ev::LhUp => {
                 self.lh_up();
+                Ok(())
+            }
+            Ev::BeatUnanswered { g, sent } => {
+                let grp = &mut self.groups[g];
+                if grp.cut_until.is_some() && grp.cut_started <= sent && grp.remembered.is_some() {
+                    grp.remembered = None;
+                    self.log(|| format!("g{g} forgets its last quorum (a heartbeat unanswered)"));
+                }
                 Ok(())
             }
             Ev::CutEnd { g } => {
@@ -931,7 +975,9 @@ impl Sim {
                 if self.lh.is_none() {
                     false
                 } else {
-                    self.lh = None;
+                    if let Some(old) = self.lh.take() {
+                        self.recalled += old.status(self.now()).counters.recalled;
+                    }
                     self.lh_deadlines.clear();
                     for grp in &mut self.groups {
                         grp.session = None;
@@ -956,6 +1002,7 @@ impl Sim {
                     false
                 } else {
                     self.groups[g].cut_until = Some(self.t + f.ms);
+                    self.groups[g].cut_started = self.t;
                     self.at(self.t + f.ms, Ev::CutEnd { g });
                     settle(self, self.t + f.ms);
                     true
@@ -1125,6 +1172,7 @@ impl Sim {
                     grp.want_conn = false;
                     grp.conn_gen += 1;
                     grp.call = None;
+                    grp.remembered = None;
                     if let Some(session) = grp.session.take() {
                         self.log(|| format!("g{g} drops s{session}: {reason}"));
                         self.send_lh(g, lhm::Event::Closed { session })?;
@@ -1147,7 +1195,13 @@ impl Sim {
         call.joined_on = Some(session);
         let (id, member) = (call.id, to_member(call.member.clone()));
         self.check_join(g, session)?;
-        self.send_lh_call(g, lhm::Event::Join { session, member }, Some(id))
+        let remembered = self.groups[g].remembered.clone();
+        let join = lhm::Event::Join {
+            session,
+            member,
+            remembered,
+        };
+        self.send_lh_call(g, join, Some(id))
     }
 
     fn dial(&mut self, g: usize, gen: u64) -> Result<(), Broken> {
@@ -1238,6 +1292,14 @@ impl Sim {
         self.groups[g].call = None;
         match (quorum, error) {
             (Some(quorum), _) if !self.groups[g].lose_next => {
+                self.groups[g].remembered = Some(lhm::Remembered {
+                    quorum_id: quorum.quorum_id,
+                    replica_ids: quorum
+                        .participants
+                        .iter()
+                        .map(|m| m.replica_id.clone())
+                        .collect(),
+                });
                 self.feed(g, round::Event::LighthouseAnswered { call, quorum })
             }
             (_, error) => {
@@ -1256,7 +1318,11 @@ impl Sim {
     fn lh_up(&mut self) {
         self.service += 1;
         let first = EPOCH_MS + self.t as i64;
-        self.lh = Some(Lighthouse::new(self.sc.knobs.clone(), first));
+        let mut lh = Lighthouse::new(self.sc.knobs.clone(), first);
+        if self.sabotage == Sabotage::RecalledAnyBack {
+            lh.sabotage(lhm::Sabotage::RecalledAnyBack);
+        }
+        self.lh = Some(lh);
         self.lh_deadlines.clear();
         let service = self.service;
         self.at(self.t + 100, Ev::LhTick { service });

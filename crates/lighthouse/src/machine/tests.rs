@@ -37,7 +37,11 @@ fn event(ev: Ev) -> Event {
     let join = |session, id, f: fn(&mut Member)| {
         let mut member = member(id);
         f(&mut member);
-        Event::Join { session, member }
+        Event::Join {
+            session,
+            member,
+            remembered: None,
+        }
     };
     match ev {
         Ev::Join(s, id) => join(s, id, |_| {}),
@@ -521,6 +525,7 @@ fn status_counts_what_happened() {
             aborts: 1,
             refusals: 1,
             left: 0,
+            recalled: 0,
         }
     );
     assert!(
@@ -666,6 +671,7 @@ fn a_round_of_1024_members_issues_one_quorum_of_all() {
                 Event::Join {
                     session: s,
                     member: member(id),
+                    remembered: None,
                 },
             ));
         }
@@ -682,4 +688,119 @@ fn a_round_of_1024_members_issues_one_quorum_of_all() {
             .windows(2)
             .all(|w| w[0].replica_id < w[1].replica_id));
     }
+}
+
+/// A `Join` of `id` over `session` that remembers quorum `quorum_id` of
+/// `members` (our managers' `last_quorum`).
+fn join_remembering(session: Session, id: &str, quorum_id: i64, members: &[&str]) -> Event {
+    Event::Join {
+        session,
+        member: member(id),
+        remembered: Some(Remembered {
+            quorum_id,
+            replica_ids: members.iter().map(|m| (*m).to_owned()).collect(),
+        }),
+    }
+}
+
+/// A restarted lighthouse (nothing restored) whose callers remember their
+/// last quorum issues its first quorum as soon as every member of the
+/// newest remembered one is back, not after the grace; under a new id of
+/// its own (every member reconfigures once), never the remembered one.
+#[test]
+fn a_remembered_quorum_back_ends_the_startup_grace() {
+    let t0 = Instant::now();
+    let at = |ms| t0 + Duration::from_millis(ms);
+    let mut lh = Lighthouse::new(Knobs::ours(2), 5_000);
+    assert!(issued(&lh.handle(at(0), join_remembering(1, "a", 42, &["a", "b", "c"]))).is_empty());
+    assert!(
+        issued(&lh.handle(at(1), join_remembering(2, "b", 42, &["a", "b", "c"]))).is_empty(),
+        "c is not back: the grace holds (a and b are a majority of what this service knows)"
+    );
+    assert_eq!(
+        issued(&lh.handle(at(2), join_remembering(3, "c", 42, &["c", "b", "a"]))),
+        ["issue 5001 [a,b,c]"],
+        "all back: at once, under this service's own next id"
+    );
+    assert_eq!(lh.status(at(2)).counters.recalled, 1);
+    // A memory is heeded only before the first quorum.
+    lh.handle(at(3), join_remembering(4, "d", 99, &["d"]));
+    assert!(issued(&lh.handle(at(4), Event::Tick)).is_empty());
+}
+
+/// A member that missed its predecessor's last quorum remembers an older
+/// one; the newest memory wins, whatever the order of the joins.
+#[test]
+fn the_newest_remembered_quorum_wins() {
+    let t0 = Instant::now();
+    let at = |ms| t0 + Duration::from_millis(ms);
+    // c was dropped from quorum 43, and remembers 42 (with a, b, c).
+    for order in [["c", "a"], ["a", "c"]] {
+        let mut lh = Lighthouse::new(Knobs::ours(1), 5_000);
+        let mut got = Vec::new();
+        for (s, id) in (1..).zip(order) {
+            let ev = if id == "c" {
+                join_remembering(s, "c", 42, &["a", "b", "c"])
+            } else {
+                join_remembering(s, "a", 43, &["a", "b"])
+            };
+            got.extend(issued(&lh.handle(at(s), ev)));
+        }
+        assert!(got.is_empty(), "{order:?}: b is not back");
+        assert_eq!(
+            issued(&lh.handle(at(5), join_remembering(5, "b", 43, &["a", "b"]))),
+            ["issue 5001 [a,b,c]"],
+            "{order:?}: 43's members back (c, waiting, comes in with them)"
+        );
+    }
+}
+
+/// A memory that does not name its requester is not one of its quorums:
+/// ignored (the grace holds); so is one after a restored state, which is
+/// the predecessor's own word.
+#[test]
+fn memories_that_cannot_be_true_are_ignored() {
+    let t0 = Instant::now();
+    let at = |ms| t0 + Duration::from_millis(ms);
+    let mut lh = Lighthouse::new(Knobs::ours(1), 5_000);
+    assert!(
+        issued(&lh.handle(at(0), join_remembering(1, "a", 42, &["b"]))).is_empty(),
+        "a was not in the quorum it names"
+    );
+    assert_eq!(
+        issued(&lh.handle(at(1), join_remembering(2, "b", 41, &["b"]))),
+        ["issue 5001 [a,b]"],
+        "b's own memory, b back (a, waiting, comes in)"
+    );
+
+    let mut lh = Lighthouse::new(Knobs::ours(1), 5_000);
+    lh.handle(at(0), restored(42, &["a", "b"]));
+    assert!(
+        issued(&lh.handle(at(1), join_remembering(1, "a", 50, &["a"]))).is_empty(),
+        "the restored quorum (a, b) decides, not a's memory"
+    );
+    assert_eq!(
+        issued(&lh.handle(at(2), event(Ev::Join(2, "b")))),
+        ["issue 42 [a,b]"]
+    );
+}
+
+/// With the sabotage that ends the grace when any member of the memory is
+/// back, the first caller alone gets a quorum: what the grace prevents.
+#[test]
+fn the_grace_holds_until_every_remembered_member_is_back() {
+    let t0 = Instant::now();
+    let at = |ms| t0 + Duration::from_millis(ms);
+    let mut lh = Lighthouse::new(Knobs::ours(1), 5_000);
+    let first = join_remembering(1, "a", 42, &["a", "b"]);
+    assert!(issued(&lh.handle(at(0), first.clone())).is_empty());
+    lh.handle(at(900), event(Ev::Beat(1, "a")));
+    assert_eq!(
+        issued(&lh.handle(at(1000), Event::Tick)),
+        ["issue 5001 [a]"],
+        "b never came: the grace's end, as without memories"
+    );
+    let mut broken = Lighthouse::new(Knobs::ours(1), 5_000);
+    broken.sabotage(Sabotage::RecalledAnyBack);
+    assert_eq!(issued(&broken.handle(at(0), first)), ["issue 5001 [a]"]);
 }

@@ -13,6 +13,6 @@ mod torchft;
 pub use torchft::lighthouse_service_client::LighthouseServiceClient;
 pub use torchft::lighthouse_service_server::{LighthouseService, LighthouseServiceServer};
 pub use torchft::{
-    LighthouseHeartbeatRequest, LighthouseHeartbeatResponse, LighthouseQuorumRequest,
+    LastQuorum, LighthouseHeartbeatRequest, LighthouseHeartbeatResponse, LighthouseQuorumRequest,
     LighthouseQuorumResponse, Quorum, QuorumMember,
 };

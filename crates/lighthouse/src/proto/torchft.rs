@@ -35,6 +35,18 @@ pub struct Quorum {
 pub struct LighthouseQuorumRequest {
     #[prost(message, optional, tag = "1")]
     pub requester: ::core::option::Option<QuorumMember>,
+    /// rallypoint's extension (see above).
+    #[prost(message, optional, tag = "1000")]
+    pub last_quorum: ::core::option::Option<LastQuorum>,
+}
+/// The last quorum a requester was issued, as it remembers it.
+#[allow(clippy::all)]
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct LastQuorum {
+    #[prost(int64, tag = "1")]
+    pub quorum_id: i64,
+    #[prost(string, repeated, tag = "2")]
+    pub replica_ids: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
 }
 #[allow(clippy::all)]
 #[derive(Clone, PartialEq, ::prost::Message)]

@@ -6,7 +6,7 @@
 //!
 //! Errors are gRPC statuses with a message a person can act on:
 //! `INVALID_ARGUMENT` for a request the service cannot place (no requester,
-//! an empty or oversized replica id), `ALREADY_EXISTS` for a replica id held
+//! an empty or oversized replica id, an oversized `last_quorum`), `ALREADY_EXISTS` for a replica id held
 //! by another live process (also ending a waiting call whose id another
 //! process took while it was silent), `DEADLINE_EXCEEDED` naming who the quorum
 //! still waits for, `UNAVAILABLE` from a standby (`--state etcd://`: it
@@ -21,7 +21,7 @@ use tonic::{Request, Response, Status};
 
 use super::state::{Counters, Refused, Shared};
 use super::wire::{self, Encoded, Issued};
-use crate::machine::Session;
+use crate::machine::{self, Session};
 use crate::proto;
 
 /// How long a `Quorum` call without a `grpc-timeout` waits (torchft's
@@ -35,6 +35,9 @@ const SETTLE_WAIT: Duration = Duration::from_secs(2);
 
 /// Longest replica id accepted, in bytes (torchft's are `name:uuid4`).
 pub const MAX_REPLICA_ID: usize = 1024;
+
+/// The most members a request's `last_quorum` may name.
+pub const MAX_REMEMBERED: usize = 65_536;
 
 /// The connection a request arrived on.
 #[derive(Clone, Copy, Debug)]
@@ -111,16 +114,20 @@ async fn join_and_wait(
 ) -> Result<Arc<Issued>, Status> {
     let conn = conn(&req)?;
     let wait = grpc_timeout(&req)?.unwrap_or(DEFAULT_QUORUM_WAIT);
-    let requester = req.into_inner().requester.ok_or_else(|| {
+    let req = req.into_inner();
+    let requester = req.requester.ok_or_else(|| {
         Status::invalid_argument("quorum request without a requester (QuorumMember)")
     })?;
     check_replica_id(&requester.replica_id)?;
+    let remembered = req.last_quorum.map(check_last_quorum).transpose()?;
     let member = wire::member(requester);
     let replica_id = member.replica_id.clone();
     let started = tokio::time::Instant::now();
     shared.settled(wait).await;
     let wait = wait.saturating_sub(started.elapsed());
-    let mut waiting = shared.join(conn.session, member).map_err(refused)?;
+    let mut waiting = shared
+        .join(conn.session, member, remembered)
+        .map_err(refused)?;
     match tokio::time::timeout(wait, &mut waiting.rx).await {
         Ok(Ok(Ok(issued))) => Ok(issued),
         Ok(Ok(Err(r))) => Err(refused(r)),
@@ -171,6 +178,22 @@ fn check_replica_id(id: &str) -> Result<(), Status> {
         )));
     }
     Ok(())
+}
+
+/// Our extension's `last_quorum`: at most [`MAX_REMEMBERED`] members, each
+/// a valid replica id.
+fn check_last_quorum(q: proto::LastQuorum) -> Result<machine::Remembered, Status> {
+    if q.replica_ids.len() > MAX_REMEMBERED {
+        return Err(Status::invalid_argument(format!(
+            "last_quorum of {} members, more than {MAX_REMEMBERED}",
+            q.replica_ids.len()
+        )));
+    }
+    for id in &q.replica_ids {
+        check_replica_id(id)
+            .map_err(|e| Status::invalid_argument(format!("last_quorum: {}", e.message())))?;
+    }
+    Ok(wire::remembered(q))
 }
 
 /// The call's `grpc-timeout` header, if any.

@@ -213,6 +213,7 @@ fn status_json(shared: &Shared) -> String {
             "aborts": s.counters.aborts,
             "refusals": s.counters.refusals,
             "left": s.counters.left,
+            "recalled": s.counters.recalled,
             "aborts_pushed": c.aborts_pushed.load(Ordering::Relaxed),
             "refused_requests": c.refused.load(Ordering::Relaxed),
             "bad_connections": c.bad_connections.load(Ordering::Relaxed),
@@ -232,7 +233,7 @@ pub fn metrics(shared: &Shared) -> String {
     let c = &shared.counters;
     let participants = s.quorum.as_ref().map_or(0, |q| q.participants.len());
     let leading = matches!(shared.role(), Role::Leader { .. });
-    let rows: [(&str, &str, &str, u64); 16] = [
+    let rows: [(&str, &str, &str, u64); 17] = [
         (
             "leader",
             "gauge",
@@ -286,6 +287,12 @@ pub fn metrics(shared: &Shared) -> String {
             "counter",
             "quorums issued",
             s.counters.quorums_issued,
+        ),
+        (
+            "recalled_quorums_total",
+            "counter",
+            "first quorums issued before the startup grace's end, every member of the quorum the requesters remembered being back",
+            s.counters.recalled,
         ),
         (
             "aborts_total",

@@ -43,7 +43,7 @@ use tokio::sync::{oneshot, watch, Notify};
 use super::heals::{Heal, Heals, Report};
 use super::watch::Board;
 use super::wire::Issued;
-use crate::machine::{Action, Event, Lighthouse, Session, Status};
+use crate::machine::{Action, Event, Lighthouse, Remembered, Session, Status};
 use crate::quorum::{Member, Quorum};
 
 /// The service's own counts (the machine counts joins, drops, quorums and
@@ -289,7 +289,12 @@ impl Shared {
 
     /// A `Quorum` request: the replica joins and waits for a quorum that
     /// contains it, or is refused.
-    pub fn join(self: &Arc<Self>, session: Session, member: Member) -> Result<Waiting, Refused> {
+    pub fn join(
+        self: &Arc<Self>,
+        session: Session,
+        member: Member,
+        remembered: Option<Remembered>,
+    ) -> Result<Waiting, Refused> {
         let (tx, rx) = oneshot::channel();
         let replica_id = member.replica_id.clone();
         let mut inner = self.inner.locked();
@@ -307,7 +312,12 @@ impl Shared {
                 tx,
             },
         );
-        let refusals = self.step(&mut inner, Event::Join { session, member });
+        let event = Event::Join {
+            session,
+            member,
+            remembered,
+        };
+        let refusals = self.step(&mut inner, event);
         drop(inner);
         let waiting = Waiting {
             shared: self.clone(),
@@ -557,7 +567,11 @@ impl Shared {
     /// Hands one event to the machine and carries out its actions (under the
     /// caller's lock); returns the refusals.
     fn step(&self, inner: &mut Inner, ev: Event) -> Vec<Refusal> {
+        let recalled = inner.machine.counters().recalled;
         let actions = inner.machine.handle(Instant::now(), ev);
+        if inner.machine.counters().recalled > recalled {
+            tracing::info!("every member of the last quorum its callers remember is back: the first quorum is issued without the startup grace");
+        }
         let mut refusals = Vec::new();
         for action in actions {
             match action {
@@ -772,7 +786,7 @@ mod tests {
             commit_failures: 0,
             data: String::new(),
         };
-        assert!(shared.join(1, member).is_err());
+        assert!(shared.join(1, member, None).is_err());
         assert!(
             live(&shared).is_empty(),
             "no replica speaks over a closed session"

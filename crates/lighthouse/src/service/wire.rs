@@ -11,6 +11,7 @@ use bytes::{Buf, BufMut, Bytes};
 use prost::encoding::{skip_field, DecodeContext, WireType};
 use prost::{DecodeError, Message};
 
+use crate::machine::Remembered;
 use crate::proto;
 use crate::quorum::{Member, Quorum};
 
@@ -71,6 +72,14 @@ pub fn member(m: proto::QuorumMember) -> Member {
         shrink_only: m.shrink_only,
         commit_failures: m.commit_failures,
         data: m.data,
+    }
+}
+
+/// Our extension's remembered quorum as the machine's.
+pub fn remembered(r: proto::LastQuorum) -> Remembered {
+    Remembered {
+        quorum_id: r.quorum_id,
+        replica_ids: r.replica_ids,
     }
 }
 

@@ -500,7 +500,9 @@ fn a_host_cut_off_for_less_than_the_keep_alive_is_ridden_out() {
 
 /// The lighthouse SIGKILLed and started again on its address: no replica
 /// crashes (torchft's managers retry, `TORCHFT_QUORUM_RETRIES`), and the
-/// replicas commit again soon after it is back.
+/// replicas commit again soon after it is back. torchft's managers do not
+/// say which quorum they were last issued, so the new lighthouse waits its
+/// startup grace.
 #[test]
 fn the_lighthouse_killed_and_restarted_stops_no_replica() {
     let mut j = FtJob::start(3, 1000);
@@ -520,5 +522,14 @@ fn the_lighthouse_killed_and_restarted_stops_no_replica() {
         .max()
         .unwrap();
     j.survivors_commit_past(&[0, 1, 2], step, t0, Duration::from_secs(1));
+    let log = j
+        .lighthouse
+        .as_ref()
+        .map(|l| l.output())
+        .unwrap_or_default();
+    assert!(
+        !log.contains("without the startup grace"),
+        "torchft's managers remember no quorum:\n{log}"
+    );
     j.finish(&[0, 1, 2]);
 }

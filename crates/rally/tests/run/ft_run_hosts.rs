@@ -311,6 +311,9 @@ fn a_host_cut_off_for_less_than_the_keep_alive_misses_no_step() {
 /// The lighthouse SIGKILLed and started again on its address: no group
 /// restarts (each manager rides it out within its connect timeout), and
 /// every group commits again within a second of its return (+ margin).
+/// The managers remember their last quorum, so the new lighthouse issues
+/// its first one as soon as all three are back, without its startup grace
+/// (it says so in its log).
 #[test]
 fn the_lighthouse_killed_and_restarted_restarts_no_group() {
     let mut j = FtJob::start_with(3, 1000, Launch::RallyRunFt);
@@ -330,6 +333,15 @@ fn the_lighthouse_killed_and_restarted_restarts_no_group() {
         .max()
         .unwrap();
     j.survivors_commit_past(&[0, 1, 2], step, t0, Duration::from_secs(1));
+    let log = j
+        .lighthouse
+        .as_ref()
+        .map(|l| l.output())
+        .unwrap_or_default();
+    assert!(
+        log.contains("without the startup grace"),
+        "the restarted lighthouse waited its grace:\n{log}"
+    );
     j.finish(&[0, 1, 2]);
     never_restarted(&j, &[0, 1, 2]);
 }
