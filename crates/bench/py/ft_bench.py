@@ -66,8 +66,10 @@ made and torn down by ``crates/testhosts/examples/hold.rs``, which this
 script starts in a session of its own and talks to on a pipe (``cut I``,
 ``heal I``); the hosts go when its standard input closes, so on every exit
 of this script, Ctrl-C and crashes included. The lighthouse runs on node1
-beside replica 0, each replica's store on its own host, and the victim is
-the last replica (on the last host)::
+beside replica 0 (with ``--lighthouse-apart``, on one more host of its
+own, so that a power-off of node1 does not take it away too), each
+replica's store on its own host, and the victim is the last replica (on the
+last host)::
 
     cargo build --release -p rally -p rallypoint-torch
     cargo build --release -p rallypoint-testhosts --example hold
@@ -119,6 +121,7 @@ class Bench:
     site: str
     steady_seconds: float = 20.0
     chaos: object = None  # a Chaos, for the figure ``chaos``
+    lh_place: int = 0  # where the lighthouse (and etcd) run: replica 0's place, or a host apart
 
 
 def lay_out_package(dest: Path, src: Path, native: Path) -> str:
@@ -164,17 +167,19 @@ def free_port() -> int:
 
 
 class Lighthouse:
-    """torchft's or ours, on a fresh port of place 0 (loopback, or node1)."""
+    """torchft's or ours, on a fresh port of ``b.lh_place`` (loopback, node1,
+    or with ``--lighthouse-apart`` a host of its own)."""
 
     def __init__(self, side: str, b: Bench, workdir, extra=()):
         self.net = b.net
+        self.place = b.lh_place
         self.port = free_port()
         self.etcd = None
-        bind = f"{self.net.addr(0)}:{self.port}"
+        bind = f"{self.net.addr(self.place)}:{self.port}"
         if side == "rally-state":
             # Its state (the last quorum) in etcd, on the same place.
             self.etcd = Etcd(b, workdir)
-            extra = ("--state", f"etcd://{self.net.addr(0)}:{self.etcd.port}", *extra)
+            extra = ("--state", f"etcd://{self.net.addr(self.place)}:{self.etcd.port}", *extra)
         if side.startswith("rally") or side == "ft":
             cmd = [b.rally, "lighthouse", "--bind", bind, "--min_replicas", "1", *extra]
         else:
@@ -182,23 +187,23 @@ class Lighthouse:
             exe = str(Path(PY).parent / "torchft_lighthouse")
             cmd = [exe, "--bind", bind, "--min_replicas", "1", "--join_timeout_ms", "500",
                    "--quorum_tick_ms", "100", "--heartbeat_timeout_ms", hb, *extra]
-        self.cmd = self.net.prefix(0) + cmd
+        self.cmd = self.net.prefix(self.place) + cmd
         self.log = open(Path(workdir) / "lighthouse.log", "a")
         self.proc = None
         self.start()
 
     def start(self):
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=self.log)
-        wait_listening(self.net, 0, self.port, self.proc, 20, PY, f"lighthouse {self.cmd}",
+        wait_listening(self.net, self.place, self.port, self.proc, 20, PY, f"lighthouse {self.cmd}",
                        Path(self.log.name).read_text(errors="replace"))
 
     @property
     def url(self) -> str:
-        return f"http://{self.net.addr(0)}:{self.port}"
+        return f"http://{self.net.addr(self.place)}:{self.port}"
 
     @property
     def hostport(self) -> str:
-        return f"{self.net.addr(0)}:{self.port}"
+        return f"{self.net.addr(self.place)}:{self.port}"
 
     def stop(self):
         if self.proc and self.proc.poll() is None:
@@ -213,13 +218,13 @@ class Lighthouse:
 
 class Etcd:
     """A real etcd (``/usr/bin/etcd``, as ``.ci/run`` installs it) on a fresh
-    port of place 0, for ``rally lighthouse --state``."""
+    port of the lighthouse's place, for ``rally lighthouse --state``."""
 
     def __init__(self, b: Bench, workdir):
         self.port = free_port()
         peer = free_port()
-        host = b.net.addr(0)
-        cmd = b.net.prefix(0) + [
+        host = b.net.addr(b.lh_place)
+        cmd = b.net.prefix(b.lh_place) + [
             "etcd", "--data-dir", str(Path(workdir) / "etcd"), "--name", "bench",
             "--listen-client-urls", f"http://{host}:{self.port}", "--advertise-client-urls", f"http://{host}:{self.port}",
             "--listen-peer-urls", f"http://{host}:{peer}", "--initial-advertise-peer-urls", f"http://{host}:{peer}",
@@ -227,7 +232,7 @@ class Etcd:
         ]
         self.log = open(Path(workdir) / "etcd.log", "a")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=self.log)
-        wait_listening(b.net, 0, self.port, self.proc, 20, PY, f"etcd {cmd}", Path(self.log.name).read_text(errors="replace"))
+        wait_listening(b.net, b.lh_place, self.port, self.proc, 20, PY, f"etcd {cmd}", Path(self.log.name).read_text(errors="replace"))
 
     def stop(self):
         if self.proc.poll() is None:
@@ -792,6 +797,8 @@ def parse_args():
                     help="replica groups per run (default 2 3; with --hosts N, N)")
     ap.add_argument("--hosts", type=int, default=0,
                     help="run across N test hosts (network namespaces, root), one replica group per host")
+    ap.add_argument("--lighthouse-apart", action="store_true",
+                    help="with --hosts N: one more host, for the lighthouse alone (default: beside replica 0)")
     ap.add_argument("--sides", nargs="+", default=["gloo", "gloo-tuned", "rally"])
     ap.add_argument("--figures", nargs="+", default=None,
                     help="default: every loopback figure; with --hosts: " + " ".join(FAULTS + ["cut"]))
@@ -826,10 +833,12 @@ def main():
     results = {}
     with tempfile.TemporaryDirectory(prefix="ft_bench_site.") as site_dir:
         site = lay_out_package(Path(site_dir), Path(a.python_src), Path(a.native))
-        net = Hosts(a.hosts, a.hold) if a.hosts else Loopback()
+        apart = bool(a.hosts and a.lighthouse_apart)
+        net = Hosts(a.hosts + apart, a.hold) if a.hosts else Loopback()
         try:
             b = Bench(rally=a.rally, net=net, site=site, steady_seconds=a.steady_seconds,
-                      chaos=Chaos(seconds=a.chaos_seconds, seed=a.chaos_seed, every=a.chaos_every))
+                      chaos=Chaos(seconds=a.chaos_seconds, seed=a.chaos_seed, every=a.chaos_every),
+                      lh_place=a.hosts if apart else 0)
             print(json.dumps({"network": net.name, "python_src": a.python_src, "native": a.native, "rally": a.rally}), flush=True)
             for rep in range(a.reps):
                 for n in a.replicas:

@@ -32,9 +32,11 @@
 //!   startup grace (see `rallypoint_lighthouse::machine`). It is forgotten
 //!   when a memory could be stale: when the connection is dropped (the
 //!   lighthouse drops this replica and the quorum goes on without it), and
-//!   when a heartbeat has no answer (a cut: the lighthouse may drop this
-//!   replica for its silence while this side still holds the connection).
-//!   A lighthouse that died closes the connection, which keeps the memory.
+//!   when a heartbeat has had no answer for two heartbeat intervals (a cut:
+//!   the lighthouse may drop this replica for its silence, at its heartbeat
+//!   timeout, while this side still holds the connection). A lighthouse
+//!   that died closes the connection, which fails the beat at once and
+//!   keeps the memory.
 //! * **Dropping** stops the heartbeats and fails the call in flight, which
 //!   never dials again (its round is over, even if a new hello already
 //!   asked for a new connection); the next [`Lighthouse::connect`] starts
@@ -119,6 +121,16 @@ struct State {
     /// The last quorum issued to this replica, while it cannot be stale
     /// (see the module docs).
     remembered: Option<LastQuorum>,
+    /// Counts the times it was forgotten: an answer to a call sent before
+    /// the last time is not remembered (held by a cut, it is stale).
+    forgotten: u64,
+}
+
+impl State {
+    fn forget(&mut self) {
+        self.remembered = None;
+        self.forgotten += 1;
+    }
 }
 
 #[derive(Clone)]
@@ -190,7 +202,7 @@ impl Lighthouse {
         s.dropped = Some(reason.to_owned());
         s.up = false;
         s.drops += 1;
-        s.remembered = None;
+        s.forget();
         if let Some(c) = s.conn.take() {
             c.close();
         }
@@ -231,7 +243,21 @@ impl Shared {
                 replica_id: self.options.replica_id.clone(),
             };
             let mut rpc = conn.rpc.clone();
-            match tokio::time::timeout(beat_limit, rpc.heartbeat(req)).await {
+            let beat = rpc.heartbeat(req);
+            tokio::pin!(beat);
+            // Unanswered for two intervals: the lighthouse may be about to
+            // drop this replica for its silence (at its heartbeat timeout,
+            // 1 s by default), so the memory of the last quorum may go
+            // stale: forgotten now, while the beat is still waited for.
+            let forget_after = (interval * 2).min(beat_limit);
+            let answered = match tokio::time::timeout(forget_after, &mut beat).await {
+                Ok(r) => Ok(r),
+                Err(_) => {
+                    self.state.lock().expect("lock").forget();
+                    tokio::time::timeout(beat_limit - forget_after, &mut beat).await
+                }
+            };
+            match answered {
                 Ok(Ok(_)) => self.report(Link::Up, None),
                 Ok(Err(status)) => {
                     let e = format!(
@@ -251,7 +277,6 @@ impl Shared {
                         "a heartbeat to the lighthouse at {} had no answer within {beat_limit:?}",
                         self.url
                     );
-                    self.state.lock().expect("lock").remembered = None;
                     self.report(Link::Lost(e), None);
                 }
             }
@@ -342,11 +367,12 @@ impl Shared {
         }
     }
 
-    /// Remembers `q`, issued to a call made after `drops` drops (a call of
-    /// a dropped round leaves the memory forgotten).
-    fn remember(&self, q: &Quorum, drops: u64) {
+    /// Remembers `q`, the answer to a call sent when the memory had been
+    /// forgotten `forgotten` times: not if it was forgotten since (a drop,
+    /// a silence), since the answer may then be stale.
+    fn remember(&self, q: &Quorum, forgotten: u64) {
         let mut s = self.state.lock().expect("lock");
-        if s.drops == drops {
+        if s.forgotten == forgotten {
             s.remembered = Some(LastQuorum {
                 quorum_id: q.quorum_id,
                 replica_ids: q
@@ -409,7 +435,10 @@ impl Shared {
     async fn quorum(&self, member: QuorumMember, deadline: Instant) -> Result<Quorum, String> {
         let drops = self.state.lock().expect("lock").drops;
         loop {
-            let last_quorum = self.state.lock().expect("lock").remembered.clone();
+            let (last_quorum, forgotten) = {
+                let s = self.state.lock().expect("lock");
+                (s.remembered.clone(), s.forgotten)
+            };
             let until = deadline.min(Instant::now() + self.options.connect_timeout);
             let conn = self.ensure(until, Some(drops)).await?;
             let left = deadline.saturating_duration_since(Instant::now());
@@ -431,7 +460,7 @@ impl Shared {
                     let q = r.into_inner().quorum.ok_or_else(|| {
                         format!("the lighthouse at {} answered without a quorum", self.url)
                     })?;
-                    self.remember(&q, drops);
+                    self.remember(&q, forgotten);
                     return Ok(q);
                 }
                 Ok(Err(status)) => status,

@@ -17,10 +17,10 @@
 //!   when one of them dies, the lighthouse aborts the quorum, or at its
 //!   timeout); a `should_commit` vote (false if anything failed); on a
 //!   commit, step + 1 and the allreduce's new state. A model's state is a
-//!   hash: a fresh process's random init, then hash(state, step) at each
+//!   hash: a fresh process's random init, then hash(state, step, the groups that took part) at each
 //!   commit, so a group that skipped a heal (or `init_sync`) diverges;
 //! * a **manager** carries out its round's actions as `server.rs` and
-//!   `lighthouse.rs` do: `Connect` dials (backoff 100 ms doubling to 1 s
+//!   `lighthouse.rs` do: `Connect` dials (backoff 100 ms doubling to 250 ms
 //!   while the lighthouse is down) and heartbeats every 100 ms over the
 //!   session; `CallLighthouse` joins over the open session (again over a
 //!   new one after a restart) until its deadline, when the call fails and
@@ -28,8 +28,8 @@
 //!   lighthouse's `Closed`); a tick at the round's next deadline. Each
 //!   `Join` carries the last quorum the client was issued, forgotten at a
 //!   `DropConnection` and when a heartbeat sent during a cut has had no
-//!   answer for 1 s (the client's limit), so a restarted lighthouse may
-//!   issue its first quorum before its grace;
+//!   answer for two beats (200 ms, as the client), so a restarted
+//!   lighthouse may issue its first quorum before its grace;
 //! * the **lighthouse** ticks every 100 ms and at its next deadline; an
 //!   issued quorum answers each member's call over its session; an abort
 //!   fails that quorum's allreduces (the process groups watch it).
@@ -74,8 +74,8 @@
 //! shifted replica rank, answers sent twice, a manager one rank short,
 //! a worker that skips its heal, no `init_sync`, a stop that keeps the
 //! session or the calls, a failed lighthouse call never reported to the
-//! round, a restarted lighthouse that ends its grace when any remembered
-//! member is back), which some seed among the first few hundred must
+//! round, a restarted lighthouse that ends its grace on the managers'
+//! memory without its floor), which some seed among the first few hundred must
 //! catch (known divergent seeds do not count).
 //!
 //! **Found by it**: (a) fixed: a stalled rank could leave a group's ranks
@@ -107,17 +107,33 @@
 //! the max step cannot tell them apart and they allreduce together
 //! (seeds 1169, 1400, 7804, [`KNOWN_DIVERGENT`]). torchft does the same. A
 //! line id in the member data (the group that started the line, carried
-//! by heals) would let one line win; not done.
+//! by heals) would let one line win; not done. (e) **Open**, found when
+//! the state hash began to take in who took part (before, two quorums of
+//! different groups that committed a step from one state committed the
+//! same hash, which real gradients do not): under a join timeout of 0 the
+//! lighthouse never waits for a group that is still in its step, so a
+//! quorum of the groups that are behind can form without the ones at the
+//! highest step (say one lost its answer and another was stopped), and it
+//! commits that step again from the older state: two states at one step,
+//! with `min_replicas` 2 too (seeds 860, 1411, 2696, 3349, 4415, 6422,
+//! 8659; each fails the same with the managers' memory switched off, so
+//! the memory is not their cause). torchft's rules do the same; its
+//! default join timeout (60 s, ours too) is what keeps a quorum waiting
+//! for the groups that are ahead. A fix would keep, in the lighthouse, each
+//! live replica's last step and refuse a quorum below it; not done.
 //!
 //! Census of 10,000 seeds (release build, 379 s, after (b) and (c)): 3
 //! failed, all `SameState` of kind (d) under `min_replicas` 1 (before
 //! them: 102); every fault kind fired in 29% to 31% of the seeds; the
 //! slowest group committed 10.6 s after the last fault settled, 55% of its
 //! bound; a line of commits was lost (a group's line dropped for a longer
-//! one) in 240 seeds. After the managers' memory of their last quorum
-//! (a restarted lighthouse may skip its grace), 10,000 seeds (release,
-//! 450 s): the same 3 failed; of 3,471 lighthouse restarts, 2,165 issued
-//! their first quorum on the memory; the slowest group, 10.6 s, 55%.
+//! one) in 240 seeds. With the managers' memory of their last quorum (a
+//! restarted lighthouse ends its grace at its 350 ms floor when that
+//! quorum's members are back) and the state hash taking in who took part,
+//! 10,000 seeds (release, 425 s): 9 failed, all `SameState`, of kinds (d)
+//! and (e) (seed 1400 no longer fails); of 3,470 lighthouse restarts,
+//! 1,572 issued their first quorum on the memory; the slowest group
+//! committed 10.6 s after the last fault settled, 57% of its bound.
 //!
 //! The default run plays [`SEEDS`] seeds. `RALLY_SIM_SEEDS=n` /
 //! `RALLY_SIM_FIRST=s` run others; `RALLY_SIM_SEED=s` replays one with its
@@ -142,12 +158,12 @@ use world::{Sabotage, Sim};
 /// Seeds of the default run (CI).
 const SEEDS: u64 = 60;
 
-/// Seeds that break `SameState` today: two lines of history under
-/// `min_replicas` 1 meeting at one step (see the module docs, (d)): the
-/// default and `RALLY_SIM_SEEDS` runs skip them (and say so), a census and
-/// a replay do not, and [`known_divergent_seeds_still_diverge`] replays
-/// them.
-const KNOWN_DIVERGENT: [u64; 3] = [1169, 1400, 7804];
+/// Seeds that break `SameState` today: two lines of history meeting at one
+/// step, under `min_replicas` 1 (see the module docs, (d)) or a join
+/// timeout of 0 (e): the default and `RALLY_SIM_SEEDS` runs skip them (and
+/// say so), a census and a replay do not, and
+/// [`known_divergent_seeds_still_diverge`] replays them.
+const KNOWN_DIVERGENT: [u64; 9] = [860, 1169, 1411, 2696, 3349, 4415, 6422, 7804, 8659];
 
 /// Every kind of fault must fire in at least one seed in this many.
 const FLOOR_ONE_IN: u64 = 20;
@@ -348,19 +364,19 @@ fn known_divergent_seeds_still_diverge() {
     }
 }
 
-/// A restarted lighthouse that ends its startup grace when any member of
-/// the quorum the managers remember is back (not every member) issues a
-/// quorum of the first callers while the others are still reconnecting:
-/// two lines of history, which meet at one step with different states.
-/// It shows where many groups reconnect and the lighthouse does not wait
-/// for stragglers (every such catch in 2,000 seeds with a restart had 5
-/// groups and a join timeout of 0).
+/// A restarted lighthouse that ends its startup grace as soon as every
+/// member of the quorum the managers remember is back, without the floor,
+/// issues a quorum of the first managers while others that were in a newer
+/// quorum are still reconnecting: two lines of history at one step. It
+/// shows where many groups reconnect and the lighthouse does not wait for
+/// stragglers (each catch in 3,000 seeds with a restart had 5 groups and a
+/// join timeout of 0).
 #[test]
-fn sabotage_recalled_any_back_is_caught() {
+fn sabotage_no_recall_floor_is_caught() {
     let fits = |sc: &Scenario| {
         sc.groups >= 5
             && sc.knobs.join_timeout.is_zero()
             && sc.faults.iter().any(|f| f.kind == Fault::Restart)
     };
-    caught_where(Sabotage::RecalledAnyBack, Invariant::SameState, fits);
+    caught_where(Sabotage::NoRecallFloor, Invariant::SameState, fits);
 }

@@ -26,21 +26,26 @@
 //!
 //!   *A restart without the grace.* rallypoint's managers say, in each
 //!   `Join`, which quorum they were last issued ([`Remembered`]; torchft's
-//!   say nothing, and get the grace). Before its first quorum, a service
-//!   with nothing restored keeps the remembered quorum of the highest id
-//!   (a member remembers only a quorum it was in; one that missed the
+//!   say nothing, and get the grace), and they dial again at least every
+//!   250 ms and beat every 100 ms. Before its first quorum, a service with
+//!   nothing restored keeps the remembered quorum of the highest id (a
+//!   member remembers only a quorum it was in; one that missed the
 //!   predecessor's last quorum remembers an older one, and the newest
-//!   wins). When every member of it is waiting again, the grace ends: the
-//!   live replicas are then known as well as the predecessor knew them,
-//!   and the rules run with that quorum as the previous one, so its
-//!   members come back as a fast quorum. Its id is never reused: ids go
-//!   on from this service's own `first_id`, so every member reconfigures
-//!   once. A replica of the predecessor's last quorum that has not
-//!   reconnected keeps the grace in force, so a first caller alone still
-//!   cannot pass the majority guard; a stale memory (a member dropped
-//!   since, the newer quorum without it not reaching anyone) can only name
-//!   more members to wait for, or fewer than `min_replicas`, which the
-//!   rules still refuse.
+//!   seen wins). The grace ends early when every member of it is waiting
+//!   again **and** [`RECALL_FLOOR`] (350 ms) has passed since the service
+//!   first heard anyone: by then every live manager of ours has reached it
+//!   and counts among the healthy. The rules then run as after the grace,
+//!   *without* a previous quorum: a memory may be stale (some members
+//!   missed the predecessor's newest quorum, which the others are in), so
+//!   it never stands for the previous quorum's fast path, and
+//!   `min_replicas`, the majority guard and the wait for healthy
+//!   stragglers all hold. The memory only shortens the wait from the
+//!   grace (a heartbeat timeout, at most 1 s) to the floor when the last
+//!   quorum's members are back. Ids go on from this service's own
+//!   `first_id`, never the remembered one, so every member reconfigures
+//!   once. (A first version also took the memory for the previous quorum;
+//!   a review found a schedule where a stale one passed the fast path
+//!   while the members of the newer quorum were still reconnecting.)
 //!
 //! * A session (one client connection) that ends drops every replica it
 //!   carried at once ([`Event::Closed`]), with one exception: torchft's
@@ -104,6 +109,12 @@ use crate::quorum::{self, Knobs, Member, Quorum, Roster, Rules, Verdict};
 /// The longest a started service waits before its first quorum (see
 /// `Lighthouse::grace`): ten of torchft's heartbeat intervals.
 pub const STARTUP_GRACE_MAX: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// The shortest a started service waits before its first quorum when its
+/// callers remember their last one (see the module docs, "A restart
+/// without the grace"): rallypoint's managers dial again at least every
+/// 250 ms and beat every 100 ms, so by then every live one has reached it.
+pub const RECALL_FLOOR: std::time::Duration = std::time::Duration::from_millis(350);
 
 /// One client connection; the service numbers them.
 pub type Session = u64;
@@ -273,6 +284,9 @@ pub enum Sabotage {
     /// End the startup grace as soon as any member of the recalled quorum
     /// is back (not every member).
     RecalledAnyBack,
+    /// End the startup grace on a recalled quorum without waiting the
+    /// [`RECALL_FLOOR`].
+    NoRecallFloor,
 }
 
 /// The process that speaks for a live replica id.
@@ -345,7 +359,8 @@ pub struct Lighthouse {
     restored: bool,
     /// Before the first quorum, with nothing restored: the remembered
     /// quorum of the highest id that the requesters told of (members by
-    /// replica id only), the previous quorum as far as the rules go.
+    /// replica id only). It only ends the grace; the rules run without a
+    /// previous quorum.
     recalled: Option<Quorum>,
     counters: Counters,
     sabotage: Sabotage,
@@ -473,7 +488,13 @@ impl Lighthouse {
             .min()
             .filter(|_| waiting < self.roster.replicas.len());
         let grace = self.grace().filter(|_| waiting > 0 && !self.graced);
-        [expiry, join_wait, grace].into_iter().flatten().min()
+        let floor = self
+            .recall_floor()
+            .filter(|_| !self.graced && self.recalled_back());
+        [expiry, join_wait, grace, floor]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     /// When a started (or restarted) service may issue its first quorum: a
@@ -620,9 +641,20 @@ impl Lighthouse {
         });
     }
 
-    /// Whether every member of the recalled quorum is waiting again: the
-    /// replicas alive are known as well as after the grace (see the module
-    /// docs, "A restart without the grace").
+    /// The earliest the grace may end on a remembered quorum: the
+    /// [`RECALL_FLOOR`] after the first event (never later than the grace).
+    fn recall_floor(&self) -> Option<Instant> {
+        let wait = if self.sabotage == Sabotage::NoRecallFloor {
+            std::time::Duration::ZERO
+        } else {
+            RECALL_FLOOR
+        };
+        let grace = self.knobs.heartbeat_timeout.min(STARTUP_GRACE_MAX);
+        self.started.map(|t| t + wait.min(grace))
+    }
+
+    /// Whether every member of the recalled quorum is waiting again (see
+    /// the module docs, "A restart without the grace").
     fn recalled_back(&self) -> bool {
         let Some(q) = &self.recalled else {
             return false;
@@ -950,13 +982,11 @@ impl Lighthouse {
         }
     }
 
-    /// The previous quorum as the rules see it: the last one issued (or
-    /// restored), else the recalled one.
     fn verdict(&self, now: Instant) -> Verdict {
         quorum::compute_with(
             now,
             &self.roster,
-            self.current.as_ref().or(self.recalled.as_ref()),
+            self.current.as_ref(),
             &self.knobs,
             self.rules(),
         )
@@ -969,11 +999,13 @@ impl Lighthouse {
         }
         let mut by_memory = false;
         if !self.graced {
-            by_memory = !self.restored_back() && self.recalled_back();
+            let floor_passed = self.recall_floor().is_some_and(|f| now >= f);
+            by_memory = !self.restored_back() && floor_passed && self.recalled_back();
             if !self.restored_back() && !by_memory {
                 return;
             }
-            // Every member of the predecessor's last quorum is back: the
+            // Every member of the predecessor's last quorum is back (and,
+            // on a memory, every live manager of ours has reached us): the
             // replicas alive are known, as after the grace.
             self.graced = true;
         }

@@ -342,8 +342,12 @@ async fn a_silent_client_is_dropped_at_the_heartbeat_timeout() {
     });
     let mut a_last_word = Instant::now();
     while !call.is_finished() {
-        beats.heartbeat("a").await.unwrap();
+        // Taken before the beat is sent: the service hears it later (but
+        // before its answer comes back), so its timeout runs from after
+        // this instant. Taken after the answer, the test failed once
+        // beside two CPU hogs: "not before its timeout: 397 ms".
         a_last_word = Instant::now();
+        beats.heartbeat("a").await.unwrap();
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let (a, q) = call.await.unwrap();
@@ -427,6 +431,26 @@ async fn the_watch_endpoint_gives_its_four_answers() {
     assert_eq!(http(addr, "POST", "/status").await.0, 405);
 }
 
+/// A `last_quorum` (our extension) with an invalid member is a hint
+/// ignored, not a refusal: the call is answered as if it said nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalid_last_quorum_is_ignored() {
+    let (addr, _) = start(knobs(1, Duration::from_secs(60))).await;
+    let mut a = Client::connect(addr).await;
+    let mut r = Request::new(proto::LighthouseQuorumRequest {
+        requester: Some(member("a")),
+        last_quorum: Some(proto::LastQuorum {
+            quorum_id: 7,
+            replica_ids: vec!["a".into(), String::new()],
+        }),
+    });
+    r.set_timeout(LIMIT);
+    let q = a.rpc.quorum(r).await.unwrap().into_inner().quorum.unwrap();
+    assert_eq!(ids(&q), ["a"]);
+    let s: Value = serde_json::from_str(&http(addr, "GET", "/status").await.1).unwrap();
+    assert_eq!(s["counters"]["refused_requests"], 0, "{s}");
+}
+
 /// A heartbeat whose replica id is not UTF-8: a protobuf string field that
 /// does not decode.
 #[derive(Clone, PartialEq, prost::Message)]
@@ -466,20 +490,6 @@ async fn bad_input_is_refused_clearly_and_harms_no_one() {
     let e = impostor.rpc.quorum(r).await.unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
     assert!(e.message().contains("without a requester"), "{e:?}");
-    let mut r = Request::new(proto::LighthouseQuorumRequest {
-        requester: Some(member("b")),
-        last_quorum: Some(proto::LastQuorum {
-            quorum_id: 7,
-            replica_ids: vec!["b".into(), String::new()],
-        }),
-    });
-    r.set_timeout(LIMIT);
-    let e = impostor.rpc.quorum(r).await.unwrap_err();
-    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
-    assert!(
-        e.message().contains("last_quorum: empty replica_id"),
-        "{e:?}"
-    );
     let e = impostor.heartbeat("").await.unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
 
@@ -525,12 +535,12 @@ async fn bad_input_is_refused_clearly_and_harms_no_one() {
     // follow the answer); the member and a newcomer go on.
     wait_status(addr, |s| {
         let c = &s["counters"];
-        c["refused_requests"].as_u64().unwrap() == 6 && c["bad_connections"] == 1
+        c["refused_requests"].as_u64().unwrap() == 5 && c["bad_connections"] == 1
     })
     .await;
     let (_, metrics) = http(addr, "GET", "/metrics").await;
     assert!(
-        metrics.contains("\nrally_lighthouse_refused_requests_total 7\n"),
+        metrics.contains("\nrally_lighthouse_refused_requests_total 6\n"),
         "{metrics}"
     );
     a.heartbeat("a").await.unwrap();

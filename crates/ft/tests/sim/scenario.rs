@@ -118,11 +118,11 @@ pub struct Scenario {
 /// Heartbeats every 100 ms (the manager's default).
 pub const BEAT_MS: u64 = 100;
 
-/// How long the manager's client waits for a heartbeat's answer (five
-/// beats, at least 1 s) before it forgets its last quorum.
-pub const BEAT_LIMIT_MS: u64 = 1000;
+/// How long a heartbeat of the manager's client goes unanswered before it
+/// forgets its last quorum (two beats).
+pub const FORGET_MS: u64 = 2 * BEAT_MS;
 /// The lighthouse client's longest pause between dials.
-pub const BACKOFF_MS: u64 = 1000;
+pub const BACKOFF_MS: u64 = 250;
 /// The longest startup grace of a (re)started lighthouse.
 pub const GRACE_MAX_MS: u64 = 1000;
 

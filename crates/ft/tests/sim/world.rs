@@ -16,7 +16,7 @@ use rallypoint_lighthouse::proto::{Quorum, QuorumMember};
 use rallypoint_lighthouse::quorum::{self as lq, Member};
 
 use super::check::{Broken, Invariant};
-use super::scenario::{Fault, Rng, Scenario, BACKOFF_MS, BEAT_LIMIT_MS, BEAT_MS};
+use super::scenario::{Fault, Rng, Scenario, BACKOFF_MS, BEAT_MS, FORGET_MS};
 
 /// A rule broken on purpose, so that a test can show an invariant
 /// catches it. Each breaks the manager (its actions, as `server.rs` would
@@ -41,9 +41,9 @@ pub enum Sabotage {
     /// Invariant 6: a failed lighthouse call is never reported to the
     /// round (the call task's result is lost).
     LoseCallFailure,
-    /// Invariant 4: a restarted lighthouse ends its startup grace when any
-    /// member of the remembered quorum is back.
-    RecalledAnyBack,
+    /// Invariant 4: a restarted lighthouse ends its startup grace when the
+    /// remembered quorum is back, without its floor.
+    NoRecallFloor,
 }
 
 /// Where a worker is in its loop.
@@ -212,8 +212,8 @@ pub enum Ev {
         g: usize,
         session: Session,
     },
-    /// A heartbeat sent at `sent` during a cut has had no answer for the
-    /// client's limit: if that cut still lasts, the memory is forgotten.
+    /// A heartbeat sent at `sent` during a cut has had no answer for
+    /// [`FORGET_MS`]: if that cut still lasts, the memory is forgotten.
     BeatUnanswered {
         g: usize,
         sent: u64,
@@ -502,7 +502,7 @@ impl Sim {
                     self.at(self.t + BEAT_MS, Ev::Beat { g, session });
                     if self.groups[g].cut_until.is_some() {
                         let sent = self.t;
-                        self.at(self.t + BEAT_LIMIT_MS, Ev::BeatUnanswered { g, sent });
+                        self.at(self.t + FORGET_MS, Ev::BeatUnanswered { g, sent });
                     }
                     let replica_id = self.groups[g].id.clone();
                     self.send_lh(
@@ -882,9 +882,13 @@ impl Sim {
         let arrived: Vec<(usize, (u64, i64, u64))> =
             ar.arrived.iter().map(|(g, v)| (*g, *v)).collect();
         self.check_allreduce(key, &arrived)?;
+        // The average depends on who took part (each group trains on its
+        // own data): two quorums of different groups that commit a step
+        // from one state commit two states.
+        let who = arrived.iter().fold(0u64, |m, (pg, _)| m | 1 << pg);
         for (pg, (pinc, step, state)) in arrived {
             if self.groups[pg].inc == pinc {
-                self.groups[pg].workers[r].next_state = Some(h(&[state, step as u64]));
+                self.groups[pg].workers[r].next_state = Some(h(&[state, step as u64, who]));
             }
             self.at(
                 self.t,
@@ -1319,8 +1323,8 @@ impl Sim {
         self.service += 1;
         let first = EPOCH_MS + self.t as i64;
         let mut lh = Lighthouse::new(self.sc.knobs.clone(), first);
-        if self.sabotage == Sabotage::RecalledAnyBack {
-            lh.sabotage(lhm::Sabotage::RecalledAnyBack);
+        if self.sabotage == Sabotage::NoRecallFloor {
+            lh.sabotage(lhm::Sabotage::NoRecallFloor);
         }
         self.lh = Some(lh);
         self.lh_deadlines.clear();

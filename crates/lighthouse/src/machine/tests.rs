@@ -705,27 +705,64 @@ fn join_remembering(session: Session, id: &str, quorum_id: i64, members: &[&str]
 
 /// A restarted lighthouse (nothing restored) whose callers remember their
 /// last quorum issues its first quorum as soon as every member of the
-/// newest remembered one is back, not after the grace; under a new id of
-/// its own (every member reconfigures once), never the remembered one.
+/// newest remembered one is back and the recall floor has passed, not
+/// after the grace; under a new id of its own (every member reconfigures
+/// once), never the remembered one.
 #[test]
-fn a_remembered_quorum_back_ends_the_startup_grace() {
+fn a_remembered_quorum_back_ends_the_startup_grace_at_the_floor() {
     let t0 = Instant::now();
     let at = |ms| t0 + Duration::from_millis(ms);
     let mut lh = Lighthouse::new(Knobs::ours(2), 5_000);
-    assert!(issued(&lh.handle(at(0), join_remembering(1, "a", 42, &["a", "b", "c"]))).is_empty());
+    let abc = ["a", "b", "c"];
+    assert!(issued(&lh.handle(at(0), join_remembering(1, "a", 42, &abc))).is_empty());
+    assert!(issued(&lh.handle(at(1), join_remembering(2, "b", 42, &abc))).is_empty());
     assert!(
-        issued(&lh.handle(at(1), join_remembering(2, "b", 42, &["a", "b", "c"]))).is_empty(),
-        "c is not back: the grace holds (a and b are a majority of what this service knows)"
+        issued(&lh.handle(at(2), join_remembering(3, "c", 42, &["c", "b", "a"]))).is_empty(),
+        "all back, but a live manager may still be reconnecting: the floor"
     );
     assert_eq!(
-        issued(&lh.handle(at(2), join_remembering(3, "c", 42, &["c", "b", "a"]))),
-        ["issue 5001 [a,b,c]"],
-        "all back: at once, under this service's own next id"
+        lh.next_deadline(),
+        Some(at(350)),
+        "the floor, not the grace"
     );
-    assert_eq!(lh.status(at(2)).counters.recalled, 1);
+    assert_eq!(
+        issued(&lh.handle(at(350), Event::Tick)),
+        ["issue 5001 [a,b,c]"],
+        "at the floor, under this service's own next id"
+    );
+    assert_eq!(lh.status(at(350)).counters.recalled, 1);
     // A memory is heeded only before the first quorum.
-    lh.handle(at(3), join_remembering(4, "d", 99, &["d"]));
-    assert!(issued(&lh.handle(at(4), Event::Tick)).is_empty());
+    lh.handle(at(400), join_remembering(4, "d", 99, &["d"]));
+    assert!(issued(&lh.handle(at(401), Event::Tick)).is_empty());
+}
+
+/// The review's schedule: a and b missed the predecessor's newest quorum
+/// (of a to e) and remember an older one (a, b); c, d and e, in the newer
+/// one, are live but not in a `Quorum` call yet. The memory of (a, b) ends
+/// the grace but never stands for the previous quorum: a and b are two of
+/// five healthy, a minority, and wait for the others.
+#[test]
+fn a_stale_memory_never_passes_the_fast_path() {
+    let t0 = Instant::now();
+    let at = |ms| t0 + Duration::from_millis(ms);
+    let mut lh = Lighthouse::new(Knobs::ours(2), 5_000);
+    let old = ["a", "b"];
+    let new = ["a", "b", "c", "d", "e"];
+    lh.handle(at(0), join_remembering(1, "a", 5, &old));
+    lh.handle(at(1), join_remembering(2, "b", 5, &old));
+    for (s, id) in (3..).zip(["c", "d", "e"]) {
+        lh.handle(at(100), event(Ev::Beat(s, id)));
+    }
+    assert!(
+        issued(&lh.handle(at(350), Event::Tick)).is_empty(),
+        "a minority of the healthy"
+    );
+    assert!(issued(&lh.handle(at(400), join_remembering(3, "c", 6, &new))).is_empty());
+    assert!(issued(&lh.handle(at(401), join_remembering(4, "d", 6, &new))).is_empty());
+    assert_eq!(
+        issued(&lh.handle(at(402), join_remembering(5, "e", 6, &new))),
+        ["issue 5001 [a,b,c,d,e]"]
+    );
 }
 
 /// A member that missed its predecessor's last quorum remembers an older
@@ -746,12 +783,15 @@ fn the_newest_remembered_quorum_wins() {
             };
             got.extend(issued(&lh.handle(at(s), ev)));
         }
+        got.extend(issued(&lh.handle(at(350), Event::Tick)));
         assert!(got.is_empty(), "{order:?}: b is not back");
+        lh.handle(at(360), join_remembering(5, "b", 43, &["a", "b"]));
         assert_eq!(
-            issued(&lh.handle(at(5), join_remembering(5, "b", 43, &["a", "b"]))),
-            ["issue 5001 [a,b,c]"],
+            lh.status(at(360)).counters.recalled,
+            1,
             "{order:?}: 43's members back (c, waiting, comes in with them)"
         );
+        assert_eq!(lh.current().map(|q| q.participants.len()), Some(3));
     }
 }
 
@@ -763,37 +803,40 @@ fn memories_that_cannot_be_true_are_ignored() {
     let t0 = Instant::now();
     let at = |ms| t0 + Duration::from_millis(ms);
     let mut lh = Lighthouse::new(Knobs::ours(1), 5_000);
+    lh.handle(at(0), join_remembering(1, "a", 42, &["b"]));
     assert!(
-        issued(&lh.handle(at(0), join_remembering(1, "a", 42, &["b"]))).is_empty(),
+        issued(&lh.handle(at(350), Event::Tick)).is_empty(),
         "a was not in the quorum it names"
     );
     assert_eq!(
-        issued(&lh.handle(at(1), join_remembering(2, "b", 41, &["b"]))),
+        issued(&lh.handle(at(351), join_remembering(2, "b", 41, &["b"]))),
         ["issue 5001 [a,b]"],
         "b's own memory, b back (a, waiting, comes in)"
     );
 
     let mut lh = Lighthouse::new(Knobs::ours(1), 5_000);
     lh.handle(at(0), restored(42, &["a", "b"]));
+    lh.handle(at(1), join_remembering(1, "a", 50, &["a"]));
     assert!(
-        issued(&lh.handle(at(1), join_remembering(1, "a", 50, &["a"]))).is_empty(),
+        issued(&lh.handle(at(350), Event::Tick)).is_empty(),
         "the restored quorum (a, b) decides, not a's memory"
     );
     assert_eq!(
-        issued(&lh.handle(at(2), event(Ev::Join(2, "b")))),
+        issued(&lh.handle(at(351), event(Ev::Join(2, "b")))),
         ["issue 42 [a,b]"]
     );
 }
 
-/// With the sabotage that ends the grace when any member of the memory is
-/// back, the first caller alone gets a quorum: what the grace prevents.
+/// The grace holds until every remembered member is back, and at least
+/// the floor; each sabotage of those rules issues the first caller alone.
 #[test]
-fn the_grace_holds_until_every_remembered_member_is_back() {
+fn the_grace_holds_until_every_remembered_member_is_back_and_the_floor() {
     let t0 = Instant::now();
     let at = |ms| t0 + Duration::from_millis(ms);
     let mut lh = Lighthouse::new(Knobs::ours(1), 5_000);
     let first = join_remembering(1, "a", 42, &["a", "b"]);
     assert!(issued(&lh.handle(at(0), first.clone())).is_empty());
+    assert!(issued(&lh.handle(at(350), Event::Tick)).is_empty());
     lh.handle(at(900), event(Ev::Beat(1, "a")));
     assert_eq!(
         issued(&lh.handle(at(1000), Event::Tick)),
@@ -802,5 +845,17 @@ fn the_grace_holds_until_every_remembered_member_is_back() {
     );
     let mut broken = Lighthouse::new(Knobs::ours(1), 5_000);
     broken.sabotage(Sabotage::RecalledAnyBack);
-    assert_eq!(issued(&broken.handle(at(0), first)), ["issue 5001 [a]"]);
+    assert!(issued(&broken.handle(at(0), first.clone())).is_empty());
+    assert_eq!(
+        issued(&broken.handle(at(350), Event::Tick)),
+        ["issue 5001 [a]"]
+    );
+
+    let mut broken = Lighthouse::new(Knobs::ours(1), 5_000);
+    broken.sabotage(Sabotage::NoRecallFloor);
+    assert_eq!(
+        issued(&broken.handle(at(0), join_remembering(1, "a", 42, &["a"]))),
+        ["issue 5001 [a]"],
+        "without the floor, a manager still reconnecting is not counted"
+    );
 }

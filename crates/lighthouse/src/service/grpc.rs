@@ -6,7 +6,7 @@
 //!
 //! Errors are gRPC statuses with a message a person can act on:
 //! `INVALID_ARGUMENT` for a request the service cannot place (no requester,
-//! an empty or oversized replica id, an oversized `last_quorum`), `ALREADY_EXISTS` for a replica id held
+//! an empty or oversized replica id), `ALREADY_EXISTS` for a replica id held
 //! by another live process (also ending a waiting call whose id another
 //! process took while it was silent), `DEADLINE_EXCEEDED` naming who the quorum
 //! still waits for, `UNAVAILABLE` from a standby (`--state etcd://`: it
@@ -35,9 +35,6 @@ const SETTLE_WAIT: Duration = Duration::from_secs(2);
 
 /// Longest replica id accepted, in bytes (torchft's are `name:uuid4`).
 pub const MAX_REPLICA_ID: usize = 1024;
-
-/// The most members a request's `last_quorum` may name.
-pub const MAX_REMEMBERED: usize = 65_536;
 
 /// The connection a request arrived on.
 #[derive(Clone, Copy, Debug)]
@@ -119,7 +116,7 @@ async fn join_and_wait(
         Status::invalid_argument("quorum request without a requester (QuorumMember)")
     })?;
     check_replica_id(&requester.replica_id)?;
-    let remembered = req.last_quorum.map(check_last_quorum).transpose()?;
+    let remembered = req.last_quorum.and_then(check_last_quorum);
     let member = wire::member(requester);
     let replica_id = member.replica_id.clone();
     let started = tokio::time::Instant::now();
@@ -180,20 +177,24 @@ fn check_replica_id(id: &str) -> Result<(), Status> {
     Ok(())
 }
 
-/// Our extension's `last_quorum`: at most [`MAX_REMEMBERED`] members, each
-/// a valid replica id.
-fn check_last_quorum(q: proto::LastQuorum) -> Result<machine::Remembered, Status> {
-    if q.replica_ids.len() > MAX_REMEMBERED {
-        return Err(Status::invalid_argument(format!(
-            "last_quorum of {} members, more than {MAX_REMEMBERED}",
-            q.replica_ids.len()
-        )));
+/// Our extension's `last_quorum`, if every member is a valid replica id.
+/// It is a hint (it can only shorten the startup grace), so an invalid one
+/// is ignored with a warning, not refused: refusing would fail the group's
+/// every retry, since its client sends the same memory again.
+fn check_last_quorum(q: proto::LastQuorum) -> Option<machine::Remembered> {
+    if let Some(e) = q
+        .replica_ids
+        .iter()
+        .find_map(|id| check_replica_id(id).err())
+    {
+        tracing::warn!(
+            quorum_id = q.quorum_id,
+            "a quorum request's last_quorum is ignored: {}",
+            e.message()
+        );
+        return None;
     }
-    for id in &q.replica_ids {
-        check_replica_id(id)
-            .map_err(|e| Status::invalid_argument(format!("last_quorum: {}", e.message())))?;
-    }
-    Ok(wire::remembered(q))
+    Some(wire::remembered(q))
 }
 
 /// The call's `grpc-timeout` header, if any.
