@@ -32,11 +32,14 @@
 //!   startup grace (see `rallypoint_lighthouse::machine`). It is forgotten
 //!   when a memory could be stale: when the connection is dropped (the
 //!   lighthouse drops this replica and the quorum goes on without it), and
-//!   when a heartbeat has had no answer for two heartbeat intervals (a cut:
-//!   the lighthouse may drop this replica for its silence, at its heartbeat
-//!   timeout, while this side still holds the connection). A lighthouse
-//!   that died closes the connection, which fails the beat at once and
-//!   keeps the memory.
+//!   when a heartbeat has had no answer for two heartbeat intervals, at
+//!   most 200 ms (a cut: the lighthouse may drop this replica for its
+//!   silence, at its heartbeat timeout, while this side still holds the
+//!   connection); an answer to a call sent before the last forget is not
+//!   taken up. A lighthouse that died closes the connection, which fails
+//!   the beat at once and keeps the memory; the heartbeat task then dials
+//!   again within 50 ms, so that a restarted lighthouse hears every manager
+//!   within its recall floor (350 ms).
 //! * **Dropping** stops the heartbeats and fails the call in flight, which
 //!   never dials again (its round is over, even if a new hello already
 //!   asked for a new connection); the next [`Lighthouse::connect`] starts
@@ -82,6 +85,14 @@ pub struct Options {
     /// --job-secret-file`); a lighthouse with another is a final error.
     pub secret: Option<rallypoint_auth::JobSecret>,
 }
+
+/// The longest a heartbeat goes unanswered before the memory of the last
+/// quorum is forgotten (two intervals, at most this): well inside any
+/// lighthouse's heartbeat timeout (1 s by default).
+const FORGET_AFTER_MAX: Duration = Duration::from_millis(200);
+
+/// The pause after a heartbeat failed on a broken connection.
+const BROKEN_PAUSE: Duration = Duration::from_millis(50);
 
 /// Begins a dial error that no retry can cure (a different job secret).
 const FINAL: &str = "final: ";
@@ -249,7 +260,7 @@ impl Shared {
             // drop this replica for its silence (at its heartbeat timeout,
             // 1 s by default), so the memory of the last quorum may go
             // stale: forgotten now, while the beat is still waited for.
-            let forget_after = (interval * 2).min(beat_limit);
+            let forget_after = (interval * 2).min(FORGET_AFTER_MAX).min(beat_limit);
             let answered = match tokio::time::timeout(forget_after, &mut beat).await {
                 Ok(r) => Ok(r),
                 Err(_) => {
@@ -257,6 +268,7 @@ impl Shared {
                     tokio::time::timeout(beat_limit - forget_after, &mut beat).await
                 }
             };
+            let mut pause = interval;
             match answered {
                 Ok(Ok(_)) => self.report(Link::Up, None),
                 Ok(Err(status)) => {
@@ -268,6 +280,14 @@ impl Shared {
                     // live lighthouse (a standby) keeps it.
                     let broken = std::error::Error::source(&status).is_some();
                     self.report(Link::Lost(e), broken.then_some(conn.epoch));
+                    if broken {
+                        // Dial again soon (`ensure` backs off while it is
+                        // down): a restarted lighthouse counts on hearing
+                        // every manager within its recall floor, whatever
+                        // the heartbeat interval. Not at once: a server
+                        // that accepts and then fails would be a hot loop.
+                        pause = interval.min(BROKEN_PAUSE);
+                    }
                 }
                 Err(_) => {
                     // Silence: the connection stays, so a cut shorter than
@@ -280,7 +300,7 @@ impl Shared {
                     self.report(Link::Lost(e), None);
                 }
             }
-            tokio::time::sleep(interval).await;
+            tokio::time::sleep(pause).await;
         }
     }
 
@@ -435,12 +455,13 @@ impl Shared {
     async fn quorum(&self, member: QuorumMember, deadline: Instant) -> Result<Quorum, String> {
         let drops = self.state.lock().expect("lock").drops;
         loop {
+            let until = deadline.min(Instant::now() + self.options.connect_timeout);
+            let conn = self.ensure(until, Some(drops)).await?;
+            // Read as the call is sent (a forget while dialing counts).
             let (last_quorum, forgotten) = {
                 let s = self.state.lock().expect("lock");
                 (s.remembered.clone(), s.forgotten)
             };
-            let until = deadline.min(Instant::now() + self.options.connect_timeout);
-            let conn = self.ensure(until, Some(drops)).await?;
             let left = deadline.saturating_duration_since(Instant::now());
             let timed_out = || {
                 format!(

@@ -74,9 +74,15 @@
 //! shifted replica rank, answers sent twice, a manager one rank short,
 //! a worker that skips its heal, no `init_sync`, a stop that keeps the
 //! session or the calls, a failed lighthouse call never reported to the
-//! round, a restarted lighthouse that ends its grace on the managers'
-//! memory without its floor), which some seed among the first few hundred must
-//! catch (known divergent seeds do not count).
+//! round), which some seed among the first few hundred must catch (known
+//! divergent seeds do not count). The rules that end a restarted
+//! lighthouse's grace on the managers' memory (every member of the
+//! remembered quorum back, every replica heard in a call with a memory,
+//! 350 ms since the first one heard) are not among them: here dials and
+//! messages take no time, so the floor's premise (every live manager
+//! reaches the lighthouse within it) always holds, and breaking the floor
+//! was caught in no seed of 6,000 with a restart once the other two rules
+//! were in; the machine's tables test them (`machine/tests.rs`).
 //!
 //! **Found by it**: (a) fixed: a stalled rank could leave a group's ranks
 //! split between the quorum and the should_commit barriers, each timing
@@ -105,7 +111,7 @@
 //! restarted lighthouse that forgot the quorum) trains alone, so two
 //! lines of history exist; when they meet at the same step, the rule of
 //! the max step cannot tell them apart and they allreduce together
-//! (seeds 1169, 1400, 7804, [`KNOWN_DIVERGENT`]). torchft does the same. A
+//! (seeds 1169 and 7804, [`KNOWN_DIVERGENT`]; 1400 before the state hash took in who took part). torchft does the same. A
 //! line id in the member data (the group that started the line, carried
 //! by heals) would let one line win; not done. (e) **Open**, found when
 //! the state hash began to take in who took part (before, two quorums of
@@ -362,21 +368,4 @@ fn known_divergent_seeds_still_diverge() {
         ));
         assert_eq!(b.invariant, Invariant::SameState, "seed {seed}: {}", b.what);
     }
-}
-
-/// A restarted lighthouse that ends its startup grace as soon as every
-/// member of the quorum the managers remember is back, without the floor,
-/// issues a quorum of the first managers while others that were in a newer
-/// quorum are still reconnecting: two lines of history at one step. It
-/// shows where many groups reconnect and the lighthouse does not wait for
-/// stragglers (each catch in 3,000 seeds with a restart had 5 groups and a
-/// join timeout of 0).
-#[test]
-fn sabotage_no_recall_floor_is_caught() {
-    let fits = |sc: &Scenario| {
-        sc.groups >= 5
-            && sc.knobs.join_timeout.is_zero()
-            && sc.faults.iter().any(|f| f.kind == Fault::Restart)
-    };
-    caught_where(Sabotage::NoRecallFloor, Invariant::SameState, fits);
 }

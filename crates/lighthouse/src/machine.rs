@@ -21,8 +21,10 @@
 //!
 //! * A started (or restarted) service issues its first quorum no sooner
 //!   than a heartbeat timeout (at most [`STARTUP_GRACE_MAX`]) after it
-//!   first heard anyone: until then it cannot know every replica that
-//!   is alive, and a first caller alone would pass the majority guard.
+//!   first heard anyone (a `Join` or a heartbeat; ticks and connections
+//!   that say nothing do not start it): until then it cannot know every
+//!   replica that is alive, and a first caller alone would pass the
+//!   majority guard.
 //!
 //!   *A restart without the grace.* rallypoint's managers say, in each
 //!   `Join`, which quorum they were last issued ([`Remembered`]; torchft's
@@ -32,9 +34,15 @@
 //!   member remembers only a quorum it was in; one that missed the
 //!   predecessor's last quorum remembers an older one, and the newest
 //!   seen wins). The grace ends early when every member of it is waiting
-//!   again **and** [`RECALL_FLOOR`] (350 ms) has passed since the service
-//!   first heard anyone: by then every live manager of ours has reached it
-//!   and counts among the healthy. The rules then run as after the grace,
+//!   again, every replica heard is waiting in a call that told of a memory
+//!   (a replica without one, torchft's manager or one of ours not in a
+//!   call, keeps the grace), **and** [`RECALL_FLOOR`] (350 ms) has passed
+//!   since the service first heard anyone: by then every live manager of
+//!   ours has reached it and counts among the healthy. That last premise
+//!   is a timing assumption, as the grace's own is: it holds for our
+//!   managers on one network (a dial every 250 ms at most, a heartbeat
+//!   task that dials again within 50 ms of a broken beat, a round trip
+//!   well under 100 ms), not across a slow link. The rules then run as after the grace,
 //!   *without* a previous quorum: a memory may be stale (some members
 //!   missed the predecessor's newest quorum, which the others are in), so
 //!   it never stands for the previous quorum's fast path, and
@@ -349,7 +357,8 @@ pub struct Lighthouse {
     /// Whether `current` was aborted: the next quorum issued gets a new id
     /// whatever its members (torchft reconfigures only on a new id).
     aborted: bool,
-    /// The moment of the first event: until a heartbeat timeout after it,
+    /// The moment it first heard a replica (a `Join` or a heartbeat), or
+    /// took over ([`Event::Restored`]): until a heartbeat timeout after it,
     /// the replicas alive are not all known yet (see [`Lighthouse::grace`]).
     started: Option<Instant>,
     /// Whether that grace has passed (so no past moment is a deadline).
@@ -362,6 +371,11 @@ pub struct Lighthouse {
     /// replica id only). It only ends the grace; the rules run without a
     /// previous quorum.
     recalled: Option<Quorum>,
+    /// Replicas whose last `Join` told of a remembered quorum: the grace
+    /// ends on a memory only when every replica heard is one of them.
+    remembering: BTreeSet<String>,
+    /// The grace was ended by the memory (counted at the next issue).
+    graced_by_memory: bool,
     counters: Counters,
     sabotage: Sabotage,
 }
@@ -388,6 +402,8 @@ impl Lighthouse {
             graced: false,
             restored: false,
             recalled: None,
+            remembering: BTreeSet::new(),
+            graced_by_memory: false,
             counters: Counters::default(),
             sabotage: Sabotage::None,
         }
@@ -419,8 +435,15 @@ impl Lighthouse {
 
     /// What `ev`, at `now`, makes the service do.
     pub fn handle(&mut self, now: Instant, ev: Event) -> Vec<Action> {
-        self.started.get_or_insert(now);
-        if !self.graced && self.grace().is_none_or(|g| now >= g) {
+        // The grace runs from the first replica heard, not from the start
+        // (a tick, a connection that has said nothing): a service up long
+        // before its managers reconnect has learnt nothing meanwhile.
+        if matches!(ev, Event::Join { .. } | Event::Heartbeat { .. }) {
+            self.started.get_or_insert(now);
+        }
+        if !self.graced
+            && (self.sabotage == Sabotage::NoStartupGrace || self.grace().is_some_and(|g| now >= g))
+        {
             self.graced = true;
         }
         let mut out = Vec::new();
@@ -509,9 +532,6 @@ impl Lighthouse {
     /// across test hosts did exactly that). A fast quorum needs a previous
     /// one, so this wait is only ever paid once per start.
     fn grace(&self) -> Option<Instant> {
-        if self.sabotage == Sabotage::NoStartupGrace {
-            return None;
-        }
         let wait = self.knobs.heartbeat_timeout.min(STARTUP_GRACE_MAX);
         self.started.map(|t| t + wait)
     }
@@ -653,12 +673,21 @@ impl Lighthouse {
         self.started.map(|t| t + wait.min(grace))
     }
 
-    /// Whether every member of the recalled quorum is waiting again (see
-    /// the module docs, "A restart without the grace").
+    /// Whether every member of the recalled quorum is waiting again, and
+    /// every replica heard is waiting and told of a memory (see the module
+    /// docs, "A restart without the grace").
     fn recalled_back(&self) -> bool {
         let Some(q) = &self.recalled else {
             return false;
         };
+        let all_ours = self
+            .roster
+            .replicas
+            .iter()
+            .all(|(id, r)| r.waiting.is_some() && self.remembering.contains(id));
+        if !all_ours {
+            return false;
+        }
         let back = |m: &Member| {
             self.roster
                 .replicas
@@ -699,8 +728,17 @@ impl Lighthouse {
         if !self.claim(now, session, &id, Some(&member.address), out) {
             return false;
         }
-        if let Some(r) = remembered {
-            self.recall(&id, r);
+        // Memories matter only before the first quorum (nothing restored).
+        if self.counters.quorums_issued == 0 && self.current.is_none() {
+            match remembered {
+                Some(r) => {
+                    self.remembering.insert(id.clone());
+                    self.recall(&id, r);
+                }
+                None => {
+                    self.remembering.remove(&id);
+                }
+            }
         }
         self.counters.joins += 1;
         self.roster.join(member, now);
@@ -997,13 +1035,13 @@ impl Lighthouse {
         if self.roster.waiting().next().is_none() {
             return;
         }
-        let mut by_memory = false;
         if !self.graced {
             let floor_passed = self.recall_floor().is_some_and(|f| now >= f);
-            by_memory = !self.restored_back() && floor_passed && self.recalled_back();
+            let by_memory = !self.restored_back() && floor_passed && self.recalled_back();
             if !self.restored_back() && !by_memory {
                 return;
             }
+            self.graced_by_memory = by_memory;
             // Every member of the predecessor's last quorum is back (and,
             // on a memory, every live manager of ours has reached us): the
             // replicas alive are known, as after the grace.
@@ -1041,9 +1079,10 @@ impl Lighthouse {
             created: SystemTime::now(),
         };
         self.counters.quorums_issued += 1;
-        self.counters.recalled += u64::from(by_memory);
+        self.counters.recalled += u64::from(std::mem::take(&mut self.graced_by_memory));
         self.restored = false;
         self.recalled = None;
+        self.remembering.clear();
         self.current = Some(q.clone());
         out.push(Action::Issue(q));
     }

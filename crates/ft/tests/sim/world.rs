@@ -41,9 +41,6 @@ pub enum Sabotage {
     /// Invariant 6: a failed lighthouse call is never reported to the
     /// round (the call task's result is lost).
     LoseCallFailure,
-    /// Invariant 4: a restarted lighthouse ends its startup grace when the
-    /// remembered quorum is back, without its floor.
-    NoRecallFloor,
 }
 
 /// Where a worker is in its loop.
@@ -95,6 +92,9 @@ pub struct LhCall {
     pub member: QuorumMember,
     /// The session its `Join` went over.
     pub joined_on: Option<Session>,
+    /// The group's `forgotten` when its `Join` was sent: an answer to it
+    /// after a forget is not remembered (as the client).
+    pub forgotten: u64,
 }
 
 /// A replica group: its manager and workers.
@@ -135,6 +135,8 @@ pub struct Group {
     pub remembered: Option<lhm::Remembered>,
     /// When the current cut began.
     pub cut_started: u64,
+    /// Counts the forgets of `remembered`.
+    pub forgotten: u64,
 }
 
 /// Events of the simulation.
@@ -410,6 +412,7 @@ impl Sim {
                 restarting: false,
                 remembered: None,
                 cut_started: 0,
+                forgotten: 0,
             });
             sim.start_workers(g);
         }
@@ -537,6 +540,7 @@ impl Sim {
                 let grp = &mut self.groups[g];
                 if grp.cut_until.is_some() && grp.cut_started <= sent && grp.remembered.is_some() {
                     grp.remembered = None;
+                    grp.forgotten += 1;
                     self.log(|| format!("g{g} forgets its last quorum (a heartbeat unanswered)"));
                 }
                 Ok(())
@@ -1128,6 +1132,7 @@ impl Sim {
                         id: call,
                         member,
                         joined_on: None,
+                        forgotten: 0,
                     });
                     self.at(deadline, Ev::CallDeadline { g, call });
                     self.join(g)?;
@@ -1177,6 +1182,7 @@ impl Sim {
                     grp.conn_gen += 1;
                     grp.call = None;
                     grp.remembered = None;
+                    grp.forgotten += 1;
                     if let Some(session) = grp.session.take() {
                         self.log(|| format!("g{g} drops s{session}: {reason}"));
                         self.send_lh(g, lhm::Event::Closed { session })?;
@@ -1197,6 +1203,7 @@ impl Sim {
             return Ok(());
         }
         call.joined_on = Some(session);
+        call.forgotten = grp.forgotten;
         let (id, member) = (call.id, to_member(call.member.clone()));
         self.check_join(g, session)?;
         let remembered = self.groups[g].remembered.clone();
@@ -1293,17 +1300,19 @@ impl Sim {
         if !live {
             return Ok(());
         }
-        self.groups[g].call = None;
+        let sent = self.groups[g].call.take().map(|c| c.forgotten);
         match (quorum, error) {
             (Some(quorum), _) if !self.groups[g].lose_next => {
-                self.groups[g].remembered = Some(lhm::Remembered {
-                    quorum_id: quorum.quorum_id,
-                    replica_ids: quorum
-                        .participants
-                        .iter()
-                        .map(|m| m.replica_id.clone())
-                        .collect(),
-                });
+                if sent == Some(self.groups[g].forgotten) {
+                    self.groups[g].remembered = Some(lhm::Remembered {
+                        quorum_id: quorum.quorum_id,
+                        replica_ids: quorum
+                            .participants
+                            .iter()
+                            .map(|m| m.replica_id.clone())
+                            .collect(),
+                    });
+                }
                 self.feed(g, round::Event::LighthouseAnswered { call, quorum })
             }
             (_, error) => {
@@ -1322,11 +1331,7 @@ impl Sim {
     fn lh_up(&mut self) {
         self.service += 1;
         let first = EPOCH_MS + self.t as i64;
-        let mut lh = Lighthouse::new(self.sc.knobs.clone(), first);
-        if self.sabotage == Sabotage::NoRecallFloor {
-            lh.sabotage(lhm::Sabotage::NoRecallFloor);
-        }
-        self.lh = Some(lh);
+        self.lh = Some(Lighthouse::new(self.sc.knobs.clone(), first));
         self.lh_deadlines.clear();
         let service = self.service;
         self.at(self.t + 100, Ev::LhTick { service });

@@ -411,10 +411,8 @@ const CASES: &[Case] = &[
 fn warm(knobs: Knobs, first_id: i64, t0: Instant) -> Lighthouse {
     let up = knobs.heartbeat_timeout.min(STARTUP_GRACE_MAX);
     let mut lh = Lighthouse::new(knobs, first_id);
-    lh.handle(
-        t0.checked_sub(up).expect("an instant before t0"),
-        Event::Tick,
-    );
+    lh.started = Some(t0.checked_sub(up).expect("an instant before t0"));
+    lh.graced = true;
     lh
 }
 
@@ -857,5 +855,67 @@ fn the_grace_holds_until_every_remembered_member_is_back_and_the_floor() {
         issued(&broken.handle(at(0), join_remembering(1, "a", 42, &["a"]))),
         ["issue 5001 [a]"],
         "without the floor, a manager still reconnecting is not counted"
+    );
+}
+
+/// The grace runs from the first replica heard: a service that ticked
+/// alone for a long while (its managers still backing off) has learnt
+/// nothing, and still waits the grace, or the floor on a memory.
+#[test]
+fn the_grace_and_the_floor_run_from_the_first_replica_heard() {
+    let t0 = Instant::now();
+    let at = |ms| t0 + Duration::from_millis(ms);
+    let mut lh = Lighthouse::new(Knobs::ours(1), 5_000);
+    for ms in (0..5_000).step_by(100) {
+        lh.handle(at(ms), Event::Tick);
+    }
+    assert!(issued(&lh.handle(at(5_000), event(Ev::Join(1, "a")))).is_empty());
+    assert_eq!(lh.next_deadline(), Some(at(6_000)));
+
+    let mut lh = Lighthouse::new(Knobs::ours(1), 5_000);
+    lh.handle(at(0), Event::Tick);
+    assert!(issued(&lh.handle(at(5_000), join_remembering(1, "a", 42, &["a"]))).is_empty());
+    assert_eq!(
+        lh.next_deadline(),
+        Some(at(5_350)),
+        "the floor, from a's join"
+    );
+    assert_eq!(
+        issued(&lh.handle(at(5_350), Event::Tick)),
+        ["issue 5001 [a]"]
+    );
+}
+
+/// A replica heard that told of no memory (torchft's manager, or one of
+/// ours not in a `Quorum` call yet) keeps the grace: the floor's premise,
+/// that every live manager dials again within it, is ours alone.
+#[test]
+fn a_replica_without_a_memory_keeps_the_grace() {
+    let t0 = Instant::now();
+    let at = |ms| t0 + Duration::from_millis(ms);
+    let ab = ["a", "b"];
+    let mut lh = Lighthouse::new(Knobs::ours(1), 5_000);
+    lh.handle(at(0), join_remembering(1, "a", 42, &ab));
+    lh.handle(at(1), join_remembering(2, "b", 42, &ab));
+    lh.handle(at(2), event(Ev::Join(3, "t")));
+    assert!(
+        issued(&lh.handle(at(350), Event::Tick)).is_empty(),
+        "t told of none"
+    );
+    lh.handle(at(900), event(Ev::Beat(1, "a")));
+    lh.handle(at(900), event(Ev::Beat(2, "b")));
+    lh.handle(at(900), event(Ev::Beat(3, "t")));
+    assert_eq!(
+        issued(&lh.handle(at(1_000), Event::Tick)),
+        ["issue 5001 [a,b,t]"]
+    );
+
+    let mut lh = Lighthouse::new(Knobs::ours(1), 5_000);
+    lh.handle(at(0), join_remembering(1, "a", 42, &ab));
+    lh.handle(at(1), join_remembering(2, "b", 42, &ab));
+    lh.handle(at(2), event(Ev::Beat(3, "c")));
+    assert!(
+        issued(&lh.handle(at(350), Event::Tick)).is_empty(),
+        "c is heard but not in a Quorum call"
     );
 }
