@@ -51,7 +51,14 @@
 //!   grace (a heartbeat timeout, at most 1 s) to the floor when the last
 //!   quorum's members are back. Ids go on from this service's own
 //!   `first_id`, never the remembered one, so every member reconfigures
-//!   once. (A first version also took the memory for the previous quorum;
+//!   once. The first `Join` that tells of a memory also ends the
+//!   predecessor's generations for their watchers
+//!   ([`Action::AbortPredecessor`]): that member has left them, so an op
+//!   of theirs still in flight waits on it in vain (found beside CPU hogs:
+//!   the lighthouse was killed while answering one quorum, one member never
+//!   got its answer and asked anew, and the others sat in that quorum's
+//!   all_reduce until its 30 s timeout while the new lighthouse waited for
+//!   them). (A first version also took the memory for the previous quorum;
 //!   a review found a schedule where a stale one passed the fast path
 //!   while the members of the newer quorum were still reconnecting.)
 //!
@@ -209,6 +216,12 @@ pub enum Action {
     },
     /// A replica was dropped (for logs and metrics).
     Dropped { replica_id: String, reason: String },
+    /// A replica told a restarted service (before its first quorum) of
+    /// the quorum it was last issued: it has left the predecessor's
+    /// generations, so any op of theirs still in flight waits on it in
+    /// vain. Push an abort to the watchers of every quorum this service
+    /// did not issue (once per start).
+    AbortPredecessor { replica_id: String, reason: String },
 }
 
 /// Counts since the service started.
@@ -376,6 +389,8 @@ pub struct Lighthouse {
     remembering: BTreeSet<String>,
     /// The grace was ended by the memory (counted at the next issue).
     graced_by_memory: bool,
+    /// [`Action::AbortPredecessor`] was pushed.
+    predecessor_aborted: bool,
     counters: Counters,
     sabotage: Sabotage,
 }
@@ -404,6 +419,7 @@ impl Lighthouse {
             recalled: None,
             remembering: BTreeSet::new(),
             graced_by_memory: false,
+            predecessor_aborted: false,
             counters: Counters::default(),
             sabotage: Sabotage::None,
         }
@@ -733,6 +749,16 @@ impl Lighthouse {
             match remembered {
                 Some(r) => {
                     self.remembering.insert(id.clone());
+                    if !self.predecessor_aborted {
+                        self.predecessor_aborted = true;
+                        out.push(Action::AbortPredecessor {
+                            replica_id: id.clone(),
+                            reason: format!(
+                                "{id} asked this restarted lighthouse for a new quorum (it was last issued quorum {}): the generations of its predecessor are over",
+                                r.quorum_id
+                            ),
+                        });
+                    }
                     self.recall(&id, r);
                 }
                 None => {

@@ -1154,6 +1154,8 @@ impl Sim {
                         }
                     }
                 }
+                // Members here are torchft's: they never tell of a memory.
+                Action::AbortPredecessor { .. } => {}
                 Action::Issue(q) => {
                     let members: Vec<String> = q
                         .participants
@@ -1326,7 +1328,7 @@ impl Sim {
                         self.at(at, SimEv::Join { slot, inc });
                     }
                 }
-                Action::Dropped { .. } => {}
+                Action::Dropped { .. } | Action::AbortPredecessor { .. } => {}
             }
         }
     }
@@ -1429,6 +1431,9 @@ fn short_actions(actions: &[Action]) -> String {
             } => write!(s, "[abort {} {replica_id}] ", quorum_id - EPOCH_MS),
             Action::Dropped { replica_id, reason } => {
                 write!(s, "[dropped {replica_id}: {reason}] ")
+            }
+            Action::AbortPredecessor { replica_id, .. } => {
+                write!(s, "[abort predecessor {replica_id}] ")
             }
         };
     }

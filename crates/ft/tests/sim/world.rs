@@ -304,6 +304,11 @@ pub struct Sim {
     /// Lighthouses that a restart ended whose first quorum came on the
     /// managers' memory of the last one, before the startup grace.
     recalled: u64,
+    /// The current lighthouse's `first_id`.
+    lh_first: i64,
+    /// Quorums below this id are dead to their watchers (a restarted
+    /// lighthouse heard a manager's memory: `AbortPredecessor`).
+    dead_below: i64,
     pub trace: Vec<String>,
     pub tracing: bool,
 }
@@ -377,6 +382,8 @@ impl Sim {
             slowest: 0,
             lost_history: 0,
             recalled: 0,
+            lh_first: 0,
+            dead_below: 0,
             trace: Vec::new(),
             tracing,
             sc,
@@ -862,7 +869,7 @@ impl Sim {
             .iter()
             .map(|id| id.parse().expect("group ids are numbers"))
             .collect();
-        let dead = self.aborted.contains(&q);
+        let dead = self.aborted.contains(&q) || q < self.dead_below;
         let ar = self.allreduces.entry(key).or_default();
         if ar.over || dead {
             self.at(
@@ -1331,6 +1338,7 @@ impl Sim {
     fn lh_up(&mut self) {
         self.service += 1;
         let first = EPOCH_MS + self.t as i64;
+        self.lh_first = first;
         self.lh = Some(Lighthouse::new(self.sc.knobs.clone(), first));
         self.lh_deadlines.clear();
         let service = self.service;
@@ -1414,6 +1422,13 @@ impl Sim {
                     self.fail_allreduces(|key, _| key.0 == quorum_id);
                 }
                 lhm::Action::Dropped { .. } => {}
+                lhm::Action::AbortPredecessor { .. } => {
+                    // Every quorum of an earlier service is answered as
+                    // dropped to its watchers from now on.
+                    let below = self.lh_first;
+                    self.dead_below = below;
+                    self.fail_allreduces(|key, _| key.0 < below);
+                }
             }
         }
         Ok(())

@@ -88,6 +88,7 @@ fn line(a: &Action) -> String {
             ..
         } => format!("abort {quorum_id} {replica_id}"),
         Action::Dropped { replica_id, .. } => format!("dropped {replica_id}"),
+        Action::AbortPredecessor { replica_id, .. } => format!("abort predecessor {replica_id}"),
     }
 }
 
@@ -918,4 +919,31 @@ fn a_replica_without_a_memory_keeps_the_grace() {
         issued(&lh.handle(at(350), Event::Tick)).is_empty(),
         "c is heard but not in a Quorum call"
     );
+}
+
+/// The first `Join` that tells a restarted service of a memory ends the
+/// predecessor's generations for its watchers (once): a member that missed
+/// the predecessor's last answer asks anew, and the others, in that
+/// quorum's op, would wait for it until their op's timeout.
+#[test]
+fn the_first_memory_heard_aborts_the_predecessors_generations() {
+    let t0 = Instant::now();
+    let at = |ms| t0 + Duration::from_millis(ms);
+    let mut lh = Lighthouse::new(Knobs::ours(1), 5_000);
+    let abc = ["a", "b", "c"];
+    let got: Vec<String> = lh
+        .handle(at(0), join_remembering(1, "b", 42, &abc))
+        .iter()
+        .map(line)
+        .collect();
+    assert_eq!(got, ["abort predecessor b"]);
+    let got: Vec<String> = lh
+        .handle(at(1), join_remembering(2, "a", 42, &abc))
+        .iter()
+        .map(line)
+        .collect();
+    assert!(got.is_empty(), "once: {got:?}");
+    // torchft's managers tell of nothing: no abort.
+    let mut lh = Lighthouse::new(Knobs::ours(1), 5_000);
+    assert!(lh.handle(at(0), event(Ev::Join(1, "b"))).is_empty());
 }

@@ -41,7 +41,7 @@ use rallypoint_sync::MutexExt;
 use tokio::sync::{oneshot, watch, Notify};
 
 use super::heals::{Heal, Heals, Report};
-use super::watch::Board;
+use super::watch::{Board, Lost};
 use super::wire::Issued;
 use crate::machine::{Action, Event, Lighthouse, Remembered, Session, Status};
 use crate::quorum::{Member, Quorum};
@@ -622,6 +622,16 @@ impl Shared {
                 }
                 Action::Dropped { replica_id, reason } => {
                     tracing::info!(replica_id, reason, "replica dropped");
+                }
+                Action::AbortPredecessor { replica_id, reason } => {
+                    tracing::warn!(
+                        replica_id,
+                        reason,
+                        "aborting the watchers of the predecessor's quorums"
+                    );
+                    self.board.send_modify(|b| {
+                        b.predecessor_over = Some(Lost { replica_id, reason });
+                    });
                 }
             }
         }

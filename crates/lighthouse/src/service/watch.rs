@@ -11,6 +11,7 @@
 //! |---|---|
 //! | a member of `Q` was dropped while `Q` was current | `{"quorum_id":Q,"event":"dropped","replica_id":..,"reason":..}` |
 //! | `Q` is older than the current quorum (and lost no member while current) | `{"quorum_id":Q,"event":"superseded","current":Q2}` |
+//! | a replica told this restarted service of its last quorum, and `Q` is older than this service's first | `{"quorum_id":Q,"event":"dropped",..}`: the replica left `Q`'s generation |
 //! | this service never issued `Q` (it restarted, or `Q` is from the future) | `{"quorum_id":Q,"event":"unknown"}` |
 //! | `Q` is current and whole | nothing yet: wait |
 //!
@@ -35,6 +36,10 @@ pub struct Board {
     pub first: Option<i64>,
     /// The first drop of a member of each recent quorum while it was current.
     pub dropped: BTreeMap<i64, Lost>,
+    /// A replica left the predecessor's generations (a restarted service
+    /// heard its memory, see `machine::Action::AbortPredecessor`): every
+    /// quorum this service did not issue is answered as dropped.
+    pub predecessor_over: Option<Lost>,
 }
 
 /// A member dropped from a quorum.
@@ -88,6 +93,15 @@ impl Board {
                 replica_id: d.replica_id.clone(),
                 reason: d.reason.clone(),
             });
+        }
+        if let Some(d) = &self.predecessor_over {
+            if self.first.is_none_or(|first| quorum_id < first) {
+                return Some(Answer::Dropped {
+                    quorum_id,
+                    replica_id: d.replica_id.clone(),
+                    reason: d.reason.clone(),
+                });
+            }
         }
         match (self.first, self.current) {
             (Some(first), Some(current)) if (first..current).contains(&quorum_id) => {
@@ -152,6 +166,36 @@ mod tests {
         assert_eq!(b.answer(11), Some(dropped.clone()));
         b.issued(12);
         assert_eq!(b.answer(11), Some(dropped), "a drop outlives its quorum");
+    }
+
+    /// Once a replica told a restarted service of its last quorum, every
+    /// quorum of the predecessor is answered as dropped (its watchers are
+    /// waiting on a member that left), never this service's own.
+    #[test]
+    fn a_predecessor_left_is_answered_as_dropped() {
+        let mut b = Board::default();
+        let lost = Lost {
+            replica_id: "r1".into(),
+            reason: "asked for a new quorum".into(),
+        };
+        b.predecessor_over = Some(lost);
+        let dropped = |q| Answer::Dropped {
+            quorum_id: q,
+            replica_id: "r1".into(),
+            reason: "asked for a new quorum".into(),
+        };
+        assert_eq!(b.answer(5), Some(dropped(5)), "before this service's first");
+        b.issued(100);
+        assert_eq!(b.answer(99), Some(dropped(99)));
+        assert_eq!(b.answer(100), None, "its own current quorum: wait");
+        b.issued(101);
+        assert_eq!(
+            b.answer(100),
+            Some(Answer::Superseded {
+                quorum_id: 100,
+                current: 101
+            })
+        );
     }
 
     #[test]
