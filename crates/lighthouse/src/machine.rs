@@ -51,14 +51,19 @@
 //!   grace (a heartbeat timeout, at most 1 s) to the floor when the last
 //!   quorum's members are back. Ids go on from this service's own
 //!   `first_id`, never the remembered one, so every member reconfigures
-//!   once. The first `Join` that tells of a memory also ends the
-//!   predecessor's generations for their watchers
-//!   ([`Action::AbortPredecessor`]): that member has left them, so an op
-//!   of theirs still in flight waits on it in vain (found beside CPU hogs:
-//!   the lighthouse was killed while answering one quorum, one member never
-//!   got its answer and asked anew, and the others sat in that quorum's
-//!   all_reduce until its 30 s timeout while the new lighthouse waited for
-//!   them). (A first version also took the memory for the previous quorum;
+//!   once.
+//!
+//!   *The predecessor's generations end at the first call.* The first
+//!   `Join` a started service hears, with nothing restored (with or
+//!   without a memory: torchft's managers too), ends the predecessor's
+//!   generations for their watchers ([`Action::AbortPredecessor`]): a
+//!   `Quorum` call comes after its caller's last step, so that member has
+//!   left them, and an op of theirs still in flight waits on it in vain
+//!   (found beside CPU hogs: the lighthouse was killed while answering
+//!   one quorum, one member never got its answer and asked anew, and the
+//!   others sat in that quorum's all_reduce until its 30 s timeout while
+//!   the new lighthouse waited for them). A first start has no
+//!   predecessor, and nobody watches its ids. (A first version also took the memory for the previous quorum;
 //!   a review found a schedule where a stale one passed the fast path
 //!   while the members of the newer quorum were still reconnecting.)
 //!
@@ -216,11 +221,11 @@ pub enum Action {
     },
     /// A replica was dropped (for logs and metrics).
     Dropped { replica_id: String, reason: String },
-    /// A replica told a restarted service (before its first quorum) of
-    /// the quorum it was last issued: it has left the predecessor's
-    /// generations, so any op of theirs still in flight waits on it in
-    /// vain. Push an abort to the watchers of every quorum this service
-    /// did not issue (once per start).
+    /// A replica asked a (re)started service for a quorum before its
+    /// first, with nothing restored: it has left its last generation, so
+    /// any op of a predecessor's still in flight waits on it in vain. Push
+    /// an abort to the watchers of every quorum this service did not issue
+    /// (once per start).
     AbortPredecessor { replica_id: String, reason: String },
 }
 
@@ -746,19 +751,23 @@ impl Lighthouse {
         }
         // Memories matter only before the first quorum (nothing restored).
         if self.counters.quorums_issued == 0 && self.current.is_none() {
+            // A `Quorum` call comes after its caller's last step ended, so
+            // it has left whatever generation it was in: none of the
+            // predecessor's can complete without it (and this service's
+            // first quorum takes a new id anyway). Not after a restore,
+            // whose quorum may be re-issued under its id.
+            if !self.predecessor_aborted {
+                self.predecessor_aborted = true;
+                out.push(Action::AbortPredecessor {
+                    replica_id: id.clone(),
+                    reason: format!(
+                        "{id} asked this lighthouse for a new quorum before its first: the generations of any predecessor are over"
+                    ),
+                });
+            }
             match remembered {
                 Some(r) => {
                     self.remembering.insert(id.clone());
-                    if !self.predecessor_aborted {
-                        self.predecessor_aborted = true;
-                        out.push(Action::AbortPredecessor {
-                            replica_id: id.clone(),
-                            reason: format!(
-                                "{id} asked this restarted lighthouse for a new quorum (it was last issued quorum {}): the generations of its predecessor are over",
-                                r.quorum_id
-                            ),
-                        });
-                    }
                     self.recall(&id, r);
                 }
                 None => {

@@ -414,6 +414,8 @@ fn warm(knobs: Knobs, first_id: i64, t0: Instant) -> Lighthouse {
     let mut lh = Lighthouse::new(knobs, first_id);
     lh.started = Some(t0.checked_sub(up).expect("an instant before t0"));
     lh.graced = true;
+    // Its first call long past: the predecessor's abort with it.
+    lh.predecessor_aborted = true;
     lh
 }
 
@@ -426,7 +428,7 @@ fn a_started_service_waits_a_heartbeat_timeout_before_its_first_quorum() {
     let mut lh = Lighthouse::new(Knobs::ours(1), 100);
     let at = |ms| t0 + Duration::from_millis(ms);
     assert!(
-        lh.handle(at(0), event(Ev::Join(1, "a"))).is_empty(),
+        issued(&lh.handle(at(0), event(Ev::Join(1, "a")))).is_empty(),
         "a alone, at once"
     );
     assert_eq!(lh.next_deadline(), Some(at(1000)), "the grace's end");
@@ -442,11 +444,7 @@ fn a_started_service_waits_a_heartbeat_timeout_before_its_first_quorum() {
     // Without the grace, a alone is issued a quorum at once.
     let mut broken = Lighthouse::new(Knobs::ours(1), 100);
     broken.sabotage(Sabotage::NoStartupGrace);
-    let got: Vec<String> = broken
-        .handle(at(0), event(Ev::Join(1, "a")))
-        .iter()
-        .map(line)
-        .collect();
+    let got = issued(&broken.handle(at(0), event(Ev::Join(1, "a"))));
     assert_eq!(got, ["issue 101 [a]"]);
 }
 
@@ -921,12 +919,13 @@ fn a_replica_without_a_memory_keeps_the_grace() {
     );
 }
 
-/// The first `Join` that tells a restarted service of a memory ends the
-/// predecessor's generations for its watchers (once): a member that missed
-/// the predecessor's last answer asks anew, and the others, in that
-/// quorum's op, would wait for it until their op's timeout.
+/// The first `Join` a restarted service hears ends the predecessor's
+/// generations for its watchers (once), whoever sent it: a member that
+/// missed the predecessor's last answer asks anew, and the others, in that
+/// quorum's op, would wait for it until their op's timeout. Not after a
+/// restore, whose quorum may be re-issued under its id.
 #[test]
-fn the_first_memory_heard_aborts_the_predecessors_generations() {
+fn the_first_join_heard_aborts_the_predecessors_generations() {
     let t0 = Instant::now();
     let at = |ms| t0 + Duration::from_millis(ms);
     let mut lh = Lighthouse::new(Knobs::ours(1), 5_000);
@@ -943,7 +942,21 @@ fn the_first_memory_heard_aborts_the_predecessors_generations() {
         .map(line)
         .collect();
     assert!(got.is_empty(), "once: {got:?}");
-    // torchft's managers tell of nothing: no abort.
+    // torchft's managers tell of no memory: the same.
     let mut lh = Lighthouse::new(Knobs::ours(1), 5_000);
-    assert!(lh.handle(at(0), event(Ev::Join(1, "b"))).is_empty());
+    let got: Vec<String> = lh
+        .handle(at(0), event(Ev::Join(1, "b")))
+        .iter()
+        .map(line)
+        .collect();
+    assert_eq!(got, ["abort predecessor b"]);
+    // After a restore: no abort.
+    let mut lh = Lighthouse::new(Knobs::ours(1), 5_000);
+    lh.handle(at(0), restored(42, &["a", "b"]));
+    let got: Vec<String> = lh
+        .handle(at(1), event(Ev::Join(1, "b")))
+        .iter()
+        .map(line)
+        .collect();
+    assert!(got.is_empty(), "{got:?}");
 }
