@@ -312,6 +312,28 @@ impl FtJob {
     /// survivors' commit of that step reads `AT + 1` (the victim may have
     /// sent its part before it died); the first step begun after the fault
     /// reads `AT + 2`, past `AT + 1`.
+    /// SIGKILLs the lighthouse, starts it again on its address 0.5 s
+    /// later, and waits for groups 0 to 2 to commit again within a second
+    /// of its return (+ margin); the new lighthouse's log.
+    pub(super) fn restart_the_lighthouse(&mut self) -> String {
+        drop(self.lighthouse.take());
+        std::thread::sleep(Duration::from_millis(500));
+        let dir = self.dir.path().to_owned();
+        self.lighthouse = Some(lighthouse_on(self.c.host(0), &dir, 1000));
+        let t0 = unix_ms() as f64 / 1000.0;
+        let step = self
+            .replicas
+            .iter()
+            .map(|r| r.committed().keys().max().copied().unwrap_or(0))
+            .max()
+            .unwrap();
+        self.survivors_commit_past(&[0, 1, 2], step, t0, Duration::from_secs(1));
+        self.lighthouse
+            .as_ref()
+            .map(|l| l.output())
+            .unwrap_or_default()
+    }
+
     pub(super) fn survivors_commit_past(
         &self,
         ks: &[usize],
@@ -510,23 +532,7 @@ fn the_lighthouse_killed_and_restarted_stops_no_replica() {
         j.replica(i, &[]);
     }
     j.all_in(10);
-    drop(j.lighthouse.take());
-    std::thread::sleep(Duration::from_millis(500));
-    let dir = j.dir.path().to_owned();
-    j.lighthouse = Some(lighthouse_on(j.c.host(0), &dir, 1000));
-    let t0 = unix_ms() as f64 / 1000.0;
-    let step = j
-        .replicas
-        .iter()
-        .map(|r| r.committed().keys().max().copied().unwrap_or(0))
-        .max()
-        .unwrap();
-    j.survivors_commit_past(&[0, 1, 2], step, t0, Duration::from_secs(1));
-    let log = j
-        .lighthouse
-        .as_ref()
-        .map(|l| l.output())
-        .unwrap_or_default();
+    let log = j.restart_the_lighthouse();
     assert!(
         !log.contains("without the startup grace"),
         "torchft's managers remember no quorum:\n{log}"

@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use super::ft_hosts::{lighthouse_on, unix_ms, FtJob, Launch, AT};
+use super::ft_hosts::{unix_ms, FtJob, Launch, AT};
 use super::LIMIT;
 
 /// The survivors' median time between commits before `step`: "one step".
@@ -321,23 +321,7 @@ fn the_lighthouse_killed_and_restarted_restarts_no_group() {
         group(&mut j, i, &[]);
     }
     j.all_in(10);
-    drop(j.lighthouse.take());
-    std::thread::sleep(Duration::from_millis(500));
-    let dir = j.dir.path().to_owned();
-    j.lighthouse = Some(lighthouse_on(j.c.host(0), &dir, 1000));
-    let t0 = unix_ms() as f64 / 1000.0;
-    let step = j
-        .replicas
-        .iter()
-        .map(|r| r.committed().keys().max().copied().unwrap_or(0))
-        .max()
-        .unwrap();
-    j.survivors_commit_past(&[0, 1, 2], step, t0, Duration::from_secs(1));
-    let log = j
-        .lighthouse
-        .as_ref()
-        .map(|l| l.output())
-        .unwrap_or_default();
+    let log = j.restart_the_lighthouse();
     assert!(
         log.contains("without the startup grace"),
         "the restarted lighthouse waited its grace:\n{log}"
