@@ -152,6 +152,7 @@ mod flat;
 mod frame;
 mod group;
 mod hash;
+pub mod nosigpipe;
 mod op;
 mod options;
 mod plan;

@@ -797,6 +797,9 @@ fn built_example(name: &str) -> String {
 /// [`rpc::WORKER`], [`rpc::MID_CALL`]). Such a process runs its role here,
 /// before the test harness starts, and exits: no role is a test, so none is
 /// ever counted as one. A role that panics exits 101, as a failed test does.
+/// A role runs before Rust's runtime starts, so `SIGPIPE` keeps its default
+/// action, as in a C host program: our libraries must never raise it (see
+/// `rallypoint_collectives::nosigpipe`).
 #[ctor::ctor(unsafe)]
 fn role() {
     let role: fn() = if std::env::var_os(collectives::WORKER).is_some() {

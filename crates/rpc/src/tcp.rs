@@ -60,7 +60,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use rallypoint_auth::{JobSecret, RefusalCounts, Refusals};
 use rallypoint_sync::MutexExt;
-use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
@@ -676,14 +676,14 @@ async fn watch(sh: Arc<Shared>, peer: u32, mut rd: OwnedReadHalf) {
 /// `progress` is called when the peer took bytes: after a write that
 /// followed one the socket did not take whole (the first write only fills
 /// our own socket buffer, which a stopped peer does too).
-async fn write_vectored_all<W: AsyncWrite + Unpin>(
-    w: &mut W,
+async fn write_vectored_all(
+    w: &OwnedWriteHalf,
     mut bufs: &mut [IoSlice<'_>],
     progress: &(dyn Fn() + Sync),
 ) -> Result<(), (std::io::Error, usize)> {
     let mut written = 0;
     while !bufs.is_empty() {
-        let n = match w.write_vectored(bufs).await {
+        let n = match rallypoint_collectives::nosigpipe::send_vectored(w.as_ref(), bufs).await {
             Ok(0) => return Err((std::io::ErrorKind::WriteZero.into(), written)),
             Ok(n) => n,
             Err(e) => return Err((e, written)),

@@ -240,9 +240,8 @@ impl WholeFrame<'_> {
         let w = self.w.as_mut().expect("a frame is written once");
         while self.written < total {
             let (h, p) = rest(self.parts, self.written);
-            let n = w
-                .write_vectored(&[std::io::IoSlice::new(h), std::io::IoSlice::new(p)])
-                .await;
+            let bufs = [std::io::IoSlice::new(h), std::io::IoSlice::new(p)];
+            let n = crate::nosigpipe::send_vectored(w.as_ref(), &bufs).await;
             let n = match n {
                 Ok(0) => Err(std::io::ErrorKind::WriteZero.into()),
                 r => r,

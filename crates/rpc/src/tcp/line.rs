@@ -31,6 +31,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
+use rallypoint_collectives::nosigpipe::try_send_vectored;
 use rallypoint_sync::MutexExt;
 use tokio::io::AsyncWriteExt;
 use tokio::net::tcp::OwnedWriteHalf;
@@ -198,7 +199,7 @@ impl Line {
                     if bufs.is_empty() {
                         break false;
                     }
-                    match w.try_write_vectored(bufs) {
+                    match try_send_vectored(w.as_ref(), bufs) {
                         Ok(0) => break true,
                         Ok(n) => {
                             written += n;
@@ -376,7 +377,7 @@ async fn writer(
         let mut batch = vec![f];
         let (r, back) = match w {
             Err(e) => (Err((e, 0)), None),
-            Ok(mut w) => {
+            Ok(w) => {
                 // Frames queued behind this one go in the same write; let
                 // the tasks that are about to queue theirs run first.
                 if batch[0].skip == 0 {
@@ -416,7 +417,7 @@ async fn writer(
                 IoSlice::advance_slices(&mut bufs, batch[0].skip);
                 let stamp = sh.alive.stamp(to);
                 let progress = || sh.alive.mark(&stamp);
-                match write_vectored_all(&mut w, bufs, &progress).await {
+                match write_vectored_all(&w, bufs, &progress).await {
                     Ok(()) => (Ok(()), Some(w)),
                     // Half a frame may be on it: never write on it again.
                     Err((e, n)) => (Err((format!("writing to worker {to}: {e}"), n)), None),
