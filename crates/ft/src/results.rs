@@ -42,6 +42,20 @@
 //!   source is sound: the group's votes fail naming the ranks' steps,
 //!   every step. (The Python `Manager` loads a heal only on a commit, so
 //!   a partial heal needs a state that failed to load after the vote.)
+//! * **one line of history wins at a step**: `data` also carries the
+//!   group's `line`, the id of the quorum in which it made its last
+//!   commit (its round keeps it: `crate::round`), or nothing when that is
+//!   not known (no commit since the workers started, or ranks at
+//!   different steps). Two groups at one step with one line made their
+//!   last commit in the same round, so from one state; two lines at one
+//!   step are two histories (a group that trained alone under
+//!   `min_replicas` 1, or a quorum that formed without the groups ahead
+//!   of it under a join timeout of 0 and made their step again). The
+//!   up-to-date participants are those at the highest (step, line), a
+//!   known line above none and a later quorum's id above an earlier's:
+//!   the others heal from them, so a quorum never averages two histories.
+//!   torchft compares steps only, and sums the two states as one (found by
+//!   `tests/sim.rs`, its kinds (d) and (e)).
 
 use std::collections::BTreeSet;
 
@@ -90,9 +104,19 @@ pub enum ResultError {
 }
 
 /// The `data` of a group's `QuorumMember`: its ranks' checkpoint metadata
-/// and steps, in group-rank order.
-pub fn member_data(metadata: &[String], steps: &[i64]) -> String {
-    serde_json::json!({ "metadata": metadata, "steps": steps }).to_string()
+/// and steps, in group-rank order, and its line (module docs), if known.
+pub fn member_data(metadata: &[String], steps: &[i64], line: Option<i64>) -> String {
+    let mut v = serde_json::json!({ "metadata": metadata, "steps": steps });
+    if let Some(line) = line {
+        v["line"] = line.into();
+    }
+    v.to_string()
+}
+
+/// A participant's line (module docs): `None` when its `data` has none.
+pub fn line_of(member: &QuorumMember) -> Option<i64> {
+    let v: serde_json::Value = serde_json::from_str(&member.data).ok()?;
+    v.get("line")?.as_i64()
 }
 
 /// Rank `rank`'s checkpoint metadata in a participant's `data`.
@@ -132,6 +156,10 @@ pub fn max_step(participants: &[QuorumMember]) -> Option<i64> {
     whole.or_else(|| participants.iter().map(|p| p.step).max())
 }
 
+/// Where a participant stands: its step (`None` when its ranks differ)
+/// and its line. The up-to-date participants are at the highest.
+type Standing = (Option<i64>, Option<i64>);
+
 /// Group rank `group_rank`'s result of `quorum` for the replica `replica_id`.
 pub fn compute(
     replica_id: &str,
@@ -151,15 +179,22 @@ pub fn compute(
     // its member's step and nobody heals.
     let whole: Vec<Option<i64>> = participants.iter().map(|p| whole_step(p)).collect();
     let none_whole = whole.iter().all(Option::is_none);
-    let step = |i: usize| {
+    let standing = |i: usize| -> Standing {
         if none_whole {
-            Some(participants[i].step)
+            (Some(participants[i].step), None)
         } else {
-            whole[i]
+            (whole[i], whole[i].and(line_of(participants[i])))
         }
     };
     let max_step = max_step(&quorum.participants).ok_or_else(not_in)?;
-    let at_max = |i: usize| step(i) == Some(max_step);
+    // The highest line among those at the max step (lines only count
+    // between participants at one step).
+    let top: Standing = (0..participants.len())
+        .map(standing)
+        .filter(|(s, _)| *s == Some(max_step))
+        .max()
+        .ok_or_else(not_in)?;
+    let at_max = |i: usize| standing(i) == top;
     let max_participants: Vec<&QuorumMember> = (0..participants.len())
         .filter(|&i| at_max(i))
         .map(|i| participants[i])
@@ -243,6 +278,11 @@ mod tests {
 
     /// A participant `replica_i` whose rank `r` is at `steps[r]`.
     fn mixed(i: usize, steps: &[i64]) -> QuorumMember {
+        lined(i, steps, None)
+    }
+
+    /// [`mixed`], its last commit made in quorum `line`.
+    fn lined(i: usize, steps: &[i64], line: Option<i64>) -> QuorumMember {
         let md: Vec<String> = (0..steps.len()).map(|r| format!("m_{i}_{r}")).collect();
         QuorumMember {
             replica_id: format!("replica_{i}"),
@@ -250,7 +290,7 @@ mod tests {
             store_address: format!("store_addr_{i}"),
             step: member_step(steps),
             world_size: 1,
-            data: member_data(&md, steps),
+            data: member_data(&md, steps, line),
             ..Default::default()
         }
     }
@@ -367,7 +407,7 @@ mod tests {
     #[test]
     fn a_source_without_metadata_for_the_rank_is_an_error_naming_it() {
         let mut q = quorum(&[5, 0]);
-        q.participants[0].data = member_data(&["only_rank_0".into()], &[5]);
+        q.participants[0].data = member_data(&["only_rank_0".into()], &[5], None);
         assert_eq!(
             r(&q, "replica_1", 0, true).recover_src_metadata.as_deref(),
             Some("only_rank_0")
@@ -405,7 +445,7 @@ mod tests {
         }
         // Without steps in its data, a member's ranks are all at its step.
         let mut old = q.clone();
-        old.participants[1].data = member_data(&["a".into(), "b".into()], &[]);
+        old.participants[1].data = member_data(&["a".into(), "b".into()], &[], None);
         old.participants[1].step = 7;
         assert!(!r(&old, "replica_1", 1, true).heal);
     }
@@ -457,6 +497,61 @@ mod tests {
         }
     }
 
+    /// Two histories at one step (seed 1169 of `tests/sim.rs`: a group
+    /// that trained alone under `min_replicas` 1 meets the others at their
+    /// step): the later quorum's line is up to date, the other heals from
+    /// it; a group whose line is not known heals from a known one; one
+    /// line at one step heals nobody.
+    #[test]
+    fn at_one_step_the_later_line_wins_and_the_other_heals() {
+        let q = |lines: [Option<i64>; 3]| Quorum {
+            quorum_id: 9,
+            participants: (0..3).map(|i| lined(i, &[5, 5], lines[i])).collect(),
+            created: None,
+        };
+        let two = q([Some(4), Some(7), Some(4)]);
+        for rank in 0..2 {
+            for i in [0, 2] {
+                let res = r(&two, &format!("replica_{i}"), rank, true);
+                assert!(res.heal, "replica_{i} rank {rank}: {res:?}");
+                assert_eq!(res.recover_src_replica_rank, Some(1));
+                assert_eq!((res.max_step, res.max_replica_rank), (5, None));
+            }
+            let src = r(&two, "replica_1", rank, true);
+            assert!(!src.heal);
+            assert_eq!(src.recover_dst_replica_ranks, vec![0, 2]);
+            assert_eq!((src.max_world_size, src.max_replica_rank), (1, Some(0)));
+            assert_eq!(src.store_address, "store_addr_1");
+        }
+        let unknown = q([None, Some(3), Some(3)]);
+        assert!(r(&unknown, "replica_0", 0, true).heal);
+        assert!(!r(&unknown, "replica_1", 0, true).heal);
+        assert!(!r(&unknown, "replica_2", 0, true).heal);
+        let one = q([Some(3), Some(3), Some(3)]);
+        for i in 0..3 {
+            assert!(!r(&one, &format!("replica_{i}"), 1, true).heal);
+        }
+        // A line counts only at the max step: a higher line one step
+        // behind still heals, from the step ahead.
+        let behind = Quorum {
+            quorum_id: 9,
+            participants: vec![lined(0, &[5, 5], Some(3)), lined(1, &[4, 4], Some(8))],
+            created: None,
+        };
+        assert!(r(&behind, "replica_1", 0, true).heal);
+        assert!(!r(&behind, "replica_0", 0, true).heal);
+        // Nor does a group whose ranks differ carry one.
+        let split = Quorum {
+            quorum_id: 9,
+            participants: vec![lined(0, &[5, 5], None), lined(1, &[5, 4], Some(8))],
+            created: None,
+        };
+        assert!(r(&split, "replica_1", 0, true).heal);
+        assert!(!r(&split, "replica_0", 0, true).heal);
+        assert_eq!(line_of(&split.participants[1]), Some(8));
+        assert_eq!(line_of(&split.participants[0]), None);
+    }
+
     proptest! {
         /// Every recovering replica gets a source whose same group rank is
         /// up to date and whose metadata is its own rank's, every source
@@ -474,10 +569,11 @@ mod tests {
             ),
             group_rank in 0usize..4,
             init_sync in any::<bool>(),
+            lines in proptest::collection::vec(prop_oneof![Just(None), (1i64..3).prop_map(Some)], 7),
         ) {
             let q = Quorum {
                 quorum_id: 1,
-                participants: by_rank.iter().enumerate().map(|(i, s)| mixed(i, s)).collect(),
+                participants: by_rank.iter().enumerate().map(|(i, s)| lined(i, s, lines[i])).collect(),
                 created: None,
             };
             // Each participant's step if whole (all its ranks at one).
@@ -495,17 +591,22 @@ mod tests {
                 .map(|i| r(&q, &format!("replica_{i}"), group_rank, init_sync))
                 .collect();
             let max = *steps.iter().max().unwrap();
+            // Up to date: at the max step with the highest line there (a
+            // line counts only for a whole participant).
+            let line = |i: usize| if none_whole || whole[i].is_none() { None } else { lines[i] };
+            let top = (0..steps.len()).filter(|&i| steps[i] == max).map(line).max().unwrap();
+            let current = |i: usize| steps[i] == max && line(i) == top;
             let mut load = vec![0usize; steps.len()];
             for (i, res) in all.iter().enumerate() {
                 prop_assert_eq!(res.max_step, max);
                 if none_whole {
                     prop_assert!(!res.heal, "no sound source: nobody heals");
-                } else if steps[i] != max {
+                } else if !current(i) {
                     prop_assert!(res.heal);
                 }
                 if let Some(src) = res.recover_src_replica_rank {
                     let src = src as usize;
-                    prop_assert_eq!(steps[src], max, "the source is up to date");
+                    prop_assert!(current(src), "the source is up to date");
                     prop_assert!(!all[src].heal, "the source does not heal itself");
                     prop_assert!(all[src].recover_dst_replica_ranks.contains(&(i as i64)));
                     let md = format!("m_{src}_{group_rank}");

@@ -19,7 +19,11 @@
 //!   rank whose call timed out and that called again waits for the next
 //!   lighthouse call, made once the one in flight ends.
 //! * **should_commit**: a barrier of the W ranks for one step; the
-//!   decision is the AND of the votes. Votes for different steps fail
+//!   decision is the AND of the votes. A commit of step s in quorum q
+//!   makes q the group's *line* while its ranks are at s + 1 (in its
+//!   member's `data`: at one step, the later line wins, see
+//!   [`crate::results`]); a stop forgets it (the next workers' state is
+//!   not known to be that line's). Votes for different steps fail
 //!   every voter, naming the steps. A rank that calls quorum has left its
 //!   step: the votes still waiting fail at once, and a vote while ranks
 //!   wait in quorum fails at once, so ranks split between the two
@@ -173,6 +177,11 @@ pub struct Round {
     /// Numbers the ranks' quorum calls.
     seq: u64,
     ballots: BTreeMap<Rank, Ballot>,
+    /// The quorum id of the last lighthouse answer given to the ranks.
+    answered: Option<i64>,
+    /// The group's last commit: (the step its ranks reached, the quorum
+    /// it was made in).
+    line: Option<(i64, i64)>,
 }
 
 impl Round {
@@ -187,6 +196,8 @@ impl Round {
             calls: 0,
             seq: 0,
             ballots: BTreeMap::new(),
+            answered: None,
+            line: None,
         }
     }
 
@@ -222,7 +233,11 @@ impl Round {
             }
             Event::Quorum { rank, call, now } => self.quorum(rank, call, now, &mut out),
             Event::LighthouseAnswered { call, quorum } => {
-                for (rank, w) in self.take_in_flight(call) {
+                let mine = self.take_in_flight(call);
+                if !mine.is_empty() {
+                    self.answered = Some(quorum.quorum_id);
+                }
+                for (rank, w) in mine {
                     out.push(self.result(rank, &w, &quorum));
                 }
                 self.call_if_ready(&mut out);
@@ -344,6 +359,10 @@ impl Round {
         let calls = || self.waiting.values().map(|w| &w.call);
         let metadata: Vec<String> = calls().map(|c| c.metadata.clone()).collect();
         let steps: Vec<i64> = calls().map(|c| c.step).collect();
+        let line = self
+            .line
+            .filter(|(at, _)| steps.iter().all(|s| s == at))
+            .map(|(_, q)| q);
         QuorumMember {
             replica_id: self.setup.replica_id.clone(),
             address: self.setup.address.clone(),
@@ -352,7 +371,7 @@ impl Round {
             world_size: self.setup.world_size as u64,
             shrink_only: calls().any(|c| c.shrink_only),
             commit_failures: calls().map(|c| c.commit_failures).max().unwrap_or(0),
-            data: results::member_data(&metadata, &steps),
+            data: results::member_data(&metadata, &steps, line),
         }
     }
 
@@ -421,6 +440,10 @@ impl Round {
         let ballots = std::mem::take(&mut self.ballots);
         let steps: BTreeSet<i64> = ballots.values().map(|b| b.step).collect();
         let commit = ballots.values().all(|b| b.vote);
+        if commit && steps.len() == 1 {
+            let step = *steps.first().expect("one step");
+            self.line = self.answered.map(|q| (step + 1, q));
+        }
         for (&rank, _) in ballots.iter() {
             if steps.len() == 1 {
                 out.push(Action::AnswerCommit { rank, commit });
@@ -483,6 +506,8 @@ impl Round {
     }
 
     fn stop(&mut self, reason: &str, out: &mut Vec<Action>) {
+        self.line = None;
+        self.answered = None;
         for rank in std::mem::take(&mut self.waiting).into_keys() {
             let error = format!("quorum stopped: {reason}");
             out.push(Action::Fail { rank, error });

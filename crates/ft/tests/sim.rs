@@ -106,31 +106,26 @@
 //! first a result of a step it had left (seed 360); a real collective
 //! fails for all. A worker the agent stopped before its hello said hello
 //! afterwards (seeds 1482, 4095, 5149, 9224: `AllRanksCalled`); a killed
-//! process says nothing. (d) **Open, by design**: under `min_replicas`
-//! 1, a group cut off from the others (stalled, or not heard by a
-//! restarted lighthouse that forgot the quorum) trains alone, so two
-//! lines of history exist; when they meet at the same step, the rule of
-//! the max step cannot tell them apart and they allreduce together
-//! (seeds 1169, 5563 and 7804, [`KNOWN_DIVERGENT`]; 1400 before the state
-//! hash took in who took part). torchft does the same. A
-//! line id in the member data (the group that started the line, carried
-//! by heals) would let one line win; not done. (e) **Open**, found when
-//! the state hash began to take in who took part (before, two quorums of
-//! different groups that committed a step from one state committed the
-//! same hash, which real gradients do not): under a join timeout of 0 the
-//! lighthouse never waits for a group that is still in its step, so a
-//! quorum of the groups that are behind can form without the ones at the
-//! highest step (say one lost its answer and another was stopped), and it
-//! commits that step again from the older state: two states at one step,
-//! with `min_replicas` 2 too (seeds 860, 1411, 2696, 3349, 4415, 6422,
-//! 8659, 9231; the first seven fail the same with the managers' memory
-//! switched off, so the memory is not their cause; 9231 came with the
-//! second review's changes, which moved its timing: a group whose parked
-//! heal was dropped formed a quorum with a restarted group while the group
-//! at the highest step was out of it). torchft's rules do the same; its
-//! default join timeout (60 s, ours too) is what keeps a quorum waiting
-//! for the groups that are ahead. A fix would keep, in the lighthouse, each
-//! live replica's last step and refuse a quorum below it; not done.
+//! process says nothing. (d) and (e), **fixed by the groups' lines**:
+//! two lines of history at one step. (d): under `min_replicas` 1, a
+//! group cut off from the others (stalled, or not heard by a restarted
+//! lighthouse that forgot the quorum) trains alone; (e): under a join
+//! timeout of 0 the lighthouse never waits for a group that is still in
+//! its step, so a quorum of the groups that are behind can form without
+//! the ones at the highest step (say one lost its answer and another was
+//! stopped), and it makes that step again from the older state, with
+//! `min_replicas` 2 too. When the two lines met at one step, the rule of
+//! the max step could not tell them apart and they allreduced together
+//! (seeds [`TWO_LINES`]; torchft does the same; its default join timeout,
+//! 60 s and ours too, keeps (e) away only while the groups ahead come
+//! back within it; seeds 1169, 4415, 5563, 7804 were (d), the rest (e)).
+//! Each group's member now carries its line, the id of
+//! the quorum of its last commit, and at one step the later line wins:
+//! the other heals (`crate::results`). The commits' check keys each
+//! commit by its line too (two lines may each commit a step; where they
+//! meet, the allreduce check sees whether one state won);
+//! [`Sabotage::NoLine`] takes the lines out and every seed of
+//! [`TWO_LINES`] diverges again.
 //!
 //! Census of 10,000 seeds (release build, 379 s, after (b) and (c)): 3
 //! failed, all `SameState` of kind (d) under `min_replicas` 1 (before
@@ -149,6 +144,9 @@
 //! predecessor's quorums for their watchers (release, 175 s): the same 11
 //! seeds fail, all `SameState`; 1,060 of 3,470 restarts issued their first
 //! quorum on the memory; 175 seeds lost a line of commits; the slowest
+//! group committed 10.6 s after the last fault settled, 57% of its bound.
+//! With the lines (release, 285 s): **0 failed**; 1,061 of 3,471
+//! restarts on the memory; 175 seeds lost a line of commits; the slowest
 //! group committed 10.6 s after the last fault settled, 57% of its bound.
 //!
 //! The default run plays [`SEEDS`] seeds. `RALLY_SIM_SEEDS=n` /
@@ -174,14 +172,14 @@ use world::{Sabotage, Sim};
 /// Seeds of the default run (CI).
 const SEEDS: u64 = 60;
 
-/// Seeds that break `SameState` today: two lines of history meeting at one
-/// step, under `min_replicas` 1 (see the module docs, (d)) or a join
-/// timeout of 0 (e): the default and `RALLY_SIM_SEEDS` runs skip them (and
-/// say so), a census and a replay do not, and
-/// [`known_divergent_seeds_still_diverge`] replays them.
-const KNOWN_DIVERGENT: [u64; 11] = [
-    860, 1169, 1411, 2696, 3349, 4415, 5563, 6422, 7804, 8659, 9231,
-];
+/// Seeds in which two lines of history meet at one step, under
+/// `min_replicas` 1 (see the module docs, (d)) or a join timeout of 0
+/// (e): their allreduce mixed two states until the groups carried their
+/// line, and [`two_histories_at_one_step_are_told_apart_by_their_lines`]
+/// replays them both ways. (Seeds 1169, 4415 and 7804 also made two
+/// lines, which the commits' check keyed by step alone flagged, but the
+/// lines never meet at one step in their runs.)
+const TWO_LINES: [u64; 8] = [860, 1411, 2696, 3349, 5563, 6422, 8659, 9231];
 
 /// Every kind of fault must fire in at least one seed in this many.
 const FLOOR_ONE_IN: u64 = 20;
@@ -220,12 +218,7 @@ fn seeded_schedules_keep_the_invariants() {
     let mut slowest = (0.0, 0, 0, 0);
     let mut lost = 0;
     let (mut restarts, mut recalled) = (0, 0);
-    let mut skipped = Vec::new();
     for seed in first..first + n {
-        if !census && KNOWN_DIVERGENT.contains(&seed) {
-            skipped.push(seed);
-            continue;
-        }
         let (sim, r) = one(seed, Sabotage::None, false);
         let share = sim.slowest as f64 / sim.sc.bound() as f64;
         if share > slowest.0 {
@@ -261,9 +254,6 @@ fn seeded_schedules_keep_the_invariants() {
         slowest.3
     );
     eprintln!("lighthouse restarts: {restarts}; of them, {recalled} issued their first quorum before the startup grace, every member of the last quorum back (the managers' memory)");
-    if !skipped.is_empty() {
-        eprintln!("skipped the known divergent seeds {skipped:?} (see KNOWN_DIVERGENT)");
-    }
     if census {
         eprintln!(
             "census: {n} seeds from {first}: {} failed {by_invariant:?}",
@@ -290,11 +280,7 @@ fn replay(seed: u64) {
 /// Runs the first seeds whose scenario `fits` with `sabotage` until one
 /// breaks `invariant`.
 fn caught_where(sabotage: Sabotage, invariant: Invariant, fits: impl Fn(&Scenario) -> bool) {
-    // A known divergent seed breaks an invariant without any sabotage: a
-    // catch there would prove nothing.
-    let seeds = (0..SABOTAGE_SEEDS * 100)
-        .filter(|s| !KNOWN_DIVERGENT.contains(s))
-        .filter(|s| fits(&Scenario::draw(*s)));
+    let seeds = (0..SABOTAGE_SEEDS * 100).filter(|s| fits(&Scenario::draw(*s)));
     for seed in seeds.take(SABOTAGE_SEEDS as usize) {
         if let (_, Err(b)) = one(seed, sabotage, false) {
             if b.invariant == invariant {
@@ -368,16 +354,22 @@ fn a_lost_call_failure_stalls_the_group() {
     caught_where(Sabotage::LoseCallFailure, Invariant::Liveness, loses);
 }
 
-/// The seeds of [`KNOWN_DIVERGENT`], replayed: each must still break
-/// `SameState` (a fix of the manager makes this fail: then empty the list).
+/// The seeds of [`TWO_LINES`]: with the lines each keeps every
+/// invariant; with them taken out of the members' data
+/// ([`Sabotage::NoLine`], torchft's rule: steps only) each breaks
+/// `SameState`, two histories averaged as one.
 #[test]
-#[ignore = "documents an open limit: two lines under min_replicas 1 (see the module docs, (d))"]
-fn known_divergent_seeds_still_diverge() {
-    for seed in KNOWN_DIVERGENT {
+fn two_histories_at_one_step_are_told_apart_by_their_lines() {
+    for seed in TWO_LINES {
         let (_, r) = one(seed, Sabotage::None, false);
+        if let Err(b) = r {
+            panic!("seed {seed} broke {:?}: {}", b.invariant, b.what);
+        }
+        let (_, r) = one(seed, Sabotage::NoLine, false);
         let b = r.expect_err(&format!(
-            "seed {seed} no longer diverges: remove it from KNOWN_DIVERGENT"
+            "seed {seed} keeps every invariant without the lines"
         ));
         assert_eq!(b.invariant, Invariant::SameState, "seed {seed}: {}", b.what);
+        assert!(b.what.contains("allreduce"), "seed {seed}: {}", b.what);
     }
 }

@@ -292,6 +292,68 @@ fn should_commit_is_the_and_of_the_votes() {
     }
 }
 
+/// The member's data for each of the group's calls, in order, through a
+/// quorum, a vote of `votes` and the next quorum call.
+fn line_after(r: &mut Round, call: u64, step: i64, votes: [bool; 2], now: Instant) -> String {
+    r.handle(q(0, step, now));
+    let a = r.handle(q(1, step, now));
+    let Some(Action::CallLighthouse { member, .. }) = a.last() else {
+        panic!("{a:?}")
+    };
+    let member = member.clone();
+    let mut quorum = issued(std::slice::from_ref(&member));
+    quorum.quorum_id = 100 + call as i64;
+    assert_eq!(
+        r.handle(Event::LighthouseAnswered { call, quorum }).len(),
+        2
+    );
+    r.handle(vote(0, step, votes[0], now));
+    r.handle(vote(1, step, votes[1], now));
+    member.data
+}
+
+/// A commit of step s in quorum q makes q the group's line while its ranks
+/// are at s + 1; a failed vote keeps the line; ranks at another step, or
+/// a stop, forget it (results' "one line of history wins at a step").
+#[test]
+fn a_commit_makes_its_quorum_the_groups_line_at_the_next_step() {
+    let now = Instant::now();
+    let mut r = round(2);
+    let data = line_after(&mut r, 1, 3, [true, true], now);
+    assert!(!data.contains("line"), "no commit yet: {data}");
+    // Committed step 3 in quorum 101: at step 4, line 101.
+    let data = line_after(&mut r, 2, 4, [true, false], now);
+    assert_eq!(
+        data, r#"{"line":101,"metadata":["t0:9","t1:9"],"steps":[4,4]}"#,
+        "{data}"
+    );
+    // Step 4 not committed (in quorum 102): still at 4, still line 101.
+    let data = line_after(&mut r, 3, 4, [true, true], now);
+    assert!(data.starts_with(r#"{"line":101,"#), "{data}");
+    // Step 4 committed in 103; a rank that went back to step 0 (its heal
+    // failed to load) leaves the group without a line.
+    r.handle(q(0, 5, now));
+    let a = r.handle(q(1, 0, now));
+    let Some(Action::CallLighthouse { member, .. }) = a.last() else {
+        panic!("{a:?}")
+    };
+    assert!(!member.data.contains("line"), "{}", member.data);
+    // The same steps again would have it; a stop forgets it.
+    let mut r = round(2);
+    line_after(&mut r, 1, 3, [true, true], now);
+    r.handle(Event::WorkersStopped {
+        reason: "a worker died".into(),
+    });
+    for rank in 0..2 {
+        r.handle(Event::Hello {
+            rank,
+            world_size: 2,
+        });
+    }
+    let data = line_after(&mut r, 2, 4, [true, true], now);
+    assert!(!data.contains("line"), "{data}");
+}
+
 #[test]
 fn votes_on_different_steps_fail_naming_them() {
     let now = Instant::now();

@@ -17,7 +17,7 @@ pub enum Invariant {
     /// 3: the lighthouse is called only when all W ranks called.
     AllRanksCalled,
     /// 4: participants enter an allreduce in the same state; commits at
-    /// the same step are the same state.
+    /// the same step in the same line are the same state.
     SameState,
     /// 5: a stop fails the waiting calls and closes the session first.
     StopCloses,
@@ -193,7 +193,7 @@ impl Sim {
         self.issued.insert(q.quorum_id, ids.to_vec());
         let max = q.participants.iter().map(|m| m.step).max().unwrap_or(0);
         let before = self.committed.len();
-        self.committed.retain(|(_, step), _| *step <= max);
+        self.committed.retain(|(_, step, _), _| *step <= max);
         if self.committed.len() < before {
             self.lost_history += 1;
         }
@@ -226,26 +226,37 @@ impl Sim {
         )
     }
 
-    /// Invariant 4 at a commit: the same step, the same state.
+    /// Invariant 4 at a commit: the same step in the same line (the
+    /// quorum it was made in), the same state. Two lines may commit one
+    /// step (a quorum formed without the groups ahead, or a group alone
+    /// under `min_replicas` 1); where they meet, the later one's state is
+    /// the one taken (`rallypoint_ft::results`), which the allreduce check
+    /// sees.
     pub fn committed_at(
         &mut self,
-        g: usize,
-        r: usize,
+        (g, r): (usize, usize),
         step: i64,
+        line: i64,
         state: u64,
     ) -> Result<(), Broken> {
-        self.log(|| format!("g{g}r{r} committed step {step}"));
-        match self.committed.get(&(r, step)) {
+        self.log(|| {
+            format!(
+                "g{g}r{r} committed step {step} in quorum {}",
+                line - EPOCH_MS
+            )
+        });
+        match self.committed.get(&(r, step, line)) {
             Some(s) if *s != state => self.broken(
                 Invariant::SameState,
                 format!(
-                    "g{g} rank {r} committed step {step} in state {:x}, another group in {:x}",
+                    "g{g} rank {r} committed step {step} in quorum {} in state {:x}, another group in {:x}",
+                    line - EPOCH_MS,
                     state & 0xffff,
                     s & 0xffff
                 ),
             ),
             _ => {
-                self.committed.insert((r, step), state);
+                self.committed.insert((r, step, line), state);
                 Ok(())
             }
         }

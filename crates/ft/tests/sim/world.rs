@@ -41,6 +41,9 @@ pub enum Sabotage {
     /// Invariant 6: a failed lighthouse call is never reported to the
     /// round (the call task's result is lost).
     LoseCallFailure,
+    /// Invariant 4: the groups' lines are taken out of their members'
+    /// data, so two histories at one step look like one (torchft's rule).
+    NoLine,
 }
 
 /// Where a worker is in its loop.
@@ -290,8 +293,8 @@ pub struct Sim {
     /// The participants the first rank answered within a quorum id was
     /// told.
     pub told: BTreeMap<i64, Vec<String>>,
-    /// Commits: (rank, step after) -> state.
-    pub committed: BTreeMap<(usize, i64), u64>,
+    /// Commits: (rank, step after, the quorum it was made in) -> state.
+    pub committed: BTreeMap<(usize, i64, i64), u64>,
     pub fired: [u64; 7],
     round_ticks: BTreeSet<(usize, u64)>,
     lh_deadlines: BTreeSet<u64>,
@@ -797,7 +800,8 @@ impl Sim {
                         w.state = state;
                         w.commit_failures = 0;
                         let step = w.step;
-                        self.committed_at(g, r, step, state)?;
+                        let line = w.cur.as_ref().expect("answered").quorum_id;
+                        self.committed_at((g, r), step, line, state)?;
                     }
                     None => w.commit_failures += 1,
                 }
@@ -1131,9 +1135,15 @@ impl Sim {
                 }
                 round::Action::CallLighthouse {
                     call,
-                    member,
+                    mut member,
                     deadline,
                 } => {
+                    if self.sabotage == Sabotage::NoLine {
+                        let mut v: serde_json::Value =
+                            serde_json::from_str(&member.data).expect("the round's json");
+                        v.as_object_mut().expect("an object").remove("line");
+                        member.data = v.to_string();
+                    }
                     let deadline = self.ms(deadline);
                     self.groups[g].call = Some(LhCall {
                         id: call,
