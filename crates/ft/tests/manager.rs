@@ -47,13 +47,17 @@ impl Lh {
         heartbeat_timeout: Duration,
         secret: Option<JobSecret>,
     ) -> Lh {
-        logs();
         let knobs = Knobs {
             min_replicas,
             join_timeout: Duration::from_secs(60),
             quorum_tick: Duration::from_millis(50),
             heartbeat_timeout,
         };
+        Lh::start_knobs(addr, knobs, secret).await
+    }
+
+    async fn start_knobs(addr: SocketAddr, knobs: Knobs, secret: Option<JobSecret>) -> Lh {
+        logs();
         let mut config = LhConfig::new(knobs);
         config.secret = secret;
         let server = Server::bind(addr, config).await.unwrap();
@@ -578,6 +582,70 @@ async fn a_group_at_step_zero_heals_from_the_groups_at_step_five() {
     let s = ms[2].status().borrow().clone();
     assert_eq!((s.heals, s.heal_bytes, s.heal_seconds), (1, 1000, 0.25));
     for m in ms {
+        m.shutdown().await;
+    }
+    lh.stop().await;
+}
+
+/// Two histories at one step (`tests/sim.rs`, kind (e)): under a join
+/// timeout of 0, g1 and g2 make step 3 in a quorum without g0, which made
+/// it first, alone. At step 4 the three lines meet: g0's (its quorum) is
+/// the earlier, so g0 heals from the later even at the same step (torchft
+/// compares steps only: none heals and two states are averaged as one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_one_step_the_group_of_the_earlier_line_heals() {
+    let knobs = Knobs {
+        join_timeout: Duration::ZERO,
+        ..Knobs::ours(1)
+    };
+    let lh = Lh::start_knobs("127.0.0.1:0".parse().unwrap(), knobs, None).await;
+    let m0 = manager("g0", &lh.url(), 1).await;
+    let mut g0 = Worker::hello(&m0, 0, 1).await;
+    // g0 alone makes step 3 (in quorum q0).
+    let a = g0.quorum(3, "g0r0:1", LIMIT.as_millis() as u64).await;
+    assert_eq!(a["quorum"]["replica_ids"], json!(["g0"]), "{a}");
+    let q0 = a["quorum"]["quorum_id"].as_i64().unwrap();
+    assert_eq!(g0.vote(3, true, 10_000).await["commit"], true);
+    // g1 and g2 come at step 3 while g0 (heartbeating) is in its step:
+    // one of them alone is no majority of three; both are, and with no
+    // join wait they make step 3 again without g0 (in quorum q1).
+    let (m1, m2) = (
+        manager("g1", &lh.url(), 1).await,
+        manager("g2", &lh.url(), 1).await,
+    );
+    let mut g1 = Worker::hello(&m1, 0, 1).await;
+    let mut g2 = Worker::hello(&m2, 0, 1).await;
+    let t = LIMIT.as_millis() as u64;
+    let (a1, a2) = tokio::join!(g1.quorum(3, "g1r0:1", t), g2.quorum(3, "g2r0:1", t));
+    for a in [&a1, &a2] {
+        assert_eq!(a["quorum"]["replica_ids"], json!(["g1", "g2"]), "{a}");
+        assert_eq!(a["quorum"]["heal"], false, "{a}");
+    }
+    let q1 = a1["quorum"]["quorum_id"].as_i64().unwrap();
+    assert!(q1 > q0, "{q0} {q1}");
+    let (v1, v2) = tokio::join!(g1.vote(3, true, 10_000), g2.vote(3, true, 10_000));
+    assert_eq!(
+        (v1["commit"].clone(), v2["commit"].clone()),
+        (json!(true), json!(true))
+    );
+    // At step 4, g0 waits first (alone, no majority); g1 comes: a quorum
+    // of g0 and g1 at once (no join wait), in which g0 heals from g1.
+    let (a0, a1) = tokio::join!(g0.quorum(4, "g0r0:2", t), async {
+        wait_status(lh.addr, |s| s["waiting"] == json!(["g0"])).await;
+        g1.quorum(4, "g1r0:2", t).await
+    });
+    assert_eq!(a0["quorum"]["replica_ids"], json!(["g0", "g1"]), "{a0}");
+    assert_eq!(a0["quorum"]["max_step"], 4);
+    assert_eq!(a0["quorum"]["heal"], true, "{a0}");
+    assert_eq!(a0["quorum"]["recover_src_replica_rank"], 1, "{a0}");
+    assert_eq!(a0["quorum"]["recover_src_metadata"], "g1r0:2", "{a0}");
+    assert_eq!(a1["quorum"]["heal"], false, "{a1}");
+    assert_eq!(
+        a1["quorum"]["recover_dst_replica_ranks"],
+        json!([0]),
+        "{a1}"
+    );
+    for m in [m0, m1, m2] {
         m.shutdown().await;
     }
     lh.stop().await;
