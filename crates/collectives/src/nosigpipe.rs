@@ -12,9 +12,14 @@
 //! `collectives::a_rank_killed_mid_all_reduce_is_named_by_every_other_rank`).
 //!
 //! std and tokio pass `MSG_NOSIGNAL` on their single-buffer writes (`send`),
-//! but their vectored writes call `writev`, which takes no flags. So every
-//! vectored write of rallypoint goes through here: `sendmsg` with
-//! `MSG_NOSIGNAL`, on tokio's readiness.
+//! but their vectored writes call `writev`, which takes no flags. So the
+//! vectored writes of our own transports (the collectives' frames, RPC's
+//! lines) go through here: `sendmsg` with `MSG_NOSIGNAL`, on tokio's
+//! readiness. One path still writes with `writev`: hyper's HTTP/2 (h2) on
+//! the lighthouse's gRPC connections, both ends. Those run in `rally`
+//! (Rust's `main`) or in a Python worker (`rallypoint._native`), both of
+//! which ignore `SIGPIPE`; a C host embedding the ft manager must ignore it
+//! too.
 
 use std::io::{self, IoSlice};
 use std::os::fd::AsRawFd;

@@ -42,12 +42,16 @@
 //!   source is sound: the group's votes fail naming the ranks' steps,
 //!   every step. (The Python `Manager` loads a heal only on a commit, so
 //!   a partial heal needs a state that failed to load after the vote.)
-//! * **one line of history wins at a step**: `data` also carries the
-//!   group's `line`, the id of the quorum in which it made its last
-//!   commit (its round keeps it: `crate::round`), or nothing when that is
-//!   not known (no commit since the workers started, or ranks at
-//!   different steps). Two groups at one step with one line made their
-//!   last commit in the same round, so from one state; two lines at one
+//! * **one line of history wins at a step**: `data` also carries each
+//!   rank's `line` (`"lines": [l0, ...]`), the id of the quorum in which
+//!   its state was committed. The `Manager` sets it at each commit and
+//!   keeps it in its own state, so a heal or a checkpoint carries it with
+//!   the parameters; `null` when not known (no commit since the worker
+//!   started from its own state). A participant is whole only if its
+//!   ranks are at one step *and* one line (a heal loaded on some ranks
+//!   only, before the vote under `use_async_quorum=False`, leaves them at
+//!   one step in two lines). Two groups at one step with one line hold
+//!   states committed in the same round, so one state; two lines at one
 //!   step are two histories (a group that trained alone under
 //!   `min_replicas` 1, or a quorum that formed without the groups ahead
 //!   of it under a join timeout of 0 and made their step again). The
@@ -103,20 +107,29 @@ pub enum ResultError {
     },
 }
 
-/// The `data` of a group's `QuorumMember`: its ranks' checkpoint metadata
-/// and steps, in group-rank order, and its line (module docs), if known.
-pub fn member_data(metadata: &[String], steps: &[i64], line: Option<i64>) -> String {
-    let mut v = serde_json::json!({ "metadata": metadata, "steps": steps });
-    if let Some(line) = line {
-        v["line"] = line.into();
-    }
-    v.to_string()
+/// The `data` of a group's `QuorumMember`: its ranks' checkpoint metadata,
+/// steps and lines (module docs), in group-rank order.
+pub fn member_data(metadata: &[String], steps: &[i64], lines: &[Option<i64>]) -> String {
+    serde_json::json!({ "metadata": metadata, "steps": steps, "lines": lines }).to_string()
 }
 
-/// A participant's line (module docs): `None` when its `data` has none.
+/// A participant's ranks' lines, as in its `data` (empty when it has none).
+fn lines_of(member: &QuorumMember) -> Vec<Option<i64>> {
+    serde_json::from_str::<serde_json::Value>(&member.data)
+        .ok()
+        .and_then(|v| {
+            let lines = v.get("lines")?.as_array()?;
+            Some(lines.iter().map(serde_json::Value::as_i64).collect())
+        })
+        .unwrap_or_default()
+}
+
+/// A participant's line: its ranks' one line, `None` when not known or
+/// when its ranks' lines differ (then it is not whole: [`whole_step`]).
 pub fn line_of(member: &QuorumMember) -> Option<i64> {
-    let v: serde_json::Value = serde_json::from_str(&member.data).ok()?;
-    v.get("line")?.as_i64()
+    let lines = lines_of(member);
+    let first = *lines.first()?;
+    lines.iter().all(|l| *l == first).then_some(first).flatten()
 }
 
 /// Rank `rank`'s checkpoint metadata in a participant's `data`.
@@ -132,8 +145,13 @@ pub fn member_step(steps: &[i64]) -> i64 {
 }
 
 /// The step all of a participant's ranks are at, or `None` when they are
-/// at different steps (`data` without steps: the member's step).
+/// at different steps or in different lines (`data` without steps: the
+/// member's step).
 pub fn whole_step(member: &QuorumMember) -> Option<i64> {
+    let lines = lines_of(member);
+    if lines.iter().any(|l| Some(l) != lines.first()) {
+        return None;
+    }
     let steps: Option<Vec<i64>> = serde_json::from_str::<serde_json::Value>(&member.data)
         .ok()
         .and_then(|v| {
@@ -290,7 +308,7 @@ mod tests {
             store_address: format!("store_addr_{i}"),
             step: member_step(steps),
             world_size: 1,
-            data: member_data(&md, steps, line),
+            data: member_data(&md, steps, &vec![line; steps.len()]),
             ..Default::default()
         }
     }
@@ -407,7 +425,7 @@ mod tests {
     #[test]
     fn a_source_without_metadata_for_the_rank_is_an_error_naming_it() {
         let mut q = quorum(&[5, 0]);
-        q.participants[0].data = member_data(&["only_rank_0".into()], &[5], None);
+        q.participants[0].data = member_data(&["only_rank_0".into()], &[5], &[None]);
         assert_eq!(
             r(&q, "replica_1", 0, true).recover_src_metadata.as_deref(),
             Some("only_rank_0")
@@ -445,7 +463,7 @@ mod tests {
         }
         // Without steps in its data, a member's ranks are all at its step.
         let mut old = q.clone();
-        old.participants[1].data = member_data(&["a".into(), "b".into()], &[], None);
+        old.participants[1].data = member_data(&["a".into(), "b".into()], &[], &[]);
         old.participants[1].step = 7;
         assert!(!r(&old, "replica_1", 1, true).heal);
     }
@@ -550,6 +568,23 @@ mod tests {
         assert!(!r(&split, "replica_0", 0, true).heal);
         assert_eq!(line_of(&split.participants[1]), Some(8));
         assert_eq!(line_of(&split.participants[0]), None);
+        // Ranks at one step in two lines (a heal loaded before the vote on
+        // rank 0 only, under use_async_quorum=False) are not whole: the
+        // group heals whole, here from replica_0.
+        let mut mixed_lines = lined(1, &[5, 5], Some(8));
+        mixed_lines.data = member_data(&["a".into(), "b".into()], &[5, 5], &[Some(8), Some(3)]);
+        assert_eq!(line_of(&mixed_lines), None);
+        assert_eq!(whole_step(&mixed_lines), None);
+        let q = Quorum {
+            quorum_id: 9,
+            participants: vec![lined(0, &[5, 5], Some(3)), mixed_lines],
+            created: None,
+        };
+        for rank in 0..2 {
+            let res = r(&q, "replica_1", rank, true);
+            assert!(res.heal, "rank {rank}: {res:?}");
+            assert_eq!(res.recover_src_replica_rank, Some(0));
+        }
     }
 
     proptest! {

@@ -19,11 +19,9 @@
 //!   rank whose call timed out and that called again waits for the next
 //!   lighthouse call, made once the one in flight ends.
 //! * **should_commit**: a barrier of the W ranks for one step; the
-//!   decision is the AND of the votes. A commit of step s in quorum q
-//!   makes q the group's *line* while its ranks are at s + 1 (in its
-//!   member's `data`: at one step, the later line wins, see
-//!   [`crate::results`]); a stop forgets it (the next workers' state is
-//!   not known to be that line's). Votes for different steps fail
+//!   decision is the AND of the votes. Votes for different steps, or from
+//!   states of different lines (a heal loaded on some ranks only), fail
+//!   every voter, naming them. Votes for different steps fail
 //!   every voter, naming the steps. A rank that calls quorum has left its
 //!   step: the votes still waiting fail at once, and a vote while ranks
 //!   wait in quorum fails at once, so ranks split between the two
@@ -81,6 +79,8 @@ pub struct QuorumCall {
     pub init_sync: bool,
     pub commit_failures: i64,
     pub timeout: Duration,
+    /// The line of the rank's state (see [`crate::results`]).
+    pub line: Option<i64>,
 }
 
 /// What happened.
@@ -104,6 +104,8 @@ pub enum Event {
     Vote {
         rank: Rank,
         step: i64,
+        /// The line of the state the rank votes from.
+        line: Option<i64>,
         vote: bool,
         timeout: Duration,
         now: Instant,
@@ -153,6 +155,7 @@ struct Waiting {
 #[derive(Clone, Debug)]
 struct Ballot {
     step: i64,
+    line: Option<i64>,
     vote: bool,
     timeout: Duration,
     deadline: Instant,
@@ -177,11 +180,6 @@ pub struct Round {
     /// Numbers the ranks' quorum calls.
     seq: u64,
     ballots: BTreeMap<Rank, Ballot>,
-    /// The quorum id of the last lighthouse answer given to the ranks.
-    answered: Option<i64>,
-    /// The group's last commit: (the step its ranks reached, the quorum
-    /// it was made in).
-    line: Option<(i64, i64)>,
 }
 
 impl Round {
@@ -196,8 +194,6 @@ impl Round {
             calls: 0,
             seq: 0,
             ballots: BTreeMap::new(),
-            answered: None,
-            line: None,
         }
     }
 
@@ -233,11 +229,7 @@ impl Round {
             }
             Event::Quorum { rank, call, now } => self.quorum(rank, call, now, &mut out),
             Event::LighthouseAnswered { call, quorum } => {
-                let mine = self.take_in_flight(call);
-                if !mine.is_empty() {
-                    self.answered = Some(quorum.quorum_id);
-                }
-                for (rank, w) in mine {
+                for (rank, w) in self.take_in_flight(call) {
                     out.push(self.result(rank, &w, &quorum));
                 }
                 self.call_if_ready(&mut out);
@@ -252,10 +244,11 @@ impl Round {
             Event::Vote {
                 rank,
                 step,
+                line,
                 vote,
                 timeout,
                 now,
-            } => self.vote(rank, step, vote, timeout, now, &mut out),
+            } => self.vote(rank, (step, line), vote, timeout, now, &mut out),
             Event::Tick { now } => self.tick(now, &mut out),
             Event::WorkersStopped { reason } => {
                 self.stop(&reason, &mut out);
@@ -359,10 +352,7 @@ impl Round {
         let calls = || self.waiting.values().map(|w| &w.call);
         let metadata: Vec<String> = calls().map(|c| c.metadata.clone()).collect();
         let steps: Vec<i64> = calls().map(|c| c.step).collect();
-        let line = self
-            .line
-            .filter(|(at, _)| steps.iter().all(|s| s == at))
-            .map(|(_, q)| q);
+        let lines: Vec<Option<i64>> = calls().map(|c| c.line).collect();
         QuorumMember {
             replica_id: self.setup.replica_id.clone(),
             address: self.setup.address.clone(),
@@ -371,7 +361,7 @@ impl Round {
             world_size: self.setup.world_size as u64,
             shrink_only: calls().any(|c| c.shrink_only),
             commit_failures: calls().map(|c| c.commit_failures).max().unwrap_or(0),
-            data: results::member_data(&metadata, &steps, line),
+            data: results::member_data(&metadata, &steps, &lines),
         }
     }
 
@@ -405,7 +395,7 @@ impl Round {
     fn vote(
         &mut self,
         rank: Rank,
-        step: i64,
+        (step, line): (i64, Option<i64>),
         vote: bool,
         timeout: Duration,
         now: Instant,
@@ -429,6 +419,7 @@ impl Round {
         let deadline = now + timeout.min(MAX_TIMEOUT);
         let b = Ballot {
             step,
+            line,
             vote,
             timeout,
             deadline,
@@ -439,18 +430,22 @@ impl Round {
         }
         let ballots = std::mem::take(&mut self.ballots);
         let steps: BTreeSet<i64> = ballots.values().map(|b| b.step).collect();
+        let lines: BTreeSet<Option<i64>> = ballots.values().map(|b| b.line).collect();
         let commit = ballots.values().all(|b| b.vote);
-        if commit && steps.len() == 1 {
-            let step = *steps.first().expect("one step");
-            self.line = self.answered.map(|q| (step + 1, q));
-        }
         for (&rank, _) in ballots.iter() {
-            if steps.len() == 1 {
+            if steps.len() == 1 && lines.len() == 1 {
                 out.push(Action::AnswerCommit { rank, commit });
-            } else {
+            } else if steps.len() > 1 {
                 let by_rank: Vec<(Rank, i64)> = ballots.iter().map(|(&r, b)| (r, b.step)).collect();
                 let error =
                     format!("should_commit: the group ranks voted on different steps (rank, step): {by_rank:?}");
+                out.push(Action::Fail { rank, error });
+            } else {
+                let by_rank: Vec<(Rank, Option<i64>)> =
+                    ballots.iter().map(|(&r, b)| (r, b.line)).collect();
+                let error = format!(
+                    "should_commit: the group ranks voted from states of different lines (a heal loaded on some ranks only) (rank, line): {by_rank:?}"
+                );
                 out.push(Action::Fail { rank, error });
             }
         }
@@ -506,8 +501,6 @@ impl Round {
     }
 
     fn stop(&mut self, reason: &str, out: &mut Vec<Action>) {
-        self.line = None;
-        self.answered = None;
         for rank in std::mem::take(&mut self.waiting).into_keys() {
             let error = format!("quorum stopped: {reason}");
             out.push(Action::Fail { rank, error });

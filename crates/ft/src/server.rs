@@ -695,6 +695,7 @@ impl Core {
                 init_sync,
                 commit_failures,
                 timeout_ms,
+                line,
             } => Event::Quorum {
                 rank,
                 call: QuorumCall {
@@ -704,6 +705,7 @@ impl Core {
                     init_sync,
                     commit_failures,
                     timeout: Duration::from_millis(timeout_ms),
+                    line,
                 },
                 now,
             },
@@ -711,9 +713,11 @@ impl Core {
                 step,
                 vote,
                 timeout_ms,
+                line,
             } => Event::Vote {
                 rank,
                 step,
+                line,
                 vote,
                 timeout: Duration::from_millis(timeout_ms),
                 now,

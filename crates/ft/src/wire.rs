@@ -45,13 +45,20 @@ pub enum Request {
         commit_failures: i64,
         #[serde(default = "minute")]
         timeout_ms: u64,
+        /// The line of this rank's state: the id of the quorum of its last
+        /// commit, carried by heals and checkpoints (`crate::results`);
+        /// none when not known.
+        #[serde(default)]
+        line: Option<i64>,
     },
-    /// This rank's vote on committing `step`.
+    /// This rank's vote on committing `step`, from a state of `line`.
     ShouldCommit {
         step: i64,
         vote: bool,
         #[serde(default = "minute")]
         timeout_ms: u64,
+        #[serde(default)]
+        line: Option<i64>,
     },
     /// Something the manager counts in its status.
     Report(Report),
@@ -180,7 +187,8 @@ mod tests {
                 shrink_only: false,
                 init_sync: true,
                 commit_failures: 0,
-                timeout_ms: 60_000
+                timeout_ms: 60_000,
+                line: None
             }
         );
         let r = decode(br#"{"op":"report","kind":"not_committed","step":2,"reason":"nan"}"#);
@@ -263,23 +271,29 @@ mod tests {
                 any::<bool>(),
                 any::<bool>(),
                 any::<i64>(),
-                any::<u64>()
+                (any::<u64>(), any::<Option<i64>>())
             )
-                .prop_map(|(s, m, so, is, cf, t)| Request::Quorum {
+                .prop_map(|(s, m, so, is, cf, (t, l))| Request::Quorum {
                     step: s,
                     metadata: m,
                     shrink_only: so,
                     init_sync: is,
                     commit_failures: cf,
-                    timeout_ms: t
+                    timeout_ms: t,
+                    line: l
                 }),
-            (any::<i64>(), any::<bool>(), any::<u64>()).prop_map(|(s, v, t)| {
-                Request::ShouldCommit {
+            (
+                any::<i64>(),
+                any::<bool>(),
+                any::<u64>(),
+                any::<Option<i64>>()
+            )
+                .prop_map(|(s, v, t, l)| Request::ShouldCommit {
                     step: s,
                     vote: v,
                     timeout_ms: t,
-                }
-            }),
+                    line: l,
+                }),
             (
                 any::<i64>(),
                 any::<u64>(),

@@ -164,6 +164,13 @@ impl Worker {
             .await
     }
 
+    /// A quorum call from a state committed in quorum `line`.
+    async fn quorum_in(&mut self, step: i64, metadata: &str, line: i64) -> Value {
+        self.call(json!({"op": "quorum", "step": step, "metadata": metadata,
+            "init_sync": true, "timeout_ms": LIMIT.as_millis() as u64, "line": line}))
+            .await
+    }
+
     async fn vote(&mut self, step: i64, vote: bool, timeout_ms: u64) -> Value {
         self.call(
             json!({"op": "should_commit", "step": step, "vote": vote, "timeout_ms": timeout_ms}),
@@ -589,9 +596,10 @@ async fn a_group_at_step_zero_heals_from_the_groups_at_step_five() {
 
 /// Two histories at one step (`tests/sim.rs`, kind (e)): under a join
 /// timeout of 0, g1 and g2 make step 3 in a quorum without g0, which made
-/// it first, alone. At step 4 the three lines meet: g0's (its quorum) is
-/// the earlier, so g0 heals from the later even at the same step (torchft
-/// compares steps only: none heals and two states are averaged as one).
+/// it first, alone. At step 4 the lines meet (each worker names the quorum
+/// its state was committed in, as the `Manager` does): g0's is the
+/// earlier, so g0 heals from g1 at the same step (torchft compares steps
+/// only: none heals and two states are averaged as one).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn at_one_step_the_group_of_the_earlier_line_heals() {
     let knobs = Knobs {
@@ -630,9 +638,9 @@ async fn at_one_step_the_group_of_the_earlier_line_heals() {
     );
     // At step 4, g0 waits first (alone, no majority); g1 comes: a quorum
     // of g0 and g1 at once (no join wait), in which g0 heals from g1.
-    let (a0, a1) = tokio::join!(g0.quorum(4, "g0r0:2", t), async {
+    let (a0, a1) = tokio::join!(g0.quorum_in(4, "g0r0:2", q0), async {
         wait_status(lh.addr, |s| s["waiting"] == json!(["g0"])).await;
-        g1.quorum(4, "g1r0:2", t).await
+        g1.quorum_in(4, "g1r0:2", q1).await
     });
     assert_eq!(a0["quorum"]["replica_ids"], json!(["g0", "g1"]), "{a0}");
     assert_eq!(a0["quorum"]["max_step"], 4);

@@ -119,9 +119,11 @@
 //! (seeds [`TWO_LINES`]; torchft does the same; its default join timeout,
 //! 60 s and ours too, keeps (e) away only while the groups ahead come
 //! back within it; seeds 1169, 4415, 5563, 7804 were (d), the rest (e)).
-//! Each group's member now carries its line, the id of
-//! the quorum of its last commit, and at one step the later line wins:
-//! the other heals (`crate::results`). The commits' check keys each
+//! Each worker's state now carries its line, the id of the quorum it
+//! was committed in (the `Manager` sets it at a commit, a heal copies the
+//! source's), its group's member reports its ranks' lines, and at one step
+//! the later line wins: the other heals (`crate::results`). The commits'
+//! check keys each
 //! commit by its line too (two lines may each commit a step; where they
 //! meet, the allreduce check sees whether one state won);
 //! [`Sabotage::NoLine`] takes the lines out and every seed of

@@ -272,8 +272,11 @@ class Client:
                 raise ManagerError(f"rallypoint.ft: the manager at {self.address} closed the connection before answering {op}")
             self._buf += chunk
 
-    def quorum(self, step: int, metadata: str, shrink_only: bool, init_sync: bool, commit_failures: int, timeout: float) -> Quorum:
-        """This rank's result of the next quorum round (contract op 2)."""
+    def quorum(
+        self, step: int, metadata: str, shrink_only: bool, init_sync: bool, commit_failures: int, timeout: float, line: Optional[int] = None
+    ) -> Quorum:
+        """This rank's result of the next quorum round (contract op 2);
+        ``line``: the quorum its state was committed in, if known."""
         msg = self.call(
             {
                 "op": "quorum",
@@ -283,14 +286,18 @@ class Client:
                 "init_sync": bool(init_sync),
                 "commit_failures": int(commit_failures),
                 "timeout_ms": int(timeout * 1000),
+                "line": None if line is None else int(line),
             },
             timeout + MARGIN,
         )
         return Quorum.parse(msg.get("quorum"))
 
-    def should_commit(self, step: int, vote: bool, timeout: float) -> bool:
-        """The replica group's decision for ``step`` (the AND of its ranks' votes)."""
-        msg = self.call({"op": "should_commit", "step": int(step), "vote": bool(vote), "timeout_ms": int(timeout * 1000)}, timeout + MARGIN)
+    def should_commit(self, step: int, vote: bool, timeout: float, line: Optional[int] = None) -> bool:
+        """The replica group's decision for ``step`` (the AND of its ranks'
+        votes), voted from a state of ``line``."""
+        req = {"op": "should_commit", "step": int(step), "vote": bool(vote), "timeout_ms": int(timeout * 1000)}
+        req["line"] = None if line is None else int(line)
+        msg = self.call(req, timeout + MARGIN)
         commit = msg.get("commit")
         if not isinstance(commit, bool):
             raise ManagerError(f"rallypoint.ft: the manager at {self.address} answered should_commit without a boolean 'commit': {msg!r}")

@@ -206,6 +206,11 @@ class Manager:
         # The step's bookkeeping (torchft's names).
         self._step = 0
         self._batches_committed = 0
+        # The id of the quorum this replica's state was committed in (None:
+        # not known, a fresh start). It travels with the state (heals,
+        # checkpoints: state_dict), so that two histories at one step are
+        # told apart: the later quorum's wins (crates/ft/src/results.rs).
+        self._line: Optional[int] = None
         self._commit_failures = 0
         self._quorum_id: Optional[int] = None
         self._quorum_future: Optional[Future] = None
@@ -215,6 +220,9 @@ class Manager:
         self._pending_step = 0
         self._participating_rank: Optional[int] = None
         self._participating_world_size = 0
+        # Every replica of the quorum, healing ones included: what
+        # min_replicas counts (see should_commit).
+        self._quorum_world_size = 0
         #: Steps not committed, and how many times each reason (numbers aside) was seen.
         self.not_committed = 0
         self.reasons: Dict[str, int] = {}
@@ -250,13 +258,16 @@ class Manager:
     def _manager_state_dict(self) -> dict:
         return {"user": {k: fn() for k, fn in self._state_fns.items()}, "manager": self.state_dict()}
 
-    def state_dict(self) -> Dict[str, int]:
-        """The Manager's own state (step, batches committed), for checkpoints."""
-        return {"step": self._step, "batches_committed": self._batches_committed}
+    def state_dict(self) -> Dict[str, Optional[int]]:
+        """The Manager's own state (step, batches committed, and the quorum
+        the state was committed in), for checkpoints."""
+        return {"step": self._step, "batches_committed": self._batches_committed, "line": self._line}
 
-    def load_state_dict(self, state_dict: Dict[str, int]) -> None:
+    def load_state_dict(self, state_dict: Dict[str, Optional[int]]) -> None:
         self._step = int(state_dict["step"])
         self._batches_committed = int(state_dict["batches_committed"])
+        line = state_dict.get("line")  # absent from torchft's and older checkpoints
+        self._line = None if line is None else int(line)
 
     def metadata(self) -> str:
         """``host:port`` of this process's transport server (what peers heal from)."""
@@ -289,11 +300,13 @@ class Manager:
     def _async_quorum(self, allow_heal: bool, shrink_only: bool, timeout: float) -> None:
         """The quorum thread's work for one step; records errors, never raises."""
         try:
-            q = self._client.quorum(self._step, self.metadata(), shrink_only, self._init_sync, self._commit_failures, timeout)
+            q = self._client.quorum(self._step, self.metadata(), shrink_only, self._init_sync, self._commit_failures, timeout, self._line)
         except Exception as e:  # noqa: BLE001 - the step is not committed
             self._participating_rank, self._participating_world_size = None, 0
+            self._quorum_world_size = 0
             self.report_error(e)
             return
+        self._quorum_world_size = q.replica_world_size
         if self._use_async_quorum or not allow_heal:
             self._participating_rank, self._participating_world_size = q.max_replica_rank, q.max_world_size
         else:
@@ -410,7 +423,11 @@ class Manager:
         if err is not None:
             self.report_error(err)
         n = self.num_participants()
-        enough = n >= self._min_replicas
+        # A healing replica counts: its heal loads only if this step
+        # commits, so counting only the replicas up to date (as torchft,
+        # which loads the heal whatever the vote) would leave one up-to-date
+        # replica and one healing under min_replicas=2 failing every step.
+        enough = self._quorum_world_size >= self._min_replicas
         vote = enough and self._errored is None
         t = self._timeout if timeout is None else _seconds("timeout", timeout)
         # A healing rank (asynchronous quorum; the synchronous one loaded
@@ -419,8 +436,11 @@ class Manager:
         # that failed on another rank of the group is dropped on every rank,
         # so the group's ranks stay at one step (torchft loads it first).
         healing = self._healing
+        line = self._line
+        if healing and self._pending_state is not None:
+            line = self._pending_state["manager"].get("line")
         try:
-            commit = self._client.should_commit(self._pending_step if healing else self._step, vote, t)
+            commit = self._client.should_commit(self._pending_step if healing else self._step, vote, t, line)
         except ManagerError as e:
             self.report_error(e)
             commit = False
@@ -433,6 +453,7 @@ class Manager:
         if commit:
             self._step += 1
             self._batches_committed += n
+            self._line = self._quorum_id
             self._commit_failures = 0
             return True
         self._commit_failures += 1
@@ -448,7 +469,7 @@ class Manager:
         if self._errored is not None:
             return f"{type(self._errored).__name__}: {self._errored}"
         if not enough:
-            return f"{n} replica(s) take part, fewer than min_replicas={self._min_replicas}"
+            return f"{self._quorum_world_size} replica(s) in the quorum, fewer than min_replicas={self._min_replicas}"
         return "another rank of this replica group voted not to commit"
 
     def _not_committed(self, reason: str) -> None:

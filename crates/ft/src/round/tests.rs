@@ -25,6 +25,7 @@ fn call(step: i64, rank: Rank) -> QuorumCall {
         init_sync: true,
         commit_failures: 0,
         timeout: T,
+        line: None,
     }
 }
 
@@ -54,6 +55,7 @@ fn vote(rank: Rank, step: i64, vote: bool, now: Instant) -> Event {
     Event::Vote {
         rank,
         step,
+        line: None,
         vote,
         timeout: T,
         now,
@@ -144,7 +146,8 @@ fn the_lighthouse_is_called_once_all_ranks_called_with_the_group_member() {
     assert!(member.shrink_only);
     assert_eq!(member.commit_failures, 2);
     assert_eq!(
-        member.data, r#"{"metadata":["t0:9","t1:9","t2:9"],"steps":[5,3,4]}"#,
+        member.data,
+        r#"{"lines":[null,null,null],"metadata":["t0:9","t1:9","t2:9"],"steps":[5,3,4]}"#,
         "each rank's metadata and step, in rank order"
     );
 
@@ -292,66 +295,52 @@ fn should_commit_is_the_and_of_the_votes() {
     }
 }
 
-/// The member's data for each of the group's calls, in order, through a
-/// quorum, a vote of `votes` and the next quorum call.
-fn line_after(r: &mut Round, call: u64, step: i64, votes: [bool; 2], now: Instant) -> String {
-    r.handle(q(0, step, now));
-    let a = r.handle(q(1, step, now));
-    let Some(Action::CallLighthouse { member, .. }) = a.last() else {
-        panic!("{a:?}")
-    };
-    let member = member.clone();
-    let mut quorum = issued(std::slice::from_ref(&member));
-    quorum.quorum_id = 100 + call as i64;
-    assert_eq!(
-        r.handle(Event::LighthouseAnswered { call, quorum }).len(),
-        2
-    );
-    r.handle(vote(0, step, votes[0], now));
-    r.handle(vote(1, step, votes[1], now));
-    member.data
-}
-
-/// A commit of step s in quorum q makes q the group's line while its ranks
-/// are at s + 1; a failed vote keeps the line; ranks at another step, or
-/// a stop, forget it (results' "one line of history wins at a step").
+/// Each rank's line (the quorum its state was committed in) goes into the
+/// member's data in rank order; votes from states of different lines fail
+/// naming them, as votes on different steps do (results' "one line of
+/// history wins at a step").
 #[test]
-fn a_commit_makes_its_quorum_the_groups_line_at_the_next_step() {
+fn the_ranks_lines_go_to_the_lighthouse_and_votes_from_two_lines_fail() {
     let now = Instant::now();
     let mut r = round(2);
-    let data = line_after(&mut r, 1, 3, [true, true], now);
-    assert!(!data.contains("line"), "no commit yet: {data}");
-    // Committed step 3 in quorum 101: at step 4, line 101.
-    let data = line_after(&mut r, 2, 4, [true, false], now);
-    assert_eq!(
-        data, r#"{"line":101,"metadata":["t0:9","t1:9"],"steps":[4,4]}"#,
-        "{data}"
-    );
-    // Step 4 not committed (in quorum 102): still at 4, still line 101.
-    let data = line_after(&mut r, 3, 4, [true, true], now);
-    assert!(data.starts_with(r#"{"line":101,"#), "{data}");
-    // Step 4 committed in 103; a rank that went back to step 0 (its heal
-    // failed to load) leaves the group without a line.
-    r.handle(q(0, 5, now));
-    let a = r.handle(q(1, 0, now));
+    let mut c = call(4, 0);
+    c.line = Some(101);
+    r.handle(Event::Quorum {
+        rank: 0,
+        call: c,
+        now,
+    });
+    let a = r.handle(q(1, 4, now));
     let Some(Action::CallLighthouse { member, .. }) = a.last() else {
         panic!("{a:?}")
     };
-    assert!(!member.data.contains("line"), "{}", member.data);
-    // The same steps again would have it; a stop forgets it.
+    assert_eq!(
+        member.data,
+        r#"{"lines":[101,null],"metadata":["t0:9","t1:9"],"steps":[4,4]}"#
+    );
+    let voted = |line: Option<i64>, rank| Event::Vote {
+        rank,
+        step: 4,
+        line,
+        vote: true,
+        timeout: T,
+        now,
+    };
     let mut r = round(2);
-    line_after(&mut r, 1, 3, [true, true], now);
-    r.handle(Event::WorkersStopped {
-        reason: "a worker died".into(),
-    });
-    for rank in 0..2 {
-        r.handle(Event::Hello {
-            rank,
-            world_size: 2,
-        });
-    }
-    let data = line_after(&mut r, 2, 4, [true, true], now);
-    assert!(!data.contains("line"), "{data}");
+    r.handle(voted(Some(101), 0));
+    let f = fails(&r.handle(voted(Some(7), 1)));
+    assert_eq!(f.len(), 2, "{f:?}");
+    assert!(
+        f[0].1.contains("different lines") && f[0].1.contains("(1, Some(7))"),
+        "{f:?}"
+    );
+    r.handle(voted(Some(7), 0));
+    let a = r.handle(voted(Some(7), 1));
+    assert_eq!(a.len(), 2);
+    assert!(a.contains(&Action::AnswerCommit {
+        rank: 0,
+        commit: true
+    }));
 }
 
 #[test]
@@ -591,6 +580,7 @@ fn a_timeout_beyond_a_week_is_cut_to_a_week() {
     let v = Event::Vote {
         rank: 1,
         step: 0,
+        line: None,
         vote: true,
         timeout: Duration::from_millis(u64::MAX),
         now,
@@ -737,6 +727,7 @@ fn run_order(steps: Vec<Step>) -> Result<u64, TestCaseError> {
                 Event::Vote {
                     rank,
                     step,
+                    line: None,
                     vote: v,
                     timeout: T,
                     now,

@@ -1,6 +1,8 @@
 //! The simulator's invariants, checked as the events happen (see the
 //! module docs of `tests/sim.rs` for what each says).
 
+use std::collections::BTreeMap;
+
 use rallypoint_ft::round;
 use rallypoint_lighthouse::machine::Session;
 use rallypoint_lighthouse::proto::Quorum;
@@ -196,6 +198,41 @@ impl Sim {
         self.committed.retain(|(_, step, _), _| *step <= max);
         if self.committed.len() < before {
             self.lost_history += 1;
+        }
+        Ok(())
+    }
+
+    /// Invariant 4 at an issue: the premise of the lines. Two workers of
+    /// one group rank waiting in this quorum at the same step with the
+    /// same known line hold the same state (`rallypoint_ft::results`
+    /// heals nobody between them).
+    pub fn check_lines(&self, q: &Quorum) -> Result<(), Broken> {
+        let mut seen: BTreeMap<(usize, i64, i64), (usize, u64)> = BTreeMap::new();
+        for m in &q.participants {
+            let g: usize = m.replica_id.parse().expect("group ids are numbers");
+            for (r, w) in self.groups[g].workers.iter().enumerate() {
+                let Some(line) = w.line.filter(|_| w.phase == Phase::InQuorum) else {
+                    continue;
+                };
+                match seen.get(&(r, w.step, line)) {
+                    Some(&(other, state)) if state != w.state => {
+                        return self.broken(
+                            Invariant::SameState,
+                            format!(
+                                "quorum {}: g{other} and g{g} rank {r} at step {} in line {} hold states {:x} and {:x}",
+                                q.quorum_id - EPOCH_MS,
+                                w.step,
+                                line - EPOCH_MS,
+                                state & 0xffff,
+                                w.state & 0xffff
+                            ),
+                        );
+                    }
+                    _ => {
+                        seen.insert((r, w.step, line), (g, w.state));
+                    }
+                }
+            }
         }
         Ok(())
     }

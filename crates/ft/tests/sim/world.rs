@@ -72,6 +72,9 @@ pub struct Worker {
     pub step: i64,
     /// A hash of its model's state.
     pub state: u64,
+    /// The quorum its state was committed in (the `Manager`'s line,
+    /// carried by heals), if known.
+    pub line: Option<i64>,
     pub commit_failures: i64,
     /// The quorum of this step, once answered.
     pub cur: Option<QuorumResult>,
@@ -79,10 +82,10 @@ pub struct Worker {
     pub ok: bool,
     /// The state after this step, once the allreduce is done.
     pub next_state: Option<u64>,
-    /// A healed step and state, loaded only on a commit (the Python
-    /// `Manager`'s `should_commit`): a heal that failed on another rank
-    /// of the group is dropped on every rank.
-    pub pending: Option<(i64, u64)>,
+    /// A healed step, state and line, loaded only on a commit (the
+    /// Python `Manager`'s `should_commit`): a heal that failed on another
+    /// rank of the group is dropped on every rank.
+    pub pending: Option<(i64, u64, Option<i64>)>,
     /// Counts this worker's allreduces: a timeout is for one of them.
     pub allreduces: u64,
     pub stalled_until: Option<u64>,
@@ -606,6 +609,7 @@ impl Sim {
                 step: 0,
                 // A fresh process's random init.
                 state: h(&[seed, g as u64, r as u64, inc]),
+                line: None,
                 commit_failures: 0,
                 cur: None,
                 ok: true,
@@ -680,6 +684,7 @@ impl Sim {
             init_sync: self.sabotage != Sabotage::NoInitSync,
             commit_failures: w.commit_failures,
             timeout: Duration::from_millis(self.sc.timing.call),
+            line: w.line,
         };
         self.groups[g].pending.insert(r, "quorum");
         let now = self.now();
@@ -689,7 +694,7 @@ impl Sim {
     fn vote(&mut self, g: usize, r: usize) -> Result<(), Broken> {
         let w = &mut self.groups[g].workers[r];
         w.phase = Phase::Voting;
-        let step = w.pending.map_or(w.step, |p| p.0);
+        let (step, line) = w.pending.map_or((w.step, w.line), |p| (p.0, p.2));
         let vote = w.ok && w.next_state.is_some();
         self.groups[g].pending.insert(r, "should_commit");
         let now = self.now();
@@ -699,6 +704,7 @@ impl Sim {
             round::Event::Vote {
                 rank: r,
                 step,
+                line,
                 vote,
                 timeout,
                 now,
@@ -801,6 +807,7 @@ impl Sim {
                         w.commit_failures = 0;
                         let step = w.step;
                         let line = w.cur.as_ref().expect("answered").quorum_id;
+                        w.line = Some(line);
                         self.committed_at((g, r), step, line, state)?;
                     }
                     None => w.commit_failures += 1,
@@ -846,7 +853,8 @@ impl Sim {
             && sw.step == res.max_step;
         if ready {
             let (step, state) = (sw.step, sw.state);
-            self.groups[g].workers[r].pending = Some((step, state));
+            let line = sw.line;
+            self.groups[g].workers[r].pending = Some((step, state, line));
             self.log(|| format!("g{g}r{r} healed from g{sg} to step {step}"));
             self.compute(g, r, inc);
             Ok(())
@@ -864,7 +872,7 @@ impl Sim {
     fn arrive(&mut self, g: usize, r: usize, q: i64) -> Result<(), Broken> {
         let w = &self.groups[g].workers[r];
         // A healing worker takes part as it will be once its heal loads.
-        let (step, state) = w.pending.unwrap_or((w.step, w.state));
+        let (step, state, _) = w.pending.unwrap_or((w.step, w.state, w.line));
         let inc = self.groups[g].inc;
         let cur = w.cur.as_ref().expect("answered");
         let key = (q, cur.max_step, r);
@@ -1141,7 +1149,7 @@ impl Sim {
                     if self.sabotage == Sabotage::NoLine {
                         let mut v: serde_json::Value =
                             serde_json::from_str(&member.data).expect("the round's json");
-                        v.as_object_mut().expect("an object").remove("line");
+                        v.as_object_mut().expect("an object").remove("lines");
                         member.data = v.to_string();
                     }
                     let deadline = self.ms(deadline);
@@ -1452,6 +1460,7 @@ impl Sim {
             .map(|m| m.replica_id.clone())
             .collect();
         self.check_issue(&q, &ids)?;
+        self.check_lines(&q)?;
         for id in ids {
             let g: usize = id.parse().expect("group ids are numbers");
             // The call whose `Join` the lighthouse holds, wherever the

@@ -185,6 +185,16 @@ fn a_replica_group_killed_in_the_backward_pass_fails_the_survivors_step_without_
     assert!(out.contains("is gone"), "{out}");
 }
 
+/// `kill` with the workers' `min_replicas=2`: the survivor commits nothing
+/// alone; the restarted group heals from it with one replica up to date and
+/// one healing, and that step commits (counting only the replicas up to
+/// date, as torchft does, failed it for ever: the heal loads only on a
+/// commit).
+#[test]
+fn under_min_replicas_two_a_heal_from_the_only_replica_up_to_date_commits() {
+    drive("kill-min2");
+}
+
 /// Replica groups of 2 processes: group rank 0 starts the manager and
 /// publishes its address under `rally/ft/manager/0` of the group's store, rank
 /// 1 finds it there; the quorum and `should_commit` span both ranks, and per

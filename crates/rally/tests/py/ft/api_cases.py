@@ -273,8 +273,12 @@ def case_client() -> None:
     q = c.quorum(step=4, metadata="127.0.0.1:8", shrink_only=False, init_sync=True, commit_failures=2, timeout=3)
     check(isinstance(q, Quorum) and q.heal and q.max_replica_rank is None and q.recover_src_metadata == "127.0.0.1:9", f"{q}")
     sent = srv.requests[-1][1]
-    check(sent == {"op": "quorum", "step": 4, "metadata": "127.0.0.1:8", "shrink_only": False, "init_sync": True, "commit_failures": 2, "timeout_ms": 3000}, f"{sent}")
-    check(c.should_commit(4, True, 3) is True and c.should_commit(4, False, 3) is False, "should_commit")
+    check(sent == {"op": "quorum", "step": 4, "metadata": "127.0.0.1:8", "shrink_only": False, "init_sync": True, "commit_failures": 2, "timeout_ms": 3000, "line": None}, f"{sent}")
+    c.quorum(step=4, metadata="127.0.0.1:8", shrink_only=False, init_sync=True, commit_failures=0, timeout=3, line=1796)
+    check(srv.requests[-1][1]["line"] == 1796, f"the line: {srv.requests[-1]}")
+    check(c.should_commit(4, True, 3) is True and c.should_commit(4, False, 3, line=7) is False, "should_commit")
+    sent = srv.requests[-1][1]
+    check(sent == {"op": "should_commit", "step": 4, "vote": False, "timeout_ms": 3000, "line": 7}, f"{sent}")
     c.report_heal(4, 100, 0.5, ["127.0.0.1:9"])
     c.report_not_committed(5, "why")
     check(srv.requests[-1][1] == {"op": "report", "kind": "not_committed", "step": 5, "reason": "why"}, f"{srv.requests[-1]}")

@@ -257,7 +257,10 @@ def drive(scenario: str) -> None:
     from group 0 and both commit 5 steps together with bitwise-equal
     parameters. ``kill-allreduce``: the same, group 1 dying as it calls its
     gradient all_reduce: the survivor's step is not committed (its error
-    never raises) and it goes on."""
+    never raises) and it goes on. ``kill-min2``: ``kill`` with the workers'
+    ``min_replicas=2`` (the lighthouse's 1): the survivor commits nothing
+    alone, and the restarted group's heal, with one replica up to date and
+    one healing, must commit."""
     from torchft.coordination import LighthouseServer
 
     groups = int(os.environ.get("NUM_REPLICA_GROUPS", "2"))
@@ -269,8 +272,10 @@ def drive(scenario: str) -> None:
         return drive_retries()
     if scenario == "sync":
         os.environ["SYNC_QUORUM"] = "1"
-    kill = scenario in ("kill", "kill-allreduce")
+    kill = scenario in ("kill", "kill-allreduce", "kill-min2")
     env = {"MIN_REPLICAS": "1", "REJOIN_COMMITS": "5", "KILL_GROUP": "1", "KILL_AT": "5"} if kill else {}
+    if scenario == "kill-min2":
+        env["MIN_REPLICAS"] = "2"
     if scenario == "kill-allreduce":
         env["KILL_WHERE"] = "allreduce"
     lh = LighthouseServer(bind="127.0.0.1:0", min_replicas=1 if kill else groups, join_timeout_ms=60000, heartbeat_timeout_ms=1000)
@@ -287,8 +292,8 @@ def drive(scenario: str) -> None:
     lh.shutdown()
     if kill:
         check_rejoin(results, steps)
-        if scenario == "kill-allreduce":
-            assert results[0]["not_committed"] >= 1, f"the survivor committed the step its peer died in: {summary(results[0])}"
+        if scenario in ("kill-allreduce", "kill-min2"):
+            assert results[0]["not_committed"] >= 1, f"the survivor committed a step alone or the step its peer died in: {summary(results[0])}"
     else:
         check(results, steps)
     print(f"drive {scenario}: {[summary(r) for r in results]}")
