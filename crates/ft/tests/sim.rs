@@ -116,9 +116,12 @@
 //! stopped), and it makes that step again from the older state, with
 //! `min_replicas` 2 too. When the two lines met at one step, the rule of
 //! the max step could not tell them apart and they allreduced together
-//! (seeds [`TWO_LINES`]; torchft does the same; its default join timeout,
-//! 60 s and ours too, keeps (e) away only while the groups ahead come
-//! back within it; seeds 1169, 4415, 5563, 7804 were (d), the rest (e)).
+//! (torchft does the same; its default join timeout, 60 s and ours too,
+//! keeps (e) away only while the groups ahead come back within it). The
+//! census flagged 11 seeds: (d) 1169, 5563, 7804; (e) 860, 1411, 2696,
+//! 3349, 4415, 6422, 8659, 9231; in 8 of them ([`TWO_LINES`]) the two lines
+//! met in an allreduce, in the other 3 only the old commits' check, keyed
+//! by step alone, saw two lines commit one step.
 //! Each worker's state now carries its line, the id of the quorum it
 //! was committed in (the `Manager` sets it at a commit, a heal copies the
 //! source's), its group's member reports its ranks' lines, and at one step
