@@ -128,7 +128,7 @@
 //!
 //! | layer | modules |
 //! |---|---|
-//! | the wire and the elements | `frame`, `hash`, `element`, `error`, `options` |
+//! | the wire and the elements | `frame`, `hash`, `element`, `error`, `options`, `nosigpipe` (socket writes that never raise `SIGPIPE`) |
 //! | TCP between ranks | `transport` (and its pure `router`); shared memory hears its aborts through a trait |
 //! | one operation in flight | `op` (`OpCtx`, `Comm`, `Turn`) |
 //! | how one flat group moves bytes over TCP | `algorithms` |
