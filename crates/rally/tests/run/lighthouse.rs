@@ -100,7 +100,6 @@ fn replica_command(dir: &Path, lh: &Lighthouse, n: u32, steps: u32) -> Command {
         .env("REPLICAS", "2")
         .env("STEPS", steps.to_string())
         .env("MASTER_ADDR", "127.0.0.1")
-        .env("MASTER_PORT", free_port().to_string())
         .env("RESULT", dir.join(format!("r{n}.jsonl")))
         .env(
             "TORCHFT_LIGHTHOUSE",

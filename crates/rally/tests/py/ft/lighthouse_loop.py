@@ -6,7 +6,10 @@ crates/rally/tests/run/lighthouse.rs against `rally lighthouse`.
 
 Environment:
   REPLICA      this group's number (its replica id is lighthouse_loop_<n>)
-  MASTER_PORT  the port of this group's own TCPStore, which this script serves
+  MASTER_PORT  set here: the port of this group's own TCPStore, which this
+               script serves on a port the OS picks (a port picked for it by
+               the test could be taken before it binds: EADDRINUSE, seen in a
+               full run), for torchft's Manager to read
   STEPS        run until the manager's step reaches this, then exit normally
   PAUSE_AT     optional: after committing this step, write the line and wait
                (the test SIGKILLs the process there, between steps)
@@ -50,9 +53,8 @@ def main() -> None:
     steps = int(os.environ["STEPS"])
     pause_at = int(os.environ.get("PAUSE_AT", "-1"))
     # The group's own store, which torchft's Manager joins as a client.
-    store = TCPStore(
-        "127.0.0.1", int(os.environ["MASTER_PORT"]), is_master=True, wait_for_workers=False
-    )
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    os.environ["MASTER_PORT"] = str(store.port)
 
     torch.manual_seed(0)
     model = nn.Linear(8, 4)
