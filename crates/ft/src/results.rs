@@ -88,6 +88,11 @@ pub struct QuorumResult {
     /// This group's index among the participants at `max_step`, if it is one.
     pub max_replica_rank: Option<i64>,
     pub max_world_size: i64,
+    /// How many participants heal in this quorum (ours, not torchft's): with
+    /// `max_world_size`, the replicas that will hold the step's state if it
+    /// commits, what the `Manager` counts against `min_replicas`.
+    #[serde(default)]
+    pub healing_world_size: i64,
     pub heal: bool,
     pub commit_failures: i64,
     /// The participants' ids, sorted.
@@ -274,6 +279,7 @@ pub fn compute(
         max_step,
         max_replica_rank,
         max_world_size: max_participants.len() as i64,
+        healing_world_size: recovering.len() as i64,
         heal: recover_src.is_some(),
         commit_failures: participants
             .iter()
@@ -539,6 +545,7 @@ mod tests {
             assert!(!src.heal);
             assert_eq!(src.recover_dst_replica_ranks, vec![0, 2]);
             assert_eq!((src.max_world_size, src.max_replica_rank), (1, Some(0)));
+            assert_eq!(src.healing_world_size, 2, "the two others heal");
             assert_eq!(src.store_address, "store_addr_1");
         }
         let unknown = q([None, Some(3), Some(3)]);
@@ -547,7 +554,9 @@ mod tests {
         assert!(!r(&unknown, "replica_2", 0, true).heal);
         let one = q([Some(3), Some(3), Some(3)]);
         for i in 0..3 {
-            assert!(!r(&one, &format!("replica_{i}"), 1, true).heal);
+            let res = r(&one, &format!("replica_{i}"), 1, true);
+            assert!(!res.heal);
+            assert_eq!((res.max_world_size, res.healing_world_size), (3, 0));
         }
         // A line counts only at the max step: a higher line one step
         // behind still heals, from the step ahead.

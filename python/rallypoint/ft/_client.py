@@ -82,6 +82,8 @@ class Quorum:
     heal: bool
     commit_failures: int
     replica_ids: List[str]
+    #: Participants that heal in this quorum (ours; 0 from older managers).
+    healing_world_size: int = 0
 
     @classmethod
     def parse(cls, q: object) -> "Quorum":
@@ -103,6 +105,7 @@ class Quorum:
                 heal=bool(q["heal"]),
                 commit_failures=int(q.get("commit_failures", 0)),
                 replica_ids=[str(r) for r in q.get("replica_ids") or []],
+                healing_world_size=int(q.get("healing_world_size") or 0),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ManagerError(f"rallypoint.ft: the manager's quorum answer is malformed ({type(e).__name__}: {e}): {q!r}") from e

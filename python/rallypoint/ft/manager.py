@@ -220,7 +220,7 @@ class Manager:
         self._pending_step = 0
         self._participating_rank: Optional[int] = None
         self._participating_world_size = 0
-        # Every replica of the quorum, healing ones included: what
+        # The replicas up to date and those healing in this quorum: what
         # min_replicas counts (see should_commit).
         self._quorum_world_size = 0
         #: Steps not committed, and how many times each reason (numbers aside) was seen.
@@ -306,7 +306,8 @@ class Manager:
             self._quorum_world_size = 0
             self.report_error(e)
             return
-        self._quorum_world_size = q.replica_world_size
+        # A replica behind that does not heal (allow_heal=False) counts not.
+        self._quorum_world_size = q.max_world_size + (q.healing_world_size if allow_heal else 0)
         if self._use_async_quorum or not allow_heal:
             self._participating_rank, self._participating_world_size = q.max_replica_rank, q.max_world_size
         else:
@@ -427,6 +428,8 @@ class Manager:
         # commits, so counting only the replicas up to date (as torchft,
         # which loads the heal whatever the vote) would leave one up-to-date
         # replica and one healing under min_replicas=2 failing every step.
+        # (A heal that then fails is known to its replica only: the others
+        # commit without it.)
         enough = self._quorum_world_size >= self._min_replicas
         vote = enough and self._errored is None
         t = self._timeout if timeout is None else _seconds("timeout", timeout)
@@ -453,7 +456,9 @@ class Manager:
         if commit:
             self._step += 1
             self._batches_committed += n
-            self._line = self._quorum_id
+            # A replica behind that did not heal (allow_heal=False) applied
+            # the others' average to its own older state: no line's state.
+            self._line = self._quorum_id if (healing or self._participating_rank is not None) else None
             self._commit_failures = 0
             return True
         self._commit_failures += 1
