@@ -39,8 +39,9 @@
 //!   `tests/sim.rs`). torchft's manager has the hole: it reports one
 //!   rank's step (a `TODO check step`). With no whole participant (a
 //!   lone group whose partial heal lost its source) nobody heals, as no
-//!   source is sound: the group's votes fail naming the ranks' steps,
-//!   every step. (The Python `Manager` loads a heal only on a commit, so
+//!   source is sound: the group's votes fail naming the ranks' steps (or
+//!   lines, below), every step, until `max_retries` ends the loop or
+//!   another group comes to heal from. (The Python `Manager` loads a heal only on a commit, so
 //!   a partial heal needs a state that failed to load after the vote.)
 //! * **one line of history wins at a step**: `data` also carries each
 //!   rank's `line` (`"lines": [l0, ...]`), the id of the quorum in which

@@ -21,8 +21,7 @@
 //! * **should_commit**: a barrier of the W ranks for one step; the
 //!   decision is the AND of the votes. Votes for different steps, or from
 //!   states of different lines (a heal loaded on some ranks only), fail
-//!   every voter, naming them. Votes for different steps fail
-//!   every voter, naming the steps. A rank that calls quorum has left its
+//!   every voter, naming them. A rank that calls quorum has left its
 //!   step: the votes still waiting fail at once, and a vote while ranks
 //!   wait in quorum fails at once, so ranks split between the two
 //!   barriers (one stalled past a deadline) meet in the next quorum
